@@ -1,0 +1,1 @@
+"""resilax_ckpt: distributed checkpoints for JAX on tensorstore."""

@@ -1,0 +1,1 @@
+"""The JAXJob operator (kopf)."""

@@ -1,0 +1,1 @@
+"""The checkpoint sidecar that runs in every worker pod."""
