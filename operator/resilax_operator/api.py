@@ -1,0 +1,124 @@
+"""The JAXJob API's names, written down once: group, version, Kubernetes keys, phases, conditions.
+
+Condition types and reasons are CamelCase; every reason is paired with its message (a format string
+whose fields are filled by `Reason.format`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+GROUP: Final = "resilax.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "JAXJob"
+PLURAL: Final = "jaxjobs"
+SINGULAR: Final = "jaxjob"
+SHORT_NAME: Final = "jj"
+CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+#: Path of the CRD's single source file, relative to the repository root (the chart ships it).
+CRD_FILE: Final = "charts/resilax/crds/jaxjobs.resilax.dev.yaml"
+
+# --- labels and annotations on what the operator creates (resilax.dev/<kebab-name>) ---
+LABEL_JOB: Final = "resilax.dev/job"
+LABEL_GENERATION: Final = "resilax.dev/generation"
+LABEL_SLICE: Final = "resilax.dev/slice"
+LABEL_HOST: Final = "resilax.dev/host"
+LABEL_PROCESS: Final = "resilax.dev/process"
+LABEL_NODE_POOL: Final = "resilax.dev/node-pool"
+LABEL_ROLE: Final = "resilax.dev/role"
+ROLE_WORKER: Final = "worker"
+ANNOTATION_SHAPE: Final = "resilax.dev/shape"
+ANNOTATION_RESTORE_STEP: Final = "resilax.dev/restore-step"
+
+# --- GKE node keys ---
+NODE_POOL_LABEL: Final = "cloud.google.com/gke-nodepool"
+TPU_ACCELERATOR_LABEL: Final = "cloud.google.com/gke-tpu-accelerator"
+TPU_TOPOLOGY_LABEL: Final = "cloud.google.com/gke-tpu-topology"
+GPU_ACCELERATOR_LABEL: Final = "cloud.google.com/gke-accelerator"
+TPU_RESOURCE: Final = "google.com/tpu"
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+TPU_TAINT_KEY: Final = "google.com/tpu"
+GPU_TAINT_KEY: Final = "nvidia.com/gpu"
+#: Preemption notices: the taint GKE puts on a node about to be reclaimed, and the maintenance label.
+IMPENDING_TERMINATION_TAINT: Final = "cloud.google.com/impending-node-termination"
+SCHEDULED_MAINTENANCE_LABEL: Final = "cloud.google.com/scheduled-maintenance-time"
+UNREACHABLE_TAINT: Final = "node.kubernetes.io/unreachable"
+NOT_READY_TAINT: Final = "node.kubernetes.io/not-ready"
+HOSTNAME_LABEL: Final = "kubernetes.io/hostname"
+
+# --- containers, ports, volumes ---
+TRAINER_CONTAINER: Final = "trainer"  # the default name; the first container of the template is the trainer
+SIDECAR_CONTAINER: Final = "resilax-sidecar"
+CONTROL_VOLUME: Final = "resilax-control"
+LOCAL_VOLUME: Final = "resilax-local"
+TOKEN_VOLUME: Final = "resilax-token"
+CONTROL_DIR: Final = "/var/run/resilax/control"
+LOCAL_DIR: Final = "/var/run/resilax/local"
+TOKEN_DIR: Final = "/var/run/resilax/token"
+TOKEN_KEY: Final = "token"
+RESERVED_CONTAINER_NAMES: Final = frozenset({SIDECAR_CONTAINER})
+RESERVED_VOLUME_NAMES: Final = frozenset({CONTROL_VOLUME, LOCAL_VOLUME, TOKEN_VOLUME})
+
+#: The trainer's exit code for "stopped for rescheduling" (resilax_ckpt.EXIT_CODE_STOPPED).
+EXIT_CODE_STOPPED: Final = 75
+
+# --- phases ---
+PHASE_PENDING: Final = "Pending"
+PHASE_RUNNING: Final = "Running"
+PHASE_SAVING: Final = "Saving"
+PHASE_RECOVERING: Final = "Recovering"
+PHASE_RESIZING: Final = "Resizing"
+PHASE_SUCCEEDED: Final = "Succeeded"
+PHASE_FAILED: Final = "Failed"
+PHASES: Final = (PHASE_PENDING, PHASE_RUNNING, PHASE_SAVING, PHASE_RECOVERING, PHASE_RESIZING,
+                 PHASE_SUCCEEDED, PHASE_FAILED)
+TERMINAL_PHASES: Final = frozenset({PHASE_SUCCEEDED, PHASE_FAILED})
+
+# --- condition types ---
+COND_READY: Final = "Ready"
+COND_SAVING: Final = "Saving"
+COND_DEGRADED: Final = "Degraded"
+COND_INVALID_SPEC: Final = "InvalidSpec"
+CONDITION_TYPES: Final = (COND_READY, COND_SAVING, COND_DEGRADED, COND_INVALID_SPEC)
+
+
+@dataclass(frozen=True)
+class Reason:
+    """A CamelCase condition/event reason and its message template (`str.format` fields)."""
+
+    name: str
+    message: str
+
+    def format(self, **fields: Any) -> str:
+        return self.message.format(**fields)
+
+
+# Reasons, each with its message. Fields in braces are filled by the caller.
+GENERATION_CREATED = Reason("GenerationCreated", "generation {generation}: {count} x {topology} ({hosts} hosts), restoring {restore}")
+WORKERS_STARTING = Reason("WorkersStarting", "generation {generation}: {running} of {hosts} workers running")
+WORKERS_RUNNING = Reason("WorkersRunning", "generation {generation}: all {hosts} workers running")
+COMPLETED = Reason("Completed", "all workers of generation {generation} exited 0")
+INSUFFICIENT_CAPACITY = Reason("InsufficientCapacity", "no shape fits the healthy capacity: {detail}")
+PREEMPTION_NOTICE = Reason("PreemptionNotice", "node {node} hosting generation {generation} has a preemption notice ({notice})")
+NODE_LOST = Reason("NodeLost", "node {node} hosting generation {generation} has not been Ready for {seconds}s (grace {grace}s)")
+NODE_NOT_READY = Reason("NodeNotReady", "node {node} hosting generation {generation} is not Ready; waiting up to {grace}s")
+POD_LOST = Reason("PodLost", "worker pod {pod} of generation {generation} disappeared or was deleted")
+WORKER_FAILED = Reason("WorkerFailed", "worker {pod} of generation {generation} failed: {detail}")
+WORKER_STOPPED = Reason("WorkerStopped", "worker {pod} of generation {generation} stopped for rescheduling (exit {code})")
+BACKOFF = Reason("Backoff", "restart {failures} of {max_restarts} after a worker failure; waiting until {until}")
+MAX_RESTARTS_EXCEEDED = Reason("MaxRestartsExceeded", "worker failures exceeded recovery.maxRestarts={max_restarts}; last: {detail}")
+SPEC_RESIZED = Reason("SpecResized", "spec changed: resizing from {old} to {new}")
+GROW_BACK = Reason("GrowBack", "capacity returned: growing from {old} to {new}")
+FINAL_SAVE_REQUESTED = Reason("FinalSaveRequested", "final save ({reason}) requested from generation {generation}; deadline {deadline}")
+FINAL_SAVE_DONE = Reason("FinalSaveDone", "final save of generation {generation} finished: {detail}")
+FINAL_SAVE_TIMEOUT = Reason("FinalSaveTimeout", "final save of generation {generation} did not finish within {seconds}s; stopping it anyway")
+GENERATION_DELETED = Reason("GenerationDeleted", "deleting generation {generation} ({why})")
+FORCE_DELETED = Reason("ForceDeleted", "force-deleting {count} pods of generation {generation} stuck on unreachable nodes")
+SHRUNK = Reason("Shrunk", "running {current}, below the spec's {wanted}")
+AT_FULL_SHAPE = Reason("AtFullShape", "running at the largest allowed shape {current}")
+SPEC_VALID = Reason("SpecValid", "the spec is valid")
+SPEC_INVALID = Reason("SpecInvalid", "{problems}")
+NOT_SAVING = Reason("NotSaving", "no final save in progress")
+SAVING = Reason("FinalSaveInProgress", "final save ({reason}) of generation {generation} in progress until {deadline}")

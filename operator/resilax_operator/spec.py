@@ -1,0 +1,312 @@
+"""A JAXJob's spec: raw dict → frozen dataclasses (parsing only; semantic checks live in validation).
+
+`parse_spec(raw, problems)` never raises on bad input: it records each problem (field path + message)
+in `problems` and fills a harmless fallback, so that validation can report every problem at once.
+Call `validation.validate_spec` to get a checked `JobSpec` or an `InvalidSpecError`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+from .errors import SpecProblem
+
+DEFAULT_FINAL_SAVE_TIMEOUT_SECONDS: Final = 300
+DEFAULT_MAX_RESTARTS: Final = 20
+DEFAULT_BACKOFF_SECONDS: Final = 10
+DEFAULT_NODE_LOSS_GRACE_SECONDS: Final = 30
+RESTORE_LATEST: Final = "latest"
+RESTORE_NONE: Final = "none"
+RESTORE_STEP_PATTERN: Final = re.compile(r"^(latest|none|[0-9]+)$")
+LOCAL_MEDIA: Final = ("", "Memory")
+
+
+@dataclass(frozen=True)
+class SlicesSpec:
+    """`spec.slices`: what one slice is, and how many."""
+
+    accelerator: str
+    topology: str
+    count: int
+    machine_type: str | None = None
+    chips_per_host: int | None = None
+
+
+@dataclass(frozen=True)
+class ElasticSpec:
+    """`spec.elastic`: the shapes the job may run at when capacity is short."""
+
+    min_count: int
+    max_count: int
+    #: In order of preference; always starts with `spec.slices.topology`.
+    topologies: tuple[str, ...]
+    grow_back: bool = True
+
+
+@dataclass(frozen=True)
+class LocalTierSpec:
+    """`spec.checkpoint.local`: the fast per-host tier (an emptyDir)."""
+
+    medium: str = ""
+    size_limit: str | None = None
+
+
+@dataclass(frozen=True)
+class EverySpec:
+    steps: int | None = None
+    minutes: float | None = None
+
+
+@dataclass(frozen=True)
+class KeepSpec:
+    last: int | None = None
+    every_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class FinalSaveSpec:
+    on_preemption: bool = True
+    on_resize: bool = True
+    timeout_seconds: int = DEFAULT_FINAL_SAVE_TIMEOUT_SECONDS
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    storage: str
+    local: LocalTierSpec | None = None
+    every: EverySpec = EverySpec()
+    keep: KeepSpec = KeepSpec()
+    final_save: FinalSaveSpec = FinalSaveSpec()
+    #: `latest`, `none` or a step number (decimal string); used by the first generation only.
+    restore_step: str = RESTORE_LATEST
+
+
+@dataclass(frozen=True)
+class RecoverySpec:
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    backoff_seconds: int = DEFAULT_BACKOFF_SECONDS
+    node_loss_grace_seconds: int = DEFAULT_NODE_LOSS_GRACE_SECONDS
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A generation's shape: `count` slices of `topology`."""
+
+    topology: str
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.count}x[{self.topology}]"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    slices: SlicesSpec
+    checkpoint: CheckpointSpec
+    recovery: RecoverySpec = RecoverySpec()
+    elastic: ElasticSpec | None = None
+    #: The worker pod template (a PodTemplateSpec as a plain dict; treat as read-only).
+    template: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def spec_shape(self) -> Shape:
+        return Shape(self.slices.topology, self.slices.count)
+
+    @property
+    def allowed_topologies(self) -> tuple[str, ...]:
+        return self.elastic.topologies if self.elastic else (self.slices.topology,)
+
+    @property
+    def count_bounds(self) -> tuple[int, int]:
+        if self.elastic:
+            return self.elastic.min_count, self.elastic.max_count
+        return self.slices.count, self.slices.count
+
+    def allows(self, shape: Shape) -> bool:
+        low, high = self.count_bounds
+        return shape.topology in self.allowed_topologies and low <= shape.count <= high
+
+
+T = TypeVar("T")
+
+
+class _Reader:
+    """Typed reads from a raw dict that record problems instead of raising."""
+
+    def __init__(self, problems: list[SpecProblem]) -> None:
+        self.problems = problems
+
+    def bad(self, path: str, message: str) -> None:
+        self.problems.append(SpecProblem(path, message))
+
+    def obj(self, raw: Mapping[str, Any], key: str, path: str, *, required: bool = False) -> Mapping[str, Any] | None:
+        value = raw.get(key)
+        if value is None:
+            if required:
+                self.bad(f"{path}.{key}", "is required")
+            return None
+        if not isinstance(value, Mapping):
+            self.bad(f"{path}.{key}", f"must be an object, found {type(value).__name__}")
+            return None
+        return value
+
+    def string(self, raw: Mapping[str, Any], key: str, path: str, *, required: bool = False,
+               default: str | None = None) -> str | None:
+        value = raw.get(key)
+        if value is None:
+            if required:
+                self.bad(f"{path}.{key}", "is required")
+            return default
+        if not isinstance(value, str):
+            self.bad(f"{path}.{key}", f"must be a string, found {value!r}")
+            return default
+        if required and not value:
+            self.bad(f"{path}.{key}", "must not be empty")
+        return value
+
+    def integer(self, raw: Mapping[str, Any], key: str, path: str, *, required: bool = False,
+                default: int | None = None, minimum: int | None = None) -> int | None:
+        value = raw.get(key)
+        if value is None:
+            if required:
+                self.bad(f"{path}.{key}", "is required")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.bad(f"{path}.{key}", f"must be an integer, found {value!r}")
+            return default
+        if minimum is not None and value < minimum:
+            self.bad(f"{path}.{key}", f"must be >= {minimum}, found {value}")
+            return default
+        return value
+
+    def number(self, raw: Mapping[str, Any], key: str, path: str, *, exclusive_minimum: float) -> float | None:
+        value = raw.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.bad(f"{path}.{key}", f"must be a number, found {value!r}")
+            return None
+        if value <= exclusive_minimum:
+            self.bad(f"{path}.{key}", f"must be > {exclusive_minimum:g}, found {value}")
+            return None
+        return float(value)
+
+    def boolean(self, raw: Mapping[str, Any], key: str, path: str, *, default: bool) -> bool:
+        value = raw.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self.bad(f"{path}.{key}", f"must be true or false, found {value!r}")
+            return default
+        return value
+
+    def strings(self, raw: Mapping[str, Any], key: str, path: str) -> tuple[str, ...] | None:
+        value = raw.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, Sequence) or isinstance(value, str | bytes) or not all(
+                isinstance(v, str) for v in value):
+            self.bad(f"{path}.{key}", f"must be a list of strings, found {value!r}")
+            return None
+        return tuple(value)
+
+
+def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
+    """Parse `spec` (the dict under the JAXJob's `spec`). Type and presence problems go to `problems`."""
+    r = _Reader(problems)
+    p = "spec"
+    if not isinstance(raw, Mapping):
+        r.bad(p, f"must be an object, found {type(raw).__name__}")
+        raw = {}
+
+    s = r.obj(raw, "slices", p, required=True) or {}
+    sp = f"{p}.slices"
+    slices = SlicesSpec(
+        accelerator=r.string(s, "accelerator", sp, required=True, default="") or "",
+        topology=r.string(s, "topology", sp, required=True, default="") or "",
+        count=r.integer(s, "count", sp, default=1, minimum=1) or 1,
+        machine_type=r.string(s, "machineType", sp),
+        chips_per_host=r.integer(s, "chipsPerHost", sp, minimum=1),
+    )
+
+    elastic: ElasticSpec | None = None
+    e = r.obj(raw, "elastic", p)
+    if e is not None:
+        ep = f"{p}.elastic"
+        low = r.integer(e, "minCount", ep, default=1, minimum=1) or 1
+        high = r.integer(e, "maxCount", ep, default=slices.count, minimum=1) or slices.count
+        tops = r.strings(e, "topologies", ep) or ()
+        ordered = tuple(dict.fromkeys((slices.topology, *tops)))
+        elastic = ElasticSpec(low, high, ordered, r.boolean(e, "growBack", ep, default=True))
+
+    c = r.obj(raw, "checkpoint", p, required=True) or {}
+    cp = f"{p}.checkpoint"
+    local: LocalTierSpec | None = None
+    lt = r.obj(c, "local", cp)
+    if lt is not None:
+        local = LocalTierSpec(medium=r.string(lt, "medium", f"{cp}.local", default="") or "",
+                              size_limit=_quantity_str(r, lt, "sizeLimit", f"{cp}.local"))
+    ev = r.obj(c, "every", cp) or {}
+    kp = r.obj(c, "keep", cp) or {}
+    fs = r.obj(c, "finalSave", cp) or {}
+    rs = r.obj(c, "restore", cp) or {}
+    checkpoint = CheckpointSpec(
+        storage=r.string(c, "storage", cp, required=True, default="") or "",
+        local=local,
+        every=EverySpec(steps=r.integer(ev, "steps", f"{cp}.every", minimum=1),
+                        minutes=r.number(ev, "minutes", f"{cp}.every", exclusive_minimum=0)),
+        keep=KeepSpec(last=r.integer(kp, "last", f"{cp}.keep", minimum=1),
+                      every_steps=r.integer(kp, "everySteps", f"{cp}.keep", minimum=1)),
+        final_save=FinalSaveSpec(
+            on_preemption=r.boolean(fs, "onPreemption", f"{cp}.finalSave", default=True),
+            on_resize=r.boolean(fs, "onResize", f"{cp}.finalSave", default=True),
+            timeout_seconds=r.integer(fs, "timeoutSeconds", f"{cp}.finalSave",
+                                      default=DEFAULT_FINAL_SAVE_TIMEOUT_SECONDS, minimum=1)
+            or DEFAULT_FINAL_SAVE_TIMEOUT_SECONDS),
+        restore_step=_restore_step(r, rs, f"{cp}.restore"),
+    )
+
+    rc = r.obj(raw, "recovery", p) or {}
+    rp = f"{p}.recovery"
+    recovery = RecoverySpec(
+        max_restarts=_int_or(r.integer(rc, "maxRestarts", rp, minimum=0), DEFAULT_MAX_RESTARTS),
+        backoff_seconds=_int_or(r.integer(rc, "backoffSeconds", rp, minimum=0), DEFAULT_BACKOFF_SECONDS),
+        node_loss_grace_seconds=_int_or(r.integer(rc, "nodeLossGraceSeconds", rp, minimum=0),
+                                        DEFAULT_NODE_LOSS_GRACE_SECONDS),
+    )
+    template = r.obj(raw, "template", p, required=True) or {}
+    return JobSpec(slices=slices, checkpoint=checkpoint, recovery=recovery, elastic=elastic,
+                   template=template)
+
+
+def _int_or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def _restore_step(r: _Reader, raw: Mapping[str, Any], path: str) -> str:
+    value = raw.get("step")
+    if value is None:
+        return RESTORE_LATEST
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value)
+    if isinstance(value, str) and RESTORE_STEP_PATTERN.match(value):
+        return value
+    r.bad(f"{path}.step", f"must be 'latest', 'none' or a step number, found {value!r}")
+    return RESTORE_LATEST
+
+
+QUANTITY_PATTERN: Final = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+
+
+def _quantity_str(r: _Reader, raw: Mapping[str, Any], key: str, path: str) -> str | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(text, str) or not QUANTITY_PATTERN.match(text):
+        r.bad(f"{path}.{key}", f"{value!r} is not a storage quantity; use e.g. 512Mi, 64Gi, 1T")
+        return None
+    return text

@@ -1,0 +1,169 @@
+"""Validate a JAXJob at the boundary: every problem at once, each with its field path.
+
+The CRD schema and its CEL rules reject what they can at admission; this module repeats those checks
+(an operator may meet objects written before a schema change) and adds what a schema cannot express
+(topology tables, machine types, the pod template's contents). Modelled on jobset's webhook `allErrs`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from . import api, topology
+from .errors import InvalidSpecError, SpecProblem, UnknownTopologyError
+from .spec import LOCAL_MEDIA, JobSpec, parse_spec
+
+STORAGE_SCHEMES: Final = ("gs://", "pvc://", "/")
+#: Longest JAXJob name: pod names are `<job>-g<generation>-s<slice>-h<host>` and must stay DNS labels.
+MAX_JOB_NAME: Final = 40
+_DNS_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_GCS: Final = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/.*)?$")
+_PVC: Final = re.compile(r"^pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?$")
+
+
+def validate_spec(raw: Mapping[str, Any], *, name: str | None = None) -> JobSpec:
+    """Parse and check `spec` (and the job's name when given). Raises InvalidSpecError with all problems."""
+    problems: list[SpecProblem] = []
+    if name is not None:
+        problems += validate_name(name)
+    spec = parse_spec(raw, problems)
+    problems += check_spec(spec, already_found=problems)
+    if problems:
+        raise InvalidSpecError(problems)
+    return spec
+
+
+def validate_name(name: str) -> list[SpecProblem]:
+    if len(name) > MAX_JOB_NAME or not _DNS_LABEL.match(name):
+        return [SpecProblem("metadata.name", f"{name!r} must be a DNS label of at most {MAX_JOB_NAME} "
+                            "characters (lower-case letters, digits, '-')")]
+    return []
+
+
+def check_spec(spec: JobSpec, *, already_found: Sequence[SpecProblem] = ()) -> list[SpecProblem]:
+    """Semantic checks of a parsed spec. Skips fields whose parsing already failed (`already_found`)."""
+    found = {p.path for p in already_found}
+    out: list[SpecProblem] = []
+    out += _check_slices(spec, found)
+    out += _check_elastic(spec, found)
+    out += _check_checkpoint(spec, found)
+    out += _check_template(spec.template, found)
+    return out
+
+
+def _check_slices(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
+    s = spec.slices
+    out: list[SpecProblem] = []
+    if "spec.slices.accelerator" in found or "spec.slices.topology" in found:
+        return out
+    if not topology.is_known_accelerator(s.accelerator):
+        return [SpecProblem("spec.slices.accelerator",
+                            f"unknown accelerator {s.accelerator!r}; valid: "
+                            f"{', '.join(topology.TPU_ACCELERATORS)}, nvidia-<type>, cpu")]
+    if not topology.is_valid_topology(s.accelerator, s.topology):
+        out.append(_bad_topology("spec.slices.topology", s.accelerator, s.topology))
+        return out
+    if s.machine_type is not None and topology.accelerator_family(s.accelerator) in ("gpu", "cpu"):
+        out.append(SpecProblem("spec.slices.machineType", f"applies to TPU accelerators only, not {s.accelerator}"))
+        return out
+    try:
+        topology.plan_geometry(s.accelerator, s.topology, chips_per_host=s.chips_per_host,
+                               machine_type=s.machine_type)
+    except UnknownTopologyError as e:
+        path = "spec.slices.machineType" if "machine type" in str(e) else "spec.slices.chipsPerHost"
+        out.append(SpecProblem(path, str(e)))
+    return out
+
+
+def _bad_topology(path: str, accelerator: str, value: str) -> SpecProblem:
+    return SpecProblem(path, f"{value!r} is not a valid {accelerator} topology; valid: "
+                             f"{topology.describe_valid_topologies(accelerator)}")
+
+
+def _check_elastic(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
+    e = spec.elastic
+    if e is None:
+        return []
+    out: list[SpecProblem] = []
+    if e.min_count > e.max_count:
+        out.append(SpecProblem("spec.elastic.minCount", f"{e.min_count} is greater than maxCount {e.max_count}"))
+    elif not e.min_count <= spec.slices.count <= e.max_count:
+        out.append(SpecProblem("spec.slices.count", f"{spec.slices.count} is outside the elastic bounds "
+                               f"[{e.min_count}, {e.max_count}]"))
+    s = spec.slices
+    if topology.is_known_accelerator(s.accelerator) and topology.is_valid_topology(s.accelerator, s.topology):
+        path = "spec.elastic.topologies"
+        for t in e.topologies[1:]:
+            if not topology.is_valid_topology(s.accelerator, t):
+                out.append(_bad_topology(path, s.accelerator, t))
+                continue
+            try:
+                topology.plan_geometry(s.accelerator, t, chips_per_host=s.chips_per_host,
+                                       machine_type=s.machine_type)
+            except UnknownTopologyError as err:
+                out.append(SpecProblem(path, str(err)))
+    return out
+
+
+def _check_checkpoint(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
+    c = spec.checkpoint
+    out: list[SpecProblem] = []
+    if "spec.checkpoint.storage" not in found and "spec.checkpoint" not in found:
+        if not c.storage.startswith(STORAGE_SCHEMES):
+            out.append(SpecProblem("spec.checkpoint.storage", f"{c.storage!r} must be gs://bucket/prefix, "
+                                   "pvc://claim/sub/path or an absolute path"))
+        elif c.storage.startswith("gs://") and not _GCS.match(c.storage):
+            out.append(SpecProblem("spec.checkpoint.storage", f"{c.storage!r} is not a valid gs://bucket/prefix"))
+        elif c.storage.startswith("pvc://") and not _PVC.match(c.storage):
+            out.append(SpecProblem("spec.checkpoint.storage", f"{c.storage!r}: pvc://<claim-name>[/sub/path] "
+                                   "needs a DNS-subdomain claim name"))
+    if c.local is not None and c.local.medium not in LOCAL_MEDIA:
+        out.append(SpecProblem("spec.checkpoint.local.medium",
+                               f"{c.local.medium!r} is not an emptyDir medium; valid: '' (node disk), Memory"))
+    return out
+
+
+def _check_template(template: Mapping[str, Any], found: set[str]) -> list[SpecProblem]:
+    if "spec.template" in found:
+        return []
+    p = "spec.template.spec"
+    pod = template.get("spec")
+    if not isinstance(pod, Mapping):
+        return [SpecProblem(p, "is required (a pod spec with at least one container)")]
+    out: list[SpecProblem] = []
+    containers = pod.get("containers")
+    if not isinstance(containers, list) or not containers:
+        out.append(SpecProblem(f"{p}.containers", "must list at least one container"))
+        containers = []
+    names: set[str] = set()
+    for key in ("containers", "initContainers"):
+        items = pod.get(key) or []
+        if not isinstance(items, list):
+            out.append(SpecProblem(f"{p}.{key}", "must be a list"))
+            continue
+        for i, c in enumerate(items):
+            cp = f"{p}.{key}[{i}]"
+            if not isinstance(c, Mapping):
+                out.append(SpecProblem(cp, "must be an object"))
+                continue
+            name = c.get("name")
+            if not isinstance(name, str) or not _DNS_LABEL.match(name):
+                out.append(SpecProblem(f"{cp}.name", f"{name!r} must be a DNS label"))
+            elif name in api.RESERVED_CONTAINER_NAMES:
+                out.append(SpecProblem(f"{cp}.name", f"{name!r} is reserved for the operator's sidecar"))
+            elif name in names:
+                out.append(SpecProblem(f"{cp}.name", f"duplicate container name {name!r}"))
+            else:
+                names.add(name)
+            if key == "containers" and not (isinstance(c.get("image"), str) and c.get("image")):
+                out.append(SpecProblem(f"{cp}.image", "is required"))
+    for i, v in enumerate(pod.get("volumes") or []):
+        if isinstance(v, Mapping) and v.get("name") in api.RESERVED_VOLUME_NAMES:
+            out.append(SpecProblem(f"{p}.volumes[{i}].name", f"{v.get('name')!r} is reserved for the operator"))
+    restart = pod.get("restartPolicy")
+    if restart not in (None, "Never"):
+        out.append(SpecProblem(f"{p}.restartPolicy", f"{restart!r}: workers run with Never (the operator "
+                               "restarts whole generations); leave it unset"))
+    return out
