@@ -1,0 +1,310 @@
+"""Pure manifests: spec + generation plan → the generation's headless Service and one Pod per host.
+
+Coordinator discovery (no cluster DNS needed): JAX's coordination service runs in process 0, which
+listens on all interfaces. The operator creates pod 0 first (its `JAX_COORDINATOR_ADDRESS` is
+`$(RESILAX_POD_IP):<port>`, its own IP through the downward API), waits until pod 0 has
+`status.podIP`, then creates the other pods with that IP written into their environment. The same on
+GKE and on the local cluster. `TPU_WORKER_HOSTNAMES` names the slice's pods through the headless
+Service (`<pod>.<service>`): only TPU runtimes read it, and TPUs only exist on GKE, which has DNS.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from . import api
+from .settings import OperatorSettings
+from .spec import JobSpec, Shape
+from .topology import SliceGeometry, plan_geometry
+
+Manifest = dict[str, Any]
+
+STORAGE_MOUNT: Final = "/var/run/resilax/storage"
+STORAGE_VOLUME: Final = "resilax-storage"
+SIDECAR_RESOURCES: Final = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+#: Variables the trainer keeps from the template when it sets them (everything else the operator owns).
+USER_OVERRIDABLE: Final = frozenset({"XLA_FLAGS", "JAX_CPU_COLLECTIVES_IMPLEMENTATION"})
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """The JAXJob object that owns what the builders make."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """One generation: its number, shape, the node pool each slice runs on, and the step to restore."""
+
+    generation: int
+    shape: Shape
+    #: pools[i] is the node pool (value of cloud.google.com/gke-nodepool) of slice i; len == shape.count.
+    pools: tuple[str, ...]
+    restore_step: str = "latest"
+
+    def __post_init__(self) -> None:
+        if len(self.pools) != self.shape.count:
+            raise ValueError(f"generation {self.generation}: {len(self.pools)} pools for {self.shape.count} slices")
+
+
+def geometry_of(spec: JobSpec, topology: str) -> SliceGeometry:
+    return plan_geometry(spec.slices.accelerator, topology, chips_per_host=spec.slices.chips_per_host,
+                         machine_type=spec.slices.machine_type)
+
+
+def build_service_name(job: str, generation: int) -> str:
+    return f"{job}-g{generation}"
+
+
+def build_pod_name(job: str, generation: int, slice_index: int, host: int) -> str:
+    return f"{job}-g{generation}-s{slice_index}-h{host}"
+
+
+def build_token_secret_name(job: str) -> str:
+    return f"{job}-resilax-token"
+
+
+def build_labels(job: str, generation: int) -> dict[str, str]:
+    return {api.LABEL_JOB: job, api.LABEL_GENERATION: str(generation), api.LABEL_ROLE: api.ROLE_WORKER}
+
+
+def build_owner_reference(job: JobRef) -> dict[str, Any]:
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": job.name, "uid": job.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def build_token_secret(job: JobRef, token: str) -> Manifest:
+    """The Secret holding the bearer token that mutating sidecar calls must present (one per job)."""
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": build_token_secret_name(job.name), "namespace": job.namespace,
+                         "labels": {api.LABEL_JOB: job.name},
+                         "ownerReferences": [build_owner_reference(job)]},
+            "type": "Opaque", "stringData": {api.TOKEN_KEY: token}}
+
+
+def build_service(job: JobRef, plan: GenerationPlan, settings: OperatorSettings) -> Manifest:
+    """The generation's headless Service (pod DNS names on clusters that have DNS)."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": build_service_name(job.name, plan.generation), "namespace": job.namespace,
+                     "labels": build_labels(job.name, plan.generation),
+                     "ownerReferences": [build_owner_reference(job)]},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": {api.LABEL_JOB: job.name, api.LABEL_GENERATION: str(plan.generation)},
+                 "ports": [{"name": "coordinator", "port": settings.coordinator_port},
+                           {"name": "sidecar", "port": settings.sidecar_port}]},
+    }
+
+
+def build_pods(job: JobRef, spec: JobSpec, plan: GenerationPlan, settings: OperatorSettings, *,
+               coordinator_ip: str | None) -> list[Manifest]:
+    """Pod 0 alone while `coordinator_ip` is None (it is the coordinator); all pods once it is known."""
+    geometry = geometry_of(spec, plan.shape.topology)
+    if coordinator_ip is None:
+        return [build_pod(job, spec, plan, 0, 0, settings, coordinator_ip=None)]
+    return [build_pod(job, spec, plan, s, h, settings, coordinator_ip=coordinator_ip)
+            for s in range(plan.shape.count) for h in range(geometry.hosts)]
+
+
+def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int, host: int,
+              settings: OperatorSettings, *, coordinator_ip: str | None) -> Manifest:
+    """The worker pod of `host` in `slice_index`. Process 0 may pass coordinator_ip=None (its own IP)."""
+    geometry = geometry_of(spec, plan.shape.topology)
+    process_id = slice_index * geometry.hosts + host
+    if coordinator_ip is None and process_id != 0:
+        raise ValueError("only process 0 can be built before the coordinator's IP is known")
+    name = build_pod_name(job.name, plan.generation, slice_index, host)
+    service = build_service_name(job.name, plan.generation)
+    template = copy.deepcopy(dict(spec.template))
+    meta = template.get("metadata") or {}
+    pod: dict[str, Any] = copy.deepcopy(dict(template.get("spec") or {}))
+
+    labels = {**(meta.get("labels") or {}), **build_labels(job.name, plan.generation),
+              api.LABEL_SLICE: str(slice_index), api.LABEL_HOST: str(host),
+              api.LABEL_PROCESS: str(process_id), api.LABEL_NODE_POOL: plan.pools[slice_index]}
+    annotations = {**(meta.get("annotations") or {}), api.ANNOTATION_SHAPE: str(plan.shape),
+                   api.ANNOTATION_RESTORE_STEP: plan.restore_step}
+
+    env = build_env(job, spec, plan, geometry, slice_index, host, settings, coordinator_ip=coordinator_ip)
+    mounts = _resilax_mounts(spec)
+    containers = [dict(c) for c in pod.get("containers") or []]
+    trainer_i = next((i for i, c in enumerate(containers) if c.get("name") == api.TRAINER_CONTAINER), 0)
+    for i, c in enumerate(containers):
+        c["securityContext"] = _restricted(c.get("securityContext"))
+        if i == trainer_i:
+            c["env"] = _merge_env(env, c.get("env") or [], geometry)
+            c["volumeMounts"] = [*(c.get("volumeMounts") or []), *mounts]
+            c["resources"] = _with_accelerator(c.get("resources") or {}, geometry)
+    pod["containers"] = containers
+    pod["initContainers"] = [build_sidecar(spec, settings, env), *(pod.get("initContainers") or [])]
+    pod["volumes"] = [*(pod.get("volumes") or []), *_resilax_volumes(job, spec)]
+    pod["restartPolicy"] = "Never"
+    pod["hostname"] = name
+    pod["subdomain"] = service
+    pod["nodeSelector"] = {**(pod.get("nodeSelector") or {}), **dict(geometry.node_selector),
+                           api.NODE_POOL_LABEL: plan.pools[slice_index]}
+    pod["tolerations"] = [*(pod.get("tolerations") or []),
+                          *({"key": k, "operator": "Exists", "effect": "NoSchedule"} for k in geometry.toleration_keys)]
+    pod["affinity"] = _one_worker_per_node(pod.get("affinity"), job.name, plan.generation)
+    grace = spec.checkpoint.final_save.timeout_seconds + settings.termination_margin_seconds
+    pod["terminationGracePeriodSeconds"] = max(int(pod.get("terminationGracePeriodSeconds") or 0), grace)
+    pod["securityContext"] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
+                              **(pod.get("securityContext") or {})}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": job.namespace, "labels": labels,
+                         "annotations": annotations, "ownerReferences": [build_owner_reference(job)]},
+            "spec": pod}
+
+
+def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceGeometry, slice_index: int,
+              host: int, settings: OperatorSettings, *, coordinator_ip: str | None) -> list[dict[str, Any]]:
+    """The worker environment of docs/architecture.md, in dependency order ($(VAR) refers upwards)."""
+    process_id = slice_index * geometry.hosts + host
+    coordinator = "$(RESILAX_POD_IP)" if coordinator_ip is None else coordinator_ip
+    c = spec.checkpoint
+    every_seconds = "" if c.every.minutes is None else str(max(1, round(c.every.minutes * 60)))
+    env: list[dict[str, Any]] = [
+        {"name": "RESILAX_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "RESILAX_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "RESILAX_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        _var("JAX_COORDINATOR_ADDRESS", f"{coordinator}:{settings.coordinator_port}"),
+        _var("JAX_NUM_PROCESSES", plan.shape.count * geometry.hosts),
+        _var("JAX_PROCESS_ID", process_id),
+        _var("RESILAX_NUM_SLICES", plan.shape.count),
+        _var("RESILAX_SLICE_ID", slice_index),
+        _var("RESILAX_HOSTS_PER_SLICE", geometry.hosts),
+        _var("RESILAX_DEVICES_PER_HOST", geometry.chips_per_host),
+        _var("RESILAX_JOB_NAME", job.name),
+        _var("RESILAX_NAMESPACE", job.namespace),
+        _var("RESILAX_GENERATION", plan.generation),
+        _var("RESILAX_CHECKPOINT_DIR", storage_dir(c.storage)),
+        _var("RESILAX_LOCAL_DIR", api.LOCAL_DIR if c.local is not None else ""),
+        _var("RESILAX_CONTROL_DIR", api.CONTROL_DIR),
+        _var("RESILAX_SAVE_EVERY_STEPS", "" if c.every.steps is None else c.every.steps),
+        _var("RESILAX_SAVE_EVERY_SECONDS", every_seconds),
+        _var("RESILAX_KEEP_LAST", "" if c.keep.last is None else c.keep.last),
+        _var("RESILAX_KEEP_EVERY_STEPS", "" if c.keep.every_steps is None else c.keep.every_steps),
+        _var("RESILAX_RESTORE_STEP", plan.restore_step),
+        _var("RESILAX_SIDECAR_PORT", settings.sidecar_port),
+        _var("RESILAX_SIDECAR_TOKEN_FILE", f"{api.TOKEN_DIR}/{api.TOKEN_KEY}"),
+    ]
+    if geometry.is_tpu:
+        service = build_service_name(job.name, plan.generation)
+        hostnames = ",".join(f"{build_pod_name(job.name, plan.generation, slice_index, h)}.{service}"
+                             for h in range(geometry.hosts))
+        env += [_var("TPU_WORKER_ID", host), _var("TPU_WORKER_HOSTNAMES", hostnames)]
+        if plan.shape.count > 1:
+            env += [_var("MEGASCALE_COORDINATOR_ADDRESS", f"{coordinator}:{settings.megascale_port}"),
+                    _var("MEGASCALE_NUM_SLICES", plan.shape.count),
+                    _var("MEGASCALE_SLICE_ID", slice_index)]
+    return env
+
+
+def storage_dir(storage: str) -> str:
+    """`RESILAX_CHECKPOINT_DIR` for a `spec.checkpoint.storage`: pvc:// becomes the mounted path."""
+    if storage.startswith("pvc://"):
+        _, _, sub = storage[len("pvc://"):].partition("/")
+        return f"{STORAGE_MOUNT}/{sub}".rstrip("/")
+    return storage
+
+
+def build_sidecar(spec: JobSpec, settings: OperatorSettings, env: Sequence[Mapping[str, Any]]) -> Manifest:
+    """The checkpoint sidecar: a native sidecar (init container with restartPolicy Always)."""
+    return {
+        "name": api.SIDECAR_CONTAINER,
+        "image": settings.sidecar_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["resilax", "sidecar"],
+        "restartPolicy": "Always",
+        "env": [dict(e) for e in env],
+        "ports": [{"name": "sidecar", "containerPort": settings.sidecar_port}],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": settings.sidecar_port},
+                           "periodSeconds": 5, "failureThreshold": 3},
+        "volumeMounts": _resilax_mounts(spec),
+        "resources": copy.deepcopy(SIDECAR_RESOURCES),
+        "securityContext": _restricted(None),
+    }
+
+
+def _var(name: str, value: object) -> dict[str, Any]:
+    return {"name": name, "value": str(value)}
+
+
+def _merge_env(ours: list[dict[str, Any]], theirs: Sequence[Mapping[str, Any]],
+               geometry: SliceGeometry) -> list[dict[str, Any]]:
+    """Ours first (so theirs may refer to $(RESILAX_...)); ours win except for USER_OVERRIDABLE."""
+    names = {e["name"] for e in ours}
+    user_names = {e.get("name") for e in theirs}
+    extra: list[dict[str, Any]] = []
+    if geometry.family == "cpu":
+        if "XLA_FLAGS" not in user_names:
+            extra.append(_var("XLA_FLAGS", f"--xla_force_host_platform_device_count={geometry.chips_per_host}"))
+        if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in user_names:
+            extra.append(_var("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo"))
+    kept = [dict(e) for e in theirs if e.get("name") not in names]
+    return [*ours, *extra, *kept]
+
+
+def _restricted(context: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Restricted Pod Security defaults for a container, keeping what the user set."""
+    out: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                           "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    out.update(context or {})
+    return out
+
+
+def _with_accelerator(resources: Mapping[str, Any], geometry: SliceGeometry) -> dict[str, Any]:
+    out = {k: dict(v) for k, v in resources.items() if isinstance(v, Mapping)}
+    extra = geometry.resource_requests()
+    if extra:
+        out["requests"] = {**out.get("requests", {}), **extra}
+        out["limits"] = {**out.get("limits", {}), **extra}
+    return out
+
+
+def _resilax_mounts(spec: JobSpec) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = [
+        {"name": api.CONTROL_VOLUME, "mountPath": api.CONTROL_DIR},
+        {"name": api.TOKEN_VOLUME, "mountPath": api.TOKEN_DIR, "readOnly": True},
+    ]
+    if spec.checkpoint.local is not None:
+        mounts.append({"name": api.LOCAL_VOLUME, "mountPath": api.LOCAL_DIR})
+    if spec.checkpoint.storage.startswith("pvc://"):
+        mounts.append({"name": STORAGE_VOLUME, "mountPath": STORAGE_MOUNT})
+    return mounts
+
+
+def _resilax_volumes(job: JobRef, spec: JobSpec) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": api.CONTROL_VOLUME, "emptyDir": {}},
+        {"name": api.TOKEN_VOLUME, "secret": {"secretName": build_token_secret_name(job.name),
+                                              "defaultMode": 0o444}},
+    ]
+    local = spec.checkpoint.local
+    if local is not None:
+        empty: dict[str, Any] = {}
+        if local.medium:
+            empty["medium"] = local.medium
+        if local.size_limit:
+            empty["sizeLimit"] = local.size_limit
+        volumes.append({"name": api.LOCAL_VOLUME, "emptyDir": empty})
+    if spec.checkpoint.storage.startswith("pvc://"):
+        claim = spec.checkpoint.storage[len("pvc://"):].partition("/")[0]
+        volumes.append({"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": claim}})
+    return volumes
+
+
+def _one_worker_per_node(affinity: Mapping[str, Any] | None, job: str, generation: int) -> dict[str, Any]:
+    """Add a required anti-affinity: at most one worker of this generation per node."""
+    out = copy.deepcopy(dict(affinity or {}))
+    anti = out.setdefault("podAntiAffinity", {})
+    terms = anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
+    terms.append({"labelSelector": {"matchLabels": {api.LABEL_JOB: job, api.LABEL_GENERATION: str(generation)}},
+                  "topologyKey": api.HOSTNAME_LABEL})
+    return out

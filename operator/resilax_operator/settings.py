@@ -1,0 +1,42 @@
+"""The operator's settings: one frozen dataclass, a docstring per field, built once by `from_env()`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Final
+
+ENV_PREFIX: Final = "RESILAX_OPERATOR_"
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    sidecar_image: str = "ghcr.io/resilax/resilax:0.1.0"
+    """Image of the checkpoint sidecar (`resilax sidecar`); the chart sets it to its own image."""
+    image_pull_policy: str = "IfNotPresent"
+    """Pull policy of the sidecar container."""
+    sidecar_port: int = 8471
+    """The sidecar's HTTP port inside each worker pod (`RESILAX_SIDECAR_PORT`)."""
+    coordinator_port: int = 8476
+    """Port of JAX's coordination service on process 0 (`JAX_COORDINATOR_ADDRESS`)."""
+    megascale_port: int = 8080
+    """Port of the Megascale (multi-slice TPU) coordinator on process 0."""
+    termination_margin_seconds: int = 30
+    """Added to `finalSave.timeoutSeconds` for the pods' terminationGracePeriodSeconds."""
+    grow_back_settle_seconds: int = 60
+    """A generation must have run this long, all workers Running, before growBack may resize it up."""
+    stuck_terminating_seconds: int = 60
+    """A pod still Terminating this long after its grace period on a Ready node is force-deleted."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:
+        """Read `RESILAX_OPERATOR_<FIELD>` (upper-case field names) over the defaults."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[f.name] = int(raw) if f.type in ("int", int) else raw
+        return cls(**values)  # type: ignore[arg-type]

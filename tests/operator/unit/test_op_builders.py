@@ -1,0 +1,252 @@
+"""Spec + generation plan → Service and Pods: labels, scheduling, environment, sidecar, security."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from op_samples import good_spec
+from resilax_operator import api
+from resilax_operator.builders import (
+    GenerationPlan,
+    JobRef,
+    build_pod,
+    build_pods,
+    build_service,
+    build_token_secret,
+    storage_dir,
+)
+from resilax_operator.settings import OperatorSettings
+from resilax_operator.spec import JobSpec, Shape
+from resilax_operator.validation import validate_spec
+
+JOB = JobRef("llama", "ml", "uid-1")
+SETTINGS = OperatorSettings(sidecar_image="resilax:test")
+
+
+def _spec(**slices: Any) -> JobSpec:
+    raw = good_spec()
+    raw["slices"].update(slices)
+    if "elastic" in slices:
+        raw["elastic"] = slices.pop("elastic")
+    return validate_spec(raw)
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def _trainer(pod: dict[str, Any]) -> dict[str, Any]:
+    c: dict[str, Any] = pod["spec"]["containers"][0]
+    return c
+
+
+PLAN = GenerationPlan(3, Shape("4x4", 2), ("pool-a", "pool-b"), "latest")
+
+
+def test_pod_zero_alone_until_coordinator_ip_known() -> None:
+    pods = build_pods(JOB, _spec(), PLAN, SETTINGS, coordinator_ip=None)
+    assert [p["metadata"]["name"] for p in pods] == ["llama-g3-s0-h0"]
+    env = _env(_trainer(pods[0]))
+    assert env["JAX_COORDINATOR_ADDRESS"] == "$(RESILAX_POD_IP):8476"
+    assert env["RESILAX_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    names = [e["name"] for e in _trainer(pods[0])["env"]]
+    assert names.index("RESILAX_POD_IP") < names.index("JAX_COORDINATOR_ADDRESS")
+
+
+def test_all_pods_once_coordinator_known() -> None:
+    pods = build_pods(JOB, _spec(), PLAN, SETTINGS, coordinator_ip="10.0.0.5")
+    assert len(pods) == 8  # 2 slices x 4 hosts (4x4 v5e, 4 chips per host)
+    ids = [int(_env(_trainer(p))["JAX_PROCESS_ID"]) for p in pods]
+    assert ids == list(range(8))
+    for p in pods:
+        env = _env(_trainer(p))
+        assert env["JAX_COORDINATOR_ADDRESS"] == "10.0.0.5:8476"
+        assert env["JAX_NUM_PROCESSES"] == "8"
+        assert env["MEGASCALE_COORDINATOR_ADDRESS"] == "10.0.0.5:8080"
+        assert env["MEGASCALE_NUM_SLICES"] == "2"
+        assert env["MEGASCALE_SLICE_ID"] == p["metadata"]["labels"][api.LABEL_SLICE]
+        assert env["TPU_WORKER_ID"] == p["metadata"]["labels"][api.LABEL_HOST]
+
+
+def test_non_zero_process_needs_coordinator_ip() -> None:
+    with pytest.raises(ValueError, match="process 0"):
+        build_pod(JOB, _spec(), PLAN, 1, 0, SETTINGS, coordinator_ip=None)
+
+
+def test_labels_owner_and_names() -> None:
+    pod = build_pod(JOB, _spec(), PLAN, 1, 2, SETTINGS, coordinator_ip="10.0.0.5")
+    meta = pod["metadata"]
+    assert meta["name"] == "llama-g3-s1-h2" and meta["namespace"] == "ml"
+    assert meta["labels"].items() >= {api.LABEL_JOB: "llama", api.LABEL_GENERATION: "3", api.LABEL_SLICE: "1",
+                                   api.LABEL_HOST: "2", api.LABEL_PROCESS: "6", api.LABEL_NODE_POOL: "pool-b"}.items()
+    (owner,) = meta["ownerReferences"]
+    assert owner == {"apiVersion": "resilax.dev/v1alpha1", "kind": "JAXJob", "name": "llama", "uid": "uid-1",
+                     "controller": True, "blockOwnerDeletion": True}
+    assert pod["spec"]["hostname"] == "llama-g3-s1-h2" and pod["spec"]["subdomain"] == "llama-g3"
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_tpu_scheduling() -> None:
+    pod = build_pod(JOB, _spec(), PLAN, 1, 0, SETTINGS, coordinator_ip="10.0.0.5")
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == {api.TPU_ACCELERATOR_LABEL: "tpu-v5-lite-podslice", api.TPU_TOPOLOGY_LABEL: "4x4",
+                                    api.NODE_POOL_LABEL: "pool-b"}
+    assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    res = _trainer(pod)["resources"]
+    assert res["requests"]["google.com/tpu"] == "4" and res["limits"]["google.com/tpu"] == "4"
+    term = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    env = _env(_trainer(pod))
+    assert env["TPU_WORKER_HOSTNAMES"] == ",".join(f"llama-g3-s1-h{h}.llama-g3" for h in range(4))
+
+
+def test_single_slice_has_no_megascale() -> None:
+    plan = GenerationPlan(1, Shape("4x4", 1), ("p",))
+    raw = good_spec()
+    del raw["elastic"]
+    raw["slices"]["count"] = 1
+    env = _env(_trainer(build_pod(JOB, validate_spec(raw), plan, 0, 0, SETTINGS, coordinator_ip="1.2.3.4")))
+    assert not any(k.startswith("MEGASCALE_") for k in env)
+
+
+def test_cpu_pods() -> None:
+    raw = good_spec()
+    raw["slices"] = {"accelerator": "cpu", "topology": "2x4", "count": 2, "chipsPerHost": 4}
+    raw["elastic"] = {"minCount": 1, "maxCount": 2}
+    spec = validate_spec(raw)
+    plan = GenerationPlan(1, Shape("2x4", 2), ("cpu-a", "cpu-b"))
+    pods = build_pods(JOB, spec, plan, SETTINGS, coordinator_ip="127.0.1.1")
+    assert len(pods) == 4
+    pod = pods[3]
+    assert pod["spec"]["nodeSelector"] == {api.NODE_POOL_LABEL: "cpu-b"}
+    assert pod["spec"]["tolerations"] == []
+    env = _env(_trainer(pod))
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+    assert env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
+    assert "TPU_WORKER_ID" not in env and "google.com/tpu" not in str(_trainer(pod)["resources"])
+
+
+def test_gpu_request() -> None:
+    raw = good_spec()
+    raw["slices"] = {"accelerator": "nvidia-l4", "topology": "1x2", "count": 1}
+    del raw["elastic"]
+    pod = build_pod(JOB, validate_spec(raw), GenerationPlan(1, Shape("1x2", 1), ("g",)), 0, 0, SETTINGS,
+                    coordinator_ip=None)
+    assert _trainer(pod)["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert pod["spec"]["nodeSelector"][api.GPU_ACCELERATOR_LABEL] == "nvidia-l4"
+
+
+def test_resilax_env_matches_architecture_doc() -> None:
+    env = _env(_trainer(build_pod(JOB, _spec(), PLAN, 0, 0, SETTINGS, coordinator_ip=None)))
+    assert env["RESILAX_JOB_NAME"] == "llama" and env["RESILAX_NAMESPACE"] == "ml"
+    assert env["RESILAX_GENERATION"] == "3"
+    assert env["RESILAX_CHECKPOINT_DIR"] == "gs://bucket/runs/llama"
+    assert env["RESILAX_LOCAL_DIR"] == api.LOCAL_DIR and env["RESILAX_CONTROL_DIR"] == api.CONTROL_DIR
+    assert env["RESILAX_SAVE_EVERY_STEPS"] == "1000" and env["RESILAX_SAVE_EVERY_SECONDS"] == "1800"
+    assert env["RESILAX_KEEP_LAST"] == "3" and env["RESILAX_KEEP_EVERY_STEPS"] == "10000"
+    assert env["RESILAX_RESTORE_STEP"] == "latest" and env["RESILAX_SIDECAR_PORT"] == "8471"
+    assert env["RESILAX_SIDECAR_TOKEN_FILE"] == f"{api.TOKEN_DIR}/token"
+    doc = (__import__("pathlib").Path(__file__).resolve().parents[3] / "docs" / "architecture.md").read_text()
+    for name in env:
+        if name.startswith(("RESILAX_SAVE", "RESILAX_KEEP", "RESILAX_RESTORE", "RESILAX_SIDECAR", "JAX_",
+                            "RESILAX_CHECKPOINT", "RESILAX_LOCAL", "RESILAX_CONTROL", "RESILAX_GENERATION")):
+            assert f"`{name}`" in doc, f"{name} is not in docs/architecture.md"
+
+
+def test_policy_off_is_empty() -> None:
+    raw = good_spec()
+    raw["checkpoint"] = {"storage": "/ckpt"}
+    env = _env(_trainer(build_pod(JOB, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None)))
+    assert env["RESILAX_SAVE_EVERY_STEPS"] == "" and env["RESILAX_KEEP_LAST"] == "" and env["RESILAX_LOCAL_DIR"] == ""
+
+
+def test_sidecar_is_native_and_restricted() -> None:
+    pod = build_pod(JOB, _spec(), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    sidecar = pod["spec"]["initContainers"][0]
+    assert sidecar["name"] == api.SIDECAR_CONTAINER and sidecar["restartPolicy"] == "Always"
+    assert sidecar["image"] == "resilax:test" and sidecar["command"] == ["resilax", "sidecar"]
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 8471}
+    sc = sidecar["securityContext"]
+    assert sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert {m["mountPath"] for m in sidecar["volumeMounts"]} >= {api.CONTROL_DIR, api.LOCAL_DIR}
+
+
+def test_volumes_and_local_tier() -> None:
+    pod = build_pod(JOB, _spec(), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes[api.LOCAL_VOLUME]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert volumes[api.CONTROL_VOLUME]["emptyDir"] == {}
+    assert volumes[api.TOKEN_VOLUME]["secret"]["secretName"] == "llama-resilax-token"
+    mounts = {m["mountPath"] for m in _trainer(pod)["volumeMounts"]}
+    assert {api.CONTROL_DIR, api.LOCAL_DIR, api.TOKEN_DIR} <= mounts
+
+
+def test_user_settings_are_kept() -> None:
+    raw = good_spec()
+    raw["template"] = {"metadata": {"labels": {"team": "x"}}, "spec": {
+        "terminationGracePeriodSeconds": 1000,
+        "securityContext": {"runAsUser": 1000},
+        "nodeSelector": {"disk": "ssd"},
+        "containers": [{"name": "trainer", "image": "t", "env": [{"name": "JAX_PROCESS_ID", "value": "9"},
+                                                                    {"name": "MINE", "value": "$(RESILAX_GENERATION)"}],
+                        "securityContext": {"allowPrivilegeEscalation": True},
+                        "resources": {"requests": {"cpu": "2"}}}]}}
+    pod = build_pod(JOB, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    spec = pod["spec"]
+    assert pod["metadata"]["labels"]["team"] == "x"
+    assert spec["terminationGracePeriodSeconds"] == 1000
+    assert spec["securityContext"]["runAsUser"] == 1000 and spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["nodeSelector"]["disk"] == "ssd"
+    trainer = _trainer(pod)
+    env = [e for e in trainer["env"] if e["name"] == "JAX_PROCESS_ID"]
+    assert env == [{"name": "JAX_PROCESS_ID", "value": "0"}]  # the operator's value wins
+    assert trainer["env"][-1] == {"name": "MINE", "value": "$(RESILAX_GENERATION)"}
+    assert trainer["securityContext"]["allowPrivilegeEscalation"] is True  # the user said so
+    assert trainer["resources"]["requests"] == {"cpu": "2", "google.com/tpu": "4"}
+
+
+def test_termination_grace_covers_final_save() -> None:
+    pod = build_pod(JOB, _spec(), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 300 + SETTINGS.termination_margin_seconds
+
+
+def test_trainer_found_by_name() -> None:
+    raw = good_spec()
+    raw["template"]["spec"]["containers"] = [{"name": "logs", "image": "l"}, {"name": "trainer", "image": "t"}]
+    pod = build_pod(JOB, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    assert "env" not in pod["spec"]["containers"][0] and "env" in pod["spec"]["containers"][1]
+
+
+def test_service_is_headless() -> None:
+    svc = build_service(JOB, PLAN, SETTINGS)
+    assert svc["metadata"]["name"] == "llama-g3"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {api.LABEL_JOB: "llama", api.LABEL_GENERATION: "3"}
+
+
+def test_pvc_storage_is_mounted() -> None:
+    raw = good_spec()
+    raw["checkpoint"]["storage"] = "pvc://ckpt-claim/runs/llama"
+    pod = build_pod(JOB, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["resilax-storage"]["persistentVolumeClaim"] == {"claimName": "ckpt-claim"}
+    assert _env(_trainer(pod))["RESILAX_CHECKPOINT_DIR"] == "/var/run/resilax/storage/runs/llama"
+
+
+@pytest.mark.parametrize(("storage", "expected"), [("gs://b/p", "gs://b/p"), ("/mnt/c", "/mnt/c"),
+                                                   ("pvc://c", "/var/run/resilax/storage")],
+                         ids=["gcs", "path", "pvc-root"])
+def test_storage_dir(storage: str, expected: str) -> None:
+    assert storage_dir(storage) == expected
+
+
+def test_token_secret() -> None:
+    secret = build_token_secret(JOB, "s3cret")
+    assert secret["metadata"]["name"] == "llama-resilax-token" and secret["stringData"] == {"token": "s3cret"}
+
+
+def test_plan_pools_must_match_count() -> None:
+    with pytest.raises(ValueError, match="1 pools for 2 slices"):
+        GenerationPlan(1, Shape("4x4", 2), ("a",))
