@@ -1,0 +1,282 @@
+"""`resilax sidecar`: the checkpoint sidecar of a worker pod.
+
+It runs three things side by side until SIGTERM:
+1. the HTTP API (routes.py) on RESILAX_SIDECAR_HOST:RESILAX_SIDECAR_PORT;
+2. the uploader (uploader.py) on a background thread, when RESILAX_LOCAL_DIR is set;
+3. a watcher of the save requests it made, which times them (request -> committed) and wakes the
+   uploader when a save lands.
+On SIGTERM it asks the trainer for a final save with `stop: true`, waits until that save is committed
+(and, with a local tier, uploaded and committed in the persistent tier) or RESILAX_SIDECAR_GRACE_SECONDS
+run out, then exits 0. SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from resilax_sidecar import control, layout
+from resilax_sidecar.config import SidecarConfig, log_level_number
+from resilax_sidecar.errors import ConfigError
+from resilax_sidecar.metrics import SidecarMetrics
+from resilax_sidecar.routes import build_app
+from resilax_sidecar.store import BlobStore, open_store
+from resilax_sidecar.uploader import Uploader
+
+log = logging.getLogger(__name__)
+
+_WATCH_SECONDS = 0.2
+
+
+class Sidecar:
+    """The running sidecar's state, shared by the HTTP handlers, the watcher and the shutdown."""
+
+    def __init__(self, config: SidecarConfig, metrics: SidecarMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or SidecarMetrics()
+        self.store: BlobStore | None = open_store(config.checkpoint_dir) if config.checkpoint_dir else None
+        self.uploader: Uploader | None = (
+            Uploader(config, self.store, self.metrics) if config.uploads and self.store is not None else None
+        )
+        self.pending: dict[str, tuple[float, str, bool]] = {}
+        """Requests made by this sidecar and not answered yet: id -> (monotonic start, reason, stop)."""
+        self.stopping = False
+        self.final_request: str | None = None
+        self._persisted_cache: tuple[float, int | None] = (0.0, None)
+        self._uploader_stop = threading.Event()
+        self._uploader_thread: threading.Thread | None = None
+
+    # ---- token -------------------------------------------------------------------------------------
+
+    def read_token(self) -> str | None:
+        """The accepted token, read fresh (a rotated Secret applies at once); None when unavailable."""
+        if self.config.token_file is None:
+            return None
+        try:
+            token = self.config.token_file.read_text().strip()
+        except OSError as e:
+            log.error("cannot read RESILAX_SIDECAR_TOKEN_FILE=%s: %s", self.config.token_file, e)
+            return None
+        return token or None
+
+    # ---- save requests -------------------------------------------------------------------------
+
+    async def request_save(self, reason: str, stop: bool) -> str:
+        """Drop a request file for the trainer; returns its id."""
+        request_id = control.new_request_id(reason)
+        await asyncio.to_thread(control.write_request, self.config.control_dir, request_id, reason, stop)
+        self.pending[request_id] = (time.monotonic(), reason, stop)
+        self.metrics.save_requests.labels(reason=reason).inc()
+        log.info("save requested: id=%s reason=%s stop=%s", request_id, reason, stop)
+        return request_id
+
+    def save_outcome(self, request_id: str) -> dict[str, Any] | None:
+        """The outcome of a request: its result, `pending`, or None when unknown."""
+        result = control.read_result(self.config.control_dir, request_id)
+        if result is not None:
+            status = "committed" if result.committed else "failed"
+            return {"status": status, **result.to_json()}
+        if request_id in self.pending or control.request_pending(self.config.control_dir, request_id):
+            return {"id": request_id, "status": "pending", "step": None, "committed": False, "error": None}
+        return None
+
+    async def watch_requests(self) -> None:
+        """Time each pending request until its result appears; wake the uploader when one commits."""
+        while True:
+            await asyncio.sleep(_WATCH_SECONDS)
+            for request_id, (started, reason, _stop) in list(self.pending.items()):
+                result = control.read_result(self.config.control_dir, request_id)
+                if result is None:
+                    continue
+                del self.pending[request_id]
+                seconds = time.monotonic() - started
+                if result.committed:
+                    self.metrics.save_request_seconds.observe(seconds)
+                    log.info("save %s (%s) committed step %s after %.2f s", request_id, reason, result.step, seconds)
+                    if self.uploader is not None:
+                        self.uploader.wake()
+                else:
+                    log.warning("save %s (%s) failed after %.2f s: %s", request_id, reason, seconds, result.error)
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def _newest_persisted(self) -> int | None:
+        """Without an uploader: the persistent tier's newest committed step (cached for a poll)."""
+        if self.store is None:
+            return None
+        now = time.monotonic()
+        if now - self._persisted_cache[0] < self.config.poll_seconds:
+            return self._persisted_cache[1]
+        steps = sorted((s for s in map(layout.parse_step, self.store.list_dir("")) if s is not None), reverse=True)
+        newest = next((s for s in steps if self.store.stat(f"{s}/{layout.COMMIT_FILE}") is not None), None)
+        self._persisted_cache = (now, newest)
+        return newest
+
+    async def state_json(self) -> dict[str, Any]:
+        cfg = self.config
+        state: dict[str, Any] = {
+            "process_id": cfg.process_id,
+            "num_processes": cfg.num_processes,
+            "generation": cfg.generation,
+            "local_tier": cfg.local_dir is not None,
+            "persistent_tier": cfg.checkpoint_dir,
+            "stopping": self.stopping,
+            "pending_requests": sorted(self.pending),
+        }
+        if self.uploader is not None:
+            state.update(self.uploader.state.to_json())
+        else:
+            state.update(
+                {
+                    "newest_local_step": None,
+                    "upload_in_flight": None,
+                    "last_error": None,
+                    "last_error_time": None,
+                }
+            )
+            try:
+                state["newest_persisted_step"] = await asyncio.to_thread(self._newest_persisted)
+            except OSError as e:
+                state["newest_persisted_step"] = None
+                state["last_error"] = str(e)
+        return state
+
+    def readiness_problem(self) -> str | None:
+        """Why the sidecar is not ready, or None."""
+        if self.stopping:
+            return "stopping: waiting for the final save"
+        if not self.config.control_dir.is_dir():
+            return f"RESILAX_CONTROL_DIR={self.config.control_dir} is not a folder"
+        return None
+
+    # ---- the uploader thread ----------------------------------------------------------------------
+
+    def start_uploader(self) -> None:
+        if self.uploader is None:
+            return
+        self._uploader_thread = threading.Thread(
+            target=self.uploader.run_forever, args=(self._uploader_stop,), name="uploader", daemon=True
+        )
+        self._uploader_thread.start()
+
+    def stop_uploader(self) -> None:
+        self._uploader_stop.set()
+        if self.uploader is not None:
+            self.uploader.wake()
+
+    # ---- SIGTERM -----------------------------------------------------------------------------------
+
+    async def final_save(self) -> bool:
+        """Ask for a save with stop, wait for its commit (and its upload) within the grace period.
+        True when the final step is durable in the tier that matters."""
+        self.stopping = True
+        cfg = self.config
+        deadline = time.monotonic() + cfg.grace_seconds
+        request_id = next((rid for rid, (_t, _r, stop) in self.pending.items() if stop), None)
+        if request_id is None:
+            request_id = await self.request_save("preemption", True)
+        self.final_request = request_id
+        log.info("SIGTERM: final save %s requested; waiting up to %.0f s", request_id, cfg.grace_seconds)
+        result = None
+        while time.monotonic() < deadline:
+            result = control.read_result(cfg.control_dir, request_id)
+            if result is not None:
+                break
+            await asyncio.sleep(_WATCH_SECONDS)
+        if result is None:
+            log.error("final save %s: no answer from the trainer within %.0f s", request_id, cfg.grace_seconds)
+            return False
+        if not result.committed or result.step is None:
+            log.error("final save %s failed: %s", request_id, result.error)
+            return False
+        if self.uploader is None:
+            log.info("final save %s: step %d committed", request_id, result.step)
+            return True
+        self.uploader.wake()
+        left = max(0.0, deadline - time.monotonic())
+        if await asyncio.to_thread(self.uploader.wait_persisted, result.step, left):
+            log.info("final save %s: step %d committed and uploaded", request_id, result.step)
+            return True
+        log.error(
+            "final save %s: step %d committed locally but not persisted within the grace period (last error: %s)",
+            request_id,
+            result.step,
+            self.uploader.state.last_error,
+        )
+        return False
+
+
+async def serve(config: SidecarConfig, ready: asyncio.Event | None = None) -> int:
+    """Run the sidecar until SIGTERM (final save) or SIGINT (at once); the exit code."""
+    sidecar = Sidecar(config)
+    config.control_dir.mkdir(parents=True, exist_ok=True)
+    app = build_app(sidecar)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    addresses = [f"{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]
+    log.info("resilax sidecar listening on %s; %s", ", ".join(addresses), config.describe())
+    sidecar.start_uploader()
+    watcher = asyncio.create_task(sidecar.watch_requests())
+    loop = asyncio.get_running_loop()
+    terminate = asyncio.Event()
+    interrupt = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, terminate.set)
+    loop.add_signal_handler(signal.SIGINT, interrupt.set)
+    if ready is not None:
+        ready.set()
+    waits = [asyncio.create_task(terminate.wait()), asyncio.create_task(interrupt.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    if terminate.is_set() and not interrupt.is_set():
+        final = asyncio.create_task(sidecar.final_save())
+        stop_waiting = asyncio.create_task(interrupt.wait())
+        await asyncio.wait([final, stop_waiting], return_when=asyncio.FIRST_COMPLETED)
+        stop_waiting.cancel()
+        if not final.done():
+            final.cancel()
+    sidecar.stop_uploader()
+    watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    await runner.cleanup()
+    log.info("resilax sidecar exiting")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `resilax sidecar`. Settings come from the environment (docs/sidecar.md)."""
+    parser = argparse.ArgumentParser(
+        prog="resilax sidecar",
+        description="The checkpoint sidecar of a worker pod; configured by RESILAX_* variables (docs/sidecar.md).",
+    )
+    parser.add_argument(
+        "--check-config", action="store_true", help="validate the environment, print the settings and exit"
+    )
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        config = SidecarConfig.from_env()
+    except ConfigError as e:
+        print(f"resilax sidecar: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=log_level_number(config.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.check_config:
+        print(config.describe())
+        return 0
+    return asyncio.run(serve(config))

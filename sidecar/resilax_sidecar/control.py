@@ -1,0 +1,85 @@
+"""Save requests to the trainer and its answers, through files in `RESILAX_CONTROL_DIR`.
+
+The contract (docs/architecture.md, "Save requests"): a request is `requests/<id>.json` =
+`{"id", "reason", "stop"}`, written to a temporary name and renamed; the trainer's checkpoint manager
+answers with `results/<id>.json` = `{"id", "step", "committed", "error"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REQUESTS_DIR = "requests"
+RESULTS_DIR = "results"
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
+
+
+def valid_request_id(request_id: str) -> bool:
+    """Ids are short and safe as file names (no path tricks through the URL)."""
+    return bool(_ID_RE.match(request_id))
+
+
+def new_request_id(reason: str) -> str:
+    """A unique id that sorts by time and says why: `20261202T162530-preemption-1a2b3c4d`."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    return f"{stamp}-{reason}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """The trainer's answer to one request."""
+
+    id: str
+    step: int | None
+    committed: bool
+    error: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "step": self.step, "committed": self.committed, "error": self.error}
+
+
+def write_request(control_dir: Path, request_id: str, reason: str, stop: bool) -> Path:
+    """Drop a request file for the trainer (temporary name, then rename: it appears whole)."""
+    folder = control_dir / REQUESTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{request_id}.json"
+    tmp = folder / f".{request_id}.json.tmp"
+    body = {"id": request_id, "reason": reason, "stop": stop, "time": time.time()}
+    with open(tmp, "w") as f:
+        json.dump(body, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def request_pending(control_dir: Path, request_id: str) -> bool:
+    """Whether the request file is still there (the trainer has not consumed it, or keeps it)."""
+    return (control_dir / REQUESTS_DIR / f"{request_id}.json").exists()
+
+
+def read_result(control_dir: Path, request_id: str) -> SaveResult | None:
+    """The trainer's answer, or None while there is none (or it is being written)."""
+    path = control_dir / RESULTS_DIR / f"{request_id}.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    step = raw.get("step")
+    error = raw.get("error")
+    return SaveResult(
+        id=request_id,
+        step=int(step) if isinstance(step, int) else None,
+        committed=bool(raw.get("committed")),
+        error=str(error) if error else None,
+    )

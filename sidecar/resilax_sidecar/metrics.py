@@ -1,0 +1,89 @@
+"""Every metric of the sidecar, defined once, on one registry per process.
+
+Names follow `resilax_sidecar_<what>_<unit>`; labels are bounded (a reason from a fixed set, a tier),
+never a step or a path.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+SAVE_REASONS = ("manual", "preemption", "resize")
+"""The reasons a save request may give (the `reason` label's whole range)."""
+
+TIERS = ("local", "persistent")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class SidecarMetrics:
+    """The sidecar's Prometheus metrics. One instance per process, passed explicitly."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.uploads = Counter(
+            "resilax_sidecar_uploads_total", "Steps this sidecar uploaded to the persistent tier.", registry=r
+        )
+        self.upload_bytes = Counter(
+            "resilax_sidecar_upload_bytes_total", "Bytes copied to the persistent tier.", registry=r
+        )
+        self.upload_seconds = Histogram(
+            "resilax_sidecar_upload_seconds",
+            "Time to upload one step (copy, verify, marker).",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.upload_failures = Counter(
+            "resilax_sidecar_upload_failures_total",
+            "Upload attempts that failed and will be retried (storage errors, verify mismatches).",
+            registry=r,
+        )
+        self.commits = Counter(
+            "resilax_sidecar_commits_total",
+            "Persistent _COMMIT markers this sidecar wrote (the one that saw every process's upload).",
+            registry=r,
+        )
+        self.lag_steps = Gauge(
+            "resilax_sidecar_lag_steps",
+            "Newest step in the local tier minus newest committed step in the persistent tier.",
+            registry=r,
+        )
+        self.newest_step = Gauge(
+            "resilax_sidecar_newest_step",
+            "Newest committed step per tier (-1: none).",
+            ["tier"],
+            registry=r,
+        )
+        self.save_requests = Counter(
+            "resilax_sidecar_save_requests_total", "Save requests accepted, by reason.", ["reason"], registry=r
+        )
+        self.save_request_seconds = Histogram(
+            "resilax_sidecar_save_request_seconds",
+            "Time from a save request to its committed result.",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.retention_deletes = Counter(
+            "resilax_sidecar_retention_deletes_total",
+            "Steps deleted by retention, by tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.http_unauthorized = Counter(
+            "resilax_sidecar_http_unauthorized_total",
+            "Mutating HTTP calls refused (missing or wrong token).",
+            registry=r,
+        )
+        for reason in SAVE_REASONS:
+            self.save_requests.labels(reason=reason)
+        for tier in TIERS:
+            self.newest_step.labels(tier=tier).set(-1)
+            self.retention_deletes.labels(tier=tier)
+
+    def render(self) -> bytes:
+        """The text exposition format, for /metrics."""
+        return generate_latest(self.registry)

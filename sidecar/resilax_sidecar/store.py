@@ -1,0 +1,364 @@
+"""Where the uploader copies steps: a `BlobStore` over a local folder or a gs:// bucket.
+
+Keys are `/`-separated and relative to the store's root (`"120/_COMMIT"`). A store promises:
+- `upload_file` and `write_bytes` are atomic per key: a reader sees the old object, no object, or the
+  whole new one (GCS objects by nature; a folder by writing a hidden temporary file and renaming);
+- `create_bytes` is create-only: exactly one of several concurrent callers creates the key, the others
+  get `False` (GCS `ifGenerationMatch=0`, a folder `link()` that fails when the name exists);
+- listings are strongly consistent (GCS is; a folder trivially).
+
+Call order of one step's upload (uploader.py): 1. `list_files` of the step, 2. `upload_file` of each
+missing or different file, 3. `stat` (and `md5`) to verify, 4. `write_bytes` of the `_UPLOADED.<id>`
+marker, 5. `list_files` and `read_bytes` of every marker, 6. `create_bytes` of `_COMMIT`.
+All methods block; the uploader calls them from worker threads. Failures raise `StoreError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import os
+import shutil
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from resilax_sidecar.errors import StoreError
+
+_CHUNK = 4 << 20
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """What a store knows about one object without reading it."""
+
+    size: int
+    md5: str | None = None
+    """Hex MD5 when the store has it for free (GCS object metadata), else None."""
+
+
+class BlobStore(Protocol):
+    """The persistent tier, as the uploader needs it. See the module docstring for the promises."""
+
+    url: str
+    """Where the root is, for logs and messages (`/mnt/ckpt`, `gs://bucket/prefix`)."""
+
+    def list_dir(self, prefix: str) -> list[str]:
+        """Names (not keys) of the objects and sub-folders directly under `prefix` ("" = the root)."""
+        ...
+
+    def list_files(self, prefix: str) -> dict[str, BlobInfo]:
+        """Every object under the folder `prefix`, keyed by its path relative to `prefix`."""
+        ...
+
+    def stat(self, key: str) -> BlobInfo | None:
+        """The object's size (and MD5 when free), or None when it does not exist."""
+        ...
+
+    def md5(self, key: str) -> str:
+        """The object's hex MD5 (a folder store reads the file)."""
+        ...
+
+    def read_bytes(self, key: str) -> bytes: ...
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Create or replace the object atomically."""
+        ...
+
+    def create_bytes(self, key: str, data: bytes) -> bool:
+        """Create the object only if it does not exist; True when this call created it."""
+        ...
+
+    def upload_file(self, local_path: Path, key: str) -> None:
+        """Copy a local file to `key`, atomically replacing any object there."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Delete one object; a missing one is fine."""
+        ...
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete everything under the folder `prefix`; missing is fine."""
+        ...
+
+
+def md5_file(path: Path) -> str:
+    """Hex MD5 of a local file, read in chunks."""
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _wrapping(store: str, what: str, key: str) -> Iterator[None]:
+    """Turn third-party errors into StoreError naming the store, the call and the key."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        raise StoreError(f"{store}: {what} {key!r} failed: {type(e).__name__}: {e}") from e
+
+
+class LocalFolderStore:
+    """A local or mounted folder (a PVC, NFS). Temporary files are hidden (`.<name>.tmp-<uuid>`) and
+    never listed."""
+
+    def __init__(self, root: str | Path, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+        self._fsync = fsync
+
+    def _path(self, key: str) -> Path:
+        key = key.strip("/")
+        return self.root / key if key else self.root
+
+    def _tmp(self, path: Path) -> Path:
+        return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+
+    def _sync_file(self, path: Path) -> None:
+        if self._fsync:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _sync_dir(self, path: Path) -> None:
+        if self._fsync:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def list_dir(self, prefix: str) -> list[str]:
+        with _wrapping(self.url, "list", prefix):
+            try:
+                return sorted(n for n in os.listdir(self._path(prefix)) if not n.startswith("."))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+
+    def list_files(self, prefix: str) -> dict[str, BlobInfo]:
+        base = self._path(prefix)
+        out: dict[str, BlobInfo] = {}
+        with _wrapping(self.url, "list", prefix):
+            for dirpath, dirnames, filenames in os.walk(base):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                for name in filenames:
+                    if name.startswith("."):
+                        continue
+                    full = Path(dirpath) / name
+                    with contextlib.suppress(FileNotFoundError):
+                        out[full.relative_to(base).as_posix()] = BlobInfo(size=full.stat().st_size)
+        return out
+
+    def stat(self, key: str) -> BlobInfo | None:
+        with _wrapping(self.url, "stat", key):
+            try:
+                return BlobInfo(size=self._path(key).stat().st_size)
+            except FileNotFoundError:
+                return None
+
+    def md5(self, key: str) -> str:
+        with _wrapping(self.url, "md5", key):
+            return md5_file(self._path(key))
+
+    def read_bytes(self, key: str) -> bytes:
+        with _wrapping(self.url, "read", key):
+            return self._path(key).read_bytes()
+
+    def _write_tmp(self, path: Path, data: bytes) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp(path)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self._fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        return tmp
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        with _wrapping(self.url, "write", key):
+            tmp = self._write_tmp(path, data)
+            os.replace(tmp, path)
+            self._sync_dir(path.parent)
+
+    def create_bytes(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        with _wrapping(self.url, "create", key):
+            tmp = self._write_tmp(path, data)
+            try:
+                # link() fails with EEXIST when the name exists: create-only, and the marker appears
+                # with its whole content at once (O_EXCL alone could expose an empty file).
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                tmp.unlink()
+            self._sync_dir(path.parent)
+            return True
+
+    def upload_file(self, local_path: Path, key: str) -> None:
+        path = self._path(key)
+        with _wrapping(self.url, "upload", key):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._tmp(path)
+            try:
+                shutil.copyfile(local_path, tmp)
+                self._sync_file(tmp)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                raise
+            self._sync_dir(path.parent)
+
+    def delete(self, key: str) -> None:
+        with _wrapping(self.url, "delete", key), contextlib.suppress(FileNotFoundError):
+            self._path(key).unlink()
+
+    def delete_prefix(self, prefix: str) -> None:
+        path = self._path(prefix)
+        if path == self.root:
+            raise StoreError(f"{self.url}: refusing to delete the whole root")
+        with _wrapping(self.url, "delete", prefix):
+            if not path.exists():
+                return
+            # Hide it first (one rename), so a half-deleted folder is never listed as a step.
+            trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:
+                return
+            shutil.rmtree(trash, ignore_errors=True)
+
+
+def _gcs_md5(info: dict[str, Any]) -> str | None:
+    raw = info.get("md5Hash")
+    if not raw:
+        return None
+    try:
+        return base64.b64decode(raw).hex()
+    except (binascii.Error, ValueError):
+        return None
+
+
+class GcsStore:
+    """A gs://bucket/prefix through gcsfs (which honours STORAGE_EMULATOR_HOST for fake-gcs-server).
+
+    gcsfs's listing cache is off: the uploader must see other sidecars' markers at once.
+    """
+
+    def __init__(self, url: str, fs: Any | None = None) -> None:
+        if not url.startswith("gs://"):
+            raise ValueError(f"{url!r} is not a gs:// URL")
+        self.url = url.rstrip("/")
+        self._root = self.url[len("gs://") :]
+        if fs is None:
+            import gcsfs  # imported here: a local-folder sidecar never pays for it
+
+            kwargs: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True}
+            if os.environ.get("STORAGE_EMULATOR_HOST"):
+                kwargs.update(token="anon", project=os.environ.get("GOOGLE_CLOUD_PROJECT", "resilax-test"))
+            fs = gcsfs.GCSFileSystem(**kwargs)
+        # gcsfs hands aiohttp each resumable chunk as bytes; aiohttp warns about that on every chunk
+        # of a large upload. The chunk is already in memory: the warning has nothing to tell us.
+        warnings.filterwarnings("ignore", message="Sending a large body directly", category=ResourceWarning)
+        self._fs = fs
+
+    def _full(self, key: str) -> str:
+        key = key.strip("/")
+        return f"{self._root}/{key}" if key else self._root
+
+    def list_dir(self, prefix: str) -> list[str]:
+        full = self._full(prefix)
+        with _wrapping(self.url, "list", prefix):
+            try:
+                entries = self._fs.ls(full, detail=False, refresh=True)
+            except FileNotFoundError:
+                return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != full})
+
+    def list_files(self, prefix: str) -> dict[str, BlobInfo]:
+        full = self._full(prefix).rstrip("/") + "/"
+        with _wrapping(self.url, "list", prefix):
+            try:
+                found = self._fs.find(full, detail=True, withdirs=False)
+            except FileNotFoundError:
+                return {}
+        out: dict[str, BlobInfo] = {}
+        for name, info in found.items():
+            if info.get("type") == "directory" or not name.startswith(full):
+                continue
+            out[name[len(full) :]] = BlobInfo(size=int(info["size"]), md5=_gcs_md5(info))
+        return out
+
+    def stat(self, key: str) -> BlobInfo | None:
+        with _wrapping(self.url, "stat", key):
+            try:
+                info = self._fs.info(self._full(key), refresh=True)
+            except FileNotFoundError:
+                return None
+        if info.get("type") == "directory":
+            return None
+        return BlobInfo(size=int(info["size"]), md5=_gcs_md5(info))
+
+    def md5(self, key: str) -> str:
+        info = self.stat(key)
+        if info is None:
+            raise FileNotFoundError(f"{self.url}/{key}")
+        if info.md5 is None:
+            raise StoreError(f"{self.url}: {key!r} has no md5Hash (composite object?)")
+        return info.md5
+
+    def read_bytes(self, key: str) -> bytes:
+        with _wrapping(self.url, "read", key):
+            data: bytes = self._fs.cat_file(self._full(key))
+            return data
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        with _wrapping(self.url, "write", key):
+            self._fs.pipe_file(self._full(key), data)
+
+    def create_bytes(self, key: str, data: bytes) -> bool:
+        with _wrapping(self.url, "create", key):
+            try:
+                self._fs.pipe_file(self._full(key), data, mode="create")
+            except FileExistsError:
+                return False
+            return True
+
+    def upload_file(self, local_path: Path, key: str) -> None:
+        with _wrapping(self.url, "upload", key):
+            self._fs.put_file(str(local_path), self._full(key))
+
+    def delete(self, key: str) -> None:
+        with _wrapping(self.url, "delete", key), contextlib.suppress(FileNotFoundError):
+            self._fs.rm_file(self._full(key))
+
+    def delete_prefix(self, prefix: str) -> None:
+        if not prefix.strip("/"):
+            raise StoreError(f"{self.url}: refusing to delete the whole root")
+        files = self.list_files(prefix)
+        with _wrapping(self.url, "delete", prefix):
+            paths = [f"{self._full(prefix)}/{rel}" for rel in files]
+            if paths:
+                self._fs.rm(paths)
+
+
+def open_store(url: str) -> BlobStore:
+    """The store for `RESILAX_CHECKPOINT_DIR`: gs:// through gcsfs, anything else a local folder."""
+    if url.startswith("gs://"):
+        return GcsStore(url)
+    return LocalFolderStore(url)

@@ -1,0 +1,507 @@
+"""The multi-tier uploader: moves locally committed steps to the persistent tier, then commits them.
+
+One pass (`run_once`), repeated every `poll_seconds` by `run_forever` on a background thread:
+1. list this host's locally committed steps (`<local>/<step>/_COMMIT`, or `_COMMIT.<process_id>`) and
+   the persistent tier's committed steps (`<root>/<step>/_COMMIT`);
+2. take the newest local step that is newer than the newest persisted one (older ones would only add
+   lag; every host picks the same newest step, so their uploads meet in one persistent step);
+3. copy each of its files to `<root>/<step>/` with bounded concurrency, skipping files already there
+   with the same size and MD5 (a resumed upload, or another host's identical copy), and verify each
+   copy (size, or MD5 with `RESILAX_SIDECAR_VERIFY=md5`);
+4. write `_UPLOADED.<process_id>` listing the files and sizes this process needs;
+5. if every process's marker is there, all from the same save (generation), every listed file exists
+   with its size, and no newer generation's fence hides the step, create `_COMMIT` (create-only; the
+   losers of a race see it exists and are done);
+6. retention on both tiers.
+Any error aborts the pass; `run_forever` records it, counts it and retries with exponential back-off.
+A restart simply runs the passes again: files that are there are skipped, nothing is committed before
+step 5's checks pass, so a killed upload resumes and a partial step never looks committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from resilax_sidecar import layout
+from resilax_sidecar.config import SidecarConfig
+from resilax_sidecar.errors import StoreError, VerifyError
+from resilax_sidecar.metrics import SidecarMetrics
+from resilax_sidecar.store import BlobInfo, BlobStore, md5_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class UploadState:
+    """What `/v1/state` reports; written by the uploader thread, read by the HTTP handlers."""
+
+    newest_local: int | None = None
+    newest_persisted: int | None = None
+    in_flight: int | None = None
+    last_error: str | None = None
+    last_error_time: float | None = None
+    consecutive_failures: int = 0
+    last_upload: dict[str, Any] | None = None
+    passes: int = 0
+    committed_steps: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "newest_local_step": self.newest_local,
+            "newest_persisted_step": self.newest_persisted,
+            "upload_in_flight": self.in_flight,
+            "last_error": self.last_error,
+            "last_error_time": self.last_error_time,
+            "consecutive_failures": self.consecutive_failures,
+            "last_upload": self.last_upload,
+        }
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """One locally committed step of this process, as it will be uploaded."""
+
+    step: int
+    folder: Path
+    files: dict[str, Path]
+    """Persistent key relative to the step folder -> local file."""
+    generation: int
+    digest: str
+    """Identifies this save: SHA-256 of the local metadata (or of the file list if there is none)."""
+    commit_body: bytes
+
+
+def plan_retention(
+    steps: list[int], keep_last: int | None, keep_every_steps: int | None, protect: set[int]
+) -> list[int]:
+    """Which of the committed `steps` retention deletes (pure). The newest is always kept, and so is
+    every step in `protect` (an upload in flight)."""
+    if keep_last is None or not steps:
+        return []
+    ordered = sorted(steps)
+    keep = set(ordered[-keep_last:]) | {ordered[-1]} | protect
+    if keep_every_steps:
+        keep |= {s for s in ordered if s % keep_every_steps == 0}
+    return [s for s in ordered if s not in keep]
+
+
+class Uploader:
+    """Copies this host's local steps to the persistent tier. Thread-safe to read `state`."""
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        store: BlobStore,
+        metrics: SidecarMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if config.local_dir is None:
+            raise ValueError("the uploader needs RESILAX_LOCAL_DIR")
+        self.config = config
+        self.local_dir = config.local_dir
+        self.store = store
+        self.metrics = metrics
+        self.state = UploadState()
+        self._clock = clock
+        self._wake = threading.Event()
+        self._known_committed: set[int] = set()
+        self._marker_done: dict[int, str] = {}
+        self._changed = threading.Condition()
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Start the next pass now (a save was just committed locally)."""
+        self._wake.set()
+
+    def run_forever(self, stop: threading.Event) -> None:
+        """Passes until `stop` is set; errors back off exponentially and never escape."""
+        delay = self.config.retry_initial_seconds
+        while not stop.is_set():
+            try:
+                self.run_once()
+            except Exception as e:  # every failure is recorded and retried; nothing may kill the loop
+                self._record_failure(e)
+                wait = delay
+                delay = min(delay * 2, self.config.retry_max_seconds)
+            else:
+                delay = self.config.retry_initial_seconds
+                wait = self.config.poll_seconds
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    def _record_failure(self, e: BaseException) -> None:
+        message = f"{type(e).__name__}: {e}" if not isinstance(e, StoreError) else str(e)
+        self.state.last_error = message
+        self.state.last_error_time = time.time()
+        self.state.consecutive_failures += 1
+        self.metrics.upload_failures.inc()
+        log.warning(
+            "upload pass failed (%d in a row), retrying with back-off: %s",
+            self.state.consecutive_failures,
+            message,
+        )
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_persisted(self, step: int, timeout: float) -> bool:
+        """Block until `step` (or a newer one) is committed in the persistent tier, or `timeout`."""
+        deadline = self._clock() + timeout
+        with self._changed:
+            while True:
+                newest = self.state.newest_persisted
+                if newest is not None and newest >= step:
+                    return True
+                left = deadline - self._clock()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.5))
+
+    # ---- one pass ---------------------------------------------------------------------------------
+
+    def run_once(self) -> None:
+        """One pass: see both tiers, upload and commit the newest new step, apply retention."""
+        local_steps = self.scan_local()
+        persisted = self.scan_persisted()
+        self._publish(local_steps, persisted)
+        newest_persisted = max(persisted, default=None)
+        candidates = [s for s in local_steps if newest_persisted is None or s > newest_persisted]
+        if candidates:
+            step = max(candidates)
+            self.state.in_flight = step
+            try:
+                if self.upload_step(self.read_local_step(step)):
+                    persisted = sorted({*persisted, step})
+            finally:
+                self.state.in_flight = None
+            self._publish(self.scan_local(), persisted)
+        self.apply_retention(persisted)
+        self.state.consecutive_failures = 0
+        self.state.passes += 1
+
+    def _publish(self, local_steps: list[int], persisted: list[int]) -> None:
+        newest_local = max(local_steps, default=None)
+        newest_persisted = max(persisted, default=None)
+        self.state.newest_local = newest_local
+        self.state.newest_persisted = newest_persisted
+        self.state.committed_steps = sorted(persisted)
+        self.metrics.newest_step.labels(tier="local").set(-1 if newest_local is None else newest_local)
+        self.metrics.newest_step.labels(tier="persistent").set(
+            -1 if newest_persisted is None else newest_persisted
+        )
+        lag = 0
+        if newest_local is not None:
+            lag = max(0, newest_local - (newest_persisted if newest_persisted is not None else 0))
+        self.metrics.lag_steps.set(lag)
+        with self._changed:
+            self._changed.notify_all()
+
+    # ---- the local tier -------------------------------------------------------------------------
+
+    def _local_commit(self, folder: Path) -> Path | None:
+        for name in (layout.commit_name(None), layout.commit_name(self.config.process_id)):
+            if (folder / name).is_file():
+                return folder / name
+        return None
+
+    def scan_local(self) -> list[int]:
+        """This process's locally committed steps."""
+        try:
+            names = os.listdir(self.local_dir)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for name in names:
+            step = layout.parse_step(name)
+            if step is not None and self._local_commit(self.local_dir / name) is not None:
+                steps.append(step)
+        return sorted(steps)
+
+    def read_local_step(self, step: int) -> LocalStep:
+        """The files of a local step this process uploads, and what identifies the save."""
+        folder = self.local_dir / str(step)
+        pid = self.config.process_id
+        own_metadata = layout.metadata_name(pid)
+        files: dict[str, Path] = {}
+        for dirpath, dirnames, filenames in os.walk(folder):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            rel_dir = Path(dirpath).relative_to(folder)
+            for name in sorted(filenames):
+                if name.startswith("."):
+                    continue
+                if rel_dir == Path(".") and self._is_local_only(name, own_metadata):
+                    continue
+                files[(rel_dir / name).as_posix()] = Path(dirpath) / name
+        # Several processes sharing one host folder (tests) each write _METADATA.<id>.json; the
+        # persistent step has one _METADATA.json.
+        if layout.METADATA_FILE not in files and (folder / own_metadata).is_file():
+            files[layout.METADATA_FILE] = folder / own_metadata
+        commit_path = self._local_commit(folder)
+        commit_body = commit_path.read_bytes() if commit_path is not None else b""
+        generation = self._generation_of(commit_body, files.get(layout.METADATA_FILE))
+        if layout.METADATA_FILE in files:
+            digest = hashlib.sha256(files[layout.METADATA_FILE].read_bytes()).hexdigest()
+        else:
+            listing = "\n".join(f"{k}\t{p.stat().st_size}" for k, p in sorted(files.items()))
+            digest = hashlib.sha256(listing.encode()).hexdigest()
+        if not commit_body:
+            commit_body = json.dumps({"generation": generation, "time": time.time()}).encode()
+        return LocalStep(step, folder, files, generation, digest, commit_body)
+
+    def _is_local_only(self, name: str, own_metadata: str) -> bool:
+        if name == layout.COMMIT_FILE or name.startswith(layout.COMMIT_FILE + "."):
+            return True
+        if layout.parse_uploaded(name) is not None:
+            return True
+        # Another process's metadata in a shared host folder; ours is mapped to _METADATA.json.
+        return name.startswith("_METADATA.") and name != layout.METADATA_FILE
+
+    def _generation_of(self, commit_body: bytes, metadata: Path | None) -> int:
+        for raw in (commit_body, metadata.read_bytes() if metadata is not None else b""):
+            with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+                return int(json.loads(raw)["generation"])
+        return self.config.generation
+
+    # ---- the persistent tier ----------------------------------------------------------------------
+
+    def scan_persisted(self) -> list[int]:
+        """Committed steps in the persistent tier (a step is committed once `_COMMIT` exists)."""
+        steps = [s for s in map(layout.parse_step, self.store.list_dir("")) if s is not None]
+        present = set(steps)
+        self._known_committed &= present
+        for step in steps:
+            if step not in self._known_committed and self.store.stat(f"{step}/{layout.COMMIT_FILE}"):
+                self._known_committed.add(step)
+        return sorted(self._known_committed)
+
+    def read_fences(self) -> dict[int, int | None]:
+        fences: dict[int, int | None] = {}
+        for name in self.store.list_dir(layout.FENCES_DIR):
+            try:
+                data = self.store.read_bytes(f"{layout.FENCES_DIR}/{name}")
+            except FileNotFoundError:
+                continue
+            parsed = layout.parse_fence(name, data)
+            if parsed is not None:
+                fences[parsed[0]] = parsed[1]
+        return fences
+
+    def upload_step(self, local: LocalStep) -> bool:
+        """Copy, verify, mark and (when every process is done) commit one step; True if committed."""
+        step = local.step
+        marker_key = f"{step}/{layout.uploaded_name(self.config.process_id)}"
+        if self._marker_done.get(step) != local.digest and not self._marker_current(marker_key, local):
+            started = self._clock()
+            copied_bytes = self._copy_files(local)
+            sizes = {key: path.stat().st_size for key, path in local.files.items()}
+            marker = {
+                "process_id": self.config.process_id,
+                "generation": local.generation,
+                "digest": local.digest,
+                "sidecar_generation": self.config.generation,
+                "files": sizes,
+                "time": time.time(),
+            }
+            self.store.write_bytes(marker_key, json.dumps(marker).encode())
+            seconds = self._clock() - started
+            self.metrics.uploads.inc()
+            self.metrics.upload_seconds.observe(seconds)
+            self.state.last_upload = {
+                "step": step,
+                "seconds": round(seconds, 3),
+                "bytes": copied_bytes,
+                "files": len(sizes),
+            }
+            log.info(
+                "step %d: uploaded %d files (%d bytes copied) to %s in %.2f s",
+                step,
+                len(sizes),
+                copied_bytes,
+                self.store.url,
+                seconds,
+            )
+        self._marker_done[step] = local.digest
+        return self.try_commit(local)
+
+    def _marker_current(self, marker_key: str, local: LocalStep) -> bool:
+        """Whether our marker for this very save is already there (a restarted sidecar)."""
+        try:
+            raw = json.loads(self.store.read_bytes(marker_key))
+        except FileNotFoundError:
+            return False
+        except ValueError:
+            return False
+        return isinstance(raw, dict) and raw.get("digest") == local.digest
+
+    def _copy_files(self, local: LocalStep) -> int:
+        """Copy every missing or different file with `upload_concurrency` workers; the bytes copied."""
+        step = local.step
+        remote = self.store.list_files(str(step))
+        work: queue.SimpleQueue[tuple[str, Path]] = queue.SimpleQueue()
+        for key, path in local.files.items():
+            work.put((key, path))
+        errors: list[BaseException] = []
+        copied = [0]
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while not errors:
+                try:
+                    key, path = work.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    n = self._copy_one(step, key, path, remote.get(key))
+                except BaseException as e:
+                    with lock:
+                        errors.append(e)
+                    return
+                with lock:
+                    copied[0] += n
+
+        # Daemon threads: a sidecar told to exit never waits on a hung storage call.
+        threads = [
+            threading.Thread(target=worker, name=f"upload-{step}-{i}", daemon=True)
+            for i in range(min(self.config.upload_concurrency, max(1, len(local.files))))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return copied[0]
+
+    def _copy_one(self, step: int, key: str, path: Path, remote: BlobInfo | None) -> int:
+        full_key = f"{step}/{key}"
+        size = path.stat().st_size
+        if remote is not None and remote.size == size:
+            # Already there: ours from before a restart, or another host's copy. Same bytes only if
+            # the MD5s agree (a stale file of an older save of this step can have the same size).
+            remote_md5 = remote.md5 or self.store.md5(full_key)
+            if remote_md5 == md5_file(path):
+                return 0
+        self.store.upload_file(path, full_key)
+        self.metrics.upload_bytes.inc(size)
+        info = self.store.stat(full_key)
+        if info is None or info.size != size:
+            raise VerifyError(
+                f"{self.store.url}: {full_key!r} has {None if info is None else info.size} bytes after "
+                f"upload, the local file {path} has {size}"
+            )
+        if self.config.verify == "md5":
+            want = md5_file(path)
+            got = info.md5 or self.store.md5(full_key)
+            if got != want:
+                raise VerifyError(f"{self.store.url}: {full_key!r} has MD5 {got} after upload, local {want}")
+        return size
+
+    def try_commit(self, local: LocalStep) -> bool:
+        """Create `<step>/_COMMIT` if every process's upload of this save is complete."""
+        step = local.step
+        commit_key = f"{step}/{layout.COMMIT_FILE}"
+        if step in self._known_committed or self.store.stat(commit_key) is not None:
+            self._known_committed.add(step)
+            return True
+        listing = self.store.list_files(str(step))
+        markers: dict[int, dict[str, Any]] = {}
+        for name in listing:
+            pid = layout.parse_uploaded(name)
+            if pid is None:
+                continue
+            try:
+                raw = json.loads(self.store.read_bytes(f"{step}/{name}"))
+            except (FileNotFoundError, ValueError):
+                continue
+            if isinstance(raw, dict):
+                markers[pid] = raw
+        missing = sorted(set(range(self.config.num_processes)) - set(markers))
+        if missing:
+            log.info("step %d: waiting for the uploads of processes %s", step, missing)
+            return False
+        stale = sorted(p for p, m in markers.items() if m.get("generation") != local.generation)
+        if stale:
+            log.info(
+                "step %d: the markers of processes %s are from another save (not generation %d); waiting",
+                step,
+                stale,
+                local.generation,
+            )
+            return False
+        for pid, marker in markers.items():
+            files = marker.get("files")
+            if not isinstance(files, dict):
+                return False
+            for key, size in files.items():
+                info = listing.get(key)
+                if info is None or info.size != size:
+                    log.warning(
+                        "step %d: process %d's file %r is %s in %s; not committing",
+                        step,
+                        pid,
+                        key,
+                        "missing" if info is None else f"{info.size} bytes, not {size}",
+                        self.store.url,
+                    )
+                    return False
+        fences = self.read_fences()
+        if not layout.decide_visible(step, local.generation, fences):
+            raise StoreError(
+                f"step {step} of generation {local.generation} is fenced out by a newer generation "
+                f"(fences {sorted(fences)}); not committing it"
+            )
+        if self.store.create_bytes(commit_key, local.commit_body):
+            self.metrics.commits.inc()
+            log.info("step %d: committed in %s (all %d processes uploaded)", step, self.store.url, len(markers))
+        else:
+            log.info("step %d: already committed by another sidecar", step)
+        self._known_committed.add(step)
+        return True
+
+    # ---- retention --------------------------------------------------------------------------------
+
+    def apply_retention(self, persisted: list[int]) -> None:
+        """Keep the newest `keep_last` steps on both tiers. The persistent tier is trimmed by process
+        0 only (one deleter); each host trims its own local tier."""
+        cfg = self.config
+        if cfg.keep_last is None:
+            return
+        protect = {self.state.in_flight} if self.state.in_flight is not None else set()
+        if cfg.process_id == 0 and persisted:
+            for step in plan_retention(persisted, cfg.keep_last, cfg.keep_every_steps, protect):
+                # _COMMIT first: a half-deleted step must never look committed.
+                self.store.delete(f"{step}/{layout.COMMIT_FILE}")
+                self._known_committed.discard(step)
+                self.store.delete_prefix(str(step))
+                self.metrics.retention_deletes.labels(tier="persistent").inc()
+                log.info("retention: deleted step %d from %s", step, self.store.url)
+        local_steps = self.scan_local()
+        newest_persisted = max(persisted, default=None)
+        local_protect = set(protect)
+        # A local step newer than everything persisted is still to be uploaded: keep the newest one.
+        if local_steps and (newest_persisted is None or local_steps[-1] > newest_persisted):
+            local_protect.add(local_steps[-1])
+        for step in plan_retention(local_steps, cfg.keep_last, None, local_protect):
+            folder = self.local_dir / str(step)
+            trash = self.local_dir / f"{layout.TRASH_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(folder, trash)
+            except FileNotFoundError:
+                continue  # the trainer's own retention got there first
+            shutil.rmtree(trash, ignore_errors=True)
+            self._marker_done.pop(step, None)
+            self.metrics.retention_deletes.labels(tier="local").inc()
+            log.info("retention: deleted local step %d", step)

@@ -1,0 +1,288 @@
+"""Helpers of the sidecar tests: fake-gcs-server, a real `resilax sidecar` process, local steps.
+
+The fixtures built on them are in conftest.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+FAKE_GCS_VERSION = "v1.56.1"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+# ---- fake-gcs-server ---------------------------------------------------------------------------------
+
+
+def fake_gcs_binary() -> Path:
+    """The shared builder of the local cluster when it is there; else build it the same way."""
+    try:
+        from resilax_local.binaries import ensure_fake_gcs_server
+    except ImportError:
+        pass
+    else:
+        return Path(ensure_fake_gcs_server())
+    cache = Path(os.environ.get("RESILAX_CACHE") or Path.home() / ".cache" / "resilax")
+    out_dir = cache / "bin" / f"fake-gcs-server-{FAKE_GCS_VERSION}"
+    binary = out_dir / "fake-gcs-server"
+    if not binary.is_file():
+        go = shutil.which("go") or "/usr/local/go/bin/go"
+        subprocess.run(
+            [go, "install", f"github.com/fsouza/fake-gcs-server@{FAKE_GCS_VERSION}"],
+            env={**os.environ, "GOBIN": str(out_dir)},
+            check=True,
+        )
+    return binary
+
+
+@dataclass
+class FakeGcs:
+    url: str
+    process: subprocess.Popen[bytes]
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What gcsfs needs to talk to the emulator (docs: STORAGE_EMULATOR_HOST + no HNS probing)."""
+        return {"STORAGE_EMULATOR_HOST": self.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+    def create_bucket(self) -> str:
+        name = f"b-{uuid.uuid4().hex[:10]}"
+        req = urllib.request.Request(
+            f"{self.url}/storage/v1/b",
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200
+        return name
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGcs]:
+    binary = fake_gcs_binary()
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("fake-gcs") / "fake-gcs.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1):
+                return True
+        except OSError:
+            assert proc.poll() is None, "fake-gcs-server exited"
+            return False
+
+    try:
+        wait_until(up, 30, "fake-gcs-server")
+        yield FakeGcs(url, proc)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+@pytest.fixture
+def gcs_env(fake_gcs: FakeGcs, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The emulator's variables, set in this test process too (for in-process GcsStore)."""
+    for key, value in fake_gcs.env.items():
+        monkeypatch.setenv(key, value)
+    return fake_gcs.env
+
+
+# ---- local steps as the checkpoint library leaves them ---------------------------------------------------
+
+
+def write_local_step(
+    local_dir: Path,
+    step: int,
+    files: Mapping[str, bytes],
+    generation: int = 0,
+    process_id: int | None = None,
+) -> Path:
+    """A locally committed step: files, metadata and `_COMMIT` in a `.tmp-` folder renamed into place
+    (resilax_ckpt's local commit), or, with `process_id`, per-process markers in a shared folder."""
+    meta = json.dumps({"version": 1, "step": step, "generation": generation, "files": sorted(files)}).encode()
+    commit = json.dumps({"generation": generation, "time": time.time()}).encode()
+    final = local_dir / str(step)
+    work = local_dir / f".tmp-{step}-g{generation}" if process_id is None else final
+    for rel, data in files.items():
+        path = work / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    if process_id is None:
+        (work / "_METADATA.json").write_bytes(meta)
+        (work / "_COMMIT").write_bytes(commit)
+        work.rename(final)
+    else:
+        (work / f"_METADATA.{process_id}.json").write_bytes(meta)
+        (work / f"_COMMIT.{process_id}").write_bytes(commit)
+    return final
+
+
+def step_files(n: int, size: int, seed: int = 0) -> dict[str, bytes]:
+    """`n` files of `size` bytes under one item folder, distinct contents."""
+    return {f"state/leaf{i}/c/0": bytes([(seed + i) % 256]) * size + f"{seed}:{i}".encode() for i in range(n)}
+
+
+# ---- a real sidecar process ----------------------------------------------------------------------------
+
+
+@dataclass
+class HttpResult:
+    status: int
+    body: Any
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def http(method: str, url: str, body: Any = None, token: str | None = None, raw: bytes | None = None) -> HttpResult:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            status, payload, headers = resp.status, resp.read(), dict(resp.headers)
+    except urllib.error.HTTPError as e:
+        status, payload, headers = e.code, e.read(), dict(e.headers)
+    ctype = headers.get("Content-Type", "")
+    parsed: Any = json.loads(payload) if ctype.startswith("application/json") else payload.decode()
+    return HttpResult(status, parsed, headers)
+
+
+class SidecarProcess:
+    """`resilax sidecar` as the pod runs it, on a free port, logging to a file."""
+
+    def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
+        self.port = int(env["RESILAX_SIDECAR_PORT"])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115
+        resilax = Path(sys.executable).with_name("resilax")
+        cmd = [str(resilax), "sidecar"] if resilax.exists() else [
+            sys.executable, "-c", "import sys; from resilax_operator.cli import main; sys.exit(main())", "sidecar"
+        ]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"sidecar exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                return http("GET", f"{self.url}/healthz").status == 200
+            except OSError:
+                return False
+
+        wait_until(up, timeout, "the sidecar's /healthz")
+
+    def get(self, path: str) -> HttpResult:
+        return http("GET", self.url + path)
+
+    def post(self, path: str, body: Any = None, token: str | None = None, raw: bytes | None = None) -> HttpResult:
+        return http("POST", self.url + path, body, token, raw)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample's value from /metrics (0 when absent)."""
+        text = self.get("/metrics").body
+        want = f"{name}{{{labels}}}" if labels else name
+        for line in text.splitlines():
+            if line.startswith(want + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+TOKEN = "s3cret-token-for-tests"
+
+
+@pytest.fixture
+def sidecar_env(tmp_path: Path) -> dict[str, str]:
+    """A minimal environment: control folder, token file, a free port, quick polling."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    return {
+        "RESILAX_CONTROL_DIR": str(tmp_path / "control"),
+        "RESILAX_SIDECAR_TOKEN_FILE": str(token_file),
+        "RESILAX_SIDECAR_PORT": str(free_port()),
+        "RESILAX_SIDECAR_HOST": "127.0.0.1",
+        "RESILAX_SIDECAR_POLL_SECONDS": "0.2",
+        "RESILAX_SIDECAR_RETRY_INITIAL_SECONDS": "0.2",
+        "RESILAX_SIDECAR_RETRY_MAX_SECONDS": "1",
+        "RESILAX_SIDECAR_LOG_LEVEL": "DEBUG",
+    }
+
+
+@pytest.fixture
+def start_sidecar(tmp_path: Path) -> Iterator[Any]:
+    """Start sidecars (`start_sidecar(env)`); each is stopped at the end of the test."""
+    started: list[SidecarProcess] = []
+
+    def start(env: Mapping[str, str], ready: bool = True) -> SidecarProcess:
+        proc = SidecarProcess(env, tmp_path / f"sidecar-{len(started)}.log")
+        started.append(proc)
+        if ready:
+            proc.wait_ready()
+        return proc
+
+    yield start
+    for proc in started:
+        with contextlib.suppress(Exception):
+            proc.close()

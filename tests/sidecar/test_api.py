@@ -1,0 +1,134 @@
+"""The HTTP API of a real `resilax sidecar` process: auth, JSON errors, requests, state, metrics.
+
+The trainer's side of the request files is played here by writing `results/<id>.json` as
+resilax_ckpt does; test_trainer.py runs the real trainer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from sidecar_harness import TOKEN, http, wait_until
+
+
+@pytest.fixture
+def sidecar(sidecar_env, start_sidecar):
+    return start_sidecar(sidecar_env)
+
+
+def _assert_json_error(result, status, code):
+    assert result.status == status, result.body
+    assert set(result.body) == {"error"}
+    assert result.body["error"]["code"] == code
+    assert isinstance(result.body["error"]["message"], str) and result.body["error"]["message"]
+    assert "Traceback" not in json.dumps(result.body)
+
+
+def test_health_ready_and_metrics(sidecar):
+    assert sidecar.get("/healthz").body == {"status": "ok"}
+    assert sidecar.get("/readyz").body == {"status": "ready"}
+    text = sidecar.get("/metrics").body
+    for name in (
+        "resilax_sidecar_uploads_total",
+        "resilax_sidecar_upload_bytes_total",
+        "resilax_sidecar_upload_seconds_bucket",
+        "resilax_sidecar_upload_failures_total",
+        "resilax_sidecar_lag_steps",
+        'resilax_sidecar_save_requests_total{reason="manual"}',
+        "resilax_sidecar_save_request_seconds_bucket",
+    ):
+        assert name in text, name
+
+
+def test_state_without_tiers(sidecar):
+    state = sidecar.get("/v1/state").body
+    assert state["generation"] == 0 and state["process_id"] == 0
+    assert state["local_tier"] is False
+    assert state["newest_local_step"] is None and state["newest_persisted_step"] is None
+    assert state["upload_in_flight"] is None and state["last_error"] is None
+    assert state["stopping"] is False
+
+
+@pytest.mark.parametrize(
+    "token, status, code",
+    [(None, 401, "unauthorized"), ("wrong-token", 403, "forbidden"), ("", 401, "unauthorized")],
+    ids=["no-token", "wrong-token", "empty-token"],
+)
+def test_unauthorised_save_requests_are_refused(sidecar, sidecar_env, token, status, code):
+    result = sidecar.post("/v1/save", {"reason": "manual"}, token=token)
+    _assert_json_error(result, status, code)
+    if status == 401:
+        assert result.headers.get("WWW-Authenticate", "").startswith("Bearer")
+    requests = Path(sidecar_env["RESILAX_CONTROL_DIR"]) / "requests"
+    assert not requests.exists() or not list(requests.iterdir())
+    assert sidecar.metric("resilax_sidecar_http_unauthorized_total") == 1
+    assert TOKEN not in sidecar.log() and (not token or token not in sidecar.log())
+
+
+def test_without_a_token_file_mutating_calls_are_disabled(sidecar_env, start_sidecar):
+    del sidecar_env["RESILAX_SIDECAR_TOKEN_FILE"]
+    sidecar = start_sidecar(sidecar_env)
+    _assert_json_error(sidecar.post("/v1/save", {}, token=TOKEN), 403, "forbidden")
+
+
+def test_a_rotated_token_applies_at_once(sidecar, sidecar_env):
+    Path(sidecar_env["RESILAX_SIDECAR_TOKEN_FILE"]).write_text("new-token")
+    _assert_json_error(sidecar.post("/v1/save", {}, token=TOKEN), 403, "forbidden")
+    assert sidecar.post("/v1/save", {}, token="new-token").status == 202
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"reason": "because"}', "reason: 'because' is not one of manual, preemption, resize"),
+        (b'{"stop": "yes"}', "stop: 'yes' must be true or false"),
+        (b'{"step": 10}', "unknown fields ['step']"),
+    ],
+    ids=["bad-json", "not-object", "bad-reason", "bad-stop", "unknown-field"],
+)
+def test_bad_bodies_are_json_400s(sidecar, raw, message):
+    result = sidecar.post("/v1/save", raw=raw, token=TOKEN)
+    _assert_json_error(result, 400, "bad_request")
+    assert message in result.body["error"]["message"]
+
+
+def test_unknown_paths_methods_and_ids_are_json_errors(sidecar):
+    _assert_json_error(sidecar.get("/nope"), 404, "not_found")
+    _assert_json_error(http("DELETE", sidecar.url + "/v1/state"), 405, "method_not_allowed")
+    _assert_json_error(sidecar.get("/v1/save/..%2F..%2Fetc"), 400, "bad_request")
+    _assert_json_error(sidecar.get("/v1/save/no-such-request"), 404, "not_found")
+
+
+def test_a_save_request_becomes_a_request_file_and_its_result_is_reported(sidecar, sidecar_env):
+    control = Path(sidecar_env["RESILAX_CONTROL_DIR"])
+    result = sidecar.post("/v1/save", {"reason": "resize", "stop": True}, token=TOKEN)
+    assert result.status == 202 and result.body["status"] == "pending"
+    request_id = result.body["id"]
+    request = json.loads((control / "requests" / f"{request_id}.json").read_text())
+    assert (request["id"], request["reason"], request["stop"]) == (request_id, "resize", True)
+    assert [p.name for p in (control / "requests").iterdir()] == [f"{request_id}.json"]  # no temp file left
+    assert sidecar.get(f"/v1/save/{request_id}").body["status"] == "pending"
+
+    # The trainer's answer (resilax_ckpt writes it, then removes the request).
+    (control / "results").mkdir()
+    answer = {"id": request_id, "step": 42, "committed": True, "error": None}
+    (control / "results" / f"{request_id}.json").write_text(json.dumps(answer))
+    (control / "requests" / f"{request_id}.json").unlink()
+    outcome = sidecar.get(f"/v1/save/{request_id}").body
+    assert outcome == {"status": "committed", **answer}
+    assert sidecar.metric("resilax_sidecar_save_requests_total", 'reason="resize"') == 1
+    wait_until(lambda: sidecar.metric("resilax_sidecar_save_request_seconds_count") == 1, 10, "the latency sample")
+    assert sidecar.get("/v1/state").body["pending_requests"] == []
+
+
+def test_a_failed_save_is_reported_as_failed(sidecar, sidecar_env):
+    control = Path(sidecar_env["RESILAX_CONTROL_DIR"])
+    request_id = sidecar.post("/v1/save", {}, token=TOKEN).body["id"]
+    (control / "results").mkdir()
+    answer = {"id": request_id, "step": None, "committed": False, "error": "disk full"}
+    (control / "results" / f"{request_id}.json").write_text(json.dumps(answer))
+    assert sidecar.get(f"/v1/save/{request_id}").body == {"status": "failed", **answer}
