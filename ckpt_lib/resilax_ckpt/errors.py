@@ -1,0 +1,43 @@
+"""The errors of resilax_ckpt: one base class; each leaf also subclasses the built-in it means."""
+
+from __future__ import annotations
+
+
+class ResilaxCkptError(Exception):
+    """Base class of every error raised by resilax_ckpt."""
+
+
+class StepNotFoundError(ResilaxCkptError, FileNotFoundError):
+    """The requested step has no folder (or no step is committed at all)."""
+
+
+class StepNotCommittedError(ResilaxCkptError, FileNotFoundError):
+    """The step's folder exists but its commit marker does not (an interrupted or fenced save)."""
+
+
+class MetadataError(ResilaxCkptError, ValueError):
+    """A step's `_METADATA.json` is missing, unreadable or of an unknown format version."""
+
+
+class TreeMismatchError(ResilaxCkptError, ValueError):
+    """The restore target's tree does not match what the checkpoint holds (missing leaf or item)."""
+
+
+class ShapeMismatchError(TreeMismatchError):
+    """A target leaf's shape differs from the shape on disk."""
+
+
+class StorageError(ResilaxCkptError, OSError):
+    """Reading or writing the storage failed (local disk or gs://)."""
+
+
+class SaveError(ResilaxCkptError, RuntimeError):
+    """A (background) save failed; raised from `wait()`, the next `save()` or `close()`."""
+
+
+class FencedError(SaveError):
+    """A newer generation of workers exists: this (older) generation may no longer commit."""
+
+
+class StepExistsError(ResilaxCkptError, FileExistsError):
+    """A committed checkpoint already exists for the step being saved."""

@@ -1,0 +1,239 @@
+"""Named items: pytrees of arrays and scalars, JSON items and per-process items.
+
+`snapshot_items` turns the items of a save into metadata plus a list of writes whose sources are
+private copies (so the training loop may donate or overwrite its buffers as soon as save() returns).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from resilax_ckpt import layout, planning
+from resilax_ckpt.errors import ResilaxCkptError, TreeMismatchError
+from resilax_ckpt.metadata import ItemMetadata, LeafMetadata, StepMetadata
+
+
+class UnsupportedLeafError(ResilaxCkptError, TypeError):
+    """A leaf of a saved item is neither an array nor a scalar."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PerProcess:
+    """An item whose value differs per process (e.g. a data iterator's state), saved by each
+    process as JSON and restored by the process with the same index."""
+
+    value: Any
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def encode_path(path: tuple[Any, ...]) -> list[list[Any]]:
+    out: list[list[Any]] = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            k = key.key
+            out.append(["d", k if isinstance(k, (str, int)) else str(k)])
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            out.append(["s", key.idx])
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            out.append(["a", key.name])
+        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+            out.append(["f", key.key])
+        else:
+            out.append(["d", str(key)])
+    return out
+
+
+def rebuild_tree(paths: list[list[list[Any]]], values: list[Any]) -> Any:
+    """A nested structure of dicts (dict keys, attributes) and lists (sequence indices) from paths."""
+    if len(paths) == 1 and not paths[0]:
+        return values[0]
+    root: dict[Any, Any] = {}
+    for path, value in zip(paths, values, strict=True):
+        node = root
+        for depth, (_, key) in enumerate(path):
+            if depth == len(path) - 1:
+                node[key] = value
+            else:
+                node = node.setdefault(key, {})
+    return _lists_from_dicts(root)
+
+
+def _lists_from_dicts(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = {k: _lists_from_dicts(v) for k, v in node.items()}
+    if out and all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
+        return [out[i] for i in range(len(out))]
+    return out
+
+
+def is_json_item(value: Any) -> bool:
+    """A dict whose leaves are all Python scalars/None (no arrays) is saved as one JSON file."""
+    if not isinstance(value, dict):
+        return False
+
+    def plain(v: Any) -> bool:
+        if v is None or isinstance(v, _SCALARS):
+            return True
+        if isinstance(v, dict):
+            return all(isinstance(k, str) and plain(x) for k, x in v.items())
+        if isinstance(v, (list, tuple)):
+            return all(plain(x) for x in v)
+        return False
+
+    return plain(value)
+
+
+@dataclasses.dataclass
+class ArrayWrite:
+    """One box of one leaf that this process writes."""
+
+    array_index: int
+    box: planning.Box
+    source: Any
+    """A private copy: a single-device jax.Array (CPU) or a NumPy array."""
+    nbytes: int
+
+
+@dataclasses.dataclass
+class SnapshotPlan:
+    metadata: StepMetadata
+    arrays: list[tuple[str, LeafMetadata]]
+    """(item, leaf) of every array leaf, in a fixed order shared by all processes."""
+    writes: list[ArrayWrite]
+    files: list[tuple[tuple[str, ...], bytes]]
+    """Small files this process writes (relative path parts, content)."""
+
+
+def snapshot_items(items: Mapping[str, Any], *, step: int, generation: int, process_index: int,
+                   process_count: int, local_tier: bool, time_now: float) -> SnapshotPlan:
+    """Flatten the items and take private copies of what this process writes.
+
+    Shared folder: each process writes replica 0 of its addressable shards; process 0 writes host
+    (NumPy) arrays and JSON items; each process writes its per-process items. Local tier: each
+    process writes everything it holds.
+    """
+    writes_host = local_tier or process_index == 0
+    item_meta: dict[str, ItemMetadata] = {}
+    arrays: list[tuple[str, LeafMetadata]] = []
+    writes: list[ArrayWrite] = []
+    files: list[tuple[tuple[str, ...], bytes]] = []
+    device_sources: list[tuple[int, Any]] = []  # (index into writes, single-device jax.Array)
+
+    for name, value in items.items():
+        layout.validate_item_name(name)
+        if isinstance(value, PerProcess):
+            item_meta[name] = ItemMetadata(kind="per_process")
+            files.append(((name, layout.process_json_name(process_index)), _json_bytes(name, value.value)))
+            continue
+        if is_json_item(value):
+            item_meta[name] = ItemMetadata(kind="json")
+            if writes_host:
+                files.append(((layout.item_json_name(name),), _json_bytes(name, value)))
+            continue
+        flat, _ = jax.tree_util.tree_flatten_with_path(value)
+        keystrs = [jax.tree_util.keystr(path) for path, _ in flat]
+        dirs = layout.leaf_dir_names(keystrs)
+        leaves: list[LeafMetadata] = []
+        for (path, leaf), keystr, leaf_dir in zip(flat, keystrs, dirs, strict=True):
+            enc = encode_path(path)
+            if isinstance(leaf, jax.Array):
+                shape = tuple(leaf.shape)
+                chunks = tuple(max(1, c) for c in leaf.sharding.shard_shape(shape))
+                meta = LeafMetadata(keystr=keystr, path=enc, kind="array", dir=leaf_dir, shape=shape,
+                                    dtype=np.dtype(leaf.dtype).name, chunks=chunks)
+                array_index = len(arrays)
+                arrays.append((name, meta))
+                boxes_done: set[planning.Box] = set()
+                for shard in leaf.addressable_shards:
+                    if not (local_tier or shard.replica_id == 0):
+                        continue
+                    box = planning.box_of_index(shard.index, shape)
+                    if box in boxes_done:
+                        continue
+                    boxes_done.add(box)
+                    nbytes = planning.box_size(box) * leaf.dtype.itemsize
+                    device_sources.append((len(writes), shard.data))
+                    writes.append(ArrayWrite(array_index, box, None, nbytes))
+            elif isinstance(leaf, np.ndarray):
+                shape = tuple(leaf.shape)
+                meta = LeafMetadata(keystr=keystr, path=enc, kind="array", dir=leaf_dir, shape=shape,
+                                    dtype=leaf.dtype.name, chunks=tuple(max(1, d) for d in shape))
+                array_index = len(arrays)
+                arrays.append((name, meta))
+                if writes_host:
+                    box = tuple((0, d) for d in shape)
+                    writes.append(ArrayWrite(array_index, box, np.array(leaf, copy=True), leaf.nbytes))
+            elif isinstance(leaf, np.generic):
+                meta = LeafMetadata(keystr=keystr, path=enc, kind="scalar", value=leaf.item(),
+                                    pytype=leaf.dtype.name)
+            elif isinstance(leaf, _SCALARS):
+                meta = LeafMetadata(keystr=keystr, path=enc, kind="scalar", value=leaf,
+                                    pytype=type(leaf).__name__)
+            else:
+                raise UnsupportedLeafError(
+                    f"item {name!r}, leaf {keystr or '<root>'}: {type(leaf).__name__} is not supported; "
+                    "leaves must be jax.Array, numpy arrays or scalars"
+                )
+            leaves.append(meta)
+        item_meta[name] = ItemMetadata(kind="pytree", leaves=tuple(leaves))
+
+    _copy_off_devices(writes, device_sources)
+    metadata = StepMetadata(step=step, generation=generation, process_count=process_count,
+                            items=item_meta, time=time_now, local_tier=local_tier)
+    return SnapshotPlan(metadata=metadata, arrays=arrays, writes=writes, files=files)
+
+
+def _copy_off_devices(writes: list[ArrayWrite], sources: list[tuple[int, Any]]) -> None:
+    """Take private copies of the device shards. CPU: an asynchronous device-side copy (the loop is
+    blocked only to dispatch it); accelerators: device-to-host transfers, started together."""
+    if not sources:
+        return
+    arrays = [a for _, a in sources]
+    platform = next(iter(arrays[0].devices())).platform
+    if platform == "cpu":
+        devices = [next(iter(a.devices())) for a in arrays]
+        copies = jax.device_put(arrays, devices, may_alias=False)
+    else:
+        for a in arrays:
+            a.copy_to_host_async()
+        copies = [np.asarray(a) for a in arrays]
+    for (w, _), copy in zip(sources, copies, strict=True):
+        writes[w].source = copy
+
+
+def _json_bytes(name: str, value: Any) -> bytes:
+    try:
+        return json.dumps(value, sort_keys=True).encode()
+    except (TypeError, ValueError) as e:
+        raise UnsupportedLeafError(f"item {name!r}: not JSON-serializable ({e})") from e
+
+
+def match_target(step: int, item: str, meta: ItemMetadata, target: Any) -> tuple[list[LeafMetadata], Any]:
+    """The saved leaves, in the order of the target's leaves, and the target's treedef. Reports every
+    missing leaf at once."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    by_key = {leaf.keystr: leaf for leaf in meta.leaves}
+    matched: list[LeafMetadata] = []
+    missing = []
+    for path, _ in flat:
+        key = jax.tree_util.keystr(path)
+        if key in by_key:
+            matched.append(by_key[key])
+        else:
+            missing.append(key or "<root>")
+    if missing:
+        have = ", ".join(sorted(by_key)[:10]) + (" ..." if len(by_key) > 10 else "")
+        raise TreeMismatchError(
+            f"step {step}: item {item!r}: the target has leaves the checkpoint lacks: "
+            f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}; the checkpoint has: {have}"
+        )
+    return matched, treedef

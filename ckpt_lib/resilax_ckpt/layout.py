@@ -1,0 +1,98 @@
+"""Names inside a checkpoint root (see docs/architecture.md, "Checkpoint layout").
+
+```
+<root>/<step>/_METADATA.json            versioned JSON (metadata.py)
+<root>/<step>/<item>/<leaf>/            one zarr3 array per array leaf, chunks = the shard grid
+<root>/<step>/<item>.json               a JSON item (written by the primary)
+<root>/<step>/<item>/process_<i>.json   a per-process item (written by each process)
+<root>/<step>/_COMMIT                   the commit marker, written last (JSON: generation, time)
+<root>/.tmp-<step>-g<generation>/       a local save in progress (renamed to <root>/<step>/)
+<root>/_fences/<generation>.json        fence records (fencing.py)
+```
+The local fast tier (one folder per host) uses the same names, plus a per-process commit marker
+`_COMMIT.<process_id>` and metadata `_METADATA.<process_id>.json` when several processes share a
+host folder (tests); one process per host writes `_METADATA.json` and `_COMMIT` as above.
+"""
+
+from __future__ import annotations
+
+import re
+
+METADATA_FILE = "_METADATA.json"
+COMMIT_FILE = "_COMMIT"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+FENCES_DIR = "_fences"
+UPLOADED_PREFIX = "_UPLOADED."
+
+_STEP_RE = re.compile(r"^[0-9]+$")
+_UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def step_name(step: int) -> str:
+    """The folder name of a step: the plain decimal number."""
+    if step < 0:
+        raise ValueError(f"step {step} must be >= 0")
+    return str(step)
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a folder name, or None when the name is not a step folder."""
+    name = name.rstrip("/")
+    return int(name) if _STEP_RE.match(name) else None
+
+
+def tmp_name(step: int, generation: int) -> str:
+    """The temporary folder of a local save; deterministic so every process agrees on it."""
+    return f"{TMP_PREFIX}{step}-g{generation}"
+
+
+def parse_tmp_generation(name: str) -> int | None:
+    """The generation of a temporary folder name, or None when it is not one."""
+    match = re.match(rf"^{re.escape(TMP_PREFIX)}[0-9]+-g([0-9]+)$", name.rstrip("/"))
+    return int(match.group(1)) if match else None
+
+
+def fence_name(generation: int) -> str:
+    return f"{generation}.json"
+
+
+def item_json_name(item: str) -> str:
+    return f"{item}.json"
+
+
+def process_json_name(process_index: int) -> str:
+    return f"process_{process_index}.json"
+
+
+def commit_name(process_index: int | None) -> str:
+    return COMMIT_FILE if process_index is None else f"{COMMIT_FILE}.{process_index}"
+
+
+def metadata_name(process_index: int | None) -> str:
+    return METADATA_FILE if process_index is None else f"_METADATA.{process_index}.json"
+
+
+def validate_item_name(item: str) -> None:
+    if not item or item.startswith(("_", ".")) or _UNSAFE_RE.search(item):
+        raise ValueError(
+            f"item name {item!r} is not allowed; use letters, digits, '_', '.', '-' and do not start "
+            "with '_' or '.'"
+        )
+
+
+def leaf_dir_names(keystrs: list[str]) -> list[str]:
+    """Unique, filesystem-safe folder names for a tree's leaves, from their key paths."""
+    names: list[str] = []
+    seen: set[str] = set()
+    for index, keystr in enumerate(keystrs):
+        base = _UNSAFE_RE.sub(".", keystr).strip(".") or f"leaf{index}"
+        base = base.replace("..", ".")[:120]
+        name = base
+        suffix = 1
+        while name in seen or name.startswith("_"):
+            name = f"{base}.{suffix}"
+            suffix += 1
+        seen.add(name)
+        names.append(name)
+    return names

@@ -1,0 +1,556 @@
+"""CheckpointManager: periodic, requested and forced saves; restore onto any mesh.
+
+A save, step by step (shared folder, several processes):
+1. `save()` (all processes, same step): agree on pending requests, decide, wait for the previous
+   save, copy the shards off the devices (the only part the loop waits for), hand off to a thread.
+2. Background, each process: write its replica-0 boxes and its files, publish ok/error, barrier.
+3. Background, primary: write `_METADATA.json`, check the fences, commit (commit.py), apply
+   retention, publish the commit result; the other processes wait for that result.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from resilax_ckpt import commit, fencing, layout, policy
+from resilax_ckpt import items as items_lib
+from resilax_ckpt import tensorstore_io as tsio
+from resilax_ckpt.errors import (
+    MetadataError,
+    ResilaxCkptError,
+    SaveError,
+    ShapeMismatchError,
+    StepNotCommittedError,
+    StepNotFoundError,
+    TreeMismatchError,
+)
+from resilax_ckpt.metadata import StepMetadata
+from resilax_ckpt.multihost import Coordinator, current_coordinator
+from resilax_ckpt.options import ManagerOptions
+from resilax_ckpt.requests import RequestWatcher, SaveRequest
+from resilax_ckpt.storage import Storage, open_storage
+
+log = logging.getLogger(__name__)
+
+EXIT_CODE_STOPPED = 75
+"""Exit code of a worker that stopped after a requested final save (operator: reschedule)."""
+
+CRASH_ENV = "RESILAX_CKPT_TEST_CRASH_AT"
+"""Test hook: `<phase>[:<process_index>]` kills the saving process at a named phase (before_writes,
+mid_writes, after_writes, before_commit, after_commit)."""
+
+_manager_count = 0
+_manager_count_lock = threading.Lock()
+
+
+def _maybe_crash(phase: str, process_index: int) -> None:
+    spec = os.environ.get(CRASH_ENV)
+    if not spec:
+        return
+    want, _, proc = spec.partition(":")
+    if want == phase and (not proc or int(proc) == process_index):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CheckpointManager:
+    """Saves and restores the named items of a training job under one root folder.
+
+    Called on: all processes, in the same order (constructor, save, wait, restore, close).
+    """
+
+    def __init__(self, directory: str, options: ManagerOptions | None = None, *,
+                 coordinator: Coordinator | None = None) -> None:
+        global _manager_count
+        self._options = options or ManagerOptions()
+        self._root = directory.rstrip("/") or "/"
+        self._storage: Storage = open_storage(self._root, fsync=self._options.fsync)
+        self._coord = coordinator or current_coordinator()
+        self._local_tier = self._options.local_tier
+        self._is_primary = self._local_tier or self._coord.process_index == 0
+        self._context = tsio.build_context(self._options.io_concurrency, self._options.fsync)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-ckpt")
+        self._pending: concurrent.futures.Future[None] | None = None
+        self._closed = False
+        with _manager_count_lock:
+            _manager_count += 1
+            self._key = f"resilax_ckpt/{self._options.generation}/{_manager_count}"
+        self._save_count = 0
+        self._last_saved_step: int | None = None
+        self._last_save_time: float = self._options.clock()
+        self._poll_count = 0
+        self._stop_requested_locally = False
+        self._pending_requests: list[SaveRequest] = []
+        self._should_stop = False
+        self._sigterm = threading.Event()
+        self._previous_sigterm: Any = None
+        self._watcher = RequestWatcher(self._options.control_dir) if self._options.control_dir else None
+
+        if self._storage.is_local:
+            os.makedirs(self._root, exist_ok=True)
+        if self._is_primary and not self._local_tier:
+            commit.clean_leftovers(self._storage, self._root, self._options.generation)
+            visible = commit.list_visible(self._storage, self._root)
+            fencing.write_fence(self._storage, self._root, self._options.generation,
+                                visible[-1] if visible else None)
+        elif self._local_tier:
+            self._clean_local_tier()
+        self._coord.barrier(f"{self._key}/start", self._options.barrier_timeout_seconds)
+        self._install_sigterm()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> CheckpointManager:
+        """The manager of the persistent tier: RESILAX_CHECKPOINT_DIR plus the RESILAX_* policy."""
+        env = os.environ if env is None else env
+        directory = env.get("RESILAX_CHECKPOINT_DIR", "")
+        if not directory:
+            raise ResilaxCkptError("RESILAX_CHECKPOINT_DIR is not set; it names the checkpoint root")
+        return cls(directory, ManagerOptions.from_env(env, **overrides))
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def directory(self) -> str:
+        return self._root
+
+    @property
+    def should_stop(self) -> bool:
+        """True once a save requested with stop (or after SIGTERM) committed: exit the loop with
+        EXIT_CODE_STOPPED."""
+        return self._should_stop
+
+    def steps(self) -> list[int]:
+        """Committed (and not fenced-out) steps, ascending."""
+        return commit.list_visible(self._storage, self._root, use_fences=not self._local_tier)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def restore_step_from_env(self, env: Mapping[str, str] | None = None) -> int | None:
+        """The step RESILAX_RESTORE_STEP asks for: `latest` (default), `none` or a number; None when
+        there is nothing to restore."""
+        env = os.environ if env is None else env
+        raw = env.get("RESILAX_RESTORE_STEP", "latest").strip().lower() or "latest"
+        if raw == "none":
+            return None
+        if raw == "latest":
+            return self.latest_step()
+        return int(raw)
+
+    # ------------------------------------------------------------------ save
+
+    def should_save(self, step: int) -> bool:
+        """Whether `save(step, ...)` would save (policy or agreed request), without saving.
+        Called on: all processes, at the same steps."""
+        return self._decide(step, force=False)
+
+    def save(self, step: int, items: Mapping[str, Any], force: bool = False) -> bool:
+        """Save `items` at `step` if forced, due by policy or requested. Returns whether it saved.
+        Raises the error of a failed earlier background save. Called on: all processes, same step."""
+        self._check_open()
+        self._raise_background_error()
+        if self._last_saved_step is not None and step <= self._last_saved_step and not force:
+            self._decide(step, force=False)
+            return False
+        if not self._decide(step, force):
+            return False
+        requests, self._pending_requests = self._pending_requests, []
+        stop = self._stop_requested_locally
+        self._wait_pending()
+        self._save_count += 1
+        key = f"{self._key}/save{self._save_count}"
+        plan = items_lib.snapshot_items(
+            items, step=step, generation=self._options.generation,
+            process_index=self._coord.process_index, process_count=self._coord.process_count,
+            local_tier=self._local_tier, time_now=time.time())
+        self._last_saved_step = step
+        self._last_save_time = self._options.clock()
+        future = self._executor.submit(self._write_and_commit, step, plan, key, requests)
+        self._pending = future
+        if stop or not self._options.async_save:
+            self.wait()
+            if stop:
+                self._should_stop = True
+        return True
+
+    def wait(self) -> None:
+        """Block until the pending save committed; re-raise its failure."""
+        self._wait_pending()
+
+    def _wait_pending(self) -> None:
+        future, self._pending = self._pending, None
+        if future is None:
+            return
+        try:
+            future.result()
+        except ResilaxCkptError:
+            raise
+        except Exception as e:
+            raise SaveError(f"{self._root}: background save failed: {type(e).__name__}: {e}") from e
+
+    def _raise_background_error(self) -> None:
+        if self._pending is not None and self._pending.done() and self._pending.exception() is not None:
+            self._wait_pending()
+
+    def _decide(self, step: int, force: bool) -> bool:
+        """Policy plus requests, agreed across processes. Every process must call it at each step
+        it calls save() (so the agreement exchanges line up)."""
+        opts = self._options
+        now = opts.clock()
+        time_due = (opts.save_every_seconds is not None
+                    and now - self._last_save_time >= opts.save_every_seconds)
+        if opts.save_every_steps is None and opts.save_every_seconds is None:
+            step_due = True  # no policy: every save() call saves
+        else:
+            step_due = policy.decide_periodic_save(step, self._last_saved_step, None, now,
+                                                   opts.save_every_steps, None)
+        local_request = self._poll_local_requests()
+        if self._coord.process_count == 1 or self._local_tier:
+            requested = bool(local_request)
+            stop = any(r.stop for r in self._pending_requests) or self._sigterm.is_set()
+        else:
+            requested, stop, time_due = self._agree(step, local_request, time_due)
+        if stop:
+            self._stop_requested_locally = True
+        already = self._last_saved_step is not None and step <= self._last_saved_step
+        if already and (requested or stop):
+            # Answer the request with the step already saved (it is committed or committing).
+            self._answer_with_last_save()
+            if stop:
+                self.wait()
+                self._should_stop = True
+            return False
+        return force or step_due or time_due or requested or stop
+
+    def _poll_local_requests(self) -> bool:
+        if self._watcher is not None:
+            self._pending_requests.extend(self._watcher.poll())
+        if self._sigterm.is_set() and not any(r.path is None for r in self._pending_requests):
+            self._pending_requests.append(SaveRequest(id=f"sigterm-{os.getpid()}", reason="preemption",
+                                                      stop=True))
+        return bool(self._pending_requests)
+
+    def _agree(self, step: int, local_request: bool, time_due: bool) -> tuple[bool, bool, bool]:
+        """Several processes: every `request_check_every_steps` steps, exchange flags through the
+        coordination service (set, barrier, list). SIGTERM goes through JAX's preemption sync point,
+        which agrees on its own."""
+        preempted = False
+        if self._options.handle_sigterm:
+            from jax.experimental import multihost_utils
+
+            preempted = bool(multihost_utils.reached_preemption_sync_point(step))
+        if step % self._options.request_check_every_steps != 0 and not preempted:
+            return False, False, False
+        self._poll_count += 1
+        prefix = f"{self._key}/poll{self._poll_count}/"
+        local_stop = any(r.stop for r in self._pending_requests)
+        if local_request or time_due:
+            flags = {"request": local_request, "stop": local_stop, "time": time_due}
+            self._coord.publish(prefix + str(self._coord.process_index), json.dumps(flags))
+        self._coord.barrier(prefix.rstrip("/"), self._options.barrier_timeout_seconds)
+        seen = [json.loads(v) for v in self._coord.fetch_dir(prefix).values()]
+        if self._coord.process_index == 0 and self._poll_count > 1:
+            self._coord.delete(f"{self._key}/poll{self._poll_count - 1}/")
+        requested = any(f["request"] for f in seen)
+        stop = any(f["stop"] for f in seen) or preempted
+        return requested, stop, any(f["time"] for f in seen)
+
+    def _answer_with_last_save(self) -> None:
+        requests, self._pending_requests = self._pending_requests, []
+        if self._watcher is None or not requests:
+            return
+        step = self._last_saved_step
+        try:
+            self.wait()
+            self._write_results(requests, step, None)
+        except Exception as e:
+            self._write_results(requests, step, str(e))
+            raise
+
+    def _write_results(self, requests: Iterable[SaveRequest], step: int | None, error: str | None) -> None:
+        if self._watcher is None:
+            return
+        for request in requests:
+            if request.path is not None:
+                self._watcher.write_result(request, step, error is None, error)
+
+    def _write_and_commit(self, step: int, plan: items_lib.SnapshotPlan, key: str,
+                          requests: list[SaveRequest]) -> None:
+        try:
+            self._write_and_commit_inner(step, plan, key)
+        except BaseException as e:
+            self._write_results(requests, step, f"{type(e).__name__}: {e}")
+            raise
+        self._write_results(requests, step, None)
+
+    def _write_and_commit_inner(self, step: int, plan: items_lib.SnapshotPlan, key: str) -> None:
+        storage, root, gen = self._storage, self._root, self._options.generation
+        pid = self._coord.process_index
+        final = storage.join(root, layout.step_name(step))
+        work = storage.join(root, layout.tmp_name(step, gen)) if storage.is_local else final
+        several = self._coord.process_count > 1 and not self._local_tier
+        error: str | None = None
+        _maybe_crash("before_writes", pid)
+        try:
+            _write_step_files(storage, work, plan, self._context, self._options.max_inflight_bytes,
+                              create_metadata=self._is_primary, process_index=pid)
+            _maybe_crash("after_writes", pid)
+        except Exception as e:
+            error = f"process {pid}: {type(e).__name__}: {e}"
+            if not several:
+                raise
+        if several:
+            self._coord.publish(f"{key}/written/{pid}", error or "ok")
+            self._coord.barrier(f"{key}/written", self._options.barrier_timeout_seconds)
+        if self._is_primary:
+            result = "ok"
+            try:
+                if several:
+                    failures = [v for v in self._coord.fetch_dir(f"{key}/written/").values() if v != "ok"]
+                    if failures:
+                        raise SaveError(f"step {step}: not committed; writes failed: {'; '.join(failures)}")
+                storage.write_bytes(storage.join(work, layout.METADATA_FILE), plan.metadata.to_bytes())
+                _maybe_crash("before_commit", pid)
+                marker = commit.build_marker(step, gen)
+                if storage.is_local:
+                    commit.commit_local(storage, root, work, final, step, marker,
+                                        None if self._local_tier else gen)
+                else:
+                    commit.commit_object(storage, root, final, step, marker, gen)
+                _maybe_crash("after_commit", pid)
+                log.info("committed step %d in %s", step, root)
+            except Exception as e:
+                result = f"{type(e).__name__}: {e}"
+                if several:
+                    self._coord.publish(f"{key}/committed", result)
+                raise
+            if several:
+                self._coord.publish(f"{key}/committed", result)
+            self._apply_retention()
+        else:
+            if error is not None:
+                raise SaveError(f"step {step}: {error}")
+            result = self._coord.fetch(f"{key}/committed", self._options.barrier_timeout_seconds)
+            if result != "ok":
+                raise SaveError(f"step {step}: the primary did not commit: {result}")
+
+    def _apply_retention(self) -> None:
+        opts = self._options
+        if opts.keep_last is None:
+            return
+        doomed = policy.plan_retention(self.steps(), opts.keep_last, opts.keep_every_steps,
+                                       protected=self._protected_steps)
+        for step in doomed:
+            self._storage.delete_tree(self._storage.join(self._root, layout.step_name(step)))
+            log.info("retention deleted step %d in %s", step, self._root)
+
+    _protected_steps: tuple[int, ...] = ()
+
+    def _clean_local_tier(self) -> None:
+        for name in self._storage.list_dir(self._root):
+            if name.startswith((layout.TMP_PREFIX, layout.TRASH_PREFIX)):
+                self._storage.delete_tree(self._storage.join(self._root, name))
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None,
+                items: Iterable[str] | None = None) -> dict[str, Any]:
+        """Restore `items` (default: all) of `step` (default: latest). A target leaf that is a
+        `jax.ShapeDtypeStruct` with a sharding, or a `jax.Array`, comes back as a jax.Array with that
+        sharding and dtype; otherwise as NumPy. Called on: all processes."""
+        self._check_open()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise StepNotFoundError(f"{self._root}: no committed checkpoint")
+        self._protected_steps = (step,)
+        step_path = self._storage.join(self._root, layout.step_name(step))
+        if step not in self.steps():
+            if self._storage.exists(step_path):
+                raise StepNotCommittedError(
+                    f"{step_path}: step {step} is not committed (interrupted or fenced-out save); "
+                    f"committed steps: {self.steps()}")
+            raise StepNotFoundError(f"{step_path}: step {step} does not exist; committed steps: {self.steps()}")
+        return restore_step(self._storage, step_path, step, target, items, self._context,
+                            self._options.max_inflight_bytes, self._coord.process_index)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Wait for the pending save (re-raising its failure) and release resources."""
+        if self._closed:
+            return
+        try:
+            self._wait_pending()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            self._uninstall_sigterm()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ResilaxCkptError(f"{self._root}: the CheckpointManager is closed")
+
+    def _install_sigterm(self) -> None:
+        if (not self._options.handle_sigterm or self._coord.process_count > 1
+                or threading.current_thread() is not threading.main_thread()):
+            return
+        self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._sigterm.set()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _uninstall_sigterm(self) -> None:
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+
+def _write_step_files(storage: Storage, work: str, plan: items_lib.SnapshotPlan, context: Any,
+                      max_inflight_bytes: int, create_metadata: bool, process_index: int) -> None:
+    def progress(n: int) -> None:
+        if n == len(plan.writes) // 2:
+            _maybe_crash("mid_writes", process_index)
+
+    tsio.write_snapshot(plan, work, storage, context, create_metadata, max_inflight_bytes, progress)
+    for parts, data in plan.files:
+        storage.write_bytes(storage.join(work, *parts), data)
+
+
+def read_metadata(storage: Storage, step_path: str) -> StepMetadata:
+    where = storage.join(step_path, layout.METADATA_FILE)
+    try:
+        data = storage.read_bytes(where)
+    except FileNotFoundError as e:
+        raise MetadataError(f"{where}: missing") from e
+    except OSError as e:
+        raise MetadataError(f"{where}: unreadable ({e})") from e
+    return StepMetadata.from_bytes(data, where)
+
+
+def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[str, Any] | None,
+                 items: Iterable[str] | None, context: Any, max_inflight_bytes: int,
+                 process_index: int) -> dict[str, Any]:
+    """Restore from one committed step folder (see CheckpointManager.restore)."""
+    meta = read_metadata(storage, step_path)
+    names = list(items) if items is not None else list(meta.items)
+    unknown = [n for n in names if n not in meta.items]
+    if unknown:
+        raise TreeMismatchError(f"step {step}: no item(s) {', '.join(map(repr, unknown))} in the checkpoint; "
+                                f"it has: {', '.join(map(repr, meta.items))}")
+    target = target or {}
+    out: dict[str, Any] = {}
+    reads: list[tsio.LeafRead] = []
+    assemble: list[tuple[str, Any, list[Any]]] = []  # (item, treedef or paths, slots)
+    problems: list[str] = []
+    for name in names:
+        item = meta.items[name]
+        if item.kind == "json":
+            out[name] = json.loads(storage.read_bytes(storage.join(step_path, layout.item_json_name(name))))
+            continue
+        if item.kind == "per_process":
+            path = storage.join(step_path, name, layout.process_json_name(process_index))
+            out[name] = json.loads(storage.read_bytes(path)) if storage.exists(path) else None
+            continue
+        item_target = target.get(name)
+        if item_target is not None:
+            leaves, treedef = items_lib.match_target(step, name, item, item_target)
+            targets = jax.tree_util.tree_leaves(item_target)
+        else:
+            leaves, treedef = list(item.leaves), None
+            targets = [None] * len(leaves)
+        slots: list[Any] = []
+        for leaf, want in zip(leaves, targets, strict=True):
+            if leaf.kind == "scalar":
+                slots.append(_scalar_value(leaf.value, leaf.pytype, want))
+                continue
+            sharding = None
+            dtype = np.dtype(leaf.dtype)
+            if want is not None and hasattr(want, "shape"):
+                if tuple(want.shape) != tuple(leaf.shape):
+                    problems.append(f"step {step}: array '{name}/{leaf.keystr}' has shape {tuple(leaf.shape)} "
+                                    f"on disk, the target expects {tuple(want.shape)}")
+                    continue
+                dtype = np.dtype(want.dtype)
+                sharding = getattr(want, "sharding", None)
+            read = tsio.LeafRead(name, leaf, dtype, sharding)
+            reads.append(read)
+            slots.append(read)
+        assemble.append((name, treedef if treedef is not None else [lf.path for lf in leaves], slots))
+    if problems:
+        raise ShapeMismatchError("; ".join(problems))
+    tsio.read_leaves(reads, step_path, storage, context, max_inflight_bytes)
+    for name, structure, slots in assemble:
+        values = [s.result if isinstance(s, tsio.LeafRead) else s for s in slots]
+        if isinstance(structure, list):
+            out[name] = items_lib.rebuild_tree(structure, values)
+        else:
+            out[name] = jax.tree_util.tree_unflatten(structure, values)
+    return out
+
+
+def _scalar_value(value: Any, pytype: str, want: Any) -> Any:
+    if pytype in ("int", "float", "bool", "str"):
+        value = {"int": int, "float": float, "bool": bool, "str": str}[pytype](value)
+    else:
+        value = np.dtype(pytype).type(value)
+    if want is not None and hasattr(want, "dtype") and not isinstance(want, (int, float, bool)):
+        return np.asarray(value, dtype=want.dtype)[()]
+    return value
+
+
+def save(path: str, items: Mapping[str, Any]) -> None:
+    """Save `items` into the folder `path` (one step, no manager), synchronously and atomically.
+    Called on: all processes."""
+    path = path.rstrip("/")
+    storage = open_storage(path)
+    coord = current_coordinator()
+    root, name = path.rsplit("/", 1) if "/" in path else (".", path)
+    context = tsio.build_context(32, True)
+    plan = items_lib.snapshot_items(items, step=0, generation=0, process_index=coord.process_index,
+                                    process_count=coord.process_count, local_tier=False, time_now=time.time())
+    work = storage.join(root, f"{layout.TMP_PREFIX}{name}") if storage.is_local else path
+    _write_step_files(storage, work, plan, context, 512 << 20, coord.process_index == 0, coord.process_index)
+    key = f"resilax_ckpt/oneshot/{name}/{time.time_ns() if coord.process_count == 1 else 0}"
+    coord.barrier(f"{key}/written", 900)
+    if coord.process_index == 0:
+        storage.write_bytes(storage.join(work, layout.METADATA_FILE), plan.metadata.to_bytes())
+        marker = commit.build_marker(0, 0)
+        if storage.is_local:
+            commit.commit_local(storage, root, work, path, 0, marker, None)
+        else:
+            storage.write_bytes(storage.join(path, layout.COMMIT_FILE), marker)
+    coord.barrier(f"{key}/committed", 900)
+
+
+def restore(path: str, target: Mapping[str, Any] | None = None,
+            items: Iterable[str] | None = None) -> dict[str, Any]:
+    """Restore from a folder written by `save` (or one step folder of a manager)."""
+    path = path.rstrip("/")
+    storage = open_storage(path)
+    if not storage.exists(storage.join(path, layout.COMMIT_FILE)):
+        if storage.exists(path):
+            raise StepNotCommittedError(f"{path}: not committed (no {layout.COMMIT_FILE})")
+        raise StepNotFoundError(f"{path}: does not exist")
+    coord = current_coordinator()
+    return restore_step(storage, path, layout.parse_step(path.rsplit("/", 1)[-1]) or 0, target, items,
+                        tsio.build_context(32, True), 512 << 20, coord.process_index)

@@ -1,0 +1,125 @@
+"""The versioned JSON metadata of a step (`_METADATA.json`). Never pickle.
+
+A leaf's tree position is stored as a list of `[kind, key]` pairs (`"d"` dict key, `"s"` sequence
+index, `"a"` attribute, `"f"` flattened index) plus its `jax.tree_util.keystr`, which is what a
+restore target is matched against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+from resilax_ckpt.errors import MetadataError
+
+FORMAT_NAME = "resilax-ckpt"
+FORMAT_VERSION = 1
+
+LeafKind = Literal["array", "scalar"]
+ItemKind = Literal["pytree", "json", "per_process"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafMetadata:
+    """One leaf of a pytree item."""
+
+    keystr: str
+    path: list[list[Any]]
+    kind: LeafKind
+    dir: str | None = None
+    """Folder of the zarr3 array under the item's folder (arrays only)."""
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    chunks: tuple[int, ...] = ()
+    """The zarr3 chunk shape: the shard shape of the saved sharding."""
+    value: Any = None
+    """A scalar leaf's value (JSON)."""
+    pytype: str = ""
+    """A scalar leaf's Python type: int, float, bool, str, or a NumPy dtype name (np.generic)."""
+
+    def to_json(self) -> dict[str, Any]:
+        if self.kind == "scalar":
+            return {"keystr": self.keystr, "path": self.path, "kind": "scalar",
+                    "value": self.value, "pytype": self.pytype}
+        return {"keystr": self.keystr, "path": self.path, "kind": "array", "dir": self.dir,
+                "shape": list(self.shape), "dtype": self.dtype, "chunks": list(self.chunks)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> LeafMetadata:
+        if raw["kind"] == "scalar":
+            return cls(keystr=raw["keystr"], path=raw["path"], kind="scalar", value=raw["value"],
+                       pytype=raw["pytype"])
+        if raw["kind"] != "array":
+            raise KeyError(f"unknown leaf kind {raw['kind']!r}")
+        return cls(keystr=raw["keystr"], path=raw["path"], kind="array", dir=raw["dir"],
+                   shape=tuple(raw["shape"]), dtype=raw["dtype"], chunks=tuple(raw["chunks"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemMetadata:
+    kind: ItemKind
+    leaves: tuple[LeafMetadata, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.kind == "pytree":
+            out["leaves"] = [leaf.to_json() for leaf in self.leaves]
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ItemMetadata:
+        kind = raw["kind"]
+        if kind not in ("pytree", "json", "per_process"):
+            raise KeyError(f"unknown item kind {kind!r}")
+        leaves = tuple(LeafMetadata.from_json(leaf) for leaf in raw.get("leaves", []))
+        return cls(kind=kind, leaves=leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+    step: int
+    generation: int
+    process_count: int
+    items: dict[str, ItemMetadata]
+    time: float = 0.0
+    local_tier: bool = False
+
+    def to_bytes(self) -> bytes:
+        raw = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "step": self.step,
+            "generation": self.generation,
+            "process_count": self.process_count,
+            "time": self.time,
+            "local_tier": self.local_tier,
+            "items": {name: item.to_json() for name, item in self.items.items()},
+        }
+        return json.dumps(raw, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> StepMetadata:
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise MetadataError(f"{where}: not valid JSON ({e})") from e
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+            raise MetadataError(f"{where}: not a {FORMAT_NAME} metadata file")
+        version = raw.get("version")
+        if version != FORMAT_VERSION:
+            raise MetadataError(
+                f"{where}: format version {version!r} is not supported; this library reads version "
+                f"{FORMAT_VERSION}"
+            )
+        try:
+            return cls(
+                step=int(raw["step"]),
+                generation=int(raw["generation"]),
+                process_count=int(raw["process_count"]),
+                time=float(raw.get("time", 0.0)),
+                local_tier=bool(raw.get("local_tier", False)),
+                items={name: ItemMetadata.from_json(item) for name, item in raw["items"].items()},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise MetadataError(f"{where}: malformed metadata ({type(e).__name__}: {e})") from e

@@ -1,0 +1,111 @@
+"""Settings of a CheckpointManager: one frozen dataclass, built once (`ManagerOptions.from_env()`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Mapping
+
+from resilax_ckpt.errors import ResilaxCkptError
+
+
+class InvalidOptionsError(ResilaxCkptError, ValueError):
+    """An option (or the environment variable it came from) has an invalid value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerOptions:
+    """How a CheckpointManager saves, keeps and coordinates checkpoints."""
+
+    save_every_steps: int | None = None
+    """Save when `step % save_every_steps == 0` (None: no step policy)."""
+
+    save_every_seconds: float | None = None
+    """Save when this many seconds passed since the last save (None: no time policy)."""
+
+    keep_last: int | None = None
+    """Keep the newest N committed steps (None: keep all)."""
+
+    keep_every_steps: int | None = None
+    """Also keep every step that is a multiple of this, whatever `keep_last` says."""
+
+    async_save: bool = True
+    """`save()` returns after the device-to-host snapshot; writes and commit run in the background."""
+
+    generation: int = 0
+    """The worker generation (RESILAX_GENERATION); a newer generation fences older ones out."""
+
+    local_tier: bool = False
+    """The directory is per host (the local fast tier): every process writes every shard it holds,
+    its own metadata and its own `_COMMIT`; no cross-process barrier is needed."""
+
+    control_dir: str | None = None
+    """Folder of save requests and results shared with the sidecar (RESILAX_CONTROL_DIR)."""
+
+    handle_sigterm: bool = True
+    """Treat SIGTERM as a save request with stop (single process: a Python handler; several
+    processes: JAX's preemption sync point)."""
+
+    request_check_every_steps: int = 1
+    """With several processes, agree on pending save requests every this many steps (a barrier on
+    the coordination service, no device work)."""
+
+    max_inflight_bytes: int = 512 << 20
+    """Upper bound of bytes being written or read at once (bounds the host memory of I/O)."""
+
+    io_concurrency: int = 32
+    """tensorstore's `data_copy_concurrency` and `file_io_concurrency` limits."""
+
+    fsync: bool = True
+    """fsync each written file (tensorstore's `file_io_sync`) and the step folder before commit."""
+
+    barrier_timeout_seconds: float = 900.0
+    """How long a process waits for the others at a save's barriers before it fails the save."""
+
+    clock: Callable[[], float] = time.monotonic
+    """The time source of `save_every_seconds` (injectable for tests)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("save_every_steps", "keep_last", "keep_every_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"{name}: {value!r} must be >= 1 or None")
+        if self.save_every_seconds is not None and self.save_every_seconds <= 0:
+            problems.append(f"save_every_seconds: {self.save_every_seconds!r} must be > 0 or None")
+        if self.request_check_every_steps < 1:
+            problems.append(f"request_check_every_steps: {self.request_check_every_steps!r} must be >= 1")
+        if self.max_inflight_bytes < 1:
+            problems.append(f"max_inflight_bytes: {self.max_inflight_bytes!r} must be >= 1")
+        if problems:
+            raise InvalidOptionsError("; ".join(problems))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> ManagerOptions:
+        """Build from the RESILAX_* variables of docs/architecture.md; `overrides` win."""
+        env = os.environ if env is None else env
+        problems: list[str] = []
+
+        def number(name: str, kind: type[int] | type[float]) -> int | float | None:
+            raw = env.get(name, "").strip()
+            if not raw:
+                return None
+            try:
+                return kind(raw)
+            except ValueError:
+                problems.append(f"{name}: {raw!r} is not a{'n integer' if kind is int else ' number'}")
+                return None
+
+        values: dict[str, object] = {
+            "save_every_steps": number("RESILAX_SAVE_EVERY_STEPS", int),
+            "save_every_seconds": number("RESILAX_SAVE_EVERY_SECONDS", float),
+            "keep_last": number("RESILAX_KEEP_LAST", int),
+            "keep_every_steps": number("RESILAX_KEEP_EVERY_STEPS", int),
+            "generation": number("RESILAX_GENERATION", int) or 0,
+            "control_dir": env.get("RESILAX_CONTROL_DIR") or None,
+        }
+        if problems:
+            raise InvalidOptionsError("; ".join(problems))
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]

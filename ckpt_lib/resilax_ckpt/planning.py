@@ -1,0 +1,94 @@
+"""Pure planning: which boxes of each array a process writes and reads.
+
+A box is a tuple of `(start, stop)` pairs, one per dimension. Nothing here touches JAX devices or
+storage, so resharding plans are tested as plain tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+
+Box = tuple[tuple[int, int], ...]
+Index = tuple[slice, ...]
+
+
+def box_of_index(index: Index, shape: Sequence[int]) -> Box:
+    """The box an index (a tuple of slices, as JAX's `devices_indices_map` gives) selects."""
+    box = []
+    for dim, size in enumerate(shape):
+        s = index[dim] if dim < len(index) else slice(None)
+        start, stop, step = s.indices(size)
+        if step != 1:
+            raise ValueError(f"strided shard index {index} is not supported")
+        box.append((start, stop))
+    return tuple(box)
+
+
+def box_to_index(box: Box) -> Index:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def box_size(box: Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+def plan_chunk_shape(shape: Sequence[int], boxes: Iterable[Box]) -> tuple[int, ...]:
+    """The zarr chunk shape for an array sharded into `boxes`: the largest shard extent per
+    dimension (at least 1). Shards of a JAX sharding start at multiples of it, so each process
+    writes whole, disjoint chunks."""
+    chunk = [1] * len(shape)
+    for box in boxes:
+        for dim, (a, b) in enumerate(box):
+            chunk[dim] = max(chunk[dim], b - a)
+    return tuple(chunk)
+
+
+def plan_write_boxes(shards: Iterable[tuple[Index, int]], shape: Sequence[int],
+                     all_replicas: bool = False) -> list[Box]:
+    """The distinct boxes a process writes, from its addressable shards' `(index, replica_id)`.
+
+    Only replica 0 of each shard is written to a shared folder (so each byte is written once
+    overall); `all_replicas=True` (the per-host local tier) writes every box the process holds.
+    """
+    seen: dict[Box, None] = {}
+    for index, replica_id in shards:
+        if all_replicas or replica_id == 0:
+            seen.setdefault(box_of_index(index, shape), None)
+    return list(seen)
+
+
+def plan_read_boxes(device_indices: Iterable[tuple[Hashable, Index]],
+                    shape: Sequence[int]) -> dict[Box, list[Hashable]]:
+    """The distinct boxes a process reads for its target shards, each with the devices needing it."""
+    plan: dict[Box, list[Hashable]] = {}
+    for device, index in device_indices:
+        plan.setdefault(box_of_index(index, shape), []).append(device)
+    return plan
+
+
+def chunks_of_box(box: Box, chunks: Sequence[int]) -> list[tuple[int, ...]]:
+    """The grid positions of the chunks a box overlaps."""
+    ranges = []
+    for (a, b), c in zip(box, chunks, strict=True):
+        if b <= a:
+            return []
+        ranges.append(range(a // c, (b - 1) // c + 1))
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [(*prefix, i) for prefix in out for i in r]
+    return out
+
+
+def box_covered(box: Box, written: Iterable[Box], chunks: Sequence[int]) -> bool:
+    """Whether every chunk a box overlaps was written (by whole chunks, as plan_chunk_shape makes)."""
+    have: set[tuple[int, ...]] = set()
+    for w in written:
+        have.update(chunks_of_box(w, chunks))
+    return all(c in have for c in chunks_of_box(box, chunks))

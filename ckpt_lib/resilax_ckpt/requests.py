@@ -1,0 +1,74 @@
+"""Save requests from outside the training loop (docs/architecture.md, "Save requests").
+
+The sidecar or operator drops `$RESILAX_CONTROL_DIR/requests/<id>.json` =
+`{"id": ..., "reason": "manual|preemption|resize", "stop": bool}`; after the agreed step is committed
+(or failed) the manager writes `$RESILAX_CONTROL_DIR/results/<id>.json` =
+`{"id", "step", "committed", "error"}` and removes the request file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+REQUESTS_DIR = "requests"
+RESULTS_DIR = "results"
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRequest:
+    id: str
+    reason: str
+    stop: bool
+    path: str | None = None
+    """The request file (None for a SIGTERM)."""
+
+
+class RequestWatcher:
+    """Notices request files in one control folder. Called on: each process (its own pod's folder)."""
+
+    def __init__(self, control_dir: str) -> None:
+        self._dir = os.path.join(control_dir, REQUESTS_DIR)
+        self._results = os.path.join(control_dir, RESULTS_DIR)
+        self._seen: set[str] = set()
+
+    def poll(self) -> list[SaveRequest]:
+        """New requests since the last poll (files whose name ends in .json; others are in flight)."""
+        try:
+            names = os.listdir(self._dir)
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in sorted(names):
+            if not name.endswith(".json") or name in self._seen:
+                continue
+            path = os.path.join(self._dir, name)
+            try:
+                with open(path, "rb") as f:
+                    raw = json.load(f)
+                request = SaveRequest(id=str(raw.get("id") or name[:-5]), reason=str(raw.get("reason", "manual")),
+                                      stop=bool(raw.get("stop", False)), path=path)
+            except (OSError, ValueError, AttributeError) as e:
+                log.warning("ignoring unreadable save request %s: %s", path, e)
+                request = SaveRequest(id=name[:-5], reason="invalid", stop=False, path=path)
+            self._seen.add(name)
+            found.append(request)
+        return found
+
+    def write_result(self, request: SaveRequest, step: int | None, committed: bool, error: str | None) -> None:
+        os.makedirs(self._results, exist_ok=True)
+        body = json.dumps({"id": request.id, "step": step, "committed": committed, "error": error}).encode()
+        final = os.path.join(self._results, f"{request.id}.json")
+        tmp = f"{final}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(body)
+        os.replace(tmp, final)
+        if request.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(request.path)
+            self._seen.discard(os.path.basename(request.path))

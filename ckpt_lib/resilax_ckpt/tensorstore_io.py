@@ -1,0 +1,207 @@
+"""Array I/O through tensorstore: one zarr3 array per leaf, chunks = the shard grid, no compression.
+
+Writes and reads are issued as futures and awaited together, bounded by a byte limit so the host
+memory of in-flight I/O stays below `ManagerOptions.max_inflight_bytes`. Arrays are opened with
+`assume_metadata` (no metadata I/O per leaf): the shape, dtype and chunks come from our own
+`_METADATA.json`; the primary writes each array's `zarr.json` so the data stays readable by any zarr3
+reader. Reads refuse missing chunks (`fill_missing_data_reads: false`) instead of returning zeros.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from resilax_ckpt import planning
+from resilax_ckpt.errors import StorageError
+
+
+def build_context(io_concurrency: int, fsync: bool) -> ts.Context:
+    return ts.Context({
+        "data_copy_concurrency": {"limit": io_concurrency},
+        "file_io_concurrency": {"limit": io_concurrency},
+        "file_io_sync": fsync,
+        "cache_pool": {"total_bytes_limit": 0},
+    })
+
+
+def dtype_name(dtype: Any) -> str:
+    return np.dtype(dtype).name
+
+
+def build_array_spec(kvstore: dict[str, Any], shape: Sequence[int], dtype: str,
+                     chunks: Sequence[int]) -> dict[str, Any]:
+    return {
+        "driver": "zarr3",
+        "kvstore": kvstore,
+        "fill_missing_data_reads": False,
+        "metadata": {
+            "shape": list(shape),
+            "data_type": dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+            "chunk_key_encoding": {"name": "default"},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            "fill_value": 0 if dtype != "bool" else False,
+        },
+    }
+
+
+class InflightLimiter:
+    """Keeps at most `limit` bytes of I/O in flight (always admits one operation). Each operation
+    may carry a callback run on its result and objects kept alive until it finished."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._inflight = 0
+        self._pending: collections.deque[tuple[Any, int, str, Any, Any]] = collections.deque()
+
+    def admit(self, nbytes: int) -> None:
+        while self._pending and self._inflight + nbytes > self._limit:
+            self._finish_oldest()
+
+    def add(self, future: Any, nbytes: int, what: str, on_done: Any = None, keep: Any = None) -> None:
+        self._pending.append((future, nbytes, what, on_done, keep))
+        self._inflight += nbytes
+
+    def _finish_oldest(self) -> None:
+        future, nbytes, what, on_done, _ = self._pending.popleft()
+        self._inflight -= nbytes
+        try:
+            result = future.result()
+        except Exception as e:
+            self.cancel()
+            raise StorageError(f"{what}: {e}") from e
+        if on_done is not None:
+            on_done(result)
+
+    def drain(self) -> None:
+        while self._pending:
+            self._finish_oldest()
+
+    def cancel(self) -> None:
+        for entry in self._pending:
+            entry[0].cancel()
+        self._pending.clear()
+        self._inflight = 0
+
+
+def open_arrays(specs: Sequence[dict[str, Any]], context: ts.Context, create: bool) -> list[ts.TensorStore]:
+    """Open arrays; `create=True` writes their zarr.json (primary only), else assume metadata."""
+    if create:
+        futures = [ts.open(spec, create=True, open=True, context=context) for spec in specs]
+    else:
+        futures = [ts.open(spec, open=True, assume_metadata=True, context=context) for spec in specs]
+    out = []
+    for spec, future in zip(specs, futures, strict=True):
+        try:
+            out.append(future.result())
+        except Exception as e:
+            raise StorageError(f"opening array {spec['kvstore'].get('path')}: {e}") from e
+    return out
+
+
+def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context, create_metadata: bool,
+                   max_inflight_bytes: int, on_progress: Any = None) -> None:
+    """Write this process's boxes (and, when `create_metadata`, every array's zarr.json) under
+    `step_path`. Issues the writes as futures, at most `max_inflight_bytes` at once, and returns
+    once all are durable. `on_progress(i)` is called before the i-th write (test hook)."""
+    specs = [
+        build_array_spec(storage.kvstore_spec(storage.join(step_path, item, leaf.dir)), leaf.shape,
+                         leaf.dtype, leaf.chunks)
+        for item, leaf in plan.arrays
+    ]
+    needed = sorted({w.array_index for w in plan.writes})
+    if create_metadata:
+        stores = open_arrays(specs, context, create=True)
+    else:
+        opened = open_arrays([specs[i] for i in needed], context, create=False)
+        stores = [None] * len(specs)  # type: ignore[list-item]
+        for i, store in zip(needed, opened, strict=True):
+            stores[i] = store
+    limiter = InflightLimiter(max_inflight_bytes)
+    try:
+        for n, write in enumerate(plan.writes):
+            if on_progress is not None:
+                on_progress(n)
+            limiter.admit(write.nbytes)
+            data = np.asarray(write.source)
+            store = stores[write.array_index]
+            item, leaf = plan.arrays[write.array_index]
+            future = store[tuple(slice(a, b) for a, b in write.box)].write(
+                data, can_reference_source_data_indefinitely=True)
+            limiter.add(future, write.nbytes, f"writing {item}/{leaf.keystr} box {write.box} to {step_path}",
+                        keep=data)
+            write.source = None  # the limiter holds the data until it is written
+        limiter.drain()
+    finally:
+        limiter.cancel()
+
+
+class LeafRead:
+    """One leaf to restore: to host NumPy (`sharding=None`) or to a jax.Array with `sharding`."""
+
+    def __init__(self, item: str, leaf: Any, dtype: np.dtype, sharding: Any) -> None:
+        self.item = item
+        self.leaf = leaf
+        self.dtype = dtype
+        self.sharding = sharding
+        self.result: Any = None
+        self._parts: dict[Any, Any] = {}
+        self._remaining = 0
+
+    def plan(self) -> dict[Any, list[Any]]:
+        shape = self.leaf.shape
+        if self.sharding is None:
+            return {tuple((0, d) for d in shape): [None]}
+        indices = self.sharding.addressable_devices_indices_map(shape).items()
+        plan = planning.plan_read_boxes(indices, shape)
+        self._remaining = len(plan)
+        return plan
+
+    def deliver(self, devices: list[Any], data: np.ndarray) -> None:
+        import jax
+
+        if data.dtype != self.dtype:
+            data = data.astype(self.dtype)
+        if self.sharding is None:
+            self.result = data
+            return
+        placed = jax.device_put([data] * len(devices), devices)
+        for device, array in zip(devices, placed, strict=True):
+            self._parts[device] = array
+        self._remaining -= 1
+        if self._remaining == 0:
+            arrays = [self._parts[d] for d in self.sharding.addressable_devices]
+            ordered = sorted(arrays, key=lambda a: next(iter(a.devices())).id)
+            self.result = jax.make_array_from_single_device_arrays(self.leaf.shape, self.sharding, ordered)
+            self._parts.clear()
+
+
+def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: ts.Context,
+                max_inflight_bytes: int) -> None:
+    """Read, per leaf, only the boxes this process's target shards need; at most
+    `max_inflight_bytes` in flight. Fills each `LeafRead.result`."""
+    specs = [
+        build_array_spec(storage.kvstore_spec(storage.join(step_path, r.item, r.leaf.dir)), r.leaf.shape,
+                         r.leaf.dtype, r.leaf.chunks)
+        for r in reads
+    ]
+    stores = open_arrays(specs, context, create=False)
+    limiter = InflightLimiter(max_inflight_bytes)
+    try:
+        for read, store in zip(reads, stores, strict=True):
+            itemsize = np.dtype(read.leaf.dtype).itemsize
+            for box, devices in read.plan().items():
+                nbytes = planning.box_size(box) * itemsize
+                limiter.admit(nbytes)
+                future = store[tuple(slice(a, b) for a, b in box)].read()
+                limiter.add(future, nbytes, f"reading {read.item}/{read.leaf.keystr} box {box} from {step_path}",
+                            on_done=functools.partial(read.deliver, devices))
+        limiter.drain()
+    finally:
+        limiter.cancel()

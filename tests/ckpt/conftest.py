@@ -1,0 +1,38 @@
+"""Fixtures of the checkpoint library's tests: 8 fake CPU devices, subprocess workers, fake-gcs-server."""
+
+from __future__ import annotations
+
+import os
+
+# Before JAX is imported anywhere in this session: 8 fake CPU devices.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import pytest
+from ckpt_fakegcs import FakeGcsServer, start_fake_gcs_server
+
+
+@pytest.fixture(scope="session")
+def devices() -> list[jax.Device]:
+    devs = jax.devices()
+    if len(devs) < 8:
+        pytest.fail(f"need 8 fake CPU devices, got {len(devs)}: JAX was imported before tests/ckpt/conftest.py "
+                    "set XLA_FLAGS; run tests/ckpt in its own pytest process")
+    return devs
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> FakeGcsServer:
+    server = start_fake_gcs_server()
+    yield server  # type: ignore[misc]
+    server.stop()
+
+
+@pytest.fixture
+def gcs_root(gcs_server: FakeGcsServer, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on the session's fake-gcs-server, with the environment pointing at it."""
+    for key, value in gcs_server.env().items():
+        monkeypatch.setenv(key, value)
+    bucket = gcs_server.create_bucket()
+    return f"gs://{bucket}/run"

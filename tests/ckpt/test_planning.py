@@ -1,0 +1,123 @@
+"""Pure decisions as tables: boxes, chunks, resharding reads, retention, periodic policy, fencing."""
+
+from __future__ import annotations
+
+import pytest
+from resilax_ckpt import fencing, layout, planning, policy
+from resilax_ckpt.errors import FencedError, MetadataError
+from resilax_ckpt.metadata import ItemMetadata, LeafMetadata, StepMetadata
+
+S = slice
+
+
+@pytest.mark.parametrize(("index", "shape", "box"), [
+    ((S(0, 4), S(2, 4)), (8, 4), ((0, 4), (2, 4))),
+    ((S(None), S(None)), (8, 4), ((0, 8), (0, 4))),
+    ((S(4, None),), (8, 4), ((4, 8), (0, 4))),
+    ((), (), ()),
+], ids=["slices", "full", "short-index", "scalar"])
+def test_box_of_index(index, shape, box):
+    assert planning.box_of_index(index, shape) == box
+
+
+@pytest.mark.parametrize(("shape", "boxes", "chunks"), [
+    ((8, 4), [((0, 4), (0, 2)), ((4, 8), (2, 4))], (4, 2)),
+    ((10,), [((0, 4),), ((4, 8),), ((8, 10),)], (4,)),
+    ((0, 3), [((0, 0), (0, 3))], (1, 3)),
+    ((), [()], ()),
+], ids=["grid", "uneven", "empty-dim", "scalar"])
+def test_plan_chunk_shape(shape, boxes, chunks):
+    assert planning.plan_chunk_shape(shape, boxes) == chunks
+
+
+def test_plan_write_boxes_writes_replica_zero_once():
+    shards = [((S(0, 4),), 0), ((S(0, 4),), 1), ((S(4, 8),), 1), ((S(4, 8),), 0), ((S(4, 8),), 0)]
+    assert planning.plan_write_boxes(shards, (8,)) == [((0, 4),), ((4, 8),)]
+    assert planning.plan_write_boxes([((S(4, 8),), 1)], (8,)) == []
+    assert planning.plan_write_boxes([((S(4, 8),), 1)], (8,), all_replicas=True) == [((4, 8),)]
+
+
+def test_plan_read_boxes_groups_devices_per_box():
+    plan = planning.plan_read_boxes([("d0", (S(0, 4),)), ("d1", (S(0, 4),)), ("d2", (S(4, 8),))], (8,))
+    assert plan == {((0, 4),): ["d0", "d1"], ((4, 8),): ["d2"]}
+
+
+@pytest.mark.parametrize(("box", "written", "covered"), [
+    (((0, 4), (0, 4)), [((0, 4), (0, 2)), ((0, 4), (2, 4))], True),
+    (((0, 4), (0, 4)), [((0, 4), (0, 2))], False),
+    (((2, 4), (0, 2)), [((0, 4), (0, 2))], True),
+], ids=["two-chunks", "half-missing", "inside-one-chunk"])
+def test_box_covered(box, written, covered):
+    assert planning.box_covered(box, written, (4, 2)) is covered
+
+
+@pytest.mark.parametrize(("steps", "keep_last", "every", "protected", "deleted"), [
+    ([1, 2, 3, 4, 5], 2, None, (), [1, 2, 3]),
+    ([10, 20, 30, 40, 50], 1, 20, (), [10, 30]),
+    ([1, 2, 3], 1, None, (1,), [2]),
+    ([1, 2, 3], None, None, (), []),
+    ([], 1, None, (), []),
+], ids=["keep-last", "keep-every", "protected", "keep-all", "empty"])
+def test_plan_retention(steps, keep_last, every, protected, deleted):
+    assert policy.plan_retention(steps, keep_last, every, protected) == deleted
+
+
+@pytest.mark.parametrize(("step", "last", "last_time", "now", "every_steps", "every_s", "save"), [
+    (100, None, None, 0.0, 100, None, True),
+    (101, 100, 0.0, 0.0, 100, None, False),
+    (100, 100, 0.0, 0.0, 100, None, False),
+    (7, 5, 0.0, 61.0, None, 60.0, True),
+    (7, 5, 0.0, 59.0, None, 60.0, False),
+    (7, 5, 0.0, 59.0, 7, 60.0, True),
+], ids=["every-steps", "off-step", "already-saved", "seconds-due", "seconds-not-due", "first-wins"])
+def test_decide_periodic_save(step, last, last_time, now, every_steps, every_s, save):
+    assert policy.decide_periodic_save(step, last, last_time, now, every_steps, every_s) is save
+
+
+@pytest.mark.parametrize(("step", "gen", "fences", "visible"), [
+    (10, 1, {1: None}, True),
+    (10, 1, {2: 10}, True),
+    (11, 1, {2: 10}, False),
+    (11, 1, {2: None}, False),
+    (11, 2, {2: 10}, True),
+    (11, 1, {2: 12, 3: 10}, False),
+], ids=["own-fence", "seen-by-newer", "after-newer-started", "newer-saw-nothing", "newer-own-step",
+        "two-newer"])
+def test_decide_visible(step, gen, fences, visible):
+    assert fencing.decide_visible(step, gen, fences) is visible
+
+
+def test_check_not_fenced():
+    fencing.check_not_fenced({1: None, 2: 5}, 2, "step 6")
+    with pytest.raises(FencedError, match="generation 1 may not commit; a newer generation exists \\(2\\)"):
+        fencing.check_not_fenced({1: None, 2: 5}, 1, "step 6")
+
+
+@pytest.mark.parametrize(("name", "step"), [("12", 12), ("0", 0), ("12/", 12), (".tmp-12-g1", None),
+                                            ("_fences", None), ("1e3", None)])
+def test_parse_step(name, step):
+    assert layout.parse_step(name) == step
+
+
+def test_tmp_names_carry_the_generation():
+    assert layout.parse_tmp_generation(layout.tmp_name(12, 3)) == 3
+    assert layout.parse_tmp_generation("12") is None
+
+
+def test_leaf_dir_names_are_unique_and_safe():
+    names = layout.leaf_dir_names(["['params']['w']", "['params'].w", "[0].mu['a/b']", ""])
+    assert names == ["params.w", "params.w.1", "0.mu.a.b", "leaf3"]
+
+
+def test_metadata_round_trip_and_version_check():
+    leaf = LeafMetadata(keystr="['w']", path=[["d", "w"]], kind="array", dir="w", shape=(8, 4),
+                        dtype="bfloat16", chunks=(4, 2))
+    scalar = LeafMetadata(keystr="['s']", path=[["d", "s"]], kind="scalar", value=3, pytype="int")
+    meta = StepMetadata(step=5, generation=2, process_count=2,
+                        items={"params": ItemMetadata("pytree", (leaf, scalar)), "meta": ItemMetadata("json")})
+    assert StepMetadata.from_bytes(meta.to_bytes(), "x") == meta
+    bad = meta.to_bytes().replace(b'"version": 1', b'"version": 99')
+    with pytest.raises(MetadataError, match="format version 99 is not supported"):
+        StepMetadata.from_bytes(bad, "x")
+    with pytest.raises(MetadataError, match="not valid JSON"):
+        StepMetadata.from_bytes(b"{", "x")
