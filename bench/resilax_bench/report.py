@@ -1,0 +1,208 @@
+"""Turn the rounds' raw results into medians, per-round ratios and the issue's targets (markdown)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+ANCHORS = ("orbax", "dcp", "numpy", "dd")
+
+# (key, label, kind): kind "save"/"restore" says which dd figure anchors it; "x" is a memory ratio.
+METRICS: tuple[tuple[str, str, str], ...] = (
+    ("save_s", "durable save", "save"),
+    ("blocked_s", "loop blocked by async save", "blocked"),
+    ("first_save_s", "first save of a process", "save"),
+    ("first_restore_s", "first restore of a fresh process (cold)", "restore"),
+    ("cold_restore_s", "cold restore (4,2)", "restore"),
+    ("reshard_s", "cold restore onto (2,4), specs transposed", "restore"),
+    ("params_s", "cold params-only restore", "restore"),
+    ("rss_save_x", "peak RSS over a save, x state bytes", "x"),
+    ("rss_restore_x", "peak RSS over a restore, x state bytes", "x"),
+)
+
+
+def _save(rec: dict[str, Any], index: int) -> dict[str, Any] | None:
+    saves = rec.get("save", {}).get("saves")
+    return saves[index] if saves else None
+
+
+def _restore(rec: dict[str, Any], label: str) -> dict[str, Any] | None:
+    for r in rec.get("restore", {}).get("restores", []):
+        if r["label"] == label and "seconds" in r:
+            return r
+    return None
+
+
+def lib_metrics(rec: dict[str, Any]) -> dict[str, float]:
+    """The figures of one library in one round (a metric is absent when not measured)."""
+    out: dict[str, float] = {}
+    last, first = _save(rec, -1), _save(rec, 0)
+    if last and first:
+        out["save_s"] = last["durable_s"]
+        out["blocked_s"] = last["blocked_s"]
+        out["first_save_s"] = first["durable_s"]
+        base = rec["save"]["rss_before_state"]
+        nbytes = rec["save"]["state_bytes"]
+        out["rss_save_x"] = max(s["peak_rss"] - base for s in rec["save"]["saves"]) / nbytes
+    for key, label in (
+        ("first_restore_s", "first"),
+        ("cold_restore_s", "cold"),
+        ("reshard_s", "reshard"),
+        ("params_s", "params"),
+    ):
+        r = _restore(rec, label)
+        if r:
+            out[key] = r["seconds"]
+    full = [r for r in (_restore(rec, "first"), _restore(rec, "cold"), _restore(rec, "reshard")) if r]
+    if full:
+        base = rec["restore"]["rss_before_restores"]
+        out["rss_restore_x"] = max(r["peak_rss"] - base for r in full) / rec["restore"]["state_bytes"]
+    return out
+
+
+def dd_metrics(dd: dict[str, Any]) -> dict[str, float]:
+    return {
+        "save_s": dd["write_s"],
+        "first_save_s": dd["write_s"],
+        "first_restore_s": dd["read_s"],
+        "cold_restore_s": dd["read_s"],
+        "reshard_s": dd["read_s"],
+        "params_s": dd["read_s"] / 3,
+    }
+
+
+def round_metrics(rnd: dict[str, Any], libs: list[str]) -> dict[str, dict[str, float]]:
+    out = {lib: lib_metrics(rnd["libs"][lib]) for lib in libs if lib in rnd["libs"]}
+    if rnd.get("dd"):
+        out["dd"] = dd_metrics(rnd["dd"])
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(rounds: list[dict[str, Any]], libs: list[str]) -> dict[str, Any]:
+    """Medians of each figure and medians of the per-round ratios against each anchor."""
+    per_round = [round_metrics(r, libs) for r in rounds]
+    names = [*libs, "dd"]
+    medians: dict[str, dict[str, float | None]] = {}
+    ratios: dict[str, dict[str, dict[str, float | None]]] = {}
+    for lib in names:
+        medians[lib] = {}
+        ratios[lib] = {}
+        for key, _, _ in METRICS:
+            medians[lib][key] = _median([m[lib][key] for m in per_round if key in m.get(lib, {})])
+            ratios[lib][key] = {}
+            for anchor in ANCHORS:
+                vals = [
+                    m[lib][key] / m[anchor][key]
+                    for m in per_round
+                    if key in m.get(lib, {}) and key in m.get(anchor, {}) and m[anchor][key] > 0
+                ]
+                ratios[lib][key][anchor] = _median(vals)
+    # Within-library ratio: reshard over plain, per round.
+    reshard_over_plain = {
+        lib: _median(
+            [
+                m[lib]["reshard_s"] / m[lib]["cold_restore_s"]
+                for m in per_round
+                if "reshard_s" in m.get(lib, {}) and "cold_restore_s" in m.get(lib, {})
+            ]
+        )
+        for lib in libs
+    }
+    return {"medians": medians, "ratios": ratios, "reshard_over_plain": reshard_over_plain}
+
+
+def _fmt(v: float | None, unit: str = "") -> str:
+    if v is None:
+        return "—"
+    return f"{v:.2f}{unit}" if v >= 0.1 or v == 0 else f"{v:.3f}{unit}"
+
+
+Check = tuple[str, Callable[[dict[str, Any]], float | None], float, str]
+
+
+def targets(summary: dict[str, Any], lib: str = "resilax") -> list[tuple[str, float | None, str, str]]:
+    """The issue's targets for ``lib``: (target, measured, how it reads, met/missed/not measured)."""
+    r, m = summary["ratios"][lib], summary["medians"][lib]
+    dd_write_ratio = r["save_s"]["dd"]
+    checks: list[tuple[str, float | None, float, str]] = [
+        ("durable save ≤ 0.5x Orbax", r["save_s"]["orbax"], 0.5, "x"),
+        ("durable save no slower than DCP", r["save_s"]["dcp"], 1.0, "x"),
+        (
+            "save speed ≥ 90% of dd new-file write",
+            None if dd_write_ratio is None else 1 / dd_write_ratio,
+            -0.9,
+            "of dd",
+        ),
+        ("loop blocked ≤ 0.1 s (1 GiB)", m["blocked_s"], 0.1, "s"),
+        ("cold restore ≤ 0.5x Orbax", r["cold_restore_s"]["orbax"], 0.5, "x"),
+        ("cold restore no slower than DCP", r["cold_restore_s"]["dcp"], 1.0, "x"),
+        ("first restore of a process ≤ 0.4x Orbax's", r["first_restore_s"]["orbax"], 0.4, "x"),
+        ("restore onto (2,4) ≤ 1.1x plain restore", summary["reshard_over_plain"].get(lib), 1.1, "x"),
+        ("peak RSS during save ≤ 2.2x state", m["rss_save_x"], 2.2, "x"),
+        ("peak RSS during restore ≤ 1.3x state", m["rss_restore_x"], 1.3, "x"),
+    ]
+    out = []
+    for name, value, limit, unit in checks:
+        if value is None:
+            verdict = "not measured"
+        elif limit < 0:
+            verdict = "met" if value >= -limit else "missed"
+        else:
+            verdict = "met" if value <= limit else "missed"
+        shown = "—" if value is None else (f"{value:.0%} {unit}" if unit == "of dd" else f"{value:.3g}{unit}")
+        out.append((name, value, shown, verdict))
+    return out
+
+
+def render(summary: dict[str, Any], libs: list[str], errors: dict[str, str], header: str) -> str:
+    names = [*libs, "dd"]
+    lines = [
+        header,
+        "",
+        "Seconds (median over rounds); RSS as (peak − RSS before the state) / state bytes.",
+        "",
+    ]
+    lines.append("| metric | " + " | ".join(names) + " |")
+    lines.append("|---|" + "---:|" * len(names))
+    for key, label, _ in METRICS:
+        cells = [_fmt(summary["medians"][lib][key], "x" if key.endswith("_x") else "") for lib in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Ratios (median of the per-round ratios; < 1 is faster than the anchor; dd: new-file write "
+        "for saves, cold read for restores, a third of it for params-only).",
+        "",
+    ]
+    lines.append("| metric | library | /orbax | /dcp | /numpy | /dd |")
+    lines.append("|---|---|---:|---:|---:|---:|")
+    for key, label, kind in METRICS:
+        if kind == "x" or kind == "blocked":
+            continue
+        for lib in libs:
+            row = summary["ratios"][lib][key]
+            if summary["medians"][lib][key] is None:
+                continue
+            lines.append(f"| {label} | {lib} | " + " | ".join(_fmt(row[a]) for a in ANCHORS) + " |")
+    lines += [
+        "",
+        "Restore onto (2,4) over plain restore, same library: "
+        + ", ".join(f"{lib} {_fmt(v)}" for lib, v in summary["reshard_over_plain"].items()),
+    ]
+    if "resilax" in libs:
+        lines += [
+            "",
+            "Targets for resilax_ckpt (issue 2):",
+            "",
+            "| target | measured | result |",
+            "|---|---:|---|",
+        ]
+        lines += [f"| {name} | {shown} | {verdict} |" for name, _, shown, verdict in targets(summary)]
+    if errors:
+        lines += ["", "Not measured:"]
+        lines += [f"- {lib}: {msg}" for lib, msg in errors.items()]
+    return "\n".join(lines)
