@@ -188,7 +188,8 @@ class Uploader:
             finally:
                 self.state.in_flight = None
             self._publish(self.scan_local(), persisted)
-        self.apply_retention(persisted)
+        if self.apply_retention(persisted):
+            self._publish(self.scan_local(), sorted(self._known_committed))
         self.state.consecutive_failures = 0
         self.state.passes += 1
 
@@ -473,12 +474,13 @@ class Uploader:
 
     # ---- retention --------------------------------------------------------------------------------
 
-    def apply_retention(self, persisted: list[int]) -> None:
+    def apply_retention(self, persisted: list[int]) -> bool:
         """Keep the newest `keep_last` steps on both tiers. The persistent tier is trimmed by process
-        0 only (one deleter); each host trims its own local tier."""
+        0 only (one deleter); each host trims its own local tier. True when something was deleted."""
         cfg = self.config
         if cfg.keep_last is None:
-            return
+            return False
+        deleted = False
         protect = {self.state.in_flight} if self.state.in_flight is not None else set()
         if cfg.process_id == 0 and persisted:
             for step in plan_retention(persisted, cfg.keep_last, cfg.keep_every_steps, protect):
@@ -487,7 +489,17 @@ class Uploader:
                 self._known_committed.discard(step)
                 self.store.delete_prefix(str(step))
                 self.metrics.retention_deletes.labels(tier="persistent").inc()
+                deleted = True
                 log.info("retention: deleted step %d from %s", step, self.store.url)
+            # Partial uploads older than every kept step (a save abandoned for a newer one, a host
+            # that died mid-upload) will never be committed: clear them out too.
+            kept = sorted(self._known_committed)
+            if kept:
+                all_steps = (layout.parse_step(n) for n in self.store.list_dir(""))
+                for step in sorted(s for s in all_steps if s is not None and s < kept[0]):
+                    if self.store.stat(f"{step}/{layout.COMMIT_FILE}") is None:
+                        self.store.delete_prefix(str(step))
+                        log.info("retention: deleted the abandoned partial upload of step %d", step)
         local_steps = self.scan_local()
         newest_persisted = max(persisted, default=None)
         local_protect = set(protect)
@@ -504,4 +516,6 @@ class Uploader:
             shutil.rmtree(trash, ignore_errors=True)
             self._marker_done.pop(step, None)
             self.metrics.retention_deletes.labels(tier="local").inc()
+            deleted = True
             log.info("retention: deleted local step %d", step)
+        return deleted

@@ -1,0 +1,274 @@
+"""The uploader against real stores (a folder, fake-gcs-server): copy, verify, markers, create-only
+commit, several processes, fences, retries with back-off, retention."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from resilax_sidecar.config import SidecarConfig
+from resilax_sidecar.errors import StoreError, VerifyError
+from resilax_sidecar.metrics import SidecarMetrics
+from resilax_sidecar.store import BlobStore, GcsStore, LocalFolderStore
+from resilax_sidecar.uploader import Uploader, plan_retention
+from sidecar_harness import step_files, wait_until, write_local_step
+
+
+def make_config(tmp_path: Path, **overrides) -> SidecarConfig:
+    values = {
+        "control_dir": tmp_path / "control",
+        "checkpoint_dir": str(tmp_path / "persistent"),
+        "local_dir": tmp_path / "local",
+        "poll_seconds": 0.05,
+        "retry_initial_seconds": 0.05,
+        "retry_max_seconds": 0.2,
+        "upload_concurrency": 4,
+    }
+    values.update(overrides)
+    (tmp_path / "local").mkdir(parents=True, exist_ok=True)
+    return SidecarConfig(**values)  # type: ignore[arg-type]
+
+
+def committed_files(store: BlobStore, step: int) -> dict[str, int]:
+    return {k: v.size for k, v in store.list_files(str(step)).items()}
+
+
+class FailingStore:
+    """The real store, with the first `failures` uploads raising (a storage outage), or corrupting
+    what they write (a bad copy)."""
+
+    def __init__(self, inner: BlobStore, failures: int, corrupt: bool = False) -> None:
+        self._inner = inner
+        self.url = inner.url
+        self.failures = failures
+        self.corrupt = corrupt
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def upload_file(self, local_path: Path, key: str) -> None:
+        with self._lock:
+            self.calls += 1
+            fail = self.failures > 0
+            self.failures -= 1 if fail else 0
+        if fail and self.corrupt:
+            self._inner.write_bytes(key, b"truncated")
+            return
+        if fail:
+            raise StoreError(f"{self.url}: upload {key!r} failed: injected outage")
+        self._inner.upload_file(local_path, key)
+
+
+@pytest.fixture(params=["folder", "gcs"])
+def store(request, tmp_path) -> BlobStore:
+    if request.param == "folder":
+        return LocalFolderStore(tmp_path / "persistent")
+    request.getfixturevalue("gcs_env")
+    bucket = request.getfixturevalue("fake_gcs").create_bucket()
+    return GcsStore(f"gs://{bucket}/runs/job")
+
+
+def test_a_local_step_is_copied_verified_marked_and_committed(tmp_path, store):
+    config = make_config(tmp_path, checkpoint_dir=store.url, verify="md5")
+    files = step_files(6, 70_000)
+    write_local_step(config.local_dir, 10, files, generation=0)
+    metrics = SidecarMetrics()
+    uploader = Uploader(config, store, metrics)
+    uploader.run_once()
+
+    remote = committed_files(store, 10)
+    assert set(remote) == {*files, "_METADATA.json", "_UPLOADED.0", "_COMMIT"}
+    for key, data in files.items():
+        assert store.read_bytes(f"10/{key}") == data
+    local_commit = (config.local_dir / "10" / "_COMMIT").read_bytes()
+    assert store.read_bytes("10/_COMMIT") == local_commit  # the library's own marker content
+    marker = json.loads(store.read_bytes("10/_UPLOADED.0"))
+    assert marker["generation"] == 0 and marker["files"]["_METADATA.json"] > 0
+    assert uploader.state.newest_persisted == 10 and uploader.state.newest_local == 10
+    assert metrics.uploads._value.get() == 1
+    assert metrics.upload_bytes._value.get() == sum(len(d) for d in files.values()) + len(
+        (config.local_dir / "10" / "_METADATA.json").read_bytes()
+    )
+    assert metrics.lag_steps._value.get() == 0
+
+    # A second pass changes nothing and copies nothing.
+    uploader.run_once()
+    assert metrics.uploads._value.get() == 1 and metrics.commits._value.get() == 1
+
+
+def test_only_the_newest_new_step_is_uploaded(tmp_path):
+    config = make_config(tmp_path)
+    store = LocalFolderStore(tmp_path / "persistent")
+    for step in (10, 20, 30):
+        write_local_step(config.local_dir, step, step_files(2, 100, seed=step))
+    uploader = Uploader(config, store, SidecarMetrics())
+    uploader.run_once()
+    assert uploader.state.committed_steps == [30]
+    write_local_step(config.local_dir, 40, step_files(2, 100, seed=40))
+    uploader.run_once()
+    assert uploader.state.committed_steps == [30, 40]
+
+
+def test_several_processes_combine_into_one_step_and_the_last_one_commits(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    shared = {"state/zarr.json": b'{"shape": [8]}'}
+    uploaders = []
+    for pid in range(3):
+        config = make_config(tmp_path / f"host{pid}", checkpoint_dir=store.url, process_id=pid, num_processes=3)
+        files = {**shared, f"state/leaf/c/{pid}": bytes([pid]) * 1000, f"state/process_{pid}.json": b"{}"}
+        write_local_step(config.local_dir, 5, files, generation=2)
+        uploaders.append(Uploader(config, store, SidecarMetrics()))
+    uploaders[2].run_once()
+    uploaders[0].run_once()
+    assert store.stat("5/_COMMIT") is None, "committed before every process uploaded"
+    uploaders[1].run_once()
+    assert store.stat("5/_COMMIT") is not None
+    assert {f"state/leaf/c/{p}" for p in range(3)} <= set(committed_files(store, 5))
+    assert sum(u.metrics.commits._value.get() for u in uploaders) == 1
+    uploaders[0].run_once()  # sees the commit; nothing more to do
+    assert uploaders[0].state.newest_persisted == 5
+
+
+def test_processes_sharing_one_host_folder_upload_their_own_metadata_as_the_step_metadata(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    local = tmp_path / "host"
+    uploaders = []
+    for pid in range(2):
+        write_local_step(local, 3, {f"state/c/{pid}": b"x" * 10}, process_id=pid)
+        config = make_config(tmp_path, local_dir=local, process_id=pid, num_processes=2)
+        uploaders.append(Uploader(config, store, SidecarMetrics()))
+    for u in uploaders:
+        u.run_once()
+    names = set(committed_files(store, 3))
+    assert {"_METADATA.json", "_COMMIT", "state/c/0", "state/c/1"} <= names
+    assert not any(n.startswith(("_METADATA.0", "_METADATA.1", "_COMMIT.")) for n in names)
+
+
+def test_markers_of_another_save_of_the_same_step_never_commit_it(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    # Process 1's marker left by generation 1's save of step 7, which never committed.
+    store.write_bytes("7/_UPLOADED.1", json.dumps({"generation": 1, "files": {}}).encode())
+    config = make_config(tmp_path, process_id=0, num_processes=2, generation=2)
+    write_local_step(config.local_dir, 7, step_files(2, 100), generation=2)
+    uploader = Uploader(config, store, SidecarMetrics())
+    uploader.run_once()
+    assert store.stat("7/_COMMIT") is None
+
+
+def test_a_file_deleted_after_its_marker_blocks_the_commit(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    config0 = make_config(tmp_path / "h0", checkpoint_dir=store.url, process_id=0, num_processes=2)
+    config1 = make_config(tmp_path / "h1", checkpoint_dir=store.url, process_id=1, num_processes=2)
+    write_local_step(config0.local_dir, 9, {"a/0": b"0" * 50})
+    write_local_step(config1.local_dir, 9, {"a/1": b"1" * 50})
+    Uploader(config0, store, SidecarMetrics()).run_once()
+    store.delete("9/a/0")
+    Uploader(config1, store, SidecarMetrics()).run_once()
+    assert store.stat("9/_COMMIT") is None
+
+
+def test_a_newer_generations_fence_stops_the_commit(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    store.write_bytes("_fences/3.json", json.dumps({"generation": 3, "latest_step": 5}).encode())
+    config = make_config(tmp_path, generation=2)
+    write_local_step(config.local_dir, 8, step_files(1, 10), generation=2)
+    uploader = Uploader(config, store, SidecarMetrics())
+    with pytest.raises(StoreError, match="fenced out"):
+        uploader.run_once()
+    assert store.stat("8/_COMMIT") is None
+
+
+def test_storage_errors_are_retried_with_back_off_and_counted(tmp_path, store):
+    config = make_config(tmp_path, checkpoint_dir=store.url, upload_concurrency=1)
+    files = step_files(3, 1000)
+    write_local_step(config.local_dir, 4, files)
+    flaky = FailingStore(store, failures=3)
+    metrics = SidecarMetrics()
+    uploader = Uploader(config, flaky, metrics)
+    stop = threading.Event()
+    thread = threading.Thread(target=uploader.run_forever, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: uploader.state.newest_persisted == 4, 60, "the step to be committed")
+    finally:
+        stop.set()
+        uploader.wake()
+        thread.join(10)
+    assert metrics.upload_failures._value.get() == 3
+    assert "injected outage" in (uploader.state.last_error or "")
+    assert uploader.state.consecutive_failures == 0
+    for key, data in files.items():
+        assert store.read_bytes(f"4/{key}") == data
+
+
+def test_a_bad_copy_fails_verification_and_is_redone(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    config = make_config(tmp_path, upload_concurrency=1)
+    write_local_step(config.local_dir, 4, {"a": b"x" * 1000})
+    uploader = Uploader(config, FailingStore(store, failures=1, corrupt=True), SidecarMetrics())
+    with pytest.raises(VerifyError, match="after upload"):
+        uploader.run_once()
+    assert store.stat("4/_COMMIT") is None and store.stat("4/_UPLOADED.0") is None
+    uploader.run_once()
+    assert store.read_bytes("4/a") == b"x" * 1000 and store.stat("4/_COMMIT") is not None
+
+
+def test_a_stale_file_of_the_same_size_is_replaced(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    store.write_bytes("6/a", b"y" * 100)  # left by an older, uncommitted save of step 6
+    config = make_config(tmp_path)
+    write_local_step(config.local_dir, 6, {"a": b"x" * 100})
+    Uploader(config, store, SidecarMetrics()).run_once()
+    assert store.read_bytes("6/a") == b"x" * 100
+
+
+@pytest.mark.parametrize(
+    "steps, keep_last, every, protect, deleted",
+    [
+        ([1, 2, 3, 4], None, None, set(), []),
+        ([1, 2, 3, 4], 2, None, set(), [1, 2]),
+        ([10, 20, 30, 40], 1, 20, set(), [10, 30]),
+        ([1, 2, 3], 1, None, {1}, [2]),
+        ([], 1, None, set(), []),
+    ],
+    ids=["keep-all", "keep-2", "keep-every-20", "protect-in-flight", "empty"],
+)
+def test_plan_retention(steps, keep_last, every, protect, deleted):
+    assert plan_retention(steps, keep_last, every, protect) == deleted
+
+
+def test_retention_on_both_tiers(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    config = make_config(tmp_path, keep_last=2)
+    metrics = SidecarMetrics()
+    uploader = Uploader(config, store, metrics)
+    for step in (1, 2, 3, 4):
+        write_local_step(config.local_dir, step, step_files(1, 10, seed=step))
+        uploader.run_once()
+    assert uploader.state.committed_steps == [3, 4]
+    assert sorted(store.list_dir("")) == ["3", "4"]
+    assert sorted(p.name for p in config.local_dir.iterdir()) == ["3", "4"]
+    assert metrics.retention_deletes.labels(tier="persistent")._value.get() == 2
+    assert metrics.retention_deletes.labels(tier="local")._value.get() == 2
+
+
+def test_only_process_0_trims_the_persistent_tier(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    for step in (1, 2, 3):
+        store.write_bytes(f"{step}/_COMMIT", b"{}")
+    config = make_config(tmp_path, keep_last=1, process_id=1, num_processes=2)
+    Uploader(config, store, SidecarMetrics()).run_once()
+    assert sorted(store.list_dir("")) == ["1", "2", "3"]
+
+
+def test_abandoned_partial_uploads_older_than_every_kept_step_are_cleared(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    store.write_bytes("1/a", b"partial")  # never committed
+    config = make_config(tmp_path, keep_last=1)
+    write_local_step(config.local_dir, 5, step_files(1, 10))
+    Uploader(config, store, SidecarMetrics()).run_once()
+    assert store.list_dir("") == ["5"]
