@@ -1,0 +1,544 @@
+"""The node agent: one process that plays the kubelet for every fake node of a local cluster.
+
+It registers the nodes, renews their Leases in `kube-node-lease`, watches the pods bound to them and
+runs each one as local processes (`pods.PodWorker`), or, on nodes in no-process mode, only pretends to
+(status Running, deletion confirmed at once: enough for scale tests of hundreds of nodes).
+
+Faults are taken at run time through a small HTTP API on 127.0.0.1 (its port is in `<run_dir>/agent.json`):
+- `POST /nodes/<name>/kill`: stop the Lease and SIGKILL the node's pods' processes;
+- `POST /nodes/<name>/partition`: stop the Lease and all API traffic for the node; processes keep running;
+- `POST /nodes/<name>/preempt` `{"delay_seconds": 30, "sigterm": false}`: the GKE preemption notice
+  (taint `cloud.google.com/impending-node-termination`, label `cloud.google.com/scheduled-maintenance-time`),
+  then a kill after the delay;
+- `POST /nodes/<name>/restore`: the node is back (Lease, Ready status, notice removed, pods resynced);
+- `POST /nodes` `{"nodes": [NodeSpec JSON, ...]}`: register more nodes; `POST /nodes/<name>/remove`: delete one.
+- `GET /nodes`, `GET /pods`, `GET /healthz`.
+
+Run as `python -m resilax_local.agent <run_dir>` (reads `<run_dir>/agent-config.json`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from .binaries import KUBERNETES_VERSION
+from .errors import KubeAPIError
+from .kubeapi import KubeClient
+from .pods import NodeState, PodWorker, now_rfc3339
+from .profiles import NodeSpec
+
+log = logging.getLogger(__name__)
+
+IMPENDING_TERMINATION_TAINT = "cloud.google.com/impending-node-termination"
+MAINTENANCE_TIME_LABEL = "cloud.google.com/scheduled-maintenance-time"
+LEASE_NAMESPACE = "kube-node-lease"
+REMOVED = "Removed"
+
+
+def _micro_now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass
+class AgentNode:
+    spec: NodeSpec
+    ip: str
+    state: str = NodeState.READY
+    ready_since: str = ""
+    kill_timer: threading.Timer | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class NodeAgent:
+    """Registers and heartbeats the nodes, runs their pods, takes fault commands."""
+
+    def __init__(self, run_dir: Path, kubeconfig: Path, nodes: list[NodeSpec], lease_renew_seconds: float = 3.0,
+                 lease_duration_seconds: int = 40) -> None:
+        self.run_dir = run_dir
+        self.client = KubeClient.from_kubeconfig(kubeconfig)
+        self.apiserver_port = urlparse(self.client.creds.server).port or 443
+        self.lease_renew_seconds = lease_renew_seconds
+        self.lease_duration_seconds = lease_duration_seconds
+        self.lock = threading.RLock()
+        self.stopping = threading.Event()
+        self.registered = threading.Event()
+        self.workers: dict[str, PodWorker] = {}
+        self.fake_running: set[str] = set()
+        self.finished_uids: set[str] = set()
+        # Each cluster takes one 127.<octet>.0.0/16 for its nodes (127.o.0.n) and pods (127.o.1.0 up).
+        self.octet = random.Random(os.getpid() ^ int(time.time())).randrange(32, 250)
+        self.next_pod_index = 256
+        self.nodes: dict[str, AgentNode] = {}
+        for spec in nodes:
+            self._add_node_record(spec)
+
+    # ---- PodHost -----------------------------------------------------------------------------
+    def node_state(self, node: str) -> str:
+        with self.lock:
+            n = self.nodes.get(node)
+            return n.state if n else REMOVED
+
+    def node_ip(self, node: str) -> str:
+        with self.lock:
+            n = self.nodes.get(node)
+            return n.ip if n else "127.0.0.1"
+
+    def allocate_pod_ip(self) -> str:
+        with self.lock:
+            i = self.next_pod_index
+            self.next_pod_index += 1
+        if i >= 65535:
+            raise RuntimeError("out of pod IPs in this cluster's 127.x.0.0/16")
+        return f"127.{self.octet}.{i // 256}.{i % 256 or 1}"
+
+    def forget(self, uid: str) -> None:
+        with self.lock:
+            self.workers.pop(uid, None)
+            self.finished_uids.add(uid)
+
+    # ---- nodes --------------------------------------------------------------------------------
+    def _add_node_record(self, spec: NodeSpec) -> AgentNode:
+        with self.lock:
+            index = len(self.nodes) + 1
+            node = AgentNode(spec, f"127.{self.octet}.0.{index % 255 or 1}")
+            self.nodes[spec.name] = node
+            return node
+
+    def register(self, node: AgentNode) -> None:
+        body = {"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": node.name, "labels": node.spec.labels},
+                "spec": {"taints": list(node.spec.taints)}}
+        try:
+            self.client.create("/api/v1/nodes", body)
+        except KubeAPIError as e:
+            if e.status != 409:
+                raise
+            self.client.patch(f"/api/v1/nodes/{node.name}", {"metadata": {"labels": node.spec.labels}})
+        node.ready_since = now_rfc3339()
+        self.post_node_status(node)
+        self.renew_lease(node)
+
+    def post_node_status(self, node: AgentNode) -> None:
+        now = now_rfc3339()
+        since = node.ready_since or now
+
+        def condition(kind: str, status: str, reason: str, message: str) -> dict[str, str]:
+            return {"type": kind, "status": status, "reason": reason, "message": message,
+                    "lastHeartbeatTime": now, "lastTransitionTime": since}
+
+        status = {
+            "capacity": node.spec.capacity, "allocatable": node.spec.capacity,
+            "conditions": [
+                condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
+                condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
+                condition("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+                condition("Ready", "True", "KubeletReady", "resilax local node agent is posting ready status"),
+            ],
+            "addresses": [{"type": "InternalIP", "address": node.ip}, {"type": "Hostname", "address": node.name}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+            "nodeInfo": {
+                "machineID": node.name, "systemUUID": node.name, "bootID": node.ready_since,
+                "kernelVersion": os.uname().release, "osImage": "resilax local node",
+                "containerRuntimeVersion": "resilax-local://0.1", "kubeletVersion": KUBERNETES_VERSION,
+                "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
+            },
+        }
+        self.client.patch(f"/api/v1/nodes/{node.name}/status", {"status": status})
+
+    def renew_lease(self, node: AgentNode) -> None:
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{node.name}"
+        spec = {"holderIdentity": node.name, "leaseDurationSeconds": self.lease_duration_seconds,
+                "renewTime": _micro_now()}
+        try:
+            self.client.patch(path, {"spec": spec})
+        except KubeAPIError as e:
+            if e.status != 404:
+                raise
+            owner = self.client.get(f"/api/v1/nodes/{node.name}")["metadata"]
+            self.client.create(f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases", {
+                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": node.name, "namespace": LEASE_NAMESPACE, "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": owner["uid"]}]},
+                "spec": spec})
+
+    def _lease_loop(self) -> None:
+        """Renew the Leases of Ready nodes; no-process nodes (scale tests) less often, to spare the CPU."""
+        last: dict[str, float] = {}
+        slow = max(self.lease_renew_seconds, 5.0)
+        while not self.stopping.wait(self.lease_renew_seconds):
+            now = time.monotonic()
+            with self.lock:
+                ready = [n for n in self.nodes.values() if n.state == NodeState.READY
+                         and now - last.get(n.name, 0.0) >= (self.lease_renew_seconds if n.spec.run_pods else slow) - 0.1]
+            for node in ready:
+                last[node.name] = now
+                if self.stopping.is_set():
+                    return
+                try:
+                    if self.node_state(node.name) == NodeState.READY:
+                        self.renew_lease(node)
+                except Exception as e:
+                    log.warning("lease of %s: %s", node.name, e)
+
+    def _update_node(self, name: str, change: Any) -> None:
+        """Read-modify-write a Node (labels, taints) with optimistic concurrency."""
+        for _ in range(10):
+            node = self.client.get(f"/api/v1/nodes/{name}")
+            patch = change(node)
+            if patch is None:
+                return
+            patch.setdefault("metadata", {})["resourceVersion"] = node["metadata"]["resourceVersion"]
+            try:
+                self.client.patch(f"/api/v1/nodes/{name}", patch)
+                return
+            except KubeAPIError as e:
+                if e.status != 409:
+                    raise
+        raise RuntimeError(f"node {name}: too many conflicting updates")
+
+    # ---- faults ---------------------------------------------------------------------------------
+    def _node(self, name: str) -> AgentNode:
+        with self.lock:
+            if name not in self.nodes:
+                raise KeyError(f"node {name!r} is not one of this agent's nodes: {', '.join(self.nodes)}")
+            return self.nodes[name]
+
+    def _workers_on(self, name: str) -> list[PodWorker]:
+        with self.lock:
+            return [w for w in self.workers.values() if w.node == name]
+
+    def kill_node(self, name: str) -> dict[str, Any]:
+        node = self._node(name)
+        with self.lock:
+            node.state = NodeState.KILLED
+            if node.kill_timer:
+                node.kill_timer.cancel()
+                node.kill_timer = None
+        killed = 0
+        for worker in self._workers_on(name):
+            killed += len(worker.processes())
+            worker.kill_now()
+        log.warning("node %s killed (%d processes)", name, killed)
+        return {"node": name, "state": node.state, "killed_processes": killed}
+
+    def partition_node(self, name: str) -> dict[str, Any]:
+        node = self._node(name)
+        with self.lock:
+            node.state = NodeState.PARTITIONED
+        log.warning("node %s partitioned", name)
+        return {"node": name, "state": node.state}
+
+    def preempt_node(self, name: str, delay_seconds: float = 30.0, sigterm: bool = False) -> dict[str, Any]:
+        node = self._node(name)
+        when = int(time.time() + delay_seconds)
+
+        def add_notice(obj: dict[str, Any]) -> dict[str, Any]:
+            taints = [t for t in obj["spec"].get("taints") or [] if t["key"] != IMPENDING_TERMINATION_TAINT]
+            taints.append({"key": IMPENDING_TERMINATION_TAINT, "value": "true", "effect": "NoSchedule"})
+            return {"metadata": {"labels": {MAINTENANCE_TIME_LABEL: str(when)}}, "spec": {"taints": taints}}
+
+        self._update_node(name, add_notice)
+        if sigterm:
+            for worker in self._workers_on(name):
+                for c in worker.containers:
+                    if c.kind == "main":
+                        c.signal(signal.SIGTERM)
+        with self.lock:
+            if node.kill_timer:
+                node.kill_timer.cancel()
+            node.kill_timer = threading.Timer(delay_seconds, self.kill_node, args=(name,))
+            node.kill_timer.daemon = True
+            node.kill_timer.start()
+        log.warning("node %s: preemption notice, killed in %.0f s", name, delay_seconds)
+        return {"node": name, "state": node.state, "scheduled_maintenance_time": when}
+
+    def restore_node(self, name: str) -> dict[str, Any]:
+        node = self._node(name)
+        with self.lock:
+            if node.kill_timer:
+                node.kill_timer.cancel()
+                node.kill_timer = None
+
+        def remove_notice(obj: dict[str, Any]) -> dict[str, Any] | None:
+            taints = obj["spec"].get("taints") or []
+            kept = [t for t in taints if t["key"] != IMPENDING_TERMINATION_TAINT]
+            labels = obj["metadata"].get("labels") or {}
+            if len(kept) == len(taints) and MAINTENANCE_TIME_LABEL not in labels:
+                return None
+            return {"metadata": {"labels": {MAINTENANCE_TIME_LABEL: None}}, "spec": {"taints": kept}}
+
+        self.register(node)
+        self._update_node(name, remove_notice)
+        with self.lock:
+            node.state = NodeState.READY
+        for worker in self._workers_on(name):
+            worker.notify("resync")
+        for pod in self.client.get("/api/v1/pods", fieldSelector=f"spec.nodeName={name}").get("items", []):
+            self.dispatch("ADDED", pod)
+        log.warning("node %s restored", name)
+        return {"node": name, "state": node.state}
+
+    def add_nodes(self, specs: list[NodeSpec]) -> dict[str, Any]:
+        added = []
+        for spec in specs:
+            with self.lock:
+                existing = self.nodes.get(spec.name)
+            node = existing if existing and existing.state != REMOVED else self._add_node_record(spec)
+            node.spec = spec
+            node.state = NodeState.READY
+            self.register(node)
+            added.append(spec.name)
+        return {"added": added}
+
+    def remove_node(self, name: str) -> dict[str, Any]:
+        self.kill_node(name)
+        with self.lock:
+            node = self.nodes.pop(name)
+            node.state = REMOVED
+        for path in (f"/api/v1/nodes/{name}",
+                     f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{name}"):
+            try:
+                self.client.delete(path)
+            except KubeAPIError as e:
+                if e.status != 404:
+                    raise
+        return {"removed": name}
+
+    # ---- pods ---------------------------------------------------------------------------------
+    def dispatch(self, kind: str, pod: dict[str, Any]) -> None:
+        node_name = (pod.get("spec") or {}).get("nodeName")
+        uid = pod["metadata"]["uid"]
+        with self.lock:
+            node = self.nodes.get(node_name or "")
+            if node is None or node.state != NodeState.READY:
+                return
+            if not node.spec.run_pods:
+                self._fake_pod(kind, pod, node)
+                return
+            worker = self.workers.get(uid)
+            if kind == "DELETED":
+                if worker:
+                    worker.notify("deleted")
+                return
+            if worker:
+                worker.notify("pod", pod)
+                return
+            if uid in self.finished_uids:
+                return
+            phase = (pod.get("status") or {}).get("phase")
+            if phase in ("Succeeded", "Failed") and not pod["metadata"].get("deletionTimestamp"):
+                self.finished_uids.add(uid)
+                return
+            worker = PodWorker(self, pod)
+            self.workers[uid] = worker
+        worker.start()
+
+    def _fake_pod(self, kind: str, pod: dict[str, Any], node: AgentNode) -> None:
+        """No-process mode: report the pod Running at once; confirm its deletion at once."""
+        meta = pod["metadata"]
+        uid = meta["uid"]
+        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+        if kind == "DELETED":
+            self.fake_running.discard(uid)
+            return
+        try:
+            if meta.get("deletionTimestamp"):
+                self.client.delete(path, {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}})
+                return
+            if uid in self.fake_running:
+                return
+            self.fake_running.add(uid)
+            now = now_rfc3339()
+            ip = self.allocate_pod_ip()
+            containers = [{"name": c["name"], "image": c.get("image", ""), "imageID": "", "ready": True,
+                           "restartCount": 0, "started": True, "state": {"running": {"startedAt": now}}}
+                          for c in pod["spec"]["containers"]]
+            conditions = [{"type": t, "status": "True", "lastTransitionTime": now}
+                          for t in ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")]
+            foreign = [c for c in (pod.get("status") or {}).get("conditions") or [] if c["type"] == "PodScheduled"]
+            self.client.patch(f"{path}/status", {"status": {
+                "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": node.ip,
+                "hostIPs": [{"ip": node.ip}], "startTime": now, "conditions": foreign + conditions,
+                "containerStatuses": containers}})
+        except KubeAPIError as e:
+            if e.status not in (404, 409):
+                log.warning("fake pod %s/%s: %s", meta["namespace"], meta["name"], e)
+
+    def _watch_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                listing = self.client.get("/api/v1/pods", fieldSelector="spec.nodeName!=")
+                version = listing["metadata"]["resourceVersion"]
+                seen = set()
+                for pod in listing.get("items", []):
+                    seen.add(pod["metadata"]["uid"])
+                    self.dispatch("ADDED", pod)
+                with self.lock:
+                    vanished = [w for uid, w in self.workers.items() if uid not in seen]
+                for worker in vanished:
+                    if self.node_state(worker.node) == NodeState.READY:
+                        worker.notify("deleted")
+                while not self.stopping.is_set():
+                    for event in self.client.watch("/api/v1/pods", version, timeout_seconds=30,
+                                                   fieldSelector="spec.nodeName!="):
+                        obj = event["object"]
+                        if event["type"] == "ERROR":
+                            raise KubeAPIError(int(obj.get("code", 500)), obj.get("message", "watch error"))
+                        version = obj["metadata"]["resourceVersion"]
+                        if event["type"] != "BOOKMARK":
+                            self.dispatch(event["type"], obj)
+                        if self.stopping.is_set():
+                            return
+            except Exception as e:
+                if self.stopping.is_set():
+                    return
+                if not (isinstance(e, KubeAPIError) and e.status == 410):
+                    log.warning("pod watch: %s; listing again", e)
+                    time.sleep(1.0)
+
+    # ---- status for the CLI ------------------------------------------------------------------------
+    def describe_nodes(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [{"name": n.name, "state": n.state, "ip": n.ip, "run_pods": n.spec.run_pods,
+                     "pods": sum(1 for w in self.workers.values() if w.node == n.name)} for n in self.nodes.values()]
+
+    def describe_pods(self) -> list[dict[str, Any]]:
+        with self.lock:
+            workers = list(self.workers.values())
+        return [{"namespace": w.namespace, "name": w.name, "uid": w.uid, "node": w.node, "ip": w.pod_ip,
+                 "dir": str(w.dir), "processes": w.processes()} for w in workers]
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        threading.Thread(target=self._register_all, name="register", daemon=True).start()
+        threading.Thread(target=self._lease_loop, name="leases", daemon=True).start()
+        threading.Thread(target=self._watch_loop, name="pod-watch", daemon=True).start()
+
+    def _register_all(self) -> None:
+        with self.lock:
+            nodes = list(self.nodes.values())
+        for node in nodes:
+            while not self.stopping.is_set():
+                try:
+                    self.register(node)
+                    break
+                except Exception as e:
+                    log.warning("registering %s: %s", node.name, e)
+                    time.sleep(1.0)
+        self.registered.set()
+        log.info("registered %d nodes", len(nodes))
+
+    def stop(self) -> None:
+        """Stop heartbeats and kill every pod process (the cluster is going away)."""
+        self.stopping.set()
+        with self.lock:
+            workers = list(self.workers.values())
+            for node in self.nodes.values():
+                if node.kill_timer:
+                    node.kill_timer.cancel()
+        for worker in workers:
+            worker.kill_now()
+
+
+def _handler(agent: NodeAgent) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("control: " + format, *args)
+
+        def _answer(self, code: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/healthz":
+                self._answer(200, {"registered": agent.registered.is_set()})
+            elif self.path == "/nodes":
+                self._answer(200, {"nodes": agent.describe_nodes()})
+            elif self.path == "/pods":
+                self._answer(200, {"pods": agent.describe_pods()})
+            else:
+                self._answer(404, {"error": {"code": 404, "message": f"no such path {self.path}"}})
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+            parts = [p for p in self.path.split("/") if p]
+            try:
+                if parts == ["nodes"]:
+                    result = agent.add_nodes([NodeSpec.from_json(n) for n in body.get("nodes", [])])
+                elif len(parts) == 3 and parts[0] == "nodes":
+                    name, action = parts[1], parts[2]
+                    actions = {
+                        "kill": lambda: agent.kill_node(name),
+                        "partition": lambda: agent.partition_node(name),
+                        "restore": lambda: agent.restore_node(name),
+                        "remove": lambda: agent.remove_node(name),
+                        "preempt": lambda: agent.preempt_node(name, float(body.get("delay_seconds", 30)),
+                                                              bool(body.get("sigterm", False))),
+                    }
+                    if action not in actions:
+                        raise KeyError(f"unknown action {action!r}; valid: {', '.join(actions)}")
+                    result = actions[action]()
+                else:
+                    raise KeyError(f"no such path {self.path}")
+            except KeyError as e:
+                self._answer(404, {"error": {"code": 404, "message": str(e.args[0])}})
+                return
+            except Exception as e:
+                log.exception("control %s", self.path)
+                self._answer(500, {"error": {"code": 500, "message": str(e)}})
+                return
+            self._answer(200, result)
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    run_dir = Path(args[0])
+    config = json.loads((run_dir / "agent-config.json").read_text())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
+    agent = NodeAgent(run_dir, Path(config["kubeconfig"]), [NodeSpec.from_json(n) for n in config["nodes"]],
+                      lease_renew_seconds=float(config.get("lease_renew_seconds", 3.0)))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(agent))
+    server.daemon_threads = True
+
+    def shutdown(signum: int, frame: object) -> None:
+        agent.stop()
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    agent.start()
+    state = {"pid": os.getpid(), "port": server.server_address[1]}
+    tmp = run_dir / "agent.json.tmp"
+    tmp.write_text(json.dumps(state))
+    tmp.rename(run_dir / "agent.json")
+    log.info("node agent serving control API on 127.0.0.1:%d", state["port"])
+    server.serve_forever(poll_interval=0.5)
+    agent.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Start one container: enter a private mount namespace, bind each volume at its mountPath, change to
+the working directory, then exec the command (which keeps this process's pid).
+
+Run by the node agent as `python -m resilax_local.launch <spec.json>`, where the spec is
+`{"argv": [...], "env": {...}, "cwd": "...", "mounts": [{"source", "target", "read_only"}]}`.
+Needs root (CAP_SYS_ADMIN) for the mount namespace, as a container runtime does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from pathlib import Path
+
+CLONE_NEWNS = 0x00020000
+MS_RDONLY = 1
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+
+
+def _mount(libc: ctypes.CDLL, source: str | None, target: str, flags: int) -> None:
+    if libc.mount(source.encode() if source else None, target.encode(), None, flags, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+
+def enter_volumes(mounts: list[dict[str, object]]) -> None:
+    """A private mount namespace with each `source` bind-mounted at `target` (parents first)."""
+    if not mounts:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNS): {os.strerror(err)} (the node agent must run as root)")
+    _mount(libc, None, "/", MS_REC | MS_PRIVATE)
+    for m in sorted(mounts, key=lambda m: len(str(m["target"]))):
+        source, target = Path(str(m["source"])), Path(str(m["target"]))
+        if source.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.exists():
+                target.touch()
+        _mount(libc, str(source), str(target), MS_BIND | MS_REC)
+        if m.get("read_only"):
+            _mount(libc, None, str(target), MS_BIND | MS_REMOUNT | MS_RDONLY)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(args[0]).read_text())
+    try:
+        enter_volumes(spec.get("mounts", []))
+        cwd = spec.get("cwd") or "/"
+        Path(cwd).mkdir(parents=True, exist_ok=True)
+        os.chdir(cwd)
+    except OSError as e:
+        print(f"resilax-local: cannot set up the container: {e}", file=sys.stderr)
+        return 128
+    try:
+        os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
+    except OSError as e:
+        print(f"resilax-local: cannot run {spec['argv'][0]!r}: {e}", file=sys.stderr)
+        return 127
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

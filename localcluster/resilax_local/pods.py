@@ -1,0 +1,664 @@
+"""Run one pod as local processes, the way a kubelet runs it in containers.
+
+A `PodWorker` thread owns one pod bound to one of the agent's nodes. It
+1. prepares the pod: a loopback IP (`status.podIP`), its volumes as host folders, its folder of logs;
+2. starts init containers in order (a native sidecar — an init container with `restartPolicy: Always` —
+   counts as started once its process runs, and keeps running beside the main containers);
+3. starts the main containers, restarts containers by the pod's `restartPolicy` (with a short backoff),
+   sets the pod's phase, conditions and container statuses through the status subresource;
+4. when the pod completes, stops the sidecars (reverse order);
+5. when the pod is deleted, terminates it like the kubelet: SIGTERM to the main containers, wait up to
+   the grace period, SIGKILL, then the sidecars in reverse order, then the final status and a delete
+   with grace period 0.
+
+Each container is `python -m resilax_local.launch <spec>`, which enters a private mount namespace, binds
+the volumes at their `mountPath` and execs the container's command (so the pid is the command's).
+While the node is killed the worker does nothing; while it is partitioned it keeps its processes but
+neither reads nor writes the API. On restore the agent resyncs it from the API.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from . import podspec
+from .errors import KubeAPIError
+from .kubeapi import KubeClient
+
+log = logging.getLogger(__name__)
+
+Pod = dict[str, Any]
+
+
+class NodeState:
+    READY = "Ready"
+    KILLED = "Killed"
+    PARTITIONED = "Partitioned"
+
+
+class PodHost(Protocol):
+    """What a pod worker needs from the node agent."""
+
+    client: KubeClient
+    run_dir: Path
+    apiserver_port: int
+
+    def node_state(self, node: str) -> str: ...
+
+    def node_ip(self, node: str) -> str: ...
+
+    def allocate_pod_ip(self) -> str: ...
+
+    def forget(self, uid: str) -> None: ...
+
+
+def now_rfc3339() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class PrepareError(Exception):
+    """The pod cannot start yet (a ConfigMap, Secret or key is missing); retried like the kubelet does."""
+
+
+@dataclass
+class ContainerRun:
+    """One container's process and history."""
+
+    spec: dict[str, Any]
+    kind: str  # "init", "sidecar" or "main"
+    proc: subprocess.Popen[bytes] | None = None
+    restart_count: int = 0
+    ever_started: bool = False
+    started_at: str | None = None
+    terminated: dict[str, Any] | None = None
+    last_terminated: dict[str, Any] | None = None
+    restart_at: float | None = None
+    waiting_reason: str = "PodInitializing"
+    waiting_message: str = ""
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["name"])
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int, group: bool = False) -> None:
+        if self.proc is None:
+            return
+        try:
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@dataclass
+class _Condition:
+    status: str
+    since: str
+    reason: str | None = None
+
+
+@dataclass
+class PodWorker:
+    host: PodHost
+    pod: Pod
+    events: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
+
+    def __post_init__(self) -> None:
+        meta = self.pod["metadata"]
+        self.uid: str = meta["uid"]
+        self.namespace: str = meta["namespace"]
+        self.name: str = meta["name"]
+        self.node: str = self.pod["spec"]["nodeName"]
+        spec = self.pod["spec"]
+        self.containers: list[ContainerRun] = [
+            ContainerRun(c, "sidecar" if podspec.is_sidecar(c) else "init") for c in spec.get("initContainers") or []
+        ] + [ContainerRun(c, "main") for c in spec["containers"]]
+        self.dir = self.host.run_dir / "pods" / self.namespace / f"{self.name}-{self.uid[:8]}"
+        self.pod_ip: str | None = None
+        self.volumes: dict[str, Path] | None = None
+        self.memory_dirs: list[Path] = []
+        self.start_time: str | None = None
+        self.initialized = False
+        self.terminal: str | None = None
+        self.gone = False
+        self.finished = False
+        self.prepare_error: str | None = None
+        self.next_prepare = 0.0
+        self.conditions: dict[str, _Condition] = {}
+        self.last_status: str | None = None
+        self.thread = threading.Thread(target=self._run, name=f"pod-{self.namespace}/{self.name}", daemon=True)
+
+    # ---- called from the agent's threads -------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def notify(self, kind: str, payload: Any = None) -> None:
+        """`("pod", obj)` on a change, `("deleted", None)` when the object is gone, `("resync", None)`."""
+        self.events.put((kind, payload))
+
+    def kill_now(self) -> None:
+        """SIGKILL every process of the pod at once (the node died)."""
+        for c in self.containers:
+            c.signal(signal.SIGKILL, group=True)
+
+    def processes(self) -> dict[str, int]:
+        return {c.name: c.proc.pid for c in self.containers if c.proc is not None and c.running()}
+
+    # ---- the worker's own thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self.finished:
+                state = self.host.node_state(self.node)
+                if state == NodeState.KILLED:
+                    self._wait(1.0)
+                    continue
+                self._drain_events()
+                self._sync(api=state == NodeState.READY)
+                if not self.finished:
+                    self._wait(self._next_wake())
+        except Exception:
+            log.exception("pod %s/%s: worker failed", self.namespace, self.name)
+            self.kill_now()
+        finally:
+            self._cleanup()
+            self.host.forget(self.uid)
+
+    def _wait(self, timeout: float) -> None:
+        try:
+            item = self.events.get(timeout=max(0.05, timeout))
+        except queue.Empty:
+            return
+        self._handle(*item)
+
+    def _next_wake(self) -> float:
+        pending = [c.restart_at for c in self.containers if c.restart_at is not None]
+        if self.volumes is None:
+            pending.append(self.next_prepare)
+        if not pending:
+            return 2.0
+        return max(0.05, min(min(pending) - time.monotonic(), 2.0))
+
+    def _drain_events(self) -> None:
+        while True:
+            try:
+                kind, payload = self.events.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(kind, payload)
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "pod" and payload["metadata"]["uid"] == self.uid:
+            self.pod = payload
+        elif kind == "deleted":
+            self.gone = True
+        elif kind == "resync":
+            try:
+                fresh = self.host.client.get(f"/api/v1/namespaces/{self.namespace}/pods/{self.name}")
+            except KubeAPIError as e:
+                if e.status != 404:
+                    raise
+                self.gone = True
+            else:
+                if fresh["metadata"]["uid"] == self.uid:
+                    self.pod = fresh
+                else:
+                    self.gone = True
+
+    def _sync(self, api: bool) -> None:
+        meta = self.pod["metadata"]
+        if self.gone:
+            grace = int(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
+            self._terminate(grace, api=False)
+            return
+        if api and meta.get("deletionTimestamp"):
+            grace = int(meta.get("deletionGracePeriodSeconds", self.pod["spec"].get("terminationGracePeriodSeconds", 30)))
+            self._terminate(grace, api=True)
+            return
+        if self.volumes is None and time.monotonic() >= self.next_prepare:
+            self._prepare()
+        self._reap()
+        if self.volumes is not None and self.terminal is None:
+            self._advance()
+        if api:
+            self._post_status()
+
+    # ---- preparing ------------------------------------------------------------------------------
+    def _lookup(self, kind: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.host.client.get(f"/api/v1/namespaces/{self.namespace}/{kind}/{name}")
+        except KubeAPIError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def _prepare(self) -> None:
+        if self.pod_ip is None:
+            self.pod_ip = self.host.allocate_pod_ip()
+            self.start_time = now_rfc3339()
+            self.pod.setdefault("status", {})["podIP"] = self.pod_ip
+            self.pod["status"]["hostIP"] = self.host.node_ip(self.node)
+            self._post_status()  # the pod IP is known before the containers start, as on a kubelet
+        try:
+            self.volumes = self._build_volumes()
+            self.prepare_error = None
+        except PrepareError as e:
+            self.prepare_error = str(e)
+            self.next_prepare = time.monotonic() + 2.0
+            for c in self.containers:
+                c.waiting_reason, c.waiting_message = "CreateContainerConfigError", str(e)
+
+    def _build_volumes(self) -> dict[str, Path]:
+        volumes: dict[str, Path] = {}
+        root = self.dir / "volumes"
+        for vol in self.pod["spec"].get("volumes") or []:
+            name = vol["name"]
+            path = root / name
+            if "emptyDir" in vol:
+                if (vol["emptyDir"] or {}).get("medium") == "Memory":
+                    path = Path("/dev/shm/resilax-local") / self.uid / name
+                    self.memory_dirs.append(path.parent)
+                path.mkdir(parents=True, exist_ok=True)
+            elif "hostPath" in vol:
+                path = Path(vol["hostPath"]["path"])
+                kind = vol["hostPath"].get("type", "")
+                if kind == "DirectoryOrCreate":
+                    path.mkdir(parents=True, exist_ok=True)
+                elif kind == "FileOrCreate":
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.touch()
+            elif "persistentVolumeClaim" in vol:
+                path = self.host.run_dir / "pvcs" / self.namespace / vol["persistentVolumeClaim"]["claimName"]
+                path.mkdir(parents=True, exist_ok=True)
+            elif "configMap" in vol or "secret" in vol or "downwardAPI" in vol or "projected" in vol:
+                files = self._projected_files(vol)
+                path.mkdir(parents=True, exist_ok=True)
+                mode = self._default_mode(vol)
+                for rel, (content, file_mode) in files.items():
+                    target = path / rel
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(content)
+                    target.chmod(file_mode if file_mode is not None else mode)
+            else:
+                kinds = ", ".join(k for k in vol if k != "name")
+                raise PrepareError(f"volume {name!r}: type {kinds} is not supported by the local node agent")
+            volumes[name] = path
+        return volumes
+
+    @staticmethod
+    def _default_mode(vol: dict[str, Any]) -> int:
+        for key in ("configMap", "secret", "downwardAPI", "projected"):
+            if key in vol and vol[key] and "defaultMode" in vol[key]:
+                return int(vol[key]["defaultMode"])
+        return 0o644
+
+    def _projected_files(self, vol: dict[str, Any]) -> dict[str, tuple[bytes, int | None]]:
+        """Files of a configMap/secret/downwardAPI/projected volume: relative path -> (bytes, mode)."""
+        sources: list[dict[str, Any]]
+        if "projected" in vol:
+            sources = (vol["projected"] or {}).get("sources") or []
+        else:
+            sources = [{k: v for k, v in vol.items() if k != "name"}]
+        files: dict[str, tuple[bytes, int | None]] = {}
+        for source in sources:
+            if "serviceAccountToken" in source:
+                sat = source["serviceAccountToken"]
+                files[sat["path"]] = (self._request_token(sat).encode(), 0o600)
+            for key, kind, name_key in (("configMap", "configmaps", "name"), ("secret", "secrets", "secretName")):
+                if key not in source:
+                    continue
+                ref = source[key] or {}
+                obj_name = str(ref.get(name_key) or ref.get("name"))
+                obj = self._lookup(kind, obj_name)
+                if obj is None:
+                    if ref.get("optional"):
+                        continue
+                    raise PrepareError(f"{kind[:-1]} {obj_name!r} not found")
+                raw = self._raw_data(obj, kind)
+                items = ref.get("items")
+                if items:
+                    for item in items:
+                        if item["key"] not in raw:
+                            if ref.get("optional"):
+                                continue
+                            raise PrepareError(f"key {item['key']!r} not in {kind[:-1]} {obj_name!r}")
+                        files[item["path"]] = (raw[item["key"]], item.get("mode"))
+                else:
+                    for k, v in raw.items():
+                        files[k] = (v, None)
+            if "downwardAPI" in source:
+                for item in (source["downwardAPI"] or {}).get("items") or []:
+                    if "fieldRef" in item:
+                        value = podspec.field_value(self.pod, item["fieldRef"]["fieldPath"])
+                    else:
+                        ref = item["resourceFieldRef"]
+                        container = next((c.spec for c in self.containers if c.name == ref.get("containerName")),
+                                         self.containers[-1].spec)
+                        value = podspec.resource_value(container, ref["resource"], ref.get("divisor"))
+                    files[item["path"]] = (value.encode(), item.get("mode"))
+        return files
+
+    @staticmethod
+    def _raw_data(obj: dict[str, Any], kind: str) -> dict[str, bytes]:
+        if kind == "secrets":
+            return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+        out = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
+        out.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
+        return out
+
+    def _request_token(self, sat: dict[str, Any]) -> str:
+        """A bound service-account token through the TokenRequest API, as the kubelet asks for it."""
+        account = self.pod["spec"].get("serviceAccountName") or "default"
+        spec: dict[str, Any] = {
+            "expirationSeconds": int(sat.get("expirationSeconds", 3600)),
+            "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": self.name, "uid": self.uid},
+        }
+        if sat.get("audience"):
+            spec["audiences"] = [sat["audience"]]
+        try:
+            answer = self.host.client.create(
+                f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{account}/token",
+                {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec})
+        except KubeAPIError as e:
+            raise PrepareError(f"token for service account {account!r}: {e}") from e
+        return str(answer["status"]["token"])
+
+    # ---- running --------------------------------------------------------------------------------
+    def _base_env(self) -> dict[str, str]:
+        venv_bin = str(Path(sys.executable).parent)
+        port = str(self.host.apiserver_port)
+        return {
+            "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": "/root", "HOSTNAME": self.name, "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
+            "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": port,
+            "KUBERNETES_SERVICE_PORT_HTTPS": port, "KUBERNETES_PORT": f"tcp://127.0.0.1:{port}",
+            "RESILAX_LOCAL_CLUSTER": str(self.host.run_dir),
+        }
+
+    def _start(self, c: ContainerRun) -> None:
+        assert self.volumes is not None
+        try:
+            env = podspec.build_env(self.pod, c.spec, self._lookup, self._base_env())
+            argv = podspec.command_line(c.spec, env)
+        except ValueError as e:
+            c.waiting_reason, c.waiting_message = "CreateContainerConfigError", str(e)
+            c.restart_at = time.monotonic() + 2.0
+            return
+        mounts = []
+        for m in c.spec.get("volumeMounts") or []:
+            if m["name"] not in self.volumes:
+                c.waiting_reason, c.waiting_message = "CreateContainerConfigError", f"volume {m['name']!r} not found"
+                c.restart_at = time.monotonic() + 2.0
+                return
+            source = self.volumes[m["name"]]
+            if m.get("subPath"):
+                source = source / m["subPath"]
+                if not source.exists():
+                    source.mkdir(parents=True, exist_ok=True)
+            mounts.append({"source": str(source), "target": m["mountPath"], "read_only": bool(m.get("readOnly"))})
+        if c.ever_started:
+            c.restart_count += 1
+        log_dir = self.dir / "logs" / c.name
+        log_dir.mkdir(parents=True, exist_ok=True)
+        spec_path = self.dir / "specs" / f"{c.name}-{c.restart_count}.json"
+        spec_path.parent.mkdir(parents=True, exist_ok=True)
+        spec_path.write_text(json.dumps({"argv": argv, "env": env, "cwd": c.spec.get("workingDir") or "/",
+                                         "mounts": mounts}, indent=1))
+        with (log_dir / f"{c.restart_count}.log").open("ab") as out:
+            c.proc = subprocess.Popen([sys.executable, "-m", "resilax_local.launch", str(spec_path)],
+                                      stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                      env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                                      start_new_session=True)
+        c.ever_started = True
+        c.started_at = now_rfc3339()
+        c.last_terminated = c.terminated or c.last_terminated
+        c.terminated = None
+        c.restart_at = None
+        c.waiting_reason, c.waiting_message = "", ""
+        proc = c.proc
+        def waiter() -> None:
+            proc.wait()
+            self.notify("wake")
+
+        threading.Thread(target=waiter, daemon=True).start()
+        log.info("pod %s/%s: started container %s (pid %d) on %s", self.namespace, self.name, c.name,
+                 proc.pid, self.node)
+
+    def _reap(self) -> None:
+        for c in self.containers:
+            if c.proc is None or c.proc.poll() is None:
+                continue
+            code = c.proc.returncode
+            exit_code = 128 - code if code < 0 else code
+            c.terminated = {
+                "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                "startedAt": c.started_at, "finishedAt": now_rfc3339(),
+                "containerID": self._container_id(c),
+            }
+            if code < 0:
+                c.terminated["signal"] = -code
+            # leftovers of the container (its children) go with it, as with a pid namespace
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(c.proc.pid, signal.SIGKILL)
+            c.proc = None
+            log.info("pod %s/%s: container %s exited with %d", self.namespace, self.name, c.name, exit_code)
+
+    def _container_id(self, c: ContainerRun) -> str:
+        return f"resilax://{self.uid}/{c.name}/{c.restart_count}"
+
+    def _due(self, c: ContainerRun) -> bool:
+        """Whether an exited container may start again now (arming its backoff the first time)."""
+        now = time.monotonic()
+        if c.restart_at is None:
+            c.restart_at = now + podspec.restart_backoff(c.restart_count + 1)
+            c.waiting_reason = "CrashLoopBackOff"
+            c.waiting_message = f"back-off restarting failed container {c.name}"
+        return now >= c.restart_at
+
+    def _advance(self) -> None:
+        policy = self.pod["spec"].get("restartPolicy", "Always")
+        for c in self.containers:
+            if c.kind == "main":
+                break
+            if c.kind == "sidecar":
+                if not c.running():
+                    if not c.ever_started:
+                        if c.restart_at is None or time.monotonic() >= c.restart_at:
+                            self._start(c)
+                    elif self._due(c):
+                        self._start(c)
+                if not c.ever_started:
+                    return  # later init containers wait until this sidecar has started
+                continue
+            if c.running():
+                return
+            if c.terminated is None:
+                if c.restart_at is None or time.monotonic() >= c.restart_at:
+                    self._start(c)
+                return
+            if c.terminated["exitCode"] == 0:
+                continue
+            if policy == "Never":
+                self._finish("Failed")
+                return
+            if self._due(c):
+                self._start(c)
+            return
+        self.initialized = True
+        mains = [c for c in self.containers if c.kind == "main"]
+        for c in mains:
+            if c.running():
+                continue
+            if not c.ever_started:
+                if c.restart_at is None or time.monotonic() >= c.restart_at:
+                    self._start(c)
+                continue
+            if c.terminated is not None and podspec.should_restart(policy, c.terminated["exitCode"]) and self._due(c):
+                self._start(c)
+        done = all(c.ever_started and c.terminated is not None
+                   and not podspec.should_restart(policy, c.terminated["exitCode"]) for c in mains)
+        if done:
+            failed = any(c.terminated is not None and c.terminated["exitCode"] != 0 for c in mains)
+            self._finish("Failed" if failed else "Succeeded")
+
+    def _finish(self, phase: str) -> None:
+        """The pod reached a terminal phase: stop its sidecars (reverse order) and keep it for the record."""
+        self.terminal = phase
+        grace = int(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
+        self._stop_in_order([c for c in self.containers if c.kind != "main"], time.monotonic() + grace)
+        self._reap()
+        for c in self.containers:
+            c.restart_at = None
+        log.info("pod %s/%s: %s", self.namespace, self.name, phase)
+
+    def _stop_in_order(self, containers: list[ContainerRun], deadline: float) -> None:
+        """SIGTERM each running container (last first), wait for it (at least 2 s), SIGKILL if needed."""
+        for c in reversed(containers):
+            if not c.running():
+                continue
+            c.signal(signal.SIGTERM)
+            self._await_exit([c], max(deadline, time.monotonic() + 2.0))
+
+    def _await_exit(self, containers: list[ContainerRun], deadline: float) -> None:
+        while time.monotonic() < deadline and any(c.running() for c in containers):
+            time.sleep(0.05)
+        for c in containers:
+            if c.running():
+                log.info("pod %s/%s: SIGKILL container %s after the grace period", self.namespace, self.name, c.name)
+                c.signal(signal.SIGKILL, group=True)
+                if c.proc is not None:
+                    c.proc.wait()
+
+    def _terminate(self, grace: int, api: bool) -> None:
+        """Graceful termination as the kubelet does it, then (with `api`) the final status and delete."""
+        log.info("pod %s/%s: terminating (grace %d s)", self.namespace, self.name, grace)
+        deadline = time.monotonic() + grace
+        for c in self.containers:
+            c.restart_at = None
+        mains = [c for c in self.containers if c.kind != "sidecar"]
+        for c in mains:
+            if c.running():
+                c.signal(signal.SIGTERM)
+        self._await_exit(mains, deadline)
+        self._stop_in_order([c for c in self.containers if c.kind == "sidecar"], deadline)
+        self._reap()
+        self.finished = True
+        if not api:
+            return
+        if self.terminal is None:
+            main_runs = [c for c in self.containers if c.kind == "main"]
+            ok = all(c.terminated is not None and c.terminated["exitCode"] == 0 for c in main_runs)
+            self.terminal = "Succeeded" if ok else "Failed"
+        self._post_status()
+        try:
+            self.host.client.delete(f"/api/v1/namespaces/{self.namespace}/pods/{self.name}",
+                                    {"gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}})
+        except KubeAPIError as e:
+            if e.status not in (404, 409):
+                raise
+
+    def _cleanup(self) -> None:
+        for c in self.containers:
+            c.signal(signal.SIGKILL, group=True)
+        for path in self.memory_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ---- status -------------------------------------------------------------------------------
+    def _set_condition(self, kind: str, value: bool, reason: str | None = None) -> None:
+        status = "True" if value else "False"
+        current = self.conditions.get(kind)
+        if current is None or current.status != status or current.reason != reason:
+            self.conditions[kind] = _Condition(status, now_rfc3339(), reason)
+
+    def _container_status(self, c: ContainerRun) -> dict[str, Any]:
+        state: dict[str, Any]
+        if c.running():
+            state = {"running": {"startedAt": c.started_at}}
+        elif c.terminated is not None and c.restart_at is None:
+            state = {"terminated": c.terminated}
+        else:
+            waiting: dict[str, Any] = {"reason": c.waiting_reason or "PodInitializing"}
+            if c.waiting_message:
+                waiting["message"] = c.waiting_message
+            state = {"waiting": waiting}
+        last = c.terminated if (c.terminated is not None and c.restart_at is not None) else c.last_terminated
+        out: dict[str, Any] = {
+            "name": c.name, "image": c.spec.get("image", ""), "imageID": "", "state": state,
+            "lastState": {"terminated": last} if last else {}, "ready": c.running(),
+            "restartCount": c.restart_count, "started": c.running(),
+        }
+        if c.ever_started:
+            out["containerID"] = self._container_id(c)
+        return out
+
+    def _phase(self) -> str:
+        if self.terminal:
+            return self.terminal
+        if self.initialized and any(c.ever_started for c in self.containers if c.kind == "main"):
+            return "Running"
+        return "Pending"
+
+    def _post_status(self) -> None:
+        if self.finished and self.terminal is None:
+            return
+        inits = [c for c in self.containers if c.kind != "main"]
+        mains = [c for c in self.containers if c.kind == "main"]
+        phase = self._phase()
+        self._set_condition("PodReadyToStartContainers", self.pod_ip is not None)
+        self._set_condition("Initialized", self.initialized or self.terminal is not None)
+        ready = self.terminal is None and self.initialized and all(c.running() for c in self.containers
+                                                                  if c.kind != "init")
+        reason = "PodCompleted" if self.terminal else (None if ready else "ContainersNotReady")
+        self._set_condition("ContainersReady", ready, reason)
+        self._set_condition("Ready", ready, reason)
+        conditions = [{"type": k, "status": v.status, "lastTransitionTime": v.since,
+                       "lastProbeTime": None, **({"reason": v.reason} if v.reason else {})}
+                      for k, v in self.conditions.items()]
+        foreign = [c for c in (self.pod.get("status") or {}).get("conditions") or [] if c["type"] not in self.conditions]
+        host_ip = self.host.node_ip(self.node)
+        status: dict[str, Any] = {
+            "phase": phase, "hostIP": host_ip, "hostIPs": [{"ip": host_ip}],
+            "conditions": foreign + conditions,
+            "containerStatuses": [self._container_status(c) for c in mains],
+        }
+        if self.pod_ip:
+            status["podIP"] = self.pod_ip
+            status["podIPs"] = [{"ip": self.pod_ip}]
+        if self.start_time:
+            status["startTime"] = self.start_time
+        if inits:
+            status["initContainerStatuses"] = [self._container_status(c) for c in inits]
+        if self.prepare_error:
+            status["message"] = self.prepare_error
+        encoded = json.dumps(status, sort_keys=True)
+        if encoded == self.last_status:
+            return
+        try:
+            updated = self.host.client.patch(f"/api/v1/namespaces/{self.namespace}/pods/{self.name}/status",
+                                             {"metadata": {"uid": self.uid}, "status": status})
+        except KubeAPIError as e:
+            if e.status in (404, 409):
+                return
+            raise
+        self.last_status = encoded
+        if updated.get("metadata", {}).get("uid") == self.uid:
+            self.pod = updated

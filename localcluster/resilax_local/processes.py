@@ -1,0 +1,76 @@
+"""Start and stop background processes, each in its own process group, so nothing is left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start `argv` in a new session (its own process group), stdout and stderr appended to `log_path`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as out:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=env, cwd=cwd, start_new_session=True)
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # killpg(0) succeeds for zombies too: look for a live member
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid and alive(int(entry)):
+                    return True
+            except ProcessLookupError:
+                continue
+    return False
+
+
+def stop_group(pgid: int, timeout: float = 10.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """SIGTERM the process group `pgid`, wait up to `timeout`, then SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if proc is not None:
+                proc.poll()
+            if not group_alive(pgid):
+                break
+            time.sleep(0.1)
+        else:
+            continue
+        break
+    if proc is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1)

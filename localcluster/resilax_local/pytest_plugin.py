@@ -1,0 +1,96 @@
+"""pytest fixtures for tests against the local cluster; enable with `pytest_plugins = ["resilax_local.pytest_plugin"]`.
+
+Fixtures:
+- `local_cluster` (session): a `LocalCluster` started once per test session (profile `default`: 2 TPU
+  slices x 2 hosts + `cpu-0`), stopped at the end. With `RESILAX_TEST_CLUSTER_DIR` set to the run
+  folder of a cluster started by `resilax local up --dir ...`, that cluster is reused and left running.
+- `cluster` (function): the same cluster; after the test every node the test killed, partitioned or
+  preempted is restored, so tests do not leak faults.
+- `kube` (session): a dict-based admin REST client (`resilax_local.kubeapi.KubeClient`).
+- `namespace` (function): a fresh namespace (its `default` ServiceAccount ready), deleted afterwards.
+- `fake_gcs` (session): a `FakeGCS` server; `gcs_bucket` (function): a fresh bucket, yields `gs://<name>`.
+Tests that use `local_cluster`/`cluster` are marked `cluster`, those that use `fake_gcs` `gcs`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .cluster import LocalCluster
+from .errors import KubeAPIError
+from .gcs import FakeGCS
+from .kubeapi import KubeClient
+from .pods import NodeState
+from .testing import wait_for
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        if "local_cluster" in names or "cluster" in names:
+            item.add_marker(pytest.mark.cluster)
+        if "fake_gcs" in names or "gcs_bucket" in names:
+            item.add_marker(pytest.mark.gcs)
+
+
+@pytest.fixture(scope="session")
+def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    reuse = os.environ.get("RESILAX_TEST_CLUSTER_DIR")
+    if reuse:
+        yield LocalCluster.attach(Path(reuse))
+        return
+    cluster = LocalCluster(tmp_path_factory.mktemp("local-cluster"), profile="default")
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster(local_cluster: LocalCluster) -> Iterator[LocalCluster]:
+    yield local_cluster
+    for node in local_cluster.nodes():
+        if node["state"] != NodeState.READY:
+            local_cluster.restore_node(node["name"])
+
+
+@pytest.fixture(scope="session")
+def kube(local_cluster: LocalCluster) -> KubeClient:
+    return local_cluster.client()
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest, kube: KubeClient) -> Iterator[str]:
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{base}-{uuid.uuid4().hex[:6]}"
+    kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    wait_for(lambda: kube.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), timeout=60,
+             message=f"default ServiceAccount in {name}")
+    yield name
+    with contextlib.suppress(KubeAPIError):
+        kube.delete(f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture(scope="session")
+def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGCS]:
+    server = FakeGCS(log_dir=tmp_path_factory.mktemp("fake-gcs"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gcs_bucket(fake_gcs: FakeGCS) -> str:
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    fake_gcs.create_bucket(name)
+    return f"gs://{name}"

@@ -1,0 +1,133 @@
+"""Pure parts of the local cluster: profiles, the pod-manifest helpers, the build recipe."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from resilax_local import binaries, podspec, profiles
+
+
+@pytest.mark.parametrize(("accelerator", "topology", "hosts"), [
+    ("tpu-v5-lite-podslice", "2x4", 2),
+    ("tpu-v5-lite-podslice", "4x4", 4),
+    ("tpu-v5-lite-podslice", "2x2", 1),
+    ("tpu-v4-podslice", "2x2x4", 4),
+    ("tpu-v6e-slice", "8x8", 16),
+], ids=lambda v: str(v))
+def test_hosts_per_slice(accelerator, topology, hosts):
+    assert profiles.hosts_per_slice(accelerator, topology) == hosts
+
+
+def test_unknown_accelerator_names_the_valid_ones():
+    with pytest.raises(ValueError, match="tpu-v5-lite-podslice"):
+        profiles.hosts_per_slice("tpu-v9", "2x2")
+
+
+def test_default_profile_is_two_v5e_slices_and_a_cpu_node():
+    nodes = profiles.build_profile("default")
+    tpu = [n for n in nodes if profiles.TPU_RESOURCE in n.capacity]
+    assert [n.name for n in tpu] == ["tpu-slice-0-h0", "tpu-slice-0-h1", "tpu-slice-1-h0", "tpu-slice-1-h1"]
+    for node in tpu:
+        assert node.labels[profiles.ACCELERATOR_LABEL] == "tpu-v5-lite-podslice"
+        assert node.labels[profiles.TOPOLOGY_LABEL] == "2x4"
+        assert node.capacity[profiles.TPU_RESOURCE] == "4"
+        assert node.taints == (profiles.TPU_TAINT,)
+    assert {n.labels[profiles.NODEPOOL_LABEL] for n in tpu} == {"tpu-slice-0", "tpu-slice-1"}
+    assert [n.name for n in nodes if n not in tpu] == ["cpu-0"]
+
+
+def test_scale_profile_has_200_tpu_hosts_without_processes():
+    nodes = profiles.build_profile("scale200")
+    assert sum(1 for n in nodes if not n.run_pods) == 200
+
+
+@pytest.mark.parametrize(("text", "env", "expected"), [
+    ("$(A)-$(B)", {"A": "1", "B": "2"}, "1-2"),
+    ("$(MISSING)", {}, "$(MISSING)"),
+    ("$$(A)", {"A": "1"}, "$(A)"),
+    ("plain $A", {"A": "1"}, "plain $A"),
+], ids=["both", "unknown-kept", "escaped", "shell-style-untouched"])
+def test_expand(text, env, expected):
+    assert podspec.expand(text, env) == expected
+
+
+POD = {
+    "metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "labels": {"app": "x"}, "annotations": {"a": "b"}},
+    "spec": {"nodeName": "n1", "serviceAccountName": "sa"},
+    "status": {"podIP": "127.9.1.1", "hostIP": "127.9.0.1"},
+}
+
+
+def test_build_env_resolves_every_source_in_order():
+    objects = {
+        ("configmaps", "cm"): {"data": {"k": "from-cm", "other": "x"}},
+        ("secrets", "sec"): {"data": {"pw": base64.b64encode(b"s3cret").decode()}},
+    }
+    container = {
+        "name": "c",
+        "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CM_"}],
+        "env": [
+            {"name": "NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+            {"name": "K", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}},
+            {"name": "PW", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "pw"}}},
+            {"name": "OPT", "valueFrom": {"secretKeyRef": {"name": "nope", "key": "x", "optional": True}}},
+            {"name": "ADDR", "value": "$(IP):8080/$(NAME)"},
+        ],
+    }
+    env = podspec.build_env(POD, container, lambda kind, name: objects.get((kind, name)), {"PATH": "/bin"})
+    assert env["NAME"] == "p" and env["IP"] == "127.9.1.1" and env["NODE"] == "n1" and env["APP"] == "x"
+    assert env["K"] == "from-cm" and env["PW"] == "s3cret" and env["CM_other"] == "x"
+    assert env["ADDR"] == "127.9.1.1:8080/p"
+    assert "OPT" not in env and env["PATH"] == "/bin"
+
+
+def test_build_env_missing_key_names_it():
+    container = {"name": "c", "env": [{"name": "X", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}}]}
+    with pytest.raises(ValueError, match="env X: key 'k' of configmap 'cm' not found"):
+        podspec.build_env(POD, container, lambda kind, name: None, {})
+
+
+def test_a_container_without_command_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="does not pull images"):
+        podspec.command_line({"name": "c", "image": "busybox"}, {})
+
+
+@pytest.mark.parametrize(("policy", "code", "restart"), [
+    ("Always", 0, True), ("Always", 1, True), ("OnFailure", 0, False), ("OnFailure", 2, True),
+    ("Never", 0, False), ("Never", 1, False),
+], ids=lambda v: str(v))
+def test_restart_rules(policy, code, restart):
+    assert podspec.should_restart(policy, code) is restart
+
+
+def test_staging_replaces_follow_upstream_go_mod():
+    upstream = """
+replace (
+\tk8s.io/api => ./staging/src/k8s.io/api
+\tk8s.io/client-go => ./staging/src/k8s.io/client-go
+\tgithub.com/other/thing => github.com/other/thing v1.0.0
+)
+"""
+    assert binaries.staging_replaces(upstream, "v1.37.2") == [
+        "\tk8s.io/api => k8s.io/api v0.37.2", "\tk8s.io/client-go => k8s.io/client-go v0.37.2"]
+
+
+def test_without_go_or_binaries_the_message_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESILAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("KUBEBUILDER_ASSETS", raising=False)
+    with pytest.raises(binaries.BinaryError, match="KUBEBUILDER_ASSETS") as info:
+        binaries.ensure_binaries()
+    assert "install Go" in str(info.value)
+
+
+def test_kubebuilder_assets_come_first(tmp_path, monkeypatch):
+    for name in ("kube-apiserver", "etcd"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("KUBEBUILDER_ASSETS", str(tmp_path))
+    assert binaries.ensure_etcd(build=False) == tmp_path / "etcd"
