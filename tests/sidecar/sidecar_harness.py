@@ -76,7 +76,12 @@ class FakeGcs:
     @property
     def env(self) -> dict[str, str]:
         """What gcsfs needs to talk to the emulator (docs: STORAGE_EMULATOR_HOST + no HNS probing)."""
-        return {"STORAGE_EMULATOR_HOST": self.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+        return {
+            "STORAGE_EMULATOR_HOST": self.url,
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            "TENSORSTORE_GCS_HTTP_URL": self.url,
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token",
+        }
 
     def create_bucket(self) -> str:
         name = f"b-{uuid.uuid4().hex[:10]}"
@@ -280,6 +285,54 @@ def start_sidecar(tmp_path: Path) -> Iterator[Any]:
         started.append(proc)
         if ready:
             proc.wait_ready()
+        return proc
+
+    yield start
+    for proc in started:
+        with contextlib.suppress(Exception):
+            proc.close()
+
+
+# ---- the trainer ------------------------------------------------------------------------------------
+
+
+class TrainerProcess:
+    """tests/sidecar/sidecar_trainer.py: a real training loop with resilax_ckpt."""
+
+    def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115
+        script = Path(__file__).with_name("sidecar_trainer.py")
+        full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script)], env=full_env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        def seen() -> bool:
+            if self.proc.poll() is not None and text not in self.log():
+                raise AssertionError(f"trainer exited with {self.proc.returncode}:\n{self.log()}")
+            return text in self.log()
+
+        wait_until(seen, timeout, f"{text!r} from the trainer", interval=0.1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture
+def start_trainer(tmp_path: Path) -> Iterator[Any]:
+    started: list[TrainerProcess] = []
+
+    def start(env: Mapping[str, str]) -> TrainerProcess:
+        proc = TrainerProcess(env, tmp_path / f"trainer-{len(started)}.log")
+        started.append(proc)
         return proc
 
     yield start

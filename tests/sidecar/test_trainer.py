@@ -1,0 +1,112 @@
+"""End to end: `resilax sidecar` and a real training process (resilax_ckpt) sharing a control folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from resilax_sidecar.store import GcsStore
+from sidecar_harness import TOKEN, wait_until
+
+pytestmark = pytest.mark.slow
+
+EXIT_CODE_STOPPED = 75
+
+
+def wait_outcome(sidecar, request_id: str, timeout: float = 60) -> dict:
+    def done():
+        body = sidecar.get(f"/v1/save/{request_id}").body
+        return body if body["status"] != "pending" else None
+
+    return wait_until(done, timeout, f"the outcome of save {request_id}", interval=0.1)
+
+
+def restore_w0(path: str, env: dict[str, str]) -> float:
+    """Restore one step folder with resilax_ckpt in a fresh process; the first weight."""
+    code = (
+        "import sys, resilax_ckpt as rc; out = rc.restore(sys.argv[1]); "
+        "print(float(out['params']['w'][0]), out['meta']['step'])"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, path],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    w0, step = run.stdout.split()
+    assert float(w0) == float(step)
+    return float(w0)
+
+
+def test_a_save_request_saves_one_agreed_step_and_reports_it(tmp_path, sidecar_env, start_sidecar, start_trainer):
+    ckpt = tmp_path / "ckpt"
+    env = {**sidecar_env, "RESILAX_CHECKPOINT_DIR": str(ckpt)}
+    trainer = start_trainer(env)
+    sidecar = start_sidecar(env)
+    trainer.wait_for("trainer ready")
+    time.sleep(0.3)
+    assert not [p for p in ckpt.iterdir() if p.name.isdigit()], "saved without being asked"
+
+    request_id = sidecar.post("/v1/save", {"reason": "manual"}, token=TOKEN).body["id"]
+    outcome = wait_outcome(sidecar, request_id)
+    assert outcome["status"] == "committed" and outcome["committed"] is True and outcome["error"] is None
+    step = outcome["step"]
+    assert (ckpt / str(step) / "_COMMIT").is_file()
+    assert [p.name for p in ckpt.iterdir() if p.name.isdigit()] == [str(step)], "exactly one step saved"
+    assert restore_w0(str(ckpt / str(step)), {}) == step
+    wait_until(lambda: sidecar.metric("resilax_sidecar_save_request_seconds_count") == 1, 10, "latency")
+    assert sidecar.get("/v1/state").body["newest_persisted_step"] == step
+
+    # A stop request: one more step saved, then the trainer exits with EXIT_CODE_STOPPED.
+    stop_id = sidecar.post("/v1/save", {"reason": "resize", "stop": True}, token=TOKEN).body["id"]
+    stop_outcome = wait_outcome(sidecar, stop_id)
+    assert stop_outcome["committed"] and stop_outcome["step"] > step
+    assert trainer.proc.wait(60) == EXIT_CODE_STOPPED
+    assert f"stopped at step {stop_outcome['step']}" in trainer.log()
+
+
+def test_sigterm_gets_a_final_step_committed_and_uploaded_before_the_sidecar_exits(
+    tmp_path, sidecar_env, start_sidecar, start_trainer, fake_gcs, gcs_env
+):
+    bucket = fake_gcs.create_bucket()
+    persistent = f"gs://{bucket}/jobs/llama"
+    env = {
+        **sidecar_env,
+        **gcs_env,
+        "RESILAX_LOCAL_DIR": str(tmp_path / "local"),
+        "RESILAX_CHECKPOINT_DIR": persistent,
+        "RESILAX_SIDECAR_GRACE_SECONDS": "90",
+        "TRAINER_FLOATS": str(256 * 1024),  # 1 MiB of weights
+    }
+    trainer = start_trainer(env)
+    sidecar = start_sidecar(env)
+    trainer.wait_for("trainer ready")
+    time.sleep(0.5)
+
+    sidecar.signal(signal.SIGTERM)
+    assert sidecar.wait(120) == 0, sidecar.log()
+    assert trainer.proc.wait(60) == EXIT_CODE_STOPPED, trainer.log()
+    final_step = int(trainer.log().split("stopped at step ")[1].split()[0])
+
+    # Before the sidecar exited, the final step was committed in the persistent tier, whole.
+    store = GcsStore(persistent)
+    assert store.stat(f"{final_step}/_COMMIT") is not None, sidecar.log()
+    remote = store.list_files(str(final_step))
+    local = tmp_path / "local" / str(final_step)
+    for path in local.rglob("*"):
+        rel = path.relative_to(local).as_posix()
+        if path.is_file() and rel != "_COMMIT":
+            assert remote[rel].size == path.stat().st_size, rel
+    assert json.loads(store.read_bytes(f"{final_step}/_UPLOADED.0"))["generation"] == 0
+    assert "committed and uploaded" in sidecar.log()
+    # ... and resilax_ckpt restores it from the emulator.
+    assert restore_w0(f"{persistent}/{final_step}", gcs_env) == final_step
+    assert Path(sidecar_env["RESILAX_CONTROL_DIR"], "requests").is_dir()
