@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from resilax_ckpt import layout, planning
@@ -126,7 +127,7 @@ def snapshot_items(items: Mapping[str, Any], *, step: int, generation: int, proc
     arrays: list[tuple[str, LeafMetadata]] = []
     writes: list[ArrayWrite] = []
     files: list[tuple[tuple[str, ...], bytes]] = []
-    device_sources: list[tuple[int, Any]] = []  # (index into writes, single-device jax.Array)
+    device_sources: list[tuple[int, jax.Array, jax.Array]] = []
 
     for name, value in items.items():
         layout.validate_item_name(name)
@@ -161,7 +162,7 @@ def snapshot_items(items: Mapping[str, Any], *, step: int, generation: int, proc
                         continue
                     boxes_done.add(box)
                     nbytes = planning.box_size(box) * leaf.dtype.itemsize
-                    device_sources.append((len(writes), shard.data))
+                    device_sources.append((len(writes), leaf, shard.data))
                     writes.append(ArrayWrite(array_index, box, None, nbytes))
             elif isinstance(leaf, np.ndarray):
                 shape = tuple(leaf.shape)
@@ -192,22 +193,58 @@ def snapshot_items(items: Mapping[str, Any], *, step: int, generation: int, proc
     return SnapshotPlan(metadata=metadata, arrays=arrays, writes=writes, files=files)
 
 
-def _copy_off_devices(writes: list[ArrayWrite], sources: list[tuple[int, Any]]) -> None:
-    """Take private copies of the device shards. CPU: an asynchronous device-side copy (the loop is
-    blocked only to dispatch it); accelerators: device-to-host transfers, started together."""
+@jax.jit
+def _device_copy(arrays: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.copy(a) for a in arrays]
+
+
+def _copy_off_devices(writes: list[ArrayWrite], sources: list[tuple[int, jax.Array, jax.Array]]) -> None:
+    """Take private copies of the shards to write. CPU: one jitted device-side copy per device set,
+    dispatched asynchronously (the loop waits only for the dispatch; the background thread reads
+    the copies); accelerators: device-to-host transfers, all started before the first is awaited.
+    `sources` holds (index into writes, global array, shard's single-device array)."""
     if not sources:
         return
-    arrays = [a for _, a in sources]
-    platform = next(iter(arrays[0].devices())).platform
-    if platform == "cpu":
-        devices = [next(iter(a.devices())) for a in arrays]
-        copies = jax.device_put(arrays, devices, may_alias=False)
-    else:
-        for a in arrays:
-            a.copy_to_host_async()
-        copies = [np.asarray(a) for a in arrays]
-    for (w, _), copy in zip(sources, copies, strict=True):
-        writes[w].source = copy
+    platform = next(iter(sources[0][1].devices())).platform
+    if platform != "cpu":
+        for _, _, shard in sources:
+            shard.copy_to_host_async()
+        for w, _, shard in sources:
+            writes[w].source = np.asarray(shard)
+        return
+    groups: dict[frozenset[Any], dict[int, jax.Array]] = {}
+    last = None
+    for _, array, _ in sources:
+        if array is not last:
+            groups.setdefault(frozenset(array.sharding.device_set), {})[id(array)] = array
+            last = array
+    copies: dict[int, jax.Array] = {}
+    for group in groups.values():
+        originals = list(group.values())
+        for original, copy in zip(originals, _device_copy(originals), strict=True):
+            copies[id(original)] = copy
+    for w, array, shard in sources:
+        # The copy's shards are looked up on the writing thread: asking now would wait for the copy.
+        writes[w].source = ShardOf(copies[id(array)], next(iter(shard.devices())))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardOf:
+    """The shard on `device` of a (private, possibly still being computed) global array copy."""
+
+    array: jax.Array
+    device: Any
+
+
+def resolve_source(source: Any, cache: dict[int, dict[Any, Any]]) -> np.ndarray:
+    """A write's data as NumPy (zero-copy for CPU arrays). Called on: the writing thread."""
+    if isinstance(source, ShardOf):
+        shards = cache.get(id(source.array))
+        if shards is None:
+            shards = {s.device: s.data for s in source.array.addressable_shards}
+            cache[id(source.array)] = shards
+        return np.asarray(shards[source.device])
+    return np.asarray(source)
 
 
 def _json_bytes(name: str, value: Any) -> bytes:

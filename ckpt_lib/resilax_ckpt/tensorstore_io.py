@@ -123,13 +123,16 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
         stores = [None] * len(specs)  # type: ignore[list-item]
         for i, store in zip(needed, opened, strict=True):
             stores[i] = store
+    from resilax_ckpt.items import resolve_source
+
     limiter = InflightLimiter(max_inflight_bytes)
+    shard_cache: dict[int, dict[Any, Any]] = {}
     try:
         for n, write in enumerate(plan.writes):
             if on_progress is not None:
                 on_progress(n)
             limiter.admit(write.nbytes)
-            data = np.asarray(write.source)
+            data = resolve_source(write.source, shard_cache)
             store = stores[write.array_index]
             item, leaf = plan.arrays[write.array_index]
             future = store[tuple(slice(a, b) for a, b in write.box)].write(
@@ -140,6 +143,7 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
         limiter.drain()
     finally:
         limiter.cancel()
+        shard_cache.clear()
 
 
 class LeafRead:
