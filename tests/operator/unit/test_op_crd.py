@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from resilax_operator import api, spec, topology
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -1,0 +1,204 @@
+"""The JAXJob status (pure): parsed from and rendered to the status subresource, and its conditions.
+
+The status is the operator's memory: the current generation, its shape and node pools, the move to a
+new generation in progress (`transition`, with the final save request and backoff), and counters.
+Everything `reconcile.decide` needs to resume after an operator restart is here or in the cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from . import api
+from .spec import Shape
+
+# Transition kinds: why the current generation is being replaced.
+PREEMPTION: Final = "Preemption"
+NODE_LOSS: Final = "NodeLoss"
+POD_LOST: Final = "PodLost"
+WORKER_FAILURE: Final = "WorkerFailure"
+WORKER_STOPPED: Final = "WorkerStopped"
+RESIZE: Final = "Resize"
+GROW_BACK: Final = "GrowBack"
+TRANSITION_KINDS: Final = (PREEMPTION, NODE_LOSS, POD_LOST, WORKER_FAILURE, WORKER_STOPPED, RESIZE, GROW_BACK)
+RESIZE_KINDS: Final = frozenset({RESIZE, GROW_BACK})
+
+
+@dataclass(frozen=True)
+class Transition:
+    """The move from generation `generation` to the next one."""
+
+    kind: str
+    generation: int
+    since: datetime
+    message: str = ""
+    #: Id of the final save request sent to the workers (None: no final save for this transition).
+    save_request_id: str | None = None
+    save_deadline: datetime | None = None
+    #: True once the final save finished, failed or timed out (the teardown may start).
+    save_done: bool = False
+    #: The next generation starts no earlier than this (backoff after a worker failure).
+    not_before: datetime | None = None
+
+    @property
+    def saving(self) -> bool:
+        return self.save_request_id is not None and not self.save_done
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """The newest checkpoint the operator knows of."""
+
+    step: int
+    time: datetime | None = None
+    committed: bool = True
+    tier: str = "persistent"
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: str
+    reason: str
+    message: str
+    last_transition_time: datetime | None = None
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    phase: str = api.PHASE_PENDING
+    generation: int = 0
+    shape: Shape | None = None
+    hosts: int = 0
+    pools: tuple[str, ...] = ()
+    restore_step: str = ""
+    generation_start_time: datetime | None = None
+    #: True once every worker pod of the current generation has been created.
+    workers_created: bool = False
+    restarts: int = 0
+    failures: int = 0
+    planned_from: str = ""
+    observed_generation: int = 0
+    transition: Transition | None = None
+    checkpoint: CheckpointInfo | None = None
+    conditions: tuple[Condition, ...] = ()
+
+    def condition(self, type_: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)
+
+
+def format_time(t: datetime | None) -> str | None:
+    if t is None:
+        return None
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(raw: Any) -> datetime | None:
+    if not raw:
+        return None
+    if isinstance(raw, datetime):
+        return raw if raw.tzinfo else raw.replace(tzinfo=UTC)
+    return datetime.fromisoformat(str(raw).replace("Z", "+00:00"))
+
+
+def truncate(t: datetime) -> datetime:
+    """Times stored in the status have whole seconds; decisions use the same precision."""
+    return t.replace(microsecond=0)
+
+
+def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
+    """The status subresource (as the API returns it) → JobStatus. Unknown or missing fields default."""
+    raw = raw or {}
+    shape_raw = raw.get("shape") or {}
+    shape = Shape(str(shape_raw["topology"]), int(shape_raw["count"])) if shape_raw.get("topology") else None
+    t = raw.get("transition") or None
+    transition = None
+    if t and t.get("kind"):
+        transition = Transition(
+            kind=str(t["kind"]), generation=int(t.get("generation", 0)),
+            since=parse_time(t.get("since")) or datetime.fromtimestamp(0, UTC),
+            message=str(t.get("message", "")), save_request_id=t.get("saveRequestId") or None,
+            save_deadline=parse_time(t.get("saveDeadline")), save_done=bool(t.get("saveDone", False)),
+            not_before=parse_time(t.get("notBefore")))
+    ck = raw.get("checkpoint") or None
+    checkpoint = None
+    if ck and ck.get("step") is not None:
+        checkpoint = CheckpointInfo(int(ck["step"]), parse_time(ck.get("time")), bool(ck.get("committed", True)),
+                                    str(ck.get("tier", "persistent")))
+    conditions = tuple(
+        Condition(str(c["type"]), str(c.get("status", "Unknown")), str(c.get("reason", "")),
+                  str(c.get("message", "")), parse_time(c.get("lastTransitionTime")))
+        for c in raw.get("conditions") or [] if c.get("type"))
+    return JobStatus(
+        phase=str(raw.get("phase") or api.PHASE_PENDING), generation=int(raw.get("generation") or 0),
+        shape=shape, hosts=int(shape_raw.get("hosts") or 0), pools=tuple(raw.get("pools") or ()),
+        restore_step=str(raw.get("restoreStep") or ""),
+        generation_start_time=parse_time(raw.get("generationStartTime")),
+        workers_created=bool(raw.get("workersCreated", False)),
+        restarts=int(raw.get("restarts") or 0), failures=int(raw.get("failures") or 0),
+        planned_from=str(raw.get("plannedFrom") or ""), observed_generation=int(raw.get("observedGeneration") or 0),
+        transition=transition, checkpoint=checkpoint, conditions=conditions)
+
+
+def build_status(status: JobStatus) -> dict[str, Any]:
+    """JobStatus → the status subresource body. Absent fields are None, so that a JSON merge patch of
+    this dict also removes them (e.g. a finished transition)."""
+    t = status.transition
+    ck = status.checkpoint
+    return {
+        "phase": status.phase,
+        "generation": status.generation,
+        "shape": None if status.shape is None else {
+            "topology": status.shape.topology, "count": status.shape.count, "hosts": status.hosts},
+        "pools": list(status.pools),
+        "restoreStep": status.restore_step or None,
+        "generationStartTime": format_time(status.generation_start_time),
+        "workersCreated": status.workers_created,
+        "restarts": status.restarts,
+        "failures": status.failures,
+        "plannedFrom": status.planned_from or None,
+        "observedGeneration": status.observed_generation,
+        "transition": None if t is None else {
+            "kind": t.kind, "generation": t.generation, "since": format_time(t.since), "message": t.message,
+            "saveRequestId": t.save_request_id, "saveDeadline": format_time(t.save_deadline),
+            "saveDone": t.save_done, "notBefore": format_time(t.not_before)},
+        "checkpoint": None if ck is None else {
+            "step": ck.step, "time": format_time(ck.time), "committed": ck.committed, "tier": ck.tier},
+        "conditions": [
+            {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
+             "lastTransitionTime": format_time(c.last_transition_time)} for c in status.conditions],
+    }
+
+
+def set_condition(status: JobStatus, type_: str, true: bool, reason: str, message: str,
+                  now: datetime) -> JobStatus:
+    """Set one condition; its lastTransitionTime changes only when its status does."""
+    value = "True" if true else "False"
+    old = status.condition(type_)
+    since = old.last_transition_time if old is not None and old.status == value else truncate(now)
+    new = Condition(type_, value, reason, message, since)
+    others = [c for c in status.conditions if c.type != type_]
+    ordered = sorted([*others, new], key=lambda c: (*api.CONDITION_TYPES, c.type).index(c.type))
+    return replace(status, conditions=tuple(ordered))
+
+
+def phase_for(transition: Transition | None, *, first: bool) -> str:
+    """The phase while moving to a new generation (or starting the first)."""
+    if transition is None:
+        return api.PHASE_PENDING if first else api.PHASE_RECOVERING
+    if transition.saving:
+        return api.PHASE_SAVING
+    return api.PHASE_RESIZING if transition.kind in RESIZE_KINDS else api.PHASE_RECOVERING
+
+
+def newer_checkpoint(current: CheckpointInfo | None, seen: CheckpointInfo | None) -> CheckpointInfo | None:
+    """The newer of two checkpoints (committed persistent beats local at the same step)."""
+    if seen is None:
+        return current
+    if current is None or (seen.step, seen.committed, seen.tier == "persistent") > (
+            current.step, current.committed, current.tier == "persistent"):
+        return seen
+    return current

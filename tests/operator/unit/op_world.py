@@ -1,0 +1,170 @@
+"""A tiny in-memory cluster that executes the operator's actions, for the decision tests.
+
+It plays the API server, the scheduler and the kubelets just enough: created pods are Pending until
+`schedule()` puts each on a free node of its node pool; graceful deletions finish on nodes that are up;
+nothing on a down node is ever confirmed. Every `step()` checks the decision rules: deciding twice on
+the same observed state gives the same actions, and no generation is created while another one's pods
+exist.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from resilax_operator import api
+from resilax_operator.builders import JobRef
+from resilax_operator.reconcile import (
+    Action,
+    CreateGeneration,
+    DeleteGeneration,
+    EmitEvent,
+    Observed,
+    ObservedNode,
+    ObservedPod,
+    RequestFinalSave,
+    SaveOutcome,
+    SetStatus,
+    Taint,
+    decide_raw,
+)
+from resilax_operator.settings import OperatorSettings
+from resilax_operator.status import CheckpointInfo, JobStatus, build_status, parse_status
+
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+SETTINGS = OperatorSettings(sidecar_image="resilax:test", grow_back_settle_seconds=60)
+
+
+def tpu_pool(pool: str, hosts: int, *, accelerator: str = "tpu-v5-lite-podslice", topology: str = "4x4",
+             chips: int = 4) -> list[ObservedNode]:
+    labels = {api.NODE_POOL_LABEL: pool, api.TPU_ACCELERATOR_LABEL: accelerator, api.TPU_TOPOLOGY_LABEL: topology}
+    return [ObservedNode(f"{pool}-n{i}", dict(labels), (Taint(api.TPU_TAINT_KEY),), "True", T0,
+                         allocatable={api.TPU_RESOURCE: chips}) for i in range(hosts)]
+
+
+def cpu_pool(pool: str, hosts: int) -> list[ObservedNode]:
+    return [ObservedNode(f"{pool}-n{i}", {api.NODE_POOL_LABEL: pool}, ready_since=T0) for i in range(hosts)]
+
+
+@dataclass
+class World:
+    spec: dict[str, Any]
+    nodes: dict[str, ObservedNode]
+    now: datetime = T0
+    job: JobRef = field(default_factory=lambda: JobRef("llama", "ml", "uid-1"))
+    status: JobStatus = field(default_factory=JobStatus)
+    pods: dict[str, ObservedPod] = field(default_factory=dict)
+    services: set[int] = field(default_factory=set)
+    outcomes: list[SaveOutcome] = field(default_factory=list)
+    save_requests: list[RequestFinalSave] = field(default_factory=list)
+    events: list[EmitEvent] = field(default_factory=list)
+    created: list[int] = field(default_factory=list)
+    checkpoint: CheckpointInfo | None = None
+    next_ip: int = 1
+    pool_of: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, spec: dict[str, Any], *pools: list[ObservedNode]) -> World:
+        return cls(copy.deepcopy(spec), {n.name: n for pool in pools for n in pool})
+
+    # ---- the operator
+    def observed(self) -> Observed:
+        return Observed(now=self.now, job=self.job, status=self.status, spec_generation=1,
+                        pods=tuple(sorted(self.pods.values(), key=lambda p: p.name)),
+                        services=tuple(sorted(self.services)), nodes=tuple(self.nodes.values()),
+                        save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint)
+
+    def decide(self) -> list[Action]:
+        observed = self.observed()
+        first = decide_raw(self.spec, observed, SETTINGS)
+        assert decide_raw(self.spec, observed, SETTINGS) == first, "deciding twice differs"
+        return first
+
+    def step(self, *, only: int | None = None) -> list[Action]:
+        """Decide and execute the actions (only the first `only` of them: an operator that dies)."""
+        actions = self.decide()
+        for a in actions[:only]:
+            self.apply(a)
+        return actions
+
+    def apply(self, a: Action) -> None:
+        if isinstance(a, SetStatus):
+            self.status = parse_status(build_status(a.status))  # through the wire format
+        elif isinstance(a, CreateGeneration):
+            others = [p.name for p in self.pods.values() if p.generation != a.generation]
+            assert not others, f"generation {a.generation} created while {others} exist"
+            if a.service is not None:
+                self.services.add(a.generation)
+            for m in a.pods:
+                name = m["metadata"]["name"]
+                labels = m["metadata"]["labels"]
+                if name not in self.pods:
+                    self.pods[name] = ObservedPod(name, int(labels[api.LABEL_GENERATION]), int(labels[api.LABEL_SLICE]),
+                                                  int(labels[api.LABEL_HOST]))
+                    self.pool_of[name] = labels[api.LABEL_NODE_POOL]
+            if a.generation not in self.created:
+                self.created.append(a.generation)
+        elif isinstance(a, DeleteGeneration):
+            self.services.discard(a.generation)
+            for p in list(self.pods.values()):
+                if p.generation != a.generation:
+                    continue
+                if p.name in a.force_pods:
+                    del self.pods[p.name]
+                elif p.deletion_timestamp is None:
+                    self.pods[p.name] = replace(p, deletion_timestamp=self.now, deletion_grace_seconds=330)
+        elif isinstance(a, RequestFinalSave):
+            self.save_requests.append(a)
+        elif isinstance(a, EmitEvent):
+            self.events.append(a)
+
+    # ---- the scheduler and kubelets
+    def schedule(self) -> None:
+        used = {p.node_name for p in self.pods.values() if p.node_name}
+        for name, p in sorted(self.pods.items()):
+            if p.node_name is not None or p.deletion_timestamp is not None:
+                continue
+            free = [n for n in self.nodes.values() if n.pool == self.pool_of[name] and n.name not in used
+                    and n.schedulable(self.now)]
+            if not free:
+                continue
+            node = sorted(free, key=lambda n: n.name)[0]
+            used.add(node.name)
+            self.pods[name] = replace(p, node_name=node.name, phase="Running", ready=True, pod_ip=f"10.0.0.{self.next_ip}")
+            self.next_ip += 1
+
+    def kubelets(self) -> None:
+        """Graceful deletions finish on nodes that are up; processes told to stop exit 75 first."""
+        for name, p in list(self.pods.items()):
+            node = self.nodes.get(p.node_name or "")
+            up = p.node_name is None or (node is not None and node.down_since(self.now) is None)
+            if p.deletion_timestamp is not None and up:
+                del self.pods[name]
+
+    def settle(self, steps: int = 10) -> None:
+        for _ in range(steps):
+            self.step()
+            self.schedule()
+            self.kubelets()
+
+    # ---- faults and worker behaviour
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+    def set_node(self, name: str, **changes: Any) -> None:
+        self.nodes[name] = replace(self.nodes[name], **changes)
+
+    def exit_workers(self, code: int, *, generation: int | None = None, names: list[str] | None = None) -> None:
+        for name, p in list(self.pods.items()):
+            if (generation is None or p.generation == generation) and (names is None or name in names):
+                self.pods[name] = replace(p, phase="Succeeded" if code == 0 else "Failed", exit_code=code,
+                                          exit_reason=None if code in (0, 75) else "Error", ready=False)
+
+    def gen_pods(self, generation: int | None = None) -> list[ObservedPod]:
+        g = self.status.generation if generation is None else generation
+        return sorted((p for p in self.pods.values() if p.generation == g), key=lambda p: p.name)
+
+    def reasons(self) -> list[str]:
+        return [e.reason for e in self.events]

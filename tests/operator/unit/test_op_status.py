@@ -1,0 +1,73 @@
+"""The status: wire format round trip, conditions, phases."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from op_world import T0
+from resilax_operator import api
+from resilax_operator import status as st
+from resilax_operator.spec import Shape
+from resilax_operator.status import CheckpointInfo, JobStatus, Transition
+
+
+def test_round_trip_through_the_wire_format() -> None:
+    s = JobStatus(phase=api.PHASE_SAVING, generation=3, shape=Shape("4x4", 2), hosts=8, pools=("a", "b"),
+                  restore_step="latest", generation_start_time=T0, workers_created=True, restarts=2, failures=1,
+                  planned_from="x/y", observed_generation=4,
+                  transition=Transition(st.PREEMPTION, 3, T0, "m", "llama-g3-preemption", T0 + timedelta(seconds=300)),
+                  checkpoint=CheckpointInfo(1200, T0, True, "persistent"))
+    s = st.set_condition(s, api.COND_SAVING, True, "R", "m", T0)
+    assert st.parse_status(st.build_status(s)) == s
+
+
+def test_empty_status_parses_to_defaults() -> None:
+    assert st.parse_status(None) == JobStatus()
+    assert st.parse_status({}) == JobStatus()
+
+
+def test_merge_patch_removes_a_finished_transition() -> None:
+    body = st.build_status(JobStatus(generation=1))
+    assert body["transition"] is None and body["checkpoint"] is None
+
+
+def test_condition_time_changes_only_with_its_status() -> None:
+    s = st.set_condition(JobStatus(), api.COND_READY, False, "A", "a", T0)
+    later = T0 + timedelta(seconds=10)
+    s2 = st.set_condition(s, api.COND_READY, False, "B", "b", later)
+    ready = s2.condition(api.COND_READY)
+    assert ready is not None and ready.last_transition_time == T0 and ready.reason == "B"
+    s3 = st.set_condition(s2, api.COND_READY, True, "C", "c", later)
+    ready = s3.condition(api.COND_READY)
+    assert ready is not None and ready.last_transition_time == later
+
+
+def test_conditions_in_a_stable_order() -> None:
+    s = st.set_condition(JobStatus(), api.COND_INVALID_SPEC, False, "x", "x", T0)
+    s = st.set_condition(s, api.COND_READY, True, "x", "x", T0)
+    s = st.set_condition(s, api.COND_DEGRADED, False, "x", "x", T0)
+    assert [c.type for c in s.conditions] == [api.COND_READY, api.COND_DEGRADED, api.COND_INVALID_SPEC]
+
+
+def test_phase_for_transition() -> None:
+    saving = Transition(st.RESIZE, 1, T0, save_request_id="r")
+    assert st.phase_for(saving, first=False) == api.PHASE_SAVING
+    assert st.phase_for(Transition(st.GROW_BACK, 1, T0), first=False) == api.PHASE_RESIZING
+    assert st.phase_for(Transition(st.NODE_LOSS, 1, T0), first=False) == api.PHASE_RECOVERING
+    assert st.phase_for(None, first=True) == api.PHASE_PENDING
+
+
+def test_newer_checkpoint() -> None:
+    old = CheckpointInfo(100, T0)
+    assert st.newer_checkpoint(old, CheckpointInfo(200, T0)) == CheckpointInfo(200, T0)
+    assert st.newer_checkpoint(old, CheckpointInfo(50, T0)) == old
+    assert st.newer_checkpoint(None, None) is None
+    local = CheckpointInfo(100, T0, True, "local")
+    assert st.newer_checkpoint(local, old) == old
+
+
+def test_every_reason_has_a_message() -> None:
+    reasons = [v for v in vars(api).values() if isinstance(v, api.Reason)]
+    assert len(reasons) >= 20
+    for r in reasons:
+        assert r.name[0].isupper() and " " not in r.name and r.message
