@@ -31,6 +31,9 @@ LABEL_ROLE: Final = "resilax.dev/role"
 ROLE_WORKER: Final = "worker"
 ANNOTATION_SHAPE: Final = "resilax.dev/shape"
 ANNOTATION_RESTORE_STEP: Final = "resilax.dev/restore-step"
+#: On a worker pod, set by the I/O side after it posted a final save request to that pod's sidecar:
+#: `<operator request id>=<sidecar request id>`, so that a repeated RequestFinalSave posts nothing.
+ANNOTATION_SAVE_REQUEST: Final = "resilax.dev/save-request"
 
 # --- GKE node keys ---
 NODE_POOL_LABEL: Final = "cloud.google.com/gke-nodepool"

@@ -193,6 +193,7 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         _var("RESILAX_RESTORE_STEP", plan.restore_step),
         _var("RESILAX_SIDECAR_PORT", settings.sidecar_port),
         _var("RESILAX_SIDECAR_TOKEN_FILE", f"{api.TOKEN_DIR}/{api.TOKEN_KEY}"),
+        _var("RESILAX_SIDECAR_GRACE_SECONDS", c.final_save.timeout_seconds),
     ]
     if geometry.is_tpu:
         service = build_service_name(job.name, plan.generation)

@@ -147,10 +147,15 @@ def test_resilax_env_matches_architecture_doc() -> None:
     assert env["RESILAX_KEEP_LAST"] == "3" and env["RESILAX_KEEP_EVERY_STEPS"] == "10000"
     assert env["RESILAX_RESTORE_STEP"] == "latest" and env["RESILAX_SIDECAR_PORT"] == "8471"
     assert env["RESILAX_SIDECAR_TOKEN_FILE"] == f"{api.TOKEN_DIR}/token"
+    assert env["RESILAX_SIDECAR_GRACE_SECONDS"] == "300"
     doc = (__import__("pathlib").Path(__file__).resolve().parents[3] / "docs" / "architecture.md").read_text()
     for name in env:
+        if name == "RESILAX_SIDECAR_GRACE_SECONDS":  # the sidecar's own setting (resilax_sidecar.config)
+            continue
         if name.startswith(("RESILAX_SAVE", "RESILAX_KEEP", "RESILAX_RESTORE", "RESILAX_SIDECAR", "JAX_",
-                            "RESILAX_CHECKPOINT", "RESILAX_LOCAL", "RESILAX_CONTROL", "RESILAX_GENERATION")):
+                            "RESILAX_CHECKPOINT", "RESILAX_LOCAL", "RESILAX_CONTROL", "RESILAX_GENERATION",
+                            "RESILAX_NUM_SLICES", "RESILAX_SLICE_ID", "RESILAX_HOSTS_PER_SLICE",
+                            "RESILAX_DEVICES_PER_HOST", "RESILAX_POD_IP", "TPU_", "MEGASCALE_")):
             assert f"`{name}`" in doc, f"{name} is not in docs/architecture.md"
 
 
