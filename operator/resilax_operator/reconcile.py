@@ -40,6 +40,10 @@ from .validation import validate_spec
 POLL_SECONDS: Final = 5.0
 #: How soon to look again while waiting for capacity.
 CAPACITY_POLL_SECONDS: Final = 15.0
+#: Pod status reasons that mean the node or the cluster ended the pod, not the worker: not counted
+#: against recovery.maxRestarts.
+POD_FAILURE_REASONS: Final = frozenset({"Evicted", "NodeShutdown", "Terminated", "NodeAffinity", "Preempting",
+                                        "UnexpectedAdmissionError", "OutOfpods", "OutOfcpu", "OutOfmemory"})
 
 
 # ---------------------------------------------------------------- observed world
@@ -112,8 +116,10 @@ class ObservedPod:
     deletion_grace_seconds: int | None = None
     #: The trainer container's exit code once terminated (None while running or never started).
     exit_code: int | None = None
-    #: The trainer container's termination reason (Error, OOMKilled, ...) or the pod's status.reason.
+    #: The trainer container's termination reason (Error, OOMKilled, ...).
     exit_reason: str | None = None
+    #: The pod's status.reason (Evicted, NodeShutdown, ...): set when the pod, not the worker, failed.
+    pod_reason: str | None = None
     ready: bool = False
 
     @property
@@ -488,6 +494,10 @@ def _watch_generation(spec: JobSpec, observed: Observed, s: JobStatus, settings:
         if p.exit_code == api.EXIT_CODE_STOPPED:
             return _begin(spec, observed, s, settings, actions, st.WORKER_STOPPED, api.WORKER_STOPPED.name,
                           api.WORKER_STOPPED.format(pod=p.name, generation=g, code=p.exit_code))
+    for p in sorted(pods, key=lambda p: p.name):
+        if p.phase == "Failed" and p.pod_reason in POD_FAILURE_REASONS and p.exit_code is None:
+            return _begin(spec, observed, s, settings, actions, st.POD_LOST, api.POD_LOST.name,
+                          api.POD_LOST.format(pod=p.name, generation=g) + f" ({p.pod_reason})")
     for p in sorted(pods, key=lambda p: p.name):
         if p.phase == "Failed":
             detail = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -324,6 +325,14 @@ def test_stopped_worker_moves_on_without_counting_a_failure() -> None:
     w.exit_workers(75, names=["llama-g1-s0-h3"])
     w.settle()
     assert w.status.generation == 2 and w.status.failures == 0 and w.status.restarts == 1
+
+
+def test_evicted_pod_is_lost_not_failed() -> None:
+    w = running_world()
+    w.pods["llama-g1-s1-h1"] = replace(w.pods["llama-g1-s1-h1"], phase="Failed", pod_reason="Evicted")
+    w.settle()
+    assert w.status.failures == 0 and w.status.generation == 2 and w.status.phase == api.PHASE_RUNNING
+    assert any("(Evicted)" in e.message for e in w.events)
 
 
 def test_pod_deleted_by_someone_else() -> None:
