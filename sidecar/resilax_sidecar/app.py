@@ -188,29 +188,47 @@ class Sidecar:
         self.final_request = request_id
         log.info("SIGTERM: final save %s requested; waiting up to %.0f s", request_id, cfg.grace_seconds)
         result = None
+        trainer_gone = False
         while time.monotonic() < deadline:
             result = control.read_result(cfg.control_dir, request_id)
             if result is not None:
                 break
+            # A native sidecar gets SIGTERM after the trainer exited (it saved on its own SIGTERM):
+            # nobody will answer, what is left is to persist its newest local step.
+            if control.trainer_alive(cfg.control_dir) is False:
+                result = control.read_result(cfg.control_dir, request_id)  # it may have answered, then gone
+                trainer_gone = result is None
+                break
             await asyncio.sleep(_WATCH_SECONDS)
         if result is None:
+            control.withdraw_request(cfg.control_dir, request_id)
+        step: int | None
+        if trainer_gone:
+            local_steps = self.uploader.scan_local() if self.uploader is not None else []
+            step = local_steps[-1] if local_steps else None
+            log.info("final save %s: the trainer has exited; persisting its newest local step %s", request_id, step)
+            if step is None:
+                return self.uploader is None
+        elif result is None:
             log.error("final save %s: no answer from the trainer within %.0f s", request_id, cfg.grace_seconds)
             return False
-        if not result.committed or result.step is None:
+        elif not result.committed or result.step is None:
             log.error("final save %s failed: %s", request_id, result.error)
             return False
+        else:
+            step = result.step
         if self.uploader is None:
-            log.info("final save %s: step %d committed", request_id, result.step)
+            log.info("final save %s: step %s committed", request_id, step)
             return True
         self.uploader.wake()
         left = max(0.0, deadline - time.monotonic())
-        if await asyncio.to_thread(self.uploader.wait_persisted, result.step, left):
-            log.info("final save %s: step %d committed and uploaded", request_id, result.step)
+        if await asyncio.to_thread(self.uploader.wait_persisted, step, left):
+            log.info("final save %s: step %d committed and uploaded", request_id, step)
             return True
         log.error(
             "final save %s: step %d committed locally but not persisted within the grace period (last error: %s)",
             request_id,
-            result.step,
+            step,
             self.uploader.state.last_error,
         )
         return False

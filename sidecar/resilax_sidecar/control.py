@@ -7,6 +7,7 @@ answers with `results/<id>.json` = `{"id", "step", "committed", "error"}`.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -18,6 +19,9 @@ from typing import Any
 
 REQUESTS_DIR = "requests"
 RESULTS_DIR = "results"
+TRAINER_LOCK = "trainer.lock"
+"""A live trainer holds a shared `flock` on this file (proposed to resilax_ckpt); the kernel drops it
+when the process ends, however it ends, so the sidecar can tell a gone trainer from a slow one."""
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
 
@@ -66,6 +70,11 @@ def request_pending(control_dir: Path, request_id: str) -> bool:
     return (control_dir / REQUESTS_DIR / f"{request_id}.json").exists()
 
 
+def withdraw_request(control_dir: Path, request_id: str) -> None:
+    """Remove a request nobody answered, so a trainer started later does not act on a stale one."""
+    (control_dir / REQUESTS_DIR / f"{request_id}.json").unlink(missing_ok=True)
+
+
 def read_result(control_dir: Path, request_id: str) -> SaveResult | None:
     """The trainer's answer, or None while there is none (or it is being written)."""
     path = control_dir / RESULTS_DIR / f"{request_id}.json"
@@ -83,3 +92,22 @@ def read_result(control_dir: Path, request_id: str) -> SaveResult | None:
         committed=bool(raw.get("committed")),
         error=str(error) if error else None,
     )
+
+
+def trainer_alive(control_dir: Path) -> bool | None:
+    """True while a trainer holds `trainer.lock`, False once none does, None when the trainer never
+    made the file (a trainer that does not announce itself: the sidecar cannot tell)."""
+    path = control_dir / TRAINER_LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)

@@ -1,0 +1,62 @@
+"""SIGTERM without a live trainer: the sidecar persists what the local tier holds and exits 0, never
+later than the grace period. (With a live trainer: test_trainer.py.)"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import time
+from pathlib import Path
+
+from resilax_sidecar.store import LocalFolderStore
+from sidecar_harness import step_files, wait_until, write_local_step
+
+
+def _env(sidecar_env, tmp_path, grace):
+    return {
+        **sidecar_env,
+        "RESILAX_LOCAL_DIR": str(tmp_path / "local"),
+        "RESILAX_CHECKPOINT_DIR": str(tmp_path / "persistent"),
+        "RESILAX_SIDECAR_GRACE_SECONDS": str(grace),
+        # Poll rarely: the final wait itself must wake the uploader.
+        "RESILAX_SIDECAR_POLL_SECONDS": "30",
+    }
+
+
+def test_a_gone_trainer_is_not_waited_for_and_its_last_local_step_is_persisted(
+    tmp_path, sidecar_env, start_sidecar
+):
+    env = _env(sidecar_env, tmp_path, grace=60)
+    control = Path(env["RESILAX_CONTROL_DIR"])
+    control.mkdir()
+    (control / "trainer.lock").touch()  # the trainer announced itself, and has exited (no lock held)
+    sidecar = start_sidecar(env)
+    # The trainer's own SIGTERM save landed in the local tier just before it exited.
+    write_local_step(tmp_path / "local", 30, step_files(3, 1000))
+    started = time.monotonic()
+    sidecar.signal(signal.SIGTERM)
+    assert sidecar.wait(30) == 0
+    assert time.monotonic() - started < 20, "waited for an answer from a trainer that is gone"
+    assert LocalFolderStore(tmp_path / "persistent").stat("30/_COMMIT") is not None
+    assert "the trainer has exited" in sidecar.log()
+    assert not list((control / "requests").iterdir()), "left a stop request for the next trainer"
+
+
+def test_a_live_trainer_is_waited_for_until_the_grace_period_ends(tmp_path, sidecar_env, start_sidecar):
+    env = _env(sidecar_env, tmp_path, grace=3)
+    control = Path(env["RESILAX_CONTROL_DIR"])
+    control.mkdir()
+    fd = os.open(control / "trainer.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # a live trainer that never answers
+    try:
+        sidecar = start_sidecar(env)
+        started = time.monotonic()
+        sidecar.signal(signal.SIGTERM)
+        wait_until(lambda: sidecar.get("/readyz").status == 503, 2, "/readyz to turn 503 while stopping")
+        assert sidecar.wait(30) == 0
+        assert 2.5 < time.monotonic() - started < 15
+        assert "no answer from the trainer within 3 s" in sidecar.log()
+        assert not list((control / "requests").iterdir())
+    finally:
+        os.close(fd)
