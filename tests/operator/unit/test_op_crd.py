@@ -111,3 +111,14 @@ def test_status_enums_match_api(version: dict[str, Any]) -> None:
     assert tuple(status["phase"]["enum"]) == api.PHASES
     conditions = status["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == ["type"]
+
+
+def test_reference_doc_covers_every_field(version: dict[str, Any]) -> None:
+    doc = (ROOT / "docs" / "jaxjob-reference.md").read_text()
+    root = version["schema"]["openAPIV3Schema"]
+    for section in ("spec", "status"):
+        for path, _ in _walk(root["properties"][section]):
+            if not path or path.startswith(".template.") or ".conditions[]." in path:
+                continue
+            leaf = path.rstrip("[]").split(".")[-1]
+            assert f"`{leaf}" in doc or f"{leaf}`" in doc or f".{leaf}`" in doc, f"{section}{path} is not documented"
