@@ -1,0 +1,55 @@
+"""Run ckpt_worker.py as one or several JAX processes on 127.0.0.1, with bounded time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from ckpt_fakegcs import free_port
+
+WORKER = Path(__file__).with_name("ckpt_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_processes(args: dict[str, Any], num_processes: int = 1, timeout: float = 120,
+                  env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Start `num_processes` workers (each with devices // num_processes local devices) and return
+    their results in process order; raises with their output if any fails."""
+    procs = []
+    port = free_port()
+    base_env = dict(os.environ, **(env or {}))
+    base_env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "ckpt_lib"), base_env.get("PYTHONPATH", "")])
+    for pid in range(num_processes):
+        a = dict(args, num_processes=num_processes, process_id=pid, coordinator=f"127.0.0.1:{port}")
+        a.setdefault("devices", 8 // num_processes)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(a)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, env=base_env, start_new_session=True))
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append((p.returncode, out.decode(errors="replace")))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    results = []
+    for pid, (code, out) in enumerate(outputs):
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        if code != 0 or not lines:
+            raise WorkerFailed(pid, code, out)
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results
+
+
+class WorkerFailed(RuntimeError):
+    def __init__(self, pid: int, code: int | None, output: str) -> None:
+        super().__init__(f"worker {pid} exited with {code}:\n{output[-4000:]}")
+        self.code = code
+        self.output = output

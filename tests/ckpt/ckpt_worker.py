@@ -1,0 +1,149 @@
+"""A checkpointing worker run as a subprocess by the tests (crash and multi-process scenarios).
+
+Usage: python ckpt_worker.py '<json args>'; prints one JSON line prefixed with RESULT.
+Args: scenario (save|restore|requests), root, devices (local device count), mesh ([rows, cols]),
+and for several processes: coordinator, num_processes, process_id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.get('devices', 8)}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.get("num_processes", 1) > 1:
+        jax.distributed.initialize(args["coordinator"], args["num_processes"], args["process_id"],
+                                   initialization_timeout=60, heartbeat_timeout_seconds=10)
+    result = SCENARIOS[args["scenario"]](args)
+    print("RESULT " + json.dumps(result), flush=True)
+    if args.get("num_processes", 1) > 1:
+        jax.distributed.shutdown()
+
+
+def global_mesh(shape):
+    import jax
+    import numpy as np
+
+    return jax.sharding.Mesh(np.array(jax.devices()).reshape(shape), ("a", "b"))
+
+
+def expected(step):
+    import numpy as np
+
+    return {
+        "w": (np.arange(32 * 16, dtype=np.float32).reshape(32, 16) + step),
+        "b": (np.arange(16, dtype=np.float32) * 2 + step),
+        "e": (np.arange(8 * 24, dtype=np.int32).reshape(8, 24) - step),
+    }
+
+
+SPECS = {"w": ("a", "b"), "b": (), "e": ("b", None)}
+
+
+def make_state(step, mesh, specs=None):
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    specs = specs or SPECS
+    out = {}
+    for name, value in expected(step).items():
+        sharding = NamedSharding(mesh, P(*specs[name]))
+        out[name] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
+    return out
+
+
+def options(args, **extra):
+    import resilax_ckpt as rc
+
+    fields = dict(args.get("options", {}))
+    fields.update(extra)
+    return rc.ManagerOptions(**fields)
+
+
+def scenario_save(args):
+    import jax
+    import resilax_ckpt as rc
+
+    mesh = global_mesh(args["mesh"])
+    pid = jax.process_index()
+    with rc.CheckpointManager(args["root"], options(args)) as mgr:
+        for step in args["steps"]:
+            mgr.save(step, {"params": make_state(step, mesh), "meta": {"step": step},
+                            "data": rc.PerProcess({"process": pid, "step": step})})
+        mgr.wait()
+        return {"steps": mgr.steps(), "process": pid}
+
+
+def scenario_restore(args):
+    import jax
+    import numpy as np
+    import resilax_ckpt as rc
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = global_mesh(args["mesh"])
+    specs = {k: tuple(v) if v is not None else () for k, v in args.get("specs", {}).items()} or SPECS
+    mgr = rc.CheckpointManager(args["root"], options(args))
+    step = args.get("step") or mgr.latest_step()
+    want = expected(step)
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P(*specs[k])))
+                         for k, v in want.items()}}
+    out = mgr.restore(step, target=target)
+    for name, value in want.items():
+        arr = out["params"][name]
+        assert arr.sharding == target["params"][name].sharding, (name, arr.sharding)
+        for shard in arr.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
+    mgr.close()
+    return {"step": step, "steps": mgr.steps(), "meta": out["meta"], "data": out["data"],
+            "process": jax.process_index()}
+
+
+def scenario_requests(args):
+    """Loop over steps with a policy that never saves; process `requester` drops a save request
+    into its control folder before step `request_at`. Reports the steps each process saved."""
+    import jax
+    import resilax_ckpt as rc
+
+    mesh = global_mesh(args["mesh"])
+    pid = jax.process_index()
+    control = os.path.join(args["control"], str(pid))
+    os.makedirs(os.path.join(control, "requests"), exist_ok=True)
+    saved = []
+    stopped_at = None
+    with rc.CheckpointManager(args["root"], options(args, control_dir=control, save_every_steps=10_000)) as mgr:
+        for step in range(1, args["steps"] + 1):
+            if pid == args["requester"] and step == args["request_at"]:
+                tmp = os.path.join(control, "requests", "r1.json.tmp")
+                with open(tmp, "w") as f:
+                    json.dump({"id": "r1", "reason": "manual", "stop": args.get("stop", False)}, f)
+                os.rename(tmp, os.path.join(control, "requests", "r1.json"))
+            if mgr.save(step, {"params": make_state(step, mesh)}):
+                saved.append(step)
+            if mgr.should_stop:
+                stopped_at = step
+                break
+        mgr.wait()
+        results = {}
+        results_dir = os.path.join(control, "results")
+        if os.path.isdir(results_dir):
+            for name in os.listdir(results_dir):
+                with open(os.path.join(results_dir, name)) as f:
+                    results[name] = json.load(f)
+        return {"saved": saved, "steps": mgr.steps(), "results": results, "stopped_at": stopped_at,
+                "process": pid}
+
+
+SCENARIOS = {"save": scenario_save, "restore": scenario_restore, "requests": scenario_requests}
+
+if __name__ == "__main__":
+    main()
