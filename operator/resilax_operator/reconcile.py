@@ -158,6 +158,94 @@ class Observed:
         return next((n for n in self.nodes if n.name == name), None) if name else None
 
 
+# ---------------------------------------------------------------- observing (raw API bodies → Observed)
+
+#: Extended resources the planner counts per node.
+DEVICE_RESOURCES: Final = (api.TPU_RESOURCE, api.GPU_RESOURCE)
+
+
+def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
+    """A worker pod as the API returns it → ObservedPod (None if it lacks the worker labels)."""
+    meta = raw.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    try:
+        generation = int(labels[api.LABEL_GENERATION])
+        slice_index = int(labels[api.LABEL_SLICE])
+        host = int(labels[api.LABEL_HOST])
+    except (KeyError, ValueError):
+        return None
+    spec = raw.get("spec") or {}
+    status = raw.get("status") or {}
+    containers = [c.get("name") for c in spec.get("containers") or []]
+    trainer = api.TRAINER_CONTAINER if api.TRAINER_CONTAINER in containers else (containers[0] if containers else None)
+    exit_code = exit_reason = None
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") == trainer:
+            terminated = (cs.get("state") or {}).get("terminated")
+            if terminated:
+                exit_code = terminated.get("exitCode")
+                exit_reason = terminated.get("reason")
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    grace = meta.get("deletionGracePeriodSeconds")
+    return ObservedPod(
+        name=str(meta.get("name", "")), generation=generation, slice_index=slice_index, host=host,
+        phase=str(status.get("phase") or "Pending"), node_name=spec.get("nodeName") or None,
+        pod_ip=status.get("podIP") or None, deletion_timestamp=st.parse_time(meta.get("deletionTimestamp")),
+        deletion_grace_seconds=None if grace is None else int(grace),
+        exit_code=None if exit_code is None else int(exit_code), exit_reason=exit_reason,
+        pod_reason=status.get("reason") or None, ready=ready)
+
+
+def parse_node(raw: Mapping[str, Any], in_use_by_others: Mapping[str, int] | None = None) -> ObservedNode:
+    """A Node as the API returns it → ObservedNode. `in_use_by_others`: see `count_devices_in_use`."""
+    meta = raw.get("metadata") or {}
+    spec = raw.get("spec") or {}
+    status = raw.get("status") or {}
+    ready: Mapping[str, Any] = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    allocatable = {}
+    for r in DEVICE_RESOURCES:
+        value = (status.get("allocatable") or {}).get(r)
+        if value is not None:
+            allocatable[r] = int(str(value))
+    return ObservedNode(
+        name=str(meta.get("name", "")), labels=dict(meta.get("labels") or {}),
+        taints=tuple(Taint(str(t.get("key", "")), str(t.get("value", "") or ""), str(t.get("effect", "")))
+                     for t in spec.get("taints") or []),
+        ready=str(ready.get("status", "Unknown")), ready_since=st.parse_time(ready.get("lastTransitionTime")),
+        unschedulable=bool(spec.get("unschedulable", False)), allocatable=allocatable,
+        in_use_by_others=dict(in_use_by_others or {}))
+
+
+def count_devices_in_use(raw_pods: Iterable[Mapping[str, Any]], job: str) -> dict[str, dict[str, int]]:
+    """node name → device resource → amount requested by live pods that are not this job's workers."""
+    out: dict[str, dict[str, int]] = {}
+    for pod in raw_pods:
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        node = spec.get("nodeName")
+        if not node or (meta.get("labels") or {}).get(api.LABEL_JOB) == job:
+            continue
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+            resources = c.get("resources") or {}
+            asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+            for r in DEVICE_RESOURCES:
+                if r in asked:
+                    out.setdefault(node, {})[r] = out.get(node, {}).get(r, 0) + int(str(asked[r]))
+    return out
+
+
+def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome | None:
+    """The sidecar's `GET /v1/save/{id}` answer → SaveOutcome for the operator's `request_id`
+    (None while it is pending)."""
+    state = body.get("status")
+    if state == "pending":
+        return None
+    step = body.get("step")
+    return SaveOutcome(request_id, None if step is None else int(step), bool(body.get("committed")),
+                       body.get("error") or (None if state == "committed" else f"save {state}"))
+
+
 # ---------------------------------------------------------------- actions
 
 

@@ -1,0 +1,72 @@
+"""Raw API bodies → the Observed types (pure parsing for the I/O side)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from resilax_operator import api
+from resilax_operator.reconcile import (
+    SaveOutcome,
+    Taint,
+    count_devices_in_use,
+    parse_node,
+    parse_pod,
+    parse_save_outcome,
+)
+
+POD = {
+    "metadata": {"name": "llama-g2-s1-h0", "labels": {api.LABEL_JOB: "llama", api.LABEL_GENERATION: "2",
+                                                     api.LABEL_SLICE: "1", api.LABEL_HOST: "0"},
+                 "deletionTimestamp": "2026-01-01T12:00:00Z", "deletionGracePeriodSeconds": 330},
+    "spec": {"nodeName": "n1", "containers": [{"name": "logs"}, {"name": "trainer"}]},
+    "status": {"phase": "Failed", "podIP": "10.0.0.7", "reason": "Evicted",
+               "conditions": [{"type": "Ready", "status": "False"}],
+               "containerStatuses": [{"name": "logs", "state": {"terminated": {"exitCode": 0}}},
+                                     {"name": "trainer", "state": {"terminated": {"exitCode": 75, "reason": "Error"}}}]},
+}
+
+
+def test_parse_pod() -> None:
+    p = parse_pod(POD)
+    assert p is not None
+    assert (p.name, p.generation, p.slice_index, p.host) == ("llama-g2-s1-h0", 2, 1, 0)
+    assert (p.phase, p.node_name, p.pod_ip, p.ready) == ("Failed", "n1", "10.0.0.7", False)
+    assert p.deletion_timestamp == datetime(2026, 1, 1, 12, tzinfo=UTC) and p.deletion_grace_seconds == 330
+    assert (p.exit_code, p.exit_reason, p.pod_reason) == (75, "Error", "Evicted")
+
+
+def test_parse_pod_without_worker_labels() -> None:
+    assert parse_pod({"metadata": {"name": "x", "labels": {}}}) is None
+
+
+def test_parse_fresh_pod() -> None:
+    raw = {"metadata": {"name": "a", "labels": {api.LABEL_GENERATION: "1", api.LABEL_SLICE: "0", api.LABEL_HOST: "0"}}}
+    p = parse_pod(raw)
+    assert p is not None and p.phase == "Pending" and p.node_name is None and p.exit_code is None
+
+
+def test_parse_node() -> None:
+    raw = {"metadata": {"name": "n1", "labels": {api.NODE_POOL_LABEL: "pool-a"}},
+           "spec": {"taints": [{"key": api.UNREACHABLE_TAINT, "effect": "NoExecute"}], "unschedulable": True},
+           "status": {"allocatable": {"google.com/tpu": "4", "cpu": "8"},
+                      "conditions": [{"type": "Ready", "status": "Unknown", "lastTransitionTime": "2026-01-01T12:00:00Z"}]}}
+    n = parse_node(raw, {"google.com/tpu": 4})
+    assert n.pool == "pool-a" and n.ready == "Unknown" and n.unschedulable
+    assert n.taints == (Taint(api.UNREACHABLE_TAINT, "", "NoExecute"),)
+    assert n.allocatable == {"google.com/tpu": 4} and n.in_use_by_others == {"google.com/tpu": 4}
+    assert n.ready_since == datetime(2026, 1, 1, 12, tzinfo=UTC)
+
+
+def test_count_devices_in_use_skips_this_job_and_finished_pods() -> None:
+    def pod(job: str, node: str, tpus: int, phase: str = "Running") -> dict[str, object]:
+        return {"metadata": {"labels": {api.LABEL_JOB: job}}, "status": {"phase": phase},
+                "spec": {"nodeName": node, "containers": [{"resources": {"limits": {"google.com/tpu": str(tpus)}}}]}}
+    pods = [pod("llama", "n1", 4), pod("other", "n1", 4), pod("other", "n2", 2), pod("other", "n2", 2, "Succeeded")]
+    assert count_devices_in_use(pods, "llama") == {"n1": {"google.com/tpu": 4}, "n2": {"google.com/tpu": 2}}
+
+
+def test_parse_save_outcome() -> None:
+    assert parse_save_outcome("r", {"status": "pending"}) is None
+    assert parse_save_outcome("r", {"status": "committed", "step": 12, "committed": True}) == SaveOutcome("r", 12, True, None)
+    failed = parse_save_outcome("r", {"status": "failed", "error": "disk full"})
+    assert failed == SaveOutcome("r", None, False, "disk full")
