@@ -1,0 +1,48 @@
+"""Several real JAX processes (jax.distributed on 127.0.0.1, gloo): save with 2 x 4 devices, restore
+with 4 x 2 and 1 x 8; per-process items; one agreed step for a save request."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from ckpt_procs import run_processes
+
+pytestmark = pytest.mark.slow
+
+
+def test_save_2x4_restore_4x2_and_1x8(tmp_path):
+    root = str(tmp_path / "ck")
+    saved = run_processes({"scenario": "save", "root": root, "mesh": [4, 2], "steps": [3, 4]}, num_processes=2)
+    assert [r["steps"] for r in saved] == [[3, 4], [3, 4]]
+    assert sorted(os.listdir(os.path.join(root, "4", "data"))) == ["process_0.json", "process_1.json"]
+
+    four = run_processes({"scenario": "restore", "root": root, "mesh": [2, 4],
+                          "specs": {"w": ["b", "a"], "b": ["b"], "e": [None, "a"]}}, num_processes=4)
+    assert [r["step"] for r in four] == [4, 4, 4, 4]
+    assert all(r["meta"] == {"step": 4} for r in four)
+    # per-process items come back to the process with the same index; new processes get None
+    assert [r["data"] for r in four] == [{"process": 0, "step": 4}, {"process": 1, "step": 4}, None, None]
+
+    one = run_processes({"scenario": "restore", "root": root, "mesh": [8, 1], "step": 3,
+                         "specs": {"w": ["a", None], "b": [], "e": ["a", None]}}, num_processes=1)
+    assert one[0]["step"] == 3 and one[0]["data"] == {"process": 0, "step": 3}
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["save", "save-and-stop"])
+def test_request_on_one_process_saves_one_agreed_step_everywhere(tmp_path, stop):
+    root = str(tmp_path / "ck")
+    results = run_processes({"scenario": "requests", "root": root, "mesh": [4, 2], "steps": 8,
+                             "control": str(tmp_path / "control"), "requester": 1, "request_at": 4,
+                             "stop": stop}, num_processes=2)
+    saved = [r["saved"] for r in results]
+    assert saved[0] == saved[1] and len(saved[0]) == 1, saved
+    step = saved[0][0]
+    assert step >= 4
+    assert results[0]["steps"] == [step]
+    assert results[1]["results"] == {"r1.json": {"id": "r1", "step": step, "committed": True, "error": None}}
+    assert results[0]["results"] == {}
+    if stop:
+        assert [r["stopped_at"] for r in results] == [step, step]
+    else:
+        assert [r["stopped_at"] for r in results] == [None, None]
