@@ -9,13 +9,16 @@ from collections.abc import Callable
 
 import pytest
 from op_samples import good_spec
-from op_world import World, tpu_pool
+from op_world import World, cpu_pool
 from resilax_operator import api
 from resilax_operator.reconcile import Taint
 
 
 def _world() -> World:
-    return World.make(good_spec(), *[tpu_pool(f"pool-{c}", 4) for c in "abcd"])
+    spec = good_spec()
+    spec["slices"] = {"accelerator": "cpu", "topology": "2x4", "chipsPerHost": 4, "count": 4}
+    spec["elastic"] = {"minCount": 2, "maxCount": 4}
+    return World.make(spec, *[cpu_pool(f"pool-{c}", 2) for c in "abcd"])
 
 
 class Driver:
