@@ -448,6 +448,10 @@ class Uploader:
                 return False
             for key, size in files.items():
                 info = listing.get(key)
+                # Each host's metadata is valid for the step but carries its own save time, so the
+                # copy in place may be another host's, of another size: only its presence counts.
+                if info is not None and key == layout.METADATA_FILE:
+                    continue
                 if info is None or info.size != size:
                     log.warning(
                         "step %d: process %d's file %r is %s in %s; not committing",

@@ -121,6 +121,9 @@ def test_several_processes_combine_into_one_step_and_the_last_one_commits(tmp_pa
         config = make_config(tmp_path / f"host{pid}", checkpoint_dir=store.url, process_id=pid, num_processes=3)
         files = {**shared, f"state/leaf/c/{pid}": bytes([pid]) * 1000, f"state/process_{pid}.json": b"{}"}
         write_local_step(config.local_dir, 5, files, generation=2)
+        # resilax_ckpt's local metadata carries each host's own save time: not the same bytes.
+        meta = config.local_dir / "5" / "_METADATA.json"
+        meta.write_bytes(meta.read_bytes().replace(b'"step"', b'"time": ' + str(1.5**pid).encode() + b', "step"'))
         uploaders.append(Uploader(config, store, SidecarMetrics()))
     uploaders[2].run_once()
     uploaders[0].run_once()
