@@ -110,3 +110,87 @@ def test_sigterm_gets_a_final_step_committed_and_uploaded_before_the_sidecar_exi
     # ... and resilax_ckpt restores it from the emulator.
     assert restore_w0(f"{persistent}/{final_step}", gcs_env) == final_step
     assert Path(sidecar_env["RESILAX_CONTROL_DIR"], "requests").is_dir()
+
+
+def test_two_hosts_local_tiers_combine_into_one_committed_persistent_step(
+    tmp_path, sidecar_env, start_sidecar, start_trainer
+):
+    """Two JAX processes, each with its own local tier and sidecar; the weights are sharded across
+    them, so each host holds half of them: only the combination of both uploads restores."""
+    from sidecar_harness import free_port
+
+    persistent = tmp_path / "persistent"
+    coordinator = f"127.0.0.1:{free_port()}"
+    floats = 64 * 1024
+    hosts = []
+    for pid in range(2):
+        env = {
+            **sidecar_env,
+            "RESILAX_CONTROL_DIR": str(tmp_path / f"control{pid}"),
+            "RESILAX_LOCAL_DIR": str(tmp_path / f"local{pid}"),
+            "RESILAX_CHECKPOINT_DIR": str(persistent),
+            "RESILAX_SIDECAR_PORT": str(free_port()),
+            "JAX_COORDINATOR_ADDRESS": coordinator,
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(pid),
+            "RESILAX_SAVE_EVERY_STEPS": "5",
+            "TRAINER_MAX_STEPS": "10",
+            "TRAINER_FLOATS": str(floats),
+        }
+        hosts.append((start_trainer(env), start_sidecar(env)))
+    for trainer, _ in hosts:
+        assert trainer.proc.wait(120) == 0, trainer.log()
+    wait_until(lambda: (persistent / "10" / "_COMMIT").is_file(), 60, "step 10 to be committed")
+    for pid, (_, sidecar) in enumerate(hosts):
+        wait_until(lambda s=sidecar: s.get("/v1/state").body["newest_persisted_step"] == 10, 30, "state")
+        assert (persistent / "10" / f"_UPLOADED.{pid}").is_file()
+    commits = sum(s.metric("resilax_sidecar_commits_total") for _, s in hosts)
+    assert commits == 1
+    # Each host's local tier holds only its half of the chunks; the persistent step holds both.
+    assert restore_w0(str(persistent / "10"), {}) == 10
+    code = (
+        "import sys, numpy as np, resilax_ckpt as rc; w = rc.restore(sys.argv[1])['params']['w']; "
+        f"assert np.array_equal(w, np.arange({floats}, dtype=np.float32) + 10), w; print('ok')"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(persistent / "10")],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.stdout.strip() == "ok", run.stderr
+
+
+@pytest.mark.xfail(
+    reason="resilax_ckpt does not yet agree on requested steps across processes in local-tier mode "
+    "(manager._decide decides per process when local_tier); a request to one host saves on that host only",
+    strict=False,
+)
+def test_a_request_to_one_host_saves_the_same_step_on_every_host_and_commits_it(
+    tmp_path, sidecar_env, start_sidecar, start_trainer
+):
+    from sidecar_harness import free_port
+
+    persistent = tmp_path / "persistent"
+    coordinator = f"127.0.0.1:{free_port()}"
+    hosts = []
+    for pid in range(2):
+        env = {
+            **sidecar_env,
+            "RESILAX_CONTROL_DIR": str(tmp_path / f"control{pid}"),
+            "RESILAX_LOCAL_DIR": str(tmp_path / f"local{pid}"),
+            "RESILAX_CHECKPOINT_DIR": str(persistent),
+            "RESILAX_SIDECAR_PORT": str(free_port()),
+            "JAX_COORDINATOR_ADDRESS": coordinator,
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(pid),
+            "TRAINER_MAX_STEPS": "400",
+        }
+        hosts.append((start_trainer(env), start_sidecar(env)))
+    for trainer, _ in hosts:
+        trainer.wait_for("trainer ready", 120)
+    sidecar0 = hosts[0][1]
+    outcome = wait_outcome(sidecar0, sidecar0.post("/v1/save", {"reason": "resize"}, token=TOKEN).body["id"])
+    step = outcome["step"]
+    wait_until(lambda: (persistent / str(step) / "_COMMIT").is_file(), 10, f"step {step} committed on both hosts")
