@@ -107,6 +107,7 @@ INSUFFICIENT_CAPACITY = Reason("InsufficientCapacity", "no shape fits the health
 PREEMPTION_NOTICE = Reason("PreemptionNotice", "node {node} hosting generation {generation} has a preemption notice ({notice})")
 NODE_LOST = Reason("NodeLost", "node {node} hosting generation {generation} has not been Ready for {seconds}s (grace {grace}s)")
 NODE_NOT_READY = Reason("NodeNotReady", "node {node} hosting generation {generation} is not Ready; waiting up to {grace}s")
+UNSCHEDULABLE = Reason("Unschedulable", "worker {pod} of generation {generation} was not scheduled within {seconds}s; replanning")
 POD_LOST = Reason("PodLost", "worker pod {pod} of generation {generation} disappeared or was deleted")
 WORKER_FAILED = Reason("WorkerFailed", "worker {pod} of generation {generation} failed: {detail}")
 WORKER_STOPPED = Reason("WorkerStopped", "worker {pod} of generation {generation} stopped for rescheduling (exit {code})")

@@ -28,7 +28,7 @@ from typing import Any, Final
 
 from . import api
 from . import status as st
-from .builders import GenerationPlan, JobRef, Manifest, build_pods, build_service, geometry_of
+from .builders import GenerationPlan, JobRef, Manifest, build_pod_name, build_pods, build_service, geometry_of
 from .errors import InvalidSpecError
 from .settings import OperatorSettings
 from .spec import RESTORE_LATEST, JobSpec, Shape
@@ -577,6 +577,13 @@ def _watch_generation(spec: JobSpec, observed: Observed, s: JobStatus, settings:
                                api.NODE_NOT_READY.format(node=waiting_for, generation=g,
                                                          grace=spec.recovery.node_loss_grace_seconds), now)
         return [*actions, *_status_change(observed.status, new), RequeueAfter(POLL_SECONDS)]
+    # The accelerator or the shape bounds changed so that the current shape is no longer allowed:
+    # nothing below may interpret the running generation with the new spec's geometry.
+    if s.shape is not None and s.planned_from != fingerprint(spec) and (
+            _hardware_changed(spec, s) or not spec.allows(s.shape)):
+        target = plan_shape(spec, observed.nodes, now)
+        return _begin(spec, observed, s, settings, actions, st.RESIZE, api.SPEC_RESIZED.name,
+                      api.SPEC_RESIZED.format(old=s.shape, new=target.shape if target else spec.spec_shape))
     # 3. Workers that ended: stopped for rescheduling, failed, or all succeeded.
     for p in sorted(pods, key=lambda p: p.name):
         if p.exit_code == api.EXIT_CODE_STOPPED:
@@ -600,18 +607,25 @@ def _watch_generation(spec: JobSpec, observed: Observed, s: JobStatus, settings:
         return [*actions, *_status_change(observed.status, new, EmitEvent("Normal", api.COMPLETED.name, message))]
     # 4. Pods that disappeared or are being deleted by someone else.
     deleted = sorted(p.name for p in pods if p.deletion_timestamp is not None)
-    names = _expected_names(spec, observed.job, s)
+    names = _expected_names(observed.job, s)
     missing = sorted(set(names) - {p.name for p in pods})
     if deleted or (s.workers_created and missing) or (not s.workers_created and names[0] in missing and pods):
         lost = (deleted or missing)[0]
         return _begin(spec, observed, s, settings, actions, st.POD_LOST, api.POD_LOST.name,
                       api.POD_LOST.format(pod=lost, generation=g))
-    # 5. The spec's shape changed, or capacity for a larger shape returned.
+    # 5. Workers that no node takes (the capacity the planner saw is not there after all).
+    started = s.generation_start_time or now
+    if now - started >= timedelta(seconds=settings.schedule_timeout_seconds):
+        stuck = sorted(p.name for p in pods if p.node_name is None and p.phase == "Pending")
+        if stuck:
+            return _begin(spec, observed, s, settings, actions, st.POD_LOST, api.UNSCHEDULABLE.name,
+                          api.UNSCHEDULABLE.format(pod=stuck[0], generation=g, seconds=settings.schedule_timeout_seconds))
+    # 6. The spec's shape changed, or capacity for a larger shape returned.
     resize = _resize_reason(spec, observed, s, settings, pods)
     if resize is not None:
         kind, reason, message = resize
         return _begin(spec, observed, s, settings, actions, kind, reason, message)
-    # 6. Bring the generation up: pod 0 first, the others once its IP is known.
+    # 7. Bring the generation up: pod 0 first, the others once its IP is known.
     plan = GenerationPlan(g, s.shape or spec.spec_shape, s.pools, s.restore_step or RESTORE_LATEST)
     if not s.workers_created:
         pod0 = next((p for p in pods if p.name == names[0]), None)
@@ -625,7 +639,7 @@ def _watch_generation(spec: JobSpec, observed: Observed, s: JobStatus, settings:
                 if m["metadata"]["name"] not in {p.name for p in pods}]
         return [*actions, CreateGeneration(g, None, tuple(rest)), SetStatus(replace(s, workers_created=True)),
                 RequeueAfter(POLL_SECONDS)]
-    # 7. Steady state: phase and conditions.
+    # 8. Steady state: phase and conditions.
     running = sum(1 for p in pods if p.phase in ("Running", "Succeeded"))
     new = replace(_degraded(spec, s, now), planned_from=fingerprint(spec))
     if running == s.hosts:
@@ -640,12 +654,15 @@ def _watch_generation(spec: JobSpec, observed: Observed, s: JobStatus, settings:
     return [*actions, *_status_change(observed.status, new), RequeueAfter(POLL_SECONDS)]
 
 
-def _expected_names(spec: JobSpec, job: JobRef, s: JobStatus) -> list[str]:
-    from .builders import build_pod_name
+def _expected_names(job: JobRef, s: JobStatus) -> list[str]:
+    """The current generation's pod names, from the status alone (the spec may have changed since)."""
+    count = s.shape.count if s.shape is not None else 1
+    hosts = max(1, s.hosts // max(1, count))
+    return [build_pod_name(job.name, s.generation, i, h) for i in range(count) for h in range(hosts)]
 
-    shape = s.shape or spec.spec_shape
-    hosts = geometry_of(spec, shape.topology).hosts
-    return [build_pod_name(job.name, s.generation, i, h) for i in range(shape.count) for h in range(hosts)]
+
+def _hardware_changed(spec: JobSpec, s: JobStatus) -> bool:
+    return s.planned_from.split("/")[0] != fingerprint(spec).split("/")[0]
 
 
 def _resize_reason(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
@@ -654,15 +671,11 @@ def _resize_reason(spec: JobSpec, observed: Observed, s: JobStatus, settings: Op
     now, current = observed.now, s.shape
     if current is None:
         return None
-    fp = fingerprint(spec)
-    if s.planned_from != fp:
-        hardware_changed = s.planned_from.split("/")[0] != fp.split("/")[0]
+    if s.planned_from != fingerprint(spec):
+        # (a shape the spec no longer allows was handled before this point)
         planned = plan_shape(spec, observed.nodes, now)
-        target = planned.shape if planned is not None else spec.spec_shape
-        must = hardware_changed or not spec.allows(current)
-        bigger = planned is not None and shape_chips(spec, target) > shape_chips(spec, current)
-        if (must or bigger) and (target != current or hardware_changed):
-            return st.RESIZE, api.SPEC_RESIZED.name, api.SPEC_RESIZED.format(old=current, new=target)
+        if planned is not None and shape_chips(spec, planned.shape) > shape_chips(spec, current):
+            return st.RESIZE, api.SPEC_RESIZED.name, api.SPEC_RESIZED.format(old=current, new=planned.shape)
         return None
     if spec.elastic is None or not spec.elastic.grow_back:
         return None
@@ -774,6 +787,21 @@ def _continue_transition(spec: JobSpec, observed: Observed, s: JobStatus, settin
             return [*out, RequeueAfter(POLL_SECONDS)]
         actions = out
     return _start_generation(spec, replace(observed, status=base), s, settings, actions)
+
+
+def decide_cleanup(observed: Observed, settings: OperatorSettings) -> list[Action]:
+    """For the JAXJob's delete handler: the garbage collector deletes the workers gracefully, but no
+    kubelet will ever confirm pods on a down node; force-delete those (checkpoints stay in storage)."""
+    out: list[Action] = []
+    for g in sorted({p.generation for p in observed.pods}):
+        forced = []
+        for p in _pods_of(observed, g):
+            node = observed.node(p.node_name)
+            if p.node_name and (node is None or node.down_since(observed.now) is not None):
+                forced.append(p.name)
+        if forced:
+            out.append(DeleteGeneration(g, "job deleted", tuple(sorted(forced))))
+    return out
 
 
 def _save_reason(kind: str) -> str:

@@ -28,6 +28,8 @@ class OperatorSettings:
     """A generation must have run this long, all workers Running, before growBack may resize it up."""
     stuck_terminating_seconds: int = 60
     """A pod still Terminating this long after its grace period on a Ready node is force-deleted."""
+    schedule_timeout_seconds: int = 300
+    """A worker still unscheduled this long after its generation started: the generation is replanned."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:

@@ -8,16 +8,18 @@ from typing import Any
 
 import pytest
 from op_samples import good_spec
-from op_world import T0, World, cpu_pool, tpu_pool
+from op_world import SETTINGS, T0, World, cpu_pool, tpu_pool
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.reconcile import (
     CreateGeneration,
     DeleteGeneration,
     RequestFinalSave,
+    RequeueAfter,
     SaveOutcome,
     SetStatus,
     Taint,
+    decide_cleanup,
 )
 from resilax_operator.spec import Shape
 
@@ -412,3 +414,37 @@ def test_cpu_job_does_not_take_tpu_nodes(tpu_labels: bool) -> None:
     w = World.make(raw, tpu_pool("pool-a", 4))
     w.settle()
     assert w.status.generation == 0
+
+
+# ---------------------------------------------------------------- more edges
+
+
+def test_accelerator_edit_resizes_without_reading_the_old_shape_with_the_new_spec() -> None:
+    w = running_world()
+    w.nodes.update({n.name: n for n in tpu_pool("v4-a", 2, accelerator="tpu-v4-podslice", topology="2x2x2")})
+    w.spec["slices"].update(accelerator="tpu-v4-podslice", topology="2x2x2", count=1)
+    w.spec["elastic"] = {"minCount": 1, "maxCount": 1}
+    w.step()
+    assert w.status.transition is not None and w.status.transition.kind == st.RESIZE
+    w.exit_workers(75)
+    w.settle()
+    assert w.status.shape == Shape("2x2x2", 1) and w.status.pools == ("v4-a",) and w.status.hosts == 2
+
+
+def test_unschedulable_workers_are_replanned() -> None:
+    w = World.make(good_spec(), *four_pools())
+    w.step()
+    w.advance(299)
+    assert w.step() == [RequeueAfter(5.0)]
+    w.advance(1)
+    w.step()
+    assert w.status.transition is not None and w.status.transition.kind == st.POD_LOST
+    assert api.UNSCHEDULABLE.name in w.reasons()
+
+
+def test_cleanup_forces_pods_on_down_nodes_only() -> None:
+    w = running_world()
+    dead = w.gen_pods()[0]
+    w.set_node(dead.node_name or "", ready="Unknown")
+    actions = decide_cleanup(w.observed(), SETTINGS)
+    assert actions == [DeleteGeneration(1, "job deleted", (dead.name,))]
