@@ -19,6 +19,8 @@ STORAGE_SCHEMES: Final = ("gs://", "pvc://", "/")
 #: Longest JAXJob name: pod names are `<job>-g<generation>-s<slice>-h<host>` and must stay DNS labels.
 MAX_JOB_NAME: Final = 40
 _DNS_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+#: Job names must also make DNS-1035 Service names (`<job>-g<generation>`): a letter first.
+_JOB_NAME: Final = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _GCS: Final = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/.*)?$")
 _PVC: Final = re.compile(r"^pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?$")
 
@@ -36,9 +38,9 @@ def validate_spec(raw: Mapping[str, Any], *, name: str | None = None) -> JobSpec
 
 
 def validate_name(name: str) -> list[SpecProblem]:
-    if len(name) > MAX_JOB_NAME or not _DNS_LABEL.match(name):
-        return [SpecProblem("metadata.name", f"{name!r} must be a DNS label of at most {MAX_JOB_NAME} "
-                            "characters (lower-case letters, digits, '-')")]
+    if len(name) > MAX_JOB_NAME or not _JOB_NAME.match(name):
+        return [SpecProblem("metadata.name", f"{name!r} must be at most {MAX_JOB_NAME} characters: lower-case "
+                            "letters, digits and '-', starting with a letter (worker Services are named after it)")]
     return []
 
 

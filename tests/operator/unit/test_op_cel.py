@@ -113,3 +113,7 @@ def test_bad_jobs_fail_their_rule(programs: list[tuple[str, str, Any]], mutate: 
 
 def test_long_name(programs: list[tuple[str, str, Any]]) -> None:
     assert any("at most 40" in v for v in _violations(programs, _job(name="x" * 41)))
+
+
+def test_name_starting_with_a_digit(programs: list[tuple[str, str, Any]]) -> None:
+    assert any("start with a letter" in v for v in _violations(programs, _job(name="1job")))

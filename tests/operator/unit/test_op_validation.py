@@ -121,9 +121,10 @@ def test_all_problems_reported_at_once() -> None:
         "spec.template.spec.containers"]
 
 
-def test_job_name_too_long() -> None:
-    with pytest.raises(InvalidSpecError, match=r"metadata.name: .* at most 40"):
-        validate_spec(good_spec(), name="x" * 41)
+@pytest.mark.parametrize("name", ["x" * 41, "1job", "Job", "job-"], ids=["too-long", "digit-first", "upper", "dash-last"])
+def test_bad_job_name(name: str) -> None:
+    with pytest.raises(InvalidSpecError, match=r"metadata.name: .* at most 40 characters"):
+        validate_spec(good_spec(), name=name)
 
 
 def test_good_spec_parses_to_dataclasses() -> None:
