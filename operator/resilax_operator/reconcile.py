@@ -9,6 +9,29 @@ first one that fails (the next call decides again from what is then observed):
 2. `actions = decide_raw(job.spec, observed, settings)`.
 3. Execute each action (see each class for its exact meaning); all are idempotent.
 
+What the I/O side observes (all pure parsers are here: `parse_pod`, `parse_node`,
+`count_devices_in_use`, `parse_save_outcome`, `parse_sidecar_state`; `status.parse_status`):
+- `job`: name, namespace, uid; `status`: `parse_status(body["status"])`; `spec_generation`:
+  metadata.generation.
+- `pods`: every pod labelled `resilax.dev/job=<name>` in the namespace (any generation), `parse_pod`.
+- `services`: generations (label `resilax.dev/generation`) of Services labelled with the job.
+- `nodes`: every Node, `parse_node(node, count_devices_in_use(all pods, job)[node name])`.
+- `save_outcomes`: while `status.transition.saveRequestId` is set and not `saveDone`, the sidecars'
+  answers for it (see `RequestFinalSave`).
+- `checkpoint`: `parse_sidecar_state` of pod 0's sidecar `GET /v1/state` (optional).
+- `now`: the current time (timezone-aware UTC).
+
+How it executes the actions (in order; stop at the first failure):
+- `SetStatus`: merge-patch the status subresource with `status_body(action)` (it contains every field,
+  None for absent ones).
+- `CreateGeneration`: create the Service (if given) and each pod; AlreadyExists is success. Before the
+  first generation, make sure the token Secret `builders.build_token_secret(job, <random token>)` exists.
+- `DeleteGeneration`: delete the generation's Service and pods (label selector job + generation);
+  pods named in `force_pods` with gracePeriodSeconds=0; NotFound is success.
+- `RequestFinalSave`: see the class. `EmitEvent`: an Event on the JAXJob.
+- `RequeueAfter`: run the next decision within that many seconds (a timer at least that often).
+On deletion of the JAXJob, execute `decide_cleanup(observed, settings)`.
+
 Rules the decisions keep, whatever the observed state:
 - Never two generations at once: `CreateGeneration(N+1)` only when no pod of this job exists at all.
 - The status is written before the objects it describes (`SetStatus` comes first), so an operator that
@@ -246,6 +269,17 @@ def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome 
                        body.get("error") or (None if state == "committed" else f"save {state}"))
 
 
+def parse_sidecar_state(body: Mapping[str, Any], now: datetime) -> CheckpointInfo | None:
+    """The sidecar's `GET /v1/state` answer → the newest checkpoint it knows (persisted beats local).
+    `time` is when the operator first saw the step (the status keeps the first time it saw it)."""
+    persisted, local = body.get("newest_persisted_step"), body.get("newest_local_step")
+    if persisted is not None:
+        return CheckpointInfo(int(persisted), st.truncate(now), True, "persistent")
+    if local is not None:
+        return CheckpointInfo(int(local), st.truncate(now), True, "local")
+    return None
+
+
 # ---------------------------------------------------------------- actions
 
 
@@ -278,9 +312,14 @@ class DeleteGeneration:
 
 @dataclass(frozen=True)
 class RequestFinalSave:
-    """Ask the workers of `generation` for a final save and stop: POST to the sidecar of each pod in
-    `pods` (any one suffices; send to all) the request {"id": request_id, "reason": reason, "stop": true}.
-    Idempotent by id; sent again on every decision until the save is done."""
+    """Ask the workers of `generation` for a final save and stop. Emitted on every decision until the
+    save is done, so executing it must be idempotent. With the sidecar's API (resilax_sidecar.routes):
+    for each pod in `pods` that lacks the annotation `resilax.dev/save-request` starting with
+    `<request_id>=`, POST `http://<podIP>:<RESILAX_SIDECAR_PORT>/v1/save` with the bearer token and
+    {"reason": reason, "stop": true}, then annotate the pod `<request_id>=<the sidecar's id>`. Any one
+    pod suffices (all processes agree on one step); posting to all survives a dead one. Report results
+    as `Observed.save_outcomes`: GET /v1/save/<sidecar id> on annotated pods, `parse_save_outcome`
+    (the first committed one, else the first failed one)."""
 
     generation: int
     request_id: str

@@ -70,3 +70,15 @@ def test_parse_save_outcome() -> None:
     assert parse_save_outcome("r", {"status": "committed", "step": 12, "committed": True}) == SaveOutcome("r", 12, True, None)
     failed = parse_save_outcome("r", {"status": "failed", "error": "disk full"})
     assert failed == SaveOutcome("r", None, False, "disk full")
+
+
+def test_parse_sidecar_state() -> None:
+    from resilax_operator.reconcile import parse_sidecar_state
+    from resilax_operator.status import CheckpointInfo
+
+    now = datetime(2026, 1, 1, 12, 0, 0, 500, tzinfo=UTC)
+    at = now.replace(microsecond=0)
+    assert parse_sidecar_state({"newest_persisted_step": 10, "newest_local_step": 12}, now) == CheckpointInfo(10, at)
+    assert parse_sidecar_state({"newest_persisted_step": None, "newest_local_step": 12}, now) == \
+        CheckpointInfo(12, at, True, "local")
+    assert parse_sidecar_state({}, now) is None
