@@ -43,6 +43,7 @@ def _compare(expected: dict[str, int], got: dict[str, int], kind: str) -> list[s
 def run_save(lib: Any, directory: str, leaves: list[Any], seed: int, result: dict[str, Any]) -> None:
     from resilax_bench import state as st
     from resilax_bench.memory import PeakRSS, rss_bytes
+    from resilax_bench.profiling import profiled
 
     result["rss_before_state"] = rss_bytes()
     t0 = time.perf_counter()
@@ -57,7 +58,7 @@ def run_save(lib: Any, directory: str, leaves: list[Any], seed: int, result: dic
     for step in SAVE_STEPS:
         gc.collect()
         os.sync()
-        with PeakRSS() as mem:
+        with profiled(lib.name, f"save{step}"), PeakRSS() as mem:
             t0 = time.perf_counter()
             lib.save(step)
             t1 = time.perf_counter()
@@ -81,6 +82,7 @@ def run_restore(lib: Any, directory: str, leaves: list[Any], result: dict[str, A
     from resilax_bench.cache import evict_from_page_cache
     from resilax_bench.libraries import NotApplicable
     from resilax_bench.memory import PeakRSS, rss_bytes
+    from resilax_bench.profiling import profiled
 
     with open(os.path.join(directory, "expected.json")) as f:
         expected = json.load(f)
@@ -98,7 +100,7 @@ def run_restore(lib: Any, directory: str, leaves: list[Any], result: dict[str, A
             "evicted_files": evict_from_page_cache(directory),
         }
         try:
-            with PeakRSS() as mem:
+            with profiled(lib.name, f"restore-{label}"), PeakRSS() as mem:
                 t0 = time.perf_counter()
                 out = lib.restore(REPORTED_STEP, kind)
                 entry["seconds"] = time.perf_counter() - t0
