@@ -255,3 +255,35 @@ def test_token_secret() -> None:
 def test_plan_pools_must_match_count() -> None:
     with pytest.raises(ValueError, match="1 pools for 2 slices"):
         GenerationPlan(1, Shape("4x4", 2), ("a",))
+
+
+def _variant(name: str) -> JobSpec:
+    raw = good_spec()
+    if name == "cpu":
+        raw["slices"] = {"accelerator": "cpu", "topology": "2x4", "count": 2, "chipsPerHost": 4}
+        raw["elastic"] = {"minCount": 1, "maxCount": 2}
+    elif name == "gpu":
+        raw["slices"] = {"accelerator": "nvidia-l4", "topology": "1x2", "count": 2}
+        raw["elastic"] = {"minCount": 1, "maxCount": 2}
+    elif name == "pvc":
+        raw["checkpoint"]["storage"] = "pvc://claim/x"
+    return validate_spec(raw)
+
+
+@pytest.mark.parametrize("variant", ["tpu", "cpu", "gpu", "pvc"])
+def test_manifests_use_only_known_kubernetes_fields(variant: str) -> None:
+    """Round trip through the kubernetes client's models: a misspelt field would be dropped."""
+    import json
+
+    from kubernetes.client import ApiClient
+
+    client = ApiClient()
+    spec = _variant(variant)
+    topology = spec.slices.topology
+    plan = GenerationPlan(2, Shape(topology, 2), ("a", "b"))
+    objects = [(p, "V1Pod") for p in build_pods(JOB, spec, plan, SETTINGS, coordinator_ip="10.0.0.1")]
+    objects += [(build_service(JOB, plan, SETTINGS), "V1Service"), (build_token_secret(JOB, "t"), "V1Secret")]
+    for obj, kind in objects:
+        model = client._ApiClient__deserialize(obj, kind)  # type: ignore[attr-defined]
+        back = client.sanitize_for_serialization(model)
+        assert json.dumps(back, sort_keys=True) == json.dumps(obj, sort_keys=True), kind
