@@ -173,7 +173,10 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         {"name": "RESILAX_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "RESILAX_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "RESILAX_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        _var("JAX_COORDINATOR_ADDRESS", f"{coordinator}:{settings.coordinator_port}"),
+        _var("JAX_COORDINATOR_ADDRESS", f"{_host(coordinator)}:{settings.coordinator_port}"),
+        # Bind to the pod's own IP, not all interfaces: on the local cluster every pod is a process on
+        # one host with its own loopback address, so two coordinators (or sidecars) must not share a port.
+        _var("JAX_COORDINATOR_BIND_ADDRESS", f"$(RESILAX_POD_IP):{settings.coordinator_port}"),
         _var("JAX_NUM_PROCESSES", plan.shape.count * geometry.hosts),
         _var("JAX_PROCESS_ID", process_id),
         _var("RESILAX_NUM_SLICES", plan.shape.count),
@@ -192,6 +195,7 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         _var("RESILAX_KEEP_EVERY_STEPS", "" if c.keep.every_steps is None else c.keep.every_steps),
         _var("RESILAX_RESTORE_STEP", plan.restore_step),
         _var("RESILAX_SIDECAR_PORT", settings.sidecar_port),
+        _var("RESILAX_SIDECAR_HOST", "$(RESILAX_POD_IP)"),
         _var("RESILAX_SIDECAR_TOKEN_FILE", f"{api.TOKEN_DIR}/{api.TOKEN_KEY}"),
         _var("RESILAX_SIDECAR_GRACE_SECONDS", c.final_save.timeout_seconds),
     ]
@@ -201,7 +205,7 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
                              for h in range(geometry.hosts))
         env += [_var("TPU_WORKER_ID", host), _var("TPU_WORKER_HOSTNAMES", hostnames)]
         if plan.shape.count > 1:
-            env += [_var("MEGASCALE_COORDINATOR_ADDRESS", f"{coordinator}:{settings.megascale_port}"),
+            env += [_var("MEGASCALE_COORDINATOR_ADDRESS", f"{_host(coordinator)}:{settings.megascale_port}"),
                     _var("MEGASCALE_NUM_SLICES", plan.shape.count),
                     _var("MEGASCALE_SLICE_ID", slice_index)]
     return env
@@ -231,6 +235,11 @@ def build_sidecar(spec: JobSpec, settings: OperatorSettings, env: Sequence[Mappi
         "resources": copy.deepcopy(SIDECAR_RESOURCES),
         "securityContext": _restricted(None),
     }
+
+
+def _host(ip: str) -> str:
+    """An IP for `host:port`: IPv6 literals in brackets."""
+    return f"[{ip}]" if ":" in ip else ip
 
 
 def _var(name: str, value: object) -> dict[str, Any]:

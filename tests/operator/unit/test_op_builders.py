@@ -49,6 +49,8 @@ def test_pod_zero_alone_until_coordinator_ip_known() -> None:
     assert [p["metadata"]["name"] for p in pods] == ["llama-g3-s0-h0"]
     env = _env(_trainer(pods[0]))
     assert env["JAX_COORDINATOR_ADDRESS"] == "$(RESILAX_POD_IP):8476"
+    assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "$(RESILAX_POD_IP):8476"
+    assert env["RESILAX_SIDECAR_HOST"] == "$(RESILAX_POD_IP)"
     assert env["RESILAX_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     names = [e["name"] for e in _trainer(pods[0])["env"]]
     assert names.index("RESILAX_POD_IP") < names.index("JAX_COORDINATOR_ADDRESS")
@@ -67,6 +69,11 @@ def test_all_pods_once_coordinator_known() -> None:
         assert env["MEGASCALE_NUM_SLICES"] == "2"
         assert env["MEGASCALE_SLICE_ID"] == p["metadata"]["labels"][api.LABEL_SLICE]
         assert env["TPU_WORKER_ID"] == p["metadata"]["labels"][api.LABEL_HOST]
+
+
+def test_ipv6_coordinator_in_brackets() -> None:
+    pod = build_pod(JOB, _spec(), PLAN, 0, 1, SETTINGS, coordinator_ip="fd00::5")
+    assert _env(_trainer(pod))["JAX_COORDINATOR_ADDRESS"] == "[fd00::5]:8476"
 
 
 def test_non_zero_process_needs_coordinator_ip() -> None:
@@ -150,7 +157,7 @@ def test_resilax_env_matches_architecture_doc() -> None:
     assert env["RESILAX_SIDECAR_GRACE_SECONDS"] == "300"
     doc = (__import__("pathlib").Path(__file__).resolve().parents[3] / "docs" / "architecture.md").read_text()
     for name in env:
-        if name == "RESILAX_SIDECAR_GRACE_SECONDS":  # the sidecar's own setting (resilax_sidecar.config)
+        if name in ("RESILAX_SIDECAR_GRACE_SECONDS", "RESILAX_SIDECAR_HOST"):  # resilax_sidecar.config settings
             continue
         if name.startswith(("RESILAX_SAVE", "RESILAX_KEEP", "RESILAX_RESTORE", "RESILAX_SIDECAR", "JAX_",
                             "RESILAX_CHECKPOINT", "RESILAX_LOCAL", "RESILAX_CONTROL", "RESILAX_GENERATION",
