@@ -444,6 +444,9 @@ def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings) -> lis
     """The actions that move the cluster toward what `spec` wants, given `observed`."""
     s = observed.status
     now = observed.now
+    invalid = s.condition(api.COND_INVALID_SPEC)
+    if s.phase == api.PHASE_FAILED and s.generation == 0 and invalid is not None and invalid.status == "True":
+        s = replace(s, phase=api.PHASE_PENDING)  # failed only for its spec, which is now fixed: start
     s = replace(s, observed_generation=observed.spec_generation,
                 checkpoint=st.newer_checkpoint(s.checkpoint, observed.checkpoint))
     s = st.set_condition(s, api.COND_INVALID_SPEC, False, api.SPEC_VALID.name, api.SPEC_VALID.message, now)

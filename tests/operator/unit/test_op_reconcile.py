@@ -371,6 +371,17 @@ def test_invalid_spec_before_start_fails_the_job() -> None:
     assert w.step() == []
 
 
+def test_fixing_an_invalid_spec_starts_the_job() -> None:
+    spec = good_spec()
+    spec["slices"]["topology"] = "4x3"
+    w = World.make(spec, *four_pools())
+    w.step()
+    assert w.status.phase == api.PHASE_FAILED
+    w.spec["slices"]["topology"] = "4x4"
+    w.settle()
+    assert w.status.phase == api.PHASE_RUNNING and w.status.generation == 1
+
+
 def test_invalid_edit_leaves_the_running_generation_alone() -> None:
     w = running_world()
     w.spec["checkpoint"]["storage"] = "s3://nope"
