@@ -227,7 +227,7 @@ def build_sidecar(spec: JobSpec, settings: OperatorSettings, env: Sequence[Mappi
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["resilax", "sidecar"],
         "restartPolicy": "Always",
-        "env": [dict(e) for e in env],
+        "env": copy.deepcopy([dict(e) for e in env]),
         "ports": [{"name": "sidecar", "containerPort": settings.sidecar_port}],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": settings.sidecar_port},
                            "periodSeconds": 5, "failureThreshold": 3},
@@ -258,7 +258,7 @@ def _merge_env(ours: list[dict[str, Any]], theirs: Sequence[Mapping[str, Any]],
         if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in user_names:
             extra.append(_var("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo"))
     kept = [dict(e) for e in theirs if e.get("name") not in names]
-    return [*ours, *extra, *kept]
+    return copy.deepcopy([*ours, *extra, *kept])
 
 
 def _restricted(context: Mapping[str, Any] | None) -> dict[str, Any]:

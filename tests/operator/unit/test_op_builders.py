@@ -173,6 +173,14 @@ def test_policy_off_is_empty() -> None:
     assert env["RESILAX_SAVE_EVERY_STEPS"] == "" and env["RESILAX_KEEP_LAST"] == "" and env["RESILAX_LOCAL_DIR"] == ""
 
 
+def test_containers_share_no_objects() -> None:
+    """Each container gets its own env objects (a YAML dump shows no anchors, edits stay local)."""
+    import yaml
+
+    pod = build_pod(JOB, _spec(), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    assert "&id" not in yaml.safe_dump(pod)
+
+
 def test_sidecar_is_native_and_restricted() -> None:
     pod = build_pod(JOB, _spec(), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
     sidecar = pod["spec"]["initContainers"][0]
