@@ -9,8 +9,9 @@ first one that fails (the next call decides again from what is then observed):
 2. `actions = decide_raw(job.spec, observed, settings)`.
 3. Execute each action (see each class for its exact meaning); all are idempotent.
 
-What the I/O side observes (all pure parsers are here: `parse_pod`, `parse_node`,
-`count_devices_in_use`, `parse_save_outcome`, `parse_sidecar_state`; `status.parse_status`):
+What the I/O side observes (`build_observed` turns the raw API bodies into `Observed`; the parsers
+it uses are `parse_pod`, `parse_node`, `count_devices_in_use`, `status.parse_status`; the sidecars'
+answers go through `parse_save_outcome` and `parse_sidecar_state`):
 - `job`: name, namespace, uid; `status`: `parse_status(body["status"])`; `spec_generation`:
   metadata.generation.
 - `pods`: every pod labelled `resilax.dev/job=<name>` in the namespace (any generation), `parse_pod`.
@@ -267,6 +268,32 @@ def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome 
     step = body.get("step")
     return SaveOutcome(request_id, None if step is None else int(step), bool(body.get("committed")),
                        body.get("error") or (None if state == "committed" else f"save {state}"))
+
+
+def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapping[str, Any]],
+                   services: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[str, Any]],
+                   other_pods: Iterable[Mapping[str, Any]] = (), save_outcomes: Iterable[SaveOutcome] = (),
+                   checkpoint: CheckpointInfo | None = None) -> Observed:
+    """Observed from raw API bodies: the JAXJob, its pods and Services (label resilax.dev/job=<name>),
+    all Nodes, and the pods of everything else that may hold accelerators (`other_pods`, any namespace;
+    this job's pods among them are ignored)."""
+    meta = job.get("metadata") or {}
+    name = str(meta.get("name", ""))
+    ref = JobRef(name, str(meta.get("namespace", "")), str(meta.get("uid", "")))
+    job_pods = [p for p in (parse_pod(raw) for raw in pods) if p is not None]
+    generations = set()
+    for svc in services:
+        label = ((svc.get("metadata") or {}).get("labels") or {}).get(api.LABEL_GENERATION)
+        if label is not None and str(label).isdigit():
+            generations.add(int(label))
+    in_use = count_devices_in_use(other_pods, name)
+    observed_nodes = tuple(parse_node(n, in_use.get(str((n.get("metadata") or {}).get("name", "")), {}))
+                           for n in nodes)
+    return Observed(now=now, job=ref, status=st.parse_status(job.get("status")),
+                    spec_generation=int(meta.get("generation") or 0),
+                    pods=tuple(sorted(job_pods, key=lambda p: p.name)), services=tuple(sorted(generations)),
+                    nodes=tuple(sorted(observed_nodes, key=lambda n: n.name)),
+                    save_outcomes=tuple(save_outcomes), checkpoint=checkpoint)
 
 
 def parse_sidecar_state(body: Mapping[str, Any], now: datetime) -> CheckpointInfo | None:

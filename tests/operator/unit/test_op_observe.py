@@ -82,3 +82,22 @@ def test_parse_sidecar_state() -> None:
     assert parse_sidecar_state({"newest_persisted_step": None, "newest_local_step": 12}, now) == \
         CheckpointInfo(12, at, True, "local")
     assert parse_sidecar_state({}, now) is None
+
+
+def test_build_observed_from_raw_bodies() -> None:
+    from resilax_operator.reconcile import build_observed
+
+    now = datetime(2026, 1, 1, 12, tzinfo=UTC)
+    job = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u1", "generation": 3},
+           "status": {"phase": "Running", "generation": 2}}
+    svc = {"metadata": {"labels": {api.LABEL_JOB: "llama", api.LABEL_GENERATION: "2"}}}
+    node = {"metadata": {"name": "n1", "labels": {api.NODE_POOL_LABEL: "a"}},
+            "status": {"allocatable": {"google.com/tpu": "4"}, "conditions": [{"type": "Ready", "status": "True"}]}}
+    other = {"metadata": {"labels": {}}, "status": {"phase": "Running"},
+             "spec": {"nodeName": "n1", "containers": [{"resources": {"requests": {"google.com/tpu": "4"}}}]}}
+    observed = build_observed(job, now=now, pods=[POD, {"metadata": {"name": "not-a-worker"}}], services=[svc],
+                              nodes=[node], other_pods=[POD, other])
+    assert observed.job.name == "llama" and observed.job.uid == "u1" and observed.spec_generation == 3
+    assert observed.status.phase == "Running" and observed.status.generation == 2
+    assert [p.name for p in observed.pods] == ["llama-g2-s1-h0"] and observed.services == (2,)
+    assert observed.nodes[0].in_use_by_others == {"google.com/tpu": 4}
