@@ -84,6 +84,7 @@ class NodeAgent:
         # Each cluster takes one 127.<octet>.0.0/16 for its nodes (127.o.0.n) and pods (127.o.1.0 up).
         self.octet = random.Random(os.getpid() ^ int(time.time())).randrange(32, 250)
         self.next_pod_index = 256
+        self.next_node_index = 0
         self.nodes: dict[str, AgentNode] = {}
         for spec in nodes:
             self._add_node_record(spec)
@@ -101,11 +102,13 @@ class NodeAgent:
 
     def allocate_pod_ip(self) -> str:
         with self.lock:
+            while self.next_pod_index % 256 in (0, 255):  # skip .0 and .255
+                self.next_pod_index += 1
             i = self.next_pod_index
             self.next_pod_index += 1
         if i >= 65535:
             raise RuntimeError("out of pod IPs in this cluster's 127.x.0.0/16")
-        return f"127.{self.octet}.{i // 256}.{i % 256 or 1}"
+        return f"127.{self.octet}.{i // 256}.{i % 256}"
 
     def forget(self, uid: str) -> None:
         with self.lock:
@@ -115,8 +118,9 @@ class NodeAgent:
     # ---- nodes --------------------------------------------------------------------------------
     def _add_node_record(self, spec: NodeSpec) -> AgentNode:
         with self.lock:
-            index = len(self.nodes) + 1
-            node = AgentNode(spec, f"127.{self.octet}.0.{index % 255 or 1}")
+            self.next_node_index += 1
+            index = self.next_node_index
+            node = AgentNode(spec, f"127.{self.octet}.0.{index}" if index < 255 else "127.0.0.1")
             self.nodes[spec.name] = node
             return node
 

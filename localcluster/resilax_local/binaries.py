@@ -127,6 +127,16 @@ def _prepare_kubernetes_module(src: Path, version: str) -> None:
     _run_build([go, "mod", "tidy"], src, "k8s-build.log")
 
 
+def _reports_version(binary: Path, version: str) -> bool:
+    """Whether `binary --version` names `version` (a build without the version ldflags says v0.0.0-master,
+    which tools such as helm reject; relinking it with them costs only the link step)."""
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return version in out
+
+
 def kubernetes_dir(version: str = KUBERNETES_VERSION) -> Path:
     return cache_dir() / "bin" / f"k8s-{version}"
 
@@ -136,8 +146,9 @@ def ensure_kubernetes(version: str = KUBERNETES_VERSION, build: bool = True) -> 
     out_dir = kubernetes_dir(version)
     found: dict[str, Path] = {}
     for name in KUBERNETES_COMMANDS:
-        path = _assets_binary(name) or out_dir / name
-        if path.is_file():
+        assets = _assets_binary(name)
+        path = assets or out_dir / name
+        if path.is_file() and (assets or not build or _reports_version(path, version)):
             found[name] = path
     missing = [c for c in KUBERNETES_COMMANDS if c not in found]
     if not missing:
@@ -153,9 +164,12 @@ def ensure_kubernetes(version: str = KUBERNETES_VERSION, build: bool = True) -> 
         f" -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor={minor}"
         " -X k8s.io/component-base/version.gitTreeState=clean"
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [_go(), "build", "-trimpath", f"-ldflags={ldflags}", "-o", f"{out_dir}/"]
+    staging = out_dir / ".partial"
+    staging.mkdir(parents=True, exist_ok=True)
+    cmd = [_go(), "build", "-trimpath", f"-ldflags={ldflags}", "-o", f"{staging}/"]
     _run_build([*cmd, *(f"k8s.io/kubernetes/cmd/{c}" for c in missing)], src, "k8s-build.log")
+    for name in missing:  # rename into place: safe even while an older binary is running
+        (staging / name).rename(out_dir / name)
     return {name: _assets_binary(name) or out_dir / name for name in KUBERNETES_COMMANDS}
 
 
