@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from resilax_local.profiles import build_tpu_slice
 from resilax_local.testing import node_condition, wait_for
 
