@@ -1,0 +1,358 @@
+"""The chart, statically: `helm lint --strict`, and the objects `helm template` renders with the default
+values, in namespaced mode, with a ServiceMonitor, and with features off; values.schema.json rejects bad
+values with a message that names the field."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from chart_helpers import CHART, RELEASE, RELEASE_NAMESPACE, by_kind, one, operator_rules, write_values
+
+CLUSTER_SCOPED = {"nodes", "namespaces", "customresourcedefinitions", "clusterkopfpeerings"}
+RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                           "projected", "secret"}
+NAMESPACED_VALUES = {"operator": {"watchNamespaces": ["team-a", "team-b"]}}
+
+
+def restricted_violations(pod_spec: dict[str, Any]) -> list[str]:
+    """What keeps a pod spec from the `restricted` Pod Security Standard (the checks of v1.30+)."""
+    problems = []
+    pod_sc = pod_spec.get("securityContext") or {}
+    for flag in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod_spec.get(flag):
+            problems.append(f"{flag} is true")
+    for volume in pod_spec.get("volumes") or []:
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUME_TYPES:
+            problems.append(f"volume {volume['name']} is of type {sorted(kinds)}")
+    for container in (pod_spec.get("initContainers") or []) + pod_spec["containers"]:
+        sc = container.get("securityContext") or {}
+        where = f"container {container['name']}"
+        if sc.get("privileged"):
+            problems.append(f"{where}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{where}: allowPrivilegeEscalation is not false")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            problems.append(f"{where}: capabilities do not drop ALL")
+        if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            problems.append(f"{where}: adds capabilities {caps['add']}")
+        if not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
+            problems.append(f"{where}: runAsNonRoot is not true")
+        if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+            problems.append(f"{where}: runAsUser is 0")
+        seccomp = (sc.get("seccompProfile") or pod_sc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            problems.append(f"{where}: seccompProfile is {seccomp!r}")
+        if any(p.get("hostPort") for p in container.get("ports") or []):
+            problems.append(f"{where}: hostPort")
+    return problems
+
+
+def deployment_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    deployment = one(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def rbac_rules(objects: list[dict[str, Any]], kind: str) -> list[list[dict[str, Any]]]:
+    return [o["rules"] for o in by_kind(objects, kind)]
+
+
+# ---- helm lint ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [{}, NAMESPACED_VALUES, {"metrics": {"serviceMonitor": {"enabled": True}}}],
+                         ids=["default", "namespaced", "servicemonitor"])
+def test_helm_lint_strict(helm, tmp_path: Path, values: dict[str, Any]) -> None:
+    proc = helm("lint", "--strict", str(CHART), "-f", str(write_values(tmp_path / "v.yaml", values)))
+    assert proc.returncode == 0, f"helm lint --strict:\n{proc.stdout}{proc.stderr}"
+    assert "0 chart(s) failed" in proc.stdout
+
+
+# ---- default values -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def default_objects(render) -> list[dict[str, Any]]:
+    return render()
+
+
+def test_default_renders_the_expected_objects(default_objects: list[dict[str, Any]]) -> None:
+    kinds = sorted(o["kind"] for o in default_objects)
+    assert kinds == sorted([
+        "CustomResourceDefinition", "CustomResourceDefinition", "CustomResourceDefinition",
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ClusterKopfPeering",
+    ])
+    for obj in default_objects:
+        labels = obj["metadata"].get("labels") or {}
+        assert labels.get("app.kubernetes.io/part-of") == "resilax", (obj["kind"], obj["metadata"]["name"])
+        if obj["kind"] in ("ServiceAccount", "Deployment", "Service"):
+            assert obj["metadata"]["namespace"] == RELEASE_NAMESPACE
+
+
+def test_crds_are_the_single_sources(default_objects: list[dict[str, Any]]) -> None:
+    crds = {o["metadata"]["name"]: o for o in by_kind(default_objects, "CustomResourceDefinition")}
+    assert set(crds) == {"jaxjobs.resilax.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"}
+    assert crds["jaxjobs.resilax.dev"] == yaml.safe_load((CHART / "crds" / "jaxjobs.resilax.dev.yaml").read_text())
+    peering = list(yaml.safe_load_all((CHART / "crds" / "kopf-peering.yaml").read_text()))
+    assert [crds[p["metadata"]["name"]] for p in peering] == peering
+    assert crds["clusterkopfpeerings.kopf.dev"]["spec"]["scope"] == "Cluster"
+    assert crds["kopfpeerings.kopf.dev"]["spec"]["scope"] == "Namespaced"
+    for name in ("kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"):
+        (version,) = crds[name]["spec"]["versions"]
+        assert version["name"] == "v1" and version["served"] and version["storage"]
+        status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+        assert status["x-kubernetes-preserve-unknown-fields"] is True
+
+
+def test_deployment_runs_the_operator_cluster_wide_with_peering(default_objects: list[dict[str, Any]]) -> None:
+    deployment = one(default_objects, "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["serviceAccountName"] == one(default_objects, "ServiceAccount")["metadata"]["name"] == "resilax-operator"
+    container = deployment_container(default_objects)
+    assert container["image"] == "ghcr.io/resilax/resilax:0.1.0"  # the chart's appVersion
+    assert container["command"] == ["resilax"]
+    args = container["args"]
+    assert args[0] == "operator"
+    assert "--all-namespaces" in args and not any(a.startswith("--namespace") for a in args)
+    peering = one(default_objects, "ClusterKopfPeering")
+    assert f"--peering={peering['metadata']['name']}" in args
+    assert "--liveness=http://$(RESILAX_POD_IP):8080/healthz" in args
+    assert "--metrics-bind-address=$(RESILAX_POD_IP):9090" in args
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["RESILAX_POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["RESILAX_OPERATOR_SIDECAR_IMAGE"]["value"] == container["image"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+
+
+def test_pod_meets_the_restricted_profile(default_objects: list[dict[str, Any]]) -> None:
+    pod = one(default_objects, "Deployment")["spec"]["template"]["spec"]
+    assert restricted_violations(pod) == []
+    assert pod["securityContext"]["runAsUser"] == 65532
+    container = deployment_container(default_objects)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["runAsUser"] == 65532
+    # The only writable place: an emptyDir on /tmp.
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
+
+
+def test_restricted_checker_catches_violations() -> None:
+    pod = {"hostNetwork": True, "volumes": [{"name": "h", "hostPath": {"path": "/"}}],
+           "containers": [{"name": "c", "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}},
+                           "ports": [{"containerPort": 1, "hostPort": 1}]}]}
+    problems = restricted_violations(pod)
+    assert len(problems) == 9, problems
+
+
+def test_cluster_role_rules_equal_the_rules_file(default_objects: list[dict[str, Any]]) -> None:
+    assert rbac_rules(default_objects, "ClusterRole") == [operator_rules()]
+    assert by_kind(default_objects, "Role") == []
+    binding = one(default_objects, "ClusterRoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": one(default_objects, "ClusterRole")["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "resilax-operator",
+                                    "namespace": RELEASE_NAMESPACE}]
+
+
+def test_rules_file_is_least_privilege() -> None:
+    rules = operator_rules()
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in rules:
+        assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no resourceNames, no nonResourceURLs
+        for key in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[key] and all("*" not in v for v in rule[key]), f"wildcard in {rule}"
+        assert not {"escalate", "bind", "impersonate", "deletecollection"} & set(rule["verbs"]), rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                assert (group, resource) not in granted, f"{group}/{resource} appears in two rules"
+                granted[(group, resource)] = set(rule["verbs"])
+    # What the operator needs, and no more (the operator's cluster tests prove it with this role's token).
+    assert granted == {
+        ("resilax.dev", "jaxjobs"): {"get", "list", "watch", "patch"},
+        ("resilax.dev", "jaxjobs/status"): {"get", "patch"},
+        ("", "pods"): {"get", "list", "watch", "create", "delete", "patch"},
+        ("", "services"): {"get", "list", "watch", "create", "delete"},
+        ("", "secrets"): {"get", "create", "delete", "patch"},
+        ("", "nodes"): {"get", "list", "watch"},
+        ("", "events"): {"create", "patch"},
+        ("events.k8s.io", "events"): {"create", "patch"},
+        ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},
+        ("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"},
+        ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+        ("", "namespaces"): {"list", "watch"},
+    }
+
+
+def test_every_rule_has_a_comment() -> None:
+    """Each rule says why it is there: a comment line right above its `- apiGroups:`."""
+    lines = (CHART / "files" / "operator-rules.yaml").read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("- apiGroups:")]
+    assert len(starts) == len(operator_rules())
+    for i in starts:
+        assert lines[i - 1].startswith("#"), f"rule at line {i + 1} has no comment above it"
+
+
+def test_metrics_service_selects_the_operator_pods(default_objects: list[dict[str, Any]]) -> None:
+    service = one(default_objects, "Service")
+    pod_labels = one(default_objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
+    ports = {p["name"]: p["containerPort"] for p in deployment_container(default_objects)["ports"]}
+    assert ports == {"health": 8080, "metrics": 9090}
+    assert by_kind(default_objects, "ServiceMonitor") == []
+
+
+# ---- namespaced mode ------------------------------------------------------------------------------
+
+
+def test_namespaced_mode(render) -> None:
+    objects = render(NAMESPACED_VALUES)
+    args = deployment_container(objects)["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
+
+    rules = operator_rules()
+    cluster_rules = [r for r in rules if set(r["resources"]) <= CLUSTER_SCOPED]
+    namespaced_rules = [r for r in rules if not set(r["resources"]) & CLUSTER_SCOPED]
+    assert len(cluster_rules) + len(namespaced_rules) == len(rules)
+    assert rbac_rules(objects, "ClusterRole") == [cluster_rules]
+
+    roles = by_kind(objects, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert all(r["rules"] == namespaced_rules for r in roles)
+    bindings = by_kind(objects, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for binding in bindings:
+        assert binding["roleRef"]["kind"] == "Role"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "resilax-operator",
+                                        "namespace": RELEASE_NAMESPACE}]
+
+    peerings = by_kind(objects, "KopfPeering")
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
+    assert by_kind(objects, "ClusterKopfPeering") == []
+    assert {f"--peering={p['metadata']['name']}" for p in peerings} <= set(args)
+
+
+# ---- options --------------------------------------------------------------------------------------
+
+
+def test_service_monitor(render) -> None:
+    objects = render({"metrics": {"serviceMonitor": {"enabled": True, "interval": "15s",
+                                                     "labels": {"release": "prom"}}}})
+    monitor = one(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    service = one(objects, "Service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [RELEASE_NAMESPACE]}
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s",
+                                             "scrapeTimeout": "10s"}]
+
+
+def test_features_off(render) -> None:
+    objects = render({"metrics": {"enabled": False}, "operator": {"leaderElection": {"enabled": False},
+                                                                  "healthPort": 0},
+                      "rbac": {"create": False}, "serviceAccount": {"create": False, "name": "mine"}})
+    assert sorted({o["kind"] for o in objects}) == ["CustomResourceDefinition", "Deployment"]
+    container = deployment_container(objects)
+    assert "--standalone" in container["args"]
+    assert not any(a.startswith(("--peering", "--liveness", "--metrics")) for a in container["args"])
+    assert "ports" not in container and "livenessProbe" not in container
+    assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
+
+
+def test_images_and_overrides(render) -> None:
+    objects = render({"image": {"repository": "registry.example/resilax", "tag": "1.2.3"},
+                      "sidecar": {"image": {"repository": "registry.example/sidecar", "tag": "9"}},
+                      "operator": {"extraArgs": ["--verbose"], "env": [{"name": "X", "value": "1"}],
+                                   "nodeSelector": {"pool": "system"}},
+                      "fullnameOverride": "rx"})
+    deployment = one(objects, "Deployment")
+    assert deployment["metadata"]["name"] == "rx-operator"
+    container = deployment_container(objects)
+    assert container["image"] == "registry.example/resilax:1.2.3"
+    assert container["args"][-1] == "--verbose"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["RESILAX_OPERATOR_SIDECAR_IMAGE"] == "registry.example/sidecar:9" and env["X"] == "1"
+    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "system"}
+    digest = "sha256:" + "a" * 64
+    assert deployment_container(render({"image": {"digest": digest}}))["image"] == f"ghcr.io/resilax/resilax@{digest}"
+
+
+def test_a_rule_mixing_scopes_fails_the_render(helm, tmp_path: Path) -> None:
+    chart = tmp_path / "resilax"
+    shutil.copytree(CHART, chart)
+    rules = [*operator_rules(), {"apiGroups": [""], "resources": ["nodes", "pods"], "verbs": ["get"]}]
+    (chart / "files" / "operator-rules.yaml").write_text(yaml.safe_dump(rules))
+    values = write_values(tmp_path / "v.yaml", NAMESPACED_VALUES)
+    proc = helm("template", RELEASE, str(chart), "-f", str(values))
+    assert proc.returncode != 0
+    assert "mixes cluster-scoped and namespaced resources" in proc.stderr
+
+
+# ---- values.schema.json ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    pytest.param({"operator": {"replicas": "two"}}, ["/operator/replicas", "integer"], id="replicas-string"),
+    pytest.param({"operator": {"replicas": 2}}, ["/operator/replicas", "maximum"], id="replicas-two"),
+    pytest.param({"operator": {"replica": 1}}, ["replica"], id="unknown-key"),
+    pytest.param({"image": {"pullPolicy": "Sometimes"}}, ["/image/pullPolicy"], id="pull-policy"),
+    pytest.param({"operator": {"watchNamespaces": ["Team_A"]}}, ["/operator/watchNamespaces/0"], id="bad-namespace"),
+    pytest.param({"operator": {"watchNamespaces": "team-a"}}, ["/operator/watchNamespaces", "array"],
+                 id="namespaces-not-a-list"),
+    pytest.param({"metrics": {"port": 70000}}, ["/metrics/port"], id="port-range"),
+    pytest.param({"metrics": {"serviceMonitor": {"interval": "soon"}}}, ["/metrics/serviceMonitor/interval"],
+                 id="duration"),
+    pytest.param({"image": {"digest": "latest"}}, ["/image/digest"], id="digest"),
+])
+def test_schema_rejects_bad_values(helm, tmp_path: Path, values: dict[str, Any], expected: list[str]) -> None:
+    proc = helm("template", RELEASE, str(CHART), "-f", str(write_values(tmp_path / "v.yaml", values)))
+    assert proc.returncode != 0, f"accepted {values}"
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    for fragment in expected:
+        assert fragment in proc.stderr, f"{fragment!r} not in:\n{proc.stderr}"
+
+
+def test_schema_documents_every_default_value() -> None:
+    """Every key of values.yaml is in the schema, and every key has a `# --` doc comment above it."""
+    import json
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def walk(node: dict[str, Any], sub: dict[str, Any], path: str) -> None:
+        for key, value in node.items():
+            assert key in sub.get("properties", {}), f"{path}{key} is not in values.schema.json"
+            prop = sub["properties"][key]
+            if isinstance(value, dict) and prop.get("properties"):
+                walk(value, prop, f"{path}{key}.")
+
+    walk(values, schema, "")
+    # A leaf is documented by a `# --` comment block right above it, or above one of its parents.
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    stack: list[tuple[int, bool]] = []  # (indent, documented) of the enclosing keys
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "-")) or ":" not in stripped:
+            continue
+        indent = len(line) - len(line.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        j = i - 1
+        while j >= 0 and lines[j].strip().startswith("#") and not lines[j].strip().startswith("# --"):
+            j -= 1
+        documented = (j >= 0 and lines[j].strip().startswith("# --")) or any(d for _, d in stack)
+        key, _, rest = stripped.partition(":")
+        if rest.strip():
+            assert documented, f"values.yaml:{i + 1}: {key} has no `# --` doc comment (nor a parent with one)"
+        stack.append((indent, documented))
