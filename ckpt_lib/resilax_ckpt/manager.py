@@ -78,7 +78,8 @@ class CheckpointManager:
         self._coord = coordinator or current_coordinator()
         self._local_tier = self._options.local_tier
         self._is_primary = self._local_tier or self._coord.process_index == 0
-        self._context = tsio.build_context(self._options.io_concurrency, self._options.fsync)
+        self._context = tsio.build_context(self._options.io_concurrency, self._options.fsync,
+                                           self._options.gcs_retries)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-ckpt")
         self._pending: concurrent.futures.Future[None] | None = None
         self._closed = False

@@ -57,6 +57,9 @@ class ManagerOptions:
     io_concurrency: int = 32
     """tensorstore's `data_copy_concurrency` and `file_io_concurrency` limits."""
 
+    gcs_retries: int | None = None
+    """How often tensorstore retries a failed gs:// request (None: tensorstore's default, 32)."""
+
     fsync: bool = True
     """fsync each written file (tensorstore's `file_io_sync`) and the step folder before commit."""
 

@@ -111,8 +111,9 @@ class GcsStorage:
         import gcsfs  # imported lazily: local-only users never pay for it
 
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-        token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None
-        self._fs = gcsfs.GCSFileSystem(token=token, cache_timeout=0)
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST") or None
+        self._fs = gcsfs.GCSFileSystem(token="anon" if emulator else None, endpoint_url=emulator,
+                                       cache_timeout=0, skip_instance_cache=True)
 
     def join(self, *parts: str) -> str:
         return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts))

@@ -21,13 +21,28 @@ from resilax_ckpt import planning
 from resilax_ckpt.errors import StorageError
 
 
-def build_context(io_concurrency: int, fsync: bool) -> ts.Context:
-    return ts.Context({
+def build_context(io_concurrency: int, fsync: bool, gcs_retries: int | None = None) -> ts.Context:
+    spec: dict[str, Any] = {
         "data_copy_concurrency": {"limit": io_concurrency},
         "file_io_concurrency": {"limit": io_concurrency},
+        "gcs_request_concurrency": {"limit": io_concurrency},
         "file_io_sync": fsync,
         "cache_pool": {"total_bytes_limit": 0},
-    })
+    }
+    if gcs_retries is not None:
+        spec["gcs_request_retries"] = {"max_retries": gcs_retries, "initial_delay": "50ms", "max_delay": "1s"}
+    return ts.Context(spec)
+
+
+def kvstore_url(kvstore: dict[str, Any]) -> str:
+    if kvstore.get("driver") == "gcs":
+        return f"gs://{kvstore['bucket']}/{kvstore.get('path', '')}"
+    return str(kvstore.get("path", kvstore))
+
+
+def short_error(error: Exception) -> str:
+    """tensorstore's message without the JSON spec it appends."""
+    return str(error).split(" [tensorstore_spec=", 1)[0]
 
 
 def dtype_name(dtype: Any) -> str:
@@ -75,7 +90,7 @@ class InflightLimiter:
             result = future.result()
         except Exception as e:
             self.cancel()
-            raise StorageError(f"{what}: {e}") from e
+            raise StorageError(f"{what}: {short_error(e)}") from e
         if on_done is not None:
             on_done(result)
 
@@ -101,7 +116,7 @@ def open_arrays(specs: Sequence[dict[str, Any]], context: ts.Context, create: bo
         try:
             out.append(future.result())
         except Exception as e:
-            raise StorageError(f"opening array {spec['kvstore'].get('path')}: {e}") from e
+            raise StorageError(f"opening array {kvstore_url(spec['kvstore'])}: {short_error(e)}") from e
     return out
 
 
