@@ -1,0 +1,154 @@
+"""The chart installed with helm into the local cluster (the real API server, RBAC on).
+
+Checks: the CRDs are Established, the objects exist as rendered, the ServiceAccount's token is allowed
+exactly what files/operator-rules.yaml grants (SelfSubjectAccessReviews as that ServiceAccount), and the
+operator pod is scheduled and started by the node agent. Each release has its own name, so the
+cluster-scoped objects (ClusterRole, ClusterKopfPeering) never collide with other tests'.
+
+The operator runs in namespaced mode watching only the test's namespace, so it never acts on other
+tests' JAXJobs. Once `resilax operator` exists (resilax_operator.main), the test also waits for the pod
+to run and for kopf to join the peering (its keep-alive in the KopfPeering's status), which proves the
+chart's command line, peering CRDs and RBAC work for the real operator.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chart_helpers import CHART, operator_rules, write_values
+from resilax_local.errors import KubeAPIError
+from resilax_local.kubeapi import KubeClient
+from resilax_local.testing import wait_for
+
+pytestmark = pytest.mark.cluster
+
+CRDS = ("jaxjobs.resilax.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev")
+OPERATOR_MAIN_EXISTS = importlib.util.find_spec("resilax_operator.main") is not None
+
+
+def canonical(rules: list[dict[str, Any]]) -> list[str]:
+    """Rules as sorted JSON strings: the API server may return a rule's keys in another order."""
+    return sorted(json.dumps(rule, sort_keys=True) for rule in rules)
+
+
+def established(kube: KubeClient, name: str) -> bool:
+    crd = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+    return any(c["type"] == "Established" and c["status"] == "True"
+               for c in crd.get("status", {}).get("conditions") or [])
+
+
+def can(client: KubeClient, verb: str, group: str, resource: str, namespace: str | None) -> bool:
+    """A SelfSubjectAccessReview: may the client's identity do this?"""
+    subresource = ""
+    if "/" in resource:
+        resource, subresource = resource.split("/", 1)
+    attributes: dict[str, Any] = {"verb": verb, "group": group, "resource": resource, "subresource": subresource}
+    if namespace:
+        attributes["namespace"] = namespace
+    review = client.create("/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", {
+        "apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+        "spec": {"resourceAttributes": attributes}})
+    return bool(review["status"]["allowed"])
+
+
+@pytest.fixture
+def release(helm, cluster, namespace: str, tmp_path: Path):
+    """Install the chart (namespaced mode: the test's namespace) as a fresh release; uninstall after."""
+    name = f"rx-{uuid.uuid4().hex[:6]}"
+    values = write_values(tmp_path / "values.yaml", {"operator": {"watchNamespaces": [namespace]}})
+    kubeconfig = str(cluster.kubeconfig)
+    proc = helm("install", name, str(CHART), "--namespace", namespace, "--kubeconfig", kubeconfig,
+                "-f", str(values), "--timeout", "180s")
+    assert proc.returncode == 0, f"helm install failed:\n{proc.stdout}{proc.stderr}"
+    assert "resilax" in proc.stdout  # NOTES.txt rendered
+    yield name
+    proc = helm("uninstall", name, "--namespace", namespace, "--kubeconfig", kubeconfig, "--timeout", "120s")
+    assert proc.returncode == 0, f"helm uninstall failed:\n{proc.stdout}{proc.stderr}"
+    # The release's objects are gone; the CRDs stay (helm never deletes crds/), and so do users' JAXJobs.
+    kube = cluster.client()
+    with pytest.raises(KubeAPIError) as gone:
+        kube.get(f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{name}-resilax-operator")
+    assert gone.value.status == 404
+    assert established(kube, "jaxjobs.resilax.dev")
+
+
+def test_chart_installs_into_the_local_cluster(cluster, kube: KubeClient, namespace: str, release: str) -> None:
+    for crd in CRDS:
+        wait_for(lambda crd=crd: established(kube, crd), timeout=60, message=f"CRD {crd} Established")
+
+    operator = f"{release}-resilax-operator"
+    deployment = kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/{operator}")
+    assert deployment["spec"]["replicas"] == 1
+    kube.get(f"/api/v1/namespaces/{namespace}/serviceaccounts/{operator}")
+    kube.get(f"/api/v1/namespaces/{namespace}/services/{operator}-metrics")
+    kube.get(f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings/{release}-resilax")
+
+    rules = operator_rules()
+    cluster_role = kube.get(f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{operator}")
+    role = kube.get(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles/{operator}")
+    assert canonical(cluster_role["rules"] + role["rules"]) == canonical(rules)
+    kube.get(f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{operator}")
+    kube.get(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings/{operator}")
+
+    # The ServiceAccount's own token: allowed every granted verb, refused what the rules do not grant.
+    as_operator = KubeClient.from_kubeconfig(cluster.service_account_kubeconfig(namespace, operator))
+    for rule in rules:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert can(as_operator, verb, group, resource, namespace), f"{verb} {group}/{resource}"
+    for verb, group, resource, ns in [
+        ("list", "", "secrets", namespace), ("watch", "", "secrets", namespace),
+        ("create", "", "pods/exec", namespace), ("delete", "", "nodes", None), ("patch", "", "nodes", None),
+        ("create", "resilax.dev", "jaxjobs", namespace), ("delete", "resilax.dev", "jaxjobs", namespace),
+        ("create", "rbac.authorization.k8s.io", "clusterroles", None),
+        ("list", "", "pods", "kube-system"),  # namespaced mode: only the watched namespaces
+        ("deletecollection", "", "pods", namespace),
+    ]:
+        assert not can(as_operator, verb, group, resource, ns), f"{verb} {group}/{resource} in {ns}"
+
+    # The node agent schedules and starts the operator pod from the chart's pod spec.
+    def operator_pod() -> dict[str, Any] | None:
+        pods = kube.get(f"/api/v1/namespaces/{namespace}/pods",
+                        labelSelector=f"app.kubernetes.io/instance={release},app.kubernetes.io/component=operator")
+        started = [p for p in pods["items"] if p["spec"].get("nodeName") and p.get("status", {}).get("containerStatuses")]
+        return started[0] if started else None
+
+    pod = wait_for(operator_pod, timeout=120, message="operator pod scheduled and started")
+    assert pod["spec"]["serviceAccountName"] == operator
+
+    if OPERATOR_MAIN_EXISTS:
+        wait_for(lambda: (operator_pod() or {}).get("status", {}).get("phase") == "Running", timeout=120,
+                 message="operator pod Running")
+
+        def joined_peering() -> bool:
+            peering = kube.get(f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings/{release}-resilax")
+            return any(key.startswith(operator) for key in (peering.get("status") or {}))
+
+        wait_for(joined_peering, timeout=120, message="the operator's keep-alive in its KopfPeering")
+
+
+def test_cluster_wide_mode_grants_the_rules_in_one_cluster_role(helm, cluster, kube: KubeClient, namespace: str,
+                                                                tmp_path: Path) -> None:
+    """All-namespaces mode, operator scaled to 0 (it would act on every test's JAXJobs): RBAC only."""
+    name = f"rx-{uuid.uuid4().hex[:6]}"
+    values = write_values(tmp_path / "values.yaml", {"operator": {"replicas": 0}})
+    kubeconfig = str(cluster.kubeconfig)
+    proc = helm("install", name, str(CHART), "--namespace", namespace, "--kubeconfig", kubeconfig, "-f", str(values))
+    assert proc.returncode == 0, f"helm install failed:\n{proc.stdout}{proc.stderr}"
+    try:
+        operator = f"{name}-resilax-operator"
+        cluster_role = kube.get(f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{operator}")
+        assert canonical(cluster_role["rules"]) == canonical(operator_rules())
+        kube.get(f"/apis/kopf.dev/v1/clusterkopfpeerings/{name}-resilax")
+        as_operator = KubeClient.from_kubeconfig(cluster.service_account_kubeconfig(namespace, operator))
+        assert can(as_operator, "watch", "resilax.dev", "jaxjobs", None)  # cluster-wide
+        assert can(as_operator, "create", "", "pods", "kube-system")
+        assert not can(as_operator, "list", "", "secrets", None)
+    finally:
+        helm("uninstall", name, "--namespace", namespace, "--kubeconfig", kubeconfig)
