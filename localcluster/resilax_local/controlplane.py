@@ -81,6 +81,7 @@ class ControlPlane:
             "127.0.0.1", "localhost", "10.96.0.1", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
             "kubernetes.default.svc.cluster.local"))
         admin = ca.issue("admin", "resilax-admin", "system:masters")
+        front_proxy = ca.issue("front-proxy-client", "front-proxy-client")
         sa = write_service_account_keys(self.pki_dir)
         write_kubeconfig(self.kubeconfig, Credentials(self.server, str(ca.cert_path), str(admin.cert), str(admin.key)))
         kcm_config = self._component_kubeconfig(ca, "controller-manager", "system:kube-controller-manager", None)
@@ -116,6 +117,11 @@ class ControlPlane:
             f"--service-account-key-file={sa.cert}", f"--service-account-signing-key-file={sa.key}",
             "--allow-privileged=true", "--profiling=false", f"--cert-dir={self.pki_dir / 'apiserver-generated'}",
             "--endpoint-reconciler-type=none",
+            # the aggregation layer (APIService backends such as metrics-server) and its front proxy
+            f"--requestheader-client-ca-file={ca.cert_path}", "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={front_proxy.cert}", f"--proxy-client-key-file={front_proxy.key}",
         ], logs / "kube-apiserver.log")
         admin_client = KubeClient.from_kubeconfig(self.kubeconfig, timeout=10)
         self._wait_api_ready(admin_client, deadline)

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 from . import podspec
 from .errors import KubeAPIError
 from .kubeapi import KubeClient
+from .probes import ProbeState, run_probe
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,11 @@ class ContainerRun:
     restart_at: float | None = None
     waiting_reason: str = "PodInitializing"
     waiting_message: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    startup: ProbeState | None = None
+    readiness: ProbeState | None = None
+    liveness: ProbeState | None = None
+    startup_passed_once: bool = False
 
     @property
     def name(self) -> str:
@@ -97,6 +103,19 @@ class ContainerRun:
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def is_started(self) -> bool:
+        """Running, and past its startup probe if it has one."""
+        return self.running() and (self.startup is None or self.startup.passed)
+
+    def is_ready(self) -> bool:
+        """Started, and passing its readiness probe if it has one."""
+        return self.is_started() and (self.readiness is None or self.readiness.passed)
+
+    def probe_times(self) -> list[float]:
+        if not self.running():
+            return []
+        return [p.next_at for p in (self.startup, self.readiness, self.liveness) if p is not None]
 
     def signal(self, sig: int, group: bool = False) -> None:
         if self.proc is None:
@@ -192,6 +211,7 @@ class PodWorker:
 
     def _next_wake(self) -> float:
         pending = [c.restart_at for c in self.containers if c.restart_at is not None]
+        pending += [t for c in self.containers for t in c.probe_times()]
         if self.volumes is None:
             pending.append(self.next_prepare)
         if not pending:
@@ -238,6 +258,7 @@ class PodWorker:
             self._prepare()
         self._reap()
         if self.volumes is not None and self.terminal is None:
+            self._probe()
             self._advance()
         if api:
             self._post_status()
@@ -430,6 +451,13 @@ class PodWorker:
                                       start_new_session=True)
         c.ever_started = True
         c.started_at = now_rfc3339()
+        c.env = env
+        spec = c.spec
+        c.startup = ProbeState(spec["startupProbe"]) if spec.get("startupProbe") else None
+        c.readiness = ProbeState(spec["readinessProbe"]) if spec.get("readinessProbe") else None
+        c.liveness = ProbeState(spec["livenessProbe"]) if spec.get("livenessProbe") else None
+        if c.startup is None:
+            c.startup_passed_once = True
         c.last_terminated = c.terminated or c.last_terminated
         c.terminated = None
         c.restart_at = None
@@ -486,8 +514,8 @@ class PodWorker:
                             self._start(c)
                     elif self._due(c):
                         self._start(c)
-                if not c.ever_started:
-                    return  # later init containers wait until this sidecar has started
+                if not c.startup_passed_once:
+                    return  # later init containers wait until this sidecar has started (startup probe)
                 continue
             if c.running():
                 return
@@ -519,6 +547,46 @@ class PodWorker:
         if done:
             failed = any(c.terminated is not None and c.terminated["exitCode"] != 0 for c in mains)
             self._finish("Failed" if failed else "Succeeded")
+
+    def _probe(self) -> None:
+        """Run the due probes; a failed startup or liveness probe stops the container (then restart rules)."""
+        now = time.monotonic()
+        for c in self.containers:
+            if c.proc is None or not c.running() or self.pod_ip is None:
+                continue
+            pid = c.proc.pid
+            if c.startup is not None and not c.startup.passed:
+                if c.startup.due(now):
+                    c.startup.record(run_probe(c.startup.probe, c.spec, self.pod_ip, pid, c.env), now)
+                    if c.startup.passed:
+                        c.startup_passed_once = True
+                    elif c.startup.failed:
+                        self._kill_for_probe(c, "startup")
+                continue
+            if c.readiness is not None and c.readiness.due(now):
+                c.readiness.record(run_probe(c.readiness.probe, c.spec, self.pod_ip, pid, c.env), now)
+            if c.liveness is not None and c.liveness.due(now):
+                c.liveness.record(run_probe(c.liveness.probe, c.spec, self.pod_ip, pid, c.env), now)
+                if c.liveness.failed:
+                    self._kill_for_probe(c, "liveness")
+
+    def _kill_for_probe(self, c: ContainerRun, kind: str) -> None:
+        """SIGTERM, then SIGKILL after the grace period, as the kubelet does for a failed probe."""
+        log.info("pod %s/%s: container %s failed its %s probe, restarting", self.namespace, self.name, c.name, kind)
+        assert c.proc is not None
+        proc = c.proc
+        c.startup = c.readiness = c.liveness = None
+        c.signal(signal.SIGTERM)
+        grace = float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
+
+        def kill_late() -> None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+        timer = threading.Timer(grace, kill_late)
+        timer.daemon = True
+        timer.start()
 
     def _finish(self, phase: str) -> None:
         """The pod reached a terminal phase: stop its sidecars (reverse order) and keep it for the record."""
@@ -603,8 +671,8 @@ class PodWorker:
         last = c.terminated if (c.terminated is not None and c.restart_at is not None) else c.last_terminated
         out: dict[str, Any] = {
             "name": c.name, "image": c.spec.get("image", ""), "imageID": "", "state": state,
-            "lastState": {"terminated": last} if last else {}, "ready": c.running(),
-            "restartCount": c.restart_count, "started": c.running(),
+            "lastState": {"terminated": last} if last else {}, "ready": c.is_ready(),
+            "restartCount": c.restart_count, "started": c.is_started(),
         }
         if c.ever_started:
             out["containerID"] = self._container_id(c)
@@ -625,7 +693,7 @@ class PodWorker:
         phase = self._phase()
         self._set_condition("PodReadyToStartContainers", self.pod_ip is not None)
         self._set_condition("Initialized", self.initialized or self.terminal is not None)
-        ready = self.terminal is None and self.initialized and all(c.running() for c in self.containers
+        ready = self.terminal is None and self.initialized and all(c.is_ready() for c in self.containers
                                                                   if c.kind != "init")
         reason = "PodCompleted" if self.terminal else (None if ready else "ContainersNotReady")
         self._set_condition("ContainersReady", ready, reason)

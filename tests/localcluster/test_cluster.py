@@ -366,3 +366,34 @@ def test_preemption_notice_taints_labels_then_kills(cluster, kube, namespace):
     wait_for_node(kube, victim, lambda n: not any(
         t["key"] == "cloud.google.com/impending-node-termination" for t in node_taints(n))
         and "cloud.google.com/scheduled-maintenance-time" not in n["metadata"]["labels"], 30, message="notice gone")
+
+
+def test_probes_gate_sidecar_start_readiness_and_liveness(cluster, kube, namespace):
+    shared = [{"name": "shared", "mountPath": "/shared"}]
+    side = ("import time, pathlib\ntime.sleep(1.5)\npathlib.Path('/shared/ready').touch()\n"
+            "while True: time.sleep(0.2)")
+    main = ("import os, sys, http.server\nprint('sidecar ready at main start:', os.path.exists('/shared/ready'), flush=True)\n"
+            "http.server.HTTPServer((os.environ['POD_IP'], 8080), http.server.SimpleHTTPRequestHandler).serve_forever()")
+    create_pod(kube, namespace, {"metadata": {"name": "probed"}, "spec": {
+        "nodeName": "cpu-0", "terminationGracePeriodSeconds": 2,
+        "initContainers": [{"name": "sidecar", "image": "python", "restartPolicy": "Always", "volumeMounts": shared,
+                            "command": ["python", "-c", side],
+                            "startupProbe": {"exec": {"command": ["test", "-f", "/shared/ready"]},
+                                             "periodSeconds": 1, "failureThreshold": 30}}],
+        "containers": [
+            {"name": "web", "image": "python", "volumeMounts": shared, "command": ["python", "-c", main],
+             "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+             "ports": [{"name": "http", "containerPort": 8080}],
+             "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1}},
+            {"name": "unhealthy", "image": "python", "command": ["python", "-c", "import time; time.sleep(3600)"],
+             "livenessProbe": {"exec": {"command": ["false"]}, "periodSeconds": 1, "failureThreshold": 2}},
+        ],
+        "volumes": [{"name": "shared", "emptyDir": {}}],
+    }})
+    web = wait_for(lambda: (container_status(get_pod(kube, namespace, "probed"), "web") or {}).get("ready"), 60,
+                   message="web ready through its httpGet probe")
+    assert web
+    assert "sidecar ready at main start: True" in cluster.logs(namespace, "probed", "web")
+    restarted = wait_for(lambda: (container_status(get_pod(kube, namespace, "probed"), "unhealthy")
+                                  or {}).get("restartCount", 0) >= 1, 60, message="liveness restart")
+    assert restarted
