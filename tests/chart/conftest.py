@@ -15,7 +15,30 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_helpers import CHART, KUBE_VERSION, RELEASE, RELEASE_NAMESPACE, ensure_helm, write_values
+from chart_helpers import (
+    CHART,
+    HELM_VERSION,
+    KUBE_VERSION,
+    RELEASE,
+    RELEASE_NAMESPACE,
+    ensure_helm,
+    write_values,
+)
+from resilax_local.errors import BinaryError
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build helm (when missing) before the tests run, outside any test's timeout: a cold build takes
+    minutes on a busy machine."""
+    if not any("helm" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    try:
+        ensure_helm(build=False)
+    except BinaryError:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"building helm {HELM_VERSION} with `go install` (cached afterwards) ...")
+        ensure_helm()
 
 
 @pytest.fixture(scope="session")
