@@ -1,0 +1,121 @@
+"""A small JAX training job that survives preemption, node loss and resizing.
+
+Run by the JAXJob operator (one process per host), or by hand:  python examples/train.py --steps 50
+
+Everything Resilax-specific is the five marked lines: join the job's processes, build the checkpoint
+manager from the environment the operator injects, restore onto whatever mesh this generation has,
+save each step (the manager decides when), and stop when asked. The data is a pure function of the
+step, so the loss curve continues across generations and any lost step would show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import resilax_ckpt as rc
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+FEATURES, HIDDEN, BATCH = 32, 64, 256
+
+
+def make_mesh() -> Mesh:
+    """All devices of this generation: (data, model), model axis of 2 where the count allows."""
+    devices = np.array(jax.devices())
+    model = 2 if devices.size % 2 == 0 else 1
+    return Mesh(devices.reshape(devices.size // model, model), ("data", "model"))
+
+
+def param_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
+    return {
+        "w1": NamedSharding(mesh, P(None, "model")),
+        "b1": NamedSharding(mesh, P("model")),
+        "w2": NamedSharding(mesh, P("model", None)),
+        "b2": NamedSharding(mesh, P()),
+    }
+
+
+def init_params(mesh: Mesh) -> dict[str, jax.Array]:
+    k1, k2 = jax.random.split(jax.random.key(0))
+    raw = {
+        "w1": jax.random.normal(k1, (FEATURES, HIDDEN)) / np.sqrt(FEATURES),
+        "b1": jnp.zeros((HIDDEN,)),
+        "w2": jax.random.normal(k2, (HIDDEN, 1)) / np.sqrt(HIDDEN),
+        "b2": jnp.zeros((1,)),
+    }
+    shardings = param_shardings(mesh)
+    return {name: jax.device_put(value, shardings[name]) for name, value in raw.items()}
+
+
+def batch(step: int, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+    """The same batch for a step in every generation, whatever the mesh."""
+    key = jax.random.fold_in(jax.random.key(1), step)
+    x = jax.random.normal(key, (BATCH, FEATURES))
+    y = jnp.sin(x.sum(axis=1, keepdims=True))
+    sharding = NamedSharding(mesh, P("data"))
+    return jax.device_put(x, sharding), jax.device_put(y, sharding)
+
+
+def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> jax.Array:
+    h = jax.nn.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] + params["b2"] - y) ** 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="train until this step")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (to watch faults)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    args = parser.parse_args(argv)
+
+    rc.initialize_distributed_from_env()  # 1. join this generation's processes
+    mesh = make_mesh()
+    optimizer = optax.adam(args.lr)
+    params = init_params(mesh)
+    # Adam's moments follow the params' shardings; its step count is replicated over the mesh.
+    opt_state = jax.tree.map(lambda a: a if isinstance(a.sharding, NamedSharding)
+                             else jax.device_put(a, NamedSharding(mesh, P())), optimizer.init(params))
+    state = {"params": params, "opt_state": opt_state, "meta": {"step": 0}}
+
+    generation = int(os.environ.get("RESILAX_GENERATION", "0"))
+    with rc.CheckpointManager.from_env() as mgr:  # 2. policy, storage and generation from the env
+        restore_step = mgr.restore_step_from_env()
+        if restore_step is not None:  # 3. restore onto this generation's mesh
+            state = mgr.restore(restore_step, target=state)
+        start = int(state["meta"]["step"])
+
+        @jax.jit
+        def train_step(params, opt_state, x, y):
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        for step in range(start + 1, args.steps + 1):
+            x, y = batch(step, mesh)
+            params, opt_state, loss = train_step(state["params"], state["opt_state"], x, y)
+            state = {"params": params, "opt_state": opt_state, "meta": {"step": step}}
+            if jax.process_index() == 0:
+                record = {"step": step, "loss": float(loss), "generation": generation,
+                          "devices": jax.device_count(), "time": time.time()}
+                print(json.dumps(record), flush=True)
+            mgr.save(step, state)  # 4. saves when the policy or a save request says so
+            if mgr.should_stop:  # 5. a preemption or resize asked us to stop after a final save
+                mgr.wait()
+                return rc.EXIT_CODE_STOPPED
+            if args.step_seconds:
+                time.sleep(args.step_seconds)
+        mgr.save(args.steps, state, force=True)
+        mgr.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
