@@ -4,6 +4,12 @@ Runs the real `Uploader.run_once` (copy with N workers, verify, marker, create-o
 synthetic step of random bytes, each target and concurrency interleaved and repeated, and prints MB/s.
 
     python bench/sidecar_upload.py [--mib 128] [--file-mib 4] [--concurrency 1,4,8] [--repeat 2]
+    python bench/sidecar_upload.py --trainer [--mib 128] [--repeat 3]
+
+`--trainer` measures instead what the training loop sees: resilax_ckpt's `save()` (the blocking part of
+an async save) and `save()` + `wait()` (until committed) for a float32 state of `--mib` MiB, saved to the
+local tier (a folder in /dev/shm, as `checkpoint.local.medium: Memory`), to a disk folder, and straight
+to gs:// on fake-gcs-server, interleaved.
 
 fake-gcs-server is the local cluster's build (resilax_local.binaries), started here on a free port with
 the in-memory backend. Its numbers measure the sidecar plus gcsfs plus the emulator on this machine,
@@ -90,6 +96,42 @@ def upload_once(local: Path, store: BlobStore, concurrency: int, workdir: Path) 
     return seconds
 
 
+def bench_trainer(mib: int, repeat: int, url: str, work: Path) -> None:
+    """Blocking time of resilax_ckpt saves with and without the local tier (see the module docstring)."""
+    os.environ.update(TENSORSTORE_GCS_HTTP_URL=url, GOOGLE_AUTH_TOKEN_FOR_TESTING="bench")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import numpy as np
+    import resilax_ckpt as rc
+
+    floats = (mib << 20) // 4
+    state = {"w": np.random.default_rng(0).standard_normal(floats, dtype=np.float32)}
+    shm = Path(tempfile.mkdtemp(prefix="resilax-bench-local-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    results: dict[str, list[tuple[float, float]]] = {}
+    try:
+        for r in range(repeat):
+            for target in ("local tier (/dev/shm)", "disk folder", "gs:// (fake-gcs-server)"):
+                if target.startswith("local"):
+                    root, local_tier = str(shm / f"r{r}"), True
+                elif target.startswith("disk"):
+                    root, local_tier = str(work / f"disk-{r}"), False
+                else:
+                    root, local_tier = f"gs://{create_bucket(url)}/run", False
+                with rc.CheckpointManager(root, rc.ManagerOptions(local_tier=local_tier)) as mgr:
+                    started = time.perf_counter()
+                    mgr.save(1, {"params": state}, force=True)
+                    blocked = time.perf_counter() - started
+                    mgr.wait()
+                    committed = time.perf_counter() - started
+                results.setdefault(target, []).append((blocked, committed))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    print(f"resilax_ckpt save of {mib} MiB float32, {repeat} runs each; seconds (median): save() returns / committed")
+    for target, runs in results.items():
+        blocked = statistics.median(b for b, _ in runs)
+        committed = statistics.median(c for _, c in runs)
+        print(f"  {target:<24} {blocked:6.3f} / {committed:6.2f}  ({mib / 1.048576 / committed:.0f} MB/s to commit)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=128, help="size of the step (MiB)")
@@ -97,6 +139,7 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,4,8", help="worker counts to try")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--targets", default="folder,gcs")
+    parser.add_argument("--trainer", action="store_true", help="measure the trainer's blocking time instead")
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     targets = args.targets.split(",")
@@ -104,11 +147,17 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="resilax-bench-upload-"))
     fake = None
     try:
+        if args.trainer:
+            fake, url = start_fake_gcs()
+            os.environ.update(STORAGE_EMULATOR_HOST=url, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+            bench_trainer(args.mib, args.repeat, url, work)
+            return 0
         local = work / "local"
         nbytes = write_step(local, 1, args.mib, args.file_mib)
         if "gcs" in targets:
             fake, url = start_fake_gcs()
-            os.environ.update(STORAGE_EMULATOR_HOST=url, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+            os.environ.update(STORAGE_EMULATOR_HOST=url, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
+                              TENSORSTORE_GCS_HTTP_URL=url, GOOGLE_AUTH_TOKEN_FOR_TESTING="bench")
         results: dict[tuple[str, int], list[float]] = {}
         for _ in range(args.repeat):
             for concurrency in concurrencies:

@@ -254,13 +254,20 @@ def _gcs_md5(info: dict[str, Any]) -> str | None:
         return None
 
 
+_TENSORSTORE_MAX_BYTES = 64 << 20
+
+
 class GcsStore:
     """A gs://bucket/prefix through gcsfs (which honours STORAGE_EMULATOR_HOST for fake-gcs-server).
 
-    gcsfs's listing cache is off: the uploader must see other sidecars' markers at once.
+    gcsfs's listing cache is off: the uploader must see other sidecars' markers at once. File uploads
+    up to 64 MiB go through tensorstore's GCS key-value store when it is installed (it honours
+    TENSORSTORE_GCS_HTTP_URL): 3-4x the throughput of gcsfs's Python HTTP path against the emulator
+    here (docs/sidecar.md); bigger files stream through gcsfs's resumable upload, so memory stays
+    bounded by concurrency x 64 MiB.
     """
 
-    def __init__(self, url: str, fs: Any | None = None) -> None:
+    def __init__(self, url: str, fs: Any | None = None, use_tensorstore: bool = True) -> None:
         if not url.startswith("gs://"):
             raise ValueError(f"{url!r} is not a gs:// URL")
         self.url = url.rstrip("/")
@@ -276,6 +283,19 @@ class GcsStore:
         # of a large upload. The chunk is already in memory: the warning has nothing to tell us.
         warnings.filterwarnings("ignore", message="Sending a large body directly", category=ResourceWarning)
         self._fs = fs
+        self._kv: Any | None = None
+        # tensorstore finds the emulator through its own variable only: with just gcsfs's, it would
+        # talk to the real GCS.
+        emulated = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
+        if use_tensorstore and (not emulated or os.environ.get("TENSORSTORE_GCS_HTTP_URL")):
+            try:
+                import tensorstore as ts
+            except ImportError:
+                pass
+            else:
+                bucket, _, prefix = self._root.partition("/")
+                path = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+                self._kv = ts.KvStore.open({"driver": "gcs", "bucket": bucket, "path": path}).result()
 
     def _full(self, key: str) -> str:
         key = key.strip("/")
@@ -341,7 +361,10 @@ class GcsStore:
 
     def upload_file(self, local_path: Path, key: str) -> None:
         with _wrapping(self.url, "upload", key):
-            self._fs.put_file(str(local_path), self._full(key))
+            if self._kv is not None and local_path.stat().st_size <= _TENSORSTORE_MAX_BYTES:
+                self._kv.write(key.strip("/"), local_path.read_bytes()).result()
+            else:
+                self._fs.put_file(str(local_path), self._full(key))
 
     def delete(self, key: str) -> None:
         with _wrapping(self.url, "delete", key), contextlib.suppress(FileNotFoundError):
