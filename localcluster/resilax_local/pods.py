@@ -598,12 +598,23 @@ class PodWorker:
             c.restart_at = None
         log.info("pod %s/%s: %s", self.namespace, self.name, phase)
 
+    def _pre_stop_then_sigterm(self, c: ContainerRun, deadline: float) -> None:
+        """The container's preStop hook (exec, httpGet or sleep; bounded by the grace period), then SIGTERM."""
+        hook = (c.spec.get("lifecycle") or {}).get("preStop")
+        if hook and c.running() and c.proc is not None and self.pod_ip is not None:
+            remaining = max(1.0, deadline - time.monotonic())
+            if "sleep" in hook:
+                time.sleep(min(float(hook["sleep"].get("seconds", 0)), remaining))
+            else:
+                run_probe({**hook, "timeoutSeconds": remaining}, c.spec, self.pod_ip, c.proc.pid, c.env)
+        c.signal(signal.SIGTERM)
+
     def _stop_in_order(self, containers: list[ContainerRun], deadline: float) -> None:
         """SIGTERM each running container (last first), wait for it (at least 2 s), SIGKILL if needed."""
         for c in reversed(containers):
             if not c.running():
                 continue
-            c.signal(signal.SIGTERM)
+            self._pre_stop_then_sigterm(c, max(deadline, time.monotonic() + 2.0))
             self._await_exit([c], max(deadline, time.monotonic() + 2.0))
 
     def _await_exit(self, containers: list[ContainerRun], deadline: float) -> None:
@@ -623,9 +634,10 @@ class PodWorker:
         for c in self.containers:
             c.restart_at = None
         mains = [c for c in self.containers if c.kind != "sidecar"]
-        for c in mains:
-            if c.running():
-                c.signal(signal.SIGTERM)
+        stoppers = [threading.Thread(target=self._pre_stop_then_sigterm, args=(c, deadline), daemon=True)
+                    for c in mains if c.running()]
+        for t in stoppers:  # in parallel, as the kubelet kills the containers of a pod
+            t.start()
         self._await_exit(mains, deadline)
         self._stop_in_order([c for c in self.containers if c.kind == "sidecar"], deadline)
         self._reap()

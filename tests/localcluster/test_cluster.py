@@ -237,6 +237,8 @@ def sidecar_pod(name: str, events: Path, run_forever: bool, restart_policy: str)
              "command": ["python", "-c", textwrap.dedent(SIDECAR_SCRIPT)]},
         ],
         "containers": [{"name": "main", "image": "python", "volumeMounts": shared,
+                        "lifecycle": {"preStop": {"exec": {"command": [
+                            "python", "-c", "open('/events/log', 'a').write('main-prestop\\n')"]}}},
                         "env": [{"name": "RUN_FOREVER", "value": "1" if run_forever else ""}],
                         "command": ["python", "-c", textwrap.dedent(MAIN_SCRIPT)]}],
         "volumes": [{"name": "shared", "emptyDir": {}},
@@ -272,7 +274,7 @@ def test_graceful_deletion_stops_main_before_sidecar_then_deletes(cluster, kube,
     kube.delete(f"/api/v1/namespaces/{namespace}/pods/svc")
     wait_for_pod_gone(kube, namespace, "svc", timeout=60)
     lines = (tmp_path / "log").read_text().splitlines()
-    assert lines[-2:] == ["main-sigterm", "sidecar-sigterm main-stopped=True"]
+    assert lines[-3:] == ["main-prestop", "main-sigterm", "sidecar-sigterm main-stopped=True"]
 
 
 def test_sigterm_ignored_means_sigkill_after_the_grace_period(cluster, kube, namespace):
