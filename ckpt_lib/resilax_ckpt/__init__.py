@@ -10,6 +10,7 @@ state = mgr.restore(target={"params": abstract_params})
 
 from resilax_ckpt.errors import (
     FencedError,
+    IncompleteStepError,
     MetadataError,
     ResilaxCkptError,
     SaveError,
@@ -29,6 +30,7 @@ __all__ = [
     "EXIT_CODE_STOPPED",
     "CheckpointManager",
     "FencedError",
+    "IncompleteStepError",
     "InvalidOptionsError",
     "ManagerOptions",
     "MetadataError",

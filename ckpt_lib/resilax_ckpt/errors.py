@@ -15,6 +15,11 @@ class StepNotCommittedError(ResilaxCkptError, FileNotFoundError):
     """The step's folder exists but its commit marker does not (an interrupted or fenced save)."""
 
 
+class IncompleteStepError(ResilaxCkptError, FileNotFoundError):
+    """A committed step lacks array chunks a restore needs (e.g. a local-tier step holds only the
+    shards of its own host): restore from the persistent tier instead."""
+
+
 class MetadataError(ResilaxCkptError, ValueError):
     """A step's `_METADATA.json` is missing, unreadable or of an unknown format version."""
 

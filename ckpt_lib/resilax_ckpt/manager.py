@@ -27,12 +27,14 @@ from resilax_ckpt import commit, fencing, layout, policy
 from resilax_ckpt import items as items_lib
 from resilax_ckpt import tensorstore_io as tsio
 from resilax_ckpt.errors import (
+    IncompleteStepError,
     MetadataError,
     ResilaxCkptError,
     SaveError,
     ShapeMismatchError,
     StepNotCommittedError,
     StepNotFoundError,
+    StorageError,
     TreeMismatchError,
 )
 from resilax_ckpt.metadata import StepMetadata
@@ -78,6 +80,10 @@ class CheckpointManager:
         self._coord = coordinator or current_coordinator()
         self._local_tier = self._options.local_tier
         self._is_primary = self._local_tier or self._coord.process_index == 0
+        # Local tier with several processes: per-process marker and metadata names, so several
+        # processes may share one host folder (docs/architecture.md, "Checkpoint layout").
+        self._own_suffix: int | None = (
+            self._coord.process_index if self._local_tier and self._coord.process_count > 1 else None)
         self._context = tsio.build_context(self._options.io_concurrency, self._options.fsync,
                                            self._options.gcs_retries)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-ckpt")
@@ -132,7 +138,9 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed (and not fenced-out) steps, ascending."""
-        return commit.list_visible(self._storage, self._root, use_fences=not self._local_tier)
+        if self._local_tier:
+            return commit.list_committed(self._storage, self._root, layout.commit_name(self._own_suffix))
+        return commit.list_visible(self._storage, self._root)
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -174,7 +182,7 @@ class CheckpointManager:
         plan = items_lib.snapshot_items(
             items, step=step, generation=self._options.generation,
             process_index=self._coord.process_index, process_count=self._coord.process_count,
-            local_tier=self._local_tier, time_now=time.time())
+            local_tier=self._local_tier, time_now=0.0 if self._local_tier else time.time())
         self._last_saved_step = step
         self._last_save_time = self._options.clock()
         future = self._executor.submit(self._write_and_commit, step, plan, key, requests)
@@ -217,7 +225,7 @@ class CheckpointManager:
             step_due = policy.decide_periodic_save(step, self._last_saved_step, None, now,
                                                    opts.save_every_steps, None)
         local_request = self._poll_local_requests()
-        if self._coord.process_count == 1 or self._local_tier:
+        if self._coord.process_count == 1:
             requested = bool(local_request)
             stop = any(r.stop for r in self._pending_requests) or self._sigterm.is_set()
         else:
@@ -247,7 +255,7 @@ class CheckpointManager:
         coordination service (set, barrier, list). SIGTERM goes through JAX's preemption sync point,
         which agrees on its own."""
         preempted = False
-        if self._options.handle_sigterm:
+        if self._options.handle_sigterm and not self._local_tier:
             from jax.experimental import multihost_utils
 
             preempted = bool(multihost_utils.reached_preemption_sync_point(step))
@@ -299,7 +307,8 @@ class CheckpointManager:
         storage, root, gen = self._storage, self._root, self._options.generation
         pid = self._coord.process_index
         final = storage.join(root, layout.step_name(step))
-        work = storage.join(root, layout.tmp_name(step, gen)) if storage.is_local else final
+        renames = storage.is_local and self._own_suffix is None
+        work = storage.join(root, layout.tmp_name(step, gen)) if renames else final
         several = self._coord.process_count > 1 and not self._local_tier
         error: str | None = None
         _maybe_crash("before_writes", pid)
@@ -321,10 +330,13 @@ class CheckpointManager:
                     failures = [v for v in self._coord.fetch_dir(f"{key}/written/").values() if v != "ok"]
                     if failures:
                         raise SaveError(f"step {step}: not committed; writes failed: {'; '.join(failures)}")
-                storage.write_bytes(storage.join(work, layout.METADATA_FILE), plan.metadata.to_bytes())
+                storage.write_bytes(storage.join(work, layout.metadata_name(self._own_suffix)),
+                                    plan.metadata.to_bytes())
                 _maybe_crash("before_commit", pid)
                 marker = commit.build_marker(step, gen)
-                if storage.is_local:
+                if self._own_suffix is not None:
+                    storage.write_bytes(storage.join(final, layout.commit_name(self._own_suffix)), marker)
+                elif storage.is_local:
                     commit.commit_local(storage, root, work, final, step, marker,
                                         None if self._local_tier else gen)
                 else:
@@ -359,9 +371,16 @@ class CheckpointManager:
     _protected_steps: tuple[int, ...] = ()
 
     def _clean_local_tier(self) -> None:
+        """Delete temporary folders and step folders without any commit marker (interrupted saves).
+        Called on: every process of the local tier, at start."""
         for name in self._storage.list_dir(self._root):
-            if name.startswith((layout.TMP_PREFIX, layout.TRASH_PREFIX)):
-                self._storage.delete_tree(self._storage.join(self._root, name))
+            path = self._storage.join(self._root, name)
+            leftover = name.startswith((layout.TMP_PREFIX, layout.TRASH_PREFIX))
+            uncommitted = layout.parse_step(name) is not None and not any(
+                n == layout.COMMIT_FILE or n.startswith(layout.COMMIT_FILE + ".")
+                for n in self._storage.list_dir(path))
+            if leftover or uncommitted:
+                self._storage.delete_tree(path)
 
     # ------------------------------------------------------------------ restore
 
@@ -384,7 +403,8 @@ class CheckpointManager:
                     f"committed steps: {self.steps()}")
             raise StepNotFoundError(f"{step_path}: step {step} does not exist; committed steps: {self.steps()}")
         return restore_step(self._storage, step_path, step, target, items, self._context,
-                            self._options.max_inflight_bytes, self._coord.process_index)
+                            self._options.max_inflight_bytes, self._coord.process_index,
+                            layout.metadata_name(self._own_suffix))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -437,8 +457,8 @@ def _write_step_files(storage: Storage, work: str, plan: items_lib.SnapshotPlan,
         storage.write_bytes(storage.join(work, *parts), data)
 
 
-def read_metadata(storage: Storage, step_path: str) -> StepMetadata:
-    where = storage.join(step_path, layout.METADATA_FILE)
+def read_metadata(storage: Storage, step_path: str, name: str = layout.METADATA_FILE) -> StepMetadata:
+    where = storage.join(step_path, name)
     try:
         data = storage.read_bytes(where)
     except FileNotFoundError as e:
@@ -450,9 +470,9 @@ def read_metadata(storage: Storage, step_path: str) -> StepMetadata:
 
 def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[str, Any] | None,
                  items: Iterable[str] | None, context: Any, max_inflight_bytes: int,
-                 process_index: int) -> dict[str, Any]:
+                 process_index: int, metadata_name: str = layout.METADATA_FILE) -> dict[str, Any]:
     """Restore from one committed step folder (see CheckpointManager.restore)."""
-    meta = read_metadata(storage, step_path)
+    meta = read_metadata(storage, step_path, metadata_name)
     names = list(items) if items is not None else list(meta.items)
     unknown = [n for n in names if n not in meta.items]
     if unknown:
@@ -499,7 +519,15 @@ def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[st
         assemble.append((name, treedef if treedef is not None else [lf.path for lf in leaves], slots))
     if problems:
         raise ShapeMismatchError("; ".join(problems))
-    tsio.read_leaves(reads, step_path, storage, context, max_inflight_bytes)
+    try:
+        tsio.read_leaves(reads, step_path, storage, context, max_inflight_bytes)
+    except StorageError as e:
+        if "is missing" in str(e) or "NOT_FOUND" in str(e):
+            raise IncompleteStepError(
+                f"step {step}: {step_path} lacks data this process's target shards need "
+                f"(a local-tier step holds only its host's shards; restore from the persistent tier): {e}"
+            ) from e
+        raise
     for name, structure, slots in assemble:
         values = [s.result if isinstance(s, tsio.LeafRead) else s for s in slots]
         if isinstance(structure, list):

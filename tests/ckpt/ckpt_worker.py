@@ -75,7 +75,7 @@ def scenario_save(args):
 
     mesh = global_mesh(args["mesh"])
     pid = jax.process_index()
-    with rc.CheckpointManager(args["root"], options(args)) as mgr:
+    with rc.CheckpointManager(args["root"].format(pid=pid), options(args)) as mgr:
         for step in args["steps"]:
             mgr.save(step, {"params": make_state(step, mesh), "meta": {"step": step},
                             "data": rc.PerProcess({"process": pid, "step": step})})
@@ -92,7 +92,7 @@ def scenario_restore(args):
 
     mesh = global_mesh(args["mesh"])
     specs = {k: tuple(v) if v is not None else () for k, v in args.get("specs", {}).items()} or SPECS
-    mgr = rc.CheckpointManager(args["root"], options(args))
+    mgr = rc.CheckpointManager(args["root"].format(pid=jax.process_index()), options(args))
     step = args.get("step") or mgr.latest_step()
     want = expected(step)
     target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P(*specs[k])))
