@@ -132,3 +132,25 @@ def test_a_failed_save_is_reported_as_failed(sidecar, sidecar_env):
     answer = {"id": request_id, "step": None, "committed": False, "error": "disk full"}
     (control / "results" / f"{request_id}.json").write_text(json.dumps(answer))
     assert sidecar.get(f"/v1/save/{request_id}").body == {"status": "failed", **answer}
+
+
+def test_a_crash_inside_a_handler_is_a_json_500_without_traceback(sidecar, sidecar_env):
+    control = Path(sidecar_env["RESILAX_CONTROL_DIR"])
+    (control / "requests").write_text("not a folder")  # the request can no longer be written
+    result = sidecar.post("/v1/save", {}, token=TOKEN)
+    _assert_json_error(result, 500, "internal")
+    assert "Traceback" in sidecar.log()  # logged for the operator of the pod, not sent to the caller
+    assert sidecar.get("/healthz").status == 200
+
+
+def test_check_config_prints_the_settings_without_the_token(sidecar_env):
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from resilax_operator.cli import main; sys.exit(main(['sidecar', '--check-config']))"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **sidecar_env}, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    assert "process 0/1 generation 0" in run.stdout and TOKEN not in run.stdout
