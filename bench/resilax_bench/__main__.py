@@ -127,7 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", help="also write every raw figure to this file")
     p.add_argument("--markdown", help="also write the table to this file")
+    p.add_argument(
+        "--render", metavar="JSON", help="print the tables of an earlier run's --json file and exit"
+    )
     args = p.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            saved = json.load(f)
+        saved.setdefault(
+            "libs", [lib for lib in DEFAULT_LIBS if any(lib in r["libs"] for r in saved["rounds"])]
+        )
+        print(render_run(saved))
+        return 0
     if args.quick:
         args.size_gib = QUICK_GIB
         if "--repeats" not in (argv if argv is not None else sys.argv):
@@ -198,30 +209,45 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
     measured = [lib for lib in libs if lib not in errors]
-    summary = report.summarize(rounds, measured)
-    leaves = next((r["libs"][lib]["save"]["leaves"] for r in rounds for lib in r["libs"]), 0)
-    loads = [r["load_before"][0] for r in rounds] + [r["load_after"][0] for r in rounds]
-    header = (
-        f"### {args.target} ({facts['filesystem'].split()[1] if len(facts['filesystem'].split()) > 1 else '?'}), "
-        f"{state_bytes / (1 << 30):.2f} GiB in {leaves} leaves, {len(rounds)} round(s), {facts['date']}\n\n"
-        f"Load average (1 min) during the run: {min(loads, default=0):.1f}-{max(loads, default=0):.1f} on {facts['nproc']} CPUs; "
-        "Cold reads: the checkpoint's files evicted from the page cache first (no effect on tmpfs). "
-        f"dd: new-file write {_med([r['dd']['write_gbps'] for r in rounds])} GB/s, rewrite {_med([r['dd']['rewrite_gbps'] for r in rounds])} GB/s, "
-        f"cold read {_med([r['dd']['read_gbps'] for r in rounds])} GB/s."
-    )
-    text = report.render(summary, measured, errors, header)
+    data = {"args": vars(args), "facts": facts, "errors": errors, "libs": measured, "rounds": rounds}
+    text = render_run(data)
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"args": vars(args), "facts": facts, "errors": errors, "rounds": rounds, "summary": summary},
-                f,
-                indent=1,
-            )
+            json.dump({**data, "summary": report.summarize(rounds, measured)}, f, indent=1)
     return 0
+
+
+def render_run(data: dict[str, Any]) -> str:
+    """The markdown of one run (``--json`` output): header with the machine's state, then the tables."""
+    rounds, facts, measured = data["rounds"], data["facts"], data["libs"]
+    summary = report.summarize(rounds, measured)
+    first = next((rec["save"] for r in rounds for rec in r["libs"].values()), {})
+    state_bytes, leaves = first.get("state_bytes", 0), first.get("leaves", 0)
+    loads = [r["load_before"][0] for r in rounds] + [r["load_after"][0] for r in rounds]
+    loads += [
+        rec[ph][k][0]
+        for r in rounds
+        for rec in r["libs"].values()
+        for ph in ("save", "restore")
+        for k in ("load_before", "load_after")
+        if k in rec.get(ph, {})
+    ]
+    fs = facts["filesystem"].split()
+    header = (
+        f"### {facts['target']} ({fs[1] if len(fs) > 1 else '?'}), {state_bytes / (1 << 30):.2f} GiB in {leaves} leaves, "
+        f"{len(rounds)} round(s), {facts['date']}\n\n"
+        f"Load average (1 min) at the start and end of every process: {min(loads, default=0):.1f}-"
+        f"{max(loads, default=0):.1f} on {facts['nproc']} CPUs. Cold reads: the checkpoint's files evicted from the "
+        "page cache first (no effect on tmpfs). "
+        f"dd: new-file write {_med([r['dd']['write_gbps'] for r in rounds])} GB/s, "
+        f"rewrite {_med([r['dd']['rewrite_gbps'] for r in rounds])} GB/s, "
+        f"cold read {_med([r['dd']['read_gbps'] for r in rounds])} GB/s (medians)."
+    )
+    return report.render(summary, measured, data["errors"], header)
 
 
 def _med(values: list[float]) -> str:

@@ -20,8 +20,15 @@ import time
 from collections.abc import Iterator
 
 INTERVAL_S = 0.005
-_IDLE = ("wait (threading.py", "_worker (concurrent/futures/thread.py", "select (selectors.py", "_wait_for_tstate_lock",
-         "get (queue.py", "sleep", "_sample (")
+_IDLE = (
+    "wait (threading.py",
+    "_worker (concurrent/futures/thread.py",
+    "select (selectors.py",
+    "_wait_for_tstate_lock",
+    "get (queue.py",
+    "sleep",
+    "_sample (",
+)
 
 
 def _frame_name(frame: object) -> str:
@@ -101,7 +108,9 @@ def summarize(path: str, top: int = 30) -> str:
     for thread, total in totals.most_common(8):
         own, incl = per_thread[thread]
         lines.append(f"thread {thread}: {total:.2f} s")
-        lines += [f"   self {n:6.2f} s {100 * n / total:5.1f}%  {name}" for name, n in own.most_common(top // 2)]
+        lines += [
+            f"   self {n:6.2f} s {100 * n / total:5.1f}%  {name}" for name, n in own.most_common(top // 2)
+        ]
         lines += [f"   incl {n:6.2f} s {100 * n / total:5.1f}%  {name}" for name, n in incl.most_common(top)]
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("save_s", "durable save", "save"),
     ("blocked_s", "loop blocked by async save", "blocked"),
     ("first_save_s", "first save of a process", "save"),
+    ("first_blocked_s", "loop blocked by the first save of a process", "blocked"),
     ("first_restore_s", "first restore of a fresh process (cold)", "restore"),
     ("cold_restore_s", "cold restore (4,2)", "restore"),
     ("reshard_s", "cold restore onto (2,4), specs transposed", "restore"),
@@ -43,6 +44,7 @@ def lib_metrics(rec: dict[str, Any]) -> dict[str, float]:
         out["save_s"] = last["durable_s"]
         out["blocked_s"] = last["blocked_s"]
         out["first_save_s"] = first["durable_s"]
+        out["first_blocked_s"] = first["blocked_s"]
         base = rec["save"]["rss_before_state"]
         nbytes = rec["save"]["state_bytes"]
         out["rss_save_x"] = max(s["peak_rss"] - base for s in rec["save"]["saves"]) / nbytes
@@ -170,7 +172,7 @@ def render(summary: dict[str, Any], libs: list[str], errors: dict[str, str], hea
         header,
         "",
         "Seconds (median over rounds). Peak RSS: for a save, (peak − RSS before the state was built) / state "
-             "bytes, so the state itself counts 1x; for a restore, (peak − RSS when it started) / state bytes.",
+        "bytes, so the state itself counts 1x; for a restore, (peak − RSS when it started) / state bytes.",
         "",
     ]
     lines.append("| metric | " + " | ".join(names) + " |")
