@@ -84,6 +84,14 @@ class LocalStep:
     commit_body: bytes
 
 
+class _Superseded(Exception):
+    """A newer local step appeared during an upload; not a failure."""
+
+    def __init__(self, newer: int) -> None:
+        super().__init__(f"superseded by step {newer}")
+        self.newer = newer
+
+
 def plan_retention(
     steps: list[int], keep_last: int | None, keep_every_steps: int | None, protect: set[int]
 ) -> list[int]:
@@ -185,6 +193,9 @@ class Uploader:
             try:
                 if self.upload_step(self.read_local_step(step)):
                     persisted = sorted({*persisted, step})
+            except _Superseded as e:
+                log.info("step %d: a newer local step %d appeared; uploading that one instead", step, e.newer)
+                self._wake.set()
             finally:
                 self.state.in_flight = None
             self._publish(self.scan_local(), persisted)
@@ -357,9 +368,15 @@ class Uploader:
         errors: list[BaseException] = []
         copied = [0]
         lock = threading.Lock()
+        last_check = [self._clock()]
 
         def worker() -> None:
             while not errors:
+                newer = self._newer_local_step(step, last_check, lock)
+                if newer is not None:
+                    with lock:
+                        errors.append(_Superseded(newer))
+                    return
                 try:
                     key, path = work.get_nowait()
                 except queue.Empty:
@@ -385,6 +402,17 @@ class Uploader:
         if errors:
             raise errors[0]
         return copied[0]
+
+    def _newer_local_step(self, step: int, last_check: list[float], lock: threading.Lock) -> int | None:
+        """A local step newer than `step`, looked for at most every half second: a newer save makes
+        this upload moot (every host moves to the newest step), and a final save must not wait."""
+        with lock:
+            now = self._clock()
+            if now - last_check[0] < 0.5:
+                return None
+            last_check[0] = now
+        newest = max(self.scan_local(), default=None)
+        return newest if newest is not None and newest > step else None
 
     def _copy_one(self, step: int, key: str, path: Path, remote: BlobInfo | None) -> int:
         full_key = f"{step}/{key}"

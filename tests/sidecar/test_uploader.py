@@ -275,3 +275,25 @@ def test_abandoned_partial_uploads_older_than_every_kept_step_are_cleared(tmp_pa
     write_local_step(config.local_dir, 5, step_files(1, 10))
     Uploader(config, store, SidecarMetrics()).run_once()
     assert store.list_dir("") == ["5"]
+
+
+def test_a_newer_local_step_supersedes_the_upload_in_flight(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    config = make_config(tmp_path, upload_concurrency=1)
+    write_local_step(config.local_dir, 10, step_files(20, 100, seed=10))
+
+    class SaveLandsDuringUpload(FailingStore):
+        def upload_file(self, local_path, key):
+            if self.calls == 2:  # the trainer commits step 20 locally while step 10 is being copied
+                write_local_step(config.local_dir, 20, step_files(2, 100, seed=20))
+            super().upload_file(local_path, key)
+
+    ticks = iter(range(10**6))
+    metrics = SidecarMetrics()
+    uploader = Uploader(config, SaveLandsDuringUpload(store, failures=0), metrics, clock=lambda: float(next(ticks)))
+    uploader.run_once()
+    assert store.stat("10/_COMMIT") is None and store.stat("10/_UPLOADED.0") is None
+    assert len(store.list_files("10")) < 21, "step 10 was copied to the end"
+    uploader.run_once()
+    assert uploader.state.committed_steps == [20]
+    assert metrics.upload_failures._value.get() == 0
