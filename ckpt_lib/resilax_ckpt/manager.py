@@ -146,6 +146,12 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    @property
+    def restore_step(self) -> int | None:
+        """The step to restore per RESILAX_RESTORE_STEP (`latest` by default): see
+        restore_step_from_env."""
+        return self.restore_step_from_env()
+
     def restore_step_from_env(self, env: Mapping[str, str] | None = None) -> int | None:
         """The step RESILAX_RESTORE_STEP asks for: `latest` (default), `none` or a number; None when
         there is nothing to restore."""
@@ -169,8 +175,9 @@ class CheckpointManager:
         Raises the error of a failed earlier background save. Called on: all processes, same step."""
         self._check_open()
         self._raise_background_error()
-        if self._last_saved_step is not None and step <= self._last_saved_step and not force:
-            self._decide(step, force=False)
+        if self._last_saved_step is not None and (step == self._last_saved_step
+                                                  or (step < self._last_saved_step and not force)):
+            self._decide(step, force=False)  # keeps the agreement exchanges in line; answers requests
             return False
         if not self._decide(step, force):
             return False

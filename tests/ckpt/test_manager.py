@@ -70,6 +70,7 @@ def test_policy_every_steps_and_seconds_with_injected_clock(tmp_path, devices):
         assert not mgr.save(8, state(8))
         assert mgr.save(8, state(8), force=False) is False
         assert mgr.save(10, state(10), force=True)
+        assert not mgr.save(10, state(10), force=True)  # the step is saved already
         mgr.wait()
         assert mgr.steps() == [3, 6, 7, 10]
 
@@ -172,6 +173,7 @@ def test_from_env(tmp_path, devices):
         assert mgr._options.save_every_steps == 5 and mgr._options.keep_last == 2
         assert mgr._options.generation == 4 and mgr._options.save_every_seconds is None
         assert mgr.restore_step_from_env(env) is None
+        assert mgr.restore_step is None or mgr.restore_step == mgr.latest_step()
     with pytest.raises(rc.InvalidOptionsError, match="RESILAX_KEEP_LAST: 'x' is not an integer"):
         rc.ManagerOptions.from_env({"RESILAX_KEEP_LAST": "x"})
     assert rc.initialize_distributed_from_env({}) is False
