@@ -76,6 +76,8 @@ class Sidecar:
         request_id = control.new_request_id(reason)
         await asyncio.to_thread(control.write_request, self.config.control_dir, request_id, reason, stop)
         self.pending[request_id] = (time.monotonic(), reason, stop)
+        if stop and self.uploader is not None:
+            self.uploader.urgent.set()
         self.metrics.save_requests.labels(reason=reason).inc()
         log.info("save requested: id=%s reason=%s stop=%s", request_id, reason, stop)
         return request_id
@@ -180,6 +182,8 @@ class Sidecar:
         """Ask for a save with stop, wait for its commit (and its upload) within the grace period.
         True when the final step is durable in the tier that matters."""
         self.stopping = True
+        if self.uploader is not None:
+            self.uploader.urgent.set()
         cfg = self.config
         deadline = time.monotonic() + cfg.grace_seconds
         request_id = next((rid for rid, (_t, _r, stop) in self.pending.items() if stop), None)

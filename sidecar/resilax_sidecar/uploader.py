@@ -125,6 +125,10 @@ class Uploader:
         self.state = UploadState()
         self._clock = clock
         self._wake = threading.Event()
+        self.urgent = threading.Event()
+        """Set when a final save is coming (SIGTERM, a stop request): a newer local step then
+        supersedes the upload in flight. Not otherwise: with saves more frequent than uploads take,
+        superseding would starve the persistent tier."""
         self._known_committed: set[int] = set()
         self._marker_done: dict[int, str] = {}
         self._changed = threading.Condition()
@@ -404,8 +408,10 @@ class Uploader:
         return copied[0]
 
     def _newer_local_step(self, step: int, last_check: list[float], lock: threading.Lock) -> int | None:
-        """A local step newer than `step`, looked for at most every half second: a newer save makes
-        this upload moot (every host moves to the newest step), and a final save must not wait."""
+        """When `urgent`: a local step newer than `step` (looked for at most every half second); a
+        final save must not wait behind an older upload, and every host moves to the newest step."""
+        if not self.urgent.is_set():
+            return None
         with lock:
             now = self._clock()
             if now - last_check[0] < 0.5:

@@ -277,7 +277,8 @@ def test_abandoned_partial_uploads_older_than_every_kept_step_are_cleared(tmp_pa
     assert store.list_dir("") == ["5"]
 
 
-def test_a_newer_local_step_supersedes_the_upload_in_flight(tmp_path):
+@pytest.mark.parametrize("urgent", [True, False], ids=["final-save-coming", "routine"])
+def test_a_newer_local_step_supersedes_the_upload_in_flight_only_before_a_final_save(tmp_path, urgent):
     store = LocalFolderStore(tmp_path / "persistent")
     config = make_config(tmp_path, upload_concurrency=1)
     write_local_step(config.local_dir, 10, step_files(20, 100, seed=10))
@@ -291,9 +292,15 @@ def test_a_newer_local_step_supersedes_the_upload_in_flight(tmp_path):
     ticks = iter(range(10**6))
     metrics = SidecarMetrics()
     uploader = Uploader(config, SaveLandsDuringUpload(store, failures=0), metrics, clock=lambda: float(next(ticks)))
+    if urgent:
+        uploader.urgent.set()
     uploader.run_once()
-    assert store.stat("10/_COMMIT") is None and store.stat("10/_UPLOADED.0") is None
-    assert len(store.list_files("10")) < 21, "step 10 was copied to the end"
+    if urgent:
+        assert store.stat("10/_COMMIT") is None and store.stat("10/_UPLOADED.0") is None
+        assert len(store.list_files("10")) < 21, "step 10 was copied to the end"
+    else:
+        # Routine saves never starve the persistent tier: the upload in flight finishes first.
+        assert uploader.state.committed_steps == [10]
     uploader.run_once()
-    assert uploader.state.committed_steps == [20]
+    assert uploader.state.committed_steps == ([20] if urgent else [10, 20])
     assert metrics.upload_failures._value.get() == 0
