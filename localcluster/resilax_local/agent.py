@@ -85,9 +85,11 @@ class NodeAgent:
         self.octet = random.Random(os.getpid() ^ int(time.time())).randrange(32, 250)
         self.next_pod_index = 256
         self.next_node_index = 0
+        self.host_entries: dict[str, tuple[str, list[str]]] = {}
         self.nodes: dict[str, AgentNode] = {}
         for spec in nodes:
             self._add_node_record(spec)
+        self.publish_hosts("", "", [])
 
     # ---- PodHost -----------------------------------------------------------------------------
     def node_state(self, node: str) -> str:
@@ -109,6 +111,26 @@ class NodeAgent:
         if i >= 65535:
             raise RuntimeError("out of pod IPs in this cluster's 127.x.0.0/16")
         return f"127.{self.octet}.{i // 256}.{i % 256}"
+
+    @property
+    def hosts_file(self) -> Path:
+        return self.run_dir / "hosts"
+
+    def publish_hosts(self, uid: str, ip: str, names: list[str]) -> None:
+        """Add (or with no `ip`, remove) a pod's names in the cluster-wide hosts file that every pod sees
+        as /etc/hosts: the local stand-in for cluster DNS of pods behind headless Services."""
+        with self.lock:
+            if ip:
+                self.host_entries[uid] = (ip, names)
+            else:
+                self.host_entries.pop(uid, None)
+            lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+            lines += [f"{ip}\t{' '.join(names)}" for ip, names in self.host_entries.values()]
+            text = "\n".join(lines) + "\n"
+            # rewritten in place: pods bind-mount this very inode
+            with self.hosts_file.open("r+" if self.hosts_file.exists() else "w") as f:
+                f.write(text)
+                f.truncate()
 
     def forget(self, uid: str) -> None:
         with self.lock:

@@ -2,7 +2,7 @@
 the working directory, then exec the command (which keeps this process's pid).
 
 Run by the node agent as `python -m resilax_local.launch <spec.json>`, where the spec is
-`{"argv": [...], "env": {...}, "cwd": "...", "mounts": [{"source", "target", "read_only"}]}`.
+`{"argv": [...], "env": {...}, "cwd": "...", "hostname": "...", "mounts": [{"source", "target", "read_only"}]}`.
 Needs root (CAP_SYS_ADMIN) for the mount namespace, as a container runtime does.
 """
 
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
 MS_RDONLY = 1
 MS_REMOUNT = 32
 MS_BIND = 4096
@@ -50,10 +51,24 @@ def enter_volumes(mounts: list[dict[str, object]]) -> None:
             _mount(libc, None, str(target), MS_BIND | MS_REMOUNT | MS_RDONLY)
 
 
+def set_hostname(name: str) -> None:
+    """Own UTS namespace with the pod's hostname, as in a container (`socket.gethostname()` = the pod)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWUTS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWUTS): {os.strerror(err)}")
+    encoded = name.encode()
+    if libc.sethostname(encoded, len(encoded)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"sethostname({name!r}): {os.strerror(err)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(args[0]).read_text())
     try:
+        if spec.get("hostname"):
+            set_hostname(spec["hostname"])
         enter_volumes(spec.get("mounts", []))
         cwd = spec.get("cwd") or "/"
         Path(cwd).mkdir(parents=True, exist_ok=True)

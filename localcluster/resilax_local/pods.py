@@ -67,6 +67,11 @@ class PodHost(Protocol):
 
     def forget(self, uid: str) -> None: ...
 
+    def publish_hosts(self, uid: str, ip: str, names: list[str]) -> None: ...
+
+    @property
+    def hosts_file(self) -> Path: ...
+
 
 def now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -275,6 +280,7 @@ class PodWorker:
     def _prepare(self) -> None:
         if self.pod_ip is None:
             self.pod_ip = self.host.allocate_pod_ip()
+            self.host.publish_hosts(self.uid, self.pod_ip, self.dns_names())
             self.start_time = now_rfc3339()
             self.pod.setdefault("status", {})["podIP"] = self.pod_ip
             self.pod["status"]["hostIP"] = self.host.node_ip(self.node)
@@ -436,6 +442,8 @@ class PodWorker:
                 if not source.exists():
                     source.mkdir(parents=True, exist_ok=True)
             mounts.append({"source": str(source), "target": m["mountPath"], "read_only": bool(m.get("readOnly"))})
+        if not self.pod["spec"].get("hostNetwork"):
+            mounts.append({"source": str(self.host.hosts_file), "target": "/etc/hosts", "read_only": True})
         if c.ever_started:
             c.restart_count += 1
         log_dir = self.dir / "logs" / c.name
@@ -443,7 +451,7 @@ class PodWorker:
         spec_path = self.dir / "specs" / f"{c.name}-{c.restart_count}.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps({"argv": argv, "env": env, "cwd": c.spec.get("workingDir") or "/",
-                                         "mounts": mounts}, indent=1))
+                                         "hostname": self.hostname(), "mounts": mounts}, indent=1))
         with (log_dir / f"{c.restart_count}.log").open("ab") as out:
             c.proc = subprocess.Popen([sys.executable, "-m", "resilax_local.launch", str(spec_path)],
                                       stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -656,7 +664,22 @@ class PodWorker:
             if e.status not in (404, 409):
                 raise
 
+    def hostname(self) -> str:
+        return str(self.pod["spec"].get("hostname") or self.name)[:63]
+
+    def dns_names(self) -> list[str]:
+        """The names cluster DNS would give this pod: `<hostname>.<subdomain>.<ns>.svc.cluster.local`
+        (and its search-domain short forms) when it has a subdomain (headless Service), and its hostname."""
+        hostname = self.hostname()
+        subdomain = self.pod["spec"].get("subdomain")
+        names = []
+        if subdomain:
+            base = f"{hostname}.{subdomain}.{self.namespace}"
+            names = [f"{base}.svc.cluster.local", f"{base}.svc", base, f"{hostname}.{subdomain}"]
+        return [*names, hostname]
+
     def _cleanup(self) -> None:
+        self.host.publish_hosts(self.uid, "", [])
         for c in self.containers:
             c.signal(signal.SIGKILL, group=True)
         for path in self.memory_dirs:

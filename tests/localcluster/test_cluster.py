@@ -399,3 +399,29 @@ def test_probes_gate_sidecar_start_readiness_and_liveness(cluster, kube, namespa
     restarted = wait_for(lambda: (container_status(get_pod(kube, namespace, "probed"), "unhealthy")
                                   or {}).get("restartCount", 0) >= 1, 60, message="liveness restart")
     assert restarted
+
+
+def test_pods_resolve_each_other_by_hostname_and_subdomain(cluster, kube, namespace):
+    server = ("import os, socket, http.server\nprint('hostname', socket.gethostname(), flush=True)\n"
+              "http.server.HTTPServer((os.environ['POD_IP'], 8080), http.server.SimpleHTTPRequestHandler).serve_forever()")
+    client = f"""
+        import socket, time, urllib.request
+        for name in ("w-0.workers", "w-0.workers.{namespace}.svc.cluster.local"):
+            for _ in range(300):
+                try:
+                    urllib.request.urlopen(f"http://{{name}}:8080/", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            print("reached", name, socket.gethostbyname(name), flush=True)
+    """
+    create_pod(kube, namespace, python_pod("server", server, node="tpu-slice-0-h0", hostname="w-0", subdomain="workers",
+                                           container={"env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {
+                                               "fieldPath": "status.podIP"}}}]}))
+    create_pod(kube, namespace, python_pod("client", client, node="tpu-slice-0-h1", restartPolicy="Never"))
+    wait_for_pod_phase(kube, namespace, "client", "Succeeded", timeout=90)
+    server_ip = get_pod(kube, namespace, "server")["status"]["podIP"]
+    out = cluster.logs(namespace, "client")
+    assert f"reached w-0.workers {server_ip}" in out
+    assert f"reached w-0.workers.{namespace}.svc.cluster.local {server_ip}" in out
+    assert "hostname w-0" in cluster.logs(namespace, "server")
