@@ -2,7 +2,7 @@
 
 Checks: the CRDs are Established, the objects exist as rendered, the ServiceAccount's token is allowed
 exactly what files/operator-rules.yaml grants (SelfSubjectAccessReviews as that ServiceAccount), and the
-operator pod is scheduled and started by the node agent. Each release has its own name, so the
+operator pod is scheduled and taken up by the node agent (it reports the container's status). Each release has its own name, so the
 cluster-scoped objects (ClusterRole, ClusterKopfPeering) never collide with other tests'.
 
 The operator runs in namespaced mode watching only the test's namespace, so it never acts on other
@@ -112,14 +112,14 @@ def test_chart_installs_into_the_local_cluster(cluster, kube: KubeClient, namesp
     ]:
         assert not can(as_operator, verb, group, resource, ns), f"{verb} {group}/{resource} in {ns}"
 
-    # The node agent schedules and starts the operator pod from the chart's pod spec.
+    # The scheduler places the operator pod and the node agent takes it up (reports its container).
     def operator_pod() -> dict[str, Any] | None:
         pods = kube.get(f"/api/v1/namespaces/{namespace}/pods",
                         labelSelector=f"app.kubernetes.io/instance={release},app.kubernetes.io/component=operator")
         started = [p for p in pods["items"] if p["spec"].get("nodeName") and p.get("status", {}).get("containerStatuses")]
         return started[0] if started else None
 
-    pod = wait_for(operator_pod, timeout=120, message="operator pod scheduled and started")
+    pod = wait_for(operator_pod, timeout=120, message="operator pod scheduled, container reported")
     assert pod["spec"]["serviceAccountName"] == operator
 
     if OPERATOR_MAIN_EXISTS:
