@@ -31,6 +31,7 @@ KUBERNETES_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.3"
 FAKE_GCS_SERVER_VERSION = "v1.56.1"
 KWOK_VERSION = "v0.7.0"
+HELM_VERSION = "v4.3.2"
 
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
 
@@ -224,6 +225,16 @@ def ensure_fake_gcs_server(version: str = FAKE_GCS_SERVER_VERSION, build: bool =
 def ensure_kwok(version: str = KWOK_VERSION, build: bool = True) -> Path:
     """kwok (optional: the node agent's no-process mode covers scale tests without it)."""
     return _go_install("sigs.k8s.io/kwok/cmd/kwok", version, "kwok", build)
+
+
+def ensure_helm(version: str = HELM_VERSION, build: bool = True) -> Path:
+    """helm (`go install helm.sh/helm/v4/cmd/helm@<version>`), for the chart tests."""
+    return _go_install("helm.sh/helm/v4/cmd/helm", version, "helm", build)
+
+
+def go_install(package: str, version: str, name: str, build: bool = True) -> Path:
+    """Any `go install`able tool, cached in ~/.cache/resilax/bin/<name>-<version>/ (KUBEBUILDER_ASSETS first)."""
+    return _go_install(package, version, name, build)
 
 
 def ensure_binaries(build: bool = True) -> Binaries:
