@@ -258,6 +258,13 @@ def test_service_monitor(render) -> None:
                                              "scrapeTimeout": "10s"}]
 
 
+def test_service_monitor_needs_metrics(helm, tmp_path: Path) -> None:
+    values = {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}
+    proc = helm("template", RELEASE, str(CHART), "-f", str(write_values(tmp_path / "v.yaml", values)))
+    assert proc.returncode != 0
+    assert "metrics.serviceMonitor.enabled=true needs metrics.enabled=true" in proc.stderr
+
+
 def test_features_off(render) -> None:
     objects = render({"metrics": {"enabled": False}, "operator": {"leaderElection": {"enabled": False},
                                                                   "healthPort": 0},
