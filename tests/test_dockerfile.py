@@ -223,3 +223,37 @@ def test_hadolint_config_is_strict() -> None:
     config = yaml.safe_load((ROOT / ".hadolint.yaml").read_text())
     assert config["failure-threshold"] == "style"
     assert not config.get("ignored")
+
+
+@pytest.mark.slow
+def test_builder_stage_builds_the_wheel_from_what_it_copies(dockerfile: Dockerfile, tmp_path: Path) -> None:
+    """The builder's `pip wheel` on exactly the paths its COPY lines send (no docker engine: the same
+    command on a folder holding only those paths), and the wheel has what the image's entrypoint needs."""
+    import zipfile
+
+    context = tmp_path / "src"
+    context.mkdir()
+    for args in dockerfile.stage("builder").all("COPY"):
+        *sources, _ = shlex.split(args)
+        for source in sources:
+            src = ROOT / source
+            if src.is_dir():
+                shutil.copytree(src, context / source,
+                                ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".mypy_cache"))
+            else:
+                shutil.copy2(src, context / source)
+    wheels = tmp_path / "wheels"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps",
+         "--wheel-dir", str(wheels), str(context)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, f"pip wheel failed:\n{proc.stdout}{proc.stderr}"
+    version = dockerfile.global_args["RESILAX_VERSION"]
+    wheel = wheels / f"resilax-{version}-py3-none-any.whl"
+    assert [p.name for p in wheels.iterdir()] == [wheel.name]
+    names = zipfile.ZipFile(wheel).namelist()
+    for package in ("resilax_operator", "resilax_sidecar", "resilax_ckpt", "resilax_local"):
+        assert f"{package}/__init__.py" in names and f"{package}/py.typed" in names, package
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "resilax = resilax_operator.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
