@@ -442,6 +442,7 @@ class NodeAgent:
     def describe_nodes(self) -> list[dict[str, Any]]:
         with self.lock:
             return [{"name": n.name, "state": n.state, "ip": n.ip, "run_pods": n.spec.run_pods,
+                     "kill_pending": n.kill_timer is not None and n.kill_timer.is_alive(),
                      "pods": sum(1 for w in self.workers.values() if w.node == n.name)} for n in self.nodes.values()]
 
     def describe_pods(self) -> list[dict[str, Any]]:

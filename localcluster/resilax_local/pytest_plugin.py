@@ -5,7 +5,7 @@ Fixtures:
   slices x 2 hosts + `cpu-0`), stopped at the end. With `RESILAX_TEST_CLUSTER_DIR` set to the run
   folder of a cluster started by `resilax local up --dir ...`, that cluster is reused and left running.
 - `cluster` (function): the same cluster; after the test every node the test killed, partitioned or
-  preempted is restored, so tests do not leak faults.
+  preempted (even with the kill still pending) is restored, so tests do not leak faults.
 - `kube` (session): a dict-based admin REST client (`resilax_local.kubeapi.KubeClient`).
 - `namespace` (function): a fresh namespace (its `default` ServiceAccount ready), deleted afterwards.
 - `fake_gcs` (session): a `FakeGCS` server; `gcs_bucket` (function): a fresh bucket, yields `gs://<name>`.
@@ -58,7 +58,7 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
 def cluster(local_cluster: LocalCluster) -> Iterator[LocalCluster]:
     yield local_cluster
     for node in local_cluster.nodes():
-        if node["state"] != NodeState.READY:
+        if node["state"] != NodeState.READY or node.get("kill_pending"):
             local_cluster.restore_node(node["name"])
 
 
