@@ -304,3 +304,23 @@ def test_a_newer_local_step_supersedes_the_upload_in_flight_only_before_a_final_
     uploader.run_once()
     assert uploader.state.committed_steps == ([20] if urgent else [10, 20])
     assert metrics.upload_failures._value.get() == 0
+
+
+def test_create_only_lets_exactly_one_of_racing_writers_win(store):
+    """GCS: ifGenerationMatch=0, which fake-gcs-server v1.56.1 enforces; a folder: link()."""
+    results: list[bool] = []
+    barrier = threading.Barrier(6)
+
+    def race(i: int) -> None:
+        barrier.wait()
+        results.append(store.create_bytes("3/_COMMIT", f"writer {i}".encode()))
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(results) == [False] * 5 + [True]
+    winner = store.read_bytes("3/_COMMIT")
+    assert winner.startswith(b"writer ")
+    assert store.create_bytes("3/_COMMIT", b"late") is False and store.read_bytes("3/_COMMIT") == winner
