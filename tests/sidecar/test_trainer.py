@@ -162,14 +162,11 @@ def test_two_hosts_local_tiers_combine_into_one_committed_persistent_step(
     assert run.stdout.strip() == "ok", run.stderr
 
 
-@pytest.mark.xfail(
-    reason="resilax_ckpt does not yet agree on requested steps across processes in local-tier mode "
-    "(manager._decide decides per process when local_tier); a request to one host saves on that host only",
-    strict=False,
-)
 def test_a_request_to_one_host_saves_the_same_step_on_every_host_and_commits_it(
     tmp_path, sidecar_env, start_sidecar, start_trainer
 ):
+    """resilax_ckpt agrees on requested steps across processes in local-tier mode too, so one pod's
+    request makes every host save the same step, and the sidecars' uploads meet in it."""
     from sidecar_harness import free_port
 
     persistent = tmp_path / "persistent"
