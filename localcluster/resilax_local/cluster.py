@@ -68,6 +68,9 @@ class LocalCluster:
             with contextlib.suppress(NotRunningError):
                 LocalCluster.attach(self.run_dir).stop()
         if self.run_dir.exists():
+            if any(self.run_dir.iterdir()) and not (self.run_dir / "pki").is_dir():
+                raise StartError(f"{self.run_dir} is not empty and not a local cluster's folder: "
+                                 "refusing to wipe it; pick an empty or new --dir")
             shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True)
         started = time.monotonic()
