@@ -495,6 +495,11 @@ class Uploader:
                         "missing" if info is None else f"{info.size} bytes, not {size}",
                         self.store.url,
                     )
+                    if key in local.files:
+                        # Deleted under us (e.g. a starting primary clearing a folder it took for a
+                        # leftover): withdraw our marker so the next pass copies it again.
+                        self.store.delete(f"{step}/{layout.uploaded_name(self.config.process_id)}")
+                        self._marker_done.pop(step, None)
                     return False
         fences = self.read_fences()
         if not layout.decide_visible(step, local.generation, fences):

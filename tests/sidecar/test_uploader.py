@@ -162,16 +162,23 @@ def test_markers_of_another_save_of_the_same_step_never_commit_it(tmp_path):
     assert store.stat("7/_COMMIT") is None
 
 
-def test_a_file_deleted_after_its_marker_blocks_the_commit(tmp_path):
+def test_a_file_deleted_after_its_marker_blocks_the_commit_until_copied_again(tmp_path):
     store = LocalFolderStore(tmp_path / "persistent")
     config0 = make_config(tmp_path / "h0", checkpoint_dir=store.url, process_id=0, num_processes=2)
     config1 = make_config(tmp_path / "h1", checkpoint_dir=store.url, process_id=1, num_processes=2)
     write_local_step(config0.local_dir, 9, {"a/0": b"0" * 50})
     write_local_step(config1.local_dir, 9, {"a/1": b"1" * 50})
-    Uploader(config0, store, SidecarMetrics()).run_once()
+    uploader0 = Uploader(config0, store, SidecarMetrics())
+    uploader0.run_once()
     store.delete("9/a/0")
-    Uploader(config1, store, SidecarMetrics()).run_once()
+    uploader1 = Uploader(config1, store, SidecarMetrics())
+    uploader1.run_once()
     assert store.stat("9/_COMMIT") is None
+    # Process 0's sidecar notices its file is gone, withdraws its marker, copies it again, commits.
+    uploader0.run_once()
+    assert store.stat("9/_COMMIT") is None and store.stat("9/_UPLOADED.0") is None
+    uploader0.run_once()
+    assert store.read_bytes("9/a/0") == b"0" * 50 and store.stat("9/_COMMIT") is not None
 
 
 def test_a_newer_generations_fence_stops_the_commit(tmp_path):
