@@ -246,7 +246,14 @@ async def serve(config: SidecarConfig, ready: asyncio.Event | None = None) -> in
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        log.error(
+            "cannot listen on RESILAX_SIDECAR_HOST=%s RESILAX_SIDECAR_PORT=%d: %s", config.host, config.port, e
+        )
+        return 1
     addresses = [f"{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]
     log.info("resilax sidecar listening on %s; %s", ", ".join(addresses), config.describe())
     sidecar.start_uploader()

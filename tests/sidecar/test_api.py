@@ -154,3 +154,17 @@ def test_check_config_prints_the_settings_without_the_token(sidecar_env):
     )
     assert run.returncode == 0, run.stderr
     assert "process 0/1 generation 0" in run.stdout and TOKEN not in run.stdout
+
+
+def test_a_port_in_use_is_a_clear_start_up_error(sidecar, sidecar_env, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from resilax_operator.cli import main; sys.exit(main(['sidecar']))"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **sidecar_env}, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 1
+    assert f"cannot listen on RESILAX_SIDECAR_HOST=127.0.0.1 RESILAX_SIDECAR_PORT={sidecar.port}" in run.stderr
+    assert "Traceback" not in run.stderr
