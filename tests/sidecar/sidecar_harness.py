@@ -258,8 +258,7 @@ class SidecarProcess:
 TOKEN = "s3cret-token-for-tests"
 
 
-@pytest.fixture
-def sidecar_env(tmp_path: Path) -> dict[str, str]:
+def build_sidecar_env(tmp_path: Path) -> dict[str, str]:
     """A minimal environment: control folder, token file, a free port, quick polling."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
@@ -273,6 +272,11 @@ def sidecar_env(tmp_path: Path) -> dict[str, str]:
         "RESILAX_SIDECAR_RETRY_MAX_SECONDS": "1",
         "RESILAX_SIDECAR_LOG_LEVEL": "DEBUG",
     }
+
+
+@pytest.fixture
+def sidecar_env(tmp_path: Path) -> dict[str, str]:
+    return build_sidecar_env(tmp_path)
 
 
 @pytest.fixture

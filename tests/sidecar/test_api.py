@@ -10,12 +10,26 @@ import json
 from pathlib import Path
 
 import pytest
-from sidecar_harness import TOKEN, http, wait_until
+from sidecar_harness import TOKEN, SidecarProcess, build_sidecar_env, http, wait_until
 
 
 @pytest.fixture
 def sidecar(sidecar_env, start_sidecar):
+    """A sidecar of this test's own (for tests that change its files or count its metrics)."""
     return start_sidecar(sidecar_env)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One sidecar for the tests that only read, or make requests of their own: (process, env)."""
+    tmp_path = tmp_path_factory.mktemp("shared-sidecar")
+    env = build_sidecar_env(tmp_path)
+    proc = SidecarProcess(env, tmp_path / "sidecar.log")
+    try:
+        proc.wait_ready()
+        yield proc, env
+    finally:
+        proc.close()
 
 
 def _assert_json_error(result, status, code):
@@ -26,7 +40,8 @@ def _assert_json_error(result, status, code):
     assert "Traceback" not in json.dumps(result.body)
 
 
-def test_health_ready_and_metrics(sidecar):
+def test_health_ready_and_metrics(shared):
+    sidecar, _ = shared
     assert sidecar.get("/healthz").body == {"status": "ok"}
     assert sidecar.get("/readyz").body == {"status": "ready"}
     text = sidecar.get("/metrics").body
@@ -42,7 +57,8 @@ def test_health_ready_and_metrics(sidecar):
         assert name in text, name
 
 
-def test_state_without_tiers(sidecar):
+def test_state_without_tiers(shared):
+    sidecar, _ = shared
     state = sidecar.get("/v1/state").body
     assert state["generation"] == 0 and state["process_id"] == 0
     assert state["local_tier"] is False
@@ -90,13 +106,15 @@ def test_a_rotated_token_applies_at_once(sidecar, sidecar_env):
     ],
     ids=["bad-json", "not-object", "bad-reason", "bad-stop", "unknown-field"],
 )
-def test_bad_bodies_are_json_400s(sidecar, raw, message):
+def test_bad_bodies_are_json_400s(shared, raw, message):
+    sidecar, _ = shared
     result = sidecar.post("/v1/save", raw=raw, token=TOKEN)
     _assert_json_error(result, 400, "bad_request")
     assert message in result.body["error"]["message"]
 
 
-def test_unknown_paths_methods_and_ids_are_json_errors(sidecar):
+def test_unknown_paths_methods_and_ids_are_json_errors(shared):
+    sidecar, _ = shared
     _assert_json_error(sidecar.get("/nope"), 404, "not_found")
     _assert_json_error(http("DELETE", sidecar.url + "/v1/state"), 405, "method_not_allowed")
     _assert_json_error(sidecar.get("/v1/save/..%2F..%2Fetc"), 400, "bad_request")
@@ -125,10 +143,11 @@ def test_a_save_request_becomes_a_request_file_and_its_result_is_reported(sideca
     assert sidecar.get("/v1/state").body["pending_requests"] == []
 
 
-def test_a_failed_save_is_reported_as_failed(sidecar, sidecar_env):
-    control = Path(sidecar_env["RESILAX_CONTROL_DIR"])
+def test_a_failed_save_is_reported_as_failed(shared):
+    sidecar, env = shared
+    control = Path(env["RESILAX_CONTROL_DIR"])
     request_id = sidecar.post("/v1/save", {}, token=TOKEN).body["id"]
-    (control / "results").mkdir()
+    (control / "results").mkdir(exist_ok=True)
     answer = {"id": request_id, "step": None, "committed": False, "error": "disk full"}
     (control / "results" / f"{request_id}.json").write_text(json.dumps(answer))
     assert sidecar.get(f"/v1/save/{request_id}").body == {"status": "failed", **answer}
@@ -156,7 +175,8 @@ def test_check_config_prints_the_settings_without_the_token(sidecar_env):
     assert "process 0/1 generation 0" in run.stdout and TOKEN not in run.stdout
 
 
-def test_a_port_in_use_is_a_clear_start_up_error(sidecar, sidecar_env, tmp_path):
+def test_a_port_in_use_is_a_clear_start_up_error(shared):
+    sidecar, sidecar_env = shared
     import os
     import subprocess
     import sys
