@@ -1,0 +1,172 @@
+"""The CRD on a real kube-apiserver (v1.37.2, etcd + API server only, started here): accepted and
+Established, defaults applied, bad JAXJobs rejected with their field paths, and the operator's status
+body round-trips through the status subresource."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from op_samples import good_spec
+from resilax_operator import api
+from resilax_operator import status as st
+from resilax_operator.spec import Shape
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[3]
+BASE = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/default/{api.PLURAL}"
+Raw = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from resilax_local import binaries
+    from resilax_local.kubeapi import Credentials, KubeClient
+    from resilax_local.pki import CertificateAuthority, write_service_account_keys
+    from resilax_local.processes import free_port, spawn, stop_group
+
+    apiserver = binaries._assets_binary("kube-apiserver") or binaries.kubernetes_dir() / "kube-apiserver"
+    if not apiserver.is_file():
+        pytest.fail(f"missing {apiserver}: run `resilax local binaries` (scripts/test does) to build it")
+    etcd = binaries.ensure_etcd(build=False)
+    run = tmp_path_factory.mktemp("apiserver")
+    etcd_client, etcd_peer, port = free_port(), free_port(), free_port()
+    ca = CertificateAuthority(run / "pki")
+    serving = ca.issue("apiserver", "kube-apiserver", server=True, hosts=("127.0.0.1", "localhost"))
+    admin = ca.issue("admin", "resilax-admin", "system:masters")
+    sa = write_service_account_keys(run / "pki")
+    procs = [spawn([str(etcd), f"--data-dir={run / 'etcd'}", f"--listen-client-urls=http://127.0.0.1:{etcd_client}",
+                    f"--advertise-client-urls=http://127.0.0.1:{etcd_client}",
+                    f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+                    f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+                    f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}", "--unsafe-no-fsync",
+                    "--log-level=warn"], run / "etcd.log")]
+    try:
+        procs.append(spawn([
+            str(apiserver), f"--etcd-servers=http://127.0.0.1:{etcd_client}", "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1", f"--secure-port={port}", f"--tls-cert-file={serving.cert}",
+            f"--tls-private-key-file={serving.key}", f"--client-ca-file={ca.cert_path}", "--authorization-mode=RBAC",
+            "--service-cluster-ip-range=10.96.0.0/16", "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={sa.cert}", f"--service-account-signing-key-file={sa.key}",
+            f"--cert-dir={run / 'generated'}", "--endpoint-reconciler-type=none"], run / "kube-apiserver.log"))
+        client = KubeClient(Credentials(f"https://127.0.0.1:{port}", str(ca.cert_path), str(admin.cert),
+                                        str(admin.key)), timeout=10)
+        _wait(lambda: client.get_text("/readyz").strip() == "200 ok", 180, f"kube-apiserver (log: {run})")
+        crd = yaml.safe_load((ROOT / api.CRD_FILE).read_text())
+        client.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+
+        def established() -> bool:
+            got = client.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{api.CRD_NAME}")
+            conditions = (got.get("status") or {}).get("conditions") or []
+            return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+        _wait(established, 60, "CRD Established")
+        _wait(lambda: bool(client.get(BASE)), 60, "JAXJob endpoint served")
+        yield client
+    finally:
+        for p in reversed(procs):
+            stop_group(p.pid, proc=p)
+
+
+def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception as e:  # not up yet
+            last = e
+        time.sleep(0.25)
+    raise TimeoutError(f"{what} not ready within {timeout}s (last: {last!r})")
+
+
+def _job(name: str, mutate: Callable[[Raw], Any] | None = None) -> Raw:
+    spec = good_spec()
+    if mutate is not None:
+        mutate(spec)
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": name}, "spec": spec}
+
+
+def test_good_job_gets_defaults(kube: Any) -> None:
+    minimal = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "minimal"}, "spec": {
+        "slices": {"accelerator": "cpu", "topology": "1x4"}, "checkpoint": {"storage": "/ckpt"},
+        "template": {"spec": {"containers": [{"name": "trainer", "image": "x"}]}}}}
+    spec = kube.create(BASE, minimal)["spec"]
+    assert spec["slices"]["count"] == 1
+    assert spec["recovery"] == {"maxRestarts": 20, "backoffSeconds": 10, "nodeLossGraceSeconds": 30}
+    assert spec["checkpoint"]["finalSave"] == {"onPreemption": True, "onResize": True, "timeoutSeconds": 300}
+    assert spec["checkpoint"]["restore"] == {"step": "latest"}
+    full = kube.create(BASE, _job("full", lambda s: s["checkpoint"]["restore"].update(step=1200)))["spec"]
+    assert full["checkpoint"]["restore"]["step"] == 1200 and full["elastic"]["growBack"] is True
+
+
+BAD = [
+    ("count-above-max", lambda s: s["slices"].update(count=5), "spec.slices.count"),
+    ("min-above-max", lambda s: s["elastic"].update(minCount=5), "spec.elastic.minCount"),
+    ("v5e-4x3", lambda s: s["slices"].update(topology="4x3"), "spec.slices.topology"),
+    ("v4-2d", lambda s: (s["slices"].update(accelerator="tpu-v4-podslice", topology="4x4"), s.pop("elastic")),
+     "spec.slices.topology"),
+    ("elastic-topology-invalid", lambda s: s["elastic"].update(topologies=["3x3"]), "spec.elastic.topologies"),
+    ("sidecar-name", lambda s: s["template"]["spec"]["containers"][0].update(name="resilax-sidecar"),
+     "spec.template.spec.containers"),
+    ("no-containers", lambda s: s["template"]["spec"].update(containers=[]), "spec.template.spec.containers"),
+    ("no-template", lambda s: s.pop("template"), "spec.template"),
+    ("no-storage", lambda s: s["checkpoint"].pop("storage"), "spec.checkpoint.storage"),
+    ("restore-word", lambda s: s["checkpoint"]["restore"].update(step="yesterday"), "spec.checkpoint.restore.step"),
+    ("restore-negative", lambda s: s["checkpoint"]["restore"].update(step=-1), "spec.checkpoint.restore.step"),
+    ("negative-backoff", lambda s: s["recovery"].update(backoffSeconds=-1), "spec.recovery.backoffSeconds"),
+    ("negative-grace", lambda s: s["recovery"].update(nodeLossGraceSeconds=-1), "spec.recovery.nodeLossGraceSeconds"),
+    ("zero-keep", lambda s: s["checkpoint"]["keep"].update(last=0), "spec.checkpoint.keep.last"),
+    ("zero-minutes", lambda s: s["checkpoint"]["every"].update(minutes=0), "spec.checkpoint.every.minutes"),
+    ("zero-timeout", lambda s: s["checkpoint"]["finalSave"].update(timeoutSeconds=0),
+     "spec.checkpoint.finalSave.timeoutSeconds"),
+    ("s3-storage", lambda s: s["checkpoint"].update(storage="s3://x"), "spec.checkpoint.storage"),
+    ("size-limit", lambda s: s["checkpoint"]["local"].update(sizeLimit="lots"), "spec.checkpoint.local.sizeLimit"),
+    ("medium", lambda s: s["checkpoint"]["local"].update(medium="SSD"), "spec.checkpoint.local.medium"),
+    ("unknown-accelerator", lambda s: s["slices"].update(accelerator="tpu-v9"), "spec.slices.accelerator"),
+    ("machine-type-on-cpu", lambda s: (s["slices"].update(accelerator="cpu", topology="2x4", machineType="n2"),
+                                       s["elastic"].update(topologies=[])), "spec.slices.machineType"),
+    ("restart-always", lambda s: s["template"]["spec"].update(restartPolicy="Always"), "spec.template.spec.restartPolicy"),
+    ("zero-count", lambda s: s["slices"].update(count=0), "spec.slices.count"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "path"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_job_rejected_with_field_path(kube: Any, mutate: Callable[[Raw], Any], path: str) -> None:
+    from resilax_local.errors import KubeAPIError
+
+    with pytest.raises(KubeAPIError) as info:
+        kube.create(BASE, _job("bad", mutate))
+    assert info.value.status == 422 and path in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "message"), [("x" * 41, "at most 40"), ("9lives", "start with a letter")],
+                         ids=["too-long", "digit-first"])
+def test_bad_names_rejected(kube: Any, name: str, message: str) -> None:
+    from resilax_local.errors import KubeAPIError
+
+    with pytest.raises(KubeAPIError, match=message):
+        kube.create(BASE, _job(name))
+
+
+def test_status_round_trip(kube: Any) -> None:
+    kube.create(BASE, _job("status"))
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    full = st.JobStatus(phase=api.PHASE_SAVING, generation=2, shape=Shape("4x4", 3), hosts=12, pools=("a", "b", "c"),
+                        restore_step="latest", generation_start_time=t0, workers_created=True, restarts=1,
+                        planned_from="x/y", observed_generation=1,
+                        transition=st.Transition(st.PREEMPTION, 2, t0, "m", "status-g2-preemption", t0),
+                        checkpoint=st.CheckpointInfo(1200, t0))
+    full = st.set_condition(full, api.COND_READY, False, api.PREEMPTION_NOTICE.name, "m", t0)
+    got = kube.patch(f"{BASE}/status/status", {"status": st.build_status(full)})
+    assert st.parse_status(got["status"]) == full
+    got = kube.patch(f"{BASE}/status/status", {"status": st.build_status(st.JobStatus(phase=api.PHASE_RUNNING, generation=3))})
+    assert "transition" not in got["status"] and "shape" not in got["status"]
+    assert st.parse_status(got["status"]) == st.JobStatus(phase=api.PHASE_RUNNING, generation=3)
