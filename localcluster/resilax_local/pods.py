@@ -190,19 +190,26 @@ class PodWorker:
 
     # ---- the worker's own thread ---------------------------------------------------------------
     def _run(self) -> None:
+        failures = 0
         try:
             while not self.finished:
                 state = self.host.node_state(self.node)
                 if state == NodeState.KILLED:
                     self._wait(1.0)
                     continue
-                self._drain_events()
-                self._sync(api=state == NodeState.READY)
+                try:
+                    self._drain_events()
+                    self._sync(api=state == NodeState.READY)
+                    failures = 0
+                except Exception as e:  # the API server busy or restarting: keep the pod, try again
+                    failures += 1
+                    log.log(logging.ERROR if failures % 20 == 1 else logging.DEBUG,
+                            "pod %s/%s: sync failed (%d in a row), retrying: %r", self.namespace, self.name,
+                            failures, e, exc_info=failures == 1)
+                    self._wait(min(5.0, 0.5 * failures))
+                    continue
                 if not self.finished:
                     self._wait(self._next_wake())
-        except Exception:
-            log.exception("pod %s/%s: worker failed", self.namespace, self.name)
-            self.kill_now()
         finally:
             self._cleanup()
             self.host.forget(self.uid)
@@ -656,13 +663,20 @@ class PodWorker:
             main_runs = [c for c in self.containers if c.kind == "main"]
             ok = all(c.terminated is not None and c.terminated["exitCode"] == 0 for c in main_runs)
             self.terminal = "Succeeded" if ok else "Failed"
-        self._post_status()
-        try:
-            self.host.client.delete(f"/api/v1/namespaces/{self.namespace}/pods/{self.name}",
-                                    {"gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}})
-        except KubeAPIError as e:
-            if e.status not in (404, 409):
-                raise
+        for attempt in range(30):  # the final status and delete must land, or the pod hangs in Terminating
+            try:
+                self._post_status()
+                self.host.client.delete(f"/api/v1/namespaces/{self.namespace}/pods/{self.name}",
+                                        {"gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}})
+                return
+            except KubeAPIError as e:
+                if e.status in (404, 409):
+                    return
+                error: Exception = e
+            except Exception as e:
+                error = e
+            log.warning("pod %s/%s: final delete failed (attempt %d): %r", self.namespace, self.name, attempt + 1, error)
+            time.sleep(min(5.0, 0.5 * (attempt + 1)))
 
     def hostname(self) -> str:
         return str(self.pod["spec"].get("hostname") or self.name)[:63]
