@@ -170,3 +170,51 @@ def test_status_round_trip(kube: Any) -> None:
     got = kube.patch(f"{BASE}/status/status", {"status": st.build_status(st.JobStatus(phase=api.PHASE_RUNNING, generation=3))})
     assert "transition" not in got["status"] and "shape" not in got["status"]
     assert st.parse_status(got["status"]) == st.JobStatus(phase=api.PHASE_RUNNING, generation=3)
+
+
+@pytest.mark.parametrize("variant", ["tpu", "cpu", "gpu", "pvc"])
+def test_worker_manifests_pass_the_api_server_and_restricted_pod_security(kube: Any, variant: str) -> None:
+    """The builders' Service, Secret and Pods, created with dryRun in a namespace that enforces the
+    restricted Pod Security Standard (the API server's own admission)."""
+    from resilax_local.errors import KubeAPIError
+    from resilax_operator.builders import (
+        GenerationPlan,
+        JobRef,
+        build_pods,
+        build_service,
+        build_token_secret,
+    )
+    from resilax_operator.settings import OperatorSettings
+    from resilax_operator.validation import validate_spec
+
+    ns = "restricted"
+    try:
+        kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+            "name": ns, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
+                                   "pod-security.kubernetes.io/enforce-version": "latest"}}})
+        kube.create(f"/api/v1/namespaces/{ns}/serviceaccounts",
+                    {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}})
+    except KubeAPIError as e:
+        if e.status != 409:
+            raise
+    raw = good_spec()
+    raw["slices"], raw["elastic"] = {
+        "tpu": (raw["slices"], raw["elastic"]),
+        "cpu": ({"accelerator": "cpu", "topology": "2x4", "count": 2, "chipsPerHost": 4}, {"minCount": 1, "maxCount": 2}),
+        "gpu": ({"accelerator": "nvidia-l4", "topology": "1x2", "count": 2}, {"minCount": 1, "maxCount": 2}),
+        "pvc": (raw["slices"], raw["elastic"]),
+    }[variant]
+    if variant == "pvc":
+        raw["checkpoint"]["storage"] = "pvc://ckpt/runs"
+    spec = validate_spec(raw)
+    job = JobRef("llama", ns, "00000000-0000-0000-0000-000000000001")
+    plan = GenerationPlan(3, Shape(spec.slices.topology, 2), ("a", "b"))
+    settings = OperatorSettings(sidecar_image="resilax:test")
+    dry = "?dryRun=All"
+    kube.create(f"/api/v1/namespaces/{ns}/secrets{dry}", build_token_secret(job, "t"))
+    kube.create(f"/api/v1/namespaces/{ns}/services{dry}", build_service(job, plan, settings))
+    pods = [*build_pods(job, spec, plan, settings, coordinator_ip=None),
+            *build_pods(job, spec, plan, settings, coordinator_ip="10.0.0.1")]
+    for pod in pods:
+        created = kube.create(f"/api/v1/namespaces/{ns}/pods{dry}", pod)
+        assert created["spec"]["initContainers"][0]["restartPolicy"] == "Always"
