@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -86,6 +87,7 @@ class NodeAgent:
         self.next_pod_index = 256
         self.next_node_index = 0
         self.host_entries: dict[str, tuple[str, list[str]]] = {}
+        self.events = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
         self.nodes: dict[str, AgentNode] = {}
         for spec in nodes:
             self._add_node_record(spec)
@@ -131,6 +133,35 @@ class NodeAgent:
             with self.hosts_file.open("r+" if self.hosts_file.exists() else "w") as f:
                 f.write(text)
                 f.truncate()
+
+    def emit_event(self, pod: dict[str, Any], reason: str, message: str, warning: bool = False,
+                   container: str | None = None) -> None:
+        """A kubelet-style Event about the pod (Started, Killing, BackOff, Unhealthy, ...), sent in the background."""
+        meta = pod["metadata"]
+        node = (pod.get("spec") or {}).get("nodeName", "")
+        now = now_rfc3339()
+        involved = {"kind": "Pod", "apiVersion": "v1", "namespace": meta["namespace"], "name": meta["name"],
+                    "uid": meta["uid"]}
+        if container:
+            kind = "initContainers" if any(c["name"] == container for c in pod["spec"].get("initContainers") or []) \
+                else "containers"
+            involved["fieldPath"] = f"spec.{kind}{{{container}}}"
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": involved, "reason": reason, "message": message,
+            "type": "Warning" if warning else "Normal", "source": {"component": "kubelet", "host": node},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            "reportingComponent": "kubelet", "reportingInstance": node,
+        }
+
+        def send() -> None:
+            try:
+                self.client.create(f"/api/v1/namespaces/{meta['namespace']}/events", body)
+            except Exception as e:
+                log.debug("event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e)
+
+        self.events.submit(send)
 
     def forget(self, uid: str) -> None:
         with self.lock:

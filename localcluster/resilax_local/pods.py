@@ -69,6 +69,9 @@ class PodHost(Protocol):
 
     def publish_hosts(self, uid: str, ip: str, names: list[str]) -> None: ...
 
+    def emit_event(self, pod: Pod, reason: str, message: str, warning: bool = False,
+                   container: str | None = None) -> None: ...
+
     @property
     def hosts_file(self) -> Path: ...
 
@@ -296,6 +299,8 @@ class PodWorker:
             self.volumes = self._build_volumes()
             self.prepare_error = None
         except PrepareError as e:
+            if self.prepare_error != str(e):
+                self.host.emit_event(self.pod, "FailedMount", str(e), warning=True)
             self.prepare_error = str(e)
             self.next_prepare = time.monotonic() + 2.0
             for c in self.containers:
@@ -434,6 +439,8 @@ class PodWorker:
             env = podspec.build_env(self.pod, c.spec, self._lookup, self._base_env())
             argv = podspec.command_line(c.spec, env)
         except ValueError as e:
+            if c.waiting_message != str(e):
+                self.host.emit_event(self.pod, "Failed", f"Error: {e}", warning=True, container=c.name)
             c.waiting_reason, c.waiting_message = "CreateContainerConfigError", str(e)
             c.restart_at = time.monotonic() + 2.0
             return
@@ -483,6 +490,7 @@ class PodWorker:
             self.notify("wake")
 
         threading.Thread(target=waiter, daemon=True).start()
+        self.host.emit_event(self.pod, "Started", f"Started container {c.name}", container=c.name)
         log.info("pod %s/%s: started container %s (pid %d) on %s", self.namespace, self.name, c.name,
                  proc.pid, self.node)
 
@@ -514,6 +522,8 @@ class PodWorker:
         if c.restart_at is None:
             c.restart_at = now + podspec.restart_backoff(c.restart_count + 1)
             c.waiting_reason = "CrashLoopBackOff"
+            self.host.emit_event(self.pod, "BackOff", f"Back-off restarting failed container {c.name}",
+                                 warning=True, container=c.name)
             c.waiting_message = f"back-off restarting failed container {c.name}"
         return now >= c.restart_at
 
@@ -588,6 +598,9 @@ class PodWorker:
     def _kill_for_probe(self, c: ContainerRun, kind: str) -> None:
         """SIGTERM, then SIGKILL after the grace period, as the kubelet does for a failed probe."""
         log.info("pod %s/%s: container %s failed its %s probe, restarting", self.namespace, self.name, c.name, kind)
+        self.host.emit_event(self.pod, "Unhealthy", f"{kind.capitalize()} probe failed", warning=True, container=c.name)
+        self.host.emit_event(self.pod, "Killing", f"Container {c.name} failed {kind} probe, will be restarted",
+                             container=c.name)
         assert c.proc is not None
         proc = c.proc
         c.startup = c.readiness = c.liveness = None
@@ -645,6 +658,10 @@ class PodWorker:
     def _terminate(self, grace: int, api: bool) -> None:
         """Graceful termination as the kubelet does it, then (with `api`) the final status and delete."""
         log.info("pod %s/%s: terminating (grace %d s)", self.namespace, self.name, grace)
+        if api:
+            for c in self.containers:
+                if c.running():
+                    self.host.emit_event(self.pod, "Killing", f"Stopping container {c.name}", container=c.name)
         deadline = time.monotonic() + grace
         for c in self.containers:
             c.restart_at = None

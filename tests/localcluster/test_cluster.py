@@ -168,6 +168,13 @@ def test_restart_policy_on_failure_restarts_then_succeeds(cluster, kube, namespa
     assert "attempt 1" in cluster.logs(namespace, "flaky")
     assert "attempt 0" in cluster.logs(namespace, "flaky", previous=True)
 
+    def reasons() -> set[str]:
+        events = kube.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+        return {e["reason"] for e in events if e["involvedObject"]["name"] == "flaky"
+                and e["source"].get("component") == "kubelet"}
+
+    assert wait_for(lambda: {"Started", "BackOff"} <= reasons(), 30, message="kubelet events")
+
 
 def test_rbac_refuses_a_service_account_without_rights(cluster, kube, namespace):
     kube.create(f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": "nobody"}})
