@@ -289,8 +289,11 @@ class PodWorker:
 
     def _prepare(self) -> None:
         if self.pod_ip is None:
-            self.pod_ip = self.host.allocate_pod_ip()
-            self.host.publish_hosts(self.uid, self.pod_ip, self.dns_names())
+            if self.pod["spec"].get("hostNetwork"):
+                self.pod_ip = self.host.node_ip(self.node)  # the node's address, as with hostNetwork
+            else:
+                self.pod_ip = self.host.allocate_pod_ip()
+                self.host.publish_hosts(self.uid, self.pod_ip, self.dns_names())
             self.start_time = now_rfc3339()
             self.pod.setdefault("status", {})["podIP"] = self.pod_ip
             self.pod["status"]["hostIP"] = self.host.node_ip(self.node)
