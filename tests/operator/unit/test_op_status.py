@@ -71,3 +71,8 @@ def test_every_reason_has_a_message() -> None:
     assert len(reasons) >= 20
     for r in reasons:
         assert r.name[0].isupper() and " " not in r.name and r.message
+
+
+def test_reason_names_are_unique() -> None:
+    names = [v.name for v in vars(api).values() if isinstance(v, api.Reason)]
+    assert len(names) == len(set(names))
