@@ -35,8 +35,10 @@ On deletion of the JAXJob, execute `decide_cleanup(observed, settings)`.
 
 Rules the decisions keep, whatever the observed state:
 - Never two generations at once: `CreateGeneration(N+1)` only when no pod of this job exists at all.
-- The status is written before the objects it describes (`SetStatus` comes first), so an operator that
-  dies between two actions resumes from the status and the cluster.
+- A status that names a new generation (or a transition) is written before acting on it, and the
+  status records the workers as all created (`workersCreated`) only after creating them, so an
+  operator that dies between two actions resumes from the status and the cluster.
+- At most one `SetStatus` per decision (the full status, not a diff).
 - Deciding twice on the same observed state gives the same actions.
 - Time is injected (`Observed.now`), never read.
 """
