@@ -1,0 +1,229 @@
+"""The only module that talks to the outside world: the Kubernetes API and the workers' sidecars.
+
+Dicts in, dicts out (the JSON the API speaks; the pure modules parse it). Synchronous: kopf runs sync
+handlers and daemons in its thread pool. The `kubernetes` client only loads the configuration and
+carries the requests (`ApiClient.call_api`), so every body stays the camelCase JSON of the manifests.
+
+Errors: 404 on a delete and 409 on a create are success (every action is idempotent); 5xx, 429,
+timeouts and refused connections are transient (`kopf.TemporaryError`, retried by the next
+reconcile); anything else is a `KubeError` with the API's message.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import secrets
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, Final
+
+import kopf
+import kubernetes
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+from . import api
+from .builders import Manifest, build_token_secret, build_token_secret_name
+from .errors import ResilaxOperatorError
+
+log = logging.getLogger(__name__)
+
+MERGE_PATCH: Final = "application/merge-patch+json"
+#: Seconds for one API request.
+API_TIMEOUT: Final = 20.0
+#: Seconds for one sidecar request (connect, read).
+SIDECAR_TIMEOUT: Final = urllib3.Timeout(connect=2.0, read=5.0)
+TRANSIENT_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
+
+
+class KubeError(ResilaxOperatorError, RuntimeError):
+    """An API call that failed for a reason retrying will not fix (403, 422, ...)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+class SidecarError(ResilaxOperatorError, ConnectionError):
+    """A sidecar that did not answer, or answered an error."""
+
+
+def load_api_client(kubeconfig: str | None = None) -> kubernetes.client.ApiClient:
+    """In-cluster configuration when running in a pod (and no kubeconfig is given), else the kubeconfig."""
+    if kubeconfig is None:
+        try:
+            kubernetes.config.load_incluster_config()
+            return kubernetes.client.ApiClient()
+        except kubernetes.config.ConfigException:
+            pass
+    return kubernetes.config.new_client_from_config(config_file=kubeconfig)
+
+
+class Kube:
+    """The API calls the operator makes. Thread-safe (the client's urllib3 pool is)."""
+
+    def __init__(self, client: kubernetes.client.ApiClient) -> None:
+        self.client = client
+        self._http = urllib3.PoolManager(num_pools=8, maxsize=8, retries=False)
+        self._tokens: dict[str, str] = {}  # job uid -> sidecar bearer token
+
+    # ---- raw requests ----------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None, *, query: Mapping[str, Any] | None = None,
+                content_type: str = "application/json", ok: tuple[int, ...] = ()) -> dict[str, Any] | None:
+        """One API request; returns the parsed JSON answer, or None for a status listed in `ok`."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        try:
+            method_, url, headers_, body_, _ = self.client.param_serialize(
+                method, path, query_params=list((query or {}).items()), header_params=headers, body=body,
+                auth_settings=["BearerToken"])
+            response = self.client.call_api(method_, url, header_params=headers_, body=body_,
+                                            _request_timeout=API_TIMEOUT)
+            data = response.read()
+        except ApiException as e:  # the client's own transport errors (status 0)
+            raise kopf.TemporaryError(f"{method} {path}: {e}", delay=2) from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise kopf.TemporaryError(f"{method} {path}: {e}", delay=2) from e
+        status = int(response.status)
+        if status >= 400:
+            if status in ok:
+                return None
+            message = _api_message(data) or str(response.reason)
+            if status in TRANSIENT_STATUSES:
+                raise kopf.TemporaryError(f"{method} {path}: {status} {message}", delay=2)
+            raise KubeError(status, f"{method} {path}: {status} {message}")
+        parsed = json.loads(data) if data else {}
+        return parsed if isinstance(parsed, dict) else {}
+
+    def _list(self, path: str, **query: Any) -> list[dict[str, Any]]:
+        answer = self.request("GET", path, query=query) or {}
+        return list(answer.get("items") or [])
+
+    # ---- reading the world -----------------------------------------------------------------
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.request("GET", _job_path(namespace, name), ok=(404,))
+
+    def list_job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        return self._list(f"/api/v1/namespaces/{namespace}/pods", labelSelector=f"{api.LABEL_JOB}={job}")
+
+    def list_job_services(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        return self._list(f"/api/v1/namespaces/{namespace}/services", labelSelector=f"{api.LABEL_JOB}={job}")
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        return self._list("/api/v1/nodes")
+
+    def list_live_pods(self, namespace: str) -> list[dict[str, Any]]:
+        """Pods that may hold accelerators: every namespace if allowed, else `namespace` only."""
+        selector = "status.phase!=Succeeded,status.phase!=Failed"
+        try:
+            return self._list("/api/v1/pods", fieldSelector=selector)
+        except KubeError as e:
+            if e.status != 403:
+                raise
+            return self._list(f"/api/v1/namespaces/{namespace}/pods", fieldSelector=selector)
+
+    # ---- writing ---------------------------------------------------------------------------
+    def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        self.request("PATCH", _job_path(namespace, name) + "/status", {"status": dict(status)},
+                     content_type=MERGE_PATCH)
+
+    def create(self, manifest: Manifest) -> bool:
+        """Create a namespaced core/v1 object; False if it already existed."""
+        kind = str(manifest["kind"]).lower() + "s"
+        namespace = manifest["metadata"]["namespace"]
+        return self.request("POST", f"/api/v1/namespaces/{namespace}/{kind}", manifest, ok=(409,)) is not None
+
+    def delete_pod(self, namespace: str, name: str, *, force: bool = False) -> None:
+        body = {"gracePeriodSeconds": 0} if force else None
+        self.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body, ok=(404,))
+
+    def delete_service(self, namespace: str, name: str) -> None:
+        self.request("DELETE", f"/api/v1/namespaces/{namespace}/services/{name}", ok=(404,))
+
+    def delete_secret(self, namespace: str, name: str) -> None:
+        self.request("DELETE", f"/api/v1/namespaces/{namespace}/secrets/{name}", ok=(404,))
+
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        self.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}",
+                     {"metadata": {"annotations": dict(annotations)}}, content_type=MERGE_PATCH)
+
+    def create_event(self, job: Mapping[str, Any], type_: str, reason: str, message: str, now: datetime) -> None:
+        """A core/v1 Event on the JAXJob (what `kubectl describe jaxjob` shows)."""
+        meta = job.get("metadata") or {}
+        namespace, name = meta.get("namespace", ""), meta.get("name", "")
+        stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        micro = now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{name}.", "namespace": namespace},
+            "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": name,
+                               "namespace": namespace, "uid": meta.get("uid"),
+                               "resourceVersion": meta.get("resourceVersion")},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "firstTimestamp": stamp, "lastTimestamp": stamp, "eventTime": micro, "count": 1,
+            "action": reason, "reportingComponent": "resilax-operator",
+            "reportingInstance": "resilax-operator", "source": {"component": "resilax-operator"},
+        }
+        self.request("POST", f"/api/v1/namespaces/{namespace}/events", event)
+
+    # ---- the sidecars' token ---------------------------------------------------------------
+    def ensure_token_secret(self, job: Any) -> str:
+        """The job's sidecar token: read from its Secret, which is created (random token) if missing.
+        `job` is a builders.JobRef."""
+        cached = self._tokens.get(job.uid)
+        if cached:
+            return cached
+        name = build_token_secret_name(job.name)
+        path = f"/api/v1/namespaces/{job.namespace}/secrets/{name}"
+        secret = self.request("GET", path, ok=(404,))
+        if secret is None:
+            self.create(build_token_secret(job, secrets.token_urlsafe(32)))
+            secret = self.request("GET", path) or {}
+        raw = (secret.get("data") or {}).get(api.TOKEN_KEY)
+        if not raw:
+            raise KubeError(422, f"secret {job.namespace}/{name} has no key {api.TOKEN_KEY!r}")
+        token = base64.b64decode(raw).decode().strip()
+        self._tokens[job.uid] = token
+        return token
+
+    def forget_token(self, uid: str) -> None:
+        self._tokens.pop(uid, None)
+
+    # ---- the sidecars' HTTP API (docs/sidecar.md) ------------------------------------------
+    def sidecar(self, method: str, ip: str, port: int, path: str, body: Mapping[str, Any] | None = None,
+                token: str | None = None) -> dict[str, Any]:
+        host = f"[{ip}]" if ":" in ip else ip
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        try:
+            response = self._http.request(method, f"http://{host}:{port}{path}", headers=headers,
+                                          body=None if body is None else json.dumps(body).encode(),
+                                          timeout=SIDECAR_TIMEOUT)
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise SidecarError(f"sidecar {host}:{port} {method} {path}: {e}") from e
+        try:
+            answer = json.loads(response.data or b"{}")
+        except json.JSONDecodeError:
+            answer = {"error": {"message": response.data[:200].decode(errors="replace")}}
+        if response.status >= 400:
+            error = (answer.get("error") or {}).get("message") if isinstance(answer, dict) else answer
+            raise SidecarError(f"sidecar {host}:{port} {method} {path}: {response.status} {error}")
+        return answer if isinstance(answer, dict) else {}
+
+
+def _job_path(namespace: str, name: str) -> str:
+    return f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{namespace}/{api.PLURAL}/{name}"
+
+
+def _api_message(data: bytes | None) -> str:
+    try:
+        answer = json.loads(data or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return (data or b"")[:200].decode(errors="replace")
+    return str(answer.get("message") or "") if isinstance(answer, dict) else ""

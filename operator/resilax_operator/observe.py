@@ -1,0 +1,229 @@
+"""The I/O side of one reconcile: observe the world, decide (pure), execute the actions in order.
+
+1. `observe`: the JAXJob, its pods and Services, the nodes, the live pods of others (capacity), the
+   sidecars' answers to an open final save request and pod 0's `/v1/state` → `reconcile.Observed`.
+2. `reconcile.decide_raw` (or `decide_cleanup` on deletion).
+3. `execute`: each action through `k8s.Kube`, in order, stopping at the first failure (the exception
+   propagates; the next reconcile decides again from what is then observed).
+
+Everything here is synchronous; handlers.py calls `reconcile_job` from a kopf daemon thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from . import api, metrics
+from . import status as st
+from .builders import JobRef, build_pod_name, build_service_name, build_token_secret_name
+from .k8s import Kube, SidecarError
+from .reconcile import (
+    Action,
+    CreateGeneration,
+    DeleteGeneration,
+    EmitEvent,
+    Observed,
+    RequestFinalSave,
+    RequeueAfter,
+    SaveOutcome,
+    SetStatus,
+    build_observed,
+    decide_cleanup,
+    decide_raw,
+    parse_save_outcome,
+    parse_sidecar_state,
+    status_body,
+)
+from .settings import OperatorSettings
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+
+#: Longest wait between two reconciles of one job, whatever the actions say (seconds).
+MAX_REQUEUE_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class World:
+    """What one reconcile read: the raw bodies (to execute against) and the parsed snapshot."""
+
+    job: Mapping[str, Any]
+    pods: tuple[Mapping[str, Any], ...]
+    observed: Observed
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC)
+
+
+def job_ref(job: Mapping[str, Any]) -> JobRef:
+    meta = job.get("metadata") or {}
+    return JobRef(str(meta.get("name", "")), str(meta.get("namespace", "")), str(meta.get("uid", "")))
+
+
+def _pod_ip(pod: Mapping[str, Any]) -> str | None:
+    return (pod.get("status") or {}).get("podIP") or None
+
+
+def _annotation(pod: Mapping[str, Any], key: str) -> str | None:
+    return ((pod.get("metadata") or {}).get("annotations") or {}).get(key)
+
+
+def observe(kube: Kube, job: Mapping[str, Any], settings: OperatorSettings, logger: Logger,
+            now: datetime | None = None) -> World:
+    ref = job_ref(job)
+    pods = kube.list_job_pods(ref.namespace, ref.name)
+    services = kube.list_job_services(ref.namespace, ref.name)
+    nodes = kube.list_nodes()
+    others = kube.list_live_pods(ref.namespace)
+    status = st.parse_status(job.get("status"))
+    outcomes = observe_save_outcomes(kube, status, pods, settings, logger)
+    checkpoint = None
+    if status.generation > 0:
+        pod0 = next((p for p in pods if (p.get("metadata") or {}).get("name")
+                     == build_pod_name(ref.name, status.generation, 0, 0)), None)
+        if pod0 is not None and _pod_ip(pod0) and (pod0.get("status") or {}).get("phase") == "Running":
+            try:
+                state = kube.sidecar("GET", str(_pod_ip(pod0)), settings.sidecar_port, "/v1/state")
+                checkpoint = parse_sidecar_state(state, now or now_utc())
+            except SidecarError as e:
+                logger.debug("no checkpoint state from %s: %s", build_pod_name(ref.name, status.generation, 0, 0), e)
+    observed = build_observed(job, now=now or now_utc(), pods=pods, services=services, nodes=nodes,
+                              other_pods=others, save_outcomes=outcomes, checkpoint=checkpoint)
+    return World(job, tuple(pods), observed)
+
+
+def observe_save_outcomes(kube: Kube, status: st.JobStatus, pods: Sequence[Mapping[str, Any]],
+                          settings: OperatorSettings, logger: Logger) -> tuple[SaveOutcome, ...]:
+    """The sidecars' answers to the open final save request: the first committed, else the first failed."""
+    t = status.transition
+    if t is None or not t.saving or not t.save_request_id:
+        return ()
+    found: list[SaveOutcome] = []
+    for pod in pods:
+        value = _annotation(pod, api.ANNOTATION_SAVE_REQUEST) or ""
+        request_id, _, sidecar_id = value.partition("=")
+        ip = _pod_ip(pod)
+        if request_id != t.save_request_id or not sidecar_id or not ip:
+            continue
+        try:
+            answer = kube.sidecar("GET", ip, settings.sidecar_port, f"/v1/save/{sidecar_id}")
+        except SidecarError as e:
+            logger.debug("save %s not readable from %s: %s", sidecar_id, pod["metadata"]["name"], e)
+            continue
+        outcome = parse_save_outcome(t.save_request_id, answer)
+        if outcome is not None:
+            found.append(outcome)
+    committed = [o for o in found if o.committed and o.error is None]
+    return (committed[0],) if committed else tuple(found[:1])
+
+
+def execute(kube: Kube, world: World, actions: Sequence[Action], settings: OperatorSettings,
+            logger: Logger) -> float:
+    """Run the actions in order; the first failure propagates. Returns the seconds until the next look."""
+    job, ref = world.job, job_ref(world.job)
+    wait = MAX_REQUEUE_SECONDS
+    status_before = world.observed.status
+    for action in actions:
+        if isinstance(action, SetStatus):
+            kube.patch_job_status(ref.namespace, ref.name, status_body(action))
+            metrics.record_status(ref, status_before, action.status, world.observed.now)
+            status_before = action.status
+        elif isinstance(action, CreateGeneration):
+            kube.ensure_token_secret(ref)
+            if action.service is not None:
+                kube.create(action.service)
+            created = [m["metadata"]["name"] for m in action.pods if kube.create(m)]
+            if created:
+                logger.info("generation %d: created %s", action.generation, ", ".join(created))
+        elif isinstance(action, DeleteGeneration):
+            delete_generation(kube, world, action, logger)
+        elif isinstance(action, RequestFinalSave):
+            request_final_save(kube, world, action, settings, logger)
+        elif isinstance(action, EmitEvent):
+            log = logger.warning if action.type == "Warning" else logger.info
+            log("%s: %s", action.reason, action.message)
+            kube.create_event(job, action.type, action.reason, action.message, world.observed.now)
+        elif isinstance(action, RequeueAfter):
+            wait = min(wait, action.seconds)
+    return max(0.5, wait)
+
+
+def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger: Logger) -> None:
+    ref = job_ref(world.job)
+    gone = []
+    for pod in world.pods:
+        meta = pod.get("metadata") or {}
+        if (meta.get("labels") or {}).get(api.LABEL_GENERATION) != str(action.generation):
+            continue
+        name = str(meta.get("name"))
+        force = name in action.force_pods
+        if meta.get("deletionTimestamp") and not force:
+            continue  # already going; deleting again changes nothing
+        kube.delete_pod(ref.namespace, name, force=force)
+        gone.append(name + (" (force)" if force else ""))
+    kube.delete_service(ref.namespace, build_service_name(ref.name, action.generation))
+    if gone:
+        logger.info("generation %d (%s): deleting %s", action.generation, action.reason, ", ".join(gone))
+
+
+def request_final_save(kube: Kube, world: World, action: RequestFinalSave, settings: OperatorSettings,
+                       logger: Logger) -> None:
+    """POST /v1/save (stop) to each named pod's sidecar not yet asked, then annotate the pod."""
+    ref = job_ref(world.job)
+    wanted = set(action.pods)
+    asked = errors = 0
+    token: str | None = None
+    for pod in world.pods:
+        meta = pod.get("metadata") or {}
+        name = str(meta.get("name"))
+        if name not in wanted:
+            continue
+        if (_annotation(pod, api.ANNOTATION_SAVE_REQUEST) or "").startswith(action.request_id + "="):
+            asked += 1
+            continue
+        ip = _pod_ip(pod)
+        if not ip:
+            continue
+        token = token or kube.ensure_token_secret(ref)
+        try:
+            answer = kube.sidecar("POST", ip, settings.sidecar_port, "/v1/save",
+                                  {"reason": action.reason, "stop": True}, token=token)
+        except SidecarError as e:
+            errors += 1
+            logger.warning("final save request to %s failed: %s", name, e)
+            continue
+        kube.annotate_pod(ref.namespace, name, {api.ANNOTATION_SAVE_REQUEST: f"{action.request_id}={answer.get('id')}"})
+        asked += 1
+        logger.info("final save (%s) requested from %s: sidecar request %s", action.reason, name, answer.get("id"))
+    if asked == 0 and errors:
+        raise SidecarError(f"no sidecar of generation {action.generation} took the final save request")
+
+
+def reconcile_job(kube: Kube, namespace: str, name: str, settings: OperatorSettings,
+                  logger: Logger) -> float | None:
+    """One reconcile of one JAXJob; the seconds until the next one (None: the job is gone)."""
+    job = kube.get_job(namespace, name)
+    if job is None:
+        return None
+    if (job.get("metadata") or {}).get("deletionTimestamp"):
+        cleanup_job(kube, job, settings, logger)
+        return MAX_REQUEUE_SECONDS
+    world = observe(kube, job, settings, logger)
+    metrics.record_checkpoint(world.observed)
+    actions = decide_raw(job.get("spec") or {}, world.observed, settings)
+    return execute(kube, world, actions, settings, logger)
+
+
+def cleanup_job(kube: Kube, job: Mapping[str, Any], settings: OperatorSettings, logger: Logger) -> None:
+    """On deletion: force-delete pods no kubelet will confirm; the garbage collector does the rest.
+    The token Secret has an owner reference too; deleting it here spares a garbage-collector round."""
+    world = observe(kube, job, settings, logger)
+    execute(kube, world, decide_cleanup(world.observed, settings), settings, logger)
+    ref = job_ref(job)
+    kube.delete_secret(ref.namespace, build_token_secret_name(ref.name))
+    kube.forget_token(ref.uid)
+    metrics.forget_job(ref)

@@ -1,0 +1,289 @@
+"""Fixtures for the operator's end-to-end tests against the local cluster.
+
+- `crds` (session): the chart's CRDs (JAXJob, kopf peering) applied and Established.
+- `operator_rbac` (function): a ServiceAccount in the test's namespace bound to a ClusterRole made of
+  charts/resilax/files/operator-rules.yaml (exactly the chart's rules, not admin), a KopfPeering, and a
+  kubeconfig with that ServiceAccount's token.
+- `operator` (function): `resilax operator --namespace <ns> --peering <name>` as a separate process
+  with that kubeconfig; `.restart()`, `.kill()`; stopped (and its log printed on failure) at teardown.
+- `jobs` (function): helpers to create/read JAXJobs and read the workers' loss logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from resilax_local.cluster import LocalCluster
+from resilax_local.errors import KubeAPIError
+from resilax_local.kubeapi import KubeClient
+from resilax_local.testing import wait_for
+
+ROOT = Path(__file__).resolve().parents[3]
+CRD_DIR = ROOT / "charts" / "resilax" / "crds"
+RULES_FILE = ROOT / "charts" / "resilax" / "files" / "operator-rules.yaml"
+EXAMPLE = ROOT / "examples" / "train.py"
+GROUP, VERSION, PLURAL = "resilax.dev", "v1alpha1", "jaxjobs"
+
+
+def jobs_path(namespace: str, name: str | None = None) -> str:
+    base = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+    return f"{base}/{name}" if name else base
+
+
+@pytest.fixture(scope="session")
+def crds(kube: KubeClient) -> None:
+    for path in sorted(CRD_DIR.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc:
+                continue
+            name = doc["metadata"]["name"]
+            try:
+                current = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+                doc["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+                kube.put(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}", doc)
+            except KubeAPIError as e:
+                if e.status != 404:
+                    raise
+                kube.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", doc)
+
+            def established(name: str = name) -> bool:
+                crd = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+                return any(c["type"] == "Established" and c["status"] == "True"
+                           for c in (crd.get("status") or {}).get("conditions") or [])
+
+            wait_for(established, timeout=60, message=f"CRD {name} Established")
+
+
+class OperatorRBAC:
+    def __init__(self, namespace: str, account: str, role: str, peering: str, kubeconfig: Path) -> None:
+        self.namespace, self.account, self.role, self.peering, self.kubeconfig = (
+            namespace, account, role, peering, kubeconfig)
+
+
+@pytest.fixture
+def operator_rbac(cluster: LocalCluster, kube: KubeClient, crds: None, namespace: str,
+                  tmp_path: Path) -> Iterator[OperatorRBAC]:
+    account = "resilax-operator"
+    role = f"resilax-operator-{namespace}"[:63]
+    kube.create(f"/api/v1/namespaces/{namespace}/serviceaccounts",
+                {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}})
+    rules = yaml.safe_load(RULES_FILE.read_text())
+    kube.create("/apis/rbac.authorization.k8s.io/v1/clusterroles",
+                {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                 "metadata": {"name": role}, "rules": rules})
+    kube.create("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+                {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                 "metadata": {"name": role},
+                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+                 "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]})
+    peering = "resilax"
+    kube.create(f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings",
+                {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": peering}})
+    kubeconfig = cluster.service_account_kubeconfig(namespace, account, path=tmp_path / "operator-kubeconfig")
+    yield OperatorRBAC(namespace, account, role, peering, kubeconfig)
+    for path in (f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{role}",
+                 f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{role}"):
+        with contextlib.suppress(KubeAPIError):
+            kube.delete(path)
+
+
+class OperatorProcess:
+    """`resilax operator` as a separate process authenticated as the operator's ServiceAccount."""
+
+    def __init__(self, rbac: OperatorRBAC, log_dir: Path) -> None:
+        self.rbac = rbac
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.runs = 0
+        self.metrics_port = 0
+
+    @property
+    def log_file(self) -> Path:
+        return self.log_dir / f"operator-{self.runs}.log"
+
+    def start(self) -> OperatorProcess:
+        self.runs += 1
+        env = {**os.environ, "RESILAX_OPERATOR_GROW_BACK_SETTLE_SECONDS": "20",
+               "RESILAX_OPERATOR_STUCK_TERMINATING_SECONDS": "30"}
+        env.pop("KUBECONFIG", None)
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.metrics_port = s.getsockname()[1]
+        cmd = [str(Path(sys.executable).parent / "resilax"), "operator", "--namespace", self.rbac.namespace,
+               "--peering", self.rbac.peering, "--peering-lifetime", "15", "--kubeconfig", str(self.rbac.kubeconfig),
+               "--metrics-bind-address", f"127.0.0.1:{self.metrics_port}"]
+        with self.log_file.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    def restart(self) -> OperatorProcess:
+        self.kill()
+        return self.start()
+
+    def logs(self) -> str:
+        return "\n".join((self.log_dir / f"operator-{i}.log").read_text(errors="replace")
+                         for i in range(1, self.runs + 1) if (self.log_dir / f"operator-{i}.log").exists())
+
+    def metrics(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            return str(r.read().decode())
+
+
+@pytest.fixture
+def operator(operator_rbac: OperatorRBAC, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[OperatorProcess]:
+    proc = OperatorProcess(operator_rbac, tmp_path).start()
+    yield proc
+    alive = proc.proc is not None and proc.proc.poll() is None
+    proc.kill(signal.SIGTERM)
+    report = getattr(request.node, "rep_call", None)
+    if report is None or report.failed or not alive:
+        print(f"---- operator log (alive at teardown: {alive}) ----\n" + proc.logs()[-30000:])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+def worker_template(*, steps: int, step_seconds: float, devices: int = 2, command: list[str] | None = None,
+                    extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    cmd = command or [sys.executable, str(EXAMPLE), "--steps", str(steps), "--step-seconds", str(step_seconds)]
+    return {"spec": {"containers": [{"name": "trainer", "image": "resilax-worker:local", "command": cmd,
+                                     "env": [{"name": k, "value": v} for k, v in env.items()]}]}}
+
+
+def job_manifest(name: str, storage: Path, *, count: int = 2, elastic: dict[str, Any] | None = None,
+                 every_steps: int = 4, steps: int = 30, step_seconds: float = 0.5,
+                 recovery: dict[str, Any] | None = None, template: dict[str, Any] | None = None,
+                 final_save_timeout: int = 60) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "slices": {"accelerator": "tpu-v5-lite-podslice", "topology": "2x4", "count": count,
+                   "machineType": "ct5lp-hightpu-4t"},
+        "checkpoint": {"storage": str(storage), "every": {"steps": every_steps},
+                       "finalSave": {"onPreemption": True, "onResize": True, "timeoutSeconds": final_save_timeout}},
+        "recovery": {"maxRestarts": 3, "backoffSeconds": 2, "nodeLossGraceSeconds": 5, **(recovery or {})},
+        "template": template or worker_template(steps=steps, step_seconds=step_seconds),
+    }
+    if elastic is not None:
+        spec["elastic"] = elastic
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "JAXJob", "metadata": {"name": name}, "spec": spec}
+
+
+class Jobs:
+    """Create and watch JAXJobs of one namespace; read the workers' loss lines."""
+
+    def __init__(self, kube: KubeClient, cluster: LocalCluster, namespace: str) -> None:
+        self.kube, self.cluster, self.namespace = kube, cluster, namespace
+
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        return self.kube.create(jobs_path(self.namespace), manifest)
+
+    def get(self, name: str) -> dict[str, Any]:
+        return self.kube.get(jobs_path(self.namespace, name))
+
+    def status(self, name: str) -> dict[str, Any]:
+        return dict(self.get(name).get("status") or {})
+
+    def patch_spec(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return self.kube.patch(jobs_path(self.namespace, name), {"spec": spec})
+
+    def delete(self, name: str) -> None:
+        self.kube.delete(jobs_path(self.namespace, name))
+
+    def wait_status(self, name: str, predicate: Any, timeout: float, message: str) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            s = self.status(name)
+            return s if predicate(s) else None
+
+        try:
+            return wait_for(check, timeout=timeout, interval=0.5, message=f"{name}: {message}")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\nstatus: {json.dumps(self.status(name), indent=1)[:4000]}\n"
+                               f"pods: {self.pod_summary(name)}") from None
+
+    def pods(self, name: str, generation: int | None = None) -> list[dict[str, Any]]:
+        selector = f"resilax.dev/job={name}"
+        if generation is not None:
+            selector += f",resilax.dev/generation={generation}"
+        return list(self.kube.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=selector)["items"])
+
+    def pod_summary(self, name: str) -> list[tuple[str, str, str | None, bool]]:
+        return [(p["metadata"]["name"], p.get("status", {}).get("phase", ""), p["spec"].get("nodeName"),
+                 bool(p["metadata"].get("deletionTimestamp"))) for p in self.pods(name)]
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        items = self.kube.get(f"/api/v1/namespaces/{self.namespace}/events",
+                              fieldSelector=f"involvedObject.name={name}")["items"]
+        return sorted(items, key=lambda e: e.get("eventTime") or e.get("lastTimestamp") or "")
+
+    def losses(self, name: str, generation: int) -> dict[int, dict[str, Any]]:
+        """Process 0's JSON loss lines of `generation` (step → record), from the pod's trainer log."""
+        pod = f"{name}-g{generation}-s0-h0"
+        try:
+            text = self.cluster.logs(self.namespace, pod, "trainer")
+        except (FileNotFoundError, ValueError):
+            return {}
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("{") and '"loss"' in line:
+                with contextlib.suppress(json.JSONDecodeError):
+                    record = json.loads(line)
+                    out[int(record["step"])] = record
+        return out
+
+    def trainer_log(self, name: str, generation: int, slice_index: int = 0, host: int = 0) -> str:
+        try:
+            return self.cluster.logs(self.namespace, f"{name}-g{generation}-s{slice_index}-h{host}", "trainer")
+        except (FileNotFoundError, ValueError) as e:
+            return f"<no log: {e}>"
+
+
+@pytest.fixture
+def jobs(kube: KubeClient, cluster: LocalCluster, namespace: str) -> Jobs:
+    return Jobs(kube, cluster, namespace)
+
+
+def committed_steps(storage: Path) -> list[int]:
+    """Steps with a commit marker in a folder checkpoint root."""
+    if not storage.exists():
+        return []
+    return sorted(int(p.name) for p in storage.iterdir() if p.name.isdigit() and (p / "_COMMIT").exists())
+
+
+def unique_name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:4]}"
+
+
+def now() -> float:
+    return time.time()

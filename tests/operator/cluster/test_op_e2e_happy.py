@@ -1,0 +1,54 @@
+"""Happy path end to end: JAXJob → generation 1 Running → training steps → all exit 0 → Succeeded;
+deleting the JAXJob removes pods, Services and the token Secret; the checkpoints stay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
+from resilax_local.kubeapi import KubeClient
+from resilax_local.testing import wait_for
+
+
+def test_job_runs_to_success_and_deletion_cleans_up(operator: OperatorProcess, jobs: Jobs, kube: KubeClient,
+                                                   namespace: str, tmp_path: Path) -> None:
+    name = unique_name("happy")
+    storage = tmp_path / "ckpt"
+    jobs.create(job_manifest(name, storage, count=2, steps=8, step_seconds=0.2, every_steps=4))
+
+    running = jobs.wait_status(name, lambda s: s.get("phase") in ("Running", "Succeeded"), 300,
+                               "generation 1 Running")
+    assert running["generation"] == 1
+    assert running["shape"] == {"topology": "2x4", "count": 2, "hosts": 4}
+    pods = jobs.pods(name, 1)
+    assert sorted(p["metadata"]["name"] for p in pods) == sorted(
+        f"{name}-g1-s{s}-h{h}" for s in range(2) for h in range(2))
+    # One worker per node, each slice on its own pool.
+    assert len({p["spec"]["nodeName"] for p in pods}) == 4
+
+    done = jobs.wait_status(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), 300, "Succeeded")
+    assert done["phase"] == "Succeeded", done
+    losses = jobs.losses(name, 1)
+    assert sorted(losses) == list(range(1, 9))
+    assert all(r["devices"] == 8 for r in losses.values())  # 4 processes x 2 fake devices
+    assert committed_steps(storage) == [4, 8]
+    reasons = [e["reason"] for e in jobs.events(name)]
+    assert "WorkersRunning" in reasons and "Completed" in reasons
+
+    jobs.delete(name)
+    wait_for(lambda: not jobs.pods(name), timeout=120, message="worker pods gone")
+    wait_for(lambda: not kube.get(f"/api/v1/namespaces/{namespace}/services",
+                                  labelSelector=f"resilax.dev/job={name}")["items"], timeout=120,
+             message="services gone")
+    wait_for(lambda: not [s for s in kube.get(f"/api/v1/namespaces/{namespace}/secrets")["items"]
+                          if s["metadata"]["name"].startswith(name)], timeout=120, message="token secret gone")
+
+    def job_gone() -> bool:
+        try:
+            jobs.get(name)
+        except Exception:
+            return True
+        return False
+
+    wait_for(job_gone, timeout=60, message="JAXJob gone (finalizer removed)")
+    assert committed_steps(storage) == [4, 8]  # checkpoints stay
