@@ -76,15 +76,18 @@ class LocalCluster:
         started = time.monotonic()
         deadline = started + timeout
         control_plane = ControlPlane(self.run_dir, ensure_binaries(), self.settings)
-        try:
-            control_plane.start(timeout=timeout)
+        def start_agent() -> None:
             self._procs.update(control_plane.processes)
-            self._write_state(control_plane)
             (self.run_dir / "agent-config.json").write_text(json.dumps({
                 "kubeconfig": str(control_plane.kubeconfig), "lease_renew_seconds": self.lease_renew_seconds,
                 "nodes": [n.to_json() for n in self.node_specs]}, indent=1))
             self._procs["node-agent"] = spawn([sys.executable, "-m", "resilax_local.agent", str(self.run_dir)],
                                               self.run_dir / "logs" / "node-agent.log")
+            self._write_state(control_plane)
+
+        try:
+            control_plane.start(timeout=timeout, after_api=start_agent)
+            self._procs.update(control_plane.processes)
             self._write_state(control_plane)
             self._wait_agent(deadline)
             self.wait_nodes_ready([n.name for n in self.node_specs], timeout=max(5.0, deadline - time.monotonic()))

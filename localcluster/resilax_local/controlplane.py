@@ -12,6 +12,7 @@ import logging
 import subprocess
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,8 +72,11 @@ class ControlPlane:
         creds = Credentials(self.server, str(ca.cert_path), str(pair.cert), str(pair.key))
         return write_kubeconfig(self.pki_dir / f"{stem}.kubeconfig", creds)
 
-    def start(self, timeout: float = 180.0) -> None:
-        """Start all four components and return once the API server is ready and controllers run."""
+    def start(self, timeout: float = 180.0, after_api: Callable[[], None] | None = None) -> None:
+        """Start all four components and return once the API server is ready and controllers run.
+
+        `after_api` is called as soon as the API server is ready, while the controllers start (the
+        cluster starts its node agent there, to overlap their start-ups)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for name in ("etcd_client", "etcd_peer", "apiserver", "controller_manager", "scheduler"):
             self.ports.setdefault(name, free_port())
@@ -140,12 +144,15 @@ class ControlPlane:
             f"--node-eviction-rate={s.node_eviction_rate}", f"--secondary-node-eviction-rate={s.node_eviction_rate}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
         ], logs / "kube-controller-manager.log")
-        self.processes["kube-scheduler"] = spawn([
+        scheduler_argv = [
             str(self.binaries.kube_scheduler),
             f"--kubeconfig={scheduler_config}", f"--authentication-kubeconfig={scheduler_config}",
             f"--authorization-kubeconfig={scheduler_config}",
             "--bind-address=127.0.0.1", f"--secure-port={p['scheduler']}", "--leader-elect=false",
-        ], logs / "kube-scheduler.log")
+        ]
+        self.processes["kube-scheduler"] = spawn(scheduler_argv, logs / "kube-scheduler.log")
+        if after_api is not None:
+            after_api()
         self._wait_https_health("kube-controller-manager", p["controller_manager"], deadline)
         self._wait_https_health("kube-scheduler", p["scheduler"], deadline)
         self._wait_controllers(admin_client, deadline)
