@@ -25,7 +25,7 @@ def _fault(w: World, rng: random.Random) -> None:
     nodes = sorted(w.nodes)
     node = rng.choice(nodes)
     pods = sorted(w.pods)
-    kind = rng.randrange(9)
+    kind = rng.randrange(10)
     if kind == 0:
         w.set_node(node, taints=(Taint(api.IMPENDING_TERMINATION_TAINT),))
     elif kind == 1:
@@ -42,6 +42,8 @@ def _fault(w: World, rng: random.Random) -> None:
         w.kubelets()
     elif kind == 7:
         w.schedule()
+    elif kind == 8:
+        w.spec["slices"]["topology"] = rng.choice(["2x4", "1x4"])
     w.advance(rng.choice([0, 1, 5, 31, 61, 301]))
 
 
