@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from resilax_ckpt import commit, fencing, layout, policy
+from resilax_ckpt import commit, fencing, layout, planning, policy
 from resilax_ckpt import items as items_lib
 from resilax_ckpt import tensorstore_io as tsio
 from resilax_ckpt.errors import (
@@ -72,7 +72,10 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str, options: ManagerOptions | None = None, *,
-                 coordinator: Coordinator | None = None) -> None:
+                 coordinator: Coordinator | None = None, persistent_directory: str | None = None) -> None:
+        """`directory` is where saves go. With `options.local_tier`, `persistent_directory` (the
+        persistent tier the sidecar uploads to) is where restore falls back to when this host's
+        local tier cannot serve a step; this manager never writes there except its fence."""
         global _manager_count
         self._options = options or ManagerOptions()
         self._root = directory.rstrip("/") or "/"
@@ -102,6 +105,10 @@ class CheckpointManager:
         self._sigterm = threading.Event()
         self._previous_sigterm: Any = None
         self._watcher = RequestWatcher(self._options.control_dir) if self._options.control_dir else None
+        self._persistent_root = persistent_directory.rstrip("/") if persistent_directory else None
+        self._persistent: Storage | None = (
+            open_storage(self._persistent_root, fsync=self._options.fsync)
+            if self._persistent_root and self._local_tier else None)
 
         if self._storage.is_local:
             os.makedirs(self._root, exist_ok=True)
@@ -112,16 +119,30 @@ class CheckpointManager:
                                 visible[-1] if visible else None)
         elif self._local_tier:
             self._clean_local_tier()
+        if self._persistent is not None and self._persistent_root and self._coord.process_index == 0:
+            # The sidecars' uploads into the persistent tier are fenced by this generation's record.
+            visible = commit.list_visible(self._persistent, self._persistent_root)
+            fencing.write_fence(self._persistent, self._persistent_root, self._options.generation,
+                                visible[-1] if visible else None)
         self._coord.barrier(f"{self._key}/start", self._options.barrier_timeout_seconds)
         self._install_sigterm()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> CheckpointManager:
-        """The manager of the persistent tier: RESILAX_CHECKPOINT_DIR plus the RESILAX_* policy."""
+        """The worker's manager from the RESILAX_* variables (docs/architecture.md).
+
+        Without RESILAX_LOCAL_DIR: saves go to RESILAX_CHECKPOINT_DIR. With it: saves go to the
+        per-host local tier (the sidecar uploads them and applies retention on both tiers, so this
+        manager keeps every local step), and restore falls back to RESILAX_CHECKPOINT_DIR."""
         env = os.environ if env is None else env
         directory = env.get("RESILAX_CHECKPOINT_DIR", "")
         if not directory:
             raise ResilaxCkptError("RESILAX_CHECKPOINT_DIR is not set; it names the checkpoint root")
+        local = env.get("RESILAX_LOCAL_DIR", "").strip()
+        if local:
+            fields: dict[str, Any] = {"local_tier": True, "keep_last": None, "keep_every_steps": None}
+            fields.update(overrides)
+            return cls(local, ManagerOptions.from_env(env, **fields), persistent_directory=directory)
         return cls(directory, ManagerOptions.from_env(env, **overrides))
 
     # ------------------------------------------------------------------ queries
@@ -142,9 +163,17 @@ class CheckpointManager:
             return commit.list_committed(self._storage, self._root, layout.commit_name(self._own_suffix))
         return commit.list_visible(self._storage, self._root)
 
+    def persistent_steps(self) -> list[int]:
+        """Committed steps of the persistent tier behind a local tier (empty without one)."""
+        if self._persistent is None or self._persistent_root is None:
+            return []
+        return commit.list_visible(self._persistent, self._persistent_root)
+
     def latest_step(self) -> int | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The newest committed step this process sees (both tiers with a local tier; the steps a
+        restore can use are agreed by restore() itself)."""
+        steps = self.steps() + self.persistent_steps()
+        return max(steps) if steps else None
 
     @property
     def restore_step(self) -> int | None:
@@ -397,6 +426,8 @@ class CheckpointManager:
         `jax.ShapeDtypeStruct` with a sharding, or a `jax.Array`, comes back as a jax.Array with that
         sharding and dtype; otherwise as NumPy. Called on: all processes."""
         self._check_open()
+        if self._persistent is not None:
+            return self._restore_two_tiers(step, target, items)
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -412,6 +443,83 @@ class CheckpointManager:
         return restore_step(self._storage, step_path, step, target, items, self._context,
                             self._options.max_inflight_bytes, self._coord.process_index,
                             layout.metadata_name(self._own_suffix))
+
+    def _restore_two_tiers(self, step: int | None, target: Mapping[str, Any] | None,
+                           items: Iterable[str] | None) -> dict[str, Any]:
+        """Local tier first, persistent tier behind it. Each process finds the local steps whose
+        chunks its target shards need are all on this host; the processes agree on the newest step
+        every one of them can read from its local tier or the persistent tier."""
+        assert self._persistent is not None and self._persistent_root is not None
+        persistent = self.persistent_steps()
+        local = [s for s in self.steps() if (step is None or s == step)
+                 and (not persistent or s >= persistent[-1] or s == step)]
+        local_ok = [s for s in local if self._local_covers(s, target, items)]
+        if self._coord.process_count > 1:
+            self._save_count += 1
+            key = f"{self._key}/restore{self._save_count}"
+            self._coord.publish(f"{key}/{self._coord.process_index}", json.dumps(local_ok))
+            self._coord.barrier(key, self._options.barrier_timeout_seconds)
+            views = [set(json.loads(v)) for v in self._coord.fetch_dir(f"{key}/").values()]
+            agreed_local = set.intersection(*views) if views else set()
+        else:
+            agreed_local = set(local_ok)
+        if step is None:
+            candidates = sorted(agreed_local | set(persistent))
+            if not candidates:
+                raise StepNotFoundError(f"{self._root} and {self._persistent_root}: no committed checkpoint "
+                                        "that every process can read")
+            step = candidates[-1]
+        self._protected_steps = (step,)
+        if step in local_ok:  # this host holds what this process needs (same bytes as persistent)
+            path = self._storage.join(self._root, layout.step_name(step))
+            return restore_step(self._storage, path, step, target, items, self._context,
+                                self._options.max_inflight_bytes, self._coord.process_index,
+                                layout.metadata_name(self._own_suffix))
+        if step not in persistent:
+            raise StepNotFoundError(f"step {step}: neither this host's local tier {self._root} holds what this "
+                                    f"process needs nor is it committed in {self._persistent_root} "
+                                    f"(persistent steps: {persistent})")
+        path = self._persistent.join(self._persistent_root, layout.step_name(step))
+        return restore_step(self._persistent, path, step, target, items, self._context,
+                            self._options.max_inflight_bytes, self._coord.process_index)
+
+    def _local_covers(self, step: int, target: Mapping[str, Any] | None, items: Iterable[str] | None) -> bool:
+        """Whether this host's local step has every chunk this process's restore would read."""
+        step_path = self._storage.join(self._root, layout.step_name(step))
+        try:
+            meta = read_metadata(self._storage, step_path, layout.metadata_name(self._own_suffix))
+        except MetadataError:
+            return False
+        target = target or {}
+        for name in (list(items) if items is not None else list(meta.items)):
+            item = meta.items.get(name)
+            if item is None:
+                return False
+            if item.kind != "pytree":
+                continue
+            if target.get(name) is not None:
+                try:
+                    leaves, _ = items_lib.match_target(step, name, item, target[name])
+                except TreeMismatchError:
+                    return False
+                wants = jax.tree_util.tree_leaves(target[name])
+            else:
+                leaves, wants = list(item.leaves), [None] * len(item.leaves)
+            for leaf, want in zip(leaves, wants, strict=True):
+                if leaf.kind != "array":
+                    continue
+                sharding = getattr(want, "sharding", None)
+                if sharding is None:
+                    boxes = [tuple((0, d) for d in leaf.shape)]
+                else:
+                    boxes = list(planning.plan_read_boxes(
+                        sharding.addressable_devices_indices_map(leaf.shape).items(), leaf.shape))
+                chunk_keys = {c for box in boxes for c in planning.chunks_of_box(box, leaf.chunks)}
+                leaf_path = self._storage.join(step_path, name, str(leaf.dir))
+                for chunk in chunk_keys:
+                    if not self._storage.exists(self._storage.join(leaf_path, "c", *map(str, chunk))):
+                        return False
+        return True
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -565,7 +673,8 @@ def save(path: str, items: Mapping[str, Any]) -> None:
     plan = items_lib.snapshot_items(items, step=0, generation=0, process_index=coord.process_index,
                                     process_count=coord.process_count, local_tier=False, time_now=time.time())
     work = storage.join(root, f"{layout.TMP_PREFIX}{name}") if storage.is_local else path
-    _write_step_files(storage, work, plan, context, 512 << 20, coord.process_index == 0, coord.process_index)
+    _write_step_files(storage, work, plan, context, ManagerOptions.max_inflight_bytes, coord.process_index == 0,
+                      coord.process_index)
     key = f"resilax_ckpt/oneshot/{name}/{time.time_ns() if coord.process_count == 1 else 0}"
     coord.barrier(f"{key}/written", 900)
     if coord.process_index == 0:
@@ -589,4 +698,4 @@ def restore(path: str, target: Mapping[str, Any] | None = None,
         raise StepNotFoundError(f"{path}: does not exist")
     coord = current_coordinator()
     return restore_step(storage, path, layout.parse_step(path.rsplit("/", 1)[-1]) or 0, target, items,
-                        tsio.build_context(32, True), 512 << 20, coord.process_index)
+                        tsio.build_context(32, True), ManagerOptions.max_inflight_bytes, coord.process_index)

@@ -51,7 +51,7 @@ class ManagerOptions:
     """With several processes, agree on pending save requests every this many steps (a barrier on
     the coordination service, no device work)."""
 
-    max_inflight_bytes: int = 512 << 20
+    max_inflight_bytes: int = 128 << 20
     """Upper bound of bytes being written or read at once (bounds the host memory of I/O)."""
 
     io_concurrency: int = 32

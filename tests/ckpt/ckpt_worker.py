@@ -92,12 +92,13 @@ def scenario_restore(args):
 
     mesh = global_mesh(args["mesh"])
     specs = {k: tuple(v) if v is not None else () for k, v in args.get("specs", {}).items()} or SPECS
-    mgr = rc.CheckpointManager(args["root"].format(pid=jax.process_index()), options(args))
-    step = args.get("step") or mgr.latest_step()
-    want = expected(step)
+    mgr = rc.CheckpointManager(args["root"].format(pid=jax.process_index()), options(args),
+                               persistent_directory=args.get("persistent"))
     target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P(*specs[k])))
-                         for k, v in want.items()}}
-    out = mgr.restore(step, target=target)
+                         for k, v in expected(0).items()}}
+    out = mgr.restore(args.get("step"), target=target)
+    step = out["meta"]["step"]
+    want = expected(step)
     for name, value in want.items():
         arr = out["params"][name]
         assert arr.sharding == target["params"][name].sharding, (name, arr.sharding)

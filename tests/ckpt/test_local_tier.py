@@ -36,7 +36,7 @@ def test_single_process_local_tier_writes_all_replicas_and_restores(tmp_path, de
         rc.CheckpointManager(str(tmp_path), opts).restore(1)
 
 
-def merge_like_the_uploader(local_dirs: list[str], step: int, root: str) -> None:
+def merge_like_the_uploader(local_dirs: list[str], step: int, root: str, generation: int = 0) -> None:
     """What resilax_sidecar's uploader does: copy each host's files into <root>/<step>/ (identical
     names carry identical bytes), map _METADATA.<id>.json to _METADATA.json, skip the local markers,
     then write _COMMIT."""
@@ -52,7 +52,7 @@ def merge_like_the_uploader(local_dirs: list[str], step: int, root: str) -> None
                 os.makedirs(os.path.join(dest, rel), exist_ok=True)
                 shutil.copyfile(os.path.join(dirpath, name), os.path.join(dest, rel, target))
     with open(os.path.join(dest, "_COMMIT"), "w") as f:
-        f.write('{"generation": 0}')
+        f.write(f'{{"generation": {generation}}}')
 
 
 @pytest.mark.slow
@@ -82,3 +82,46 @@ def test_two_hosts_local_tier_then_merged_to_persistent(tmp_path, devices):
         np.testing.assert_array_equal(np.asarray(out["params"][name]), value)
     assert out["data"] == {"process": 0, "step": 2}
     mgr.close()
+
+
+def test_two_tiers_restore_prefers_local_and_falls_back_to_persistent(tmp_path, devices):
+    mesh = global_mesh([4, 2])
+    persistent = str(tmp_path / "persistent")
+    env = {"RESILAX_CHECKPOINT_DIR": persistent, "RESILAX_LOCAL_DIR": str(tmp_path / "hostA"),
+           "RESILAX_GENERATION": "3", "RESILAX_KEEP_LAST": "1"}
+    with rc.CheckpointManager.from_env(env, async_save=False) as mgr:
+        assert mgr._options.local_tier and mgr._options.keep_last is None  # the sidecar does retention
+        for step in (1, 2):
+            mgr.save(step, {"params": make_state(step, mesh), "meta": {"step": step}})
+        assert os.listdir(os.path.join(persistent, "_fences")) == ["3.json"]
+    merge_like_the_uploader([str(tmp_path / "hostA")], 1, persistent, generation=3)  # the sidecar uploaded it
+
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P()))
+                         for k, v in expected(1).items()}}
+    with rc.CheckpointManager.from_env(env) as mgr:
+        assert mgr.steps() == [1, 2] and mgr.persistent_steps() == [1] and mgr.latest_step() == 2
+        assert mgr.restore(target=target)["meta"] == {"step": 2}  # from the local tier
+    # a new host: nothing local, so the persistent tier's step 1
+    other = dict(env, RESILAX_LOCAL_DIR=str(tmp_path / "hostB"))
+    with rc.CheckpointManager.from_env(other) as mgr:
+        out = mgr.restore(target=target)
+        assert out["meta"] == {"step": 1}
+        np.testing.assert_array_equal(np.asarray(out["params"]["w"]), expected(1)["w"])
+    # a local step missing a chunk this process needs is skipped, not read as zeros
+    chunk = next(p for p in (tmp_path / "hostA" / "2" / "params" / "w" / "c").rglob("*") if p.is_file())
+    chunk.unlink()
+    with rc.CheckpointManager.from_env(env) as mgr:
+        assert mgr.restore(target=target)["meta"] == {"step": 1}
+
+
+@pytest.mark.slow
+def test_two_hosts_agree_on_a_step_every_host_can_read(tmp_path, devices):
+    local = str(tmp_path / "local{pid}")
+    persistent = str(tmp_path / "persistent")
+    run_processes({"scenario": "save", "root": local, "mesh": [4, 2], "steps": [1, 2],
+                   "options": {"local_tier": True}}, num_processes=2)
+    merge_like_the_uploader([local.format(pid=0), local.format(pid=1)], 1, persistent)
+    shutil.rmtree(tmp_path / "local1" / "2")  # host 1 lost its newest local step
+    restored = run_processes({"scenario": "restore", "root": local, "persistent": persistent, "mesh": [4, 2],
+                              "options": {"local_tier": True}}, num_processes=2)
+    assert [r["step"] for r in restored] == [1, 1]
