@@ -1,0 +1,82 @@
+"""Coordinator discovery for real: two JAX processes started with exactly the environment the builders
+give pod 0 (its own IP through $(RESILAX_POD_IP)) and pod 1 (pod 0's IP written in), each on its own
+loopback address as on the local cluster, form one 2-process x 2-device JAX cluster."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from op_samples import good_spec
+from resilax_operator.builders import GenerationPlan, JobRef, build_pods
+from resilax_operator.settings import OperatorSettings
+from resilax_operator.spec import Shape
+from resilax_operator.validation import validate_spec
+
+pytestmark = pytest.mark.slow
+
+WORKER = """
+import jax
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
+from resilax_ckpt.multihost import initialize_distributed_from_env
+assert initialize_distributed_from_env()
+ids = multihost_utils.process_allgather(jnp.array([jax.process_index()]))
+print("RESULT", jax.process_count(), jax.device_count(), sorted(int(i) for i in ids.ravel()), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _resolve(pod: dict[str, Any], ip: str) -> dict[str, str]:
+    """What a kubelet does with the trainer's env: downward API, then $(VAR) expansion."""
+    fields = {"status.podIP": ip, "metadata.name": pod["metadata"]["name"], "spec.nodeName": "node"}
+    env: dict[str, str] = {}
+    for e in pod["spec"]["containers"][0]["env"]:
+        if "valueFrom" in e:
+            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), e["value"])
+    return env
+
+
+def test_two_processes_find_the_coordinator_without_dns() -> None:
+    raw = good_spec()
+    raw["slices"] = {"accelerator": "cpu", "topology": "1x2", "count": 2}
+    raw["elastic"] = {"minCount": 1, "maxCount": 2}
+    spec = validate_spec(raw)
+    settings = OperatorSettings(coordinator_port=_free_port())
+    job = JobRef("coord", "default", "u")
+    plan = GenerationPlan(1, Shape("1x2", 2), ("a", "b"))
+    ips = ["127.0.9.1", "127.0.9.2"]
+    (pod0,) = build_pods(job, spec, plan, settings, coordinator_ip=None)
+    pod1 = build_pods(job, spec, plan, settings, coordinator_ip=ips[0])[1]
+    procs = []
+    for pod, ip in ((pod0, ips[0]), (pod1, ips[1])):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+        env.update(_resolve(pod, ip))
+        env["JAX_PLATFORMS"] = "cpu"
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=240)
+        finally:
+            p.kill()
+        outputs.append(out)
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+        assert "RESULT 2 4 [0, 1]" in out, out[-3000:]
