@@ -38,6 +38,8 @@ from urllib.parse import urlparse
 from .binaries import KUBERNETES_VERSION
 from .errors import KubeAPIError
 from .kubeapi import KubeClient
+from .kubeletapi import KubeletAPI
+from .pki import CertificateAuthority
 from .pods import NodeState, PodWorker, now_rfc3339
 from .profiles import NodeSpec
 
@@ -88,6 +90,9 @@ class NodeAgent:
         self.next_node_index = 0
         self.host_entries: dict[str, tuple[str, list[str]]] = {}
         self.events = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
+        serving = CertificateAuthority(run_dir / "pki").issue("kubelet", "resilax-local-kubelet", server=True,
+                                                             hosts=("127.0.0.1",))
+        self.kubelet_api = KubeletAPI(run_dir, serving.cert, serving.key, self._container_running)
         self.nodes: dict[str, AgentNode] = {}
         for spec in nodes:
             self._add_node_record(spec)
@@ -177,7 +182,17 @@ class NodeAgent:
             self.nodes[spec.name] = node
             return node
 
+    def _container_running(self, namespace: str, pod: str, container: str) -> bool:
+        with self.lock:
+            workers = [w for w in self.workers.values() if w.namespace == namespace and w.name == pod]
+        return any(container in w.processes() for w in workers)
+
     def register(self, node: AgentNode) -> None:
+        if node.spec.run_pods and node.ip != "127.0.0.1":
+            try:
+                self.kubelet_api.serve(node.ip)
+            except OSError as e:
+                log.warning("kubelet API for %s on %s: %s (kubectl logs will not reach it)", node.name, node.ip, e)
         body = {"apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": node.name, "labels": node.spec.labels},
                 "spec": {"taints": list(node.spec.taints)}}
@@ -208,7 +223,7 @@ class NodeAgent:
                 condition("Ready", "True", "KubeletReady", "resilax local node agent is posting ready status"),
             ],
             "addresses": [{"type": "InternalIP", "address": node.ip}, {"type": "Hostname", "address": node.name}],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_api.port}},
             "nodeInfo": {
                 "machineID": node.name, "systemUUID": node.name, "bootID": node.ready_since,
                 "kernelVersion": os.uname().release, "osImage": "resilax local node",

@@ -121,6 +121,7 @@ class ControlPlane:
             f"--service-account-key-file={sa.cert}", f"--service-account-signing-key-file={sa.key}",
             "--allow-privileged=true", "--profiling=false", f"--cert-dir={self.pki_dir / 'apiserver-generated'}",
             "--endpoint-reconciler-type=none",
+            "--kubelet-preferred-address-types=InternalIP",  # the node agent's kubelet API (kubectl logs)
             # the aggregation layer (APIService backends such as metrics-server) and its front proxy
             f"--requestheader-client-ca-file={ca.cert_path}", "--requestheader-allowed-names=front-proxy-client",
             "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",

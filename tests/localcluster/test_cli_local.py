@@ -24,6 +24,9 @@ def test_nodes_and_logs_of_a_running_cluster(cluster, kube, namespace):
     out = resilax("logs", f"{namespace}/hello", "--dir", str(cluster.run_dir))
     assert out.returncode == 0, out.stderr
     assert out.stdout == "hello from a pod\n"
+    kubectl = subprocess.run(["kubectl", "--kubeconfig", str(cluster.kubeconfig), "-n", namespace, "logs", "hello"],
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert kubectl.stdout == "hello from a pod\n", kubectl.stderr
 
 
 def test_commands_without_a_cluster_say_how_to_start_one(tmp_path):
