@@ -258,6 +258,14 @@ def test_service_monitor(render) -> None:
                                              "scrapeTimeout": "10s"}]
 
 
+def test_standby_replicas_need_peering(helm, render, tmp_path: Path) -> None:
+    assert one(render({"operator": {"replicas": 2}}), "Deployment")["spec"]["replicas"] == 2
+    values = {"operator": {"replicas": 2, "leaderElection": {"enabled": False}}}
+    proc = helm("template", RELEASE, str(CHART), "-f", str(write_values(tmp_path / "v.yaml", values)))
+    assert proc.returncode != 0
+    assert "operator.replicas > 1 needs operator.leaderElection.enabled=true" in proc.stderr
+
+
 def test_service_monitor_needs_metrics(helm, tmp_path: Path) -> None:
     values = {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}
     proc = helm("template", RELEASE, str(CHART), "-f", str(write_values(tmp_path / "v.yaml", values)))
@@ -311,7 +319,7 @@ def test_a_rule_mixing_scopes_fails_the_render(helm, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("values", "expected"), [
     pytest.param({"operator": {"replicas": "two"}}, ["/operator/replicas", "integer"], id="replicas-string"),
-    pytest.param({"operator": {"replicas": 2}}, ["/operator/replicas", "maximum"], id="replicas-two"),
+    pytest.param({"operator": {"replicas": -1}}, ["/operator/replicas", "minimum"], id="replicas-negative"),
     pytest.param({"operator": {"replica": 1}}, ["replica"], id="unknown-key"),
     pytest.param({"image": {"pullPolicy": "Sometimes"}}, ["/image/pullPolicy"], id="pull-policy"),
     pytest.param({"operator": {"watchNamespaces": ["Team_A"]}}, ["/operator/watchNamespaces/0"], id="bad-namespace"),
