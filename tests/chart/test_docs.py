@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from chart_helpers import ROOT, operator_rules
+from chart_helpers import ROOT, doc_jaxjobs, operator_rules
 
 DOCS = [ROOT / "README.md", ROOT / "docs" / "user-guide.md", ROOT / "docs" / "operations.md"]
 
@@ -65,4 +65,33 @@ def test_operations_guide_lists_exactly_the_sidecar_metrics() -> None:
     section = text[text.index("### Sidecar"):text.index("### Operator")]
     documented = set(re.findall(r"^\| `(resilax_sidecar_\w+)", section, flags=re.M))
     # prometheus_client reports counters without their `_total` suffix.
+    assert {name.removesuffix("_total") for name in documented} == defined
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", ROOT / "docs" / "user-guide.md"], ids=lambda p: p.name)
+def test_documented_jaxjobs_are_valid(doc: Path) -> None:
+    """The JAXJobs users copy from the docs pass the operator's own validation (the install test also
+    has the API server accept them)."""
+    from resilax_operator.validation import validate_spec
+
+    jobs = doc_jaxjobs(doc)
+    assert jobs, f"{doc.name} shows no JAXJob"
+    for job in jobs:
+        assert job["apiVersion"] == "resilax.dev/v1alpha1"
+        validate_spec(job["spec"], name=job["metadata"]["name"])
+
+
+def test_operations_guide_lists_exactly_the_operator_metrics() -> None:
+    """Checked once the operator's metrics module exists (it is written with the operator's I/O side)."""
+    import importlib.util
+
+    if importlib.util.find_spec("resilax_operator.metrics") is None:
+        return
+    import prometheus_client
+    import resilax_operator.metrics  # noqa: F401  (defines its metrics on the default registry)
+
+    defined = {m.name for m in prometheus_client.REGISTRY.collect() if m.name.startswith("resilax_operator_")}
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text[text.index("### Operator"):text.index("Useful alerts")]
+    documented = set(re.findall(r"^\| `(resilax_operator_\w+)", section, flags=re.M))
     assert {name.removesuffix("_total") for name in documented} == defined
