@@ -46,3 +46,12 @@ def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     found = by_kind(objects, kind)
     assert len(found) == 1, f"expected one {kind}, found {len(found)}"
     return found[0]
+
+
+def doc_jaxjobs(path: Path) -> list[dict[str, Any]]:
+    """The complete JAXJobs (```yaml blocks with `kind: JAXJob`) a document shows."""
+    import re
+
+    blocks = re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.S)
+    return [doc for block in blocks for doc in yaml.safe_load_all(block)
+            if isinstance(doc, dict) and doc.get("kind") == "JAXJob"]
