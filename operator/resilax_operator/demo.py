@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -79,8 +80,9 @@ def say(text: str) -> None:
 class Demo:
     """One run of the demo in `run_dir`; `run()` drives it, `finish()` always runs afterwards."""
 
-    def __init__(self, run_dir: Path, timeout: float, fault_step: int, keep: bool) -> None:
+    def __init__(self, run_dir: Path, timeout: float, fault_step: int, keep: bool, dwell_steps: int = 30) -> None:
         self.run_dir = run_dir
+        self.dwell_steps = dwell_steps
         self.keep = keep
         self.fault_step = fault_step
         self.start = time.time()
@@ -124,6 +126,10 @@ class Demo:
             f"{gen.restored_step if gen else '?'}, {self.devices_of(first.generation)} -> "
             f"{self.devices_of(shrunk.generation)} devices (state resharded)")
 
+        restored = gen.restored_step if gen else 0
+        say(f"\n==> letting it train {self.dwell_steps} steps on the smaller shape")
+        self.wait_until(lambda s: self.last_step() >= restored + self.dwell_steps,
+                        f"{self.dwell_steps} steps on the smaller shape")
         say(f"\n==> restoring node {node} (capacity returns; growBack after the generation ran "
             f"{GROW_BACK_SETTLE_SECONDS} s)")
         self.cluster.restore_node(node)
@@ -336,7 +342,7 @@ class Demo:
     def crd_established(self, name: str) -> bool:
         crd = self.client.get(f"{CRD_PATH}/{name}")
         return any(c.get("type") == "Established" and c.get("status") == "True"
-                   for c in crd.get("status", {}).get("conditions", []))
+                   for c in (crd.get("status") or {}).get("conditions") or [])
 
     def create(self, path: str, body: dict[str, Any]) -> None:
         from resilax_local.errors import KubeAPIError
@@ -386,9 +392,11 @@ class Demo:
         with (self.run_dir / "losses.jsonl").open("w") as f:
             for r in self.records:
                 f.write(json.dumps(asdict(r)) + "\n")
-        with (self.run_dir / "snapshots.jsonl").open("w") as f:
-            for s in self.snapshots:
-                f.write(json.dumps(asdict(s)) + "\n")
+        for name, items in (("snapshots", self.snapshots), ("faults", self.faults),
+                            ("events", sorted(self.events.values(), key=lambda e: e.time)), ("notes", self.notes)):
+            with (self.run_dir / f"{name}.jsonl").open("w") as f:
+                for item in items:
+                    f.write(json.dumps(asdict(item)) + "\n")
         png = self.run_dir / "loss.png"
         plotted = False
         if self.records:
@@ -424,30 +432,35 @@ def render_plot(data: PlotData, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(14, 5.5), constrained_layout=True)
     colours = plt.get_cmap("tab10")
     for i, s in enumerate(data.series):
+        colour = colours(i % 10)
         label = f"generation {s.generation} ({s.devices} devices)"
-        ax_loss.plot(s.steps, s.losses, ".-", ms=3, lw=1, color=colours(i % 10), label=label)
-        if i:  # where this generation's restore put it: the first step after the restored one
-            ax_loss.plot(s.steps[:1], s.losses[:1], "o", ms=7, mfc="none", color=colours(i % 10))
-        ax_time.plot(s.times, s.steps, ".", ms=3, color=colours(i % 10), label=label)
-    for m in data.markers:
-        colour = "red" if m.label.startswith("kill") else "green"
-        ax_loss.axvline(m.step, ls="--", lw=1, color=colour)
-        ax_loss.annotate(m.label, (m.step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                         va="top", ha="right", fontsize=8, color=colour)
-        ax_time.axvline(m.time, ls="--", lw=1, color=colour)
-        ax_time.annotate(m.label, (m.time, 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                         va="top", ha="right", fontsize=8, color=colour)
-    ax_loss.set_yscale("log")
+        ax_loss.plot(s.steps, s.losses, ".-", ms=3, lw=0.8, color=colour, label=label)
+        ax_time.plot(s.times, s.steps, ".", ms=3, color=colour, label=label)
+        if i:  # where the restore put this generation: the first step after the restored one
+            ax_loss.plot(s.steps[:1], s.losses[:1], "o", ms=9, mfc="none", mew=1.5, color=colour)
+            ax_loss.annotate(f"restored step {s.steps[0] - 1}\non {s.devices} devices", (s.steps[0], s.losses[0]),
+                             xytext=(8, -28), textcoords="offset points", fontsize=8, color=colour,
+                             arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.8})
+    for n, m in enumerate(data.markers):
+        mark = "red" if m.label.startswith("kill") else "green"
+        for ax, x in ((ax_loss, m.step), (ax_time, m.time)):
+            ax.axvline(x, ls="--", lw=1, color=mark)
+            ax.annotate(m.label, (x, 0.99 - 0.12 * (n % 2)), xycoords=("data", "axes fraction"), rotation=90,
+                        va="top", ha="right", fontsize=8, color=mark)
+    for span in data.spans:
+        ax_time.axvspan(span.start, span.end, color="grey", alpha=0.15, lw=0)
+        ax_time.annotate(span.label, ((span.start + span.end) / 2, 0.5), xycoords=("data", "axes fraction"),
+                         rotation=90, va="center", ha="center", fontsize=8, color="dimgrey")
     ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss")
-    ax_loss.set_title("loss against step (a restore repeats the steps lost)")
-    ax_loss.legend(loc="lower left", fontsize=8)
+    ax_loss.set_ylabel("loss (per batch)")
+    ax_loss.set_title("loss against step: one curve across generations")
+    ax_loss.legend(loc="upper right", fontsize=8)
     ax_time.set_xlabel("seconds since the demo started")
     ax_time.set_ylabel("step")
-    ax_time.set_title("progress: pauses are recoveries and resizes")
+    ax_time.set_title("progress: grey = fault or resize until the next generation's first step")
     ax_time.legend(loc="lower right", fontsize=8)
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
@@ -490,9 +503,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="folder for the cluster, logs, checkpoints, timeline.txt and loss.png "
                              "(default: ~/.cache/resilax/demo/run-<time>)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
+    parser.add_argument("--timeout", type=float, default=1200.0,
+                        help="give up after this many seconds (default 1200)")
     parser.add_argument("--keep", action="store_true", help="leave the cluster (and its job) up at the end")
     parser.add_argument("--fault-step", type=int, default=25, help="kill the node once the job trained this step")
+    parser.add_argument("--dwell-steps", type=int, default=30,
+                        help="steps to train on the smaller shape before the node comes back")
     return parser
 
 
@@ -508,7 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     say(f"==> resilax demo: run folder {run_dir}")
-    demo = Demo(run_dir, timeout=args.timeout, fault_step=args.fault_step, keep=args.keep)
+    demo = Demo(run_dir, timeout=args.timeout, fault_step=args.fault_step, keep=args.keep,
+                dwell_steps=args.dwell_steps)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
@@ -524,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = 130
     except Exception as e:  # every failure still cleans up and says where the logs are
         say(f"\n==> demo failed: {e}")
-        log.debug("demo failed", exc_info=True)
+        (run_dir / "demo-error.txt").write_text(traceback.format_exc())
         code = 1
     finally:
         # A second Ctrl-C must not leave processes behind: ignore it while cleaning up.
@@ -543,7 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        ("loss.png", "loss against step per generation" if demo.outcome.get("png") else "(not written)"),
                        ("operator.log", "the operator"), ("cluster/logs/", "control plane and node agent"),
                        ("cluster/pods/", "every pod's logs: <namespace>/<pod>-<uid>/logs/<container>/<n>.log"),
-                       ("ckpt/", "the checkpoints"), ("result.json", "the outcome, machine-readable")):
+                       ("ckpt/", "the checkpoints"), ("demo-error.txt", "why the demo failed, if it did"), ("result.json", "the outcome, machine-readable")):
         say(f"    {name:<14} {what}")
     if code == 0 and not ok:
         code = 1

@@ -134,9 +134,20 @@ class PlotMarker:
 
 
 @dataclass(frozen=True)
+class PlotSpan:
+    """A pause in training: from a fault (or the last step) to the next generation's first step."""
+
+    start: float  # seconds since the start
+    end: float
+    restored_step: int
+    label: str
+
+
+@dataclass(frozen=True)
 class PlotData:
     series: tuple[PlotSeries, ...]
     markers: tuple[PlotMarker, ...] = field(default=())
+    spans: tuple[PlotSpan, ...] = field(default=())
 
 
 # ---- parsing --------------------------------------------------------------------------------------
@@ -238,9 +249,9 @@ def plan_snapshot_events(prev: JobSnapshot | None, cur: JobSnapshot) -> list[Tim
         why = f" ({cur.transition})" if cur.transition and cur.phase not in ("Running", "Succeeded") else ""
         out.append(TimelineEvent(cur.time, "phase", f"{prev.phase if prev else '-'} -> {cur.phase}{why}"))
     if cur.generation is not None and (prev is None or cur.generation != prev.generation):
-        restore = "from scratch" if cur.restore_step in (None, 0) else f"restore step {cur.restore_step}"
+        restore = {None: "", 0: ", from scratch"}.get(cur.restore_step, f", restore step {cur.restore_step}")
         out.append(TimelineEvent(cur.time, "generation",
-                                 f"generation {cur.generation}: {describe_shape(cur)}, {restore}"))
+                                 f"generation {cur.generation}: {describe_shape(cur)}{restore}"))
     elif prev is not None and cur.count is not None and (cur.count, cur.topology) != (prev.count, prev.topology):
         out.append(TimelineEvent(cur.time, "shape", f"shape {describe_shape(cur)}"))
     if cur.checkpoint_step is not None and (prev is None or cur.checkpoint_step != prev.checkpoint_step):
@@ -320,7 +331,13 @@ def build_plot_data(records: Sequence[LossRecord], faults: Sequence[Fault], star
                                  losses=tuple(r.loss for r in rs), times=tuple(r.time - start for r in rs)))
     markers = tuple(PlotMarker(time=f.time - start, step=step_at(records, f.time), label=f"{f.kind} {f.node}")
                     for f in sorted(faults, key=lambda f: f.time))
-    return PlotData(series=tuple(series), markers=markers)
+    spans = tuple(
+        PlotSpan(start=(t.cause.time if t.cause else t.before.last_time) - start, end=t.after.first_time - start,
+                 restored_step=t.after.restored_step,
+                 label=f"{t.pause_seconds:.0f} s, {t.before.devices}->{t.after.devices} devices, "
+                       f"{t.steps_lost} steps lost")
+        for t in build_transitions(build_generations(records), faults))
+    return PlotData(series=tuple(series), markers=markers, spans=spans)
 
 
 # ---- the text ---------------------------------------------------------------------------------------
@@ -345,7 +362,7 @@ def build_timeline(start: float, snapshots: Sequence[JobSnapshot], faults: Seque
         items.append(TimelineEvent(g.last_time, "train", f"generation {g.generation} last step {g.last_step}"))
     lines = ["Timeline (seconds since the demo started)"]
     lines += [f"{_rel(e.time, start)}  {e.kind:<10} {e.text}"
-              for e in sorted(items, key=lambda e: e.time)]
+              for e in collapse_checkpoints(sorted(items, key=lambda e: e.time), start)]
     lines += ["", "Generations (from the loss lines of process 0)",
               f"  {'GEN':>3}  {'DEVICES':>7}  {'STEPS':>11}  {'RESTORED':>8}  {'FROM':>9}  {'TO':>9}"]
     for g in generations:
@@ -355,12 +372,16 @@ def build_timeline(start: float, snapshots: Sequence[JobSnapshot], faults: Seque
     transitions = build_transitions(generations, faults)
     if not transitions:
         lines.append("  none")
+    job_events = plan_events(snapshots)
     for t in transitions:
         cause = f"{t.cause.kind} {t.cause.node} at {_rel(t.cause.time, start).strip()}" if t.cause else "no fault"
         lines.append(f"  generation {t.before.generation} -> {t.after.generation} ({cause}): "
                      f"{t.before.devices} -> {t.after.devices} devices, last step {t.before.last_step}, "
                      f"restored {t.after.restored_step}, steps lost {t.steps_lost}, "
                      f"next step after {t.pause_seconds:.1f} s")
+        split = describe_pause(t, job_events)
+        if split:
+            lines.append(f"    {split}")
     c = check_loss_continuity(records)
     lines += ["", "Loss continuity"]
     if c.max_step == 0:
@@ -375,6 +396,46 @@ def build_timeline(start: float, snapshots: Sequence[JobSnapshot], faults: Seque
         if c.missing_steps:
             lines.append(f"  missing: {_ranges(c.missing_steps)}")
     return lines
+
+
+def describe_pause(t: Transition, job_events: Sequence[TimelineEvent]) -> str:
+    """The pause of a transition split at what the job's status showed: the operator reacting (phase
+    left Running), the new generation created, and its first step (JAX start-up, restore, compile)."""
+    start = t.cause.time if t.cause is not None else t.before.last_time
+    reacted = next((e.time for e in job_events if e.kind == "phase" and e.time >= start), None)
+    created = next((e.time for e in job_events if e.kind == "generation"
+                    and e.text.startswith(f"generation {t.after.generation}:")), None)
+    if reacted is None or created is None or not start <= reacted <= created <= t.after.first_time:
+        return ""
+    return (f"operator reacted after {reacted - start:.1f} s, new generation created {created - reacted:.1f} s "
+            f"later (old one torn down), its first step {t.after.first_time - created:.1f} s after that "
+            f"(pods started, JAX start-up, restore)")
+
+
+def collapse_checkpoints(events: Sequence[TimelineEvent], start: float, least: int = 3) -> list[TimelineEvent]:
+    """Runs of `least` or more checkpoint events with nothing else between them become one event."""
+    out: list[TimelineEvent] = []
+    run: list[TimelineEvent] = []
+
+    def flush() -> None:
+        if len(run) >= least:
+            first, last = run[0].text.split()[1], run[-1].text.split()[1]
+            tier = run[-1].text.split("committed", 1)[1]
+            out.append(TimelineEvent(run[0].time, "checkpoint",
+                                     f"steps {first} to {last} committed{tier}: {len(run)} checkpoints seen, "
+                                     f"the last at {_rel(run[-1].time, start).strip()}"))
+        else:
+            out.extend(run)
+        run.clear()
+
+    for e in events:
+        if e.kind == "checkpoint":
+            run.append(e)
+            continue
+        flush()
+        out.append(e)
+    flush()
+    return out
 
 
 def _ranges(steps: Sequence[int]) -> str:

@@ -13,6 +13,7 @@ from resilax_operator.timeline import (
     GenerationSummary,
     JobSnapshot,
     LossRecord,
+    PlotSpan,
     TimelineEvent,
     Transition,
     build_generations,
@@ -20,6 +21,8 @@ from resilax_operator.timeline import (
     build_timeline,
     build_transitions,
     check_loss_continuity,
+    collapse_checkpoints,
+    describe_pause,
     merge_loss_records,
     parse_event,
     parse_loss_lines,
@@ -123,8 +126,10 @@ RUN1 = JobSnapshot(time=1.0, phase="Running", generation=1, topology="2x4", coun
     pytest.param(None, JobSnapshot(time=1.0, phase="Pending"), ["phase - -> Pending"], id="first"),
     pytest.param(None, JobSnapshot(time=1.0, phase="-"), [], id="no-status-yet"),
     pytest.param(JobSnapshot(time=0.0, phase="Pending"), RUN1,
-                 ["phase Pending -> Running", "generation generation 1: 2 x 2x4, 4 hosts, from scratch",
+                 ["phase Pending -> Running", "generation generation 1: 2 x 2x4, 4 hosts",
                   "checkpoint step 10 committed"], id="first-generation"),
+    pytest.param(None, JobSnapshot(time=1.0, phase="Pending", generation=1, count=1, topology="2x4", restore_step=0),
+                 ["phase - -> Pending", "generation generation 1: 1 x 2x4, from scratch"], id="restore-none"),
     pytest.param(RUN1, JobSnapshot(time=2.0, phase="Recovering", generation=1, topology="2x4", count=2, hosts=4,
                                    checkpoint_step=10, transition="NodeLoss"),
                  ["phase Running -> Recovering (NodeLoss)"], id="recovering-says-why"),
@@ -215,6 +220,48 @@ def test_plot_data_one_series_per_generation_and_a_marker_per_fault() -> None:
     assert data.series[1].times[0] == pytest.approx(75.0)
     assert [(m.time, m.step, m.label) for m in data.markers] == [
         (40.0, 27.0, "kill-node tpu-slice-1-h1"), (80.0, 37.0, "restore-node tpu-slice-1-h1")]
+
+
+def test_plot_spans_are_the_pauses_between_generations() -> None:
+    records, faults = story()
+    data = build_plot_data(records, faults, start=T0)
+    assert data.spans == (
+        PlotSpan(40.0, 75.0, 20, "35 s, 8->4 devices, 7 steps lost"),
+        PlotSpan(80.0, 150.0, 120, "70 s, 4->8 devices, 0 steps lost"),
+    )
+
+
+def ev(t: float, kind: str, text: str) -> TimelineEvent:
+    return TimelineEvent(T0 + t, kind, text)
+
+
+@pytest.mark.parametrize(("events", "want"), [
+    pytest.param([ev(1, "checkpoint", "step 10 committed (persistent)"),
+                  ev(2, "checkpoint", "step 20 committed (persistent)"),
+                  ev(3, "checkpoint", "step 30 committed (persistent)"), ev(4, "phase", "x"),
+                  ev(5, "checkpoint", "step 40 committed")],
+                 ["+1.0 checkpoint steps 10 to 30 committed (persistent): 3 checkpoints seen, the last at +3.0s",
+                  "+4.0 phase x", "+5.0 checkpoint step 40 committed"], id="a-run-of-three"),
+    pytest.param([ev(1, "checkpoint", "step 10 committed"), ev(2, "checkpoint", "step 20 committed")],
+                 ["+1.0 checkpoint step 10 committed", "+2.0 checkpoint step 20 committed"], id="two-kept"),
+    pytest.param([], [], id="empty"),
+])
+def test_collapse_checkpoints(events: list[TimelineEvent], want: list[str]) -> None:
+    assert [f"{e.time - T0:+.1f} {e.kind} {e.text}" for e in collapse_checkpoints(events, T0)] == want
+
+
+@pytest.mark.parametrize(("events", "want"), [
+    pytest.param([ev(20, "phase", "Pending -> Running"), ev(61, "phase", "Running -> Recovering"),
+                  ev(70, "generation", "generation 2: 1 x 2x4")],
+                 "operator reacted after 21.0 s, new generation created 9.0 s later (old one torn down), "
+                 "its first step 5.0 s after that (pods started, JAX start-up, restore)", id="split"),
+    pytest.param([ev(20, "phase", "Running -> Recovering")], "", id="no-generation-event"),
+    pytest.param([ev(45, "generation", "generation 2: 1 x 2x4"), ev(61, "phase", "Running -> Saving")], "",
+                 id="created-before-any-reaction-is-not-split"),
+])
+def test_describe_pause(events: list[TimelineEvent], want: str) -> None:
+    t = Transition(gen(1, 1, 27, 30, 38), gen(2, 21, 40, 75, 80), KILL)
+    assert describe_pause(t, events) == want
 
 
 # ---- the text ------------------------------------------------------------------------------------
