@@ -1,0 +1,53 @@
+"""The demo's job file, flags and plot, without a cluster."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from resilax_operator import demo
+from resilax_operator.timeline import Fault, LossRecord, build_plot_data
+from resilax_operator.validation import validate_spec
+
+T0 = 1_000_000.0
+
+
+def test_demo_job_is_a_valid_elastic_two_slice_job() -> None:
+    job = yaml.safe_load(demo.JOB_FILE.read_text())
+    spec = validate_spec(job["spec"], name=job["metadata"]["name"])
+    assert spec.elastic is not None
+    assert (spec.slices.count, spec.elastic.min_count, spec.elastic.max_count) == (2, 1, 2)
+    assert spec.elastic.grow_back
+    assert spec.checkpoint.every.steps == 10
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["python", "examples/train.py"]
+    assert (demo.ROOT / command[1]).exists()
+
+
+def test_demo_finds_the_chart_files() -> None:
+    assert sorted(p.name for p in demo.CRD_DIR.glob("*.yaml")) == ["jaxjobs.resilax.dev.yaml", "kopf-peering.yaml"]
+    rules = yaml.safe_load(demo.RULES_FILE.read_text())
+    assert rules and all("verbs" in r for r in rules)
+
+
+@pytest.mark.parametrize(("argv", "want"), [
+    ([], {"keep": False, "timeout": 1200.0, "run_dir": None, "fault_step": 25, "dwell_steps": 30}),
+    (["--keep", "--timeout", "60", "--run-dir", "/tmp/x", "--fault-step", "5", "--dwell-steps", "3"],
+     {"keep": True, "timeout": 60.0, "run_dir": Path("/tmp/x"), "fault_step": 5, "dwell_steps": 3}),
+])
+def test_flags(argv: list[str], want: dict) -> None:
+    assert vars(demo._parser().parse_args(argv)) == want
+
+
+@pytest.mark.slow  # matplotlib's first import builds its font cache
+def test_plot_is_written(tmp_path: Path) -> None:
+    records = [LossRecord(s, math.exp(-s / 50) + 0.1, 1 if s <= 27 else 2, 8 if s <= 27 else 4, T0 + s)
+               for s in range(1, 60)]
+    records += [LossRecord(s, math.exp(-s / 50) + 0.1, 2, 4, T0 + 40 + s) for s in range(21, 28)]
+    data = build_plot_data(records, [Fault(T0 + 27.5, "kill-node", "tpu-slice-1-h1")], start=T0)
+    path = tmp_path / "loss.png"
+    demo.render_plot(data, path, title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000
