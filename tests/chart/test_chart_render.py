@@ -266,6 +266,20 @@ def test_standby_replicas_need_peering(helm, render, tmp_path: Path) -> None:
     assert "operator.replicas > 1 needs operator.leaderElection.enabled=true" in proc.stderr
 
 
+@pytest.mark.parametrize("values", [{}, NAMESPACED_VALUES], ids=["cluster-wide", "namespaced"])
+def test_sidecar_pod_monitor(render, values: dict[str, Any]) -> None:
+    assert by_kind(render(values), "PodMonitor") == []
+    objects = render({**values, "metrics": {"sidecarPodMonitor": {"enabled": True}}})
+    monitor = one(objects, "PodMonitor")
+    # The operator labels workers resilax.dev/role=worker and names the sidecar's port "sidecar".
+    from resilax_operator import api
+
+    assert monitor["spec"]["selector"] == {"matchLabels": {api.LABEL_ROLE: api.ROLE_WORKER}}
+    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "sidecar", "path": "/metrics", "interval": "30s"}]
+    expected = {"matchNames": ["team-a", "team-b"]} if values else {"any": True}
+    assert monitor["spec"]["namespaceSelector"] == expected
+
+
 def test_service_monitor_needs_metrics(helm, tmp_path: Path) -> None:
     values = {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}
     proc = helm("template", RELEASE, str(CHART), "-f", str(write_values(tmp_path / "v.yaml", values)))
