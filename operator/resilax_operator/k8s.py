@@ -136,8 +136,11 @@ class Kube:
         namespace = manifest["metadata"]["namespace"]
         return self.request("POST", f"/api/v1/namespaces/{namespace}/{kind}", manifest, ok=(409,)) is not None
 
-    def delete_pod(self, namespace: str, name: str, *, force: bool = False) -> None:
-        body = {"gracePeriodSeconds": 0} if force else None
+    def delete_pod(self, namespace: str, name: str, *, force: bool = False, grace_seconds: int | None = None) -> None:
+        """Delete a pod: with its own grace period, `grace_seconds`, or at once (`force`: no kubelet
+        will confirm it)."""
+        body = {"gracePeriodSeconds": 0} if force else (
+            None if grace_seconds is None else {"gracePeriodSeconds": grace_seconds})
         self.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body, ok=(404,))
 
     def delete_service(self, namespace: str, name: str) -> None:

@@ -44,6 +44,10 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 #: Longest wait between two reconciles of one job, whatever the actions say (seconds).
 MAX_REQUEUE_SECONDS = 5.0
+#: Grace period of the surviving workers of a generation that lost a node. Their final save is a
+#: collective with a dead peer and cannot finish, so the pod's full grace (finalSave.timeoutSeconds
+#: + margin) only delays the next generation; they still get SIGTERM and a few seconds.
+HARD_LOSS_GRACE_SECONDS = 5
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,8 @@ def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger
         force = name in action.force_pods
         if meta.get("deletionTimestamp") and not force:
             continue  # already going; deleting again changes nothing
-        kube.delete_pod(ref.namespace, name, force=force)
+        grace = HARD_LOSS_GRACE_SECONDS if action.reason == st.NODE_LOSS and not force else None
+        kube.delete_pod(ref.namespace, name, force=force, grace_seconds=grace)
         gone.append(name + (" (force)" if force else ""))
     kube.delete_service(ref.namespace, build_service_name(ref.name, action.generation))
     if gone:

@@ -161,10 +161,27 @@ def operator(operator_rbac: OperatorRBAC, tmp_path: Path, request: pytest.Fixtur
     proc = OperatorProcess(operator_rbac, tmp_path).start()
     yield proc
     alive = proc.proc is not None and proc.proc.poll() is None
+    # Delete the test's JAXJobs while the operator still runs (it removes its finalizer), so no worker
+    # outlives the test and the namespace can go.
+    _delete_jobs(request, operator_rbac.namespace, restart=proc if not alive else None)
     proc.kill(signal.SIGTERM)
     report = getattr(request.node, "rep_call", None)
     if report is None or report.failed or not alive:
         print(f"---- operator log (alive at teardown: {alive}) ----\n" + proc.logs()[-30000:])
+
+
+def _delete_jobs(request: pytest.FixtureRequest, namespace: str, restart: OperatorProcess | None) -> None:
+    kube: KubeClient = request.getfixturevalue("kube")
+    if restart is not None:
+        restart.start()
+    with contextlib.suppress(KubeAPIError):
+        for job in kube.get(jobs_path(namespace))["items"]:
+            with contextlib.suppress(KubeAPIError):
+                kube.delete(jobs_path(namespace, job["metadata"]["name"]))
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: not kube.get(jobs_path(namespace))["items"]
+                 and not kube.get(f"/api/v1/namespaces/{namespace}/pods")["items"], timeout=180,
+                 message="the test's JAXJobs and pods gone")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -287,3 +304,55 @@ def unique_name(prefix: str) -> str:
 
 def now() -> float:
     return time.time()
+
+
+def parse_k8s_time(raw: str | None) -> float | None:
+    if not raw:
+        return None
+    from datetime import datetime
+
+    return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+
+
+def event_time(event: dict[str, Any]) -> float:
+    return parse_k8s_time(event.get("eventTime") or event.get("lastTimestamp") or event.get("firstTimestamp")) or 0.0
+
+
+def recovery_breakdown(jobs: Jobs, name: str, generation: int, fault_time: float, detect_reasons: tuple[str, ...],
+                       ) -> dict[str, float | None]:
+    """Fault → first step of `generation`, split into detection (fault → the operator's transition event),
+    teardown (→ the new generation created), scheduling (→ every new pod bound), process launch (→ every
+    trainer container started) and JAX start-up + restore (→ the first loss line of the new generation).
+    Event and pod times have whole seconds; the loss lines have sub-second times."""
+    events = [e for e in jobs.events(name) if event_time(e) >= int(fault_time)]
+    detected = next((event_time(e) for e in events if e.get("reason") in detect_reasons), None)
+    created = next((event_time(e) for e in events if e.get("reason") == "GenerationCreated"
+                    and str(e.get("message", "")).startswith(f"generation {generation}:")), None)
+    scheduled: list[float] = []
+    started: list[float] = []
+    for pod in jobs.pods(name, generation):
+        cond = next((c for c in pod.get("status", {}).get("conditions") or [] if c["type"] == "PodScheduled"), None)
+        if cond and cond.get("status") == "True":
+            scheduled.append(parse_k8s_time(cond.get("lastTransitionTime")) or 0.0)
+        for cs in pod.get("status", {}).get("containerStatuses") or []:
+            if cs["name"] == "trainer":
+                state = cs.get("state") or {}
+                t = (state.get("running") or state.get("terminated") or {}).get("startedAt")
+                if t:
+                    started.append(parse_k8s_time(t) or 0.0)
+    losses = jobs.losses(name, generation)
+    first_step = min((r["time"] for r in losses.values()), default=None)
+    marks = {"fault": fault_time, "detected": detected, "created": created,
+             "scheduled": max(scheduled) if scheduled else None, "started": max(started) if started else None,
+             "first_step": first_step}
+
+    def span(a: str, b: str) -> float | None:
+        x, y = marks[a], marks[b]
+        return None if x is None or y is None else round(y - x, 1)
+
+    out = {"detection": span("fault", "detected"), "teardown": span("detected", "created"),
+           "scheduling": span("created", "scheduled"), "process_launch": span("scheduled", "started"),
+           "jax_startup_and_restore": span("started", "first_step"), "total": span("fault", "first_step")}
+    print(f"\nrecovery of {name} into generation {generation}: " +
+          ", ".join(f"{k} {v if v is not None else '?'} s" for k, v in out.items()))
+    return out

@@ -1,0 +1,203 @@
+"""The recovery flows end to end with real JAX workers (examples/train.py) on the local cluster:
+hard node loss and grow-back, a preemption notice, a user resize, a worker that keeps failing, and the
+operator killed mid-recovery with a partitioned old generation that must not commit.
+
+Jobs: 2 slices of tpu-v5-lite-podslice 2x4 (2 hosts each) = 4 processes x 2 fake CPU devices, a
+checkpoint every 4 steps into a folder under the test's tmp dir, 0.5 s per step. The loss lines are
+process 0's stdout; the data is a pure function of the step, so a redone step has the same loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import (
+    EXAMPLE,
+    Jobs,
+    OperatorProcess,
+    committed_steps,
+    job_manifest,
+    recovery_breakdown,
+    unique_name,
+)
+from resilax_local.cluster import LocalCluster
+from resilax_local.testing import wait_for
+
+EVERY = 4
+ELASTIC = {"minCount": 1, "maxCount": 2, "growBack": True}
+RESULTS = Path(os.environ.get("RESILAX_E2E_RESULTS", "/tmp/resilax-e2e-recovery.jsonl"))
+
+
+def _record(test: str, breakdown: dict[str, Any], **extra: Any) -> None:
+    with RESULTS.open("a") as f:
+        f.write(json.dumps({"test": test, "time": time.time(), **breakdown, **extra}) + "\n")
+
+
+def start_training(jobs: Jobs, name: str, storage: Path, *, count: int = 2, elastic: dict[str, Any] | None = None,
+                   min_step: int = 10, **kwargs: Any) -> dict[str, Any]:
+    jobs.create(job_manifest(name, storage, count=count, elastic=elastic, every_steps=EVERY, steps=5000,
+                             step_seconds=0.5, **kwargs))
+    status = jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1, 600,
+                              "generation 1 Running")
+    wait_for(lambda: max(jobs.losses(name, 1), default=0) >= min_step and committed_steps(storage), timeout=600,
+             interval=1, message=f"{name}: generation 1 past step {min_step} with a checkpoint")
+    return status
+
+
+def node_of(jobs: Jobs, pod: str) -> str:
+    return str(next(p for p in jobs.pods(pod.split("-g")[0]) if p["metadata"]["name"] == pod)["spec"]["nodeName"])
+
+
+def wait_generation(jobs: Jobs, name: str, generation: int, count: int, timeout: float = 900) -> dict[str, Any]:
+    status = jobs.wait_status(
+        name, lambda s: s.get("generation", 0) >= generation and s.get("phase") == "Running"
+        and (s.get("shape") or {}).get("count") == count, timeout, f"generation {generation} Running on {count} slice(s)")
+    assert status["generation"] == generation, status
+    wait_for(lambda: jobs.losses(name, generation), timeout=600, interval=1,
+             message=f"{name}: a training step of generation {generation}")
+    return status
+
+
+def assert_redone_steps_match(old: dict[int, dict[str, Any]], new: dict[int, dict[str, Any]]) -> int:
+    """Steps both generations computed (redone after a restore) have the same loss on any mesh."""
+    both = sorted(set(old) & set(new))
+    for step in both:
+        assert new[step]["loss"] == pytest.approx(old[step]["loss"], rel=1e-4), step
+    return len(both)
+
+
+def test_hard_node_loss_shrinks_then_grows_back(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
+                                                tmp_path: Path) -> None:
+    name, storage = unique_name("loss"), tmp_path / "ckpt"
+    start_training(jobs, name, storage, elastic=ELASTIC, final_save_timeout=20)
+    victim = node_of(jobs, f"{name}-g1-s1-h1")
+    fault = time.time()
+    committed_before = max(committed_steps(storage))
+    cluster.kill_node(victim)
+
+    wait_generation(jobs, name, 2, count=1)
+    gen1, gen2 = jobs.losses(name, 1), jobs.losses(name, 2)
+    restored = min(gen2) - 1
+    assert restored in committed_steps(storage)
+    assert restored >= committed_before
+    lost = max(gen1) - restored
+    redone = assert_redone_steps_match(gen1, gen2)
+    assert all(r["devices"] == 4 for r in gen2.values())  # 1 slice x 2 hosts x 2 devices
+    assert lost <= EVERY + 1, f"lost {lost} steps (restored {restored}, generation 1 reached {max(gen1)})"
+    breakdown = recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "NodeNotReady", "PodLost", "WorkerFailed"))
+    print(f"hard node loss: restored step {restored}, generation 1 reached {max(gen1)}: {lost} steps lost, "
+          f"{redone} redone steps match")
+    _record("hard_node_loss", breakdown, lost=lost, restored=restored)
+    reasons = [e["reason"] for e in jobs.events(name)]
+    assert "NodeLost" in reasons, reasons
+
+    # The node comes back: growBack resizes up to 2 slices through a final save (0 steps lost).
+    cluster.restore_node(victim)
+    wait_generation(jobs, name, 3, count=2)
+    gen2, gen3 = jobs.losses(name, 2), jobs.losses(name, 3)
+    assert min(gen3) - 1 == max(gen2), (max(gen2), min(gen3))
+    assert all(r["devices"] == 8 for r in gen3.values())
+    assert "GrowBack" in [e["reason"] for e in jobs.events(name)]
+    assert "resilax_operator_generations_total 3.0" in operator.metrics()
+
+
+def test_preemption_notice_saves_and_moves_with_no_step_lost(operator: OperatorProcess, jobs: Jobs,
+                                                             cluster: LocalCluster, tmp_path: Path) -> None:
+    name, storage = unique_name("preempt"), tmp_path / "ckpt"
+    start_training(jobs, name, storage, elastic=ELASTIC)
+    victim = node_of(jobs, f"{name}-g1-s1-h0")
+    fault = time.time()
+    cluster.preempt_node(victim, delay_seconds=900)  # the notice now; the kill long after the test
+
+    wait_generation(jobs, name, 2, count=1)
+    gen1, gen2 = jobs.losses(name, 1), jobs.losses(name, 2)
+    restored = min(gen2) - 1
+    assert restored == max(gen1), f"restored {restored}, generation 1 reached {max(gen1)}"
+    assert restored in committed_steps(storage)
+    assert victim not in {p["spec"].get("nodeName") for p in jobs.pods(name, 2)}
+    reasons = [e["reason"] for e in jobs.events(name)]
+    assert "PreemptionNotice" in reasons and "FinalSaveDone" in reasons, reasons
+    breakdown = recovery_breakdown(jobs, name, 2, fault, ("PreemptionNotice",))
+    _record("preemption", breakdown, lost=0, restored=restored)
+
+
+def test_user_resize_saves_and_moves_to_the_new_shape(operator: OperatorProcess, jobs: Jobs, tmp_path: Path) -> None:
+    name, storage = unique_name("resize"), tmp_path / "ckpt"
+    start_training(jobs, name, storage, count=2)
+    fault = time.time()
+    jobs.patch_spec(name, {"slices": {"count": 1}})
+
+    wait_generation(jobs, name, 2, count=1)
+    gen1, gen2 = jobs.losses(name, 1), jobs.losses(name, 2)
+    assert min(gen2) - 1 == max(gen1)
+    assert all(r["devices"] == 4 for r in gen2.values())
+    reasons = [e["reason"] for e in jobs.events(name)]
+    assert "SpecResized" in reasons and "FinalSaveDone" in reasons, reasons
+    _record("resize", recovery_breakdown(jobs, name, 2, fault, ("SpecResized",)), lost=0)
+
+
+def test_failing_worker_backs_off_then_fails(operator: OperatorProcess, jobs: Jobs, tmp_path: Path) -> None:
+    name = unique_name("crash")
+    template = {"spec": {"containers": [{"name": "trainer", "image": "x",
+                                         "command": [sys.executable, "-c", "import sys; sys.exit(3)"]}]}}
+    jobs.create(job_manifest(name, tmp_path / "ckpt", count=1, template=template,
+                             recovery={"maxRestarts": 2, "backoffSeconds": 1}))
+    status = jobs.wait_status(name, lambda s: s.get("phase") == "Failed", 600, "Failed")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "MaxRestartsExceeded", ready
+    assert "exit code 3" in ready["message"], ready
+    assert status["failures"] == 3 and status["generation"] == 3, status
+    reasons = [e["reason"] for e in jobs.events(name)]
+    assert reasons.count("Backoff") == 2 and "MaxRestartsExceeded" in reasons, reasons
+    wait_for(lambda: not jobs.pods(name), timeout=120, message="a failed job keeps no workers")
+
+
+def test_operator_restart_mid_recovery_and_fenced_old_generation(operator: OperatorProcess, jobs: Jobs,
+                                                                 cluster: LocalCluster, tmp_path: Path) -> None:
+    name, storage = unique_name("restart"), tmp_path / "ckpt"
+    start_training(jobs, name, storage, elastic={"minCount": 1, "maxCount": 2, "growBack": False},
+                   final_save_timeout=20)
+    victim = node_of(jobs, f"{name}-g1-s1-h0")
+    fault = time.time()
+    cluster.partition_node(victim)  # its worker keeps running, unseen: a zombie of generation 1
+
+    jobs.wait_status(name, lambda s: s.get("transition") is not None, 300, "a transition recorded")
+    operator.kill()  # SIGKILL in the middle of the recovery
+    mid = jobs.status(name)
+    print(f"\noperator killed in phase {mid.get('phase')}, generation {mid.get('generation')}, "
+          f"transition {mid.get('transition', {}).get('kind')}")
+    operator.start()
+
+    wait_generation(jobs, name, 2, count=1)
+    gen1, gen2 = jobs.losses(name, 1), jobs.losses(name, 2)
+    restored = min(gen2) - 1
+    assert restored in committed_steps(storage)
+    assert max(gen1) - restored <= EVERY + 1
+    assert_redone_steps_match(gen1, gen2)
+    breakdown = recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "NodeNotReady", "PodLost", "WorkerFailed"))
+    _record("operator_restart_partition", breakdown, lost=max(gen1) - restored, restored=restored)
+    assert (storage / "_fences" / "2.json").exists()
+
+    # The partitioned node comes back; then a worker of generation 1 (a stale process) tries to save into
+    # the same storage: the library refuses to commit, and no step of generation 1 appears.
+    cluster.restore_node(victim)
+    before = set(committed_steps(storage))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "RESILAX_CHECKPOINT_DIR": str(storage), "RESILAX_GENERATION": "1", "RESILAX_SAVE_EVERY_STEPS": "1",
+           "RESILAX_RESTORE_STEP": "none"}
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(key, None)
+    stale = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "3"], env=env, capture_output=True,
+                           text=True, timeout=300, cwd=tmp_path)
+    assert stale.returncode != 0, stale.stdout[-2000:]
+    assert "may not commit" in stale.stderr, stale.stderr[-3000:]
+    new_steps = set(committed_steps(storage)) - before
+    for step in new_steps:  # only generation 2 may have committed meanwhile
+        meta = json.loads((storage / str(step) / "_METADATA.json").read_text())
+        assert meta.get("generation") != 1, (step, meta.get("generation"))
