@@ -31,7 +31,7 @@ from resilax_sidecar.errors import ConfigError
 from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.routes import build_app
 from resilax_sidecar.store import BlobStore, open_store
-from resilax_sidecar.uploader import Uploader
+from resilax_sidecar.uploader import Uploader, list_local_steps
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,13 @@ class Sidecar:
     def __init__(self, config: SidecarConfig, metrics: SidecarMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or SidecarMetrics()
-        self.store: BlobStore | None = open_store(config.checkpoint_dir) if config.checkpoint_dir else None
-        self.uploader: Uploader | None = (
-            Uploader(config, self.store, self.metrics) if config.uploads and self.store is not None else None
-        )
+        self.store: BlobStore | None = None
+        self.uploader: Uploader | None = None
+        self.storage_error: str | None = None
+        self.storage_ready = threading.Event()
+        """Set once the persistent tier is open (or there is none). Opening imports gcsfs and
+        tensorstore, which takes many seconds on a busy node: the API serves meanwhile."""
+        self._urgent = False
         self.pending: dict[str, tuple[float, str, bool]] = {}
         """Requests made by this sidecar and not answered yet: id -> (monotonic start, reason, stop)."""
         self.stopping = False
@@ -76,8 +79,8 @@ class Sidecar:
         request_id = control.new_request_id(reason)
         await asyncio.to_thread(control.write_request, self.config.control_dir, request_id, reason, stop)
         self.pending[request_id] = (time.monotonic(), reason, stop)
-        if stop and self.uploader is not None:
-            self.uploader.urgent.set()
+        if stop:
+            self._make_urgent()
         self.metrics.save_requests.labels(reason=reason).inc()
         log.info("save requested: id=%s reason=%s stop=%s", request_id, reason, stop)
         return request_id
@@ -157,19 +160,53 @@ class Sidecar:
         """Why the sidecar is not ready, or None."""
         if self.stopping:
             return "stopping: waiting for the final save"
+        if not self.storage_ready.is_set():
+            return self.storage_error or f"opening the persistent tier {self.config.checkpoint_dir}"
         if not self.config.control_dir.is_dir():
             return f"RESILAX_CONTROL_DIR={self.config.control_dir} is not a folder"
         return None
 
-    # ---- the uploader thread ----------------------------------------------------------------------
+    # ---- the persistent tier and the uploader thread ------------------------------------------------
+
+    def _make_urgent(self) -> None:
+        """A final save is coming: newer local steps supersede an upload in flight."""
+        self._urgent = True
+        if self.uploader is not None:
+            self.uploader.urgent.set()
+
+    def open_storage(self) -> None:
+        """Open the persistent tier (retrying with back-off), then start the uploader. Blocking: runs
+        on its own daemon thread."""
+        cfg = self.config
+        if cfg.checkpoint_dir is None:
+            self.storage_ready.set()
+            return
+        delay = cfg.retry_initial_seconds
+        while not self._uploader_stop.is_set():
+            try:
+                self.store = open_store(cfg.checkpoint_dir)
+                break
+            except Exception as e:  # bad credentials, no network: keep serving, keep trying
+                self.storage_error = f"opening RESILAX_CHECKPOINT_DIR={cfg.checkpoint_dir}: {type(e).__name__}: {e}"
+                log.error("%s; retrying in %.0f s", self.storage_error, delay)
+                self._uploader_stop.wait(delay)
+                delay = min(delay * 2, cfg.retry_max_seconds)
+        else:
+            return
+        self.storage_error = None
+        if cfg.uploads:
+            self.uploader = Uploader(cfg, self.store, self.metrics)
+            if self._urgent:
+                self.uploader.urgent.set()
+            self._uploader_thread = threading.Thread(
+                target=self.uploader.run_forever, args=(self._uploader_stop,), name="uploader", daemon=True
+            )
+            self._uploader_thread.start()
+        self.storage_ready.set()
+        log.info("persistent tier %s open%s", cfg.checkpoint_dir, "; uploader started" if cfg.uploads else "")
 
     def start_uploader(self) -> None:
-        if self.uploader is None:
-            return
-        self._uploader_thread = threading.Thread(
-            target=self.uploader.run_forever, args=(self._uploader_stop,), name="uploader", daemon=True
-        )
-        self._uploader_thread.start()
+        threading.Thread(target=self.open_storage, name="open-storage", daemon=True).start()
 
     def stop_uploader(self) -> None:
         self._uploader_stop.set()
@@ -182,8 +219,7 @@ class Sidecar:
         """Ask for a save with stop, wait for its commit (and its upload) within the grace period.
         True when the final step is durable in the tier that matters."""
         self.stopping = True
-        if self.uploader is not None:
-            self.uploader.urgent.set()
+        self._make_urgent()
         cfg = self.config
         deadline = time.monotonic() + cfg.grace_seconds
         request_id = next((rid for rid, (_t, _r, stop) in self.pending.items() if stop), None)
@@ -208,11 +244,11 @@ class Sidecar:
             control.withdraw_request(cfg.control_dir, request_id)
         step: int | None
         if trainer_gone:
-            local_steps = self.uploader.scan_local() if self.uploader is not None else []
+            local_steps = list_local_steps(cfg.local_dir, cfg.process_id) if cfg.local_dir else []
             step = local_steps[-1] if local_steps else None
             log.info("final save %s: the trainer has exited; persisting its newest local step %s", request_id, step)
             if step is None:
-                return self.uploader is None
+                return not cfg.uploads
         elif result is None:
             log.error("final save %s: no answer from the trainer within %.0f s", request_id, cfg.grace_seconds)
             return False
@@ -221,6 +257,11 @@ class Sidecar:
             return False
         else:
             step = result.step
+        if cfg.uploads and not await asyncio.to_thread(
+            self.storage_ready.wait, max(0.0, deadline - time.monotonic())
+        ):
+            log.error("final save %s: step %s is local only; %s", request_id, step, self.storage_error)
+            return False
         if self.uploader is None:
             log.info("final save %s: step %s committed", request_id, step)
             return True

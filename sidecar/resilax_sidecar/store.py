@@ -384,4 +384,5 @@ def open_store(url: str) -> BlobStore:
     """The store for `RESILAX_CHECKPOINT_DIR`: gs:// through gcsfs, anything else a local folder."""
     if url.startswith("gs://"):
         return GcsStore(url)
+    Path(url).mkdir(parents=True, exist_ok=True)  # a missing or read-only mount shows here, at once
     return LocalFolderStore(url)

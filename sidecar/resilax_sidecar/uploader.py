@@ -84,6 +84,24 @@ class LocalStep:
     commit_body: bytes
 
 
+def local_commit_marker(folder: Path, process_id: int) -> Path | None:
+    """The marker that makes a local step folder committed for this process, or None."""
+    for name in (layout.commit_name(None), layout.commit_name(process_id)):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def list_local_steps(local_dir: Path, process_id: int) -> list[int]:
+    """The steps committed in a host's local tier for this process, ascending."""
+    try:
+        names = os.listdir(local_dir)
+    except FileNotFoundError:
+        return []
+    steps = [s for s in map(layout.parse_step, names) if s is not None]
+    return sorted(s for s in steps if local_commit_marker(local_dir / str(s), process_id) is not None)
+
+
 class _Superseded(Exception):
     """A newer local step appeared during an upload; not a failure."""
 
@@ -228,23 +246,11 @@ class Uploader:
     # ---- the local tier -------------------------------------------------------------------------
 
     def _local_commit(self, folder: Path) -> Path | None:
-        for name in (layout.commit_name(None), layout.commit_name(self.config.process_id)):
-            if (folder / name).is_file():
-                return folder / name
-        return None
+        return local_commit_marker(folder, self.config.process_id)
 
     def scan_local(self) -> list[int]:
         """This process's locally committed steps."""
-        try:
-            names = os.listdir(self.local_dir)
-        except FileNotFoundError:
-            return []
-        steps = []
-        for name in names:
-            step = layout.parse_step(name)
-            if step is not None and self._local_commit(self.local_dir / name) is not None:
-                steps.append(step)
-        return sorted(steps)
+        return list_local_steps(self.local_dir, self.config.process_id)
 
     def read_local_step(self, step: int) -> LocalStep:
         """The files of a local step this process uploads, and what identifies the save."""

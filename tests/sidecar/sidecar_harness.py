@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -15,7 +14,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +21,6 @@ from typing import Any
 
 import pytest
 
-FAKE_GCS_VERSION = "v1.56.1"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -44,93 +41,17 @@ def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05
         time.sleep(interval)
 
 
-# ---- fake-gcs-server ---------------------------------------------------------------------------------
-
-
-def fake_gcs_binary() -> Path:
-    """The shared builder of the local cluster when it is there; else build it the same way."""
-    try:
-        from resilax_local.binaries import ensure_fake_gcs_server
-    except ImportError:
-        pass
-    else:
-        return Path(ensure_fake_gcs_server())
-    cache = Path(os.environ.get("RESILAX_CACHE") or Path.home() / ".cache" / "resilax")
-    out_dir = cache / "bin" / f"fake-gcs-server-{FAKE_GCS_VERSION}"
-    binary = out_dir / "fake-gcs-server"
-    if not binary.is_file():
-        go = shutil.which("go") or "/usr/local/go/bin/go"
-        subprocess.run(
-            [go, "install", f"github.com/fsouza/fake-gcs-server@{FAKE_GCS_VERSION}"],
-            env={**os.environ, "GOBIN": str(out_dir)},
-            check=True,
-        )
-    return binary
-
-
-@dataclass
-class FakeGcs:
-    url: str
-    process: subprocess.Popen[bytes]
-
-    @property
-    def env(self) -> dict[str, str]:
-        """What gcsfs needs to talk to the emulator (docs: STORAGE_EMULATOR_HOST + no HNS probing)."""
-        return {
-            "STORAGE_EMULATOR_HOST": self.url,
-            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-            "TENSORSTORE_GCS_HTTP_URL": self.url,
-            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token",
-        }
-
-    def create_bucket(self) -> str:
-        name = f"b-{uuid.uuid4().hex[:10]}"
-        req = urllib.request.Request(
-            f"{self.url}/storage/v1/b",
-            data=json.dumps({"name": name}).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            assert resp.status == 200
-        return name
-
-
-@pytest.fixture(scope="session")
-def fake_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGcs]:
-    binary = fake_gcs_binary()
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("fake-gcs") / "fake-gcs.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1):
-                return True
-        except OSError:
-            assert proc.poll() is None, "fake-gcs-server exited"
-            return False
-
-    try:
-        wait_until(up, 30, "fake-gcs-server")
-        yield FakeGcs(url, proc)
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+# ---- fake-gcs-server: the shared `fake_gcs` and `gcs_bucket` fixtures (resilax_local.pytest_plugin) ----
 
 
 @pytest.fixture
-def gcs_env(fake_gcs: FakeGcs, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """The emulator's variables, set in this test process too (for in-process GcsStore)."""
+def gcs_env(fake_gcs: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The emulator's variables (STORAGE_EMULATOR_HOST, TENSORSTORE_GCS_HTTP_URL, ...), set in this
+    test process too (for in-process GcsStore)."""
     for key, value in fake_gcs.env.items():
         monkeypatch.setenv(key, value)
-    return fake_gcs.env
+    env: dict[str, str] = dict(fake_gcs.env)
+    return env
 
 
 # ---- local steps as the checkpoint library leaves them ---------------------------------------------------
@@ -209,16 +130,16 @@ class SidecarProcess:
         ]
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout: float = 30) -> None:
+    def wait_ready(self, timeout: float = 90) -> None:
         def up() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"sidecar exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                return http("GET", f"{self.url}/healthz").status == 200
+                return http("GET", f"{self.url}/readyz").status == 200  # the persistent tier is open
             except OSError:
                 return False
 
-        wait_until(up, timeout, "the sidecar's /healthz")
+        wait_until(up, timeout, "the sidecar's /readyz")
 
     def get(self, path: str) -> HttpResult:
         return http("GET", self.url + path)

@@ -188,3 +188,21 @@ def test_a_port_in_use_is_a_clear_start_up_error(shared):
     assert run.returncode == 1
     assert f"cannot listen on RESILAX_SIDECAR_HOST=127.0.0.1 RESILAX_SIDECAR_PORT={sidecar.port}" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_the_api_serves_while_the_persistent_tier_cannot_be_opened(sidecar_env, start_sidecar):
+    env = {**sidecar_env, "RESILAX_CHECKPOINT_DIR": "/proc/no-such-folder/ckpt", "RESILAX_LOCAL_DIR": "/tmp"}
+    sidecar = start_sidecar(env, ready=False)
+    wait_until(lambda: sidecar.proc.poll() is None and _healthy(sidecar), 60, "/healthz")
+    wait_until(lambda: "opening RESILAX_CHECKPOINT_DIR" in sidecar.log(), 60, "the error in the log")
+    ready = sidecar.get("/readyz")
+    _assert_json_error(ready, 503, "unavailable")
+    assert "opening RESILAX_CHECKPOINT_DIR=/proc/no-such-folder/ckpt" in ready.body["error"]["message"]
+    assert sidecar.post("/v1/save", {}, token=TOKEN).status == 202  # requests still reach the trainer
+
+
+def _healthy(sidecar) -> bool:
+    try:
+        return sidecar.get("/healthz").status == 200
+    except OSError:
+        return False

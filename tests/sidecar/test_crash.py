@@ -15,10 +15,9 @@ pytestmark = pytest.mark.gcs
 
 
 def test_sigkill_mid_upload_never_exposes_a_partial_step_and_the_next_start_completes_it(
-    tmp_path, sidecar_env, start_sidecar, fake_gcs, gcs_env
+    tmp_path, sidecar_env, start_sidecar, gcs_bucket, gcs_env
 ):
-    bucket = fake_gcs.create_bucket()
-    persistent = f"gs://{bucket}/run"
+    persistent = f"{gcs_bucket}/run"
     local = tmp_path / "local"
     files = step_files(160, 64 * 1024)
     write_local_step(local, 12, files, generation=0)

@@ -74,10 +74,9 @@ def test_a_save_request_saves_one_agreed_step_and_reports_it(tmp_path, sidecar_e
 
 
 def test_sigterm_gets_a_final_step_committed_and_uploaded_before_the_sidecar_exits(
-    tmp_path, sidecar_env, start_sidecar, start_trainer, fake_gcs, gcs_env
+    tmp_path, sidecar_env, start_sidecar, start_trainer, gcs_bucket, gcs_env
 ):
-    bucket = fake_gcs.create_bucket()
-    persistent = f"gs://{bucket}/jobs/llama"
+    persistent = f"{gcs_bucket}/jobs/llama"
     env = {
         **sidecar_env,
         **gcs_env,
@@ -145,7 +144,8 @@ def test_two_hosts_local_tiers_combine_into_one_committed_persistent_step(
         wait_until(lambda s=sidecar: s.get("/v1/state").body["newest_persisted_step"] == 10, 30, "state")
         assert (persistent / "10" / f"_UPLOADED.{pid}").is_file()
     commits = sum(s.metric("resilax_sidecar_commits_total") for _, s in hosts)
-    assert commits == 1
+    committed = [p for p in persistent.iterdir() if (p / "_COMMIT").is_file()]
+    assert commits == len(committed), "a step was committed by both sidecars"  # step 5 too, if it was early
     # Each host's local tier holds only its half of the chunks; the persistent step holds both.
     assert restore_w0(str(persistent / "10"), {}) == 10
     code = (

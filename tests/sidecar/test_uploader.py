@@ -68,8 +68,7 @@ def store(request, tmp_path) -> BlobStore:
     if request.param == "folder":
         return LocalFolderStore(tmp_path / "persistent")
     request.getfixturevalue("gcs_env")
-    bucket = request.getfixturevalue("fake_gcs").create_bucket()
-    return GcsStore(f"gs://{bucket}/runs/job")
+    return GcsStore(f"{request.getfixturevalue('gcs_bucket')}/runs/job")
 
 
 def test_a_local_step_is_copied_verified_marked_and_committed(tmp_path, store):
