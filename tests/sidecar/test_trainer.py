@@ -147,7 +147,6 @@ def test_two_hosts_local_tiers_combine_into_one_committed_persistent_step(
     committed = [p for p in persistent.iterdir() if (p / "_COMMIT").is_file()]
     assert commits == len(committed), "a step was committed by both sidecars"  # step 5 too, if it was early
     # Each host's local tier holds only its half of the chunks; the persistent step holds both.
-    assert restore_w0(str(persistent / "10"), {}) == 10
     code = (
         "import sys, numpy as np, resilax_ckpt as rc; w = rc.restore(sys.argv[1])['params']['w']; "
         f"assert np.array_equal(w, np.arange({floats}, dtype=np.float32) + 10), w; print('ok')"
