@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import os
 
+import jax
+import numpy as np
 import pytest
+import resilax_ckpt as rc
 from ckpt_procs import run_processes
+from ckpt_worker import expected, global_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 pytestmark = pytest.mark.slow
 
 
-def test_save_2x4_restore_4x2_and_1x8(tmp_path):
+def test_save_2x4_restore_4x2_and_1x8(tmp_path, devices):
     root = str(tmp_path / "ck")
     saved = run_processes({"scenario": "save", "root": root, "mesh": [4, 2], "steps": [3, 4]}, num_processes=2)
     assert [r["steps"] for r in saved] == [[3, 4], [3, 4]]
@@ -24,9 +30,16 @@ def test_save_2x4_restore_4x2_and_1x8(tmp_path):
     # per-process items come back to the process with the same index; new processes get None
     assert [r["data"] for r in four] == [{"process": 0, "step": 4}, {"process": 1, "step": 4}, None, None]
 
-    one = run_processes({"scenario": "restore", "root": root, "mesh": [8, 1], "step": 3,
-                         "specs": {"w": ["a", None], "b": [], "e": ["a", None]}}, num_processes=1)
-    assert one[0]["step"] == 3 and one[0]["data"] == {"process": 0, "step": 3}
+    # 1 process x 8 devices: this one
+    mesh = global_mesh([8, 1])
+    specs = {"w": P("a", None), "b": P(), "e": P("a", None)}
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
+                         for k, v in expected(3).items()}}
+    out = rc.CheckpointManager(root).restore(3, target=target)
+    for name, value in expected(3).items():
+        assert out["params"][name].sharding == target["params"][name].sharding
+        np.testing.assert_array_equal(np.asarray(out["params"][name]), value)
+    assert out["data"] == {"process": 0, "step": 3} and out["meta"] == {"step": 3}
 
 
 @pytest.mark.parametrize("stop", [False, True], ids=["save", "save-and-stop"])
