@@ -294,7 +294,10 @@ class CheckpointManager:
         if self._options.handle_sigterm and not self._local_tier:
             from jax.experimental import multihost_utils
 
-            preempted = bool(multihost_utils.reached_preemption_sync_point(step))
+            try:
+                preempted = bool(multihost_utils.reached_preemption_sync_point(step))
+            except RuntimeError:  # jax_enable_preemption_service is off: SIGTERM is not watched
+                preempted = False
         if step % self._options.request_check_every_steps != 0 and not preempted:
             return False, False, False
         self._poll_count += 1

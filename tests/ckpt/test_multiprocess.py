@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 import resilax_ckpt as rc
-from ckpt_procs import run_processes
+from ckpt_procs import WorkerFailed, run_processes
 from ckpt_worker import expected, global_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -59,3 +59,21 @@ def test_request_on_one_process_saves_one_agreed_step_everywhere(tmp_path, stop)
         assert [r["stopped_at"] for r in results] == [step, step]
     else:
         assert [r["stopped_at"] for r in results] == [None, None]
+
+
+def test_kill_one_of_two_saving_processes_mid_writes(tmp_path, devices):
+    root = str(tmp_path / "ck")
+    run_processes({"scenario": "save", "root": root, "mesh": [4, 2], "steps": [1]}, num_processes=2)
+    with pytest.raises(WorkerFailed) as failed:
+        run_processes({"scenario": "save", "root": root, "mesh": [4, 2], "steps": [2]}, num_processes=2,
+                      env={"RESILAX_CKPT_TEST_CRASH_AT": "mid_writes:1"}, timeout=90)
+    assert failed.value.code != 0
+    assert [n for n in os.listdir(root) if n.startswith(".tmp")]  # process 0 got as far as writing
+    mgr = rc.CheckpointManager(root)  # the next generation: cleans up, sees step 1 only
+    assert mgr.steps() == [1]
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp")]
+    out = mgr.restore(target={"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+        global_mesh([2, 4]), P("b"))) for k, v in expected(1).items()}})
+    for name, value in expected(1).items():
+        np.testing.assert_array_equal(np.asarray(out["params"][name]), value)
+    mgr.close()
