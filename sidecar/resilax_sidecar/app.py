@@ -55,6 +55,8 @@ class Sidecar:
         """Requests made by this sidecar and not answered yet: id -> (monotonic start, reason, stop)."""
         self.stopping = False
         self.final_request: str | None = None
+        self.last_stop_request: str | None = None
+        """The newest request with `stop` this sidecar made."""
         self._persisted_cache: tuple[float, int | None] = (0.0, None)
         self._uploader_stop = threading.Event()
         self._uploader_thread: threading.Thread | None = None
@@ -80,6 +82,7 @@ class Sidecar:
         await asyncio.to_thread(control.write_request, self.config.control_dir, request_id, reason, stop)
         self.pending[request_id] = (time.monotonic(), reason, stop)
         if stop:
+            self.last_stop_request = request_id
             self._make_urgent()
         self.metrics.save_requests.labels(reason=reason).inc()
         log.info("save requested: id=%s reason=%s stop=%s", request_id, reason, stop)
@@ -90,10 +93,27 @@ class Sidecar:
         result = control.read_result(self.config.control_dir, request_id)
         if result is not None:
             status = "committed" if result.committed else "failed"
-            return {"status": status, **result.to_json()}
+            return {"status": status, **result.to_json(), "persisted": self._persisted(result)}
         if request_id in self.pending or control.request_pending(self.config.control_dir, request_id):
-            return {"id": request_id, "status": "pending", "step": None, "committed": False, "error": None}
+            return {
+                "id": request_id,
+                "status": "pending",
+                "step": None,
+                "committed": False,
+                "error": None,
+                "persisted": False,
+            }
         return None
+
+    def _persisted(self, result: control.SaveResult) -> bool:
+        """Whether the saved step is in the persistent tier: at once without a local tier; with one,
+        once the uploader has it committed there."""
+        if not result.committed or result.step is None:
+            return False
+        if not self.config.uploads:
+            return True
+        newest = self.uploader.state.newest_persisted if self.uploader is not None else None
+        return newest is not None and newest >= result.step
 
     async def watch_requests(self) -> None:
         """Time each pending request until its result appears; wake the uploader when one commits."""
@@ -222,11 +242,17 @@ class Sidecar:
         self._make_urgent()
         cfg = self.config
         deadline = time.monotonic() + cfg.grace_seconds
-        request_id = next((rid for rid, (_t, _r, stop) in self.pending.items() if stop), None)
+        # A stop request already made (e.g. the operator's final save before a resize) is the final
+        # save: the trainer stops after it and would never answer a second one.
+        request_id = self.last_stop_request
+        if request_id is not None:
+            earlier = control.read_result(cfg.control_dir, request_id)
+            if earlier is not None and not earlier.committed:
+                request_id = None  # it failed: ask again
         if request_id is None:
             request_id = await self.request_save("preemption", True)
         self.final_request = request_id
-        log.info("SIGTERM: final save %s requested; waiting up to %.0f s", request_id, cfg.grace_seconds)
+        log.info("SIGTERM: final save %s; waiting up to %.0f s", request_id, cfg.grace_seconds)
         result = None
         trainer_gone = False
         while time.monotonic() < deadline:

@@ -137,7 +137,7 @@ def test_a_save_request_becomes_a_request_file_and_its_result_is_reported(sideca
     (control / "results" / f"{request_id}.json").write_text(json.dumps(answer))
     (control / "requests" / f"{request_id}.json").unlink()
     outcome = sidecar.get(f"/v1/save/{request_id}").body
-    assert outcome == {"status": "committed", **answer}
+    assert outcome == {"status": "committed", **answer, "persisted": True}  # no local tier: saved = persisted
     assert sidecar.metric("resilax_sidecar_save_requests_total", 'reason="resize"') == 1
     wait_until(lambda: sidecar.metric("resilax_sidecar_save_request_seconds_count") == 1, 10, "the latency sample")
     assert sidecar.get("/v1/state").body["pending_requests"] == []
@@ -150,7 +150,7 @@ def test_a_failed_save_is_reported_as_failed(shared):
     (control / "results").mkdir(exist_ok=True)
     answer = {"id": request_id, "step": None, "committed": False, "error": "disk full"}
     (control / "results" / f"{request_id}.json").write_text(json.dumps(answer))
-    assert sidecar.get(f"/v1/save/{request_id}").body == {"status": "failed", **answer}
+    assert sidecar.get(f"/v1/save/{request_id}").body == {"status": "failed", **answer, "persisted": False}
 
 
 def test_a_crash_inside_a_handler_is_a_json_500_without_traceback(sidecar, sidecar_env):

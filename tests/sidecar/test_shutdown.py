@@ -60,3 +60,30 @@ def test_a_live_trainer_is_waited_for_until_the_grace_period_ends(tmp_path, side
         assert not list((control / "requests").iterdir())
     finally:
         os.close(fd)
+
+
+def test_an_answered_stop_request_is_the_final_save(tmp_path, sidecar_env, start_sidecar):
+    """The operator's final save (stop) came first; the trainer stopped after it. SIGTERM then must
+    not ask a stopped trainer again: it waits only for that step's upload."""
+    import json
+
+    from sidecar_harness import TOKEN
+
+    env = _env(sidecar_env, tmp_path, grace=60)
+    control = Path(env["RESILAX_CONTROL_DIR"])
+    sidecar = start_sidecar(env)
+    request_id = sidecar.post("/v1/save", {"reason": "resize", "stop": True}, token=TOKEN).body["id"]
+    # The trainer's side: the step lands in the local tier, the answer in results/, the request goes.
+    write_local_step(tmp_path / "local", 7, step_files(2, 100))
+    (control / "results").mkdir()
+    (control / "results" / f"{request_id}.json").write_text(
+        json.dumps({"id": request_id, "step": 7, "committed": True, "error": None})
+    )
+    (control / "requests" / f"{request_id}.json").unlink()
+    started = time.monotonic()
+    sidecar.signal(signal.SIGTERM)
+    assert sidecar.wait(30) == 0
+    assert time.monotonic() - started < 20
+    assert not list((control / "requests").iterdir()), "asked the stopped trainer again"
+    assert LocalFolderStore(tmp_path / "persistent").stat("7/_COMMIT") is not None
+    assert f"final save {request_id}: step 7 committed and uploaded" in sidecar.log()

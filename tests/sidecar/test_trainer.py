@@ -189,4 +189,8 @@ def test_a_request_to_one_host_saves_the_same_step_on_every_host_and_commits_it(
     sidecar0 = hosts[0][1]
     outcome = wait_outcome(sidecar0, sidecar0.post("/v1/save", {"reason": "resize"}, token=TOKEN).body["id"])
     step = outcome["step"]
-    wait_until(lambda: (persistent / str(step) / "_COMMIT").is_file(), 10, f"step {step} committed on both hosts")
+    assert outcome["committed"]  # in host 0's local tier; `persisted` tells when it is in the persistent one
+    wait_until(
+        lambda: sidecar0.get(f"/v1/save/{outcome['id']}").body["persisted"], 30, f"step {step} persisted"
+    )
+    assert (persistent / str(step) / "_COMMIT").is_file()
