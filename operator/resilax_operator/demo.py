@@ -442,7 +442,8 @@ def render_plot(data: PlotData, path: Path, title: str) -> None:
         if i:  # where the restore put this generation: the first step after the restored one
             ax_loss.plot(s.steps[:1], s.losses[:1], "o", ms=9, mfc="none", mew=1.5, color=colour)
             ax_loss.annotate(f"restored step {s.steps[0] - 1}\non {s.devices} devices", (s.steps[0], s.losses[0]),
-                             xytext=(8, -28), textcoords="offset points", fontsize=8, color=colour,
+                             xytext=(s.steps[0] + 6, 0.62 - 0.14 * (i % 2)), textcoords=("data", "axes fraction"),
+                             fontsize=8, color=colour, bbox={"fc": "white", "ec": colour, "lw": 0.5, "alpha": 0.9},
                              arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.8})
     for n, m in enumerate(data.markers):
         mark = "red" if m.label.startswith("kill") else "green"
@@ -560,8 +561,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        ("loss.png", "loss against step per generation" if demo.outcome.get("png") else "(not written)"),
                        ("operator.log", "the operator"), ("cluster/logs/", "control plane and node agent"),
                        ("cluster/pods/", "every pod's logs: <namespace>/<pod>-<uid>/logs/<container>/<n>.log"),
-                       ("ckpt/", "the checkpoints"), ("demo-error.txt", "why the demo failed, if it did"), ("result.json", "the outcome, machine-readable")):
-        say(f"    {name:<14} {what}")
+                       ("ckpt/", "the checkpoints"), ("demo-error.txt", "why the demo failed"), ("result.json", "the outcome, machine-readable")):
+        if name != "demo-error.txt" or (run_dir / name).exists():
+            say(f"    {name:<14} {what}")
     if code == 0 and not ok:
         code = 1
     return code
