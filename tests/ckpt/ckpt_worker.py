@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 
 
 def main() -> None:
@@ -123,7 +125,9 @@ def scenario_requests(args):
     stopped_at = None
     with rc.CheckpointManager(args["root"], options(args, control_dir=control, save_every_steps=10_000)) as mgr:
         for step in range(1, args["steps"] + 1):
-            if pid == args["requester"] and step == args["request_at"]:
+            if pid == args["requester"] and step == args["request_at"] and args.get("sigterm"):
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif pid == args["requester"] and step == args["request_at"]:
                 tmp = os.path.join(control, "requests", "r1.json.tmp")
                 with open(tmp, "w") as f:
                     json.dump({"id": "r1", "reason": "manual", "stop": args.get("stop", False)}, f)
@@ -133,6 +137,7 @@ def scenario_requests(args):
             if mgr.should_stop:
                 stopped_at = step
                 break
+            time.sleep(args.get("step_seconds", 0))
         mgr.wait()
         results = {}
         results_dir = os.path.join(control, "results")

@@ -61,6 +61,16 @@ def test_request_on_one_process_saves_one_agreed_step_everywhere(tmp_path, stop)
         assert [r["stopped_at"] for r in results] == [None, None]
 
 
+def test_sigterm_to_one_process_saves_one_agreed_step_and_stops_all(tmp_path):
+    results = run_processes({"scenario": "requests", "root": str(tmp_path / "ck"), "mesh": [4, 2], "steps": 100,
+                             "control": str(tmp_path / "control"), "requester": 0, "request_at": 3,
+                             "sigterm": True, "step_seconds": 0.05}, num_processes=2)
+    saved = [r["saved"] for r in results]
+    assert saved[0] == saved[1] and len(saved[0]) == 1, saved
+    assert [r["stopped_at"] for r in results] == saved[0] * 2
+    assert results[0]["steps"] == saved[0]
+
+
 def test_kill_one_of_two_saving_processes_mid_writes(tmp_path, devices):
     root = str(tmp_path / "ck")
     run_processes({"scenario": "save", "root": root, "mesh": [4, 2], "steps": [1]}, num_processes=2)
