@@ -387,9 +387,16 @@ class CheckpointManager:
                 if several:
                     self._coord.publish(f"{key}/committed", result)
                 raise
+            retention_error: Exception | None = None
+            try:
+                # Before the others hear of the commit, so every process then sees the same steps.
+                self._apply_retention()
+            except Exception as e:
+                retention_error = e
             if several:
                 self._coord.publish(f"{key}/committed", result)
-            self._apply_retention()
+            if retention_error is not None:
+                raise SaveError(f"step {step} committed, but retention failed: {retention_error}") from retention_error
         else:
             if error is not None:
                 raise SaveError(f"step {step}: {error}")
