@@ -114,17 +114,21 @@ def test_preemption_notice_saves_and_moves_with_no_step_lost(operator: OperatorP
     victim = node_of(jobs, f"{name}-g1-s1-h0")
     fault = time.time()
     cluster.preempt_node(victim, delay_seconds=900)  # the notice now; the kill long after the test
-
-    wait_generation(jobs, name, 2, count=1)
-    gen1, gen2 = jobs.losses(name, 1), jobs.losses(name, 2)
-    restored = min(gen2) - 1
-    assert restored == max(gen1), f"restored {restored}, generation 1 reached {max(gen1)}"
-    assert restored in committed_steps(storage)
-    assert victim not in {p["spec"].get("nodeName") for p in jobs.pods(name, 2)}
-    reasons = [e["reason"] for e in jobs.events(name)]
-    assert "PreemptionNotice" in reasons and "FinalSaveDone" in reasons, reasons
-    breakdown = recovery_breakdown(jobs, name, 2, fault, ("PreemptionNotice",))
-    _record("preemption", breakdown, lost=0, restored=restored)
+    try:
+        wait_generation(jobs, name, 2, count=1)
+        gen1, gen2 = jobs.losses(name, 1), jobs.losses(name, 2)
+        restored = min(gen2) - 1
+        assert restored == max(gen1), f"restored {restored}, generation 1 reached {max(gen1)}"
+        assert restored in committed_steps(storage)
+        assert victim not in {p["spec"].get("nodeName") for p in jobs.pods(name, 2)}
+        reasons = [e["reason"] for e in jobs.events(name)]
+        assert "PreemptionNotice" in reasons and "FinalSaveDone" in reasons, reasons
+        breakdown = recovery_breakdown(jobs, name, 2, fault, ("PreemptionNotice",))
+        _record("preemption", breakdown, lost=0, restored=restored)
+    finally:
+        # The `cluster` fixture restores Killed and Partitioned nodes only; a node with a notice stays
+        # Ready in the agent's eyes, so lift the notice (and its pending kill) here.
+        cluster.restore_node(victim)
 
 
 def test_user_resize_saves_and_moves_to_the_new_shape(operator: OperatorProcess, jobs: Jobs, tmp_path: Path) -> None:
