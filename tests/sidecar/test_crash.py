@@ -19,7 +19,7 @@ def test_sigkill_mid_upload_never_exposes_a_partial_step_and_the_next_start_comp
 ):
     persistent = f"{gcs_bucket}/run"
     local = tmp_path / "local"
-    files = step_files(160, 64 * 1024)
+    files = step_files(240, 32 * 1024)
     write_local_step(local, 12, files, generation=0)
     total = len(files) + 1  # + _METADATA.json
     env = {
