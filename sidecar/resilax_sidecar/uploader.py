@@ -218,6 +218,12 @@ class Uploader:
             except _Superseded as e:
                 log.info("step %d: a newer local step %d appeared; uploading that one instead", step, e.newer)
                 self._wake.set()
+            except FileNotFoundError:
+                if (self.local_dir / str(step)).exists():
+                    raise
+                # The trainer's own local retention removed it under us; the next pass takes the newest.
+                log.info("step %d: deleted from the local tier before its upload finished", step)
+                self._wake.set()
             finally:
                 self.state.in_flight = None
             self._publish(self.scan_local(), persisted)

@@ -4,6 +4,7 @@ commit, several processes, fences, retries with back-off, retention."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -330,3 +331,20 @@ def test_create_only_lets_exactly_one_of_racing_writers_win(store):
     winner = store.read_bytes("3/_COMMIT")
     assert winner.startswith(b"writer ")
     assert store.create_bytes("3/_COMMIT", b"late") is False and store.read_bytes("3/_COMMIT") == winner
+
+
+def test_a_local_step_deleted_during_its_upload_is_dropped_without_a_failure(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    config = make_config(tmp_path, upload_concurrency=1)
+    write_local_step(config.local_dir, 10, step_files(5, 100))
+
+    class RetentionDuringUpload(FailingStore):
+        def upload_file(self, local_path, key):
+            if self.calls == 1:  # the trainer's local retention removes step 10 mid-upload
+                shutil.rmtree(config.local_dir / "10")
+            super().upload_file(local_path, key)
+
+    metrics = SidecarMetrics()
+    uploader = Uploader(config, RetentionDuringUpload(store, failures=0), metrics)
+    uploader.run_once()
+    assert store.stat("10/_COMMIT") is None and metrics.upload_failures._value.get() == 0
