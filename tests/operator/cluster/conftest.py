@@ -12,34 +12,17 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import signal
-import subprocess
-import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
+from op_cluster import CRD_DIR, RULES_FILE, Jobs, OperatorProcess, OperatorRBAC, jobs_path
 from resilax_local.cluster import LocalCluster
 from resilax_local.errors import KubeAPIError
 from resilax_local.kubeapi import KubeClient
 from resilax_local.testing import wait_for
-
-ROOT = Path(__file__).resolve().parents[3]
-CRD_DIR = ROOT / "charts" / "resilax" / "crds"
-RULES_FILE = ROOT / "charts" / "resilax" / "files" / "operator-rules.yaml"
-EXAMPLE = ROOT / "examples" / "train.py"
-GROUP, VERSION, PLURAL = "resilax.dev", "v1alpha1", "jaxjobs"
-
-
-def jobs_path(namespace: str, name: str | None = None) -> str:
-    base = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
-    return f"{base}/{name}" if name else base
 
 
 @pytest.fixture(scope="session")
@@ -64,12 +47,6 @@ def crds(kube: KubeClient) -> None:
                            for c in (crd.get("status") or {}).get("conditions") or [])
 
             wait_for(established, timeout=60, message=f"CRD {name} Established")
-
-
-class OperatorRBAC:
-    def __init__(self, namespace: str, account: str, role: str, peering: str, kubeconfig: Path) -> None:
-        self.namespace, self.account, self.role, self.peering, self.kubeconfig = (
-            namespace, account, role, peering, kubeconfig)
 
 
 @pytest.fixture
@@ -97,63 +74,6 @@ def operator_rbac(cluster: LocalCluster, kube: KubeClient, crds: None, namespace
                  f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{role}"):
         with contextlib.suppress(KubeAPIError):
             kube.delete(path)
-
-
-class OperatorProcess:
-    """`resilax operator` as a separate process authenticated as the operator's ServiceAccount."""
-
-    def __init__(self, rbac: OperatorRBAC, log_dir: Path) -> None:
-        self.rbac = rbac
-        self.log_dir = log_dir
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.runs = 0
-        self.metrics_port = 0
-
-    @property
-    def log_file(self) -> Path:
-        return self.log_dir / f"operator-{self.runs}.log"
-
-    def start(self) -> OperatorProcess:
-        self.runs += 1
-        env = {**os.environ, "RESILAX_OPERATOR_GROW_BACK_SETTLE_SECONDS": "20",
-               "RESILAX_OPERATOR_STUCK_TERMINATING_SECONDS": "30"}
-        env.pop("KUBECONFIG", None)
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.metrics_port = s.getsockname()[1]
-        cmd = [str(Path(sys.executable).parent / "resilax"), "operator", "--namespace", self.rbac.namespace,
-               "--peering", self.rbac.peering, "--peering-lifetime", "15", "--kubeconfig", str(self.rbac.kubeconfig),
-               "--metrics-bind-address", f"127.0.0.1:{self.metrics_port}"]
-        with self.log_file.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-        return self
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self.proc = None
-
-    def restart(self) -> OperatorProcess:
-        self.kill()
-        return self.start()
-
-    def logs(self) -> str:
-        return "\n".join((self.log_dir / f"operator-{i}.log").read_text(errors="replace")
-                         for i in range(1, self.runs + 1) if (self.log_dir / f"operator-{i}.log").exists())
-
-    def metrics(self) -> str:
-        import urllib.request
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            return str(r.read().decode())
 
 
 @pytest.fixture
@@ -191,168 +111,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     setattr(item, f"rep_{report.when}", report)
 
 
-def worker_template(*, steps: int, step_seconds: float, devices: int = 2, command: list[str] | None = None,
-                    extra_env: dict[str, str] | None = None) -> dict[str, Any]:
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-           "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-    cmd = command or [sys.executable, str(EXAMPLE), "--steps", str(steps), "--step-seconds", str(step_seconds)]
-    return {"spec": {"containers": [{"name": "trainer", "image": "resilax-worker:local", "command": cmd,
-                                     "env": [{"name": k, "value": v} for k, v in env.items()]}]}}
-
-
-def job_manifest(name: str, storage: Path, *, count: int = 2, elastic: dict[str, Any] | None = None,
-                 every_steps: int = 4, steps: int = 30, step_seconds: float = 0.5,
-                 recovery: dict[str, Any] | None = None, template: dict[str, Any] | None = None,
-                 final_save_timeout: int = 60) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "slices": {"accelerator": "tpu-v5-lite-podslice", "topology": "2x4", "count": count,
-                   "machineType": "ct5lp-hightpu-4t"},
-        "checkpoint": {"storage": str(storage), "every": {"steps": every_steps},
-                       "finalSave": {"onPreemption": True, "onResize": True, "timeoutSeconds": final_save_timeout}},
-        "recovery": {"maxRestarts": 3, "backoffSeconds": 2, "nodeLossGraceSeconds": 5, **(recovery or {})},
-        "template": template or worker_template(steps=steps, step_seconds=step_seconds),
-    }
-    if elastic is not None:
-        spec["elastic"] = elastic
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "JAXJob", "metadata": {"name": name}, "spec": spec}
-
-
-class Jobs:
-    """Create and watch JAXJobs of one namespace; read the workers' loss lines."""
-
-    def __init__(self, kube: KubeClient, cluster: LocalCluster, namespace: str) -> None:
-        self.kube, self.cluster, self.namespace = kube, cluster, namespace
-
-    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        return self.kube.create(jobs_path(self.namespace), manifest)
-
-    def get(self, name: str) -> dict[str, Any]:
-        return self.kube.get(jobs_path(self.namespace, name))
-
-    def status(self, name: str) -> dict[str, Any]:
-        return dict(self.get(name).get("status") or {})
-
-    def patch_spec(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-        return self.kube.patch(jobs_path(self.namespace, name), {"spec": spec})
-
-    def delete(self, name: str) -> None:
-        self.kube.delete(jobs_path(self.namespace, name))
-
-    def wait_status(self, name: str, predicate: Any, timeout: float, message: str) -> dict[str, Any]:
-        def check() -> dict[str, Any] | None:
-            s = self.status(name)
-            return s if predicate(s) else None
-
-        try:
-            return wait_for(check, timeout=timeout, interval=0.5, message=f"{name}: {message}")
-        except TimeoutError as e:
-            raise TimeoutError(f"{e}\nstatus: {json.dumps(self.status(name), indent=1)[:4000]}\n"
-                               f"pods: {self.pod_summary(name)}") from None
-
-    def pods(self, name: str, generation: int | None = None) -> list[dict[str, Any]]:
-        selector = f"resilax.dev/job={name}"
-        if generation is not None:
-            selector += f",resilax.dev/generation={generation}"
-        return list(self.kube.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=selector)["items"])
-
-    def pod_summary(self, name: str) -> list[tuple[str, str, str | None, bool]]:
-        return [(p["metadata"]["name"], p.get("status", {}).get("phase", ""), p["spec"].get("nodeName"),
-                 bool(p["metadata"].get("deletionTimestamp"))) for p in self.pods(name)]
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        items = self.kube.get(f"/api/v1/namespaces/{self.namespace}/events",
-                              fieldSelector=f"involvedObject.name={name}")["items"]
-        return sorted(items, key=lambda e: e.get("eventTime") or e.get("lastTimestamp") or "")
-
-    def losses(self, name: str, generation: int) -> dict[int, dict[str, Any]]:
-        """Process 0's JSON loss lines of `generation` (step → record), from the pod's trainer log."""
-        pod = f"{name}-g{generation}-s0-h0"
-        try:
-            text = self.cluster.logs(self.namespace, pod, "trainer")
-        except (FileNotFoundError, ValueError):
-            return {}
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("{") and '"loss"' in line:
-                with contextlib.suppress(json.JSONDecodeError):
-                    record = json.loads(line)
-                    out[int(record["step"])] = record
-        return out
-
-    def trainer_log(self, name: str, generation: int, slice_index: int = 0, host: int = 0) -> str:
-        try:
-            return self.cluster.logs(self.namespace, f"{name}-g{generation}-s{slice_index}-h{host}", "trainer")
-        except (FileNotFoundError, ValueError) as e:
-            return f"<no log: {e}>"
-
-
 @pytest.fixture
 def jobs(kube: KubeClient, cluster: LocalCluster, namespace: str) -> Jobs:
     return Jobs(kube, cluster, namespace)
-
-
-def committed_steps(storage: Path) -> list[int]:
-    """Steps with a commit marker in a folder checkpoint root."""
-    if not storage.exists():
-        return []
-    return sorted(int(p.name) for p in storage.iterdir() if p.name.isdigit() and (p / "_COMMIT").exists())
-
-
-def unique_name(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:4]}"
-
-
-def now() -> float:
-    return time.time()
-
-
-def parse_k8s_time(raw: str | None) -> float | None:
-    if not raw:
-        return None
-    from datetime import datetime
-
-    return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
-
-
-def event_time(event: dict[str, Any]) -> float:
-    return parse_k8s_time(event.get("eventTime") or event.get("lastTimestamp") or event.get("firstTimestamp")) or 0.0
-
-
-def recovery_breakdown(jobs: Jobs, name: str, generation: int, fault_time: float, detect_reasons: tuple[str, ...],
-                       ) -> dict[str, float | None]:
-    """Fault → first step of `generation`, split into detection (fault → the operator's transition event),
-    teardown (→ the new generation created), scheduling (→ every new pod bound), process launch (→ every
-    trainer container started) and JAX start-up + restore (→ the first loss line of the new generation).
-    Event and pod times have whole seconds; the loss lines have sub-second times."""
-    events = [e for e in jobs.events(name) if event_time(e) >= int(fault_time)]
-    detected = next((event_time(e) for e in events if e.get("reason") in detect_reasons), None)
-    created = next((event_time(e) for e in events if e.get("reason") == "GenerationCreated"
-                    and str(e.get("message", "")).startswith(f"generation {generation}:")), None)
-    scheduled: list[float] = []
-    started: list[float] = []
-    for pod in jobs.pods(name, generation):
-        cond = next((c for c in pod.get("status", {}).get("conditions") or [] if c["type"] == "PodScheduled"), None)
-        if cond and cond.get("status") == "True":
-            scheduled.append(parse_k8s_time(cond.get("lastTransitionTime")) or 0.0)
-        for cs in pod.get("status", {}).get("containerStatuses") or []:
-            if cs["name"] == "trainer":
-                state = cs.get("state") or {}
-                t = (state.get("running") or state.get("terminated") or {}).get("startedAt")
-                if t:
-                    started.append(parse_k8s_time(t) or 0.0)
-    losses = jobs.losses(name, generation)
-    first_step = min((r["time"] for r in losses.values()), default=None)
-    marks = {"fault": fault_time, "detected": detected, "created": created,
-             "scheduled": max(scheduled) if scheduled else None, "started": max(started) if started else None,
-             "first_step": first_step}
-
-    def span(a: str, b: str) -> float | None:
-        x, y = marks[a], marks[b]
-        return None if x is None or y is None else round(y - x, 1)
-
-    out = {"detection": span("fault", "detected"), "teardown": span("detected", "created"),
-           "scheduling": span("created", "scheduled"), "process_launch": span("scheduled", "started"),
-           "jax_startup_and_restore": span("started", "first_step"), "total": span("fault", "first_step")}
-    print(f"\nrecovery of {name} into generation {generation}: " +
-          ", ".join(f"{k} {v if v is not None else '?'} s" for k, v in out.items()))
-    return out

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from conftest import Jobs, OperatorProcess, job_manifest
+from op_cluster import Jobs, OperatorProcess, job_manifest
 from resilax_local.errors import KubeAPIError
 from resilax_local.testing import wait_for
 

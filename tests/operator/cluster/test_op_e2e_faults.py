@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
+from op_cluster import (
     EXAMPLE,
     Jobs,
     OperatorProcess,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
+from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
 from resilax_local.kubeapi import KubeClient
 from resilax_local.testing import wait_for
 
