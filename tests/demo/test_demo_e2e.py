@@ -1,0 +1,69 @@
+"""`resilax demo` end to end on its own local cluster: node lost, recovered on one slice, grown back, done."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EVERY_STEPS = 10  # examples/jaxjob-demo.yaml: checkpoint.every.steps
+STEPS = 300  # and --steps
+
+
+def _leftover_processes(marker: str) -> list[str]:
+    """Processes (other than this one) whose command line or environment names `marker`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            continue
+        if marker.encode() in cmdline or marker.encode() in environ:
+            command = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            out.append(f"{entry}: {command[:200]}")
+    return out
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_demo_recovers_grows_back_and_finishes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "demo"
+    resilax = shutil.which("resilax") or str(Path(sys.executable).with_name("resilax"))
+    proc = subprocess.run([resilax, "demo", "--run-dir", str(run_dir), "--timeout", "1500"],
+                          capture_output=True, text=True, timeout=1700)
+    output = proc.stdout + proc.stderr
+    assert (run_dir / "result.json").exists(), output[-6000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert proc.returncode == 0, output[-6000:]
+
+    assert result["recovered_smaller"] and result["grew_back"] and result["succeeded"], result
+    assert result["continuous"], (run_dir / "timeline.txt").read_text()
+    assert result["max_step"] == STEPS
+    shrink, grow = result["transitions"][0], result["transitions"][-1]
+    assert shrink["cause"] == "kill-node" and shrink["devices"] == [8, 4], result["transitions"]
+    assert shrink["restored_step"] > 0 and shrink["restored_step"] % EVERY_STEPS == 0
+    # A hard loss loses the steps since the last committed checkpoint (one interval; the save of the
+    # step just due may still be in flight when the node dies).
+    assert shrink["steps_lost"] <= 2 * EVERY_STEPS, shrink
+    assert grow["cause"] == "restore-node" and grow["devices"] == [4, 8], result["transitions"]
+    assert grow["steps_lost"] == 0, grow  # growBack saves before it resizes
+
+    timeline = (run_dir / "timeline.txt").read_text()
+    assert "Running -> Recovering" in timeline and "-> Succeeded" in timeline
+    png = Path(result["png"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert (run_dir / "operator.log").stat().st_size > 0
+    assert "logs and results in" in proc.stdout
+    assert not _leftover_processes(str(run_dir)), "the demo left processes behind"
