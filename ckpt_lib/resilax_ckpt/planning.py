@@ -92,3 +92,22 @@ def box_covered(box: Box, written: Iterable[Box], chunks: Sequence[int]) -> bool
     for w in written:
         have.update(chunks_of_box(w, chunks))
     return all(c in have for c in chunks_of_box(box, chunks))
+
+
+def plan_read_regions(boxes: Sequence[Box]) -> list[tuple[Box, list[Box]]]:
+    """Group a process's distinct read boxes into regions read at once: when the boxes tile their
+    bounding box exactly (a process's shards usually form one block) one read covers them all, so
+    each stored chunk is read once even when the target's boxes cut across the saved chunks;
+    otherwise each box is its own region."""
+    if len(boxes) <= 1:
+        return [(b, [b]) for b in boxes]
+    rank = len(boxes[0])
+    bounding = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(rank))
+    if sum(box_size(b) for b in boxes) == box_size(bounding):
+        return [(bounding, list(boxes))]
+    return [(b, [b]) for b in boxes]
+
+
+def offset_index(box: Box, region: Box) -> Index:
+    """The slices of `box` inside an array holding `region`."""
+    return tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(box, region, strict=True))

@@ -140,7 +140,7 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
             stores[i] = store
     from resilax_ckpt.items import resolve_source
 
-    limiter = InflightLimiter(max_inflight_bytes)
+    limiter = InflightLimiter(scaled_inflight_limit(max_inflight_bytes, sum(w.nbytes for w in plan.writes)))
     shard_cache: dict[int, dict[Any, Any]] = {}
     try:
         for n, write in enumerate(plan.writes):
@@ -172,17 +172,24 @@ class LeafRead:
         self.result: Any = None
         self._parts: dict[Any, Any] = {}
         self._remaining = 0
+        self._devices: dict[planning.Box, list[Any]] = {}
 
-    def plan(self) -> dict[Any, list[Any]]:
+    def plan(self) -> list[tuple[planning.Box, list[planning.Box]]]:
+        """The regions to read, each with the target boxes it holds."""
         shape = self.leaf.shape
         if self.sharding is None:
-            return {tuple((0, d) for d in shape): [None]}
+            whole = tuple((0, d) for d in shape)
+            return [(whole, [whole])]
         indices = self.sharding.addressable_devices_indices_map(shape).items()
-        plan = planning.plan_read_boxes(indices, shape)
-        self._remaining = len(plan)
-        return plan
+        self._devices = planning.plan_read_boxes(indices, shape)
+        regions = planning.plan_read_regions(list(self._devices))
+        self._remaining = len(regions)
+        return regions
 
-    def deliver(self, devices: list[Any], data: np.ndarray) -> None:
+    def nbytes(self, box: planning.Box) -> int:
+        return planning.box_size(box) * np.dtype(self.leaf.dtype).itemsize
+
+    def deliver(self, region: planning.Box, boxes: list[planning.Box], data: np.ndarray) -> None:
         import jax
 
         if data.dtype != self.dtype:
@@ -190,8 +197,13 @@ class LeafRead:
         if self.sharding is None:
             self.result = data
             return
-        placed = jax.device_put([data] * len(devices), devices)
-        for device, array in zip(devices, placed, strict=True):
+        sources, devices = [], []
+        for box in boxes:
+            part = data if box == region else data[planning.offset_index(box, region)]
+            for device in self._devices[box]:
+                sources.append(part)
+                devices.append(device)
+        for device, array in zip(devices, jax.device_put(sources, devices), strict=True):
             self._parts[device] = array
         self._remaining -= 1
         if self._remaining == 0:
@@ -201,26 +213,33 @@ class LeafRead:
             self._parts.clear()
 
 
+def scaled_inflight_limit(limit: int, total_bytes: int) -> int:
+    """The in-flight bound for an operation on `total_bytes`: `limit`, but at most an eighth of the
+    total (at least 16 MiB), so small states keep their peak memory near 1x (restore) or 2x (save)."""
+    return max(16 << 20, min(limit, total_bytes // 8))
+
+
 def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: ts.Context,
                 max_inflight_bytes: int) -> None:
-    """Read, per leaf, only the boxes this process's target shards need; at most
-    `max_inflight_bytes` in flight. Fills each `LeafRead.result`."""
+    """Read, per leaf, only the regions this process's target shards need; a bounded number of
+    bytes in flight. Fills each `LeafRead.result`."""
     specs = [
         build_array_spec(storage.kvstore_spec(storage.join(step_path, r.item, r.leaf.dir)), r.leaf.shape,
                          r.leaf.dtype, r.leaf.chunks)
         for r in reads
     ]
     stores = open_arrays(specs, context, create=False)
-    limiter = InflightLimiter(max_inflight_bytes)
+    plans = [read.plan() for read in reads]
+    total = sum(read.nbytes(region) for read, plan in zip(reads, plans, strict=True) for region, _ in plan)
+    limiter = InflightLimiter(scaled_inflight_limit(max_inflight_bytes, total))
     try:
-        for read, store in zip(reads, stores, strict=True):
-            itemsize = np.dtype(read.leaf.dtype).itemsize
-            for box, devices in read.plan().items():
-                nbytes = planning.box_size(box) * itemsize
+        for read, store, plan in zip(reads, stores, plans, strict=True):
+            for region, boxes in plan:
+                nbytes = read.nbytes(region)
                 limiter.admit(nbytes)
-                future = store[tuple(slice(a, b) for a, b in box)].read()
-                limiter.add(future, nbytes, f"reading {read.item}/{read.leaf.keystr} box {box} from {step_path}",
-                            on_done=functools.partial(read.deliver, devices))
+                future = store[tuple(slice(a, b) for a, b in region)].read()
+                limiter.add(future, nbytes, f"reading {read.item}/{read.leaf.keystr} box {region} from {step_path}",
+                            on_done=functools.partial(read.deliver, region, boxes))
         limiter.drain()
     finally:
         limiter.cancel()

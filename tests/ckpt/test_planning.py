@@ -121,3 +121,17 @@ def test_metadata_round_trip_and_version_check():
         StepMetadata.from_bytes(bad, "x")
     with pytest.raises(MetadataError, match="not valid JSON"):
         StepMetadata.from_bytes(b"{", "x")
+
+
+@pytest.mark.parametrize(("boxes", "regions"), [
+    ([((0, 4), (0, 2)), ((0, 4), (2, 4)), ((4, 8), (0, 2)), ((4, 8), (2, 4))], [((0, 8), (0, 4))]),
+    ([((0, 4),), ((6, 8),)], [((0, 4),), ((6, 8),)]),
+    ([((0, 4),)], [((0, 4),)]),
+], ids=["tiles-one-block", "gap", "single"])
+def test_plan_read_regions(boxes, regions):
+    assert [region for region, _ in planning.plan_read_regions(boxes)] == regions
+    assert sorted(b for _, bs in planning.plan_read_regions(boxes) for b in bs) == sorted(boxes)
+
+
+def test_offset_index():
+    assert planning.offset_index(((4, 8), (2, 4)), ((4, 8), (0, 4))) == (slice(0, 4), slice(2, 4))
