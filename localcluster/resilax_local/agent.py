@@ -49,6 +49,7 @@ IMPENDING_TERMINATION_TAINT = "cloud.google.com/impending-node-termination"
 MAINTENANCE_TIME_LABEL = "cloud.google.com/scheduled-maintenance-time"
 LEASE_NAMESPACE = "kube-node-lease"
 REMOVED = "Removed"
+REGISTERING = "Registering"
 
 
 def _micro_now() -> str:
@@ -62,6 +63,7 @@ class AgentNode:
     state: str = NodeState.READY
     ready_since: str = ""
     kill_timer: threading.Timer | None = None
+    uid: str = ""
 
     @property
     def name(self) -> str:
@@ -90,6 +92,8 @@ class NodeAgent:
         self.next_node_index = 0
         self.host_entries: dict[str, tuple[str, list[str]]] = {}
         self.events = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
+        self.registrations = ThreadPoolExecutor(max_workers=4, thread_name_prefix="register")
+        self.lease_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lease")
         serving = CertificateAuthority(run_dir / "pki").issue("kubelet", "resilax-local-kubelet", server=True,
                                                              hosts=("127.0.0.1",))
         self.kubelet_api = KubeletAPI(run_dir, serving.cert, serving.key, self._container_running)
@@ -197,11 +201,12 @@ class NodeAgent:
                 "metadata": {"name": node.name, "labels": node.spec.labels},
                 "spec": {"taints": list(node.spec.taints)}}
         try:
-            self.client.create("/api/v1/nodes", body)
+            created = self.client.create("/api/v1/nodes", body)
         except KubeAPIError as e:
             if e.status != 409:
                 raise
-            self.client.patch(f"/api/v1/nodes/{node.name}", {"metadata": {"labels": node.spec.labels}})
+            created = self.client.patch(f"/api/v1/nodes/{node.name}", {"metadata": {"labels": node.spec.labels}})
+        node.uid = created["metadata"]["uid"]
         node.ready_since = now_rfc3339()
         self.post_node_status(node)
         self.renew_lease(node)
@@ -242,31 +247,78 @@ class NodeAgent:
         except KubeAPIError as e:
             if e.status != 404:
                 raise
-            owner = self.client.get(f"/api/v1/nodes/{node.name}")["metadata"]
+            owner = {"uid": node.uid} if node.uid else self.client.get(f"/api/v1/nodes/{node.name}")["metadata"]
             self.client.create(f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases", {
                 "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                 "metadata": {"name": node.name, "namespace": LEASE_NAMESPACE, "ownerReferences": [
                     {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": owner["uid"]}]},
                 "spec": spec})
 
-    def _lease_loop(self) -> None:
-        """Renew the Leases of Ready nodes; no-process nodes (scale tests) less often, to spare the CPU."""
-        last: dict[str, float] = {}
-        slow = max(self.lease_renew_seconds, 5.0)
-        while not self.stopping.wait(self.lease_renew_seconds):
-            now = time.monotonic()
+    def _lease_loop(self, run_pods: bool) -> None:
+        """Renew the Leases of Ready nodes. Nodes that run pods and no-process nodes (scale tests, renewed
+        less often) have a thread each, so hundreds of the latter never delay the former."""
+        interval = self.lease_renew_seconds if run_pods else max(self.lease_renew_seconds, 5.0)
+        while not self.stopping.wait(interval):
             with self.lock:
-                ready = [n for n in self.nodes.values() if n.state == NodeState.READY
-                         and now - last.get(n.name, 0.0) >= (self.lease_renew_seconds if n.spec.run_pods else slow) - 0.1]
-            for node in ready:
-                last[node.name] = now
+                ready = [n for n in self.nodes.values() if n.state == NodeState.READY and n.spec.run_pods == run_pods]
+            if run_pods:
+                for node in ready:
+                    self._renew_if_ready(node)
+            else:  # hundreds: in parallel, or one round outlasts the grace period on a busy machine
+                list(self.lease_pool.map(self._renew_if_ready, ready))
+
+    def _renew_if_ready(self, node: AgentNode) -> None:
+        if self.stopping.is_set():
+            return
+        try:
+            if self.node_state(node.name) == NodeState.READY:
+                self.renew_lease(node)
+        except Exception as e:
+            log.warning("lease of %s: %s", node.name, e)
+
+    def _node_watch_loop(self) -> None:
+        """Heal like a kubelet: a node we consider Ready whose Ready condition is not True (the lifecycle
+        controller set Unknown after a slow spell) gets its Ready status posted again."""
+        while not self.stopping.is_set():
+            try:
+                listing = self.client.get("/api/v1/nodes")
+                version = listing["metadata"]["resourceVersion"]
+                for node in listing.get("items", []):
+                    self._heal(node)
+                while not self.stopping.is_set():
+                    for event in self.client.watch("/api/v1/nodes", version, timeout_seconds=30):
+                        obj = event["object"]
+                        if event["type"] == "ERROR":
+                            raise KubeAPIError(int(obj.get("code", 500)), obj.get("message", "watch error"))
+                        version = obj["metadata"]["resourceVersion"]
+                        if event["type"] in ("ADDED", "MODIFIED"):
+                            self._heal(obj)
+            except Exception as e:
                 if self.stopping.is_set():
                     return
-                try:
-                    if self.node_state(node.name) == NodeState.READY:
-                        self.renew_lease(node)
-                except Exception as e:
-                    log.warning("lease of %s: %s", node.name, e)
+                if not (isinstance(e, KubeAPIError) and e.status == 410):
+                    log.warning("node watch: %s; listing again", e)
+                    time.sleep(1.0)
+
+    def _heal(self, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        with self.lock:
+            node = self.nodes.get(name)
+            if node is None or node.state != NodeState.READY:
+                return
+        ready = [c for c in obj.get("status", {}).get("conditions") or [] if c["type"] == "Ready"]
+        if ready and ready[0]["status"] != "True":
+            log.warning("node %s is %s in the API though its agent is up: posting Ready again", name,
+                        ready[0]["status"])
+            node.ready_since = now_rfc3339()
+            self.registrations.submit(self._post_status_quietly, node)
+
+    def _post_status_quietly(self, node: AgentNode) -> None:
+        try:
+            self.renew_lease(node)
+            self.post_node_status(node)
+        except Exception as e:
+            log.warning("status of %s: %s", node.name, e)
 
     def _update_node(self, name: str, change: Any) -> None:
         """Read-modify-write a Node (labels, taints) with optimistic concurrency."""
@@ -367,29 +419,40 @@ class NodeAgent:
         return {"node": name, "state": node.state}
 
     def add_nodes(self, specs: list[NodeSpec]) -> dict[str, Any]:
+        """Register more nodes, in the background (4 at a time); wait for them to be Ready in the API."""
         added = []
         for spec in specs:
             with self.lock:
                 existing = self.nodes.get(spec.name)
-            node = existing if existing and existing.state != REMOVED else self._add_node_record(spec)
-            node.spec = spec
-            node.state = NodeState.READY
-            self.register(node)
+                node = existing if existing and existing.state != REMOVED else self._add_node_record(spec)
+                node.spec = spec
+                node.state = REGISTERING
+            self.registrations.submit(self._register_in_background, node)
             added.append(spec.name)
         return {"added": added}
+
+    def _register_in_background(self, node: AgentNode) -> None:
+        for attempt in range(20):
+            try:
+                self.register(node)
+                with self.lock:
+                    if node.state == REGISTERING:
+                        node.state = NodeState.READY
+                return
+            except Exception as e:
+                log.warning("registering %s (attempt %d): %s", node.name, attempt + 1, e)
+                time.sleep(1.0)
 
     def remove_node(self, name: str) -> dict[str, Any]:
         self.kill_node(name)
         with self.lock:
             node = self.nodes.pop(name)
             node.state = REMOVED
-        for path in (f"/api/v1/nodes/{name}",
-                     f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{name}"):
-            try:
-                self.client.delete(path)
-            except KubeAPIError as e:
-                if e.status != 404:
-                    raise
+        try:  # its Lease goes with it (owner reference, garbage collector)
+            self.client.delete(f"/api/v1/nodes/{name}")
+        except KubeAPIError as e:
+            if e.status != 404:
+                raise
         return {"removed": name}
 
     # ---- pods ---------------------------------------------------------------------------------
@@ -500,7 +563,9 @@ class NodeAgent:
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         threading.Thread(target=self._register_all, name="register", daemon=True).start()
-        threading.Thread(target=self._lease_loop, name="leases", daemon=True).start()
+        threading.Thread(target=self._lease_loop, args=(True,), name="leases", daemon=True).start()
+        threading.Thread(target=self._lease_loop, args=(False,), name="leases-no-process", daemon=True).start()
+        threading.Thread(target=self._node_watch_loop, name="node-watch", daemon=True).start()
         threading.Thread(target=self._watch_loop, name="pod-watch", daemon=True).start()
 
     def _register_all(self) -> None:

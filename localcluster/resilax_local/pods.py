@@ -243,7 +243,8 @@ class PodWorker:
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "pod" and payload["metadata"]["uid"] == self.uid:
-            self.pod = payload
+            if self._newer(payload):
+                self.pod = payload
         elif kind == "deleted":
             self.gone = True
         elif kind == "resync":
@@ -258,6 +259,22 @@ class PodWorker:
                     self.pod = fresh
                 else:
                     self.gone = True
+
+    def _newer(self, pod: Pod) -> bool:
+        """Whether `pod` is at least as new as what we hold (watch events can trail our own writes)."""
+        try:
+            return int(pod["metadata"]["resourceVersion"]) >= int(self.pod["metadata"]["resourceVersion"])
+        except (KeyError, ValueError):
+            return True
+
+    def _own_status(self) -> None:
+        """The addresses this worker gave the pod, whatever the copy we hold says (for the downward API)."""
+        if self.pod_ip is None:
+            return
+        status = self.pod.setdefault("status", {})
+        host_ip = self.host.node_ip(self.node)
+        status.update({"podIP": self.pod_ip, "podIPs": [{"ip": self.pod_ip}], "hostIP": host_ip,
+                       "hostIPs": [{"ip": host_ip}]})
 
     def _sync(self, api: bool) -> None:
         meta = self.pod["metadata"]
@@ -310,6 +327,7 @@ class PodWorker:
                 c.waiting_reason, c.waiting_message = "CreateContainerConfigError", str(e)
 
     def _build_volumes(self) -> dict[str, Path]:
+        self._own_status()
         volumes: dict[str, Path] = {}
         root = self.dir / "volumes"
         for vol in self.pod["spec"].get("volumes") or []:
@@ -438,6 +456,7 @@ class PodWorker:
 
     def _start(self, c: ContainerRun) -> None:
         assert self.volumes is not None
+        self._own_status()
         try:
             env = podspec.build_env(self.pod, c.spec, self._lookup, self._base_env())
             argv = podspec.command_line(c.spec, env)
@@ -797,5 +816,5 @@ class PodWorker:
                 return
             raise
         self.last_status = encoded
-        if updated.get("metadata", {}).get("uid") == self.uid:
+        if updated.get("metadata", {}).get("uid") == self.uid and self._newer(updated):
             self.pod = updated
