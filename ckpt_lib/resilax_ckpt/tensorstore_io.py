@@ -174,8 +174,9 @@ class LeafRead:
         self._remaining = 0
         self._devices: dict[planning.Box, list[Any]] = {}
 
-    def plan(self) -> list[tuple[planning.Box, list[planning.Box]]]:
-        """The regions to read, each with the target boxes it holds."""
+    def plan(self, max_region_bytes: int) -> list[tuple[planning.Box, list[planning.Box]]]:
+        """The regions to read, each with the target boxes it holds; a region bigger than
+        `max_region_bytes` is read box by box (bounded memory over fewer re-read chunks)."""
         shape = self.leaf.shape
         if self.sharding is None:
             whole = tuple((0, d) for d in shape)
@@ -183,6 +184,8 @@ class LeafRead:
         indices = self.sharding.addressable_devices_indices_map(shape).items()
         self._devices = planning.plan_read_boxes(indices, shape)
         regions = planning.plan_read_regions(list(self._devices))
+        if len(regions) == 1 and len(regions[0][1]) > 1 and self.nbytes(regions[0][0]) > max_region_bytes:
+            regions = [(b, [b]) for b in regions[0][1]]
         self._remaining = len(regions)
         return regions
 
@@ -215,8 +218,9 @@ class LeafRead:
 
 def scaled_inflight_limit(limit: int, total_bytes: int) -> int:
     """The in-flight bound for an operation on `total_bytes`: `limit`, but at most an eighth of the
-    total (at least 16 MiB), so small states keep their peak memory near 1x (restore) or 2x (save)."""
-    return max(16 << 20, min(limit, total_bytes // 8))
+    total (at least 8 MiB): tensorstore's own buffers roughly double it, and the peak memory of a
+    restore (1x the state) or a save (2x: the state and its snapshot) must stay near those."""
+    return max(8 << 20, min(limit, total_bytes // 16))
 
 
 def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: ts.Context,
@@ -229,9 +233,10 @@ def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: ts
         for r in reads
     ]
     stores = open_arrays(specs, context, create=False)
-    plans = [read.plan() for read in reads]
-    total = sum(read.nbytes(region) for read, plan in zip(reads, plans, strict=True) for region, _ in plan)
-    limiter = InflightLimiter(scaled_inflight_limit(max_inflight_bytes, total))
+    total = sum(read.nbytes(tuple((0, d) for d in read.leaf.shape)) for read in reads)
+    limit = scaled_inflight_limit(max_inflight_bytes, total)
+    plans = [read.plan(limit) for read in reads]
+    limiter = InflightLimiter(limit)
     try:
         for read, store, plan in zip(reads, stores, plans, strict=True):
             for region, boxes in plan:
