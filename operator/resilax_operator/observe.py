@@ -12,6 +12,8 @@ Everything here is synchronous; handlers.py calls `reconcile_job` from a kopf da
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -48,6 +50,19 @@ MAX_REQUEUE_SECONDS = 5.0
 #: collective with a dead peer and cannot finish, so the pod's full grace (finalSave.timeoutSeconds
 #: + margin) only delays the next generation; they still get SIGTERM and a few seconds.
 HARD_LOSS_GRACE_SECONDS = 5
+#: Grace period of a pod whose trainer has already exited, when the job has no local tier: its sidecar
+#: has nothing left to save or upload, but without the trainer's liveness lock (docs/sidecar.md, open
+#: points) it would wait for an answer until its own grace (finalSave.timeoutSeconds) runs out.
+TRAINER_GONE_GRACE_SECONDS = 2
+#: After a final save with stop, the trainers exit (75) by themselves within moments. A pod deleted
+#: before that gets SIGTERM and its sidecar waits for a save answer that never comes; so a planned
+#: teardown leaves a pod whose trainer still runs alone for up to this long (seconds).
+STOPPING_TRAINER_WAIT_SECONDS = 15.0
+PLANNED_KINDS = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK, st.WORKER_STOPPED})
+
+_lock = threading.Lock()
+#: pod uid → when a planned teardown first found its trainer still running (monotonic seconds).
+_waiting_since: dict[str, float] = {}
 
 
 @dataclass(frozen=True)
@@ -158,6 +173,7 @@ def execute(kube: Kube, world: World, actions: Sequence[Action], settings: Opera
 
 def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger: Logger) -> None:
     ref = job_ref(world.job)
+    local_tier = bool(((world.job.get("spec") or {}).get("checkpoint") or {}).get("local"))
     gone = []
     for pod in world.pods:
         meta = pod.get("metadata") or {}
@@ -167,12 +183,42 @@ def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger
         force = name in action.force_pods
         if meta.get("deletionTimestamp") and not force:
             continue  # already going; deleting again changes nothing
-        grace = HARD_LOSS_GRACE_SECONDS if action.reason == st.NODE_LOSS and not force else None
+        if not force and action.reason in PLANNED_KINDS and _trainer_running(pod) and _still_waiting(meta):
+            continue  # it is stopping by itself after its final save; the next reconcile deletes it
+        grace = None
+        if not force and action.reason == st.NODE_LOSS:
+            grace = HARD_LOSS_GRACE_SECONDS
+        elif not force and not local_tier and _trainer_exited(pod):
+            grace = TRAINER_GONE_GRACE_SECONDS
         kube.delete_pod(ref.namespace, name, force=force, grace_seconds=grace)
         gone.append(name + (" (force)" if force else ""))
     kube.delete_service(ref.namespace, build_service_name(ref.name, action.generation))
     if gone:
         logger.info("generation %d (%s): deleting %s", action.generation, action.reason, ", ".join(gone))
+
+
+def _trainer_state(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    containers = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
+    trainer = api.TRAINER_CONTAINER if api.TRAINER_CONTAINER in containers else (containers[0] if containers else None)
+    return next(((cs.get("state") or {}) for cs in (pod.get("status") or {}).get("containerStatuses") or []
+                 if cs.get("name") == trainer), {})
+
+
+def _trainer_exited(pod: Mapping[str, Any]) -> bool:
+    return bool(_trainer_state(pod).get("terminated"))
+
+
+def _trainer_running(pod: Mapping[str, Any]) -> bool:
+    return bool(_trainer_state(pod).get("running"))
+
+
+def _still_waiting(meta: Mapping[str, Any]) -> bool:
+    uid, now = str(meta.get("uid", "")), time.monotonic()
+    with _lock:
+        for key in [k for k, t in _waiting_since.items() if now - t > 10 * STOPPING_TRAINER_WAIT_SECONDS]:
+            del _waiting_since[key]
+        first = _waiting_since.setdefault(uid, now)
+    return now - first < STOPPING_TRAINER_WAIT_SECONDS
 
 
 def request_final_save(kube: Kube, world: World, action: RequestFinalSave, settings: OperatorSettings,
