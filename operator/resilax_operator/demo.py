@@ -371,8 +371,10 @@ class Demo:
             stop_process_group(self.operator)
         if self.cluster is not None:
             if self.keep:
-                say(f"==> leaving the cluster up (--keep): export KUBECONFIG={self.cluster.kubeconfig}; "
-                    f"stop it with: resilax local down --dir {self.cluster.run_dir}")
+                say(f"==> leaving the cluster up (--keep): export KUBECONFIG={self.cluster.kubeconfig}\n"
+                    f"    the operator is stopped; run it again with: resilax operator --all-namespaces "
+                    f"--peering={PEERING} --kubeconfig={self.run_dir / 'operator-kubeconfig'}\n"
+                    f"    stop the cluster with: resilax local down --dir {self.cluster.run_dir}")
             else:
                 say("==> stopping the local cluster")
                 self.cluster.stop()
