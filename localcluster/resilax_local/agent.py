@@ -463,9 +463,11 @@ class NodeAgent:
             node = self.nodes.get(node_name or "")
             if node is None or node.state != NodeState.READY:
                 return
-            if not node.spec.run_pods:
-                self._fake_pod(kind, pod, node)
-                return
+            fake = not node.spec.run_pods
+        if fake:
+            self._fake_pod(kind, pod, node)  # outside the lock: it talks to the API server
+            return
+        with self.lock:
             worker = self.workers.get(uid)
             if kind == "DELETED":
                 if worker:
