@@ -105,6 +105,8 @@ class CheckpointManager:
         self._sigterm = threading.Event()
         self._previous_sigterm: Any = None
         self._watcher = RequestWatcher(self._options.control_dir) if self._options.control_dir else None
+        if self._watcher is not None:
+            self._watcher.hold_trainer_lock()
         self._persistent_root = persistent_directory.rstrip("/") if persistent_directory else None
         self._persistent: Storage | None = (
             open_storage(self._persistent_root, fsync=self._options.fsync)
@@ -543,6 +545,8 @@ class CheckpointManager:
             self._closed = True
             self._executor.shutdown(wait=True)
             self._uninstall_sigterm()
+            if self._watcher is not None:
+                self._watcher.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

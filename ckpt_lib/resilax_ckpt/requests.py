@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -18,6 +19,9 @@ log = logging.getLogger(__name__)
 
 REQUESTS_DIR = "requests"
 RESULTS_DIR = "results"
+TRAINER_LOCK = "trainer.lock"
+"""A live trainer holds a shared `flock` on this file; the kernel drops it when the process dies, so
+the sidecar can tell a trainer that will still answer a request from one that is gone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +40,23 @@ class RequestWatcher:
         self._dir = os.path.join(control_dir, REQUESTS_DIR)
         self._results = os.path.join(control_dir, RESULTS_DIR)
         self._seen: set[str] = set()
+        self._lock_fd: int | None = None
+
+    def hold_trainer_lock(self) -> None:
+        """Announce a live trainer: a shared flock on `trainer.lock`, held until `release()`."""
+        if self._lock_fd is not None:
+            return
+        control_dir = os.path.dirname(self._dir)
+        os.makedirs(control_dir, exist_ok=True)
+        fd = os.open(os.path.join(control_dir, TRAINER_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Drop the trainer lock: no more results will be written."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def poll(self) -> list[SaveRequest]:
         """New requests since the last poll (files whose name ends in .json; others are in flight)."""

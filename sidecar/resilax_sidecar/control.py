@@ -20,7 +20,7 @@ from typing import Any
 REQUESTS_DIR = "requests"
 RESULTS_DIR = "results"
 TRAINER_LOCK = "trainer.lock"
-"""A live trainer holds a shared `flock` on this file (proposed to resilax_ckpt); the kernel drops it
+"""A live trainer holds a shared `flock` on this file (resilax_ckpt.requests holds it); the kernel drops it
 when the process ends, however it ends, so the sidecar can tell a gone trainer from a slow one."""
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,80}$")

@@ -3,6 +3,7 @@ SIGTERM, and kill -9 at every phase of a save."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -154,6 +155,25 @@ def test_save_request_file_forces_a_save_and_writes_a_result(tmp_path, devices):
         assert mgr.should_stop
         assert json.loads((control / "results" / "b.json").read_text())["step"] == 4
         assert mgr.steps() == [2, 4]
+
+
+def _exclusive_lock_free(path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_live_manager_holds_the_trainer_lock_until_closed(tmp_path, devices):
+    control = tmp_path / "control"
+    mgr = rc.CheckpointManager(str(tmp_path / "ck"), rc.ManagerOptions(control_dir=str(control)))
+    assert not _exclusive_lock_free(control / "trainer.lock")  # the sidecar sees a live trainer
+    mgr.close()
+    assert _exclusive_lock_free(control / "trainer.lock")
 
 
 def test_sigterm_is_a_stop_request(tmp_path, devices):

@@ -20,6 +20,7 @@ def test_names_agree_with_resilax_ckpt():
     assert layout.TRASH_PREFIX == ckpt_layout.TRASH_PREFIX
     assert control.REQUESTS_DIR == ckpt_requests.REQUESTS_DIR
     assert control.RESULTS_DIR == ckpt_requests.RESULTS_DIR
+    assert control.TRAINER_LOCK == ckpt_requests.TRAINER_LOCK
     for pid in (None, 0, 3):
         assert layout.commit_name(pid) == ckpt_layout.commit_name(pid)
         assert layout.metadata_name(pid) == ckpt_layout.metadata_name(pid)
