@@ -18,7 +18,8 @@ T = TypeVar("T")
 def wait_for(predicate: Callable[[], T | None], timeout: float = 60.0, interval: float = 0.25, message: str = "") -> T:
     """Call `predicate` until it returns something truthy (returned) or `timeout` passes (TimeoutError).
 
-    Exceptions of type KubeAPIError from the predicate count as "not yet"; the last one is reported.
+    KubeAPIError and FileNotFoundError (a log not written yet) from the predicate count as "not yet";
+    the last one is reported.
     """
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -28,7 +29,7 @@ def wait_for(predicate: Callable[[], T | None], timeout: float = 60.0, interval:
             if value:
                 return value
             last = value
-        except KubeAPIError as e:
+        except (KubeAPIError, FileNotFoundError) as e:
             last = e
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{message or 'condition'} not met within {timeout:.0f} s (last: {last!r})")

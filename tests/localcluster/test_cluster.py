@@ -432,3 +432,24 @@ def test_pods_resolve_each_other_by_hostname_and_subdomain(cluster, kube, namesp
     assert f"reached w-0.workers {server_ip}" in out
     assert f"reached w-0.workers.{namespace}.svc.cluster.local {server_ip}" in out
     assert "hostname w-0" in cluster.logs(namespace, "server")
+
+
+def test_preemption_with_sigterm_warns_the_workers_at_once(cluster, kube, namespace):
+    victim = "tpu-slice-0-h1"
+    script = """
+        import signal, sys, time
+        def stop(*_):
+            print("SIGTERM: saving and exiting", flush=True)
+            sys.exit(75)
+        signal.signal(signal.SIGTERM, stop)
+        print("training", flush=True)
+        while True:
+            time.sleep(0.1)
+    """
+    create_pod(kube, namespace, python_pod("worker", script, node=victim, restartPolicy="Never"))
+    wait_for(lambda: "training" in cluster.logs(namespace, "worker"), 60, message="worker started")
+    cluster.preempt_node(victim, delay_seconds=60, sigterm=True)
+    pod = wait_for_pod_phase(kube, namespace, "worker", "Failed", timeout=60)
+    assert container_status(pod, "main")["state"]["terminated"]["exitCode"] == 75
+    assert "SIGTERM: saving and exiting" in cluster.logs(namespace, "worker")
+    assert {n["name"]: n for n in cluster.nodes()}[victim]["kill_pending"]
