@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -38,17 +39,25 @@ def enter_volumes(mounts: list[dict[str, object]]) -> None:
         err = ctypes.get_errno()
         raise OSError(err, f"unshare(CLONE_NEWNS): {os.strerror(err)} (the node agent must run as root)")
     _mount(libc, None, "/", MS_REC | MS_PRIVATE)
-    for m in sorted(mounts, key=lambda m: len(str(m["target"]))):
-        source, target = Path(str(m["source"])), Path(str(m["target"]))
-        if source.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-        else:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if not target.exists():
-                target.touch()
-        _mount(libc, str(source), str(target), MS_BIND | MS_REC)
-        if m.get("read_only"):
-            _mount(libc, None, str(target), MS_BIND | MS_REMOUNT | MS_RDONLY)
+    ordered = sorted(mounts, key=lambda m: len(str(m["target"])))
+    # Open every source before mounting anything: a volume mounted at /tmp must not hide the source
+    # of a later one that lives under /tmp (the cluster's own run folder often does).
+    fds = [os.open(str(m["source"]), os.O_PATH | os.O_CLOEXEC) for m in ordered]
+    try:
+        for m, fd in zip(ordered, fds, strict=True):
+            target = Path(str(m["target"]))
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if not target.exists():
+                    target.touch()
+            _mount(libc, f"/proc/self/fd/{fd}", str(target), MS_BIND | MS_REC)
+            if m.get("read_only"):
+                _mount(libc, None, str(target), MS_BIND | MS_REMOUNT | MS_RDONLY)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def set_hostname(name: str) -> None:

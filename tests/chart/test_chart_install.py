@@ -13,7 +13,6 @@ chart's command line, peering CRDs and RBAC work for the real operator.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import uuid
 from pathlib import Path
@@ -28,9 +27,6 @@ from resilax_local.testing import wait_for
 pytestmark = pytest.mark.cluster
 
 CRDS = ("jaxjobs.resilax.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev")
-OPERATOR_MAIN_EXISTS = importlib.util.find_spec("resilax_operator.main") is not None
-#: What the node agent logs when a volume mounted at /tmp hides the sources of the pod's later bind mounts.
-LOCAL_TMP_MOUNT_BUG = "cannot set up the container: [Errno 2] mount /tmp/"
 
 
 def canonical(rules: list[dict[str, Any]]) -> list[str]:
@@ -131,31 +127,23 @@ def test_chart_installs_into_the_local_cluster(cluster, kube: KubeClient, namesp
     pod = wait_for(operator_pod, timeout=120, message="operator pod scheduled, container reported")
     assert pod["spec"]["serviceAccountName"] == operator
 
-    if OPERATOR_MAIN_EXISTS:
-        name = pod["metadata"]["name"]
+    name = pod["metadata"]["name"]
 
-        def log_tail() -> str:
-            try:
-                return str(cluster.logs(namespace, name, "operator"))[-3000:]
-            except Exception as e:  # the diagnostics must not hide the failure
-                return f"(no log: {e})"
-
-        def joined_peering() -> bool:
-            peering = kube.get(f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings/{release}-resilax")
-            return any(key.startswith(operator) for key in (peering.get("status") or {}))
-
-        def joined_or_known_bug() -> bool:
-            return joined_peering() or LOCAL_TMP_MOUNT_BUG in log_tail()
-
+    def log_tail() -> str:
         try:
-            wait_for(joined_or_known_bug, timeout=120, message="the operator's keep-alive in its KopfPeering")
-        except TimeoutError as e:
-            status = (operator_pod() or {}).get("status", {}).get("containerStatuses")
-            raise AssertionError(f"{e}\ncontainer: {status}\noperator log:\n{log_tail()}") from e
-        if not joined_peering():
-            pytest.xfail("local cluster: the pod's emptyDir at /tmp hides the cluster's run folder (under "
-                         "/tmp in pytest) before the agent bind-mounts /etc/hosts from it; fix in "
-                         "resilax_local/launch.py (open mount sources before mounting over them)")
+            return str(cluster.logs(namespace, name, "operator"))[-3000:]
+        except Exception as e:  # the diagnostics must not hide the failure
+            return f"(no log: {e})"
+
+    def joined_peering() -> bool:
+        peering = kube.get(f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings/{release}-resilax")
+        return any(key.startswith(operator) for key in (peering.get("status") or {}))
+
+    try:
+        wait_for(joined_peering, timeout=120, message="the operator's keep-alive in its KopfPeering")
+    except TimeoutError as e:
+        status = (operator_pod() or {}).get("status", {}).get("containerStatuses")
+        raise AssertionError(f"{e}\ncontainer: {status}\noperator log:\n{log_tail()}") from e
 
 
 def test_cluster_wide_mode_grants_the_rules_in_one_cluster_role(helm, cluster, kube: KubeClient, namespace: str,
