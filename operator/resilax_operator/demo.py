@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from . import api
+from .builders import build_operator_rbac
 from .timeline import (
     Fault,
     JobSnapshot,
@@ -185,19 +186,10 @@ class Demo:
         rules = yaml.safe_load(RULES_FILE.read_text())
         self.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                            "metadata": {"name": OPERATOR_NAMESPACE}})
-        self.create(f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts",
-                    {"apiVersion": "v1", "kind": "ServiceAccount",
-                     "metadata": {"name": OPERATOR_NAME, "namespace": OPERATOR_NAMESPACE}})
-        self.create("/apis/rbac.authorization.k8s.io/v1/clusterroles",
-                    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-                     "metadata": {"name": OPERATOR_NAME}, "rules": rules})
-        self.create("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-                    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-                     "metadata": {"name": OPERATOR_NAME},
-                     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                 "name": OPERATOR_NAME},
-                     "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_NAME,
-                                   "namespace": OPERATOR_NAMESPACE}]})
+        account, role, binding = build_operator_rbac(OPERATOR_NAMESPACE, OPERATOR_NAME, OPERATOR_NAME, rules)
+        self.create(f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts", account)
+        self.create("/apis/rbac.authorization.k8s.io/v1/clusterroles", role)
+        self.create("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", binding)
         try:
             self.create("/apis/kopf.dev/v1/clusterkopfpeerings",
                         {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}})

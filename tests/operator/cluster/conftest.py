@@ -23,6 +23,7 @@ from resilax_local.cluster import LocalCluster
 from resilax_local.errors import KubeAPIError
 from resilax_local.kubeapi import KubeClient
 from resilax_local.testing import wait_for
+from resilax_operator.builders import build_operator_rbac
 
 
 @pytest.fixture(scope="session")
@@ -54,17 +55,11 @@ def operator_rbac(cluster: LocalCluster, kube: KubeClient, crds: None, namespace
                   tmp_path: Path) -> Iterator[OperatorRBAC]:
     account = "resilax-operator"
     role = f"resilax-operator-{namespace}"[:63]
-    kube.create(f"/api/v1/namespaces/{namespace}/serviceaccounts",
-                {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}})
-    rules = yaml.safe_load(RULES_FILE.read_text())
-    kube.create("/apis/rbac.authorization.k8s.io/v1/clusterroles",
-                {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-                 "metadata": {"name": role}, "rules": rules})
-    kube.create("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-                {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-                 "metadata": {"name": role},
-                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
-                 "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]})
+    account_body, role_body, binding = build_operator_rbac(namespace, account, role,
+                                                           yaml.safe_load(RULES_FILE.read_text()))
+    kube.create(f"/api/v1/namespaces/{namespace}/serviceaccounts", account_body)
+    kube.create("/apis/rbac.authorization.k8s.io/v1/clusterroles", role_body)
+    kube.create("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", binding)
     peering = "resilax"
     kube.create(f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings",
                 {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": peering}})
