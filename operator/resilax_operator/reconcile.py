@@ -429,6 +429,35 @@ def plan_shape(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime) -> S
     return None if best is None else best[1]
 
 
+def explain_shortfall(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime) -> str:
+    """Why `plan_shape` found nothing, for the InsufficientCapacity message: what each allowed
+    topology needs and what the schedulable nodes carrying its labels offer. When such nodes exist
+    but all have fewer free devices than one host of the slice needs, and the spec left the host
+    size to its default, it says which field picks smaller hosts."""
+    nodes = tuple(nodes)
+    low, high = spec.count_bounds
+    parts = []
+    for topology in spec.allowed_topologies:
+        g = geometry_of(spec, topology)
+        matching = [n for n in nodes if n.pool is not None and n.schedulable(now)
+                    and all(n.labels.get(k) == v for k, v in g.node_selector)]
+        need = f"{topology}: {low}..{high} node pools of {g.hosts} host(s)"
+        if g.resource is None:
+            parts.append(f"{need}; {len(matching)} schedulable nodes")
+            continue
+        need += f" with {g.chips_per_host} free {g.resource} each"
+        most = max((n.allocatable.get(g.resource, 0) - n.in_use_by_others.get(g.resource, 0)
+                    for n in matching), default=0)
+        offer = f"{len(matching)} schedulable nodes with these labels, at most {most} free per node"
+        hint = ""
+        if (matching and most < g.chips_per_host and spec.slices.machine_type is None
+                and spec.slices.chips_per_host is None):
+            hint = (f" (the default is {g.chips_per_host} per host; set slices.machineType or "
+                    f"slices.chipsPerHost for smaller hosts)")
+        parts.append(f"{need}; {offer}{hint}")
+    return f"{spec.slices.accelerator}: " + "; ".join(parts)
+
+
 def shape_chips(spec: JobSpec, shape: Shape) -> int:
     return geometry_of(spec, shape.topology).chips * shape.count
 
@@ -568,9 +597,7 @@ def _start_generation(spec: JobSpec, observed: Observed, s: JobStatus, settings:
                 RequeueAfter(max(1.0, (t.not_before - now).total_seconds()))]
     planned = plan_shape(spec, observed.nodes, now)
     if planned is None:
-        low, high = spec.count_bounds
-        detail = (f"need {low}..{high} node pools of {spec.slices.accelerator} with one of "
-                  f"{', '.join(spec.allowed_topologies)}; none has enough schedulable nodes")
+        detail = explain_shortfall(spec, observed.nodes, now)
         new = replace(s, phase=st.phase_for(t, first=first))
         new = st.set_condition(new, api.COND_READY, False, api.INSUFFICIENT_CAPACITY.name,
                                api.INSUFFICIENT_CAPACITY.format(detail=detail), now)

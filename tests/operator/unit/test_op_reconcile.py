@@ -94,6 +94,32 @@ def test_fixed_shape_waits_for_capacity() -> None:
     assert w.status.phase == api.PHASE_RUNNING and w.status.shape == Shape("4x4", 3)
 
 
+def test_insufficient_capacity_says_what_each_topology_needs_and_what_nodes_offer() -> None:
+    spec = fixed_spec(count=1)
+    spec["slices"]["topology"] = "2x4"  # v5e 2x4 defaults to one host with 8 chips (GKE's 8t)
+    w = World.make(spec, tpu_pool("small", 2, topology="2x4", chips=4))
+    w.settle()
+    ready = w.status.condition(api.COND_READY)
+    assert ready is not None and ready.reason == api.INSUFFICIENT_CAPACITY.name
+    assert "2x4: 1..1 node pools of 1 host(s) with 8 free google.com/tpu each" in ready.message
+    assert "2 schedulable nodes with these labels, at most 4 free per node" in ready.message
+    assert "set slices.machineType or slices.chipsPerHost" in ready.message
+    spec["slices"]["chipsPerHost"] = 4  # the hint's fix: 2 hosts x 4 chips fit these nodes
+    w = World.make(spec, tpu_pool("small", 2, topology="2x4", chips=4))
+    w.settle()
+    assert w.status.phase == api.PHASE_RUNNING and w.status.hosts == 2
+
+
+def test_insufficient_capacity_without_a_host_size_hint_when_the_user_chose_it() -> None:
+    w = World.make(fixed_spec(count=3), tpu_pool("pool-a", 4), tpu_pool("pool-b", 4))
+    w.settle()
+    ready = w.status.condition(api.COND_READY)
+    assert ready is not None
+    assert "4x4: 3..3 node pools of 4 host(s) with 4 free google.com/tpu each" in ready.message
+    assert "8 schedulable nodes with these labels, at most 4 free per node" in ready.message
+    assert "chipsPerHost" not in ready.message
+
+
 def test_elastic_starts_at_the_largest_shape_capacity_allows() -> None:
     w = running_world(pools=[tpu_pool("pool-a", 4), tpu_pool("pool-b", 4), tpu_pool("pool-c", 4)])
     assert w.status.shape == Shape("4x4", 3)
