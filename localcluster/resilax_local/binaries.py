@@ -13,6 +13,8 @@ server module has directory replaces too, so it gets a wrapper of its own.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -20,6 +22,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +141,17 @@ def _reports_version(binary: Path, version: str) -> bool:
     return version in out
 
 
+@contextlib.contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """One build of `name` at a time across processes (a test run and the demo started together would
+    otherwise build into the same staging folder); callers look for the binary again once they hold it."""
+    path = cache_dir() / "bin" / f".{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def kubernetes_dir(version: str = KUBERNETES_VERSION) -> Path:
     return cache_dir() / "bin" / f"k8s-{version}"
 
@@ -145,17 +159,29 @@ def kubernetes_dir(version: str = KUBERNETES_VERSION) -> Path:
 def ensure_kubernetes(version: str = KUBERNETES_VERSION, build: bool = True) -> dict[str, Path]:
     """kube-apiserver, kube-controller-manager and kube-scheduler: from KUBEBUILDER_ASSETS, the cache, or built."""
     out_dir = kubernetes_dir(version)
-    found: dict[str, Path] = {}
+    missing = _missing_kubernetes(out_dir, version, build)
+    if not missing:
+        return {name: _assets_binary(name) or out_dir / name for name in KUBERNETES_COMMANDS}
+    if not build:
+        raise BinaryError(f"missing {', '.join(missing)} in {out_dir} (run `resilax local binaries` to build them)")
+    with _build_lock(f"k8s-{version}"):
+        missing = _missing_kubernetes(out_dir, version, build)
+        if missing:
+            _build_kubernetes(out_dir, version, missing)
+    return {name: _assets_binary(name) or out_dir / name for name in KUBERNETES_COMMANDS}
+
+
+def _missing_kubernetes(out_dir: Path, version: str, build: bool) -> list[str]:
+    missing = []
     for name in KUBERNETES_COMMANDS:
         assets = _assets_binary(name)
         path = assets or out_dir / name
-        if path.is_file() and (assets or not build or _reports_version(path, version)):
-            found[name] = path
-    missing = [c for c in KUBERNETES_COMMANDS if c not in found]
-    if not missing:
-        return found
-    if not build:
-        raise BinaryError(f"missing {', '.join(missing)} in {out_dir} (run `resilax local binaries` to build them)")
+        if not (path.is_file() and (assets or not build or _reports_version(path, version))):
+            missing.append(name)
+    return missing
+
+
+def _build_kubernetes(out_dir: Path, version: str, missing: list[str]) -> None:
     src = cache_dir() / "src" / f"k8s-{version}"
     _prepare_kubernetes_module(src, version)
     minor = version.removeprefix("v").split(".")[1]
@@ -171,7 +197,6 @@ def ensure_kubernetes(version: str = KUBERNETES_VERSION, build: bool = True) -> 
     _run_build([*cmd, *(f"k8s.io/kubernetes/cmd/{c}" for c in missing)], src, "k8s-build.log")
     for name in missing:  # rename into place: safe even while an older binary is running
         (staging / name).rename(out_dir / name)
-    return {name: _assets_binary(name) or out_dir / name for name in KUBERNETES_COMMANDS}
 
 
 def ensure_etcd(version: str = ETCD_VERSION, build: bool = True) -> Path:
@@ -184,6 +209,13 @@ def ensure_etcd(version: str = ETCD_VERSION, build: bool = True) -> Path:
         return out
     if not build:
         raise BinaryError(f"missing {out} (run `resilax local binaries` to build it)")
+    with _build_lock(f"etcd-{version}"):
+        if not out.is_file():
+            _build_etcd(version, out)
+    return out
+
+
+def _build_etcd(version: str, out: Path) -> None:
     go = _go()
     src = cache_dir() / "src" / f"etcd-{version}"
     src.mkdir(parents=True, exist_ok=True)
@@ -194,9 +226,10 @@ def ensure_etcd(version: str = ETCD_VERSION, build: bool = True) -> Path:
         (src / "tools.go").write_text('//go:build tools\n\npackage tools\n\nimport _ "go.etcd.io/etcd/server/v3"\n')
         _run_build([go, "mod", "tidy"], src, "etcd-build.log")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _run_build([go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(out), "go.etcd.io/etcd/server/v3"],
+    partial = out.with_name(out.name + ".partial")
+    _run_build([go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(partial), "go.etcd.io/etcd/server/v3"],
                src, "etcd-build.log")
-    return out
+    partial.rename(out)
 
 
 def _go_install(package: str, version: str, name: str, build: bool) -> Path:
@@ -209,11 +242,12 @@ def _go_install(package: str, version: str, name: str, build: bool) -> Path:
         return on_path
     if not build:
         raise BinaryError(f"missing {out} (run `resilax local binaries` to build it)")
-    go = _go()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "GOBIN": str(out_dir)}
-    _run_build([go, "install", "-trimpath", "-ldflags=-s -w", f"{package}@{version}"], out_dir,
-               f"{name}-build.log", env=env)
+    with _build_lock(f"{name}-{version}"):
+        if not out.is_file():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "GOBIN": str(out_dir)}
+            _run_build([_go(), "install", "-trimpath", "-ldflags=-s -w", f"{package}@{version}"], out_dir,
+                       f"{name}-build.log", env=env)
     return out
 
 
