@@ -102,7 +102,7 @@ def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(raw)
+        view = raw.data
         offset = 0
         while offset < len(view):
             offset += os.pwrite(fd, view[offset:], offset)

@@ -206,17 +206,25 @@ def test_recycled_folder_whose_old_chunks_held_data_restores_zeros(tmp_path, dev
 
 
 def test_recycle_pool_sizes_and_zero_disables(tmp_path, devices):
-    for pool, want in ((0, []), (2, [".recycle-2", ".recycle-3"])):
+    # Each save takes the one retired before it, so the pool holds only the newest retired step.
+    for pool, want in ((0, []), (1, [".recycle-3"]), (2, [".recycle-3"])):
         root = tmp_path / f"pool{pool}"
         with rc.CheckpointManager(str(root), rc.ManagerOptions(keep_last=1, recycle_pool=pool,
                                                                async_save=False)) as mgr:
             for step in (1, 2, 3, 4):
                 mgr.save(step, {"p": {"w": put(np.full((8, 8), step, np.float32), ("a",))}})
             assert mgr.steps() == [4]
-        if pool == 2:  # steps 1 and 2 were retired to the pool; step 3 took one, step 4 the other
-            assert sorted(n for n in os.listdir(root) if n.startswith(".recycle")) == [".recycle-3"]
-        else:
-            assert not [n for n in os.listdir(root) if n.startswith(".recycle")]
+            np.testing.assert_array_equal(mgr.restore(4)["p"]["w"], np.full((8, 8), 4, np.float32))
+        assert sorted(n for n in os.listdir(root) if n.startswith(".recycle")) == want, pool
+    # keep_last=1 and several steps retired by one save (a smaller keep): the pool caps them.
+    root = tmp_path / "capped"
+    with rc.CheckpointManager(str(root), rc.ManagerOptions(async_save=False)) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, {"p": {"w": put(np.full((8, 8), step, np.float32), ("a",))}})
+    with rc.CheckpointManager(str(root), rc.ManagerOptions(keep_last=1, recycle_pool=2, async_save=False)) as mgr:
+        mgr.save(5, {"p": {"w": put(np.full((8, 8), 5, np.float32), ("a",))}})
+        assert mgr.steps() == [5]
+    assert sorted(n for n in os.listdir(root) if n.startswith(".recycle")) == [".recycle-1", ".recycle-2"]
     with pytest.raises(rc.InvalidOptionsError, match=r"recycle_pool: -1 must be >= 0"):
         rc.ManagerOptions(recycle_pool=-1)
     with pytest.raises(rc.InvalidOptionsError, match=r"write_threads: 0 must be >= 1"):
