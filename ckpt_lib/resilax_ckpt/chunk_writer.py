@@ -18,6 +18,8 @@ reader (tensorstore without `assume_metadata`, zarr-python) reads what we wrote.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import functools
 import json
 import math
 import os
@@ -216,3 +218,19 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
     finally:
         writer.close()
         shard_cache.clear()
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_free_memory() -> None:
+    """Give the memory of a written snapshot back to the OS (glibc keeps freed small blocks in its
+    arenas: without this the next save's copy starts on top of the last one's high-water mark)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

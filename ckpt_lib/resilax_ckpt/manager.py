@@ -622,6 +622,7 @@ def _write_step_files(storage: Storage, work: str, plan: items_lib.SnapshotPlan,
                                     progress)
     else:
         tsio.write_snapshot(plan, work, storage, context, create_metadata, max_inflight_bytes, progress)
+    chunk_writer.release_free_memory()  # the snapshot is written and dropped
     for parts, data in plan.files:
         storage.write_bytes(storage.join(work, *parts), data)
 
