@@ -166,9 +166,10 @@ def prune_to(folder: str, expected: set[str]) -> list[str]:
     too). Returns the deleted relative paths."""
     dirs = {p.rsplit("/", i)[0] for p in expected for i in range(1, p.count("/") + 1)}
     deleted: list[str] = []
+    folder = folder.rstrip(os.sep)
     for top, subdirs, files in os.walk(folder):
-        rel_top = os.path.relpath(top, folder).replace(os.sep, "/")
-        prefix = "" if rel_top == "." else rel_top + "/"
+        rel_top = top[len(folder) + 1:].replace(os.sep, "/")
+        prefix = rel_top + "/" if rel_top else ""
         for d in list(subdirs):
             if prefix + d not in dirs:
                 shutil.rmtree(os.path.join(top, d))
