@@ -180,14 +180,6 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
     from resilax_ckpt.items import resolve_source
     from resilax_ckpt.tensorstore_io import scaled_inflight_limit
 
-    if create_metadata:
-        for item, leaf in plan.arrays:
-            path = os.path.join(step_path, item, leaf.dir, ZARR_JSON)
-            try:
-                write_chunk_file(path, np.frombuffer(zarr_json(leaf.shape, leaf.dtype, leaf.chunks), np.uint8),
-                                 fsync)
-            except OSError as e:
-                raise StorageError(f"writing {path}: {type(e).__name__}: {e}") from e
     limit = scaled_inflight_limit(max_inflight_bytes, sum(w.nbytes for w in plan.writes))
     remaining: dict[int, int] = {}
     for write in plan.writes:
@@ -196,6 +188,11 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
     writer = ChunkWriter(threads, limit, fsync)
     shard_cache: dict[int, dict[Any, Any]] = {}
     try:
+        if create_metadata:  # on the pool too: a file's fdatasync is a journal commit each
+            for item, leaf in plan.arrays:
+                path = os.path.join(step_path, item, leaf.dir, ZARR_JSON)
+                meta = np.frombuffer(zarr_json(leaf.shape, leaf.dtype, leaf.chunks), np.uint8)
+                writer.submit(path, meta, f"writing {path}")
         for n, write in enumerate(plan.writes):
             if on_progress is not None:
                 on_progress(n)
