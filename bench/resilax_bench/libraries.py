@@ -3,7 +3,8 @@
 Each adapter's call order, in a save process:
   1. ``open_save(directory, leaves, seed)``: build the state in memory the library's way.
   2. ``save(step)``: returns when the training loop could go on (the blocked time).
-  3. ``wait()``: returns when the step is committed and on stable storage (the durable time).
+  3. ``wait()``: returns when the step is committed and on stable storage (the durable time), and
+     the library's retention (keep the newest step) has retired the older one.
   4. ``close()``.
 In a restore process (a fresh one, so its first restore is what a recovering job pays):
   1. ``open_restore(directory, leaves)``.
@@ -32,6 +33,15 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _delete_older_steps(directory: str, step: int) -> None:
+    """Retention of a job keeping the newest step: delete the step folders older than `step`."""
+    import shutil
+
+    for name in os.listdir(directory):
+        if name.isdigit() and int(name) < step:
+            shutil.rmtree(os.path.join(directory, name))
 
 
 def _block(tree: Any) -> None:
@@ -110,7 +120,7 @@ class ResilaxLibrary(_JaxLibrary):
     def open_save(self, directory: str, leaves: list[st.LeafSpec], seed: int) -> None:
         rc = _resilax()
         super().open_save(directory, leaves, seed)
-        self.mgr = rc.CheckpointManager(directory, options=rc.ManagerOptions(async_save=True))
+        self.mgr = rc.CheckpointManager(directory, options=rc.ManagerOptions(async_save=True, keep_last=1))
 
     def save(self, step: int) -> None:
         saved = self.mgr.save(
@@ -145,16 +155,17 @@ class OrbaxLibrary(_JaxLibrary):
     name = "orbax"
     module = "orbax-checkpoint"
 
-    def _manager(self, directory: str) -> Any:
+    def _manager(self, directory: str, max_to_keep: int | None = None) -> Any:
         import orbax.checkpoint as ocp
 
         return ocp.CheckpointManager(
-            directory, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+            directory,
+            options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True, max_to_keep=max_to_keep),
         )
 
     def open_save(self, directory: str, leaves: list[st.LeafSpec], seed: int) -> None:
         super().open_save(directory, leaves, seed)
-        self.mgr = self._manager(directory)
+        self.mgr = self._manager(directory, max_to_keep=1)
 
     def save(self, step: int) -> None:
         import orbax.checkpoint as ocp
@@ -208,6 +219,7 @@ class NumpyLibrary(_JaxLibrary):
                 os.fsync(f.fileno())
         _fsync_dir(folder)
         _fsync_dir(self.directory)
+        _delete_older_steps(self.directory, step)
 
     def wait(self) -> None:
         pass
@@ -246,6 +258,7 @@ class DcpLibrary(Library):
         import torch.distributed.checkpoint as dcp
 
         path = os.path.join(self.directory, str(step))
+        self.step = step
         self.future = dcp.async_save(self.state, checkpoint_id=path, no_dist=True)
 
     def wait(self) -> None:
@@ -254,6 +267,7 @@ class DcpLibrary(Library):
             # async_save returns a Future, or (with a stager) a response holding one.
             getattr(future, "upload_completion", future).result()
         _fsync_dir(self.directory)
+        _delete_older_steps(self.directory, self.step)
 
     def open_restore(self, directory: str, leaves: list[st.LeafSpec]) -> None:
         self.directory = directory

@@ -10,10 +10,10 @@ ANCHORS = ("orbax", "dcp", "numpy", "dd")
 
 # (key, label, kind): kind "save"/"restore" says which dd figure anchors it; "x" is a memory ratio.
 METRICS: tuple[tuple[str, str, str], ...] = (
-    ("save_s", "durable save", "save"),
-    ("blocked_s", "loop blocked by async save", "blocked"),
-    ("first_save_s", "first save of a process", "save"),
-    ("first_blocked_s", "loop blocked by the first save of a process", "blocked"),
+    ("save_s", "steady-state durable save (median of saves 2-4, keep newest 1)", "save"),
+    ("blocked_s", "loop blocked by a steady-state async save", "blocked"),
+    ("first_save_s", "first save of a job (new files)", "save"),
+    ("first_blocked_s", "loop blocked by the first save of a job", "blocked"),
     ("first_restore_s", "first restore of a fresh process (cold)", "restore"),
     ("cold_restore_s", "cold restore (4,2)", "restore"),
     ("reshard_s", "cold restore onto (2,4), specs transposed", "restore"),
@@ -39,10 +39,12 @@ def _restore(rec: dict[str, Any], label: str) -> dict[str, Any] | None:
 def lib_metrics(rec: dict[str, Any]) -> dict[str, float]:
     """The figures of one library in one round (a metric is absent when not measured)."""
     out: dict[str, float] = {}
-    last, first = _save(rec, -1), _save(rec, 0)
-    if last and first:
-        out["save_s"] = last["durable_s"]
-        out["blocked_s"] = last["blocked_s"]
+    saves = rec.get("save", {}).get("saves") or []
+    first, later = _save(rec, 0), saves[1:]
+    if first and later:
+        # Steady state: the saves after the first, each under the library's retention (keep 1).
+        out["save_s"] = statistics.median(s["durable_s"] for s in later)
+        out["blocked_s"] = statistics.median(s["blocked_s"] for s in later)
         out["first_save_s"] = first["durable_s"]
         out["first_blocked_s"] = first["blocked_s"]
         base = rec["save"]["rss_before_state"]
@@ -69,8 +71,9 @@ def lib_metrics(rec: dict[str, Any]) -> dict[str, float]:
 
 
 def dd_metrics(dd: dict[str, Any]) -> dict[str, float]:
+    # A steady-state save may rewrite files in place: its anchor is dd's in-place rewrite.
     return {
-        "save_s": dd["write_s"],
+        "save_s": dd.get("rewrite_s", dd["write_s"]),
         "first_save_s": dd["write_s"],
         "first_restore_s": dd["read_s"],
         "cold_restore_s": dd["read_s"],
@@ -135,17 +138,18 @@ Check = tuple[str, Callable[[dict[str, Any]], float | None], float, str]
 def targets(summary: dict[str, Any], lib: str = "resilax") -> list[tuple[str, float | None, str, str]]:
     """The issue's targets for ``lib``: (target, measured, how it reads, met/missed/not measured)."""
     r, m = summary["ratios"][lib], summary["medians"][lib]
-    dd_write_ratio = r["save_s"]["dd"]
+    dd_write_ratio = r["first_save_s"]["dd"]
     checks: list[tuple[str, float | None, float, str]] = [
-        ("durable save ≤ 0.5x Orbax", r["save_s"]["orbax"], 0.5, "x"),
-        ("durable save no slower than DCP", r["save_s"]["dcp"], 1.0, "x"),
+        ("steady-state durable save ≤ 0.5x Orbax's", r["save_s"]["orbax"], 0.5, "x"),
+        ("steady-state durable save no slower than DCP's", r["save_s"]["dcp"], 1.0, "x"),
         (
-            "save speed ≥ 90% of dd new-file write",
+            "first save of a job ≥ 90% of dd new-file write speed",
             None if dd_write_ratio is None else 1 / dd_write_ratio,
             -0.9,
             "of dd",
         ),
-        ("loop blocked ≤ 0.1 s (1 GiB)", m["blocked_s"], 0.1, "s"),
+        ("loop blocked by a steady-state save ≤ 0.1 s (1 GiB)", m["blocked_s"], 0.1, "s"),
+        ("loop blocked by the first save of a job ≤ 0.1 s (1 GiB)", m["first_blocked_s"], 0.1, "s"),
         ("cold restore ≤ 0.5x Orbax", r["cold_restore_s"]["orbax"], 0.5, "x"),
         ("cold restore no slower than DCP", r["cold_restore_s"]["dcp"], 1.0, "x"),
         ("first restore of a process ≤ 0.4x Orbax's", r["first_restore_s"]["orbax"], 0.4, "x"),
@@ -183,7 +187,8 @@ def render(summary: dict[str, Any], libs: list[str], errors: dict[str, str], hea
     lines += [
         "",
         "Ratios (median of the per-round ratios; < 1 is faster than the anchor; dd: new-file write "
-        "for saves, cold read for restores, a third of it for params-only).",
+        "for the first save, in-place rewrite for the steady-state save, cold read for restores, a "
+        "third of it for params-only).",
         "",
     ]
     lines.append("| metric | library | /orbax | /dcp | /numpy | /dd |")

@@ -1,8 +1,11 @@
 """One phase of one library in a fresh process: ``python -m resilax_bench.worker --lib L --phase P``.
 
-save phase: build the state, then save step 1 (the first save of a process) and step 2 (the one
-reported), each as ``save()`` (blocked time) then ``wait()`` (durable time), peak RSS over each.
-restore phase (a new process): restore step 2 four times, the checkpoint's files evicted from the page cache before each:
+save phase: build the state, then save steps 1-4 as a training job does, each library under its own
+retention keeping the newest step (resilax ``keep_last=1``, Orbax ``max_to_keep=1``, DCP and numpy
+delete the older folder): step 1 is the first save of a job (new files), steps 2-4 the steady state
+(a library may reuse what retention retires). Each as ``save()`` (blocked time) then ``wait()``
+(durable time), peak RSS over each.
+restore phase (a new process): restore step 4 four times, the checkpoint's files evicted from the page cache before each:
 ``first`` (the first restore of this process), ``cold`` (plain, a warm process), ``reshard`` (mesh
 (2, 4), specs transposed) and ``params`` (params only); each checked against the save's checksums.
 Writes one JSON object to ``--out``; a failure is recorded there with its traceback, never hidden.
@@ -19,8 +22,8 @@ import time
 import traceback
 from typing import Any
 
-SAVE_STEPS = (1, 2)
-REPORTED_STEP = 2
+SAVE_STEPS = (1, 2, 3, 4)
+REPORTED_STEP = SAVE_STEPS[-1]
 RESTORES = (("first", "plain"), ("cold", "plain"), ("reshard", "reshard"), ("params", "params"))
 
 

@@ -5,16 +5,25 @@ writes `_METADATA.json` and `_COMMIT` inside it and fsyncs, 3. checks the fences
 to `<root>/<step>/` and fsyncs `<root>`. gs://: 1. everything is written under `<root>/<step>/`,
 2. the primary writes `_METADATA.json`, 3. checks the fences, 4. writes `_COMMIT` create-only
 (`ifGenerationMatch=0`). Readers trust only steps with `_COMMIT` that the fences leave visible.
+
+Recycling (local shared folders): retention renames a retired step to `<root>/.recycle-<step>/`
+(`retire_step`) instead of deleting it; the next save's primary renames it to its temporary folder
+(`take_recycled`), deletes its markers and every file the new step does not have (`prune_to`), and
+every process rewrites the chunk files in place. None of these names is a step, so a crash at any
+point leaves only folders that nothing lists and the next start cleans or reuses.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import time
 
-from resilax_ckpt import fencing, layout
+from resilax_ckpt import chunk_writer, fencing, layout
 from resilax_ckpt.errors import StepExistsError, StorageError
+from resilax_ckpt.metadata import StepMetadata
 from resilax_ckpt.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -126,3 +135,104 @@ def clean_leftovers(storage: Storage, root: str, generation: int) -> list[str]:
     if deleted:
         log.info("deleted leftovers of interrupted saves in %s: %s", root, ", ".join(sorted(deleted)))
     return deleted
+
+
+# ---------------------------------------------------------------- recycling (local folders only)
+
+
+def expected_files(metadata: StepMetadata) -> set[str]:
+    """Every file of a step besides `_METADATA.json` and `_COMMIT`, relative to the step folder
+    ('/'-separated): each array's zarr.json and every chunk of its grid (every chunk is written by
+    some process), each JSON item, each process's per-process item."""
+    out: set[str] = set()
+    for name, item in metadata.items.items():
+        if item.kind == "json":
+            out.add(layout.item_json_name(name))
+        elif item.kind == "per_process":
+            out.update(f"{name}/{layout.process_json_name(i)}" for i in range(metadata.process_count))
+        else:
+            for leaf in item.leaves:
+                if leaf.kind != "array":
+                    continue
+                base = f"{name}/{leaf.dir}"
+                out.add(f"{base}/{chunk_writer.ZARR_JSON}")
+                out.update(f"{base}/" + "/".join(key) for key in chunk_writer.all_chunk_keys(leaf.shape, leaf.chunks))
+    return out
+
+
+def prune_to(folder: str, expected: set[str]) -> list[str]:
+    """Delete every file and folder under `folder` that is neither in `expected` (relative paths)
+    nor a parent folder of one of them (a path that changed between file and folder is deleted
+    too). Returns the deleted relative paths."""
+    dirs = {p.rsplit("/", i)[0] for p in expected for i in range(1, p.count("/") + 1)}
+    deleted: list[str] = []
+    folder = folder.rstrip(os.sep)
+    for top, subdirs, files in os.walk(folder):
+        rel_top = top[len(folder) + 1:].replace(os.sep, "/")
+        prefix = rel_top + "/" if rel_top else ""
+        for d in list(subdirs):
+            if prefix + d not in dirs:
+                shutil.rmtree(os.path.join(top, d))
+                subdirs.remove(d)
+                deleted.append(prefix + d + "/")
+        for f in files:
+            if prefix + f not in expected:
+                os.remove(os.path.join(top, f))
+                deleted.append(prefix + f)
+    return deleted
+
+
+def list_recycled(root: str) -> list[tuple[int, str]]:
+    """(step, folder name) of the recycle folders under a local `root`, newest step first."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = [(step, n) for n in names if (step := layout.parse_recycle_step(n)) is not None]
+    return sorted(found, reverse=True)
+
+
+def retire_step(root: str, step: int, pool: int) -> bool:
+    """Retention of a committed local step: rename it to `.recycle-<step>` while fewer than `pool`
+    recycle folders exist, else delete it. Returns whether it was kept for recycling."""
+    path = os.path.join(root, layout.step_name(step))
+    if len(list_recycled(root)) < pool:
+        target = os.path.join(root, layout.recycle_name(step))
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(path, target)
+            return True
+        except OSError as e:
+            log.warning("could not keep step %d in %s for recycling (%s); deleting it", step, root, e)
+    shutil.rmtree(path, ignore_errors=True)
+    return False
+
+
+def take_recycled(root: str, work: str, metadata: StepMetadata) -> str | None:
+    """Make a recycle folder the save's temporary folder `work`: rename it, delete its old markers
+    and metadata, then every file the new step does not have. Returns the recycle folder's name,
+    or None when there is none (or it could not be taken: the save then writes new files).
+    Called on: the primary, before any process writes into `work`."""
+    if os.path.exists(work):
+        return None
+    for _, name in list_recycled(root):
+        try:
+            os.rename(os.path.join(root, name), work)
+        except OSError as e:
+            log.warning("could not reuse %s in %s: %s", name, root, e)
+            continue
+        for entry in os.listdir(work):
+            if entry.startswith((layout.COMMIT_FILE, "_METADATA", layout.UPLOADED_PREFIX)):
+                os.remove(os.path.join(work, entry))
+        prune_to(work, expected_files(metadata))
+        return name
+    return None
+
+
+def clean_recycled(root: str, pool: int) -> list[str]:
+    """At start: keep the `pool` newest recycle folders (any content: a taken folder is pruned and
+    rewritten), delete the others. Called on: primary only, at manager start."""
+    doomed = [name for _, name in list_recycled(root)[pool:]]
+    for name in doomed:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return doomed

@@ -7,6 +7,8 @@
 <root>/<step>/<item>/process_<i>.json   a per-process item (written by each process)
 <root>/<step>/_COMMIT                   the commit marker, written last (JSON: generation, time)
 <root>/.tmp-<step>-g<generation>/       a local save in progress (renamed to <root>/<step>/)
+<root>/.recycle-<step>/                 a step retired by retention, kept to be rewritten in place by
+                                        the next save (never a step: ignored by steps() and restore)
 <root>/_fences/<generation>.json        fence records (fencing.py)
 ```
 The local fast tier (one folder per host) uses the same names, plus a per-process commit marker
@@ -22,6 +24,7 @@ METADATA_FILE = "_METADATA.json"
 COMMIT_FILE = "_COMMIT"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+RECYCLE_PREFIX = ".recycle-"
 FENCES_DIR = "_fences"
 UPLOADED_PREFIX = "_UPLOADED."
 
@@ -50,6 +53,17 @@ def tmp_name(step: int, generation: int) -> str:
 def parse_tmp_generation(name: str) -> int | None:
     """The generation of a temporary folder name, or None when it is not one."""
     match = re.match(rf"^{re.escape(TMP_PREFIX)}[0-9]+-g([0-9]+)$", name.rstrip("/"))
+    return int(match.group(1)) if match else None
+
+
+def recycle_name(step: int) -> str:
+    """The folder a retired step is renamed to, to be reused by a later save (manager.py)."""
+    return f"{RECYCLE_PREFIX}{step_name(step)}"
+
+
+def parse_recycle_step(name: str) -> int | None:
+    """The step of a recycle folder name, or None when it is not one."""
+    match = re.match(rf"^{re.escape(RECYCLE_PREFIX)}([0-9]+)$", name.rstrip("/"))
     return int(match.group(1)) if match else None
 
 

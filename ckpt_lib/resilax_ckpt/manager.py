@@ -6,6 +6,10 @@ A save, step by step (shared folder, several processes):
 2. Background, each process: write its replica-0 boxes and its files, publish ok/error, barrier.
 3. Background, primary: write `_METADATA.json`, check the fences, commit (commit.py), apply
    retention, publish the commit result; the other processes wait for that result.
+On a local shared folder, retention keeps retired steps as `.recycle-<step>/` (up to
+`recycle_pool`); step 2 then starts with the primary renaming one to the save's temporary folder and
+pruning it to the new step's files (commit.take_recycled), and every process rewrites its chunk
+files in place (chunk_writer.py).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from resilax_ckpt import commit, fencing, layout, planning, policy
+from resilax_ckpt import chunk_writer, commit, fencing, layout, planning, policy
 from resilax_ckpt import items as items_lib
 from resilax_ckpt import tensorstore_io as tsio
 from resilax_ckpt.errors import (
@@ -114,8 +118,13 @@ class CheckpointManager:
 
         if self._storage.is_local:
             os.makedirs(self._root, exist_ok=True)
+        # Recycling of retired steps: local shared folders committed by rename (not gs://, not the
+        # local tier, whose retention is the sidecar's).
+        self._recycles = self._storage.is_local and not self._local_tier
         if self._is_primary and not self._local_tier:
             commit.clean_leftovers(self._storage, self._root, self._options.generation)
+            if self._recycles:
+                commit.clean_recycled(self._root, self._options.recycle_pool)
             visible = commit.list_visible(self._storage, self._root)
             fencing.write_fence(self._storage, self._root, self._options.generation,
                                 visible[-1] if visible else None)
@@ -352,10 +361,25 @@ class CheckpointManager:
         work = storage.join(root, layout.tmp_name(step, gen)) if renames else final
         several = self._coord.process_count > 1 and not self._local_tier
         error: str | None = None
+        recycled: str | None = None
+        if renames and self._recycles and self._options.recycle_pool > 0:
+            if self._is_primary:
+                try:
+                    recycled = commit.take_recycled(root, work, plan.metadata)
+                except OSError as e:  # a folder we cannot prune: write new files instead
+                    log.warning("recycling into %s failed (%s); writing new files", work, e)
+                    storage.delete_tree(work)
+                finally:
+                    if several:
+                        self._coord.publish(f"{key}/workdir", recycled or "")
+            elif several:
+                # The primary renames a recycled folder to `work` before anyone writes into it.
+                self._coord.fetch(f"{key}/workdir", self._options.barrier_timeout_seconds)
         _maybe_crash("before_writes", pid)
         try:
             _write_step_files(storage, work, plan, self._context, self._options.max_inflight_bytes,
-                              create_metadata=self._is_primary, process_index=pid)
+                              create_metadata=self._is_primary, process_index=pid,
+                              write_threads=self._options.write_threads, fsync=self._options.fsync)
             _maybe_crash("after_writes", pid)
         except Exception as e:
             error = f"process {pid}: {type(e).__name__}: {e}"
@@ -371,6 +395,12 @@ class CheckpointManager:
                     failures = [v for v in self._coord.fetch_dir(f"{key}/written/").values() if v != "ok"]
                     if failures:
                         raise SaveError(f"step {step}: not committed; writes failed: {'; '.join(failures)}")
+                if recycled is not None:
+                    # Nothing the new step lacks may survive from the recycled step.
+                    stale = commit.prune_to(work, commit.expected_files(plan.metadata))
+                    if stale:
+                        log.warning("step %d: deleted %d unexpected files from %s after the writes: %s",
+                                    step, len(stale), work, ", ".join(stale[:5]))
                 storage.write_bytes(storage.join(work, layout.metadata_name(self._own_suffix)),
                                     plan.metadata.to_bytes())
                 _maybe_crash("before_commit", pid)
@@ -413,6 +443,9 @@ class CheckpointManager:
         doomed = policy.plan_retention(self.steps(), opts.keep_last, opts.keep_every_steps,
                                        protected=self._protected_steps)
         for step in doomed:
+            if self._recycles and commit.retire_step(self._root, step, opts.recycle_pool):
+                log.info("retention retired step %d in %s for recycling", step, self._root)
+                continue
             self._storage.delete_tree(self._storage.join(self._root, layout.step_name(step)))
             log.info("retention deleted step %d in %s", step, self._root)
 
@@ -576,12 +609,20 @@ class CheckpointManager:
 
 
 def _write_step_files(storage: Storage, work: str, plan: items_lib.SnapshotPlan, context: Any,
-                      max_inflight_bytes: int, create_metadata: bool, process_index: int) -> None:
+                      max_inflight_bytes: int, create_metadata: bool, process_index: int,
+                      write_threads: int = 8, fsync: bool = True) -> None:
+    """Local folders: our own chunk files (chunk_writer.py) when every array's dtype allows; else
+    (gs://, exotic dtypes) tensorstore."""
     def progress(n: int) -> None:
         if n == len(plan.writes) // 2:
             _maybe_crash("mid_writes", process_index)
 
-    tsio.write_snapshot(plan, work, storage, context, create_metadata, max_inflight_bytes, progress)
+    if storage.is_local and all(chunk_writer.supports(leaf.dtype) for _, leaf in plan.arrays):
+        chunk_writer.write_snapshot(plan, work, create_metadata, fsync, write_threads, max_inflight_bytes,
+                                    progress)
+    else:
+        tsio.write_snapshot(plan, work, storage, context, create_metadata, max_inflight_bytes, progress)
+    chunk_writer.release_free_memory()  # the snapshot is written and dropped
     for parts, data in plan.files:
         storage.write_bytes(storage.join(work, *parts), data)
 

@@ -51,6 +51,14 @@ class ManagerOptions:
     """With several processes, agree on pending save requests every this many steps (a barrier on
     the coordination service, no device work)."""
 
+    recycle_pool: int = 1
+    """How many steps retired by retention are kept as `<root>/.recycle-<step>/` folders for the next
+    saves to rewrite in place (local shared folders only; not gs:// or the local tier). 0: delete
+    retired steps."""
+
+    write_threads: int = 8
+    """Threads writing chunk files on local paths (chunk_writer.py)."""
+
     max_inflight_bytes: int = 128 << 20
     """Upper bound of bytes being written or read at once (bounds the host memory of I/O)."""
 
@@ -79,6 +87,10 @@ class ManagerOptions:
             problems.append(f"save_every_seconds: {self.save_every_seconds!r} must be > 0 or None")
         if self.request_check_every_steps < 1:
             problems.append(f"request_check_every_steps: {self.request_check_every_steps!r} must be >= 1")
+        if self.recycle_pool < 0:
+            problems.append(f"recycle_pool: {self.recycle_pool!r} must be >= 0 (0 disables recycling)")
+        if self.write_threads < 1:
+            problems.append(f"write_threads: {self.write_threads!r} must be >= 1")
         if self.max_inflight_bytes < 1:
             problems.append(f"max_inflight_bytes: {self.max_inflight_bytes!r} must be >= 1")
         if problems:

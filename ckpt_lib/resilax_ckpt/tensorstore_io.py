@@ -55,6 +55,9 @@ def build_array_spec(kvstore: dict[str, Any], shape: Sequence[int], dtype: str,
         "driver": "zarr3",
         "kvstore": kvstore,
         "fill_missing_data_reads": False,
+        # Store every chunk, also one equal to the fill value (an all-zero shard): reads refuse
+        # missing chunks, and a skipped chunk would leave a recycled folder's old file in place.
+        "store_data_equal_to_fill_value": True,
         "metadata": {
             "shape": list(shape),
             "data_type": dtype,

@@ -45,9 +45,11 @@ def test_quick_run_measures_or_names_each_library(tmp_path: Path) -> None:
         labels = [r["label"] for r in rec["restore"]["restores"]]
         assert labels == ["first", "cold", "reshard", "params"], lib
         assert rec["save"]["leaves"] == 154
+        assert [s["step"] for s in rec["save"]["saves"]] == [1, 2, 3, 4], lib
     if "resilax" not in rnd["libs"]:
         assert result["errors"]["resilax"], "resilax neither measured nor explained"
         assert "resilax:" in proc.stdout
-    assert "| durable save |" in proc.stdout
+    assert "| steady-state durable save (median of saves 2-4, keep newest 1) |" in proc.stdout
+    assert "| first save of a job (new files) |" in proc.stdout
     assert rnd["dd"]["write_gbps"] > 0
     assert not list(tmp_path.glob("resilax-bench-*")), "the run left its checkpoints behind"

@@ -1,0 +1,233 @@
+"""Chunk files written by ourselves on local paths (no tensorstore on the save path).
+
+Each array is a zarr3 array with chunks = the shard grid, the `bytes` codec (little-endian) and no
+compression, so a chunk file IS the chunk's C-order little-endian bytes (an edge chunk is padded to
+the full chunk shape with the fill value 0, as zarr requires). Chunk keys use the zarr3 default
+encoding: `c/<i>/<j>...`, and `c` itself for a 0-d array.
+
+Why not tensorstore's `file` kvstore: it writes a temporary file and renames it over the chunk, so
+every save creates new files. `write_chunk_file` rewrites an existing file in place (`O_CREAT`
+without `O_TRUNC`, `pwrite`, `ftruncate` to the exact size), which is what makes the recycled step
+folders of a retention (manager.py, docs/checkpointing.md §8) fast: the disk rewrites existing
+blocks several times faster than it allocates new ones.
+
+`zarr_json` produces byte for byte the `zarr.json` tensorstore writes for the same array, so any zarr3
+reader (tensorstore without `assume_metadata`, zarr-python) reads what we wrote.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import functools
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from resilax_ckpt import planning
+from resilax_ckpt.errors import StorageError
+
+ZARR_JSON = "zarr.json"
+CHUNK_DIR = "c"
+
+_ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+              "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float8_e8m0fnu")
+
+
+def supports(dtype: str) -> bool:
+    """Whether this module writes arrays of `dtype` (others go through tensorstore): numeric and bool
+    types whose in-memory bytes are their zarr3 encoding (not sub-byte or complex types)."""
+    if sys.byteorder != "little":
+        return False
+    if dtype in _ML_FLOATS:
+        return True
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:
+        return False
+    return kind in "biuf" and dtype not in ("int4", "uint4", "int2", "uint2")
+
+
+def _fill_value(dtype: str) -> Any:
+    if dtype == "bool":
+        return False
+    if dtype in _ML_FLOATS or np.dtype(dtype).kind == "f":
+        return 0.0
+    return 0
+
+
+def zarr_json(shape: Sequence[int], dtype: str, chunks: Sequence[int]) -> bytes:
+    """The `zarr.json` of an array, exactly as tensorstore's zarr3 driver writes it."""
+    bytes_codec: dict[str, Any] = {"name": "bytes"}
+    if dtype != "bool" and np.dtype(dtype).itemsize > 1:
+        bytes_codec["configuration"] = {"endian": "little"}
+    meta = {
+        "chunk_grid": {"configuration": {"chunk_shape": list(chunks)}, "name": "regular"},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": [bytes_codec],
+        "data_type": dtype,
+        "fill_value": _fill_value(dtype),
+        "node_type": "array",
+        "shape": list(shape),
+        "zarr_format": 3,
+    }
+    return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+
+
+def chunk_key(index: Sequence[int]) -> tuple[str, ...]:
+    """The path parts of a chunk under its array folder (zarr3 default encoding, '/' separator)."""
+    return (CHUNK_DIR, *map(str, index))
+
+
+def chunk_grid(shape: Sequence[int], chunks: Sequence[int]) -> tuple[int, ...]:
+    return tuple(math.ceil(s / c) for s, c in zip(shape, chunks, strict=True))
+
+
+def all_chunk_keys(shape: Sequence[int], chunks: Sequence[int]) -> list[tuple[str, ...]]:
+    """Every chunk key of an array (one for a 0-d array, none when a dimension is 0)."""
+    grid = chunk_grid(shape, chunks)
+    return [chunk_key(index) for index in np.ndindex(*grid)] if grid else [chunk_key(())]
+
+
+def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True) -> None:
+    """Write `data`'s C-order bytes as the whole content of `path`, in place when it exists: open
+    without truncating, pwrite, ftruncate to the exact size, fdatasync when `fsync`."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        view = raw.data
+        offset = 0
+        while offset < len(view):
+            offset += os.pwrite(fd, view[offset:], offset)
+        os.ftruncate(fd, len(view))
+        if fsync:
+            os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def chunk_data(box: planning.Box, data: np.ndarray, shape: Sequence[int],
+               chunks: Sequence[int]) -> tuple[tuple[int, ...], np.ndarray]:
+    """The chunk index of a box that is exactly one chunk (clipped to the array) and the chunk's
+    data, padded with zeros to the full chunk shape at the array's edge."""
+    index = []
+    for dim, ((a, b), size, c) in enumerate(zip(box, shape, chunks, strict=True)):
+        if a % c or b != min(a + c, size):
+            raise StorageError(f"box {box} is not one chunk of the grid {tuple(chunks)} of an array of shape "
+                               f"{tuple(shape)} (dimension {dim})")
+        index.append(a // c)
+    if tuple(data.shape) != tuple(chunks):
+        padded = np.zeros(tuple(chunks), dtype=data.dtype)
+        padded[tuple(slice(0, n) for n in data.shape)] = data
+        data = padded
+    return tuple(index), data
+
+
+class ChunkWriter:
+    """Writes chunk files on a thread pool, keeping at most `limit` bytes in flight (always admits
+    one). A write's data stays referenced only until its file is written."""
+
+    def __init__(self, threads: int, limit: int, fsync: bool) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="resilax-chunk")
+        self._limit = limit
+        self._fsync = fsync
+        self._inflight = 0
+        self._pending: list[tuple[concurrent.futures.Future[None], int, str]] = []
+
+    def submit(self, path: str, data: np.ndarray, what: str) -> None:
+        nbytes = data.nbytes
+        while self._pending and self._inflight + nbytes > self._limit:
+            self._finish_oldest()
+        future = self._pool.submit(write_chunk_file, path, data, self._fsync)
+        self._pending.append((future, nbytes, what))
+        self._inflight += nbytes
+
+    def _finish_oldest(self) -> None:
+        future, nbytes, what = self._pending.pop(0)
+        self._inflight -= nbytes
+        try:
+            future.result()
+        except OSError as e:
+            raise StorageError(f"{what}: {type(e).__name__}: {e}") from e
+
+    def drain(self) -> None:
+        while self._pending:
+            self._finish_oldest()
+
+    def close(self) -> None:
+        """Stop: cancel what has not started, wait for what has (no thread writes after this)."""
+        for future, _, _ in self._pending:
+            future.cancel()
+        self._pending.clear()
+        self._inflight = 0
+        self._pool.shutdown(wait=True)
+
+
+def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool, threads: int,
+                   max_inflight_bytes: int, on_progress: Callable[[int], None] | None = None) -> None:
+    """Write this process's boxes of `plan` (items.SnapshotPlan) as chunk files under the local folder
+    `step_path` (and, when `create_metadata`, every array's zarr.json); returns once all are written
+    (and fdatasync'ed when `fsync`). `on_progress(i)` is called before the i-th write (test hook)."""
+    from resilax_ckpt.items import resolve_source
+    from resilax_ckpt.tensorstore_io import scaled_inflight_limit
+
+    limit = scaled_inflight_limit(max_inflight_bytes, sum(w.nbytes for w in plan.writes))
+    remaining: dict[int, int] = {}
+    for write in plan.writes:
+        key = id(getattr(write.source, "array", write))
+        remaining[key] = remaining.get(key, 0) + 1
+    writer = ChunkWriter(threads, limit, fsync)
+    shard_cache: dict[int, dict[Any, Any]] = {}
+    try:
+        if create_metadata:  # on the pool too: a file's fdatasync is a journal commit each
+            for item, leaf in plan.arrays:
+                path = os.path.join(step_path, item, leaf.dir, ZARR_JSON)
+                meta = np.frombuffer(zarr_json(leaf.shape, leaf.dtype, leaf.chunks), np.uint8)
+                writer.submit(path, meta, f"writing {path}")
+        for n, write in enumerate(plan.writes):
+            if on_progress is not None:
+                on_progress(n)
+            source, write.source = write.source, None
+            key = id(getattr(source, "array", write))
+            remaining[key] -= 1
+            if planning.box_size(write.box) == 0:
+                continue
+            item, leaf = plan.arrays[write.array_index]
+            data = resolve_source(source, shard_cache)
+            if remaining[key] == 0:
+                # The last box of this copy: forget its shards, so each copy is freed once written.
+                shard_cache.pop(key, None)
+            del source
+            index, data = chunk_data(write.box, data, leaf.shape, leaf.chunks)
+            path = os.path.join(step_path, item, leaf.dir, *chunk_key(index))
+            writer.submit(path, data, f"writing {item}/{leaf.keystr} box {write.box} to {path}")
+            del data
+        writer.drain()
+    finally:
+        writer.close()
+        shard_cache.clear()
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_free_memory() -> None:
+    """Give the memory of a written snapshot back to the OS (glibc keeps freed small blocks in its
+    arenas: without this the next save's copy starts on top of the last one's high-water mark)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
