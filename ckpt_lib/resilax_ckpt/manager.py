@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from resilax_ckpt import chunk_writer, commit, fencing, layout, planning, policy
+from resilax_ckpt import chunk_writer, commit, fencing, layout, planning, policy, reader
 from resilax_ckpt import items as items_lib
 from resilax_ckpt import tensorstore_io as tsio
 from resilax_ckpt.errors import (
@@ -487,7 +487,7 @@ class CheckpointManager:
             raise StepNotFoundError(f"{step_path}: step {step} does not exist; committed steps: {self.steps()}")
         return restore_step(self._storage, step_path, step, target, items, self._context,
                             self._options.max_inflight_bytes, self._coord.process_index,
-                            layout.metadata_name(self._own_suffix))
+                            layout.metadata_name(self._own_suffix), self._options.io_concurrency)
 
     def _restore_two_tiers(self, step: int | None, target: Mapping[str, Any] | None,
                            items: Iterable[str] | None) -> dict[str, Any]:
@@ -519,14 +519,15 @@ class CheckpointManager:
             path = self._storage.join(self._root, layout.step_name(step))
             return restore_step(self._storage, path, step, target, items, self._context,
                                 self._options.max_inflight_bytes, self._coord.process_index,
-                                layout.metadata_name(self._own_suffix))
+                                layout.metadata_name(self._own_suffix), self._options.io_concurrency)
         if step not in persistent:
             raise StepNotFoundError(f"step {step}: neither this host's local tier {self._root} holds what this "
                                     f"process needs nor is it committed in {self._persistent_root} "
                                     f"(persistent steps: {persistent})")
         path = self._persistent.join(self._persistent_root, layout.step_name(step))
         return restore_step(self._persistent, path, step, target, items, self._context,
-                            self._options.max_inflight_bytes, self._coord.process_index)
+                            self._options.max_inflight_bytes, self._coord.process_index,
+                            io_concurrency=self._options.io_concurrency)
 
     def _local_covers(self, step: int, target: Mapping[str, Any] | None, items: Iterable[str] | None) -> bool:
         """Whether this host's local step has every chunk this process's restore would read."""
@@ -640,7 +641,8 @@ def read_metadata(storage: Storage, step_path: str, name: str = layout.METADATA_
 
 def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[str, Any] | None,
                  items: Iterable[str] | None, context: Any, max_inflight_bytes: int,
-                 process_index: int, metadata_name: str = layout.METADATA_FILE) -> dict[str, Any]:
+                 process_index: int, metadata_name: str = layout.METADATA_FILE,
+                 io_concurrency: int = 32) -> dict[str, Any]:
     """Restore from one committed step folder (see CheckpointManager.restore)."""
     meta = read_metadata(storage, step_path, metadata_name)
     names = list(items) if items is not None else list(meta.items)
@@ -650,7 +652,7 @@ def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[st
                                 f"it has: {', '.join(map(repr, meta.items))}")
     target = target or {}
     out: dict[str, Any] = {}
-    reads: list[tsio.LeafRead] = []
+    reads: list[reader.LeafRead] = []
     assemble: list[tuple[str, Any, list[Any]]] = []  # (item, treedef or paths, slots)
     problems: list[str] = []
     for name in names:
@@ -683,23 +685,23 @@ def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[st
                     continue
                 dtype = np.dtype(want.dtype)
                 sharding = getattr(want, "sharding", None)
-            read = tsio.LeafRead(name, leaf, dtype, sharding)
+            read = reader.LeafRead(name, leaf, dtype, sharding)
             reads.append(read)
             slots.append(read)
         assemble.append((name, treedef if treedef is not None else [lf.path for lf in leaves], slots))
     if problems:
         raise ShapeMismatchError("; ".join(problems))
     try:
-        tsio.read_leaves(reads, step_path, storage, context, max_inflight_bytes)
+        reader.read_leaves(reads, step_path, storage, context, max_inflight_bytes, io_concurrency)
     except StorageError as e:
-        if "is missing" in str(e) or "NOT_FOUND" in str(e):
+        if isinstance(e.__cause__, FileNotFoundError) or "is missing" in str(e) or "NOT_FOUND" in str(e):
             raise IncompleteStepError(
                 f"step {step}: {step_path} lacks data this process's target shards need "
                 f"(a local-tier step holds only its host's shards; restore from the persistent tier): {e}"
             ) from e
         raise
     for name, structure, slots in assemble:
-        values = [s.result if isinstance(s, tsio.LeafRead) else s for s in slots]
+        values = [s.result if isinstance(s, reader.LeafRead) else s for s in slots]
         if isinstance(structure, list):
             out[name] = items_lib.rebuild_tree(structure, values)
         else:

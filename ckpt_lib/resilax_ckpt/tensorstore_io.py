@@ -1,5 +1,6 @@
 """Array I/O through tensorstore: one zarr3 array per leaf, chunks = the shard grid, no compression.
 
+The restore side's reading lives in reader.py (it uses the specs, context and limiter from here).
 Writes and reads are issued as futures and awaited together, bounded by a byte limit so the host
 memory of in-flight I/O stays below `ManagerOptions.max_inflight_bytes`. Arrays are opened with
 `assume_metadata` (no metadata I/O per leaf): the shape, dtype and chunks come from our own
@@ -10,14 +11,12 @@ reader. Reads refuse missing chunks (`fill_missing_data_reads: false`) instead o
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
-from resilax_ckpt import planning
 from resilax_ckpt.errors import StorageError
 
 
@@ -164,90 +163,8 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
         shard_cache.clear()
 
 
-class LeafRead:
-    """One leaf to restore: to host NumPy (`sharding=None`) or to a jax.Array with `sharding`."""
-
-    def __init__(self, item: str, leaf: Any, dtype: np.dtype, sharding: Any) -> None:
-        self.item = item
-        self.leaf = leaf
-        self.dtype = dtype
-        self.sharding = sharding
-        self.result: Any = None
-        self._parts: dict[Any, Any] = {}
-        self._remaining = 0
-        self._devices: dict[planning.Box, list[Any]] = {}
-
-    def plan(self, max_region_bytes: int) -> list[tuple[planning.Box, list[planning.Box]]]:
-        """The regions to read, each with the target boxes it holds; a region bigger than
-        `max_region_bytes` is read box by box (bounded memory over fewer re-read chunks)."""
-        shape = self.leaf.shape
-        if self.sharding is None:
-            whole = tuple((0, d) for d in shape)
-            return [(whole, [whole])]
-        indices = self.sharding.addressable_devices_indices_map(shape).items()
-        self._devices = planning.plan_read_boxes(indices, shape)
-        regions = planning.plan_read_regions(list(self._devices))
-        if len(regions) == 1 and len(regions[0][1]) > 1 and self.nbytes(regions[0][0]) > max_region_bytes:
-            regions = [(b, [b]) for b in regions[0][1]]
-        self._remaining = len(regions)
-        return regions
-
-    def nbytes(self, box: planning.Box) -> int:
-        return planning.box_size(box) * np.dtype(self.leaf.dtype).itemsize
-
-    def deliver(self, region: planning.Box, boxes: list[planning.Box], data: np.ndarray) -> None:
-        import jax
-
-        if data.dtype != self.dtype:
-            data = data.astype(self.dtype)
-        if self.sharding is None:
-            self.result = data
-            return
-        sources, devices = [], []
-        for box in boxes:
-            part = data if box == region else data[planning.offset_index(box, region)]
-            for device in self._devices[box]:
-                sources.append(part)
-                devices.append(device)
-        for device, array in zip(devices, jax.device_put(sources, devices), strict=True):
-            self._parts[device] = array
-        self._remaining -= 1
-        if self._remaining == 0:
-            arrays = [self._parts[d] for d in self.sharding.addressable_devices]
-            ordered = sorted(arrays, key=lambda a: next(iter(a.devices())).id)
-            self.result = jax.make_array_from_single_device_arrays(self.leaf.shape, self.sharding, ordered)
-            self._parts.clear()
-
-
 def scaled_inflight_limit(limit: int, total_bytes: int) -> int:
     """The in-flight bound for an operation on `total_bytes`: `limit`, but at most an eighth of the
     total (at least 8 MiB): tensorstore's own buffers roughly double it, and the peak memory of a
     restore (1x the state) or a save (2x: the state and its snapshot) must stay near those."""
     return max(8 << 20, min(limit, total_bytes // 16))
-
-
-def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: ts.Context,
-                max_inflight_bytes: int) -> None:
-    """Read, per leaf, only the regions this process's target shards need; a bounded number of
-    bytes in flight. Fills each `LeafRead.result`."""
-    specs = [
-        build_array_spec(storage.kvstore_spec(storage.join(step_path, r.item, r.leaf.dir)), r.leaf.shape,
-                         r.leaf.dtype, r.leaf.chunks)
-        for r in reads
-    ]
-    stores = open_arrays(specs, context, create=False)
-    total = sum(read.nbytes(tuple((0, d) for d in read.leaf.shape)) for read in reads)
-    limit = scaled_inflight_limit(max_inflight_bytes, total)
-    plans = [read.plan(limit) for read in reads]
-    limiter = InflightLimiter(limit)
-    try:
-        for read, store, plan in zip(reads, stores, plans, strict=True):
-            for region, boxes in plan:
-                nbytes = read.nbytes(region)
-                limiter.admit(nbytes)
-                future = store[tuple(slice(a, b) for a, b in region)].read()
-                limiter.add(future, nbytes, f"reading {read.item}/{read.leaf.keystr} box {region} from {step_path}",
-                            on_done=functools.partial(read.deliver, region, boxes))
-        limiter.drain()
-    finally:
-        limiter.cancel()

@@ -1,0 +1,341 @@
+"""Restore-side array reading: every byte read once, into the memory the restored array will use.
+
+Per leaf, this process reads the distinct boxes its target shards need (replicas on several local
+devices share one buffer). Each box gets one 64-byte-aligned host buffer (`aligned_empty`): XLA:CPU
+then *aliases* it in `jax.device_put` instead of copying (checked on jax 0.10.2; NumPy's and
+tensorstore's own buffers are 16-byte aligned, which XLA copies). On GPU/TPU the same call is a
+real host-to-device transfer and the buffer is freed once it is done.
+
+The buffers are filled chunk by chunk: each saved chunk the boxes overlap is read exactly once.
+- Local folders: the chunk file (zarr3 `bytes` codec, little endian, no compression: the chunk's
+  C-order bytes, edge chunks padded to the full chunk shape) is read with `os.preadv` straight into
+  the box buffer when the part a box needs is contiguous in both the file and the buffer (always so
+  when the box is exactly one chunk: a restore onto the save's sharding); otherwise (resharding) the
+  file is read once into a pooled scratch buffer and sliced into every box it overlaps.
+- gs:// (and `use_tensorstore=True`): tensorstore reads a box that is exactly one chunk straight into
+  its buffer (`ts.array(buf).write(store[box])`) and any other chunk once into its own array, which
+  is then sliced into every box it overlaps.
+The reads run on a thread pool of `io_concurrency` threads with at most the in-flight byte limit
+queued. A missing chunk file is an error naming it (never zeros), as is a file of the wrong size.
+Once a leaf's reads are done it is cast (once) if the target asks for another dtype and becomes a
+jax.Array with one batched `device_put` and `make_array_from_single_device_arrays`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from resilax_ckpt import planning
+from resilax_ckpt import tensorstore_io as tsio
+from resilax_ckpt.errors import StorageError
+
+ALIGNMENT = 64
+"""Bytes: XLA:CPU aliases a host buffer aligned to this instead of copying it."""
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialized C-order array whose data starts at a multiple of ALIGNMENT bytes."""
+    dtype = np.dtype(dtype)
+    nbytes = planning.box_size(tuple((0, int(d)) for d in shape)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    offset = (-raw.ctypes.data) % ALIGNMENT
+    return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
+
+
+class LeafRead:
+    """One leaf to restore: to host NumPy (`sharding=None`) or to a jax.Array with `sharding`
+    and `dtype`. `result` holds the value once `read_leaves` returned."""
+
+    def __init__(self, item: str, leaf: Any, dtype: np.dtype, sharding: Any) -> None:
+        self.item = item
+        self.leaf = leaf
+        self.dtype = np.dtype(dtype)
+        self.sharding = sharding
+        self.result: Any = None
+        self.buffers: dict[planning.Box, np.ndarray] = {}
+        self.devices: dict[planning.Box, list[Any]] = {}
+        self.remaining = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.item}/{self.leaf.keystr}"
+
+    def plan_boxes(self) -> None:
+        """The distinct boxes this process needs, each with the devices that hold it."""
+        shape = tuple(self.leaf.shape)
+        if self.sharding is None:
+            self.devices = {tuple((0, d) for d in shape): []}
+        else:
+            self.devices = planning.plan_read_boxes(
+                self.sharding.addressable_devices_indices_map(shape).items(), shape)
+
+    def finish(self) -> None:
+        """Cast if asked, then build the result (called once every chunk read of the leaf is done)."""
+        if self.dtype != np.dtype(self.leaf.dtype):
+            for box, buf in self.buffers.items():
+                cast = aligned_empty(buf.shape, self.dtype)
+                np.copyto(cast, buf, casting="unsafe")
+                self.buffers[box] = cast
+        if self.sharding is None:
+            (self.result,) = self.buffers.values()
+        else:
+            self.result = _build_array(self.leaf.shape, self.sharding, self.buffers, self.devices)
+        self.buffers = {}
+
+
+def _build_array(shape: Sequence[int], sharding: Any, buffers: dict[planning.Box, np.ndarray],
+                 devices: dict[planning.Box, list[Any]]) -> Any:
+    """One batched device_put of every box onto its devices (XLA:CPU aliases the aligned buffers)
+    and the global array from the single-device arrays."""
+    import jax
+
+    sources, targets = [], []
+    for box, devs in devices.items():
+        for device in devs:
+            sources.append(buffers[box])
+            targets.append(device)
+    placed = jax.device_put(sources, targets)
+    by_device = dict(zip(targets, placed, strict=True))
+    ordered = [by_device[d] for d in sharding.addressable_devices]
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, ordered)
+
+
+class _ScratchPool:
+    """Reusable scratch buffers for chunks that are sliced into several boxes (no page faults per
+    chunk); holds at most `limit` bytes of free buffers."""
+
+    def __init__(self, limit: int) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._held = 0
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self._held -= nbytes
+                return free.pop()
+        return aligned_empty((nbytes,), np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if self._held + buf.nbytes <= self._limit:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+                self._held += buf.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._held = 0
+
+
+def _view(array: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
+    """`array[index]` as a view, also for 0-d arrays (where `array[()]` is a scalar copy)."""
+    full: tuple[Any, ...] = (*index, Ellipsis)
+    return array[full]
+
+
+def _contiguous(extent: Sequence[int], full: Sequence[int]) -> bool:
+    """Whether a sub-block of `extent` is contiguous inside a C-order block of shape `full`: leading
+    extents of 1, then at most one partial dimension, then only full dimensions."""
+    dim = 0
+    while dim < len(extent) and extent[dim] == 1:
+        dim += 1
+    return all(extent[d] == full[d] for d in range(dim + 1, len(extent)))
+
+
+def _c_offset(start: Sequence[int], full: Sequence[int]) -> int:
+    """Element offset of `start` in a C-order block of shape `full`."""
+    offset = 0
+    for s, n in zip(start, full, strict=True):
+        offset = offset * n + s
+    return offset
+
+
+class _ChunkTask:
+    """One saved chunk and the (box, intersection) pairs that need parts of it."""
+
+    __slots__ = ("chunk", "pairs", "read", "region")
+
+    def __init__(self, read: LeafRead, chunk: tuple[int, ...], region: planning.Box) -> None:
+        self.read = read
+        self.chunk = chunk
+        self.region = region
+        """The chunk's box inside the array (edge chunks clipped to the array's shape)."""
+        self.pairs: list[tuple[planning.Box, planning.Box]] = []
+
+    def single_box(self) -> np.ndarray | None:
+        """The box buffer when the chunk's region is exactly one box (read straight into it)."""
+        if len(self.pairs) == 1 and self.pairs[0][0] == self.region:
+            return self.read.buffers[self.region]
+        return None
+
+    def scatter(self, data: np.ndarray) -> None:
+        """Copy each pair's part of the chunk (`data` holds the chunk's region) into its box."""
+        for box, inter in self.pairs:
+            dst = _view(self.read.buffers[box], planning.offset_index(inter, box))
+            np.copyto(dst, _view(data, planning.offset_index(inter, self.region)))
+
+
+def _plan_chunk_tasks(read: LeafRead) -> list[_ChunkTask]:
+    """The chunks a leaf's boxes overlap, each once, with the part every box needs."""
+    shape = tuple(read.leaf.shape)
+    chunks = tuple(read.leaf.chunks)
+    tasks: dict[tuple[int, ...], _ChunkTask] = {}
+    for box in read.devices:
+        for chunk in planning.chunks_of_box(box, chunks):
+            task = tasks.get(chunk)
+            if task is None:
+                region = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(chunk, chunks, shape, strict=True))
+                task = tasks[chunk] = _ChunkTask(read, chunk, region)
+            inter = tuple((max(a, r0), min(b, r1)) for (a, b), (r0, r1) in zip(box, task.region, strict=True))
+            task.pairs.append((box, inter))
+    return list(tasks.values())
+
+
+class _FileChunkReader:
+    """Fills boxes from local chunk files (see the module docstring)."""
+
+    def __init__(self, leaf_paths: list[str], pool: _ScratchPool) -> None:
+        self._leaf_paths = leaf_paths
+        self._pool = pool
+
+    def path(self, index: int, task: _ChunkTask) -> str:
+        return os.path.join(self._leaf_paths[index], "c", *map(str, task.chunk))
+
+    def run(self, index: int, task: _ChunkTask) -> None:
+        leaf = task.read.leaf
+        itemsize = np.dtype(leaf.dtype).itemsize
+        chunks = tuple(leaf.chunks)
+        expected = planning.box_size(tuple((0, c) for c in chunks)) * itemsize
+        path = self.path(index, task)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"chunk file {path} is missing") from e
+        except OSError as e:
+            raise StorageError(f"chunk file {path}: {e}") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size != expected:
+                raise StorageError(
+                    f"chunk file {path} has {size} bytes, expected {expected} (a chunk {list(chunks)} of "
+                    f"{leaf.dtype}): truncated or not written by resilax_ckpt")
+            direct = self._direct_parts(task, chunks, itemsize)
+            if direct is not None:
+                for offset, view in direct:
+                    _pread_exact(fd, view, offset, path)
+                return
+            scratch = self._pool.take(expected)
+            try:
+                _pread_exact(fd, scratch, 0, path)
+                data = scratch.view(np.dtype(leaf.dtype)).reshape(chunks)
+                task.scatter(_view(data, tuple(slice(0, b - a) for a, b in task.region)))
+            finally:
+                self._pool.give(scratch)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _direct_parts(task: _ChunkTask, chunks: tuple[int, ...],
+                      itemsize: int) -> list[tuple[int, np.ndarray]] | None:
+        """(file offset, destination byte view) per pair when every pair's part is contiguous in
+        the file and in its box buffer; None when the chunk must be sliced from a scratch copy."""
+        parts = []
+        origin = tuple(a for a, _ in task.region)
+        for box, inter in task.pairs:
+            extent = planning.box_shape(inter)
+            if not _contiguous(extent, chunks):
+                return None
+            dst = _view(task.read.buffers[box], planning.offset_index(inter, box))
+            if not dst.flags.c_contiguous:
+                return None
+            start = tuple(a - o for (a, _), o in zip(inter, origin, strict=True))
+            parts.append((_c_offset(start, chunks) * itemsize, dst.reshape(-1).view(np.uint8)))
+        return parts
+
+
+def _pread_exact(fd: int, view: np.ndarray, offset: int, path: str) -> None:
+    buf = view.reshape(-1).view(np.uint8).data
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise StorageError(f"chunk file {path}: ended after {offset + done} bytes, "
+                               f"expected at least {offset + len(buf)}")
+        done += n
+
+
+class _TensorstoreChunkReader:
+    """Fills boxes through tensorstore (gs://, or local when asked): each chunk read once."""
+
+    def __init__(self, stores: list[Any]) -> None:
+        self._stores = stores
+
+    def run(self, index: int, task: _ChunkTask) -> None:
+        store = self._stores[index][planning.box_to_index(task.region)]
+        target = task.single_box()
+        if target is not None:
+            ts.array(target).write(store).result()
+            return
+        task.scatter(store.read().result())
+
+
+def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: Any, max_inflight_bytes: int,
+                io_concurrency: int = 32, use_tensorstore: bool | None = None) -> None:
+    """Read, per leaf, the boxes this process's target shards need (each saved chunk once) and fill
+    each `LeafRead.result`. `use_tensorstore` (default: unless the storage is local) picks the
+    tensorstore reader over direct file reads. Errors are StorageError naming the leaf and chunk
+    (whose cause is a FileNotFoundError when a chunk file is missing)."""
+    if use_tensorstore is None:
+        use_tensorstore = not storage.is_local
+    leaf_paths = [storage.join(step_path, r.item, r.leaf.dir) for r in reads]
+    total = sum(planning.box_size(tuple((0, d) for d in r.leaf.shape)) * np.dtype(r.leaf.dtype).itemsize
+                for r in reads)
+    limit = tsio.scaled_inflight_limit(max_inflight_bytes, total)
+    scratch = _ScratchPool(limit)
+    runner: _FileChunkReader | _TensorstoreChunkReader
+    if use_tensorstore:
+        specs = [tsio.build_array_spec(storage.kvstore_spec(path), r.leaf.shape, r.leaf.dtype, r.leaf.chunks)
+                 for path, r in zip(leaf_paths, reads, strict=True)]
+        runner = _TensorstoreChunkReader(tsio.open_arrays(specs, context, create=False))
+    else:
+        runner = _FileChunkReader(leaf_paths, scratch)
+    limiter = tsio.InflightLimiter(limit)
+    executor = concurrent.futures.ThreadPoolExecutor(max(1, io_concurrency), thread_name_prefix="resilax-read")
+    try:
+        for index, read in enumerate(reads):
+            read.plan_boxes()
+            stored = np.dtype(read.leaf.dtype)
+            read.buffers = {box: aligned_empty(planning.box_shape(box), stored) for box in read.devices}
+            tasks = _plan_chunk_tasks(read)
+            read.remaining = len(tasks)
+            if not tasks:  # empty array
+                read.finish()
+                continue
+            itemsize = stored.itemsize
+            for task in tasks:
+                nbytes = planning.box_size(task.region) * itemsize
+                limiter.admit(nbytes)
+                future = executor.submit(runner.run, index, task)
+                limiter.add(future, nbytes, f"reading {read.name} chunk {list(task.chunk)} from {step_path}",
+                            on_done=lambda _, r=read: _one_done(r))
+        limiter.drain()
+    finally:
+        limiter.cancel()
+        executor.shutdown(wait=True, cancel_futures=True)
+        scratch.clear()
+
+
+def _one_done(read: LeafRead) -> None:
+    read.remaining -= 1
+    if read.remaining == 0:
+        read.finish()

@@ -1,0 +1,264 @@
+"""The restore-side reader (reader.py) on real files with real tensorstore: aligned buffers that
+XLA:CPU aliases, the direct file path against the tensorstore path, resharding, dtype casts, and
+clear errors for missing or truncated chunk files."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import resilax_ckpt as rc
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from resilax_ckpt import reader
+from resilax_ckpt import tensorstore_io as tsio
+from resilax_ckpt.errors import IncompleteStepError, StorageError
+from resilax_ckpt.manager import read_metadata
+from resilax_ckpt.storage import LocalStorage
+
+STEP = 3
+
+
+def mesh(shape, names=("a", "b")):
+    n = int(np.prod(shape))
+    return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names[: len(shape)])
+
+
+def raw_values():
+    rng = np.random.default_rng(7)
+    return {
+        "f32": rng.standard_normal((16, 8), dtype=np.float32),
+        "bf16": rng.standard_normal((8, 16), dtype=np.float32).astype(ml_dtypes.bfloat16),
+        "i32": rng.integers(-1000, 1000, (16, 4), dtype=np.int32),
+        "flags": rng.integers(0, 2, (8, 8)).astype(bool),
+        "vec": rng.standard_normal((24,), dtype=np.float32),
+        "odd": rng.standard_normal((12, 5), dtype=np.float32),
+        "scalar": np.array(2.5, np.float32),
+        "rep": rng.standard_normal((4, 6), dtype=np.float32),
+        "host": rng.integers(0, 9, (6, 10), dtype=np.int32),
+    }
+
+
+SAVE_SPECS = {  # on mesh (4, 2) unless noted: sharded, mixed, replicated, 0-d, 1-d, 3 devices
+    "f32": P("a", "b"),
+    "bf16": P("b", "a"),
+    "i32": P("a", None),
+    "flags": P(None, "b"),
+    "vec": P("a"),
+    "scalar": P(),
+    "rep": P(),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One step holding every kind of leaf; `odd` is sharded on 3 devices (chunks of 4 rows), so 2-
+    and 4-device targets cut its chunks unevenly; `host` is a NumPy array (one chunk)."""
+    if len(jax.devices()) < 8:
+        pytest.fail("needs 8 fake CPU devices (tests/ckpt/conftest.py)")
+    root = str(tmp_path_factory.mktemp("reader"))
+    raw = raw_values()
+    m = mesh((4, 2))
+    params = {k: jax.device_put(raw[k], NamedSharding(m, spec)) for k, spec in SAVE_SPECS.items()}
+    m3 = jax.sharding.Mesh(np.array(jax.devices()[:3]), ("c",))
+    params["odd"] = jax.device_put(raw["odd"], NamedSharding(m3, P("c", None)))
+    params["host"] = raw["host"]
+    opt = {"mu": jax.device_put(raw["f32"] * 2, NamedSharding(m, P("a", "b")))}
+    with rc.CheckpointManager(root) as mgr:
+        mgr.save(STEP, {"params": params, "opt_state": opt}, force=True)
+        mgr.wait()
+    return root, raw
+
+
+def step_path(root):
+    return os.path.join(root, str(STEP))
+
+
+def read_with(root, targets, use_tensorstore, item="params"):
+    """`reader.read_leaves` on `targets` ({key: sharding or None, or (sharding, dtype)})."""
+    meta = read_metadata(LocalStorage(), step_path(root))
+    leaves = {leaf.keystr: leaf for leaf in meta.items[item].leaves}
+    reads = []
+    for key, want in targets.items():
+        sharding, dtype = want if isinstance(want, tuple) else (want, None)
+        leaf = leaves[f"['{key}']"]
+        reads.append(reader.LeafRead(item, leaf, np.dtype(dtype or leaf.dtype), sharding))
+    reader.read_leaves(reads, step_path(root), LocalStorage(), tsio.build_context(4, False), 1 << 20,
+                       io_concurrency=4, use_tensorstore=use_tensorstore)
+    return {key: r.result for key, r in zip(targets, reads, strict=True)}
+
+
+def assert_bit_identical(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (3,), (7, 5), (2, 3, 4)])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int32, np.bool_])
+def test_aligned_empty_is_aligned_and_sized(shape, dtype):
+    buf = reader.aligned_empty(shape, dtype)
+    assert buf.ctypes.data % reader.ALIGNMENT == 0
+    assert buf.shape == shape and buf.dtype == np.dtype(dtype) and buf.flags.c_contiguous
+
+
+TARGETS = {
+    "4x2-as-saved": ((4, 2), {"f32": P("a", "b"), "bf16": P("b", "a"), "i32": P("a", None),
+                              "flags": P(None, "b"), "vec": P("a"), "scalar": P(), "rep": P(),
+                              "odd": P("a", None), "host": P("b", None)}),
+    "2x4-transposed": ((2, 4), {"f32": P("b", "a"), "bf16": P("a", "b"), "i32": P(None, "b"),
+                                "flags": P("b", None), "vec": P("b"), "scalar": P(), "rep": P("a", None),
+                                "odd": P("b", None), "host": P("a", None)}),
+    "8x1": ((8, 1), {"f32": P("a", None), "bf16": P(None, "a"), "i32": P("a", "b"), "flags": P(),
+                     "vec": P("a"), "scalar": P(), "rep": P(None, "b"), "odd": P(None, "b"),
+                     "host": P(None, None)}),
+    "4-devices": ((2, 2), {"f32": P("a", "b"), "bf16": P("b", None), "i32": P(("a", "b"), None),
+                           "flags": P("a", "b"), "vec": P(("a", "b")), "scalar": P(), "rep": P("a", "b"),
+                           "odd": P(("a", "b"), None), "host": P("a", "b")}),
+}
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_direct_and_tensorstore_paths_are_bit_identical(saved, name):
+    root, raw = saved
+    mesh_shape, specs = TARGETS[name]
+    m = mesh(mesh_shape)
+    targets = {key: NamedSharding(m, spec) for key, spec in specs.items()}
+    direct = read_with(root, targets, use_tensorstore=False)
+    via_ts = read_with(root, targets, use_tensorstore=True)
+    for key, sharding in targets.items():
+        assert direct[key].sharding == sharding and via_ts[key].sharding == sharding
+        assert_bit_identical(direct[key], raw[key])
+        assert_bit_identical(via_ts[key], raw[key])
+        for a, b in zip(direct[key].addressable_shards, via_ts[key].addressable_shards, strict=True):
+            assert a.device == b.device and a.index == b.index
+            assert_bit_identical(a.data, b.data)
+
+
+def test_host_numpy_without_target_from_both_paths(saved):
+    root, raw = saved
+    for use_ts in (False, True):
+        out = read_with(root, dict.fromkeys(raw), use_tensorstore=use_ts)
+        for key, value in out.items():
+            assert isinstance(value, np.ndarray)
+            assert value.ctypes.data % reader.ALIGNMENT == 0
+            assert_bit_identical(value, raw[key])
+
+
+def test_restored_shards_alias_aligned_buffers_and_replicas_share_one(saved):
+    """XLA:CPU keeps the aligned host buffer as the device buffer (no second copy); the replicas of
+    a box on several devices of this process are one buffer."""
+    root, raw = saved
+    m = mesh((4, 2))
+    out = read_with(root, {"f32": NamedSharding(m, P("a", None)), "rep": NamedSharding(m, P())},
+                    use_tensorstore=False)
+    pointers = {s.device: s.data.unsafe_buffer_pointer() for s in out["f32"].addressable_shards}
+    assert all(p % reader.ALIGNMENT == 0 for p in pointers.values())
+    by_box: dict[tuple, set[int]] = {}
+    for s in out["f32"].addressable_shards:
+        by_box.setdefault(str(s.index), set()).add(pointers[s.device])
+    assert len(by_box) == 4 and all(len(p) == 1 for p in by_box.values())  # 2 devices per box, 1 buffer
+    assert len({s.data.unsafe_buffer_pointer() for s in out["rep"].addressable_shards}) == 1
+    # Shared buffers are safe to donate: XLA copies an external buffer instead of writing into it.
+    bumped = jax.jit(lambda x: x + 1, donate_argnums=0)(out["rep"])
+    for shard in bumped.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), raw["rep"] + 1)
+
+
+@pytest.mark.parametrize("use_ts", [False, True], ids=["direct", "tensorstore"])
+def test_dtype_cast_reads_raw_then_casts_once(saved, use_ts):
+    root, raw = saved
+    m = mesh((2, 4))
+    out = read_with(root, {
+        "f32": (NamedSharding(m, P("b", "a")), jnp.bfloat16),
+        "i32": (NamedSharding(m, P("a", None)), np.float32),
+        "bf16": (NamedSharding(m, P()), np.float32),
+        "flags": (None, np.int32),
+    }, use_tensorstore=use_ts)
+    assert_bit_identical(out["f32"], raw["f32"].astype(ml_dtypes.bfloat16))
+    assert_bit_identical(out["i32"], raw["i32"].astype(np.float32))
+    assert_bit_identical(out["bf16"], raw["bf16"].astype(np.float32))
+    assert_bit_identical(out["flags"], raw["flags"].astype(np.int32))
+    assert out["f32"].dtype == jnp.bfloat16
+
+
+@pytest.fixture
+def copy_of(saved, tmp_path):
+    root, raw = saved
+    dst = str(tmp_path / "copy")
+    shutil.copytree(root, dst)
+    return dst, raw
+
+
+def chunk_file(root, item, leaf_dir, *chunk):
+    return os.path.join(root, str(STEP), item, leaf_dir, "c", *map(str, chunk))
+
+
+def leaf_dir(root, key, item="params"):
+    meta = read_metadata(LocalStorage(), step_path(root))
+    return next(leaf.dir for leaf in meta.items[item].leaves if leaf.keystr == f"['{key}']")
+
+
+def test_missing_chunk_file_is_an_error_naming_it(copy_of):
+    root, _ = copy_of
+    path = chunk_file(root, "params", leaf_dir(root, "f32"), 1, 0)
+    os.remove(path)
+    m = mesh((4, 2))
+    target = {"params": {"f32": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(m, P("a", "b")))}}
+    with rc.CheckpointManager(root) as mgr, pytest.raises(IncompleteStepError) as err:
+        mgr.restore(STEP, target=target, items=["params"])
+    assert path in str(err.value) and "missing" in str(err.value)
+    # Resharded (the chunk is sliced into several boxes) and without a target: the same error.
+    with pytest.raises(StorageError, match=path):
+        read_with(root, {"f32": NamedSharding(mesh((2, 4)), P("b", "a"))}, use_tensorstore=False)
+    with pytest.raises(StorageError, match=path):
+        read_with(root, {"f32": None}, use_tensorstore=False)
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "too long"])
+def test_chunk_file_of_the_wrong_size_is_an_error_naming_it(copy_of, how):
+    root, _ = copy_of
+    path = chunk_file(root, "params", leaf_dir(root, "f32"), 2, 1)
+    with open(path, "rb") as f:
+        data = f.read()
+    assert len(data) == 4 * 4 * 4
+    with open(path, "wb") as f:
+        f.write({"truncated": data[:-4], "empty": b"", "too long": data + b"\0" * 4}[how])
+    size = os.path.getsize(path)
+    m = mesh((4, 2))
+    for sharding in (NamedSharding(m, P("a", "b")), NamedSharding(mesh((2, 4)), P("b", "a")), None):
+        with pytest.raises(StorageError, match=re.escape(f"{path} has {size} bytes, expected 64")):
+            read_with(root, {"f32": sharding}, use_tensorstore=False)
+
+
+def test_params_only_restore_reads_no_other_item(copy_of):
+    root, raw = copy_of
+    shutil.rmtree(os.path.join(root, str(STEP), "opt_state"))
+    m = mesh((2, 4))
+    target = {"params": {"f32": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(m, P("b", "a"))),
+                         "vec": jax.ShapeDtypeStruct((24,), jnp.float32, sharding=NamedSharding(m, P("b")))}}
+    with rc.CheckpointManager(root) as mgr:
+        out = mgr.restore(STEP, target=target, items=["params"])
+        assert list(out) == ["params"]
+        assert_bit_identical(out["params"]["f32"], raw["f32"])
+        assert_bit_identical(out["params"]["vec"], raw["vec"])
+        with pytest.raises(IncompleteStepError, match="opt_state"):
+            mgr.restore(STEP, items=["opt_state"])
+
+
+def test_an_all_zero_shard_restores(tmp_path):
+    m = mesh((4, 2))
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    value[:2, :4] = 0  # shard (0, 0) is all zeros: tensorstore does not store a chunk equal to the fill value
+    with rc.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"params": {"w": jax.device_put(value, NamedSharding(m, P("a", "b")))}}, force=True)
+        mgr.wait()
+        out = mgr.restore(1, target={"params": {"w": jax.ShapeDtypeStruct(
+            (8, 8), jnp.float32, sharding=NamedSharding(m, P("a", "b")))}})
+    assert_bit_identical(out["params"]["w"], value)
