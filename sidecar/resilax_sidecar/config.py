@@ -65,6 +65,10 @@ class SidecarConfig:
     keep_every_steps: int | None = None
     """`RESILAX_KEEP_EVERY_STEPS`: in the persistent tier also keep every step divisible by this."""
 
+    local_keep_last: int | None = None
+    """`RESILAX_LOCAL_KEEP_LAST`: committed steps kept in the local tier (empty: `keep_last`). The newest
+    local step not yet persisted is always kept."""
+
     grace_seconds: float = 300.0
     """`RESILAX_SIDECAR_GRACE_SECONDS`: after SIGTERM, how long to wait for the final save to be
     committed (and uploaded, with a local tier) before exiting anyway."""
@@ -178,6 +182,9 @@ class SidecarConfig:
             keep_last=get("RESILAX_KEEP_LAST", int_in(1), None, "an integer >= 1, or empty to keep all"),
             keep_every_steps=get(
                 "RESILAX_KEEP_EVERY_STEPS", int_in(1), None, "an integer >= 1, or empty for none"
+            ),
+            local_keep_last=get(
+                "RESILAX_LOCAL_KEEP_LAST", int_in(1), None, "an integer >= 1, or empty to use RESILAX_KEEP_LAST"
             ),
             grace_seconds=get("RESILAX_SIDECAR_GRACE_SECONDS", positive_float, 300.0, "a number of seconds > 0"),
             upload_concurrency=get("RESILAX_SIDECAR_UPLOAD_CONCURRENCY", int_in(1, 256), 8, "an integer 1-256"),

@@ -530,14 +530,16 @@ class Uploader:
     # ---- retention --------------------------------------------------------------------------------
 
     def apply_retention(self, persisted: list[int]) -> bool:
-        """Keep the newest `keep_last` steps on both tiers. The persistent tier is trimmed by process
-        0 only (one deleter); each host trims its own local tier. True when something was deleted."""
+        """Keep the newest `keep_last` steps on both tiers (`local_keep_last` on the local tier when
+        set). The persistent tier is trimmed by process 0 only (one deleter); each host trims its own
+        local tier. True when something was deleted."""
         cfg = self.config
-        if cfg.keep_last is None:
+        local_keep = cfg.local_keep_last if cfg.local_keep_last is not None else cfg.keep_last
+        if cfg.keep_last is None and local_keep is None:
             return False
         deleted = False
         protect = {self.state.in_flight} if self.state.in_flight is not None else set()
-        if cfg.process_id == 0 and persisted:
+        if cfg.keep_last is not None and cfg.process_id == 0 and persisted:
             for step in plan_retention(persisted, cfg.keep_last, cfg.keep_every_steps, protect):
                 # _COMMIT first: a half-deleted step must never look committed.
                 self.store.delete(f"{step}/{layout.COMMIT_FILE}")
@@ -555,13 +557,15 @@ class Uploader:
                     if self.store.stat(f"{step}/{layout.COMMIT_FILE}") is None:
                         self.store.delete_prefix(str(step))
                         log.info("retention: deleted the abandoned partial upload of step %d", step)
+        if local_keep is None:
+            return deleted
         local_steps = self.scan_local()
         newest_persisted = max(persisted, default=None)
         local_protect = set(protect)
         # A local step newer than everything persisted is still to be uploaded: keep the newest one.
         if local_steps and (newest_persisted is None or local_steps[-1] > newest_persisted):
             local_protect.add(local_steps[-1])
-        for step in plan_retention(local_steps, cfg.keep_last, None, local_protect):
+        for step in plan_retention(local_steps, local_keep, None, local_protect):
             folder = self.local_dir / str(step)
             trash = self.local_dir / f"{layout.TRASH_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
             try:
