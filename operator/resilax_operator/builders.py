@@ -208,6 +208,8 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         _var("RESILAX_KEEP_LAST", "" if c.keep.last is None else c.keep.last),
         _var("RESILAX_KEEP_EVERY_STEPS", "" if c.keep.every_steps is None else c.keep.every_steps),
         _var("RESILAX_LOCAL_KEEP_LAST", "" if c.local is None else c.local.keep_last),
+        _var("RESILAX_PERSIST_EVERY_STEPS",
+             "" if c.local is None or c.local.persist_every_steps is None else c.local.persist_every_steps),
         _var("RESILAX_RESTORE_STEP", plan.restore_step),
         _var("RESILAX_SIDECAR_PORT", settings.sidecar_port),
         _var("RESILAX_SIDECAR_HOST", "$(RESILAX_POD_IP)"),

@@ -60,6 +60,8 @@ class LocalTierSpec:
     scope: str = LOCAL_SCOPE_NODE
     #: Committed steps each host keeps in its local tier (the sidecar's local retention).
     keep_last: int = DEFAULT_LOCAL_KEEP_LAST
+    #: Upload only local steps divisible by this (and requested saves); None: every local step.
+    persist_every_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -260,7 +262,8 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
                               scope=r.string(lt, "scope", f"{cp}.local", default=LOCAL_SCOPE_NODE)
                               or LOCAL_SCOPE_NODE,
                               keep_last=_int_or(r.integer(lt, "keepLast", f"{cp}.local", minimum=1),
-                                                DEFAULT_LOCAL_KEEP_LAST))
+                                                DEFAULT_LOCAL_KEEP_LAST),
+                              persist_every_steps=r.integer(lt, "persistEverySteps", f"{cp}.local", minimum=1))
     ev = r.obj(c, "every", cp) or {}
     kp = r.obj(c, "keep", cp) or {}
     fs = r.obj(c, "finalSave", cp) or {}

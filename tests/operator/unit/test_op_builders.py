@@ -339,16 +339,20 @@ def test_node_scope_is_a_host_path_per_job_with_an_init_container(local: dict[st
     assert "restartPolicy" not in init  # a plain init container: done before the sidecar starts
     assert inits[1]["securityContext"]["runAsUser"] == 65532
     assert _env(_trainer(pod))["RESILAX_LOCAL_KEEP_LAST"] == "2"
+    assert _env(_trainer(pod))["RESILAX_PERSIST_EVERY_STEPS"] == ""
     assert _env(_trainer(pod))["RESILAX_LOCAL_DIR"] == api.LOCAL_DIR
 
 
 def test_node_scope_folder_goes_to_the_workers_user_and_group() -> None:
-    spec = _local_spec({"keepLast": 5}, {"securityContext": {"runAsUser": 1000, "fsGroup": 2000}})
+    spec = _local_spec({"keepLast": 5, "persistEverySteps": 10},
+                       {"securityContext": {"runAsUser": 1000, "fsGroup": 2000}})
     pod = build_pod(JOB_UID, spec, PLAN, 0, 0, SETTINGS, coordinator_ip=None)
     init, sidecar = pod["spec"]["initContainers"][:2]
     assert "chown -R 1000:2000 " in init["command"][2]
     assert (sidecar["securityContext"]["runAsUser"], sidecar["securityContext"]["runAsGroup"]) == (1000, 2000)
     assert _env(_trainer(pod))["RESILAX_LOCAL_KEEP_LAST"] == "5"
+    assert _env(_trainer(pod))["RESILAX_PERSIST_EVERY_STEPS"] == "10"
+    assert _env(sidecar)["RESILAX_PERSIST_EVERY_STEPS"] == "10"
     raw = good_spec()
     raw["checkpoint"]["local"] = {}
     raw["template"]["spec"]["containers"][0]["securityContext"] = {"runAsUser": 7, "runAsGroup": 8}
