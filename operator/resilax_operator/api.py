@@ -126,8 +126,9 @@ SHRUNK = Reason("Shrunk", "running {current}, below the spec's {wanted}")
 AT_FULL_SHAPE = Reason("AtFullShape", "running at the largest allowed shape {current}")
 POD_CREATION_REFUSED = Reason("PodCreationRefused", "generation {generation}: the API server refused pod {pod}: {detail}{fix}")
 #: The fix named in POD_CREATION_REFUSED's message when the job's pods mount a hostPath local tier.
-HOSTPATH_FIX: Final = (" -- checkpoint.local.scope: Node mounts a hostPath folder and runs an init container as "
-                       "root, which the Pod Security levels baseline and restricted refuse: set "
+HOSTPATH_FIX: Final = (" -- checkpoint.local.scope: Node mounts a hostPath folder, which the Pod Security levels "
+                       "baseline and restricted refuse (restricted also refuses its init container running as "
+                       "root): set "
                        "checkpoint.local.scope: Pod (an emptyDir, no restart from the local tier), or run the job "
                        "in a namespace labelled pod-security.kubernetes.io/enforce=privileged")
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
