@@ -119,6 +119,7 @@ def test_worker_failure_restores_every_worker_from_its_local_tier(
     gen1 = jobs.losses(name, 1)
     assert max(gen1) - step <= EVERY + 1, (max(gen1), step)
     assert "WorkerFailed" in [e["reason"] for e in jobs.events(name)]
+    wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
     recovery_breakdown(jobs, name, 2, fault, ("WorkerFailed",))
 
 
@@ -157,6 +158,7 @@ def test_node_loss_survivors_restore_local_the_replacement_persistent_one_step(
         assert step == max(gen1_persisted), (step, gen1_persisted)
         gen1 = jobs.losses(name, 1)
         print(f"node loss: generation 1 reached step {max(gen1)}, restored {step}")
+        wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
         recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "PodLost", "WorkerFailed"))
     finally:
         if not any(n["name"] == victim for n in cluster.nodes()):
