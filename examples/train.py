@@ -87,9 +87,12 @@ def main(argv: list[str] | None = None) -> int:
 
     generation = int(os.environ.get("RESILAX_GENERATION", "0"))
     with rc.CheckpointManager.from_env() as mgr:  # 2. policy, storage and generation from the env
-        restore_step = mgr.restore_step_from_env()
+        restore_step = mgr.restore_step_from_env(target=state)  # the step all processes can read
         if restore_step is not None:  # 3. restore onto this generation's mesh
             state = mgr.restore(restore_step, target=state)
+            print(json.dumps({"restored": restore_step, "from": mgr.restored_from, "generation": generation,
+                              "process": jax.process_index(), "node": os.environ.get("RESILAX_NODE_NAME", "")}),
+                  flush=True)
         start = int(state["meta"]["step"])
 
         @jax.jit

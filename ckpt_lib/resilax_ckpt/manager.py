@@ -181,10 +181,21 @@ class CheckpointManager:
         return commit.list_visible(self._persistent, self._persistent_root)
 
     def latest_step(self) -> int | None:
-        """The newest committed step this process sees (both tiers with a local tier; the steps a
-        restore can use are agreed by restore() itself)."""
+        """The newest committed step this process sees (both tiers with a local tier). With a
+        local tier this is this process's view only: `restore_step_from_env` (`latest`) and
+        `restore(step=None)` agree on a step every process can read."""
         steps = self.steps() + self.persistent_steps()
         return max(steps) if steps else None
+
+    @property
+    def restored_from(self) -> str | None:
+        """Where this process's last `restore` read from: "local" (this host's local tier) or
+        "persistent" (without a local tier, the only tier); None before any restore."""
+        if self._persistent is None:
+            return "persistent" if self._protected_steps else None
+        return self._restored_from
+
+    _restored_from: str | None = None
 
     @property
     def restore_step(self) -> int | None:
@@ -192,14 +203,22 @@ class CheckpointManager:
         restore_step_from_env."""
         return self.restore_step_from_env()
 
-    def restore_step_from_env(self, env: Mapping[str, str] | None = None) -> int | None:
+    def restore_step_from_env(self, env: Mapping[str, str] | None = None, *,
+                              target: Mapping[str, Any] | None = None,
+                              items: Iterable[str] | None = None) -> int | None:
         """The step RESILAX_RESTORE_STEP asks for: `latest` (default), `none` or a number; None when
-        there is nothing to restore."""
+        there is nothing to restore. With a local tier, `latest` is the step the processes agree on
+        (the newest one every process can read from its local tier or the persistent tier; pass the
+        restore's `target` so that "can read" is judged for this process's shards, else whole
+        arrays). Called on: all processes (with a local tier and several processes, a collective)."""
         env = os.environ if env is None else env
         raw = env.get("RESILAX_RESTORE_STEP", "latest").strip().lower() or "latest"
         if raw == "none":
             return None
         if raw == "latest":
+            if self._persistent is not None:
+                agreed, _ = self._agree_two_tiers(None, target, items)
+                return agreed
             return self.latest_step()
         return int(raw)
 
@@ -495,6 +514,39 @@ class CheckpointManager:
         chunks its target shards need are all on this host; the processes agree on the newest step
         every one of them can read from its local tier or the persistent tier."""
         assert self._persistent is not None and self._persistent_root is not None
+        agreed, local_ok = self._agree_two_tiers(step, target, items)
+        if agreed is None:
+            raise StepNotFoundError(f"{self._root} and {self._persistent_root}: no committed checkpoint "
+                                    "that every process can read")
+        step = agreed
+        persistent = self.persistent_steps()
+        self._protected_steps = (step,)
+        # Local steps after the restored one belong to a timeline this generation abandons; this
+        # generation may save the same step numbers into the same folders: withdraw them first.
+        self._withdraw_local_steps_after(step)
+        if step in local_ok:  # this host holds what this process needs (same bytes as persistent)
+            path = self._storage.join(self._root, layout.step_name(step))
+            out = restore_step(self._storage, path, step, target, items, self._context,
+                               self._options.max_inflight_bytes, self._coord.process_index,
+                               layout.metadata_name(self._own_suffix), self._options.io_concurrency)
+            self._restored_from = "local"
+            return out
+        if step not in persistent:
+            raise StepNotFoundError(f"step {step}: neither this host's local tier {self._root} holds what this "
+                                    f"process needs nor is it committed in {self._persistent_root} "
+                                    f"(persistent steps: {persistent})")
+        path = self._persistent.join(self._persistent_root, layout.step_name(step))
+        out = restore_step(self._persistent, path, step, target, items, self._context,
+                           self._options.max_inflight_bytes, self._coord.process_index,
+                           io_concurrency=self._options.io_concurrency)
+        self._restored_from = "persistent"
+        return out
+
+    def _agree_two_tiers(self, step: int | None, target: Mapping[str, Any] | None,
+                         items: Iterable[str] | None) -> tuple[int | None, list[int]]:
+        """(the agreed step, or None if there is none; this process's local steps that cover its
+        restore). With `step` given, the agreed step is `step`. Called on: all processes (a
+        collective with several)."""
         persistent = self.persistent_steps()
         local = [s for s in self.steps() if (step is None or s == step)
                  and (not persistent or s >= persistent[-1] or s == step)]
@@ -508,26 +560,27 @@ class CheckpointManager:
             agreed_local = set.intersection(*views) if views else set()
         else:
             agreed_local = set(local_ok)
-        if step is None:
-            candidates = sorted(agreed_local | set(persistent))
-            if not candidates:
-                raise StepNotFoundError(f"{self._root} and {self._persistent_root}: no committed checkpoint "
-                                        "that every process can read")
-            step = candidates[-1]
-        self._protected_steps = (step,)
-        if step in local_ok:  # this host holds what this process needs (same bytes as persistent)
-            path = self._storage.join(self._root, layout.step_name(step))
-            return restore_step(self._storage, path, step, target, items, self._context,
-                                self._options.max_inflight_bytes, self._coord.process_index,
-                                layout.metadata_name(self._own_suffix), self._options.io_concurrency)
-        if step not in persistent:
-            raise StepNotFoundError(f"step {step}: neither this host's local tier {self._root} holds what this "
-                                    f"process needs nor is it committed in {self._persistent_root} "
-                                    f"(persistent steps: {persistent})")
-        path = self._persistent.join(self._persistent_root, layout.step_name(step))
-        return restore_step(self._persistent, path, step, target, items, self._context,
-                            self._options.max_inflight_bytes, self._coord.process_index,
-                            io_concurrency=self._options.io_concurrency)
+        if step is not None:
+            return step, local_ok
+        candidates = sorted(agreed_local | set(persistent))
+        return (candidates[-1] if candidates else None), local_ok
+
+    def _withdraw_local_steps_after(self, step: int) -> None:
+        """Withdraw this process's commit marker of every local step newer than `step`, marker
+        first, then the step's folder if no other process's marker is left in it (a crash in
+        between leaves an uncommitted folder, never a committed mix). Called on: every process of
+        the local tier, at restore."""
+        marker = layout.commit_name(self._own_suffix)
+        for old in self.steps():
+            if old <= step:
+                continue
+            path = self._storage.join(self._root, layout.step_name(old))
+            self._storage.delete_tree(self._storage.join(path, marker))
+            self._storage.sync_dir(path)
+            if not any(n == layout.COMMIT_FILE or n.startswith(layout.COMMIT_FILE + ".")
+                       for n in self._storage.list_dir(path)):
+                self._storage.delete_tree(path)
+            log.info("withdrew local step %d (newer than the restored step %d) in %s", old, step, self._root)
 
     def _local_covers(self, step: int, target: Mapping[str, Any] | None, items: Iterable[str] | None) -> bool:
         """Whether this host's local step has every chunk this process's restore would read."""

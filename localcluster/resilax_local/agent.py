@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -40,7 +41,7 @@ from .errors import KubeAPIError
 from .kubeapi import KubeClient
 from .kubeletapi import KubeletAPI
 from .pki import CertificateAuthority
-from .pods import NodeState, PodWorker, now_rfc3339
+from .pods import NodeState, PodWorker, map_host_path, memory_root, node_roots, now_rfc3339
 from .profiles import NodeSpec
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,9 @@ class NodeAgent:
         with self.lock:
             n = self.nodes.get(node)
             return n.ip if n else "127.0.0.1"
+
+    def host_path(self, node: str, path: str) -> Path:
+        return map_host_path(self.run_dir, node, path)
 
     def allocate_pod_ip(self) -> str:
         with self.lock:
@@ -448,6 +452,8 @@ class NodeAgent:
         with self.lock:
             node = self.nodes.pop(name)
             node.state = REMOVED
+        for root in node_roots(self.run_dir, name):  # a lost node loses its disks (hostPath volumes)
+            shutil.rmtree(root, ignore_errors=True)
         try:  # its Lease goes with it (owner reference, garbage collector)
             self.client.delete(f"/api/v1/nodes/{name}")
         except KubeAPIError as e:
@@ -594,6 +600,7 @@ class NodeAgent:
                     node.kill_timer.cancel()
         for worker in workers:
             worker.kill_now()
+        shutil.rmtree(memory_root(self.run_dir), ignore_errors=True)  # the nodes' tmpfs folders
 
 
 def _handler(agent: NodeAgent) -> type[BaseHTTPRequestHandler]:

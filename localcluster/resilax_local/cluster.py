@@ -32,6 +32,7 @@ from .binaries import cache_dir, ensure_binaries
 from .controlplane import ControlPlane, ControlPlaneSettings
 from .errors import KubeAPIError, NotRunningError, StartError
 from .kubeapi import Credentials, KubeClient, read_kubeconfig, write_kubeconfig
+from .pods import map_host_path, memory_root
 from .processes import alive, spawn, stop_group
 from .profiles import NodeSpec, build_cpu_node, build_profile, build_tpu_slice
 
@@ -72,6 +73,7 @@ class LocalCluster:
                 raise StartError(f"{self.run_dir} is not empty and not a local cluster's folder: "
                                  "refusing to wipe it; pick an empty or new --dir")
             shutil.rmtree(self.run_dir)
+        shutil.rmtree(memory_root(self.run_dir), ignore_errors=True)
         self.run_dir.mkdir(parents=True)
         started = time.monotonic()
         deadline = started + timeout
@@ -290,6 +292,11 @@ class LocalCluster:
                 time.sleep(0.5)
         if pending:
             raise StartError(f"nodes not Ready after {timeout:.0f} s: {', '.join(sorted(pending))}")
+
+    def node_path(self, node: str, path: str | Path) -> Path:
+        """Where hostPath `path` of pods on `node` lives on this machine (each fake node has its own
+        root; a removed node's folders are deleted with it)."""
+        return map_host_path(self.run_dir, node, str(path))
 
     # ---- logs -----------------------------------------------------------------------------------
     def pod_dir(self, namespace: str, pod: str) -> Path:

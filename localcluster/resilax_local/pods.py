@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 from . import podspec
@@ -63,6 +64,8 @@ class PodHost(Protocol):
 
     def node_ip(self, node: str) -> str: ...
 
+    def host_path(self, node: str, path: str) -> Path: ...
+
     def allocate_pod_ip(self) -> str: ...
 
     def forget(self, uid: str) -> None: ...
@@ -74,6 +77,35 @@ class PodHost(Protocol):
 
     @property
     def hosts_file(self) -> Path: ...
+
+
+#: Memory-medium volumes live under this tmpfs folder (`emptyDir` per pod uid, hostPath per cluster and node).
+MEMORY_ROOT = Path("/dev/shm/resilax-local")
+SHM = PurePosixPath("/dev/shm")
+
+
+def memory_root(run_dir: Path) -> Path:
+    """This cluster's tmpfs folder for hostPath volumes under /dev/shm (one per run folder)."""
+    digest = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return MEMORY_ROOT / f"cluster-{digest}"
+
+
+def map_host_path(run_dir: Path, node: str, path: str) -> Path:
+    """Where a hostPath `path` of a pod on `node` lives: all fake nodes are one machine, so each node
+    gets its own root, `<run_dir>/nodes/<node>/root/<path>` (two nodes never share files; removing the
+    node removes them), or `<memory_root>/nodes/<node>/<path below /dev/shm>` for a path on /dev/shm
+    (tmpfs, as on the node)."""
+    pure = PurePosixPath(path)
+    if not pure.is_absolute() or ".." in pure.parts:
+        raise ValueError(f"hostPath {path!r}: must be an absolute path without '..'")
+    if pure == SHM or SHM in pure.parents:
+        return memory_root(run_dir) / "nodes" / node / pure.relative_to(SHM)
+    return run_dir / "nodes" / node / "root" / pure.relative_to("/")
+
+
+def node_roots(run_dir: Path, node: str) -> list[Path]:
+    """The folders that hold `node`'s hostPath volumes (disk and tmpfs)."""
+    return [run_dir / "nodes" / node, memory_root(run_dir) / "nodes" / node]
 
 
 def now_rfc3339() -> str:
@@ -335,12 +367,18 @@ class PodWorker:
             path = root / name
             if "emptyDir" in vol:
                 if (vol["emptyDir"] or {}).get("medium") == "Memory":
-                    path = Path("/dev/shm/resilax-local") / self.uid / name
+                    path = MEMORY_ROOT / self.uid / name
                     self.memory_dirs.append(path.parent)
                 path.mkdir(parents=True, exist_ok=True)
             elif "hostPath" in vol:
-                path = Path(vol["hostPath"]["path"])
+                try:
+                    path = self.host.host_path(self.node, str(vol["hostPath"]["path"]))
+                except ValueError as e:
+                    raise PrepareError(f"volume {name!r}: {e}") from e
                 kind = vol["hostPath"].get("type", "")
+                if kind in ("Directory", "File") and not path.exists():
+                    raise PrepareError(f"volume {name!r}: hostPath {vol['hostPath']['path']} does not exist on "
+                                       f"node {self.node} ({path}) and its type is {kind}")
                 if kind == "DirectoryOrCreate":
                     path.mkdir(parents=True, exist_ok=True)
                 elif kind == "FileOrCreate":

@@ -54,6 +54,8 @@ HOSTNAME_LABEL: Final = "kubernetes.io/hostname"
 # --- containers, ports, volumes ---
 TRAINER_CONTAINER: Final = "trainer"  # the default name; the first container of the template is the trainer
 SIDECAR_CONTAINER: Final = "resilax-sidecar"
+#: Init container that hands a scope Node local tier folder to the worker's user (chown, chmod 0700).
+LOCAL_INIT_CONTAINER: Final = "resilax-local-init"
 CONTROL_VOLUME: Final = "resilax-control"
 LOCAL_VOLUME: Final = "resilax-local"
 TOKEN_VOLUME: Final = "resilax-token"
@@ -61,7 +63,7 @@ CONTROL_DIR: Final = "/var/run/resilax/control"
 LOCAL_DIR: Final = "/var/run/resilax/local"
 TOKEN_DIR: Final = "/var/run/resilax/token"
 TOKEN_KEY: Final = "token"
-RESERVED_CONTAINER_NAMES: Final = frozenset({SIDECAR_CONTAINER})
+RESERVED_CONTAINER_NAMES: Final = frozenset({SIDECAR_CONTAINER, LOCAL_INIT_CONTAINER})
 RESERVED_VOLUME_NAMES: Final = frozenset({CONTROL_VOLUME, LOCAL_VOLUME, TOKEN_VOLUME})
 
 #: The trainer's exit code for "stopped for rescheduling" (resilax_ckpt.EXIT_CODE_STOPPED).
@@ -122,6 +124,13 @@ GENERATION_DELETED = Reason("GenerationDeleted", "deleting generation {generatio
 FORCE_DELETED = Reason("ForceDeleted", "force-deleting {count} pods of generation {generation} stuck on unreachable nodes")
 SHRUNK = Reason("Shrunk", "running {current}, below the spec's {wanted}")
 AT_FULL_SHAPE = Reason("AtFullShape", "running at the largest allowed shape {current}")
+POD_CREATION_REFUSED = Reason("PodCreationRefused", "generation {generation}: the API server refused pod {pod}: {detail}{fix}")
+#: The fix named in POD_CREATION_REFUSED's message when the job's pods mount a hostPath local tier.
+HOSTPATH_FIX: Final = (" -- checkpoint.local.scope: Node mounts a hostPath folder, which the Pod Security levels "
+                       "baseline and restricted refuse (restricted also refuses its init container running as "
+                       "root): set "
+                       "checkpoint.local.scope: Pod (an emptyDir, no restart from the local tier), or run the job "
+                       "in a namespace labelled pod-security.kubernetes.io/enforce=privileged")
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
 SPEC_INVALID = Reason("SpecInvalid", "{problems}")
 NOT_SAVING = Reason("NotSaving", "no final save in progress")

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 from . import api
 from .settings import OperatorSettings
-from .spec import JobSpec, Shape
+from .spec import LOCAL_SCOPE_NODE, JobSpec, Shape
 from .topology import SliceGeometry, plan_geometry
 
 Manifest = dict[str, Any]
@@ -25,6 +25,7 @@ Manifest = dict[str, Any]
 STORAGE_MOUNT: Final = "/var/run/resilax/storage"
 STORAGE_VOLUME: Final = "resilax-storage"
 SIDECAR_RESOURCES: Final = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+LOCAL_INIT_RESOURCES: Final = {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}}
 #: Variables the trainer keeps from the template when it sets them (everything else the operator owns).
 USER_OVERRIDABLE: Final = frozenset({"XLA_FLAGS", "JAX_CPU_COLLECTIVES_IMPLEMENTATION"})
 
@@ -47,6 +48,8 @@ class GenerationPlan:
     #: pools[i] is the node pool (value of cloud.google.com/gke-nodepool) of slice i; len == shape.count.
     pools: tuple[str, ...]
     restore_step: str = "latest"
+    #: Worker process index → the node it last ran on (status.workerNodes): a preferred node affinity.
+    worker_nodes: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.pools) != self.shape.count:
@@ -135,6 +138,7 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
     mounts = _resilax_mounts(spec)
     containers = [dict(c) for c in pod.get("containers") or []]
     trainer_i = next((i for i, c in enumerate(containers) if c.get("name") == api.TRAINER_CONTAINER), 0)
+    owner = worker_owner(pod, containers[trainer_i] if containers else {}, settings)
     for i, c in enumerate(containers):
         c["securityContext"] = _restricted(c.get("securityContext"))
         if i == trainer_i:
@@ -142,8 +146,15 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
             c["volumeMounts"] = [*(c.get("volumeMounts") or []), *mounts]
             c["resources"] = _with_accelerator(c.get("resources") or {}, geometry)
     pod["containers"] = containers
-    pod["initContainers"] = [build_sidecar(spec, settings, env), *(pod.get("initContainers") or [])]
-    pod["volumes"] = [*(pod.get("volumes") or []), *_resilax_volumes(job, spec)]
+    node_scope = node_scoped(spec)
+    sidecar = build_sidecar(spec, settings, env)
+    inits: list[Manifest] = [sidecar]
+    if node_scope:
+        # The sidecar trims and uploads the worker's files in a 0700 folder: same user as the worker.
+        sidecar["securityContext"] = {**sidecar["securityContext"], "runAsUser": owner[0], "runAsGroup": owner[1]}
+        inits = [build_local_init(settings, owner), sidecar]
+    pod["initContainers"] = [*inits, *(pod.get("initContainers") or [])]
+    pod["volumes"] = [*(pod.get("volumes") or []), *_resilax_volumes(job, spec, settings)]
     pod["restartPolicy"] = "Never"
     pod["hostname"] = name
     pod["subdomain"] = service
@@ -152,6 +163,9 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
     pod["tolerations"] = [*(pod.get("tolerations") or []),
                           *({"key": k, "operator": "Exists", "effect": "NoSchedule"} for k in geometry.toleration_keys)]
     pod["affinity"] = _one_worker_per_node(pod.get("affinity"), job.name, plan.generation)
+    previous = dict(plan.worker_nodes).get(process_id)
+    if previous is not None:
+        pod["affinity"] = _prefer_node(pod["affinity"], previous)
     grace = spec.checkpoint.final_save.timeout_seconds + settings.termination_margin_seconds
     pod["terminationGracePeriodSeconds"] = max(int(pod.get("terminationGracePeriodSeconds") or 0), grace)
     pod["securityContext"] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
@@ -193,6 +207,9 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         _var("RESILAX_SAVE_EVERY_SECONDS", every_seconds),
         _var("RESILAX_KEEP_LAST", "" if c.keep.last is None else c.keep.last),
         _var("RESILAX_KEEP_EVERY_STEPS", "" if c.keep.every_steps is None else c.keep.every_steps),
+        _var("RESILAX_LOCAL_KEEP_LAST", "" if c.local is None else c.local.keep_last),
+        _var("RESILAX_PERSIST_EVERY_STEPS",
+             "" if c.local is None or c.local.persist_every_steps is None else c.local.persist_every_steps),
         _var("RESILAX_RESTORE_STEP", plan.restore_step),
         _var("RESILAX_SIDECAR_PORT", settings.sidecar_port),
         _var("RESILAX_SIDECAR_HOST", "$(RESILAX_POD_IP)"),
@@ -235,6 +252,60 @@ def build_sidecar(spec: JobSpec, settings: OperatorSettings, env: Sequence[Mappi
         "resources": copy.deepcopy(SIDECAR_RESOURCES),
         "securityContext": _restricted(None),
     }
+
+
+def node_scoped(spec: JobSpec) -> bool:
+    """Whether the job's local tier is a folder on the node (`checkpoint.local.scope: Node`)."""
+    local = spec.checkpoint.local
+    return local is not None and local.scope == LOCAL_SCOPE_NODE
+
+
+def build_local_tier_path(job: JobRef, spec: JobSpec, settings: OperatorSettings) -> str:
+    """The node folder of a scope Node local tier: `<root>/<namespace>_<job>_<job uid>` (the uid keeps a
+    deleted and recreated job of the same name away from the old one's steps)."""
+    local = spec.checkpoint.local
+    root = settings.local_tier_memory_root if local is not None and local.medium == "Memory" \
+        else settings.local_tier_root
+    return f"{root.rstrip('/')}/{job.namespace}_{job.name}_{job.uid}"
+
+
+def worker_owner(pod_spec: Mapping[str, Any], trainer: Mapping[str, Any],
+                 settings: OperatorSettings) -> tuple[int, int]:
+    """(uid, gid) the worker writes its local tier as: the trainer's runAsUser (else the pod's, else
+    the image's user, `settings.local_tier_default_uid`); the pod's fsGroup, else runAsGroup, else the uid."""
+    pod_ctx = pod_spec.get("securityContext") or {}
+    ctx = trainer.get("securityContext") or {}
+    uid = ctx.get("runAsUser", pod_ctx.get("runAsUser", settings.local_tier_default_uid))
+    gid = pod_ctx.get("fsGroup", ctx.get("runAsGroup", pod_ctx.get("runAsGroup", uid)))
+    return int(uid), int(gid)
+
+
+def build_local_init(settings: OperatorSettings, owner: tuple[int, int]) -> Manifest:
+    """`resilax-local-init`: hands the job's node folder to the worker's user, not world-writable.
+    Runs as root with every capability dropped but CHOWN and FOWNER (chmod of a file it does not own)."""
+    uid, gid = owner
+    script = f"chown -R {uid}:{gid} {api.LOCAL_DIR} && chmod 0700 {api.LOCAL_DIR}"
+    return {
+        "name": api.LOCAL_INIT_CONTAINER,
+        "image": settings.sidecar_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["sh", "-c", script],
+        "volumeMounts": [{"name": api.LOCAL_VOLUME, "mountPath": api.LOCAL_DIR}],
+        "resources": copy.deepcopy(LOCAL_INIT_RESOURCES),
+        "securityContext": {"runAsUser": 0, "runAsGroup": 0, "runAsNonRoot": False,
+                            "allowPrivilegeEscalation": False, "seccompProfile": {"type": "RuntimeDefault"},
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}},
+    }
+
+
+def _prefer_node(affinity: Mapping[str, Any], node: str) -> dict[str, Any]:
+    """Add a preferred (never required: the node may be gone) affinity for `node`."""
+    out = copy.deepcopy(dict(affinity))
+    node_affinity = out.setdefault("nodeAffinity", {})
+    terms = node_affinity.setdefault("preferredDuringSchedulingIgnoredDuringExecution", [])
+    terms.append({"weight": 100, "preference": {"matchFields": [
+        {"key": "metadata.name", "operator": "In", "values": [node]}]}})
+    return out
 
 
 def _host(ip: str) -> str:
@@ -290,14 +361,17 @@ def _resilax_mounts(spec: JobSpec) -> list[dict[str, Any]]:
     return mounts
 
 
-def _resilax_volumes(job: JobRef, spec: JobSpec) -> list[dict[str, Any]]:
+def _resilax_volumes(job: JobRef, spec: JobSpec, settings: OperatorSettings) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": api.CONTROL_VOLUME, "emptyDir": {}},
         {"name": api.TOKEN_VOLUME, "secret": {"secretName": build_token_secret_name(job.name),
                                               "defaultMode": 0o444}},
     ]
     local = spec.checkpoint.local
-    if local is not None:
+    if local is not None and local.scope == LOCAL_SCOPE_NODE:
+        volumes.append({"name": api.LOCAL_VOLUME, "hostPath": {
+            "path": build_local_tier_path(job, spec, settings), "type": "DirectoryOrCreate"}})
+    elif local is not None:
         empty: dict[str, Any] = {}
         if local.medium:
             empty["medium"] = local.medium

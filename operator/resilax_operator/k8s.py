@@ -41,8 +41,10 @@ TRANSIENT_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 class KubeError(ResilaxOperatorError, RuntimeError):
     """An API call that failed for a reason retrying will not fix (403, 422, ...)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, api_message: str = "") -> None:
         self.status = status
+        #: The API server's own message (without the request line), e.g. Pod Security's refusal.
+        self.api_message = api_message or message
         super().__init__(message)
 
 
@@ -94,7 +96,7 @@ class Kube:
             message = _api_message(data) or str(response.reason)
             if status in TRANSIENT_STATUSES:
                 raise kopf.TemporaryError(f"{method} {path}: {status} {message}", delay=2)
-            raise KubeError(status, f"{method} {path}: {status} {message}")
+            raise KubeError(status, f"{method} {path}: {status} {message}", message)
         parsed = json.loads(data) if data else {}
         return parsed if isinstance(parsed, dict) else {}
 

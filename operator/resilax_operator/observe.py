@@ -15,14 +15,15 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from . import api, metrics
 from . import status as st
 from .builders import JobRef, build_pod_name, build_service_name, build_token_secret_name
-from .k8s import Kube, SidecarError
+from .errors import InvalidSpecError
+from .k8s import Kube, KubeError, SidecarError
 from .reconcile import (
     Action,
     CreateGeneration,
@@ -35,12 +36,15 @@ from .reconcile import (
     SetStatus,
     build_observed,
     decide_cleanup,
+    decide_pod_refused,
     decide_raw,
     parse_save_outcome,
     parse_sidecar_state,
     status_body,
 )
 from .settings import OperatorSettings
+from .spec import JobSpec
+from .validation import validate_spec
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -58,6 +62,8 @@ TRAINER_GONE_GRACE_SECONDS = 2
 #: before that gets SIGTERM and its sidecar waits for a save answer that never comes; so a planned
 #: teardown leaves a pod whose trainer still runs alone for up to this long (seconds).
 STOPPING_TRAINER_WAIT_SECONDS = 15.0
+#: API answers to a pod create that retrying at once will not change (admission refused it).
+REFUSED_STATUSES = frozenset({400, 403, 422})
 PLANNED_KINDS = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK, st.WORKER_STOPPED})
 
 _lock = threading.Lock()
@@ -155,7 +161,22 @@ def execute(kube: Kube, world: World, actions: Sequence[Action], settings: Opera
             kube.ensure_token_secret(ref)
             if action.service is not None:
                 kube.create(action.service)
-            created = [m["metadata"]["name"] for m in action.pods if kube.create(m)]
+            created = []
+            for manifest in action.pods:
+                name = str(manifest["metadata"]["name"])
+                try:
+                    if kube.create(manifest):
+                        created.append(name)
+                except KubeError as e:
+                    if e.status not in REFUSED_STATUSES:
+                        raise
+                    # Admission (Pod Security, quota, a webhook) said no: report it and try again later.
+                    if created:
+                        logger.info("generation %d: created %s", action.generation, ", ".join(created))
+                    refused = decide_pod_refused(_spec_or_none(job), status_before, action.generation, name,
+                                                 e.api_message, world.observed.now, settings)
+                    world = World(world.job, world.pods, replace(world.observed, status=status_before))
+                    return execute(kube, world, refused, settings, logger)
             if created:
                 logger.info("generation %d: created %s", action.generation, ", ".join(created))
         elif isinstance(action, DeleteGeneration):
@@ -169,6 +190,13 @@ def execute(kube: Kube, world: World, actions: Sequence[Action], settings: Opera
         elif isinstance(action, RequeueAfter):
             wait = min(wait, action.seconds)
     return max(0.5, wait)
+
+
+def _spec_or_none(job: Mapping[str, Any]) -> JobSpec | None:
+    try:
+        return validate_spec(job.get("spec") or {})
+    except InvalidSpecError:
+        return None
 
 
 def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger: Logger) -> None:

@@ -54,7 +54,16 @@ from typing import Any, Final
 
 from . import api
 from . import status as st
-from .builders import GenerationPlan, JobRef, Manifest, build_pod_name, build_pods, build_service, geometry_of
+from .builders import (
+    GenerationPlan,
+    JobRef,
+    Manifest,
+    build_pod_name,
+    build_pods,
+    build_service,
+    geometry_of,
+    node_scoped,
+)
 from .errors import InvalidSpecError
 from .settings import OperatorSettings
 from .spec import RESTORE_LATEST, JobSpec, Shape
@@ -608,7 +617,7 @@ def _start_generation(spec: JobSpec, observed: Observed, s: JobStatus, settings:
 
     generation = s.generation + 1
     restore = spec.checkpoint.restore_step if generation == 1 else RESTORE_LATEST
-    plan = GenerationPlan(generation, planned.shape, planned.pools, restore)
+    plan = GenerationPlan(generation, planned.shape, planned.pools, restore, s.worker_nodes)
     if t is None:
         phase = api.PHASE_PENDING if first else api.PHASE_RECOVERING
     else:
@@ -645,6 +654,7 @@ def _watch_generation(spec: JobSpec, observed: Observed, s: JobStatus, settings:
     now, g = observed.now, s.generation
     pods = _pods_of(observed, g)
     grace = timedelta(seconds=spec.recovery.node_loss_grace_seconds)
+    s = st.record_worker_nodes(s, plan_worker_nodes(s, pods))
 
     # 1. Hard node loss: a node hosting a worker has been down for longer than the grace.
     waiting_for: str | None = None
@@ -724,7 +734,7 @@ def _watch_generation(spec: JobSpec, observed: Observed, s: JobStatus, settings:
         kind, reason, message = resize
         return _begin(spec, observed, s, settings, actions, kind, reason, message)
     # 7. Bring the generation up: pod 0 first, the others once its IP is known.
-    plan = GenerationPlan(g, s.shape or spec.spec_shape, s.pools, s.restore_step or RESTORE_LATEST)
+    plan = GenerationPlan(g, s.shape or spec.spec_shape, s.pools, s.restore_step or RESTORE_LATEST, s.worker_nodes)
     if not s.workers_created:
         pod0 = next((p for p in pods if p.name == names[0]), None)
         if pod0 is None:
@@ -750,6 +760,28 @@ def _watch_generation(spec: JobSpec, observed: Observed, s: JobStatus, settings:
     message = api.WORKERS_STARTING.format(generation=g, running=running, hosts=s.hosts)
     new = st.set_condition(new, api.COND_READY, False, api.WORKERS_STARTING.name, message, now)
     return [*actions, *_status_change(observed.status, new), RequeueAfter(POLL_SECONDS)]
+
+
+def plan_worker_nodes(s: JobStatus, pods: Iterable[ObservedPod]) -> dict[int, str]:
+    """Worker process index → node, for the current generation's pods bound to a node."""
+    count = s.shape.count if s.shape is not None else 1
+    hosts = max(1, s.hosts // max(1, count))
+    return {p.slice_index * hosts + p.host: p.node_name for p in pods
+            if p.node_name and p.generation == s.generation}
+
+
+def decide_pod_refused(spec: JobSpec | None, status: JobStatus, generation: int, pod: str, detail: str,
+                       now: datetime, settings: OperatorSettings) -> list[Action]:
+    """The API server refused to create a worker pod (Pod Security admission, a quota, a webhook):
+    Ready=False with reason PodCreationRefused, the API server's message and, when the pods mount a
+    hostPath local tier, the fix; a Warning event when that message is new; try again later."""
+    fix = api.HOSTPATH_FIX if spec is not None and node_scoped(spec) else ""
+    message = api.POD_CREATION_REFUSED.format(generation=generation, pod=pod, detail=detail, fix=fix)
+    old = status.condition(api.COND_READY)
+    new = st.set_condition(status, api.COND_READY, False, api.POD_CREATION_REFUSED.name, message, now)
+    events = [] if old is not None and old.reason == api.POD_CREATION_REFUSED.name and old.message == message \
+        else [EmitEvent("Warning", api.POD_CREATION_REFUSED.name, message)]
+    return [*_status_change(status, new, *events), RequeueAfter(float(settings.refused_retry_seconds))]
 
 
 def _expected_names(job: JobRef, s: JobStatus) -> list[str]:

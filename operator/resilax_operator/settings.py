@@ -30,6 +30,14 @@ class OperatorSettings:
     """A pod still Terminating this long after its grace period on a Ready node is force-deleted."""
     schedule_timeout_seconds: int = 300
     """A worker still unscheduled this long after its generation started: the generation is replanned."""
+    local_tier_root: str = "/var/lib/resilax/local"
+    """Node folder under which a `checkpoint.local.scope: Node` job gets `<namespace>_<job>_<job uid>`."""
+    local_tier_memory_root: str = "/dev/shm/resilax"
+    """The same for `medium: Memory` (a tmpfs on the node)."""
+    local_tier_default_uid: int = 65532
+    """Owner of a scope Node local tier folder when the template sets no runAsUser (the image's user)."""
+    refused_retry_seconds: int = 30
+    """How soon to try again after the API server refused a worker pod (PodCreationRefused)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:

@@ -22,6 +22,10 @@ RESTORE_LATEST: Final = "latest"
 RESTORE_NONE: Final = "none"
 RESTORE_STEP_PATTERN: Final = re.compile(r"^(latest|none|[0-9]+)$")
 LOCAL_MEDIA: Final = ("", "Memory")
+LOCAL_SCOPE_NODE: Final = "Node"
+LOCAL_SCOPE_POD: Final = "Pod"
+LOCAL_SCOPES: Final = (LOCAL_SCOPE_NODE, LOCAL_SCOPE_POD)
+DEFAULT_LOCAL_KEEP_LAST: Final = 2
 
 
 @dataclass(frozen=True)
@@ -48,10 +52,16 @@ class ElasticSpec:
 
 @dataclass(frozen=True)
 class LocalTierSpec:
-    """`spec.checkpoint.local`: the fast per-host tier (an emptyDir)."""
+    """`spec.checkpoint.local`: the fast per-host tier."""
 
     medium: str = ""
     size_limit: str | None = None
+    #: `Node`: a hostPath folder per job on each node (kept across generations); `Pod`: an emptyDir.
+    scope: str = LOCAL_SCOPE_NODE
+    #: Committed steps each host keeps in its local tier (the sidecar's local retention).
+    keep_last: int = DEFAULT_LOCAL_KEEP_LAST
+    #: Upload only local steps divisible by this (and requested saves); None: every local step.
+    persist_every_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -248,7 +258,12 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
     lt = r.obj(c, "local", cp)
     if lt is not None:
         local = LocalTierSpec(medium=r.string(lt, "medium", f"{cp}.local", default="") or "",
-                              size_limit=_quantity_str(r, lt, "sizeLimit", f"{cp}.local"))
+                              size_limit=_quantity_str(r, lt, "sizeLimit", f"{cp}.local"),
+                              scope=r.string(lt, "scope", f"{cp}.local", default=LOCAL_SCOPE_NODE)
+                              or LOCAL_SCOPE_NODE,
+                              keep_last=_int_or(r.integer(lt, "keepLast", f"{cp}.local", minimum=1),
+                                                DEFAULT_LOCAL_KEEP_LAST),
+                              persist_every_steps=r.integer(lt, "persistEverySteps", f"{cp}.local", minimum=1))
     ev = r.obj(c, "every", cp) or {}
     kp = r.obj(c, "keep", cp) or {}
     fs = r.obj(c, "finalSave", cp) or {}

@@ -85,6 +85,8 @@ class JobStatus:
     transition: Transition | None = None
     checkpoint: CheckpointInfo | None = None
     conditions: tuple[Condition, ...] = ()
+    #: (worker process index, node it last ran on), sorted; kept across generations.
+    worker_nodes: tuple[tuple[int, str], ...] = ()
 
     def condition(self, type_: str) -> Condition | None:
         return next((c for c in self.conditions if c.type == type_), None)
@@ -140,7 +142,9 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         workers_created=bool(raw.get("workersCreated", False)),
         restarts=int(raw.get("restarts") or 0), failures=int(raw.get("failures") or 0),
         planned_from=str(raw.get("plannedFrom") or ""), observed_generation=int(raw.get("observedGeneration") or 0),
-        transition=transition, checkpoint=checkpoint, conditions=conditions)
+        transition=transition, checkpoint=checkpoint, conditions=conditions,
+        worker_nodes=tuple(sorted((int(k), str(v)) for k, v in (raw.get("workerNodes") or {}).items()
+                                  if str(k).isdigit() and v)))
 
 
 def build_status(status: JobStatus) -> dict[str, Any]:
@@ -154,6 +158,7 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "shape": None if status.shape is None else {
             "topology": status.shape.topology, "count": status.shape.count, "hosts": status.hosts},
         "pools": list(status.pools),
+        "workerNodes": {str(i): node for i, node in status.worker_nodes} or None,
         "restoreStep": status.restore_step or None,
         "generationStartTime": format_time(status.generation_start_time),
         "workersCreated": status.workers_created,
@@ -183,6 +188,12 @@ def set_condition(status: JobStatus, type_: str, true: bool, reason: str, messag
     others = [c for c in status.conditions if c.type != type_]
     ordered = sorted([*others, new], key=lambda c: (*api.CONDITION_TYPES, c.type).index(c.type))
     return replace(status, conditions=tuple(ordered))
+
+
+def record_worker_nodes(status: JobStatus, placed: Mapping[int, str]) -> JobStatus:
+    """`status` with `placed` (worker index → node) merged into its workerNodes."""
+    merged = {**dict(status.worker_nodes), **placed}
+    return replace(status, worker_nodes=tuple(sorted(merged.items())))
 
 
 def phase_for(transition: Transition | None, *, first: bool) -> str:

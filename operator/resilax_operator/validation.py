@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from . import api, topology
 from .errors import InvalidSpecError, SpecProblem, UnknownTopologyError
-from .spec import LOCAL_MEDIA, JobSpec, parse_spec
+from .spec import LOCAL_MEDIA, LOCAL_SCOPE_POD, LOCAL_SCOPES, JobSpec, parse_spec
 
 STORAGE_SCHEMES: Final = ("gs://", "pvc://", "/")
 #: Longest JAXJob name: pod names are `<job>-g<generation>-s<slice>-h<host>` and must stay DNS labels.
@@ -123,7 +123,15 @@ def _check_checkpoint(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
                                    "needs a DNS-subdomain claim name"))
     if c.local is not None and c.local.medium not in LOCAL_MEDIA:
         out.append(SpecProblem("spec.checkpoint.local.medium",
-                               f"{c.local.medium!r} is not an emptyDir medium; valid: '' (node disk), Memory"))
+                               f"{c.local.medium!r} is not a local tier medium; valid: '' (node disk), Memory"))
+    if c.local is not None and c.local.scope not in LOCAL_SCOPES:
+        out.append(SpecProblem("spec.checkpoint.local.scope",
+                               f"{c.local.scope!r} is not a local tier scope; valid: Node (a folder on the node, "
+                               "kept across generations), Pod (an emptyDir, lost with the pod)"))
+    elif c.local is not None and c.local.size_limit is not None and c.local.scope != LOCAL_SCOPE_POD:
+        out.append(SpecProblem("spec.checkpoint.local.sizeLimit",
+                               f"{c.local.size_limit!r} with scope {c.local.scope}: sizeLimit applies to "
+                               "scope: Pod only (an emptyDir); a scope: Node folder on the node has no size limit"))
     return out
 
 

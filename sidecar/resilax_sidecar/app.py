@@ -129,6 +129,8 @@ class Sidecar:
                     self.metrics.save_request_seconds.observe(seconds)
                     log.info("save %s (%s) committed step %s after %.2f s", request_id, reason, result.step, seconds)
                     if self.uploader is not None:
+                        if result.step is not None:
+                            self.uploader.requested_steps.add(result.step)
                         self.uploader.wake()
                 else:
                     log.warning("save %s (%s) failed after %.2f s: %s", request_id, reason, seconds, result.error)
@@ -271,6 +273,8 @@ class Sidecar:
         step: int | None
         if trainer_gone:
             local_steps = list_local_steps(cfg.local_dir, cfg.process_id) if cfg.local_dir else []
+            if self.uploader is not None:  # only what goes to the persistent tier at all
+                local_steps = [s for s in local_steps if self.uploader.persists(s)]
             step = local_steps[-1] if local_steps else None
             log.info("final save %s: the trainer has exited; persisting its newest local step %s", request_id, step)
             if step is None:
@@ -283,6 +287,8 @@ class Sidecar:
             return False
         else:
             step = result.step
+            if self.uploader is not None:
+                self.uploader.requested_steps.add(step)
         if cfg.uploads and not await asyncio.to_thread(
             self.storage_ready.wait, max(0.0, deadline - time.monotonic())
         ):

@@ -65,6 +65,14 @@ class SidecarConfig:
     keep_every_steps: int | None = None
     """`RESILAX_KEEP_EVERY_STEPS`: in the persistent tier also keep every step divisible by this."""
 
+    persist_every_steps: int | None = None
+    """`RESILAX_PERSIST_EVERY_STEPS`: with a local tier, upload only the local steps divisible by this
+    (and the steps that answered a save request); empty: every step."""
+
+    local_keep_last: int | None = None
+    """`RESILAX_LOCAL_KEEP_LAST`: committed steps kept in the local tier (empty: `keep_last`). The newest
+    local step not yet persisted is always kept."""
+
     grace_seconds: float = 300.0
     """`RESILAX_SIDECAR_GRACE_SECONDS`: after SIGTERM, how long to wait for the final save to be
     committed (and uploaded, with a local tier) before exiting anyway."""
@@ -178,6 +186,12 @@ class SidecarConfig:
             keep_last=get("RESILAX_KEEP_LAST", int_in(1), None, "an integer >= 1, or empty to keep all"),
             keep_every_steps=get(
                 "RESILAX_KEEP_EVERY_STEPS", int_in(1), None, "an integer >= 1, or empty for none"
+            ),
+            persist_every_steps=get(
+                "RESILAX_PERSIST_EVERY_STEPS", int_in(1), None, "an integer >= 1, or empty for every step"
+            ),
+            local_keep_last=get(
+                "RESILAX_LOCAL_KEEP_LAST", int_in(1), None, "an integer >= 1, or empty to use RESILAX_KEEP_LAST"
             ),
             grace_seconds=get("RESILAX_SIDECAR_GRACE_SECONDS", positive_float, 300.0, "a number of seconds > 0"),
             upload_concurrency=get("RESILAX_SIDECAR_UPLOAD_CONCURRENCY", int_in(1, 256), 8, "an integer 1-256"),

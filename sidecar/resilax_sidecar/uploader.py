@@ -147,6 +147,9 @@ class Uploader:
         """Set when a final save is coming (SIGTERM, a stop request): a newer local step then
         supersedes the upload in flight. Not otherwise: with saves more frequent than uploads take,
         superseding would starve the persistent tier."""
+        self.requested_steps: set[int] = set()
+        """Steps that answered a save request of this sidecar's (a final save, the operator's): they
+        go to the persistent tier whatever `persist_every_steps` says."""
         self._known_committed: set[int] = set()
         self._marker_done: dict[int, str] = {}
         self._changed = threading.Condition()
@@ -202,13 +205,20 @@ class Uploader:
 
     # ---- one pass ---------------------------------------------------------------------------------
 
+    def persists(self, step: int) -> bool:
+        """Whether `step` goes to the persistent tier: every step, or with `persist_every_steps` its
+        multiples and the steps that answered a save request (the other local steps stay local)."""
+        every = self.config.persist_every_steps
+        return every is None or step % every == 0 or step in self.requested_steps
+
     def run_once(self) -> None:
         """One pass: see both tiers, upload and commit the newest new step, apply retention."""
         local_steps = self.scan_local()
         persisted = self.scan_persisted()
         self._publish(local_steps, persisted)
         newest_persisted = max(persisted, default=None)
-        candidates = [s for s in local_steps if newest_persisted is None or s > newest_persisted]
+        candidates = [s for s in local_steps if (newest_persisted is None or s > newest_persisted)
+                      and self.persists(s)]
         if candidates:
             step = max(candidates)
             self.state.in_flight = step
@@ -429,7 +439,7 @@ class Uploader:
             if now - last_check[0] < 0.5:
                 return None
             last_check[0] = now
-        newest = max(self.scan_local(), default=None)
+        newest = max((s for s in self.scan_local() if self.persists(s)), default=None)
         return newest if newest is not None and newest > step else None
 
     def _copy_one(self, step: int, key: str, path: Path, remote: BlobInfo | None) -> int:
@@ -530,14 +540,16 @@ class Uploader:
     # ---- retention --------------------------------------------------------------------------------
 
     def apply_retention(self, persisted: list[int]) -> bool:
-        """Keep the newest `keep_last` steps on both tiers. The persistent tier is trimmed by process
-        0 only (one deleter); each host trims its own local tier. True when something was deleted."""
+        """Keep the newest `keep_last` steps on both tiers (`local_keep_last` on the local tier when
+        set). The persistent tier is trimmed by process 0 only (one deleter); each host trims its own
+        local tier. True when something was deleted."""
         cfg = self.config
-        if cfg.keep_last is None:
+        local_keep = cfg.local_keep_last if cfg.local_keep_last is not None else cfg.keep_last
+        if cfg.keep_last is None and local_keep is None:
             return False
         deleted = False
         protect = {self.state.in_flight} if self.state.in_flight is not None else set()
-        if cfg.process_id == 0 and persisted:
+        if cfg.keep_last is not None and cfg.process_id == 0 and persisted:
             for step in plan_retention(persisted, cfg.keep_last, cfg.keep_every_steps, protect):
                 # _COMMIT first: a half-deleted step must never look committed.
                 self.store.delete(f"{step}/{layout.COMMIT_FILE}")
@@ -555,13 +567,16 @@ class Uploader:
                     if self.store.stat(f"{step}/{layout.COMMIT_FILE}") is None:
                         self.store.delete_prefix(str(step))
                         log.info("retention: deleted the abandoned partial upload of step %d", step)
+        if local_keep is None:
+            return deleted
         local_steps = self.scan_local()
         newest_persisted = max(persisted, default=None)
         local_protect = set(protect)
         # A local step newer than everything persisted is still to be uploaded: keep the newest one.
-        if local_steps and (newest_persisted is None or local_steps[-1] > newest_persisted):
-            local_protect.add(local_steps[-1])
-        for step in plan_retention(local_steps, cfg.keep_last, None, local_protect):
+        waiting = [s for s in local_steps if (newest_persisted is None or s > newest_persisted) and self.persists(s)]
+        if waiting:
+            local_protect.add(waiting[-1])
+        for step in plan_retention(local_steps, local_keep, None, local_protect):
             folder = self.local_dir / str(step)
             trash = self.local_dir / f"{layout.TRASH_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
             try:

@@ -131,6 +131,8 @@ def test_deployment_runs_the_operator_cluster_wide_with_peering(default_objects:
     assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["RESILAX_POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["RESILAX_OPERATOR_SIDECAR_IMAGE"]["value"] == container["image"]
+    assert env["RESILAX_OPERATOR_LOCAL_TIER_ROOT"]["value"] == "/var/lib/resilax/local"
+    assert env["RESILAX_OPERATOR_LOCAL_TIER_MEMORY_ROOT"]["value"] == "/dev/shm/resilax"
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
 
 
@@ -303,7 +305,8 @@ def test_images_and_overrides(render) -> None:
     objects = render({"image": {"repository": "registry.example/resilax", "tag": "1.2.3"},
                       "sidecar": {"image": {"repository": "registry.example/sidecar", "tag": "9"}},
                       "operator": {"extraArgs": ["--verbose"], "env": [{"name": "X", "value": "1"}],
-                                   "nodeSelector": {"pool": "system"}},
+                                   "nodeSelector": {"pool": "system"},
+                                   "localTier": {"root": "/mnt/nvme/resilax", "memoryRoot": "/dev/shm/rx"}},
                       "fullnameOverride": "rx"})
     deployment = one(objects, "Deployment")
     assert deployment["metadata"]["name"] == "rx-operator"
@@ -312,6 +315,8 @@ def test_images_and_overrides(render) -> None:
     assert container["args"][-1] == "--verbose"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["RESILAX_OPERATOR_SIDECAR_IMAGE"] == "registry.example/sidecar:9" and env["X"] == "1"
+    assert env["RESILAX_OPERATOR_LOCAL_TIER_ROOT"] == "/mnt/nvme/resilax"
+    assert env["RESILAX_OPERATOR_LOCAL_TIER_MEMORY_ROOT"] == "/dev/shm/rx"
     assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "system"}
     digest = "sha256:" + "a" * 64
     assert deployment_container(render({"image": {"digest": digest}}))["image"] == f"ghcr.io/resilax/resilax@{digest}"

@@ -98,7 +98,11 @@ def scenario_restore(args):
                                persistent_directory=args.get("persistent"))
     target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P(*specs[k])))
                          for k, v in expected(0).items()}}
-    out = mgr.restore(args.get("step"), target=target)
+    own_latest = mgr.latest_step()
+    step_arg = args.get("step")
+    if args.get("latest_from_env"):  # what examples/train.py does
+        step_arg = mgr.restore_step_from_env({"RESILAX_RESTORE_STEP": "latest"}, target=target)
+    out = mgr.restore(step_arg, target=target)
     step = out["meta"]["step"]
     want = expected(step)
     for name, value in want.items():
@@ -108,7 +112,8 @@ def scenario_restore(args):
             np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
     mgr.close()
     return {"step": step, "steps": mgr.steps(), "meta": out["meta"], "data": out["data"],
-            "process": jax.process_index()}
+            "process": jax.process_index(), "restored_from": mgr.restored_from, "own_latest": own_latest,
+            "agreed": step_arg}
 
 
 def scenario_requests(args):

@@ -125,3 +125,57 @@ def test_two_hosts_agree_on_a_step_every_host_can_read(tmp_path, devices):
     restored = run_processes({"scenario": "restore", "root": local, "persistent": persistent, "mesh": [4, 2],
                               "options": {"local_tier": True}}, num_processes=2)
     assert [r["step"] for r in restored] == [1, 1]
+
+
+@pytest.mark.slow
+def test_latest_from_env_is_the_agreed_step_and_each_process_names_its_tier(tmp_path, devices):
+    """RESILAX_RESTORE_STEP=latest gives the step every process can read, not each one's newest: host 0
+    holds steps 1 and 2 locally, host 1 (a replacement node) nothing; the persistent tier has 1. Both
+    restore 1, host 0 from its local tier and host 1 from the persistent tier, and host 0's step 2 (a
+    timeline this generation abandons) is withdrawn before the generation can save step 2 again."""
+    local = str(tmp_path / "local{pid}")
+    persistent = str(tmp_path / "persistent")
+    run_processes({"scenario": "save", "root": local, "mesh": [4, 2], "steps": [1, 2],
+                   "options": {"local_tier": True}}, num_processes=2)
+    merge_like_the_uploader([local.format(pid=0), local.format(pid=1)], 1, persistent)
+    shutil.rmtree(tmp_path / "local1")  # host 1 is a new node: its local tier is empty
+    restored = run_processes({"scenario": "restore", "root": local, "persistent": persistent, "mesh": [4, 2],
+                              "latest_from_env": True, "options": {"local_tier": True}}, num_processes=2)
+    assert [r["own_latest"] for r in restored] == [2, 1]  # what each process alone would pick
+    assert [r["agreed"] for r in restored] == [1, 1]
+    assert [r["step"] for r in restored] == [1, 1]
+    assert [r["restored_from"] for r in restored] == ["local", "persistent"]
+    assert restored[0]["steps"] == [1]  # step 2 withdrawn on host 0
+    assert not (tmp_path / "local0" / "2").exists()
+
+
+def test_restore_withdraws_newer_local_steps_before_they_can_be_saved_again(tmp_path, devices):
+    """A generation that restores an older step may save the step numbers the local tier already
+    holds: the old step's commit marker is gone before any of its files can be rewritten, and the new
+    save of that number commits cleanly with the new bytes."""
+    mesh = global_mesh([4, 2])
+    persistent = str(tmp_path / "persistent")
+    env = {"RESILAX_CHECKPOINT_DIR": persistent, "RESILAX_LOCAL_DIR": str(tmp_path / "host"),
+           "RESILAX_GENERATION": "1"}
+    with rc.CheckpointManager.from_env(env, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"params": make_state(step, mesh), "meta": {"step": step, "gen": 1}})
+    merge_like_the_uploader([str(tmp_path / "host")], 1, persistent, generation=1)
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P()))
+                         for k, v in expected(1).items()}}
+    env2 = dict(env, RESILAX_GENERATION="2", RESILAX_RESTORE_STEP="1")
+    with rc.CheckpointManager.from_env(env2, async_save=False) as mgr:
+        assert mgr.restored_from is None
+        step = mgr.restore_step_from_env(env2, target=target)
+        assert step == 1
+        out = mgr.restore(step, target=target)
+        assert out["meta"] == {"step": 1, "gen": 1} and mgr.restored_from == "local"
+        assert mgr.steps() == [1]
+        assert sorted(os.listdir(tmp_path / "host")) == ["1"]
+        mgr.save(2, {"params": make_state(20, mesh), "meta": {"step": 2, "gen": 2}})
+        assert mgr.steps() == [1, 2]
+    with rc.CheckpointManager.from_env(dict(env, RESILAX_GENERATION="3")) as mgr:
+        assert mgr.restore_step_from_env({"RESILAX_RESTORE_STEP": "latest"}, target=target) == 2
+        out = mgr.restore(2, target=target)
+        assert out["meta"] == {"step": 2, "gen": 2}
+        np.testing.assert_array_equal(np.asarray(out["params"]["w"]), expected(20)["w"])

@@ -76,8 +76,9 @@ def test_pod_runs_as_a_process_with_env_and_volumes(cluster, kube, namespace, tm
                 {"metadata": {"name": "cfg"}, "data": {"greeting": "hello", "file.txt": "from-configmap"}})
     kube.create(f"/api/v1/namespaces/{namespace}/secrets",
                 {"metadata": {"name": "sec"}, "stringData": {"password": "s3cret"}})
-    host_dir = tmp_path / "host"
-    host_dir.mkdir()
+    host_dir = tmp_path / "host"  # a hostPath: the node's own folder for that path
+    on_node = cluster.node_path("tpu-slice-0-h1", host_dir)
+    on_node.mkdir(parents=True)
     script = """
         import json, os, sys
         token = open("/var/run/secrets/kubernetes.io/serviceaccount/token").read()
@@ -131,7 +132,8 @@ def test_pod_runs_as_a_process_with_env_and_volumes(cluster, kube, namespace, tm
     pod_ip = pod["status"]["podIP"]
     assert pod_ip.startswith("127.") and pod_ip != "127.0.0.1"
 
-    report = json.loads((host_dir / "report.json").read_text())
+    report = json.loads((on_node / "report.json").read_text())
+    assert not host_dir.exists()  # not this machine's folder of that name
     venv_python = Path(sys.executable).parent
     assert Path(report["python"]).parent == venv_python, "`python` in a pod is the venv's python"
     assert report["cwd"] == "/work-dir-test"
@@ -255,6 +257,7 @@ def sidecar_pod(name: str, events: Path, run_forever: bool, restart_policy: str)
 
 def test_native_sidecar_starts_before_main_and_stops_after_it_on_completion(cluster, kube, namespace, tmp_path):
     create_pod(kube, namespace, sidecar_pod("job", tmp_path, run_forever=False, restart_policy="Never"))
+    tmp_path = cluster.node_path("cpu-0", tmp_path)  # the events hostPath, on the pod's node
     pod = wait_for_pod_phase(kube, namespace, "job", "Succeeded", timeout=90)
     wait_for(lambda: "sidecar-sigterm" in (tmp_path / "log").read_text(), 30, message="sidecar stopped")
     lines = (tmp_path / "log").read_text().splitlines()
@@ -273,6 +276,7 @@ def test_native_sidecar_starts_before_main_and_stops_after_it_on_completion(clus
 
 def test_graceful_deletion_stops_main_before_sidecar_then_deletes(cluster, kube, namespace, tmp_path):
     create_pod(kube, namespace, sidecar_pod("svc", tmp_path, run_forever=True, restart_policy="Always"))
+    tmp_path = cluster.node_path("cpu-0", tmp_path)  # the events hostPath, on the pod's node
     wait_for(lambda: (get_pod(kube, namespace, "svc") or {}).get("status", {}).get("phase") == "Running"
              and "main-started" in (tmp_path / "log").read_text(), 90, message="pod running")
     ready = wait_for(lambda: [c for c in get_pod(kube, namespace, "svc")["status"]["conditions"]

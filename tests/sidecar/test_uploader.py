@@ -348,3 +348,32 @@ def test_a_local_step_deleted_during_its_upload_is_dropped_without_a_failure(tmp
     uploader = Uploader(config, RetentionDuringUpload(store, failures=0), metrics)
     uploader.run_once()
     assert store.stat("10/_COMMIT") is None and metrics.upload_failures._value.get() == 0
+
+
+def test_local_keep_last_trims_the_local_tier_apart_from_the_persistent_one(tmp_path):
+    store = LocalFolderStore(tmp_path / "persistent")
+    config = make_config(tmp_path, keep_last=None, local_keep_last=2)
+    uploader = Uploader(config, store, SidecarMetrics())
+    for step in (1, 2, 3, 4):
+        write_local_step(config.local_dir, step, step_files(1, 10, seed=step))
+        uploader.run_once()
+    assert sorted(p.name for p in config.local_dir.iterdir()) == ["3", "4"]
+    assert sorted(store.list_dir("")) == ["1", "2", "3", "4"]  # keep_last unset: the persistent tier keeps all
+
+
+def test_persist_every_steps_uploads_multiples_and_requested_steps_only(tmp_path):
+    """The persistent tier lags the local one by design: steps 5, 6, 7 stay local (and the newest of them
+    is not protected from local retention, it is never going to be uploaded), a requested step goes up."""
+    store = LocalFolderStore(tmp_path / "persistent")
+    config = make_config(tmp_path, persist_every_steps=4, local_keep_last=2)
+    uploader = Uploader(config, store, SidecarMetrics())
+    for step in range(1, 8):
+        write_local_step(config.local_dir, step, step_files(1, 10, seed=step))
+        uploader.run_once()
+    assert uploader.state.committed_steps == [4]
+    assert uploader.state.newest_local == 7 and uploader.state.newest_persisted == 4
+    assert sorted(p.name for p in config.local_dir.iterdir()) == ["6", "7"]
+    assert not uploader.persists(7)
+    uploader.requested_steps.add(7)  # a final save answered step 7
+    uploader.run_once()
+    assert uploader.state.committed_steps == [4, 7]

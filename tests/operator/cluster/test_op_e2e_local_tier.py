@@ -40,7 +40,9 @@ def test_preemption_final_save_goes_local_then_persistent_and_restores(
         operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, namespace: str, tmp_path: Path) -> None:
     name, storage = unique_name("ltier"), tmp_path / "ckpt"
     manifest = job_manifest(name, storage, elastic=ELASTIC, every_steps=EVERY, steps=5000, step_seconds=0.5)
-    manifest["spec"]["checkpoint"]["local"] = {}  # node disk: the folder survives the pod for the asserts
+    # scope Pod (an emptyDir on node disk; the local cluster keeps its folder after the pod for the asserts):
+    # generation 2 may land on generation 1's nodes, and must still restore from the persistent tier
+    manifest["spec"]["checkpoint"]["local"] = {"scope": "Pod"}
     jobs.create(manifest)
     jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1, 600,
                      "generation 1 Running")

@@ -11,7 +11,7 @@ def good_spec() -> dict[str, Any]:
         "elastic": {"minCount": 2, "maxCount": 4, "topologies": ["4x4", "2x4"], "growBack": True},
         "checkpoint": {
             "storage": "gs://bucket/runs/llama",
-            "local": {"medium": "Memory", "sizeLimit": "64Gi"},
+            "local": {"scope": "Pod", "medium": "Memory", "sizeLimit": "64Gi"},
             "every": {"steps": 1000, "minutes": 30},
             "keep": {"last": 3, "everySteps": 10000},
             "finalSave": {"onPreemption": True, "onResize": True, "timeoutSeconds": 300},

@@ -302,3 +302,100 @@ def test_manifests_use_only_known_kubernetes_fields(variant: str) -> None:
         model = client._ApiClient__deserialize(obj, kind)  # type: ignore[attr-defined]
         back = client.sanitize_for_serialization(model)
         assert json.dumps(back, sort_keys=True) == json.dumps(obj, sort_keys=True), kind
+
+
+# ---------------------------------------------------------------- the local tier: scope Node and Pod
+
+
+def _local_spec(local: dict[str, Any], template_spec: dict[str, Any] | None = None) -> JobSpec:
+    raw = good_spec()
+    raw["checkpoint"]["local"] = local
+    if template_spec is not None:
+        raw["template"]["spec"].update(template_spec)
+    return validate_spec(raw)
+
+
+JOB_UID = JobRef("llama", "ml", "0b6c-uid")
+
+
+@pytest.mark.parametrize(("local", "path"), [
+    ({}, "/var/lib/resilax/local/ml_llama_0b6c-uid"),
+    ({"scope": "Node"}, "/var/lib/resilax/local/ml_llama_0b6c-uid"),
+    ({"medium": "Memory"}, "/dev/shm/resilax/ml_llama_0b6c-uid"),
+], ids=["default-scope", "node-disk", "node-memory"])
+def test_node_scope_is_a_host_path_per_job_with_an_init_container(local: dict[str, Any], path: str) -> None:
+    pod = build_pod(JOB_UID, _local_spec(local), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes[api.LOCAL_VOLUME] == {"name": api.LOCAL_VOLUME,
+                                         "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
+    inits = pod["spec"]["initContainers"]
+    assert [c["name"] for c in inits] == [api.LOCAL_INIT_CONTAINER, api.SIDECAR_CONTAINER]
+    init = inits[0]
+    assert init["command"] == ["sh", "-c", f"chown -R 65532:65532 {api.LOCAL_DIR} && chmod 0700 {api.LOCAL_DIR}"]
+    assert init["volumeMounts"] == [{"name": api.LOCAL_VOLUME, "mountPath": api.LOCAL_DIR}]
+    sc = init["securityContext"]
+    assert sc["runAsUser"] == 0 and sc["runAsNonRoot"] is False and not sc["allowPrivilegeEscalation"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    assert "restartPolicy" not in init  # a plain init container: done before the sidecar starts
+    assert inits[1]["securityContext"]["runAsUser"] == 65532
+    assert _env(_trainer(pod))["RESILAX_LOCAL_KEEP_LAST"] == "2"
+    assert _env(_trainer(pod))["RESILAX_PERSIST_EVERY_STEPS"] == ""
+    assert _env(_trainer(pod))["RESILAX_LOCAL_DIR"] == api.LOCAL_DIR
+
+
+def test_node_scope_folder_goes_to_the_workers_user_and_group() -> None:
+    spec = _local_spec({"keepLast": 5, "persistEverySteps": 10},
+                       {"securityContext": {"runAsUser": 1000, "fsGroup": 2000}})
+    pod = build_pod(JOB_UID, spec, PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    init, sidecar = pod["spec"]["initContainers"][:2]
+    assert "chown -R 1000:2000 " in init["command"][2]
+    assert (sidecar["securityContext"]["runAsUser"], sidecar["securityContext"]["runAsGroup"]) == (1000, 2000)
+    assert _env(_trainer(pod))["RESILAX_LOCAL_KEEP_LAST"] == "5"
+    assert _env(_trainer(pod))["RESILAX_PERSIST_EVERY_STEPS"] == "10"
+    assert _env(sidecar)["RESILAX_PERSIST_EVERY_STEPS"] == "10"
+    raw = good_spec()
+    raw["checkpoint"]["local"] = {}
+    raw["template"]["spec"]["containers"][0]["securityContext"] = {"runAsUser": 7, "runAsGroup": 8}
+    pod = build_pod(JOB_UID, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    assert "chown -R 7:8 " in pod["spec"]["initContainers"][0]["command"][2]
+
+
+def test_node_scope_roots_come_from_the_operator_settings() -> None:
+    settings = OperatorSettings(sidecar_image="resilax:test", local_tier_root="/mnt/ssd/resilax/",
+                                local_tier_memory_root="/run/shm")
+    for local, path in (({}, "/mnt/ssd/resilax/ml_llama_0b6c-uid"), ({"medium": "Memory"}, "/run/shm/ml_llama_0b6c-uid")):
+        pod = build_pod(JOB_UID, _local_spec(local), PLAN, 0, 0, settings, coordinator_ip=None)
+        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == api.LOCAL_VOLUME)
+        assert volume["hostPath"]["path"] == path
+
+
+def test_pod_scope_is_an_empty_dir_without_init_container() -> None:
+    pod = build_pod(JOB_UID, _local_spec({"scope": "Pod", "sizeLimit": "8Gi", "keepLast": 1}), PLAN, 0, 0,
+                    SETTINGS, coordinator_ip=None)
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == api.LOCAL_VOLUME)
+    assert volume == {"name": api.LOCAL_VOLUME, "emptyDir": {"sizeLimit": "8Gi"}}
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == [api.SIDECAR_CONTAINER]
+    assert "runAsUser" not in pod["spec"]["initContainers"][0]["securityContext"]
+    assert _env(_trainer(pod))["RESILAX_LOCAL_KEEP_LAST"] == "1"
+
+
+def test_no_local_tier_no_local_volume() -> None:
+    raw = good_spec()
+    del raw["checkpoint"]["local"]
+    pod = build_pod(JOB_UID, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    assert api.LOCAL_VOLUME not in {v["name"] for v in pod["spec"]["volumes"]}
+    assert _env(_trainer(pod))["RESILAX_LOCAL_KEEP_LAST"] == ""
+
+
+def test_each_worker_prefers_the_node_its_index_last_ran_on() -> None:
+    plan = GenerationPlan(4, Shape("4x4", 2), ("pool-a", "pool-b"), "latest", ((0, "node-a0"), (5, "node-b1")))
+    pods = build_pods(JOB_UID, _spec(), plan, SETTINGS, coordinator_ip="10.0.0.1")
+    by_process = {int(p["metadata"]["labels"][api.LABEL_PROCESS]): p for p in pods}
+    for index, node in ((0, "node-a0"), (5, "node-b1")):
+        affinity = by_process[index]["spec"]["affinity"]
+        assert affinity["nodeAffinity"] == {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "preference": {"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [node]}]}}]}
+        assert "requiredDuringSchedulingIgnoredDuringExecution" not in affinity["nodeAffinity"]  # the node may be gone
+        assert affinity["podAntiAffinity"]  # still one worker per node
+    assert "nodeAffinity" not in by_process[1]["spec"]["affinity"]

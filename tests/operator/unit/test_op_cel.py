@@ -77,6 +77,7 @@ GOOD = [
     ("restore-int", lambda s: s["checkpoint"]["restore"].update(step=12)),
     ("cpu-grid", lambda s: (s["slices"].update(accelerator="cpu", topology="2x4"), s["elastic"].update(topologies=["1x4"]))),
     ("no-elastic", lambda s: s.pop("elastic")),
+    ("local-node-scope", lambda s: s["checkpoint"].update(local={"scope": "Node", "medium": "Memory", "keepLast": 3})),
 ]
 
 
@@ -102,6 +103,10 @@ BAD = [
     ("machine-type-on-cpu", lambda s: (s["slices"].update(accelerator="cpu", topology="2x4", machineType="n2"),
                                        s["elastic"].update(topologies=[])), "machineType applies to TPU"),
     ("negative-restore-step", lambda s: s["checkpoint"]["restore"].update(step=-1), "a step number must be >= 0"),
+    ("size-limit-with-node-scope", lambda s: s["checkpoint"]["local"].update(scope="Node"), "sizeLimit needs scope: Pod"),
+    ("size-limit-default-scope", lambda s: s["checkpoint"]["local"].pop("scope"), "sizeLimit needs scope: Pod"),
+    ("local-init-container-name", lambda s: s["template"]["spec"].update(initContainers=[{"name": "resilax-local-init"}]),
+     "reserved for the operator's local tier init container"),
 ]
 
 

@@ -65,7 +65,8 @@ def test_structural_every_node_typed_and_described(version: dict[str, Any]) -> N
         for sub in node.get("anyOf", []):
             assert set(sub) == {"type"}, f"{path}: anyOf may only carry types"
         if node.get("type") == "object" and not node.get("x-kubernetes-preserve-unknown-fields"):
-            assert "properties" in node or path in (".metadata",), f"{path}: object without properties"
+            assert "properties" in node or "additionalProperties" in node or path in (".metadata",), \
+                f"{path}: object without properties"
 
 
 def test_cel_targets_are_bounded(version: dict[str, Any]) -> None:

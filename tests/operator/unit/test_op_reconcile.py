@@ -14,14 +14,17 @@ from resilax_operator import status as st
 from resilax_operator.reconcile import (
     CreateGeneration,
     DeleteGeneration,
+    EmitEvent,
     RequestFinalSave,
     RequeueAfter,
     SaveOutcome,
     SetStatus,
     Taint,
     decide_cleanup,
+    decide_pod_refused,
 )
 from resilax_operator.spec import Shape
+from resilax_operator.validation import validate_spec
 
 
 def fixed_spec(count: int = 2) -> dict[str, Any]:
@@ -485,3 +488,52 @@ def test_cleanup_forces_pods_on_down_nodes_only() -> None:
     w.set_node(dead.node_name or "", ready="Unknown")
     actions = decide_cleanup(w.observed(), SETTINGS)
     assert actions == [DeleteGeneration(1, "job deleted", (dead.name,))]
+
+
+# ---------------------------------------------------------------- the local tier: placement and refusals
+
+
+def test_worker_nodes_are_recorded_and_the_next_generation_prefers_them() -> None:
+    raw = fixed_spec()
+    raw["checkpoint"]["local"] = {}
+    w = running_world(raw)
+    placed = {p.slice_index * 4 + p.host: p.node_name for p in w.gen_pods()}
+    assert dict(w.status.worker_nodes) == placed and len(placed) == 8
+    w.exit_workers(1, names=[w.gen_pods()[3].name])
+    created: list[CreateGeneration] = []
+    for _ in range(12):
+        created += [a for a in w.step() if isinstance(a, CreateGeneration) and a.generation == 2]
+        w.schedule()
+        w.kubelets()
+        w.advance(5)
+    pods = [m for a in created for m in a.pods]
+    assert len(pods) == 8
+    for m in pods:
+        index = int(m["metadata"]["labels"][api.LABEL_PROCESS])
+        preferred = m["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert preferred[0]["preference"]["matchFields"][0]["values"] == [placed[index]]
+    assert w.status.generation == 2 and dict(w.status.worker_nodes) == placed
+
+
+def test_pod_creation_refused_names_the_api_answer_and_the_fix_once() -> None:
+    raw = fixed_spec()
+    raw["checkpoint"]["local"] = {}
+    spec = validate_spec(raw)
+    status = st.JobStatus(generation=1, phase=api.PHASE_PENDING)
+    answer = 'pods "llama-g1-s0-h0" is forbidden: violates PodSecurity "baseline:latest": hostPath volumes'
+    actions = decide_pod_refused(spec, status, 1, "llama-g1-s0-h0", answer, T0, SETTINGS)
+    assert [type(a).__name__ for a in actions] == ["SetStatus", "EmitEvent", "RequeueAfter"]
+    new = actions[0].status  # type: ignore[union-attr]
+    ready = new.condition(api.COND_READY)
+    assert ready is not None and ready.status == "False" and ready.reason == "PodCreationRefused"
+    assert answer in ready.message and "checkpoint.local.scope: Pod" in ready.message
+    assert "pod-security.kubernetes.io/enforce=privileged" in ready.message
+    assert actions[1] == EmitEvent("Warning", "PodCreationRefused", ready.message)
+    assert actions[2] == RequeueAfter(30.0)
+    # the same refusal again: no new event, no status write
+    assert decide_pod_refused(spec, new, 1, "llama-g1-s0-h0", answer, T0, SETTINGS) == [RequeueAfter(30.0)]
+    # without a hostPath local tier, no hostPath fix
+    raw["checkpoint"]["local"] = {"scope": "Pod"}
+    other = decide_pod_refused(validate_spec(raw), status, 1, "p", "exceeded quota", T0, SETTINGS)
+    message = other[0].status.condition(api.COND_READY).message  # type: ignore[union-attr]
+    assert "exceeded quota" in message and "scope" not in message

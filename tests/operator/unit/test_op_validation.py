@@ -83,6 +83,11 @@ BAD = [
     ("size-limit-unparsable", _set("checkpoint.local.sizeLimit", "lots"), "spec.checkpoint.local.sizeLimit",
      "not a storage quantity"),
     ("bad-medium", _set("checkpoint.local.medium", "SSD"), "spec.checkpoint.local.medium", "valid: '' (node disk), Memory"),
+    ("bad-scope", _set("checkpoint.local.scope", "Cluster"), "spec.checkpoint.local.scope",
+     "'Cluster' is not a local tier scope; valid: Node"),
+    ("size-limit-with-node-scope", _set("checkpoint.local.scope", "Node"), "spec.checkpoint.local.sizeLimit",
+     "'64Gi' with scope Node: sizeLimit applies to scope: Pod only"),
+    ("zero-local-keep-last", _set("checkpoint.local.keepLast", 0), "spec.checkpoint.local.keepLast", ">= 1"),
     ("machine-type-wrong-family", _set("slices.machineType", "ct4p-hightpu-4t"), "spec.slices.machineType",
      "not a tpu-v5-lite-podslice machine type"),
     ("machine-type-on-cpu", lambda r: r["slices"].update(accelerator="cpu", topology="1x4", machineType="n2"),
@@ -134,6 +139,7 @@ def test_good_spec_parses_to_dataclasses() -> None:
     assert spec.count_bounds == (2, 4)
     assert spec.checkpoint.every.minutes == 30.0 and spec.checkpoint.keep.every_steps == 10000
     assert spec.checkpoint.local is not None and spec.checkpoint.local.size_limit == "64Gi"
+    assert spec.checkpoint.local.scope == "Pod" and spec.checkpoint.local.keep_last == 2
     assert spec.recovery.node_loss_grace_seconds == 30
     assert spec.allows(Shape("2x4", 2)) and not spec.allows(Shape("2x4", 1))
 
@@ -161,3 +167,10 @@ def test_restore_step_forms(value: Any, expected: str) -> None:
     raw = good_spec()
     raw["checkpoint"]["restore"]["step"] = value
     assert validate_spec(raw).checkpoint.restore_step == expected
+
+
+def test_local_tier_defaults_to_a_node_folder_keeping_two_steps() -> None:
+    raw = good_spec()
+    raw["checkpoint"]["local"] = {}
+    local = validate_spec(raw).checkpoint.local
+    assert local is not None and (local.scope, local.medium, local.keep_last, local.size_limit) == ("Node", "", 2, None)

@@ -1,0 +1,192 @@
+"""Issue 5's last gap end to end on the local cluster: a JAXJob with `checkpoint.local` (scope Node: a
+folder per job on each node, kept across generations) recovers from the local tier when it can and from
+the persistent tier when it must.
+
+(a) A worker's process fails: the next generation's workers land on the same nodes (status.workerNodes,
+    preferred node affinity) and all restore from their local tiers a step newer than anything in the
+    persistent tier (which lags by design: `persistEverySteps`).
+(b) A node is lost (removed, its disk with it) and replaced by a new, empty one: the survivors restore from
+    their local tiers, the replacement from the persistent tier, all the same step: the newest that
+    generation 1 committed there.
+(c) A namespace enforcing Pod Security `baseline` refuses the hostPath: `PodCreationRefused` names the fix,
+    and `scope: Pod` gets the pods created.
+
+Job shape as in test_op_e2e_faults.py: 2 slices x 2 hosts (4 processes x 2 fake CPU devices), a save every
+2 steps, 0.5 s per step. Each worker prints one JSON line `{"restored": step, "from": tier, ...}`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, recovery_breakdown, unique_name
+from resilax_local.cluster import LocalCluster
+from resilax_local.kubeapi import KubeClient
+from resilax_local.profiles import build_tpu_slice
+from resilax_local.testing import wait_for
+
+EVERY = 2
+LOCAL_ROOT = "/var/lib/resilax/local"  # OperatorSettings.local_tier_root
+WORKERS = [(s, h) for s in (0, 1) for h in (0, 1)]
+
+
+def start(jobs: Jobs, name: str, storage: Path, local: dict[str, Any]) -> dict[str, Any]:
+    manifest = job_manifest(name, storage, every_steps=EVERY, steps=5000, step_seconds=0.5, final_save_timeout=20)
+    manifest["spec"]["checkpoint"]["local"] = local
+    jobs.create(manifest)
+    return jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1, 600,
+                            "generation 1 Running")
+
+
+def pod_nodes(jobs: Jobs, name: str, generation: int) -> dict[str, str]:
+    """`s<slice>-h<host>` → node of each worker pod of `generation`."""
+    return {p["metadata"]["name"].rsplit("-", 2)[-2] + "-" + p["metadata"]["name"].rsplit("-", 1)[-1]:
+            str(p["spec"].get("nodeName")) for p in jobs.pods(name, generation)}
+
+
+def local_folder(cluster: LocalCluster, jobs: Jobs, name: str, node: str) -> Path:
+    job = jobs.get(name)["metadata"]
+    return cluster.node_path(node, f"{LOCAL_ROOT}/{job['namespace']}_{name}_{job['uid']}")
+
+
+def local_steps(folder: Path) -> list[int]:
+    """Steps committed in a local tier folder (`_COMMIT` or `_COMMIT.<process_id>`)."""
+    if not folder.exists():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir()
+                  if p.name.isdigit() and any(f.name.startswith("_COMMIT") for f in p.iterdir()))
+
+
+def commit_generation(storage: Path, step: int) -> int:
+    return int(json.loads((storage / str(step) / "_COMMIT").read_text())["generation"])
+
+
+def restored(jobs: Jobs, name: str, generation: int) -> dict[str, dict[str, Any]]:
+    """`s<slice>-h<host>` → the worker's `{"restored", "from", "process", "node"}` line, once all printed one."""
+    out = {}
+    for s, h in WORKERS:
+        for line in jobs.trainer_log(name, generation, s, h).splitlines():
+            if line.startswith("{") and '"restored"' in line:
+                out[f"s{s}-h{h}"] = json.loads(line)
+    return out
+
+
+def wait_restored(jobs: Jobs, name: str, generation: int) -> dict[str, dict[str, Any]]:
+    return wait_for(lambda: (r := restored(jobs, name, generation)) and len(r) == len(WORKERS) and r,
+                    timeout=900, interval=1, message=f"{name}: every worker of generation {generation} restored")
+
+
+def test_worker_failure_restores_every_worker_from_its_local_tier(
+        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path: Path) -> None:
+    name, storage = unique_name("nlt-fail"), tmp_path / "ckpt"
+    start(jobs, name, storage, {"keepLast": 2, "persistEverySteps": 20})
+    nodes1 = pod_nodes(jobs, name, 1)
+    folders = {w: local_folder(cluster, jobs, name, node) for w, node in nodes1.items()}
+
+    def local_ahead() -> bool:
+        persisted = committed_steps(storage)
+        newest = [max(local_steps(f), default=0) for f in folders.values()]
+        return bool(persisted) and min(newest) >= max(persisted) + 2 * EVERY
+    wait_for(local_ahead, timeout=900, interval=1, message=f"{name}: the local tiers ahead of the persistent tier")
+    status = jobs.status(name)
+    assert {int(k): v for k, v in status["workerNodes"].items()} == {
+        s * 2 + h: nodes1[f"s{s}-h{h}"] for s, h in WORKERS}, status["workerNodes"]
+
+    victim = next(p for p in cluster.pods() if p["name"] == f"{name}-g1-s1-h0")
+    fault = time.time()
+    os.kill(victim["processes"]["trainer"], signal.SIGKILL)
+    persisted_at_fault = committed_steps(storage)
+    local_at_fault = {w: local_steps(f) for w, f in folders.items()}
+
+    jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 900,
+                     "generation 2 Running")
+    lines = wait_restored(jobs, name, 2)
+    persisted = committed_steps(storage)
+    gen1_persisted = [s for s in persisted if commit_generation(storage, s) == 1]
+    print(f"\nworker failure: persistent tier at the fault {persisted_at_fault}, generation 1's commits there "
+          f"{gen1_persisted}; local tiers at the fault {local_at_fault}; generation 2 restored {lines}")
+    step = lines["s0-h0"]["restored"]
+    assert pod_nodes(jobs, name, 2) == nodes1  # every worker back on its node
+    assert all(r["restored"] == step and r["from"] == "local" for r in lines.values()), lines
+    assert step > max(gen1_persisted), (step, gen1_persisted)  # newer than anything persistent: local only
+    assert step % 20 != 0
+    assert step >= min(max(steps) for steps in local_at_fault.values()), local_at_fault
+    # no step lost beyond the local tier: the restored step is generation 1's newest local step
+    gen1 = jobs.losses(name, 1)
+    assert max(gen1) - step <= EVERY + 1, (max(gen1), step)
+    assert "WorkerFailed" in [e["reason"] for e in jobs.events(name)]
+    wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
+    recovery_breakdown(jobs, name, 2, fault, ("WorkerFailed",))
+
+
+def test_node_loss_survivors_restore_local_the_replacement_persistent_one_step(
+        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, kube: KubeClient, tmp_path: Path) -> None:
+    name, storage = unique_name("nlt-loss"), tmp_path / "ckpt"
+    start(jobs, name, storage, {"keepLast": 3})
+    wait_for(lambda: len(committed_steps(storage)) >= 2, timeout=900, interval=1,
+             message=f"{name}: steps committed in the persistent tier")
+    nodes1 = pod_nodes(jobs, name, 1)
+    victim = nodes1["s0-h1"]  # worker index 1
+    lost_folder = local_folder(cluster, jobs, name, victim)
+    assert local_steps(lost_folder)
+    spec = next(n for n in build_tpu_slice("tpu-slice-0", "tpu-v5-lite-podslice", "2x4") if n.name == victim)
+    fault = time.time()
+    cluster.remove_node(victim)  # its disk goes with it
+    try:
+        wait_for(lambda: not any(n["metadata"]["name"] == victim for n in kube.get("/api/v1/nodes")["items"]),
+                 timeout=60, message=f"node {victim} deleted")
+        assert not lost_folder.exists()
+        cluster.add_nodes([spec])  # a new machine under the same name: an empty local tier
+        cluster.wait_nodes_ready([victim], timeout=120)
+        jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 900,
+                         "generation 2 Running")
+        lines = wait_restored(jobs, name, 2)
+        persisted = committed_steps(storage)
+        gen1_persisted = [s for s in persisted if commit_generation(storage, s) == 1]
+        print(f"\nnode loss: generation 1's commits in the persistent tier {gen1_persisted}; "
+              f"generation 2 restored {lines}")
+        step = lines["s0-h0"]["restored"]
+        assert pod_nodes(jobs, name, 2) == nodes1
+        assert {w: r["from"] for w, r in lines.items()} == {
+            "s0-h0": "local", "s0-h1": "persistent", "s1-h0": "local", "s1-h1": "local"}, lines
+        assert all(r["restored"] == step for r in lines.values()), lines
+        # nothing committed is lost: the newest step generation 1 committed in the persistent tier
+        assert step == max(gen1_persisted), (step, gen1_persisted)
+        gen1 = jobs.losses(name, 1)
+        print(f"node loss: generation 1 reached step {max(gen1)}, restored {step}")
+        wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
+        recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "PodLost", "WorkerFailed"))
+    finally:
+        if not any(n["name"] == victim for n in cluster.nodes()):
+            cluster.add_nodes([spec])
+            cluster.wait_nodes_ready([victim], timeout=120)
+
+
+def test_baseline_pod_security_refuses_node_scope_with_the_fix_in_the_condition(
+        operator: OperatorProcess, jobs: Jobs, kube: KubeClient, namespace: str, tmp_path: Path) -> None:
+    kube.patch(f"/api/v1/namespaces/{namespace}",
+               {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "baseline"}}})
+    name = unique_name("nlt-pss")
+    manifest = job_manifest(name, tmp_path / "ckpt", every_steps=EVERY, steps=5000, step_seconds=0.5)
+    manifest["spec"]["checkpoint"]["local"] = {}
+    jobs.create(manifest)
+
+    def refused() -> dict[str, Any] | None:
+        ready = next((c for c in jobs.status(name).get("conditions") or [] if c["type"] == "Ready"), None)
+        return ready if ready and ready.get("reason") == "PodCreationRefused" else None
+    ready = wait_for(refused, timeout=120, interval=0.5, message=f"{name}: PodCreationRefused")
+    print(f"\nPodCreationRefused: {ready['message']}")
+    assert ready["status"] == "False"
+    assert "hostPath" in ready["message"] and "baseline" in ready["message"]  # the API server's answer
+    assert "checkpoint.local.scope: Pod" in ready["message"]  # and the fix
+    assert "pod-security.kubernetes.io/enforce=privileged" in ready["message"]
+    events = [e for e in jobs.events(name) if e["reason"] == "PodCreationRefused"]
+    assert len(events) == 1 and events[0]["type"] == "Warning"
+    assert not jobs.pods(name)
+    # the fix: scope Pod (an emptyDir) passes baseline
+    jobs.patch_spec(name, {"checkpoint": {"local": {"scope": "Pod"}}})
+    wait_for(lambda: jobs.pods(name), timeout=120, interval=0.5, message=f"{name}: a worker pod created")
