@@ -11,7 +11,8 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 
 
-def run_example(tmp_path: Path, ckpt: Path, devices: int, steps: int) -> tuple[int, dict[int, float]]:
+def run_example(tmp_path: Path, ckpt: Path, devices: int, steps: int) -> tuple[list[dict], dict[int, float]]:
+    """Run examples/train.py; (its restore lines, the loss per step)."""
     env = {
         **os.environ,
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
@@ -21,21 +22,26 @@ def run_example(tmp_path: Path, ckpt: Path, devices: int, steps: int) -> tuple[i
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(steps)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode in (0, 75), proc.stderr[-3000:]
-    losses = {}
+    losses, restores = {}, []
     for line in proc.stdout.splitlines():
         record = json.loads(line)
+        if "restored" in record:
+            restores.append(record)
+            continue
         assert record["devices"] == devices
         losses[record["step"]] = record["loss"]
-    return proc.returncode, losses
+    return restores, losses
 
 
 @pytest.mark.slow
 def test_loss_continues_after_restore_on_a_smaller_mesh(tmp_path):
     _, straight = run_example(tmp_path, tmp_path / "straight", devices=8, steps=14)
-    _, first = run_example(tmp_path, tmp_path / "resumed", devices=8, steps=12)
+    restores, first = run_example(tmp_path, tmp_path / "resumed", devices=8, steps=12)
+    assert restores == []
     # Steps 11 and 12 were not checkpointed (every 5 steps, plus the final save at 12), so a restart
     # resumes after step 12 on 4 devices.
-    _, second = run_example(tmp_path, tmp_path / "resumed", devices=4, steps=14)
+    restores, second = run_example(tmp_path, tmp_path / "resumed", devices=4, steps=14)
+    assert [(r["restored"], r["from"], r["process"]) for r in restores] == [(12, "persistent", 0)]
     assert sorted(first) == list(range(1, 13))
     assert sorted(second) == [13, 14]
     for step in (13, 14):

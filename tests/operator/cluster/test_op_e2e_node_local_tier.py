@@ -184,7 +184,10 @@ def test_baseline_pod_security_refuses_node_scope_with_the_fix_in_the_condition(
     assert "hostPath" in ready["message"] and "baseline" in ready["message"]  # the API server's answer
     assert "checkpoint.local.scope: Pod" in ready["message"]  # and the fix
     assert "pod-security.kubernetes.io/enforce=privileged" in ready["message"]
-    events = [e for e in jobs.events(name) if e["reason"] == "PodCreationRefused"]
+    def refused_events() -> list[dict[str, Any]]:
+        return [e for e in jobs.events(name) if e["reason"] == "PodCreationRefused"]
+    # kopf posts events from a queue of its own: the event may land just after the status
+    events = wait_for(refused_events, timeout=60, interval=0.5, message=f"{name}: a PodCreationRefused event")
     assert len(events) == 1 and events[0]["type"] == "Warning"
     assert not jobs.pods(name)
     # the fix: scope Pod (an emptyDir) passes baseline
