@@ -166,6 +166,17 @@ class Jobs:
                               fieldSelector=f"involvedObject.name={name}")["items"]
         return sorted(items, key=lambda e: e.get("eventTime") or e.get("lastTimestamp") or "")
 
+    def event_reasons(self, name: str, *wanted: str, timeout: float = 60) -> list[str]:
+        """The reasons of the job's events, once every reason in `wanted` is among them: kopf posts
+        events from a queue of its own, so an event may land a moment after the status it goes with."""
+        def reasons() -> list[str] | None:
+            out = [e["reason"] for e in self.events(name)]
+            return out if all(w in out for w in wanted) else None
+        try:
+            return wait_for(reasons, timeout=timeout, interval=0.5, message=f"{name}: events {wanted}")
+        except TimeoutError:
+            return [e["reason"] for e in self.events(name)]  # the caller's assert shows what is there
+
     def losses(self, name: str, generation: int) -> dict[int, dict[str, Any]]:
         """Process 0's JSON loss lines of `generation` (step → record), from the pod's trainer log."""
         pod = f"{name}-g{generation}-s0-h0"

@@ -94,7 +94,7 @@ def test_hard_node_loss_shrinks_then_grows_back(operator: OperatorProcess, jobs:
     print(f"hard node loss: restored step {restored}, generation 1 reached {max(gen1)}: {lost} steps lost, "
           f"{redone} redone steps match")
     _record("hard_node_loss", breakdown, lost=lost, restored=restored)
-    reasons = [e["reason"] for e in jobs.events(name)]
+    reasons = jobs.event_reasons(name, "NodeLost")
     assert "NodeLost" in reasons, reasons
 
     # The node comes back: growBack resizes up to 2 slices through a final save (0 steps lost).
@@ -103,7 +103,7 @@ def test_hard_node_loss_shrinks_then_grows_back(operator: OperatorProcess, jobs:
     gen2, gen3 = jobs.losses(name, 2), jobs.losses(name, 3)
     assert min(gen3) - 1 == max(gen2), (max(gen2), min(gen3))
     assert all(r["devices"] == 8 for r in gen3.values())
-    assert "GrowBack" in [e["reason"] for e in jobs.events(name)]
+    assert "GrowBack" in jobs.event_reasons(name, "GrowBack")
     assert "resilax_operator_generations_total 3.0" in operator.metrics()
 
 
@@ -121,7 +121,7 @@ def test_preemption_notice_saves_and_moves_with_no_step_lost(operator: OperatorP
         assert restored == max(gen1), f"restored {restored}, generation 1 reached {max(gen1)}"
         assert restored in committed_steps(storage)
         assert victim not in {p["spec"].get("nodeName") for p in jobs.pods(name, 2)}
-        reasons = [e["reason"] for e in jobs.events(name)]
+        reasons = jobs.event_reasons(name, "PreemptionNotice", "FinalSaveDone")
         assert "PreemptionNotice" in reasons and "FinalSaveDone" in reasons, reasons
         breakdown = recovery_breakdown(jobs, name, 2, fault, ("PreemptionNotice",))
         _record("preemption", breakdown, lost=0, restored=restored)
@@ -141,7 +141,7 @@ def test_user_resize_saves_and_moves_to_the_new_shape(operator: OperatorProcess,
     gen1, gen2 = jobs.losses(name, 1), jobs.losses(name, 2)
     assert min(gen2) - 1 == max(gen1)
     assert all(r["devices"] == 4 for r in gen2.values())
-    reasons = [e["reason"] for e in jobs.events(name)]
+    reasons = jobs.event_reasons(name, "SpecResized", "FinalSaveDone")
     assert "SpecResized" in reasons and "FinalSaveDone" in reasons, reasons
     _record("resize", recovery_breakdown(jobs, name, 2, fault, ("SpecResized",)), lost=0)
 
@@ -157,7 +157,7 @@ def test_failing_worker_backs_off_then_fails(operator: OperatorProcess, jobs: Jo
     assert ready["reason"] == "MaxRestartsExceeded", ready
     assert "exit code 3" in ready["message"], ready
     assert status["failures"] == 3 and status["generation"] == 3, status
-    reasons = [e["reason"] for e in jobs.events(name)]
+    reasons = jobs.event_reasons(name, "Backoff", "MaxRestartsExceeded")
     assert reasons.count("Backoff") == 2 and "MaxRestartsExceeded" in reasons, reasons
     wait_for(lambda: not jobs.pods(name), timeout=120, message="a failed job keeps no workers")
 

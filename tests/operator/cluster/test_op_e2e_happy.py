@@ -32,7 +32,7 @@ def test_job_runs_to_success_and_deletion_cleans_up(operator: OperatorProcess, j
     assert sorted(losses) == list(range(1, 9))
     assert all(r["devices"] == 8 for r in losses.values())  # 4 processes x 2 fake devices
     assert committed_steps(storage) == [4, 8]
-    reasons = [e["reason"] for e in jobs.events(name)]
+    reasons = jobs.event_reasons(name, "WorkersRunning", "Completed")
     assert "WorkersRunning" in reasons and "Completed" in reasons
 
     jobs.delete(name)

@@ -97,7 +97,7 @@ def test_preemption_final_save_goes_local_then_persistent_and_restores(
                  message=f"{name}: generation 2 trains past step {restored + 3}")
         gen2 = jobs.losses(name, 2)
         assert all(r["devices"] == 4 for r in gen2.values())  # 1 slice x 2 hosts x 2 devices
-        reasons = [e["reason"] for e in jobs.events(name)]
+        reasons = jobs.event_reasons(name, "PreemptionNotice", "FinalSaveDone")
         assert "PreemptionNotice" in reasons and "FinalSaveDone" in reasons, reasons
         sidecar_logs = "\n".join(cluster.logs(namespace, pod, "resilax-sidecar") for pod in gen1_pods)
         assert f"step {final}: committed in" in sidecar_logs or f"step {final}: already committed" in sidecar_logs

@@ -118,7 +118,7 @@ def test_worker_failure_restores_every_worker_from_its_local_tier(
     # no step lost beyond the local tier: the restored step is generation 1's newest local step
     gen1 = jobs.losses(name, 1)
     assert max(gen1) - step <= EVERY + 1, (max(gen1), step)
-    assert "WorkerFailed" in [e["reason"] for e in jobs.events(name)]
+    assert "WorkerFailed" in jobs.event_reasons(name, "WorkerFailed")
     wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
     recovery_breakdown(jobs, name, 2, fault, ("WorkerFailed",))
 
