@@ -11,6 +11,15 @@ without `O_TRUNC`, `pwrite`, `ftruncate` to the exact size), which is what makes
 folders of a retention (manager.py, docs/checkpointing.md §8) fast: the disk rewrites existing
 blocks several times faster than it allocates new ones.
 
+Durability (`fsync=True`) is one flush per save, not one per file: each file's writeback is started
+as soon as it is written (`sync_file_range(SYNC_FILE_RANGE_WRITE)`: the disk works while the next
+files are written, nothing waits), and once every file is written one `syncfs` of the step folder's
+filesystem makes them all durable with their folders: one journal commit instead of one per new file.
+On ext4 in /tmp, writing 690 new files of 1 GiB took 2.07 s with an fdatasync per file and 0.82 s
+this way, next to 0.73 s for dd writing one 1 GiB file (medians of 5). syncfs also flushes what other
+processes left dirty on that filesystem. Where syncfs does not report write-back errors (Linux before
+5.8) or does not exist, every file is fdatasync'ed at the end instead (`durability_mode`).
+
 `zarr_json` produces byte for byte the `zarr.json` tensorstore writes for the same array, so any zarr3
 reader (tensorstore without `assume_metadata`, zarr-python) reads what we wrote.
 """
@@ -94,9 +103,79 @@ def all_chunk_keys(shape: Sequence[int], chunks: Sequence[int]) -> list[tuple[st
     return [chunk_key(index) for index in np.ndindex(*grid)] if grid else [chunk_key(())]
 
 
+@functools.cache
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _kernel_at_least(release: str, want: tuple[int, int]) -> bool:
+    parts = []
+    for part in release.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit()) if part else ""
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts) >= want
+
+
+@functools.cache
+def durability_mode() -> str:
+    """How written chunk files are made durable: "syncfs" (Linux >= 5.8, where syncfs reports
+    write-back errors: writeback started per file, one syncfs at the end) or "fdatasync" (every
+    file fdatasync'ed once all are written)."""
+    libc = _libc()
+    if (sys.platform.startswith("linux") and libc is not None and hasattr(libc, "syncfs")
+            and hasattr(libc, "sync_file_range") and _kernel_at_least(os.uname().release, (5, 8))):
+        libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        libc.syncfs.argtypes = [ctypes.c_int]
+        return "syncfs"
+    return "fdatasync"
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing `fd`'s dirty pages now, without waiting (syncfs mode)."""
+    if durability_mode() == "syncfs" and _libc().sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+
+
+def make_durable(folder: str, files: Sequence[str]) -> None:
+    """Make `files` (all under `folder`, one filesystem) and their folders durable: one syncfs, or
+    (fdatasync mode) an fdatasync of every file and an fsync of every folder up to `folder`."""
+    if durability_mode() == "syncfs":
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise OSError(e.errno, f"syncfs of the filesystem of {folder}: {e.strerror}") from e
+        try:
+            if _libc().syncfs(fd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"syncfs of the filesystem of {folder}: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+        return
+    folders = {folder}
+    for path in files:
+        parent = os.path.dirname(path)
+        while parent not in folders and parent.startswith(folder):
+            folders.add(parent)
+            parent = os.path.dirname(parent)
+    for path, sync in [*((f, os.fdatasync) for f in files), *((d, os.fsync) for d in sorted(folders))]:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            sync(fd)
+        finally:
+            os.close(fd)
+
+
 def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True) -> None:
     """Write `data`'s C-order bytes as the whole content of `path`, in place when it exists: open
-    without truncating, pwrite, ftruncate to the exact size, fdatasync when `fsync`."""
+    without truncating, pwrite, ftruncate to the exact size; when `fsync`, start its writeback
+    (durable only after `make_durable`)."""
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -110,7 +189,7 @@ def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True) -> None:
             offset += os.pwrite(fd, view[offset:], offset)
         os.ftruncate(fd, len(view))
         if fsync:
-            os.fdatasync(fd)
+            start_writeback(fd)
     finally:
         os.close(fd)
 
@@ -142,9 +221,12 @@ class ChunkWriter:
         self._fsync = fsync
         self._inflight = 0
         self._pending: list[tuple[concurrent.futures.Future[None], int, str]] = []
+        self.written: list[str] = []
+        """The paths of every file submitted (each written once `drain` returned)."""
 
     def submit(self, path: str, data: np.ndarray, what: str) -> None:
         nbytes = data.nbytes
+        self.written.append(path)
         while self._pending and self._inflight + nbytes > self._limit:
             self._finish_oldest()
         future = self._pool.submit(write_chunk_file, path, data, self._fsync)
@@ -176,7 +258,7 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
                    max_inflight_bytes: int, on_progress: Callable[[int], None] | None = None) -> None:
     """Write this process's boxes of `plan` (items.SnapshotPlan) as chunk files under the local folder
     `step_path` (and, when `create_metadata`, every array's zarr.json); returns once all are written
-    (and fdatasync'ed when `fsync`). `on_progress(i)` is called before the i-th write (test hook)."""
+    (and durable when `fsync`: `make_durable`). `on_progress(i)` is called before the i-th write (test hook)."""
     from resilax_ckpt.items import resolve_source
     from resilax_ckpt.tensorstore_io import scaled_inflight_limit
 
@@ -188,7 +270,7 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
     writer = ChunkWriter(threads, limit, fsync)
     shard_cache: dict[int, dict[Any, Any]] = {}
     try:
-        if create_metadata:  # on the pool too: a file's fdatasync is a journal commit each
+        if create_metadata:
             for item, leaf in plan.arrays:
                 path = os.path.join(step_path, item, leaf.dir, ZARR_JSON)
                 meta = np.frombuffer(zarr_json(leaf.shape, leaf.dtype, leaf.chunks), np.uint8)
@@ -212,6 +294,11 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
             writer.submit(path, data, f"writing {item}/{leaf.keystr} box {write.box} to {path}")
             del data
         writer.drain()
+        if fsync and writer.written:
+            try:
+                make_durable(step_path, writer.written)
+            except OSError as e:
+                raise StorageError(f"making the chunk files under {step_path} durable: {e}") from e
     finally:
         writer.close()
         shard_cache.clear()

@@ -69,7 +69,8 @@ class ManagerOptions:
     """How often tensorstore retries a failed gs:// request (None: tensorstore's default, 32)."""
 
     fsync: bool = True
-    """fsync each written file (tensorstore's `file_io_sync`) and the step folder before commit."""
+    """Make every written file durable (local chunk files: writeback started per file, one syncfs at
+    the end; tensorstore: `file_io_sync`) and fsync the step folder before commit."""
 
     barrier_timeout_seconds: float = 900.0
     """How long a process waits for the others at a save's barriers before it fails the save."""

@@ -127,6 +127,60 @@ def test_write_chunk_file_rewrites_in_place_and_truncates(tmp_path):
     assert np.fromfile(path, np.int16).tolist() == [0, 1, 2]
 
 
+def test_kernel_release_parsing_for_the_durability_mode():
+    assert chunk_writer._kernel_at_least("6.18.44-fc-v1098", (5, 8))
+    assert chunk_writer._kernel_at_least("5.8.0", (5, 8))
+    assert not chunk_writer._kernel_at_least("5.4.0-100-generic", (5, 8))
+    assert not chunk_writer._kernel_at_least("4.19", (5, 8))
+
+
+def _record_syncs(monkeypatch):
+    """Wrap the real fsync/fdatasync to record which paths they synced."""
+    synced = []
+    for name in ("fsync", "fdatasync"):
+        real = getattr(os, name)
+
+        def call(fd, real=real, name=name):
+            synced.append((name, os.readlink(f"/proc/self/fd/{fd}")))
+            return real(fd)
+
+        monkeypatch.setattr(os, name, call)
+    return synced
+
+
+def _nested_files(root):
+    files = []
+    for rel in ("a/zarr.json", "a/c/0/0", "a/c/1/0", "b/c"):
+        path = os.path.join(root, rel)
+        chunk_writer.write_chunk_file(path, np.arange(8, dtype=np.int32))
+        files.append(path)
+    return files
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs /proc")
+def test_fdatasync_mode_syncs_every_file_then_every_folder_up_to_the_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(chunk_writer, "durability_mode", lambda: "fdatasync")
+    step = str(tmp_path / "step")
+    files = _nested_files(step)
+    synced = _record_syncs(monkeypatch)
+    chunk_writer.make_durable(step, files)
+    assert [p for kind, p in synced if kind == "fdatasync"] == files
+    folders = {p for kind, p in synced if kind == "fsync"}
+    assert folders == {step, f"{step}/a", f"{step}/a/c", f"{step}/a/c/0", f"{step}/a/c/1", f"{step}/b"}
+
+
+@pytest.mark.skipif(chunk_writer.durability_mode() != "syncfs", reason="needs Linux >= 5.8")
+def test_syncfs_mode_flushes_once_and_names_a_missing_folder(tmp_path, monkeypatch):
+    step = str(tmp_path / "step")
+    files = _nested_files(step)
+    synced = _record_syncs(monkeypatch)
+    chunk_writer.make_durable(step, files)
+    assert synced == []  # one syncfs, no per-file syncs
+    assert np.fromfile(files[1], np.int32).tolist() == list(range(8))
+    with pytest.raises(OSError, match=f"syncfs of the filesystem of {tmp_path}/gone"):
+        chunk_writer.make_durable(str(tmp_path / "gone"), files)
+
+
 # ---------------------------------------------------------------- all-zero shards
 
 
