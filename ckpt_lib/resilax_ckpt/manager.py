@@ -398,7 +398,8 @@ class CheckpointManager:
         try:
             _write_step_files(storage, work, plan, self._context, self._options.max_inflight_bytes,
                               create_metadata=self._is_primary, process_index=pid,
-                              write_threads=self._options.write_threads, fsync=self._options.fsync)
+                              write_threads=self._options.write_threads, fsync=self._options.fsync,
+                              direct_io=self._options.direct_io)
             _maybe_crash("after_writes", pid)
         except Exception as e:
             error = f"process {pid}: {type(e).__name__}: {e}"
@@ -664,7 +665,7 @@ class CheckpointManager:
 
 def _write_step_files(storage: Storage, work: str, plan: items_lib.SnapshotPlan, context: Any,
                       max_inflight_bytes: int, create_metadata: bool, process_index: int,
-                      write_threads: int = 8, fsync: bool = True) -> None:
+                      write_threads: int = 8, fsync: bool = True, direct_io: bool = True) -> None:
     """Local folders: our own chunk files (chunk_writer.py) when every array's dtype allows; else
     (gs://, exotic dtypes) tensorstore."""
     def progress(n: int) -> None:
@@ -673,7 +674,7 @@ def _write_step_files(storage: Storage, work: str, plan: items_lib.SnapshotPlan,
 
     if storage.is_local and all(chunk_writer.supports(leaf.dtype) for _, leaf in plan.arrays):
         chunk_writer.write_snapshot(plan, work, create_metadata, fsync, write_threads, max_inflight_bytes,
-                                    progress)
+                                    progress, direct_io)
     else:
         tsio.write_snapshot(plan, work, storage, context, create_metadata, max_inflight_bytes, progress)
     chunk_writer.release_free_memory()  # the snapshot is written and dropped

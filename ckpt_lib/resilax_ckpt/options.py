@@ -68,6 +68,11 @@ class ManagerOptions:
     gcs_retries: int | None = None
     """How often tensorstore retries a failed gs:// request (None: tensorstore's default, 32)."""
 
+    direct_io: bool = True
+    """Local disks (not tmpfs): write chunk files of 64 KiB and more with O_DIRECT through a few
+    reused aligned buffers, so a save does not fill the page cache (chunk_writer.py). A filesystem
+    that refuses O_DIRECT gets buffered writes either way."""
+
     fsync: bool = True
     """Make every written file durable (local chunk files: writeback started per file, one syncfs at
     the end; tensorstore: `file_io_sync`) and fsync the step folder before commit."""

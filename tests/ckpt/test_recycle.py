@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 
 import ckpt_worker
@@ -125,6 +126,44 @@ def test_write_chunk_file_rewrites_in_place_and_truncates(tmp_path):
     chunk_writer.write_chunk_file(path, np.arange(3, dtype=np.int16))
     assert os.stat(path).st_ino == inode
     assert np.fromfile(path, np.int16).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("nbytes", [chunk_writer.DIRECT_MIN_BYTES, 100_003, 2 * chunk_writer.BOUNCE_BYTES + 4096 + 5])
+def test_direct_writes_are_exact_also_for_unaligned_sizes_and_rewrites(tmp_path, nbytes):
+    if not chunk_writer.use_direct_io(str(tmp_path), True):
+        pytest.skip(f"{tmp_path} is on {chunk_writer.filesystem_type(str(tmp_path))}: no direct I/O there")
+    path = str(tmp_path / "c" / "0")
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes + 4096, dtype=np.uint8)
+    assert chunk_writer._write_direct(path, data)  # the filesystem took O_DIRECT
+    inode = os.stat(path).st_ino
+    assert pathlib.Path(path).read_bytes() == data.tobytes()
+    chunk_writer.write_chunk_file(path, data[:nbytes], direct=True)  # a shorter rewrite, in place
+    assert os.stat(path).st_ino == inode
+    assert pathlib.Path(path).read_bytes() == data[:nbytes].tobytes()
+
+
+def test_direct_io_only_on_disks_and_only_when_asked(tmp_path):
+    fs = chunk_writer.filesystem_type(str(tmp_path / "not" / "yet"))
+    assert fs is not None
+    assert chunk_writer.use_direct_io(str(tmp_path), False) is False
+    if os.path.isdir("/dev/shm") and chunk_writer.filesystem_type("/dev/shm") == "tmpfs":
+        assert chunk_writer.use_direct_io("/dev/shm/resilax-test", True) is False
+
+
+def test_direct_and_buffered_saves_write_the_same_bytes(tmp_path, devices):
+    state = mixed_state(3)
+    state["big"] = put(np.random.default_rng(0).standard_normal((512, 256)).astype(np.float32), ("a", "b"))
+    for name, direct in (("direct", True), ("buffered", False)):
+        with rc.CheckpointManager(str(tmp_path / name), options=rc.ManagerOptions(direct_io=direct)) as mgr:
+            mgr.save(1, {"params": state}, force=True)
+            mgr.wait()
+    chunks = sorted(f for f in files_of(tmp_path / "direct" / "1") if "/c" in f)
+    assert chunks == sorted(f for f in files_of(tmp_path / "buffered" / "1") if "/c" in f)
+    assert any(os.path.getsize(tmp_path / "direct" / "1" / f) >= chunk_writer.DIRECT_MIN_BYTES for f in chunks)
+    for f in chunks:
+        assert (tmp_path / "direct" / "1" / f).read_bytes() == (tmp_path / "buffered" / "1" / f).read_bytes(), f
+    got = rc.restore(str(tmp_path / "direct" / "1"), items=["params"])["params"]
+    assert_equal_trees(got, host(state))
 
 
 def test_kernel_release_parsing_for_the_durability_mode():

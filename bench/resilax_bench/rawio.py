@@ -1,0 +1,178 @@
+"""The floor under a checkpoint's I/O: the same files written and read with nothing but syscalls.
+
+``python -m resilax_bench.rawio --like STEP_DIR [--target /tmp] [--rounds 5]`` takes the chunk files of
+a saved step (their number and sizes, e.g. ``<bench dir>/resilax/4``) and, interleaved over rounds:
+
+write (new files under ``--target``, from memory already touched, 8 threads):
+  ``fdatasync-each``   pwrite, then fdatasync every file as it is written (resilax_ckpt before 2026-12-03)
+  ``writeback-syncfs`` pwrite, start its writeback (sync_file_range), one syncfs at the end (now)
+  ``dd-one-file``      the same bytes as ONE new file, one fdatasync (dd's ``conv=fdatasync``)
+read (the step's own files, evicted from the page cache first, into fresh 4 KiB-aligned buffers):
+  ``files@8``, ``files@32``  every file preadv'ed whole on 8 / 32 threads
+  ``one-file``               the dd-one-file file read back sequentially in 16 MiB blocks
+
+It prints the median seconds per variant. It answers "how close to the disk is the library": a
+restore cannot beat ``files@N`` by much, nor a first save ``writeback-syncfs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import shutil
+import statistics
+import time
+
+import numpy as np
+
+from resilax_bench.cache import evict_from_page_cache
+
+BLOCK = 16 << 20
+
+
+def chunk_files(step_dir: str) -> list[str]:
+    """Every chunk file (under a ``c/`` folder) of a saved step, sorted."""
+    out = []
+    for top, _, names in os.walk(step_dir):
+        for name in names:
+            path = os.path.join(top, name)
+            if f"{os.sep}c{os.sep}" in path or path.endswith(f"{os.sep}c"):
+                out.append(path)
+    return sorted(out)
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + 4096, np.uint8)
+    offset = (-raw.ctypes.data) % 4096
+    return raw[offset:offset + nbytes]
+
+
+def _pwrite_all(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], done)
+
+
+def write_files(root: str, rels: list[str], payloads: list[np.ndarray], mode: str) -> float:
+    from resilax_ckpt import chunk_writer
+
+    shutil.rmtree(root, ignore_errors=True)
+    os.sync()
+    t0 = time.perf_counter()
+    if mode == "dd-one-file":
+        os.makedirs(root)
+        fd = os.open(os.path.join(root, "one"), os.O_WRONLY | os.O_CREAT, 0o644)
+        offset = 0
+        for data in payloads:
+            view = memoryview(data)
+            while view:
+                n = os.pwrite(fd, view, offset)
+                offset += n
+                view = view[n:]
+        os.fdatasync(fd)
+        os.close(fd)
+        return time.perf_counter() - t0
+    paths = [os.path.join(root, rel) for rel in rels]
+    for folder in sorted({os.path.dirname(p) for p in paths}):
+        os.makedirs(folder, exist_ok=True)
+
+    def one(path: str, data: np.ndarray) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            _pwrite_all(fd, memoryview(data))
+            if mode == "fdatasync-each":
+                os.fdatasync(fd)
+            else:
+                chunk_writer.start_writeback(fd)
+        finally:
+            os.close(fd)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, paths, payloads))
+    if mode == "writeback-syncfs":
+        chunk_writer.make_durable(root, paths)
+    else:
+        for folder in sorted({os.path.dirname(p) for p in paths}, reverse=True):
+            fd = os.open(folder, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
+def read_files(paths: list[str], threads: int) -> float:
+    evict_from_page_cache(os.path.commonpath(paths) if len(paths) > 1 else paths[0])
+    t0 = time.perf_counter()
+
+    def one(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            buf = _aligned(os.fstat(fd).st_size)
+            view, done = memoryview(buf), 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], done)
+                if n <= 0:
+                    break
+                done += n
+        finally:
+            os.close(fd)
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, paths))
+    return time.perf_counter() - t0
+
+
+def read_one_file(path: str) -> float:
+    evict_from_page_cache(path)
+    buf = _aligned(BLOCK)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--like", required=True, help="a saved step folder whose chunk files to imitate and read")
+    p.add_argument("--target", default="/tmp", help="where the write variants create their files")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+
+    paths = chunk_files(args.like)
+    if not paths:
+        raise SystemExit(f"--like {args.like}: no chunk files (c/...) under it")
+    rels = [os.path.relpath(p, args.like) for p in paths]
+    sizes = [os.path.getsize(p) for p in paths]
+    total = sum(sizes)
+    pool = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    payloads = [pool[(i * 4096) % (32 << 20):][:size] for i, size in enumerate(sizes)]
+    scratch = os.path.join(args.target, f"resilax-rawio-{os.getpid()}")
+    one_file = os.path.join(scratch + "-one", "one")
+    print(f"{len(paths)} files, {total / 2**30:.2f} GiB, like {args.like}; writes under {args.target}")
+    seconds: dict[str, list[float]] = {}
+    try:
+        for r in range(args.rounds):
+            runs = {
+                "write fdatasync-each": lambda: write_files(scratch, rels, payloads, "fdatasync-each"),
+                "write writeback-syncfs": lambda: write_files(scratch, rels, payloads, "writeback-syncfs"),
+                "write dd-one-file": lambda: write_files(scratch + "-one", rels, payloads, "dd-one-file"),
+                "read files@8": lambda: read_files(paths, 8),
+                "read files@32": lambda: read_files(paths, 32),
+                "read one-file": lambda: read_one_file(one_file),
+            }
+            for name, run in runs.items():
+                seconds.setdefault(name, []).append(run())
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in seconds.items()), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch + "-one", ignore_errors=True)
+    print(f"\nmedian of {args.rounds} rounds (seconds, GB/s):")
+    for name, values in seconds.items():
+        median = statistics.median(values)
+        print(f"  {name:<24} {median:6.2f} s  {total / median / 1e9:5.2f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
