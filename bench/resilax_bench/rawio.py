@@ -5,7 +5,9 @@ a saved step (their number and sizes, e.g. ``<bench dir>/resilax/4``) and, inter
 
 write (new files under ``--target``, from memory already touched, 8 threads):
   ``fdatasync-each``   pwrite, then fdatasync every file as it is written (resilax_ckpt before 2026-12-03)
-  ``writeback-syncfs`` pwrite, start its writeback (sync_file_range), one syncfs at the end (now)
+  ``writeback-syncfs`` pwrite, start its writeback (sync_file_range), one syncfs at the end
+  ``direct-syncfs``    O_DIRECT through a reused aligned bounce buffer per thread, one syncfs at the
+                       end (resilax_ckpt on disks since 2026-12-03)
   ``dd-one-file``      the same bytes as ONE new file, one fdatasync (dd's ``conv=fdatasync``)
 read (the step's own files, evicted from the page cache first, into fresh 4 KiB-aligned buffers):
   ``files@8``, ``files@32``  every file preadv'ed whole on 8 / 32 threads
@@ -77,7 +79,7 @@ def write_files(root: str, rels: list[str], payloads: list[np.ndarray], mode: st
     for folder in sorted({os.path.dirname(p) for p in paths}):
         os.makedirs(folder, exist_ok=True)
 
-    def one(path: str, data: np.ndarray) -> None:
+    def buffered(path: str, data: np.ndarray) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             _pwrite_all(fd, memoryview(data))
@@ -88,9 +90,14 @@ def write_files(root: str, rels: list[str], payloads: list[np.ndarray], mode: st
         finally:
             os.close(fd)
 
+    def direct(path: str, data: np.ndarray) -> None:
+        if not chunk_writer._write_direct(path, data):
+            raise SystemExit(f"{root}: the filesystem refuses O_DIRECT")
+
+    one = direct if mode == "direct-syncfs" else buffered
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(one, paths, payloads))
-    if mode == "writeback-syncfs":
+    if mode != "fdatasync-each":
         chunk_writer.make_durable(root, paths)
     else:
         for folder in sorted({os.path.dirname(p) for p in paths}, reverse=True):
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = {
                 "write fdatasync-each": lambda: write_files(scratch, rels, payloads, "fdatasync-each"),
                 "write writeback-syncfs": lambda: write_files(scratch, rels, payloads, "writeback-syncfs"),
+                "write direct-syncfs": lambda: write_files(scratch, rels, payloads, "direct-syncfs"),
                 "write dd-one-file": lambda: write_files(scratch + "-one", rels, payloads, "dd-one-file"),
                 "read files@8": lambda: read_files(paths, 8),
                 "read files@32": lambda: read_files(paths, 32),
