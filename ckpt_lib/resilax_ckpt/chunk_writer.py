@@ -375,7 +375,8 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
                    direct_io: bool = True) -> None:
     """Write this process's boxes of `plan` (items.SnapshotPlan) as chunk files under the local folder
     `step_path` (and, when `create_metadata`, every array's zarr.json); returns once all are written
-    (and durable when `fsync`: `make_durable`). `direct_io`: O_DIRECT where `use_direct_io` allows. `on_progress(i)` is called before the i-th write (test hook)."""
+    (and durable when `fsync`: `make_durable`). `direct_io`: O_DIRECT where `use_direct_io` allows.
+    `on_progress(i)` is called before the i-th write (test hook)."""
     from resilax_ckpt.items import resolve_source
     from resilax_ckpt.tensorstore_io import scaled_inflight_limit
 
