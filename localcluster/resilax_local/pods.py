@@ -108,6 +108,29 @@ def node_roots(run_dir: Path, node: str) -> list[Path]:
     return [run_dir / "nodes" / node, memory_root(run_dir) / "nodes" / node]
 
 
+def image_paths() -> list[str]:
+    """The "image" every container runs: this Python (the virtualenv and the interpreter it was made
+    from) and, for a checkout, the project folder its editable install points into."""
+    paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+    project = Path(__file__).resolve().parents[2]
+    if (project / "pyproject.toml").is_file():
+        paths.add(str(project))
+    return sorted(paths)
+
+
+def image_mounts(volume_targets: list[str], image: list[str]) -> list[dict[str, Any]]:
+    """Read-only binds that keep the image visible where a volume would hide it: a container of the
+    chart's operator mounts an emptyDir at /tmp, which hides a checkout under /tmp (and its Python
+    then cannot import the project). A real image lives in its own root filesystem; here it is
+    re-bound over the volume, each image path under (or at) a volume's mountPath."""
+    hidden = []
+    for path in image:
+        pure = PurePosixPath(path)
+        if any(pure == PurePosixPath(t) or PurePosixPath(t) in pure.parents for t in volume_targets):
+            hidden.append({"source": path, "target": path, "read_only": True})
+    return hidden
+
+
 def now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -516,6 +539,7 @@ class PodWorker:
                 if not source.exists():
                     source.mkdir(parents=True, exist_ok=True)
             mounts.append({"source": str(source), "target": m["mountPath"], "read_only": bool(m.get("readOnly"))})
+        mounts += image_mounts([m["target"] for m in mounts], image_paths())
         if not self.pod["spec"].get("hostNetwork"):
             mounts.append({"source": str(self.host.hosts_file), "target": "/etc/hosts", "read_only": True})
         if c.ever_started:
