@@ -50,12 +50,6 @@ def _aligned(nbytes: int) -> np.ndarray:
     return raw[offset:offset + nbytes]
 
 
-def _pwrite_all(fd: int, data: memoryview) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], done)
-
-
 def write_files(root: str, rels: list[str], payloads: list[np.ndarray], mode: str) -> float:
     from resilax_ckpt import chunk_writer
 
@@ -67,11 +61,8 @@ def write_files(root: str, rels: list[str], payloads: list[np.ndarray], mode: st
         fd = os.open(os.path.join(root, "one"), os.O_WRONLY | os.O_CREAT, 0o644)
         offset = 0
         for data in payloads:
-            view = memoryview(data)
-            while view:
-                n = os.pwrite(fd, view, offset)
-                offset += n
-                view = view[n:]
+            chunk_writer._pwrite_all(fd, memoryview(data), offset)
+            offset += data.nbytes
         os.fdatasync(fd)
         os.close(fd)
         return time.perf_counter() - t0
@@ -82,7 +73,7 @@ def write_files(root: str, rels: list[str], payloads: list[np.ndarray], mode: st
     def buffered(path: str, data: np.ndarray) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
-            _pwrite_all(fd, memoryview(data))
+            chunk_writer._pwrite_all(fd, memoryview(data), 0)
             if mode == "fdatasync-each":
                 os.fdatasync(fd)
             else:

@@ -80,6 +80,16 @@ def wait_restored(jobs: Jobs, name: str, generation: int) -> dict[str, dict[str,
                     timeout=900, interval=1, message=f"{name}: every worker of generation {generation} restored")
 
 
+def generation_2_restored(jobs: Jobs, name: str, storage: Path) -> tuple[dict[str, dict[str, Any]], list[int]]:
+    """Once generation 2 runs and every worker printed its restore line: those lines and the steps
+    generation 1 committed in the persistent tier."""
+    jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 900,
+                     "generation 2 Running")
+    lines = wait_restored(jobs, name, 2)
+    gen1_persisted = [s for s in committed_steps(storage) if commit_generation(storage, s) == 1]
+    return lines, gen1_persisted
+
+
 def test_worker_failure_restores_every_worker_from_its_local_tier(
         operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path: Path) -> None:
     name, storage = unique_name("nlt-fail"), tmp_path / "ckpt"
@@ -102,11 +112,7 @@ def test_worker_failure_restores_every_worker_from_its_local_tier(
     persisted_at_fault = committed_steps(storage)
     local_at_fault = {w: local_steps(f) for w, f in folders.items()}
 
-    jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 900,
-                     "generation 2 Running")
-    lines = wait_restored(jobs, name, 2)
-    persisted = committed_steps(storage)
-    gen1_persisted = [s for s in persisted if commit_generation(storage, s) == 1]
+    lines, gen1_persisted = generation_2_restored(jobs, name, storage)
     print(f"\nworker failure: persistent tier at the fault {persisted_at_fault}, generation 1's commits there "
           f"{gen1_persisted}; local tiers at the fault {local_at_fault}; generation 2 restored {lines}")
     step = lines["s0-h0"]["restored"]
@@ -142,11 +148,7 @@ def test_node_loss_survivors_restore_local_the_replacement_persistent_one_step(
         assert not lost_folder.exists()
         cluster.add_nodes([spec])  # a new machine under the same name: an empty local tier
         cluster.wait_nodes_ready([victim], timeout=120)
-        jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 900,
-                         "generation 2 Running")
-        lines = wait_restored(jobs, name, 2)
-        persisted = committed_steps(storage)
-        gen1_persisted = [s for s in persisted if commit_generation(storage, s) == 1]
+        lines, gen1_persisted = generation_2_restored(jobs, name, storage)
         print(f"\nnode loss: generation 1's commits in the persistent tier {gen1_persisted}; "
               f"generation 2 restored {lines}")
         step = lines["s0-h0"]["restored"]
