@@ -100,7 +100,7 @@ class ArrayWrite:
     array_index: int
     box: planning.Box
     source: Any
-    """A private copy: a single-device jax.Array (CPU) or a NumPy array."""
+    """After snapshot_items, a private copy: a ShardOf (CPU devices) or a NumPy array."""
     nbytes: int
 
 
@@ -122,12 +122,44 @@ def snapshot_items(items: Mapping[str, Any], *, step: int, generation: int, proc
     (NumPy) arrays and JSON items; each process writes its per-process items. Local tier: each
     process writes everything it holds.
     """
+    plan, device_sources = _plan_snapshot(items, step=step, generation=generation,
+                                          process_index=process_index, process_count=process_count,
+                                          local_tier=local_tier, time_now=time_now)
+    for write in plan.writes:
+        if isinstance(write.source, np.ndarray):
+            write.source = np.array(write.source, copy=True)
+    _copy_off_devices(plan.writes, device_sources)
+    return plan
+
+
+def copy_signature(items: Mapping[str, Any], *, process_index: int, process_count: int,
+                   local_tier: bool) -> list[list[jax.ShapeDtypeStruct]]:
+    """The abstract inputs of the device-side copies a save of `items` dispatches (CPU devices;
+    empty elsewhere): what `compile_copies` needs, without holding the arrays."""
+    _, device_sources = _plan_snapshot(items, step=0, generation=0, process_index=process_index,
+                                       process_count=process_count, local_tier=local_tier, time_now=0.0)
+    return [[jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type)
+             for a in group] for group in _copy_groups(device_sources)]
+
+
+def compile_copies(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
+    """Compile, without running, the copies of `copy_signature`, so that a job's first save blocks
+    the loop only for the dispatch, as later saves do (jit's caches keep the result)."""
+    for group in signature:
+        _device_copy.lower(group).compile()
+
+
+def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, process_index: int,
+                   process_count: int, local_tier: bool,
+                   time_now: float) -> tuple[SnapshotPlan, list[tuple[int, jax.Array, Any]]]:
+    """The metadata and writes of a save, with the writes' sources not yet copied: NumPy leaves as
+    they are, device shards listed apart as (index into writes, global array, shard)."""
     writes_host = local_tier or process_index == 0
     item_meta: dict[str, ItemMetadata] = {}
     arrays: list[tuple[str, LeafMetadata]] = []
     writes: list[ArrayWrite] = []
     files: list[tuple[tuple[str, ...], bytes]] = []
-    device_sources: list[tuple[int, jax.Array, jax.Array]] = []
+    device_sources: list[tuple[int, jax.Array, Any]] = []
 
     for name, value in items.items():
         layout.validate_item_name(name)
@@ -162,7 +194,7 @@ def snapshot_items(items: Mapping[str, Any], *, step: int, generation: int, proc
                         continue
                     boxes_done.add(box)
                     nbytes = planning.box_size(box) * leaf.dtype.itemsize
-                    device_sources.append((len(writes), leaf, shard.data))
+                    device_sources.append((len(writes), leaf, shard))
                     writes.append(ArrayWrite(array_index, box, None, nbytes))
             elif isinstance(leaf, np.ndarray):
                 shape = tuple(leaf.shape)
@@ -172,7 +204,7 @@ def snapshot_items(items: Mapping[str, Any], *, step: int, generation: int, proc
                 arrays.append((name, meta))
                 if writes_host:
                     box = tuple((0, d) for d in shape)
-                    writes.append(ArrayWrite(array_index, box, np.array(leaf, copy=True), leaf.nbytes))
+                    writes.append(ArrayWrite(array_index, box, leaf, leaf.nbytes))
             elif isinstance(leaf, np.generic):
                 meta = LeafMetadata(keystr=keystr, path=enc, kind="scalar", value=leaf.item(),
                                     pytype=leaf.dtype.name)
@@ -187,10 +219,9 @@ def snapshot_items(items: Mapping[str, Any], *, step: int, generation: int, proc
             leaves.append(meta)
         item_meta[name] = ItemMetadata(kind="pytree", leaves=tuple(leaves))
 
-    _copy_off_devices(writes, device_sources)
     metadata = StepMetadata(step=step, generation=generation, process_count=process_count,
                             items=item_meta, time=time_now, local_tier=local_tier)
-    return SnapshotPlan(metadata=metadata, arrays=arrays, writes=writes, files=files)
+    return SnapshotPlan(metadata=metadata, arrays=arrays, writes=writes, files=files), device_sources
 
 
 @jax.jit
@@ -198,34 +229,44 @@ def _device_copy(arrays: list[jax.Array]) -> list[jax.Array]:
     return [jnp.copy(a) for a in arrays]
 
 
-def _copy_off_devices(writes: list[ArrayWrite], sources: list[tuple[int, jax.Array, jax.Array]]) -> None:
+def _copy_off_devices(writes: list[ArrayWrite], sources: list[tuple[int, jax.Array, Any]]) -> None:
     """Take private copies of the shards to write. CPU: one jitted device-side copy per device set,
     dispatched asynchronously (the loop waits only for the dispatch; the background thread reads
     the copies); accelerators: device-to-host transfers, all started before the first is awaited.
-    `sources` holds (index into writes, global array, shard's single-device array)."""
+    `sources` holds (index into writes, global array, its shard)."""
     if not sources:
         return
-    platform = next(iter(sources[0][1].devices())).platform
-    if platform != "cpu":
+    if _platform(sources) != "cpu":
         for _, _, shard in sources:
-            shard.copy_to_host_async()
+            shard.data.copy_to_host_async()
         for w, _, shard in sources:
-            writes[w].source = np.asarray(shard)
+            writes[w].source = np.asarray(shard.data)
         return
+    copies: dict[int, jax.Array] = {}
+    for originals in _copy_groups(sources):
+        for original, copy in zip(originals, _device_copy(originals), strict=True):
+            copies[id(original)] = copy
+    for w, array, shard in sources:
+        # The copy's shards are looked up on the writing thread: asking now would wait for the copy.
+        writes[w].source = ShardOf(copies[id(array)], shard.device)
+
+
+def _platform(sources: list[tuple[int, jax.Array, Any]]) -> str:
+    return str(next(iter(sources[0][1].devices())).platform)
+
+
+def _copy_groups(sources: list[tuple[int, jax.Array, Any]]) -> list[list[jax.Array]]:
+    """The arrays of `sources` (CPU only; else none), each once, grouped by device set: the
+    arguments of the device-side copies, in the order a save dispatches them."""
+    if not sources or _platform(sources) != "cpu":
+        return []
     groups: dict[frozenset[Any], dict[int, jax.Array]] = {}
     last = None
     for _, array, _ in sources:
         if array is not last:
             groups.setdefault(frozenset(array.sharding.device_set), {})[id(array)] = array
             last = array
-    copies: dict[int, jax.Array] = {}
-    for group in groups.values():
-        originals = list(group.values())
-        for original, copy in zip(originals, _device_copy(originals), strict=True):
-            copies[id(original)] = copy
-    for w, array, shard in sources:
-        # The copy's shards are looked up on the writing thread: asking now would wait for the copy.
-        writes[w].source = ShardOf(copies[id(array)], next(iter(shard.devices())))
+    return [list(group.values()) for group in groups.values()]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,6 +95,8 @@ class CheckpointManager:
                                            self._options.gcs_retries)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-ckpt")
         self._pending: concurrent.futures.Future[None] | None = None
+        self._copy_prepared = False  # the first save's device copy compiled ahead (or tried)
+        self._preparing: concurrent.futures.Future[None] | None = None
         self._closed = False
         with _manager_count_lock:
             _manager_count += 1
@@ -239,10 +241,15 @@ class CheckpointManager:
             self._decide(step, force=False)  # keeps the agreement exchanges in line; answers requests
             return False
         if not self._decide(step, force):
+            self._prepare_first_save(items)
             return False
         requests, self._pending_requests = self._pending_requests, []
         stop = self._stop_requested_locally
         self._wait_pending()
+        if self._preparing is not None:
+            self._preparing.result()  # never raises; its compile is this save's
+            self._preparing = None
+        self._copy_prepared = True
         self._save_count += 1
         key = f"{self._key}/save{self._save_count}"
         plan = items_lib.snapshot_items(
@@ -258,6 +265,26 @@ class CheckpointManager:
             if stop:
                 self._should_stop = True
         return True
+
+    def _prepare_first_save(self, items: Mapping[str, Any], *, restored: bool = False) -> None:
+        """Once, before this manager's first save: compile the device-side copy a save of `items`
+        dispatches, on the background thread, so that the first save blocks the loop as briefly as
+        later ones. Called with the items of a save() that did not save (one try: it costs a flatten
+        of the state) and with what restore() returned (which, without device arrays, leaves the try
+        to save()). A failure here only logs: the first save then compiles as usual."""
+        if self._copy_prepared:
+            return
+        try:
+            signature = items_lib.copy_signature(items, process_index=self._coord.process_index,
+                                                 process_count=self._coord.process_count,
+                                                 local_tier=self._local_tier)
+        except Exception as e:  # e.g. an item save() would reject: save() reports it
+            log.debug("not compiling the snapshot copy ahead: %s", e)
+            signature = []
+        if signature or not restored:
+            self._copy_prepared = True
+        if signature:
+            self._preparing = self._executor.submit(_compile_quietly, signature)
 
     def wait(self) -> None:
         """Block until the pending save committed; re-raise its failure."""
@@ -491,6 +518,12 @@ class CheckpointManager:
         `jax.ShapeDtypeStruct` with a sharding, or a `jax.Array`, comes back as a jax.Array with that
         sharding and dtype; otherwise as NumPy. Called on: all processes."""
         self._check_open()
+        out = self._restore(step, target, items)
+        self._prepare_first_save(out, restored=True)
+        return out
+
+    def _restore(self, step: int | None, target: Mapping[str, Any] | None,
+                 items: Iterable[str] | None) -> dict[str, Any]:
         if self._persistent is not None:
             return self._restore_two_tiers(step, target, items)
         if step is None:
@@ -661,6 +694,13 @@ class CheckpointManager:
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
+
+
+def _compile_quietly(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
+    try:
+        items_lib.compile_copies(signature)
+    except Exception as e:
+        log.warning("compiling the snapshot copy ahead failed (the first save will compile it): %s", e)
 
 
 def _write_step_files(storage: Storage, work: str, plan: items_lib.SnapshotPlan, context: Any,

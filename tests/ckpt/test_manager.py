@@ -3,10 +3,12 @@ SIGTERM, and kill -9 at every phase of a save."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import signal
+import threading
 
 import ckpt_worker
 import jax
@@ -44,6 +46,78 @@ def test_async_save_then_wait_commits_and_second_save_queues(tmp_path, devices):
         assert not mgr.save(2, state(2))  # already saved
         np.testing.assert_array_equal(mgr.restore(1)["params"]["w"], np.asarray(state(1)["params"]["w"]))
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
+
+
+@contextlib.contextmanager
+def snapshot_copy_compiles():
+    """Yields a list that collects the name of the thread of every compile of the snapshot copy."""
+    threads: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration" and "_device_copy" in str(kwargs.get("fun_name")):
+            threads.append(threading.current_thread().name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield threads
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def odd_state(rows: int, step: int):
+    """A state whose shapes (rows x 8) no other test uses: jit's caches are per process."""
+    m = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    w = np.arange(rows * 8, dtype=np.float32).reshape(rows, 8) + step
+    return {"params": {"w": jax.device_put(w, NamedSharding(m, P("a", "b"))),
+                       "b": jax.device_put(np.full((rows,), step, np.float32), NamedSharding(m, P()))}}
+
+
+def test_the_first_save_compiles_its_copy_on_the_loop_thread_without_a_prepare(tmp_path, devices):
+    # The control of the two tests below: a save as the manager's first call compiles in the loop.
+    with snapshot_copy_compiles() as threads, rc.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.save(1, odd_state(24, 1))
+        mgr.wait()
+    assert threads == [threading.main_thread().name]
+
+
+def test_a_save_that_does_not_save_compiles_the_first_saves_copy_in_the_background(tmp_path, devices):
+    opts = rc.ManagerOptions(save_every_steps=2)
+    with snapshot_copy_compiles() as threads, rc.CheckpointManager(str(tmp_path), opts) as mgr:
+        assert not mgr.save(1, odd_state(40, 1))
+        assert mgr.save(2, odd_state(40, 2))
+        mgr.wait()
+        assert not mgr.save(3, odd_state(48, 3))  # after the first save: nothing compiled ahead
+        assert mgr.save(4, odd_state(48, 4))
+        mgr.wait()
+        got = mgr.restore(2, target={"params": odd_state(40, 0)["params"]})["params"]
+    assert len(threads) == 2 and threads[0].startswith("resilax-ckpt") and threads[1] == threading.main_thread().name
+    np.testing.assert_array_equal(got["w"], np.asarray(odd_state(40, 2)["params"]["w"]))
+    assert got["w"].sharding == odd_state(40, 0)["params"]["w"].sharding
+
+
+def test_after_restore_the_first_save_of_the_restored_state_compiles_nothing_in_the_loop(tmp_path, devices):
+    with rc.CheckpointManager(str(tmp_path / "a")) as mgr:  # saved from host arrays: no device copy
+        mgr.save(5, jax.tree.map(np.asarray, odd_state(56, 5)))
+    with snapshot_copy_compiles() as threads, rc.CheckpointManager(str(tmp_path / "a")) as mgr:
+        restored = mgr.restore(target=odd_state(56, 0))
+        assert mgr.save(6, restored)
+        mgr.wait()
+        again = mgr.restore(6, target=odd_state(56, 0))
+    assert threads and all(t.startswith("resilax-ckpt") for t in threads)
+    np.testing.assert_array_equal(again["params"]["w"], np.asarray(odd_state(56, 5)["params"]["w"]))
+
+
+def test_a_restore_to_host_arrays_leaves_the_compile_ahead_to_the_next_save_call(tmp_path, devices):
+    with rc.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, jax.tree.map(np.asarray, odd_state(64, 1)))
+    opts = rc.ManagerOptions(save_every_steps=4)
+    with snapshot_copy_compiles() as threads, rc.CheckpointManager(str(tmp_path), opts) as mgr:
+        host = mgr.restore()  # NumPy arrays: nothing to compile yet
+        assert isinstance(host["params"]["w"], np.ndarray)
+        assert not mgr.save(2, odd_state(64, 2))
+        assert mgr.save(4, odd_state(64, 4))
+        mgr.wait()
+    assert len(threads) == 1 and threads[0].startswith("resilax-ckpt")
 
 
 def test_background_failure_surfaces_from_wait_and_next_save(tmp_path, devices):
