@@ -15,8 +15,9 @@ The buffers are filled chunk by chunk: each saved chunk the boxes overlap is rea
 - gs:// (and `use_tensorstore=True`): tensorstore reads a box that is exactly one chunk straight into
   its buffer (`ts.array(buf).write(store[box])`) and any other chunk once into its own array, which
   is then sliced into every box it overlaps.
-The reads run on a thread pool of `io_concurrency` threads with at most the in-flight byte limit
-queued. A missing chunk file is an error naming it (never zeros), as is a file of the wrong size.
+The reads run on a thread pool of `io_concurrency` threads. A read straight into box buffers is
+queued at once (its memory is the restored state's own); a read that needs memory of its own (a
+scratch buffer, or tensorstore's buffers) counts against the in-flight byte limit. A missing chunk file is an error naming it (never zeros), as is a file of the wrong size.
 Once a leaf's reads are done it is cast (once) if the target asks for another dtype and becomes a
 jax.Array with one batched `device_put` and `make_array_from_single_device_arrays`.
 """
@@ -211,6 +212,16 @@ class _FileChunkReader:
     def path(self, index: int, task: _ChunkTask) -> str:
         return os.path.join(self._leaf_paths[index], "c", *map(str, task.chunk))
 
+    def buffered_bytes(self, task: _ChunkTask) -> int:
+        """Bytes of memory besides the box buffers that reading `task` takes: none when it is read
+        straight into them, else its chunk file's size (a scratch buffer)."""
+        leaf = task.read.leaf
+        itemsize = np.dtype(leaf.dtype).itemsize
+        chunks = tuple(leaf.chunks)
+        if self._direct_parts(task, chunks, itemsize) is not None:
+            return 0
+        return planning.box_size(tuple((0, c) for c in chunks)) * itemsize
+
     def run(self, index: int, task: _ChunkTask) -> None:
         leaf = task.read.leaf
         itemsize = np.dtype(leaf.dtype).itemsize
@@ -280,6 +291,11 @@ class _TensorstoreChunkReader:
     def __init__(self, stores: list[Any]) -> None:
         self._stores = stores
 
+    @staticmethod
+    def buffered_bytes(task: _ChunkTask) -> int:
+        """Bytes of tensorstore's own buffers while reading `task`: its region's (counted always)."""
+        return planning.box_size(task.region) * np.dtype(task.read.leaf.dtype).itemsize
+
     def run(self, index: int, task: _ChunkTask) -> None:
         store = self._stores[index][planning.box_to_index(task.region)]
         target = task.single_box()
@@ -321,9 +337,8 @@ def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: An
             if not tasks:  # empty array
                 read.finish()
                 continue
-            itemsize = stored.itemsize
             for task in tasks:
-                nbytes = planning.box_size(task.region) * itemsize
+                nbytes = runner.buffered_bytes(task)
                 limiter.admit(nbytes)
                 future = executor.submit(runner.run, index, task)
                 limiter.add(future, nbytes, f"reading {read.name} chunk {list(task.chunk)} from {step_path}",

@@ -262,3 +262,21 @@ def test_an_all_zero_shard_restores(tmp_path):
         out = mgr.restore(1, target={"params": {"w": jax.ShapeDtypeStruct(
             (8, 8), jnp.float32, sharding=NamedSharding(m, P("a", "b")))}})
     assert_bit_identical(out["params"]["w"], value)
+
+
+@pytest.mark.parametrize("spec, in_place", [(P("a", "b"), True), (P("b", "a"), False)])
+def test_only_reads_that_need_a_scratch_buffer_count_against_the_inflight_limit(saved, spec, in_place):
+    # A read straight into box buffers takes no memory of its own, so it is not held back; a read
+    # into a scratch buffer (here: resharding f32 onto transposed specs) counts its chunk file.
+    root, raw = saved
+    meta = read_metadata(LocalStorage(), step_path(root))
+    leaf = next(lf for lf in meta.items["params"].leaves if lf.keystr == "['f32']")
+    read = reader.LeafRead("params", leaf, np.dtype(leaf.dtype), NamedSharding(mesh((4, 2)), spec))
+    read.plan_boxes()
+    read.buffers = {box: reader.aligned_empty([b - a for a, b in box], np.float32) for box in read.devices}
+    tasks = reader._plan_chunk_tasks(read)
+    runner = reader._FileChunkReader([os.path.join(step_path(root), "params", leaf.dir)], reader._ScratchPool(0))
+    chunk_bytes = int(np.prod(leaf.chunks)) * 4
+    assert [runner.buffered_bytes(t) for t in tasks] == [0 if in_place else chunk_bytes] * len(tasks)
+    got = read_with(root, {"f32": NamedSharding(mesh((4, 2)), spec)}, use_tensorstore=False)["f32"]
+    assert_bit_identical(got, raw["f32"])
