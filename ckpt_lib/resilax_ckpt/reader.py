@@ -17,7 +17,8 @@ The buffers are filled chunk by chunk: each saved chunk the boxes overlap is rea
   is then sliced into every box it overlaps.
 The reads run on a thread pool of `io_concurrency` threads. A read straight into box buffers is
 queued at once (its memory is the restored state's own); a read that needs memory of its own (a
-scratch buffer, or tensorstore's buffers) counts against the in-flight byte limit. A missing chunk file is an error naming it (never zeros), as is a file of the wrong size.
+scratch buffer, or tensorstore's buffers) counts against the in-flight byte limit. A missing chunk
+file is an error naming it (never zeros), as is a file of the wrong size.
 Once a leaf's reads are done it is cast (once) if the target asks for another dtype and becomes a
 jax.Array with one batched `device_put` and `make_array_from_single_device_arrays`.
 """
