@@ -538,9 +538,16 @@ class CheckpointManager:
                     f"{step_path}: step {step} is not committed (interrupted or fenced-out save); "
                     f"committed steps: {self.steps()}")
             raise StepNotFoundError(f"{step_path}: step {step} does not exist; committed steps: {self.steps()}")
-        return restore_step(self._storage, step_path, step, target, items, self._context,
-                            self._options.max_inflight_bytes, self._coord.process_index,
-                            layout.metadata_name(self._own_suffix), self._options.io_concurrency)
+        return self._read_step(self._storage, step_path, step, target, items)
+
+    def _read_step(self, storage: Storage, path: str, step: int, target: Mapping[str, Any] | None,
+                   items: Iterable[str] | None, own_metadata: bool = True) -> dict[str, Any]:
+        """`restore_step` with this manager's options; `own_metadata`: this process's metadata file
+        (the local tier's per-process name), else the step's shared one."""
+        return restore_step(storage, path, step, target, items, self._context, self._options.max_inflight_bytes,
+                            self._coord.process_index,
+                            layout.metadata_name(self._own_suffix) if own_metadata else layout.METADATA_FILE,
+                            self._options.io_concurrency, self._options.direct_io)
 
     def _restore_two_tiers(self, step: int | None, target: Mapping[str, Any] | None,
                            items: Iterable[str] | None) -> dict[str, Any]:
@@ -560,9 +567,7 @@ class CheckpointManager:
         self._withdraw_local_steps_after(step)
         if step in local_ok:  # this host holds what this process needs (same bytes as persistent)
             path = self._storage.join(self._root, layout.step_name(step))
-            out = restore_step(self._storage, path, step, target, items, self._context,
-                               self._options.max_inflight_bytes, self._coord.process_index,
-                               layout.metadata_name(self._own_suffix), self._options.io_concurrency)
+            out = self._read_step(self._storage, path, step, target, items)
             self._restored_from = "local"
             return out
         if step not in persistent:
@@ -570,9 +575,7 @@ class CheckpointManager:
                                     f"process needs nor is it committed in {self._persistent_root} "
                                     f"(persistent steps: {persistent})")
         path = self._persistent.join(self._persistent_root, layout.step_name(step))
-        out = restore_step(self._persistent, path, step, target, items, self._context,
-                           self._options.max_inflight_bytes, self._coord.process_index,
-                           io_concurrency=self._options.io_concurrency)
+        out = self._read_step(self._persistent, path, step, target, items, own_metadata=False)
         self._restored_from = "persistent"
         return out
 
@@ -736,7 +739,7 @@ def read_metadata(storage: Storage, step_path: str, name: str = layout.METADATA_
 def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[str, Any] | None,
                  items: Iterable[str] | None, context: Any, max_inflight_bytes: int,
                  process_index: int, metadata_name: str = layout.METADATA_FILE,
-                 io_concurrency: int = 32) -> dict[str, Any]:
+                 io_concurrency: int = 32, direct_io: bool = True) -> dict[str, Any]:
     """Restore from one committed step folder (see CheckpointManager.restore)."""
     meta = read_metadata(storage, step_path, metadata_name)
     names = list(items) if items is not None else list(meta.items)
@@ -786,7 +789,8 @@ def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[st
     if problems:
         raise ShapeMismatchError("; ".join(problems))
     try:
-        reader.read_leaves(reads, step_path, storage, context, max_inflight_bytes, io_concurrency)
+        reader.read_leaves(reads, step_path, storage, context, max_inflight_bytes, io_concurrency,
+                           direct_io=direct_io)
     except StorageError as e:
         if isinstance(e.__cause__, FileNotFoundError) or "is missing" in str(e) or "NOT_FOUND" in str(e):
             raise IncompleteStepError(

@@ -70,8 +70,9 @@ class ManagerOptions:
 
     direct_io: bool = True
     """Local disks (not tmpfs): write chunk files of 64 KiB and more with O_DIRECT through a few
-    reused aligned buffers, so a save does not fill the page cache (chunk_writer.py). A filesystem
-    that refuses O_DIRECT gets buffered writes either way."""
+    reused aligned buffers, and read them back with O_DIRECT into the restored arrays, so neither a
+    save nor a restore fills the page cache (chunk_writer.py, reader.py). A filesystem that refuses
+    O_DIRECT gets buffered I/O either way."""
 
     fsync: bool = True
     """Make every written file durable (local chunk files: writeback started per file, one syncfs at

@@ -4,6 +4,7 @@ clear errors for missing or truncated chunk files."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import reader
+from resilax_ckpt import chunk_writer, reader
 from resilax_ckpt import tensorstore_io as tsio
 from resilax_ckpt.errors import IncompleteStepError, StorageError
 from resilax_ckpt.manager import read_metadata
@@ -275,8 +276,85 @@ def test_only_reads_that_need_a_scratch_buffer_count_against_the_inflight_limit(
     read.plan_boxes()
     read.buffers = {box: reader.aligned_empty([b - a for a, b in box], np.float32) for box in read.devices}
     tasks = reader._plan_chunk_tasks(read)
-    runner = reader._FileChunkReader([os.path.join(step_path(root), "params", leaf.dir)], reader._ScratchPool(0))
+    runner = reader._FileChunkReader([os.path.join(step_path(root), "params", leaf.dir)], reader._ScratchPool(0), True)
     chunk_bytes = int(np.prod(leaf.chunks)) * 4
     assert [runner.buffered_bytes(t) for t in tasks] == [0 if in_place else chunk_bytes] * len(tasks)
     got = read_with(root, {"f32": NamedSharding(mesh((4, 2)), spec)}, use_tensorstore=False)["f32"]
     assert_bit_identical(got, raw["f32"])
+
+
+def chunk_files_under(folder):
+    return sorted(os.path.join(d, f) for d, _, names in os.walk(folder) for f in names
+                  if f"{os.sep}c{os.sep}" in os.path.join(d, f) + os.sep)
+
+
+def evict(files):
+    os.sync()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached_pages(path):
+    """How many of the file's pages are in the page cache (mincore of a read-only mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    pages = -(-size // os.sysconf("SC_PAGE_SIZE"))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    finally:
+        os.close(fd)
+    try:
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec)
+    finally:
+        libc.munmap(addr, size)
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_direct_io_restores_bit_exact_without_filling_the_page_cache(tmp_path, direct_io):
+    # On a disk, chunk files of 64 KiB and more are read with O_DIRECT: only a part's unaligned tail
+    # goes through the page cache. `rows` has chunks of 280000 bytes (68 pages and a partial one),
+    # `grid` of exactly 64 KiB. Resharding reads `grid` into scratch buffers, and parts of `rows`
+    # straight into box buffers at offsets mostly not congruent to theirs modulo a page (buffered).
+    if not chunk_writer.use_direct_io(str(tmp_path), True):
+        pytest.skip(f"{tmp_path} is on a memory filesystem (no O_DIRECT)")
+    m = mesh((4, 2))
+    rng = np.random.default_rng(3)
+    values = {"rows": rng.standard_normal((4, 70000), dtype=np.float32),
+              "grid": rng.standard_normal((256, 512), dtype=np.float32)}
+    saved_specs = {"rows": P("a"), "grid": P("a", "b")}
+    options = rc.ManagerOptions(direct_io=direct_io)
+    with rc.CheckpointManager(str(tmp_path), options=options) as mgr:
+        mgr.save(1, {"params": {k: jax.device_put(v, NamedSharding(m, saved_specs[k])) for k, v in values.items()}},
+                 force=True)
+        mgr.wait()
+        files = chunk_files_under(os.path.join(str(tmp_path), "1"))
+        assert len(files) == 4 + 8
+        for specs in (saved_specs, {"rows": P(None, ("a", "b")), "grid": P("b", "a")}):
+            evict(files)
+            assert sum(map(cached_pages, files)) == 0
+            target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(m, specs[k]))
+                      for k, v in values.items()}
+            out = mgr.restore(1, target={"params": target})["params"]
+            for k, v in values.items():
+                assert_bit_identical(out[k], v)
+                assert out[k].sharding == target[k].sharding
+            cached = {os.path.relpath(f, str(tmp_path)): cached_pages(f) for f in files}
+            pages = {os.path.relpath(f, str(tmp_path)): -(-os.path.getsize(f) // 4096) for f in files}
+            if not direct_io:
+                assert cached == pages
+            elif specs is saved_specs:  # every file read in place: at most its partial last page cached
+                assert all(n <= 1 for n in cached.values()), cached
+            else:  # grid read whole into scratch buffers: directly (rows: mostly buffered, see above)
+                assert all(n == 0 for f, n in cached.items() if "grid" in f), cached
