@@ -11,7 +11,11 @@ write (new files under ``--target``, from memory already touched, 8 threads):
   ``dd-one-file``      the same bytes as ONE new file, one fdatasync (dd's ``conv=fdatasync``)
 read (the step's own files, evicted from the page cache first, into fresh 4 KiB-aligned buffers):
   ``files@8``, ``files@32``  every file preadv'ed whole on 8 / 32 threads
+  ``files-direct@32``        the same with O_DIRECT (the last partial block buffered), as
+                             resilax_ckpt reads on disks since 2026-12-03 afternoon
   ``one-file``               the dd-one-file file read back sequentially in 16 MiB blocks
+  ``one-file@32``            the dd-one-file file read in the step's file-sized pieces on 32 threads:
+                             what a one-file-per-process layout could read at
 
 It prints the median seconds per variant. It answers "how close to the disk is the library": a
 restore cannot beat ``files@N`` by much, nor a first save ``writeback-syncfs``.
@@ -98,25 +102,51 @@ def write_files(root: str, rels: list[str], payloads: list[np.ndarray], mode: st
     return time.perf_counter() - t0
 
 
-def read_files(paths: list[str], threads: int) -> float:
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+
+
+def read_files(paths: list[str], threads: int, direct: bool = False) -> float:
     evict_from_page_cache(os.path.commonpath(paths) if len(paths) > 1 else paths[0])
     t0 = time.perf_counter()
 
     def one(path: str) -> None:
         fd = os.open(path, os.O_RDONLY)
         try:
-            buf = _aligned(os.fstat(fd).st_size)
-            view, done = memoryview(buf), 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], done)
-                if n <= 0:
-                    break
-                done += n
+            size = os.fstat(fd).st_size
+            view = memoryview(_aligned(size))
+            body = size // 4096 * 4096 if direct else 0
+            if body:
+                dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                try:
+                    _pread_into(dfd, view[:body], 0)
+                finally:
+                    os.close(dfd)
+            _pread_into(fd, view[body:], body)
         finally:
             os.close(fd)
 
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, paths))
+    return time.perf_counter() - t0
+
+
+def read_pieces(path: str, sizes: list[int], threads: int) -> float:
+    """`path` read in consecutive pieces of `sizes` bytes on `threads` threads, cold."""
+    evict_from_page_cache(path)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda o, n: _pread_into(fd, memoryview(_aligned(n)), o), offsets, sizes))
+    finally:
+        os.close(fd)
     return time.perf_counter() - t0
 
 
@@ -158,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                 "write dd-one-file": lambda: write_files(scratch + "-one", rels, payloads, "dd-one-file"),
                 "read files@8": lambda: read_files(paths, 8),
                 "read files@32": lambda: read_files(paths, 32),
+                "read files-direct@32": lambda: read_files(paths, 32, direct=True),
                 "read one-file": lambda: read_one_file(one_file),
+                "read one-file@32": lambda: read_pieces(one_file, sizes, 32),
             }
             for name, run in runs.items():
                 seconds.setdefault(name, []).append(run())
