@@ -20,9 +20,9 @@ On disks (not tmpfs; `direct_io`, as for writes in chunk_writer.py) a chunk file
 no page cache in between, so a restore needs fresh memory for the state only, not a second time for
 the cache, and does not evict the host's cached data. Box buffers of that size are page-aligned for
 it; an unaligned head or tail of a part, and a filesystem refusing `O_DIRECT`, get buffered reads.
-The first restore of a fresh process, 1 GiB on /tmp, 4 alternating rounds: 1.60-2.29 s buffered,
-1.15-1.30 s direct (a fresh process first-touches memory the VM's host had taken back; the page
-cache doubled that).
+The first restore of a fresh process, 1 GiB on /tmp, 5 alternating rounds: 0.90-2.06 s buffered
+(median 1.20 s), 0.85-1.20 s direct (median 1.11 s): a fresh process first-touches memory the VM's
+host had taken back, and the page cache doubled that.
 The reads run on a thread pool of `io_concurrency` threads. A read straight into box buffers is
 queued at once (its memory is the restored state's own); a read that needs memory of its own (a
 scratch buffer, or tensorstore's buffers) counts against the in-flight byte limit. A missing chunk
