@@ -14,6 +14,7 @@ read (the step's own files, evicted from the page cache first, into fresh 4 KiB-
   ``files-direct@32``        the same with O_DIRECT (the last partial block buffered), as
                              resilax_ckpt reads on disks since 2026-12-03 afternoon
   ``one-file``               the dd-one-file file read back sequentially in 16 MiB blocks
+  ``one-file-direct``        the same with O_DIRECT (the last partial block buffered)
   ``one-file@32``            the dd-one-file file read in the step's file-sized pieces on 32 threads:
                              what a one-file-per-process layout could read at
 
@@ -150,11 +151,21 @@ def read_pieces(path: str, sizes: list[int], threads: int) -> float:
     return time.perf_counter() - t0
 
 
-def read_one_file(path: str) -> float:
+def read_one_file(path: str, direct: bool = False) -> float:
     evict_from_page_cache(path)
-    buf = _aligned(BLOCK)
+    buf = memoryview(_aligned(BLOCK))
     t0 = time.perf_counter()
+    size = os.path.getsize(path)
+    body = size // 4096 * 4096 if direct else 0
+    if body:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            for offset in range(0, body, BLOCK):
+                _pread_into(fd, buf[:min(BLOCK, body - offset)], offset)
+        finally:
+            os.close(fd)
     with open(path, "rb", buffering=0) as f:
+        f.seek(body)
         while f.readinto(buf):
             pass
     return time.perf_counter() - t0
@@ -190,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 "read files@32": lambda: read_files(paths, 32),
                 "read files-direct@32": lambda: read_files(paths, 32, direct=True),
                 "read one-file": lambda: read_one_file(one_file),
+                "read one-file-direct": lambda: read_one_file(one_file, direct=True),
                 "read one-file@32": lambda: read_pieces(one_file, sizes, 32),
             }
             for name, run in runs.items():
