@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import dataclasses
 import errno
 import functools
 import json
@@ -82,15 +83,24 @@ def _fill_value(dtype: str) -> Any:
     return 0
 
 
-def zarr_json(shape: Sequence[int], dtype: str, chunks: Sequence[int]) -> bytes:
-    """The `zarr.json` of an array, exactly as tensorstore's zarr3 driver writes it."""
+def zarr_json(shape: Sequence[int], dtype: str, chunks: Sequence[int], shard: Sequence[int] = ()) -> bytes:
+    """The `zarr.json` of an array, exactly as tensorstore's zarr3 driver writes it; with `shard`,
+    an array of shards of that shape holding `chunks`-shaped inner chunks (`sharding_indexed`, the
+    index at the end of the file, zarr's default, without a checksum: see ArrayFiles)."""
     bytes_codec: dict[str, Any] = {"name": "bytes"}
     if dtype != "bool" and np.dtype(dtype).itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}
+    codecs: list[dict[str, Any]] = [bytes_codec]
+    grid = list(chunks)
+    if shard:
+        codecs = [{"configuration": {"chunk_shape": list(chunks), "codecs": codecs,
+                                     "index_codecs": [{"configuration": {"endian": "little"}, "name": "bytes"}]},
+                   "name": "sharding_indexed"}]
+        grid = list(shard)
     meta = {
-        "chunk_grid": {"configuration": {"chunk_shape": list(chunks)}, "name": "regular"},
+        "chunk_grid": {"configuration": {"chunk_shape": grid}, "name": "regular"},
         "chunk_key_encoding": {"name": "default"},
-        "codecs": [bytes_codec],
+        "codecs": codecs,
         "data_type": dtype,
         "fill_value": _fill_value(dtype),
         "node_type": "array",
@@ -113,6 +123,81 @@ def all_chunk_keys(shape: Sequence[int], chunks: Sequence[int]) -> list[tuple[st
     """Every chunk key of an array (one for a 0-d array, none when a dimension is 0)."""
     grid = chunk_grid(shape, chunks)
     return [chunk_key(index) for index in np.ndindex(*grid)] if grid else [chunk_key(())]
+
+
+_MISSING = 0xFFFFFFFFFFFFFFFF
+"""A shard index entry (offset and size) of an inner chunk that is not stored."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayFiles:
+    """Where an array's chunks are on disk, from its metadata alone (writer and reader agree).
+
+    Unsharded: chunk `i` is the whole file `c/<i...>`. Sharded (`shard` set): the chunks of shard `s`
+    (`shard // chunks` of them per dimension) are in the file `c/<s...>`, in C order, chunk `j` of
+    the shard at byte `j * stride` (the chunk's size rounded up to DIRECT_ALIGN, so O_DIRECT writes
+    and reads each chunk in place), followed by zarr's shard index: per chunk, its offset and size
+    as little-endian uint64, both all-ones for a chunk outside the array. A shard is written by one
+    process (planning.plan_shard_shape), so the layout needs no coordination and a restore reads a
+    run of a shard's chunks with one request.
+    """
+
+    shape: tuple[int, ...]
+    itemsize: int
+    chunks: tuple[int, ...]
+    shard: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, leaf: Any) -> ArrayFiles:
+        """The files of a LeafMetadata."""
+        itemsize = 1 if leaf.dtype == "bool" else np.dtype(leaf.dtype).itemsize
+        return cls(tuple(leaf.shape), itemsize, tuple(leaf.chunks), tuple(leaf.shard))
+
+    @property
+    def chunk_bytes(self) -> int:
+        return math.prod(self.chunks) * self.itemsize
+
+    @property
+    def stride(self) -> int:
+        return -(-self.chunk_bytes // DIRECT_ALIGN) * DIRECT_ALIGN
+
+    @property
+    def per_shard(self) -> tuple[int, ...]:
+        return tuple(s // c for s, c in zip(self.shard, self.chunks, strict=True))
+
+    def file_keys(self) -> list[tuple[str, ...]]:
+        """Every file of the array's grid (chunk files, or shard files)."""
+        return all_chunk_keys(self.shape, self.shard or self.chunks)
+
+    @property
+    def index_offset(self) -> int:
+        """Where a shard file's index starts."""
+        return math.prod(self.per_shard) * self.stride
+
+    def file_size(self) -> int:
+        if not self.shard:
+            return self.chunk_bytes
+        return self.index_offset + 16 * math.prod(self.per_shard)
+
+    def locate(self, chunk: Sequence[int]) -> tuple[tuple[str, ...], int]:
+        """The file (key parts) holding chunk `chunk` of the grid and the chunk's byte offset in it."""
+        if not self.shard:
+            return chunk_key(chunk), 0
+        per = self.per_shard
+        inner = 0
+        for i, n in zip(chunk, per, strict=True):
+            inner = inner * n + i % n
+        return chunk_key([i // n for i, n in zip(chunk, per, strict=True)]), inner * self.stride
+
+    def shard_index(self, key: Sequence[str]) -> bytes:
+        """The zarr shard index of the shard file `key` (its last 16 bytes per chunk)."""
+        first = [int(k) * n for k, n in zip(key[1:], self.per_shard, strict=True)]
+        grid = chunk_grid(self.shape, self.chunks)
+        entries = np.full((math.prod(self.per_shard), 2), _MISSING, dtype="<u8")
+        for j, inner in enumerate(np.ndindex(*self.per_shard)):
+            if all(f + i < g for f, i, g in zip(first, inner, grid, strict=True)):
+                entries[j] = (j * self.stride, self.chunk_bytes)
+        return entries.tobytes()
 
 
 @functools.cache
@@ -260,8 +345,9 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _write_direct(path: str, raw: np.ndarray) -> bool:
-    """Write `raw` (uint8) as the whole content of `path` with O_DIRECT through a bounce buffer;
+def _write_direct(path: str, raw: np.ndarray, offset: int, size: int | None) -> bool:
+    """Write `raw` (uint8) at `offset` (a multiple of DIRECT_ALIGN) of `path` with O_DIRECT through a
+    bounce buffer, the last block padded with zeros, then truncate the file to `size` (when given);
     False (nothing written) when the filesystem refuses O_DIRECT."""
     try:
         fd = _open_for_write(path, os.O_DIRECT)
@@ -271,38 +357,44 @@ def _write_direct(path: str, raw: np.ndarray) -> bool:
         raise
     bounce = _bounce.take()
     try:
-        offset = 0
-        while offset < raw.nbytes:
-            piece = min(BOUNCE_BYTES, raw.nbytes - offset)
+        done = 0
+        while done < raw.nbytes:
+            piece = min(BOUNCE_BYTES, raw.nbytes - done)
             padded = -(-piece // DIRECT_ALIGN) * DIRECT_ALIGN
-            bounce[:piece] = raw[offset:offset + piece]
+            bounce[:piece] = raw[done:done + piece]
             bounce[piece:padded] = 0
             try:
-                _pwrite_all(fd, bounce[:padded].data, offset)
+                _pwrite_all(fd, bounce[:padded].data, offset + done)
             except OSError as e:
-                if e.errno == errno.EINVAL and offset == 0:
+                if e.errno == errno.EINVAL and done == 0:
                     return False  # e.g. a logical block larger than DIRECT_ALIGN
                 raise
-            offset += piece
-        os.ftruncate(fd, raw.nbytes)
+            done += piece
+        if size is not None:
+            os.ftruncate(fd, size)
         return True
     finally:
         _bounce.give(bounce)
         os.close(fd)
 
 
-def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True, direct: bool = False) -> None:
-    """Write `data`'s C-order bytes as the whole content of `path`, in place when it exists: open
-    without truncating, pwrite, ftruncate to the exact size; when `fsync`, start its writeback
-    (durable only after `make_durable`). `direct`: with O_DIRECT (module docstring) when the file
-    has at least DIRECT_MIN_BYTES."""
+def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True, direct: bool = False,
+                     offset: int = 0, size: int | None = -1) -> None:
+    """Write `data`'s C-order bytes at `offset` of `path`, in place when it exists: open without
+    truncating, pwrite, then ftruncate to `size` (by default the data's size: the whole file; None
+    leaves the size alone: a chunk inside a shard file); when `fsync`, start its writeback (durable
+    only after `make_durable`). `direct`: with O_DIRECT (module docstring) when the data has at
+    least DIRECT_MIN_BYTES and `offset` is aligned."""
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    if direct and raw.nbytes >= DIRECT_MIN_BYTES and _write_direct(path, raw):
+    if size == -1:
+        size = offset + raw.nbytes
+    if direct and raw.nbytes >= DIRECT_MIN_BYTES and offset % DIRECT_ALIGN == 0 and _write_direct(path, raw, offset, size):
         return
     fd = _open_for_write(path, 0)
     try:
-        _pwrite_all(fd, raw.data, 0)
-        os.ftruncate(fd, raw.nbytes)
+        _pwrite_all(fd, raw.data, offset)
+        if size is not None:
+            os.ftruncate(fd, size)
         if fsync:
             start_writeback(fd)
     finally:
@@ -338,14 +430,18 @@ class ChunkWriter:
         self._inflight = 0
         self._pending: list[tuple[concurrent.futures.Future[None], int, str]] = []
         self.written: list[str] = []
-        """The paths of every file submitted (each written once `drain` returned)."""
+        """The paths of every file submitted (each written once `drain` returned), each once."""
+        self._seen: set[str] = set()
 
-    def submit(self, path: str, data: np.ndarray, what: str) -> None:
+    def submit(self, path: str, data: np.ndarray, what: str, offset: int = 0, size: int | None = -1) -> None:
+        """Write `data` at `offset` of `path`, then truncate it to `size` (write_chunk_file)."""
         nbytes = data.nbytes
-        self.written.append(path)
+        if path not in self._seen:
+            self._seen.add(path)
+            self.written.append(path)
         while self._pending and self._inflight + nbytes > self._limit:
             self._finish_oldest()
-        future = self._pool.submit(write_chunk_file, path, data, self._fsync, self._direct)
+        future = self._pool.submit(write_chunk_file, path, data, self._fsync, self._direct, offset, size)
         self._pending.append((future, nbytes, what))
         self._inflight += nbytes
 
@@ -373,8 +469,8 @@ class ChunkWriter:
 def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool, threads: int,
                    max_inflight_bytes: int, on_progress: Callable[[int], None] | None = None,
                    direct_io: bool = True) -> None:
-    """Write this process's boxes of `plan` (items.SnapshotPlan) as chunk files under the local folder
-    `step_path` (and, when `create_metadata`, every array's zarr.json); returns once all are written
+    """Write this process's boxes of `plan` (items.SnapshotPlan) as chunk files, or into shard files
+    (ArrayFiles), under the local folder `step_path` (and, when `create_metadata`, every array's zarr.json); returns once all are written
     (and durable when `fsync`: `make_durable`). `direct_io`: O_DIRECT where `use_direct_io` allows.
     `on_progress(i)` is called before the i-th write (test hook)."""
     from resilax_ckpt.items import resolve_source
@@ -387,11 +483,12 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
         remaining[key] = remaining.get(key, 0) + 1
     writer = ChunkWriter(threads, limit, fsync, use_direct_io(step_path, direct_io))
     shard_cache: dict[int, dict[Any, Any]] = {}
+    shard_files: set[str] = set()
     try:
         if create_metadata:
             for item, leaf in plan.arrays:
                 path = os.path.join(step_path, item, leaf.dir, ZARR_JSON)
-                meta = np.frombuffer(zarr_json(leaf.shape, leaf.dtype, leaf.chunks), np.uint8)
+                meta = np.frombuffer(zarr_json(leaf.shape, leaf.dtype, leaf.chunks, leaf.shard), np.uint8)
                 writer.submit(path, meta, f"writing {path}")
         for n, write in enumerate(plan.writes):
             if on_progress is not None:
@@ -408,8 +505,19 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
                 shard_cache.pop(key, None)
             del source
             index, data = chunk_data(write.box, data, leaf.shape, leaf.chunks)
-            path = os.path.join(step_path, item, leaf.dir, *chunk_key(index))
-            writer.submit(path, data, f"writing {item}/{leaf.keystr} box {write.box} to {path}")
+            files = ArrayFiles.of(leaf)
+            file_key, offset = files.locate(index)
+            path = os.path.join(step_path, item, leaf.dir, *file_key)
+            what = f"writing {item}/{leaf.keystr} box {write.box} to {path}"
+            if not files.shard:
+                writer.submit(path, data, what)
+            else:
+                writer.submit(path, data, what, offset, None)
+                if path not in shard_files:  # this process writes the whole shard: its index too
+                    shard_files.add(path)
+                    index_bytes = np.frombuffer(files.shard_index(file_key), np.uint8)
+                    writer.submit(path, index_bytes, f"writing the shard index of {path}", files.index_offset,
+                                  files.file_size())
             del data
         writer.drain()
         if fsync and writer.written:

@@ -142,8 +142,8 @@ def clean_leftovers(storage: Storage, root: str, generation: int) -> list[str]:
 
 def expected_files(metadata: StepMetadata) -> set[str]:
     """Every file of a step besides `_METADATA.json` and `_COMMIT`, relative to the step folder
-    ('/'-separated): each array's zarr.json and every chunk of its grid (every chunk is written by
-    some process), each JSON item, each process's per-process item."""
+    ('/'-separated): each array's zarr.json and every chunk or shard file of its grid (each is written
+    by some process), each JSON item, each process's per-process item."""
     out: set[str] = set()
     for name, item in metadata.items.items():
         if item.kind == "json":
@@ -156,7 +156,7 @@ def expected_files(metadata: StepMetadata) -> set[str]:
                     continue
                 base = f"{name}/{leaf.dir}"
                 out.add(f"{base}/{chunk_writer.ZARR_JSON}")
-                out.update(f"{base}/" + "/".join(key) for key in chunk_writer.all_chunk_keys(leaf.shape, leaf.chunks))
+                out.update(f"{base}/" + "/".join(key) for key in chunk_writer.ArrayFiles.of(leaf).file_keys())
     return out
 
 

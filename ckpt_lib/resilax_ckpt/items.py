@@ -7,6 +7,7 @@ private copies (so the training loop may donate or overwrite its buffers as soon
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resilax_ckpt import layout, planning
+from resilax_ckpt import chunk_writer, layout, planning
 from resilax_ckpt.errors import ResilaxCkptError, TreeMismatchError
 from resilax_ckpt.metadata import ItemMetadata, LeafMetadata, StepMetadata
 
@@ -115,16 +116,19 @@ class SnapshotPlan:
 
 
 def snapshot_items(items: Mapping[str, Any], *, step: int, generation: int, process_index: int,
-                   process_count: int, local_tier: bool, time_now: float) -> SnapshotPlan:
+                   process_count: int, local_tier: bool, time_now: float, shard_files: bool = False) -> SnapshotPlan:
     """Flatten the items and take private copies of what this process writes.
 
     Shared folder: each process writes replica 0 of its addressable shards; process 0 writes host
     (NumPy) arrays and JSON items; each process writes its per-process items. Local tier: each
-    process writes everything it holds.
+    process writes everything it holds. `shard_files` (local shared folders, written by chunk_writer):
+    arrays whose processes' shards form a regular grid are stored as one file per process
+    (`LeafMetadata.shard`).
     """
     plan, device_sources = _plan_snapshot(items, step=step, generation=generation,
                                           process_index=process_index, process_count=process_count,
-                                          local_tier=local_tier, time_now=time_now)
+                                          local_tier=local_tier, time_now=time_now,
+                                          shard_files=shard_files and not local_tier)
     for write in plan.writes:
         if isinstance(write.source, np.ndarray):
             write.source = np.array(write.source, copy=True)
@@ -150,8 +154,8 @@ def compile_copies(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
 
 
 def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, process_index: int,
-                   process_count: int, local_tier: bool,
-                   time_now: float) -> tuple[SnapshotPlan, list[tuple[int, jax.Array, Any]]]:
+                   process_count: int, local_tier: bool, time_now: float,
+                   shard_files: bool = False) -> tuple[SnapshotPlan, list[tuple[int, jax.Array, Any]]]:
     """The metadata and writes of a save, with the writes' sources not yet copied: NumPy leaves as
     they are, device shards listed apart as (index into writes, global array, shard)."""
     writes_host = local_tier or process_index == 0
@@ -181,8 +185,9 @@ def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, proc
             if isinstance(leaf, jax.Array):
                 shape = tuple(leaf.shape)
                 chunks = tuple(max(1, c) for c in leaf.sharding.shard_shape(shape))
+                shard_shape = _shard_shape(leaf.sharding, shape, chunks) if shard_files else ()
                 meta = LeafMetadata(keystr=keystr, path=enc, kind="array", dir=leaf_dir, shape=shape,
-                                    dtype=np.dtype(leaf.dtype).name, chunks=chunks)
+                                    dtype=np.dtype(leaf.dtype).name, chunks=chunks, shard=shard_shape)
                 array_index = len(arrays)
                 arrays.append((name, meta))
                 boxes_done: set[planning.Box] = set()
@@ -219,9 +224,25 @@ def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, proc
             leaves.append(meta)
         item_meta[name] = ItemMetadata(kind="pytree", leaves=tuple(leaves))
 
+    if shard_files and not all(chunk_writer.supports(leaf.dtype) for _, leaf in arrays):
+        # tensorstore writes this step (manager._write_step_files), one file per chunk.
+        arrays = [(name, dataclasses.replace(leaf, shard=())) for name, leaf in arrays]
+        item_meta = {name: dataclasses.replace(item, leaves=tuple(
+            dataclasses.replace(leaf, shard=()) if leaf.kind == "array" else leaf for leaf in item.leaves))
+            for name, item in item_meta.items()}
     metadata = StepMetadata(step=step, generation=generation, process_count=process_count,
                             items=item_meta, time=time_now, local_tier=local_tier)
     return SnapshotPlan(metadata=metadata, arrays=arrays, writes=writes, files=files), device_sources
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_shape(sharding: Any, shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, ...]:
+    """The shard shape of an array stored one file per process (planning.plan_shard_shape), from
+    which process holds which box of the global sharding."""
+    by_process: dict[int, set[planning.Box]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        by_process.setdefault(device.process_index, set()).add(planning.box_of_index(index, shape))
+    return planning.plan_shard_shape(chunks, by_process.values())
 
 
 @jax.jit

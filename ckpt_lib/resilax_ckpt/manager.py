@@ -255,7 +255,8 @@ class CheckpointManager:
         plan = items_lib.snapshot_items(
             items, step=step, generation=self._options.generation,
             process_index=self._coord.process_index, process_count=self._coord.process_count,
-            local_tier=self._local_tier, time_now=0.0 if self._local_tier else time.time())
+            local_tier=self._local_tier, time_now=0.0 if self._local_tier else time.time(),
+            shard_files=self._options.shard_files and self._storage.is_local)
         self._last_saved_step = step
         self._last_save_time = self._options.clock()
         future = self._executor.submit(self._write_and_commit, step, plan, key, requests)
@@ -650,10 +651,11 @@ class CheckpointManager:
                 else:
                     boxes = list(planning.plan_read_boxes(
                         sharding.addressable_devices_indices_map(leaf.shape).items(), leaf.shape))
-                chunk_keys = {c for box in boxes for c in planning.chunks_of_box(box, leaf.chunks)}
+                files = chunk_writer.ArrayFiles.of(leaf)
+                file_keys = {files.locate(c)[0] for box in boxes for c in planning.chunks_of_box(box, leaf.chunks)}
                 leaf_path = self._storage.join(step_path, name, str(leaf.dir))
-                for chunk in chunk_keys:
-                    if not self._storage.exists(self._storage.join(leaf_path, "c", *map(str, chunk))):
+                for key in file_keys:
+                    if not self._storage.exists(self._storage.join(leaf_path, *key)):
                         return False
         return True
 
@@ -826,7 +828,8 @@ def save(path: str, items: Mapping[str, Any]) -> None:
     root, name = path.rsplit("/", 1) if "/" in path else (".", path)
     context = tsio.build_context(32, True)
     plan = items_lib.snapshot_items(items, step=0, generation=0, process_index=coord.process_index,
-                                    process_count=coord.process_count, local_tier=False, time_now=time.time())
+                                    process_count=coord.process_count, local_tier=False, time_now=time.time(),
+                                    shard_files=storage.is_local)
     work = storage.join(root, f"{layout.TMP_PREFIX}{name}") if storage.is_local else path
     _write_step_files(storage, work, plan, context, ManagerOptions.max_inflight_bytes, coord.process_index == 0,
                       coord.process_index)

@@ -14,7 +14,9 @@ from typing import Any, Literal
 from resilax_ckpt.errors import MetadataError
 
 FORMAT_NAME = "resilax-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Written by this library. Version 2 added a leaf's `shard` (one file per leaf and process)."""
+READABLE_VERSIONS = (1, 2)
 
 LeafKind = Literal["array", "scalar"]
 ItemKind = Literal["pytree", "json", "per_process"]
@@ -32,7 +34,10 @@ class LeafMetadata:
     shape: tuple[int, ...] = ()
     dtype: str = ""
     chunks: tuple[int, ...] = ()
-    """The zarr3 chunk shape: the shard shape of the saved sharding."""
+    """The zarr3 chunk shape: the shard shape of the saved sharding (of a JAX sharding, not zarr's)."""
+    shard: tuple[int, ...] = ()
+    """When set, the array's files are zarr3 shards of this shape (the `sharding_indexed` codec), each
+    holding the `chunks` one process wrote (chunk_writer.ArrayFiles); else one file per chunk."""
     value: Any = None
     """A scalar leaf's value (JSON)."""
     pytype: str = ""
@@ -42,8 +47,11 @@ class LeafMetadata:
         if self.kind == "scalar":
             return {"keystr": self.keystr, "path": self.path, "kind": "scalar",
                     "value": self.value, "pytype": self.pytype}
-        return {"keystr": self.keystr, "path": self.path, "kind": "array", "dir": self.dir,
-                "shape": list(self.shape), "dtype": self.dtype, "chunks": list(self.chunks)}
+        out = {"keystr": self.keystr, "path": self.path, "kind": "array", "dir": self.dir,
+               "shape": list(self.shape), "dtype": self.dtype, "chunks": list(self.chunks)}
+        if self.shard:
+            out["shard"] = list(self.shard)
+        return out
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> LeafMetadata:
@@ -53,7 +61,8 @@ class LeafMetadata:
         if raw["kind"] != "array":
             raise KeyError(f"unknown leaf kind {raw['kind']!r}")
         return cls(keystr=raw["keystr"], path=raw["path"], kind="array", dir=raw["dir"],
-                   shape=tuple(raw["shape"]), dtype=raw["dtype"], chunks=tuple(raw["chunks"]))
+                   shape=tuple(raw["shape"]), dtype=raw["dtype"], chunks=tuple(raw["chunks"]),
+                   shard=tuple(raw.get("shard", ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +116,10 @@ class StepMetadata:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
             raise MetadataError(f"{where}: not a {FORMAT_NAME} metadata file")
         version = raw.get("version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise MetadataError(
-                f"{where}: format version {version!r} is not supported; this library reads version "
-                f"{FORMAT_VERSION}"
+                f"{where}: format version {version!r} is not supported; this library reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}"
             )
         try:
             return cls(

@@ -74,6 +74,12 @@ class ManagerOptions:
     save nor a restore fills the page cache (chunk_writer.py, reader.py). A filesystem that refuses
     O_DIRECT gets buffered I/O either way."""
 
+    shard_files: bool = True
+    """Local shared folders: store each array as zarr3 shards, one file per array and process (each
+    process's chunks back to back, `sharding_indexed`), instead of one file per chunk: fewer files,
+    and a restore reads a process's chunks in a few large requests (chunk_writer.ArrayFiles). Not on
+    gs:// or in the local tier, and only where the processes' shards form a regular grid."""
+
     fsync: bool = True
     """Make every written file durable (local chunk files: writeback started per file, one syncfs at
     the end; tensorstore: `file_io_sync`) and fsync the step folder before commit."""

@@ -50,6 +50,34 @@ def plan_chunk_shape(shape: Sequence[int], boxes: Iterable[Box]) -> tuple[int, .
     return tuple(chunk)
 
 
+def plan_shard_shape(chunks: Sequence[int], boxes_per_process: Iterable[Iterable[Box]]) -> tuple[int, ...]:
+    """The zarr3 shard shape (in elements) that gives every process one file per array, from the
+    boxes each process holds (one iterable per process): each process's boxes must cover one block of whole chunks, all blocks of the same chunk counts,
+    starting at multiples of them, and no box may be held by two processes (then one process writes
+    each shard, whole). `()` when they do not, or when a shard would hold a single chunk (one file
+    per chunk is then the same thing)."""
+    counts: tuple[int, ...] | None = None
+    seen: set[tuple[int, ...]] = set()
+    for boxes in boxes_per_process:
+        cells = {c for box in boxes for c in chunks_of_box(box, chunks)}
+        if not cells:
+            continue
+        if cells & seen:
+            return ()
+        seen |= cells
+        low = [min(c[d] for c in cells) for d in range(len(chunks))]
+        high = [max(c[d] for c in cells) + 1 for d in range(len(chunks))]
+        block = tuple(h - lo for lo, h in zip(low, high, strict=True))
+        if len(cells) != box_size(tuple((0, n) for n in block)) or (counts is not None and block != counts):
+            return ()
+        if any(lo % n for lo, n in zip(low, block, strict=True)):
+            return ()
+        counts = block
+    if counts is None or box_size(tuple((0, n) for n in counts)) <= 1:
+        return ()
+    return tuple(n * c for n, c in zip(counts, chunks, strict=True))
+
+
 def plan_write_boxes(shards: Iterable[tuple[Index, int]], shape: Sequence[int],
                      all_replicas: bool = False) -> list[Box]:
     """The distinct boxes a process writes, from its addressable shards' `(index, replica_id)`.

@@ -52,6 +52,8 @@ ALIGNMENT = 64
 DIRECT_MIN_BYTES = chunk_writer.DIRECT_MIN_BYTES
 """Chunk files (and buffers) of at least this size are read (and aligned) for O_DIRECT."""
 DIRECT_ALIGN = chunk_writer.DIRECT_ALIGN
+RUN_BYTES = 16 << 20
+"""Chunks back to back in a shard file are read in requests of up to this many bytes."""
 
 
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -218,33 +220,64 @@ def _plan_chunk_tasks(read: LeafRead) -> list[_ChunkTask]:
 
 
 class _FileChunkReader:
-    """Fills boxes from local chunk files (see the module docstring)."""
+    """Fills boxes from local chunk and shard files (see the module docstring)."""
 
-    def __init__(self, leaf_paths: list[str], pool: _ScratchPool, o_direct: bool) -> None:
+    def __init__(self, leaf_paths: list[str], files: list[chunk_writer.ArrayFiles], pool: _ScratchPool,
+                 o_direct: bool) -> None:
         self._leaf_paths = leaf_paths
+        self._files = files
         self._pool = pool
         self._o_direct = o_direct
         """Read files of at least DIRECT_MIN_BYTES with O_DIRECT (cleared if the filesystem refuses)."""
 
-    def path(self, index: int, task: _ChunkTask) -> str:
-        return os.path.join(self._leaf_paths[index], "c", *map(str, task.chunk))
+    def location(self, index: int, task: _ChunkTask) -> tuple[str, int]:
+        """The file holding the task's chunk and the chunk's offset in it."""
+        key, offset = self._files[index].locate(task.chunk)
+        return os.path.join(self._leaf_paths[index], *key), offset
 
-    def buffered_bytes(self, task: _ChunkTask) -> int:
-        """Bytes of memory besides the box buffers that reading `task` takes: none when it is read
-        straight into them, else its chunk file's size (a scratch buffer)."""
-        leaf = task.read.leaf
-        itemsize = np.dtype(leaf.dtype).itemsize
-        chunks = tuple(leaf.chunks)
-        if self._in_place_parts(task, chunks, itemsize) is not None:
+    def jobs(self, index: int, tasks: list[_ChunkTask]) -> list[list[_ChunkTask]]:
+        """The reads of a leaf: runs of whole chunks that lie back to back in one shard file and go
+        straight into page-aligned box buffers (one request of up to RUN_BYTES), each other chunk
+        alone."""
+        files = self._files[index]
+        if not files.shard or files.chunk_bytes != files.stride:
+            return [[task] for task in tasks]
+        jobs: list[list[_ChunkTask]] = []
+        run: list[_ChunkTask] = []
+        end: tuple[str, int] | None = None
+        located = sorted(((*self.location(index, t), t) for t in tasks), key=lambda x: (x[0], x[1]))
+        for path, offset, task in located:
+            box = task.single_box()
+            whole = box is not None and box.nbytes == files.chunk_bytes and box.ctypes.data % DIRECT_ALIGN == 0
+            if not whole:
+                jobs.append([task])
+                continue
+            if run and (end != (path, offset) or (len(run) + 1) * files.stride > RUN_BYTES):
+                jobs.append(run)
+                run = []
+            run.append(task)
+            end = (path, offset + files.stride)
+        if run:
+            jobs.append(run)
+        return jobs
+
+    def buffered_bytes(self, job: list[_ChunkTask]) -> int:
+        """Bytes of memory besides the box buffers that reading `job` takes: none when it is read
+        straight into them, else its chunk's size (a scratch buffer)."""
+        if len(job) > 1:
             return 0
-        return planning.box_size(tuple((0, c) for c in chunks)) * itemsize
+        leaf = job[0].read.leaf
+        itemsize = np.dtype(leaf.dtype).itemsize
+        if self._in_place_parts(job[0], tuple(leaf.chunks), itemsize) is not None:
+            return 0
+        return planning.box_size(tuple((0, c) for c in leaf.chunks)) * itemsize
 
-    def run(self, index: int, task: _ChunkTask) -> None:
-        leaf = task.read.leaf
+    def run(self, index: int, job: list[_ChunkTask]) -> None:
+        files = self._files[index]
+        leaf = job[0].read.leaf
         itemsize = np.dtype(leaf.dtype).itemsize
         chunks = tuple(leaf.chunks)
-        expected = planning.box_size(tuple((0, c) for c in chunks)) * itemsize
-        path = self.path(index, task)
+        path, base = self.location(index, job[0])
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as e:
@@ -253,17 +286,23 @@ class _FileChunkReader:
             raise StorageError(f"chunk file {path}: {e}") from e
         try:
             size = os.fstat(fd).st_size
+            expected = files.file_size()
             if size != expected:
+                what = f"a shard {list(files.shard)} of chunks {list(chunks)}" if files.shard else f"a chunk {list(chunks)}"
                 raise StorageError(
-                    f"chunk file {path} has {size} bytes, expected {expected} (a chunk {list(chunks)} of "
+                    f"chunk file {path} has {size} bytes, expected {expected} ({what} of "
                     f"{leaf.dtype}): truncated or not written by resilax_ckpt")
+            if len(job) > 1:
+                self._read_run(path, fd, size, base, [task.read.buffers[task.region] for task in job])
+                return
+            task = job[0]
             in_place = self._in_place_parts(task, chunks, itemsize)
             if in_place is not None:
-                self._read_parts(path, fd, size, in_place)
+                self._read_parts(path, fd, size, [(base + offset, buf) for offset, buf in in_place])
                 return
-            scratch = self._pool.take(expected)
+            scratch = self._pool.take(files.chunk_bytes)
             try:
-                self._read_parts(path, fd, size, [(0, scratch)])
+                self._read_parts(path, fd, size, [(base, scratch)])
                 data = scratch.view(np.dtype(leaf.dtype)).reshape(chunks)
                 task.scatter(_view(data, tuple(slice(0, b - a) for a, b in task.region)))
             finally:
@@ -271,18 +310,37 @@ class _FileChunkReader:
         finally:
             os.close(fd)
 
-    def _read_parts(self, path: str, fd: int, size: int, parts: list[tuple[int, np.ndarray]]) -> None:
-        """Fill each (file offset, buffer) part from the open file `fd` of `size` bytes: the
-        page-aligned middle of a part with O_DIRECT when enabled and the file is large enough, the
-        rest (and everything otherwise) with buffered reads."""
-        dfd = -1
+    def _open_direct(self, path: str, size: int) -> int:
+        """`path` opened with O_DIRECT when enabled and the file is large enough, else -1."""
         if self._o_direct and size >= DIRECT_MIN_BYTES:
             try:
-                dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                return os.open(path, os.O_RDONLY | os.O_DIRECT)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise StorageError(f"chunk file {path}: {e}") from e
                 self._o_direct = False  # the filesystem refuses O_DIRECT
+        return -1
+
+    def _read_run(self, path: str, fd: int, size: int, offset: int, buffers: list[np.ndarray]) -> None:
+        """Fill `buffers` (page-aligned, page-multiple sizes) from consecutive bytes of the file at
+        `offset`: one preadv, with O_DIRECT when enabled."""
+        dfd = self._open_direct(path, size)
+        try:
+            try:
+                _preadv_exact(fd if dfd < 0 else dfd, buffers, offset, path)
+            except OSError as e:  # e.g. a logical block larger than DIRECT_ALIGN
+                if dfd < 0 or e.errno != errno.EINVAL:
+                    raise
+                _preadv_exact(fd, buffers, offset, path)
+        finally:
+            if dfd >= 0:
+                os.close(dfd)
+
+    def _read_parts(self, path: str, fd: int, size: int, parts: list[tuple[int, np.ndarray]]) -> None:
+        """Fill each (file offset, buffer) part from the open file `fd` of `size` bytes: the
+        page-aligned middle of a part with O_DIRECT when enabled and the file is large enough, the
+        rest (and everything otherwise) with buffered reads."""
+        dfd = self._open_direct(path, size)
         try:
             for offset, view in parts:
                 buf = view.reshape(-1).view(np.uint8)
@@ -308,8 +366,9 @@ class _FileChunkReader:
     @staticmethod
     def _in_place_parts(task: _ChunkTask, chunks: tuple[int, ...],
                         itemsize: int) -> list[tuple[int, np.ndarray]] | None:
-        """(file offset, destination byte view) per pair when every pair's part is contiguous in
-        the file and in its box buffer; None when the chunk must be sliced from a scratch copy."""
+        """(offset in the chunk, destination byte view) per pair when every pair's part is
+        contiguous in the chunk and in its box buffer; None when the chunk must be sliced from a
+        scratch copy."""
         parts = []
         origin = tuple(a for a, _ in task.region)
         for box, inter in task.pairs:
@@ -325,14 +384,22 @@ class _FileChunkReader:
 
 
 def _pread_exact(fd: int, view: np.ndarray, offset: int, path: str) -> None:
-    buf = view.reshape(-1).view(np.uint8).data
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
+    _preadv_exact(fd, [view], offset, path)
+
+
+def _preadv_exact(fd: int, views: list[np.ndarray], offset: int, path: str) -> None:
+    """Fill `views`, in order, from the file's bytes at `offset` (preadv, repeated on short reads)."""
+    bufs = [v.reshape(-1).view(np.uint8).data for v in views]
+    want = offset + sum(len(b) for b in bufs)
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
         if n <= 0:
-            raise StorageError(f"chunk file {path}: ended after {offset + done} bytes, "
-                               f"expected at least {offset + len(buf)}")
-        done += n
+            raise StorageError(f"chunk file {path}: ended after {offset} bytes, expected at least {want}")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs.pop(0))
+        if bufs and n:
+            bufs[0] = bufs[0][n:]
 
 
 class _TensorstoreChunkReader:
@@ -342,11 +409,18 @@ class _TensorstoreChunkReader:
         self._stores = stores
 
     @staticmethod
-    def buffered_bytes(task: _ChunkTask) -> int:
-        """Bytes of tensorstore's own buffers while reading `task`: its region's (counted always)."""
+    def jobs(index: int, tasks: list[_ChunkTask]) -> list[list[_ChunkTask]]:
+        """Each chunk is a read of its own (tensorstore batches them itself)."""
+        return [[task] for task in tasks]
+
+    @staticmethod
+    def buffered_bytes(job: list[_ChunkTask]) -> int:
+        """Bytes of tensorstore's own buffers while reading `job`'s chunk: its region's (counted always)."""
+        (task,) = job
         return planning.box_size(task.region) * np.dtype(task.read.leaf.dtype).itemsize
 
-    def run(self, index: int, task: _ChunkTask) -> None:
+    def run(self, index: int, job: list[_ChunkTask]) -> None:
+        (task,) = job
         store = self._stores[index][planning.box_to_index(task.region)]
         target = task.single_box()
         if target is not None:
@@ -371,11 +445,13 @@ def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: An
     scratch = _ScratchPool(limit)
     runner: _FileChunkReader | _TensorstoreChunkReader
     if use_tensorstore:
-        specs = [tsio.build_array_spec(storage.kvstore_spec(path), r.leaf.shape, r.leaf.dtype, r.leaf.chunks)
+        specs = [tsio.build_array_spec(storage.kvstore_spec(path), r.leaf.shape, r.leaf.dtype, r.leaf.chunks,
+                                       r.leaf.shard)
                  for path, r in zip(leaf_paths, reads, strict=True)]
         runner = _TensorstoreChunkReader(tsio.open_arrays(specs, context, create=False))
     else:
-        runner = _FileChunkReader(leaf_paths, scratch, chunk_writer.use_direct_io(step_path, direct_io))
+        runner = _FileChunkReader(leaf_paths, [chunk_writer.ArrayFiles.of(r.leaf) for r in reads], scratch,
+                                  chunk_writer.use_direct_io(step_path, direct_io))
     limiter = tsio.InflightLimiter(limit)
     executor = concurrent.futures.ThreadPoolExecutor(max(1, io_concurrency), thread_name_prefix="resilax-read")
     try:
@@ -383,16 +459,17 @@ def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: An
             read.plan_boxes()
             stored = np.dtype(read.leaf.dtype)
             read.buffers = {box: aligned_empty(planning.box_shape(box), stored) for box in read.devices}
-            tasks = _plan_chunk_tasks(read)
-            read.remaining = len(tasks)
-            if not tasks:  # empty array
+            jobs = runner.jobs(index, _plan_chunk_tasks(read))
+            read.remaining = len(jobs)
+            if not jobs:  # empty array
                 read.finish()
                 continue
-            for task in tasks:
-                nbytes = runner.buffered_bytes(task)
+            for job in jobs:
+                nbytes = runner.buffered_bytes(job)
                 limiter.admit(nbytes)
-                future = executor.submit(runner.run, index, task)
-                limiter.add(future, nbytes, f"reading {read.name} chunk {list(task.chunk)} from {step_path}",
+                future = executor.submit(runner.run, index, job)
+                chunks = f"chunk {list(job[0].chunk)}" + (f" and {len(job) - 1} more" if len(job) > 1 else "")
+                limiter.add(future, nbytes, f"reading {read.name} {chunks} from {step_path}",
                             on_done=lambda _, r=read: _one_done(r))
         limiter.drain()
     finally:

@@ -49,7 +49,16 @@ def dtype_name(dtype: Any) -> str:
 
 
 def build_array_spec(kvstore: dict[str, Any], shape: Sequence[int], dtype: str,
-                     chunks: Sequence[int]) -> dict[str, Any]:
+                     chunks: Sequence[int], shard: Sequence[int] = ()) -> dict[str, Any]:
+    """The zarr3 spec of a leaf's array; with `shard`, an array of shards of that shape holding
+    `chunks`-shaped chunks (chunk_writer.ArrayFiles)."""
+    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    grid = list(chunks)
+    if shard:
+        codecs = [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": list(chunks), "codecs": codecs, "index_location": "end",
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]}}]
+        grid = list(shard)
     return {
         "driver": "zarr3",
         "kvstore": kvstore,
@@ -60,9 +69,9 @@ def build_array_spec(kvstore: dict[str, Any], shape: Sequence[int], dtype: str,
         "metadata": {
             "shape": list(shape),
             "data_type": dtype,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
             "chunk_key_encoding": {"name": "default"},
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            "codecs": codecs,
             "fill_value": 0 if dtype != "bool" else False,
         },
     }
@@ -129,7 +138,7 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
     once all are durable. `on_progress(i)` is called before the i-th write (test hook)."""
     specs = [
         build_array_spec(storage.kvstore_spec(storage.join(step_path, item, leaf.dir)), leaf.shape,
-                         leaf.dtype, leaf.chunks)
+                         leaf.dtype, leaf.chunks, leaf.shard)
         for item, leaf in plan.arrays
     ]
     needed = sorted({w.array_index for w in plan.writes})

@@ -42,6 +42,26 @@ def test_plan_read_boxes_groups_devices_per_box():
     assert plan == {((0, 4),): ["d0", "d1"], ((4, 8),): ["d2"]}
 
 
+def _grid(rows, cols, r, c):
+    """The boxes of a (rows x cols) array cut into (r x c)-element blocks."""
+    return [((i, i + r), (j, j + c)) for i in range(0, rows, r) for j in range(0, cols, c)]
+
+
+@pytest.mark.parametrize(("chunks", "per_process", "shard"), [
+    ((2, 4), [_grid(8, 8, 2, 4)], (8, 8)),  # one process: the whole array in one file
+    ((2, 4), [_grid(4, 8, 2, 4), [((a + 4, b + 4), c) for (a, b), c in _grid(4, 8, 2, 4)]], (4, 8)),  # row halves
+    ((2, 4), [_grid(8, 4, 2, 4), [(r, (4, 8)) for r, _ in _grid(8, 4, 2, 4)]], (8, 4)),  # column halves
+    ((8, 8), [[((0, 8), (0, 8))]], ()),  # a single chunk: nothing to gain
+    ((2, 4), [_grid(8, 8, 2, 4)[:2], _grid(8, 8, 2, 4)[2:]], ()),  # blocks of different sizes
+    ((2, 4), [[((0, 2), (0, 4)), ((4, 6), (0, 4))], [((2, 4), (0, 4)), ((6, 8), (0, 4))]], ()),  # interleaved
+    ((4, 4), [[((0, 4), (0, 4))], [((0, 4), (0, 4)), ((4, 8), (0, 4))]], ()),  # a box on two processes
+    ((), [[()]], ()),  # 0-d
+], ids=["one-process", "row-halves", "column-halves", "one-chunk", "uneven-blocks", "interleaved", "replicated",
+        "scalar"])
+def test_plan_shard_shape_gives_each_process_whole_shards(chunks, per_process, shard):
+    assert planning.plan_shard_shape(chunks, per_process) == shard
+
+
 @pytest.mark.parametrize(("box", "written", "covered"), [
     (((0, 4), (0, 4)), [((0, 4), (0, 2)), ((0, 4), (2, 4))], True),
     (((0, 4), (0, 4)), [((0, 4), (0, 2))], False),
@@ -112,12 +132,18 @@ def test_leaf_dir_names_are_unique_and_safe():
 def test_metadata_round_trip_and_version_check():
     leaf = LeafMetadata(keystr="['w']", path=[["d", "w"]], kind="array", dir="w", shape=(8, 4),
                         dtype="bfloat16", chunks=(4, 2))
+    sharded = LeafMetadata(keystr="['v']", path=[["d", "v"]], kind="array", dir="v", shape=(8, 4),
+                           dtype="float32", chunks=(2, 2), shard=(4, 4))
     scalar = LeafMetadata(keystr="['s']", path=[["d", "s"]], kind="scalar", value=3, pytype="int")
     meta = StepMetadata(step=5, generation=2, process_count=2,
-                        items={"params": ItemMetadata("pytree", (leaf, scalar)), "meta": ItemMetadata("json")})
+                        items={"params": ItemMetadata("pytree", (leaf, sharded, scalar)),
+                               "meta": ItemMetadata("json")})
     assert StepMetadata.from_bytes(meta.to_bytes(), "x") == meta
-    bad = meta.to_bytes().replace(b'"version": 1', b'"version": 99')
-    with pytest.raises(MetadataError, match="format version 99 is not supported"):
+    # Version 1 (no shards) is still read.
+    v1 = StepMetadata(step=5, generation=2, process_count=2, items={"params": ItemMetadata("pytree", (leaf,))})
+    assert StepMetadata.from_bytes(v1.to_bytes().replace(b'"version": 2', b'"version": 1'), "x") == v1
+    bad = meta.to_bytes().replace(b'"version": 2', b'"version": 99')
+    with pytest.raises(MetadataError, match="format version 99 is not supported; this library reads versions 1, 2"):
         StepMetadata.from_bytes(bad, "x")
     with pytest.raises(MetadataError, match="not valid JSON"):
         StepMetadata.from_bytes(b"{", "x")

@@ -57,10 +57,11 @@ SAVE_SPECS = {  # on mesh (4, 2) unless noted: sharded, mixed, replicated, 0-d, 
 }
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+@pytest.fixture(scope="module", params=["shard-files", "chunk-files"])
+def saved(tmp_path_factory, request):
     """One step holding every kind of leaf; `odd` is sharded on 3 devices (chunks of 4 rows), so 2-
-    and 4-device targets cut its chunks unevenly; `host` is a NumPy array (one chunk)."""
+    and 4-device targets cut its chunks unevenly; `host` is a NumPy array (one chunk). Saved both
+    ways: each multi-chunk array as one shard file (the default) and as one file per chunk."""
     if len(jax.devices()) < 8:
         pytest.fail("needs 8 fake CPU devices (tests/ckpt/conftest.py)")
     root = str(tmp_path_factory.mktemp("reader"))
@@ -71,7 +72,8 @@ def saved(tmp_path_factory):
     params["odd"] = jax.device_put(raw["odd"], NamedSharding(m3, P("c", None)))
     params["host"] = raw["host"]
     opt = {"mu": jax.device_put(raw["f32"] * 2, NamedSharding(m, P("a", "b")))}
-    with rc.CheckpointManager(root) as mgr:
+    options = rc.ManagerOptions(shard_files=request.param == "shard-files")
+    with rc.CheckpointManager(root, options) as mgr:
         mgr.save(STEP, {"params": params, "opt_state": opt}, force=True)
         mgr.wait()
     return root, raw
@@ -197,18 +199,21 @@ def copy_of(saved, tmp_path):
     return dst, raw
 
 
-def chunk_file(root, item, leaf_dir, *chunk):
-    return os.path.join(root, str(STEP), item, leaf_dir, "c", *map(str, chunk))
-
-
-def leaf_dir(root, key, item="params"):
+def leaf_meta(root, key, item="params"):
     meta = read_metadata(LocalStorage(), step_path(root))
-    return next(leaf.dir for leaf in meta.items[item].leaves if leaf.keystr == f"['{key}']")
+    return next(leaf for leaf in meta.items[item].leaves if leaf.keystr == f"['{key}']")
+
+
+def chunk_file(root, item, key, *chunk):
+    """The file holding chunk `chunk` of leaf `key`: its chunk file, or the shard file holding it."""
+    leaf = leaf_meta(root, key, item)
+    rel, _ = chunk_writer.ArrayFiles.of(leaf).locate(chunk)
+    return os.path.join(root, str(STEP), item, leaf.dir, *rel)
 
 
 def test_missing_chunk_file_is_an_error_naming_it(copy_of):
     root, _ = copy_of
-    path = chunk_file(root, "params", leaf_dir(root, "f32"), 1, 0)
+    path = chunk_file(root, "params", "f32", 1, 0)
     os.remove(path)
     m = mesh((4, 2))
     target = {"params": {"f32": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(m, P("a", "b")))}}
@@ -225,16 +230,17 @@ def test_missing_chunk_file_is_an_error_naming_it(copy_of):
 @pytest.mark.parametrize("how", ["truncated", "empty", "too long"])
 def test_chunk_file_of_the_wrong_size_is_an_error_naming_it(copy_of, how):
     root, _ = copy_of
-    path = chunk_file(root, "params", leaf_dir(root, "f32"), 2, 1)
+    path = chunk_file(root, "params", "f32", 2, 1)
     with open(path, "rb") as f:
         data = f.read()
-    assert len(data) == 4 * 4 * 4
+    expected = chunk_writer.ArrayFiles.of(leaf_meta(root, "f32")).file_size()  # a chunk: 4 x 4 x 4 bytes
+    assert len(data) == expected
     with open(path, "wb") as f:
         f.write({"truncated": data[:-4], "empty": b"", "too long": data + b"\0" * 4}[how])
     size = os.path.getsize(path)
     m = mesh((4, 2))
     for sharding in (NamedSharding(m, P("a", "b")), NamedSharding(mesh((2, 4)), P("b", "a")), None):
-        with pytest.raises(StorageError, match=re.escape(f"{path} has {size} bytes, expected 64")):
+        with pytest.raises(StorageError, match=re.escape(f"{path} has {size} bytes, expected {expected}")):
             read_with(root, {"f32": sharding}, use_tensorstore=False)
 
 
@@ -276,11 +282,39 @@ def test_only_reads_that_need_a_scratch_buffer_count_against_the_inflight_limit(
     read.plan_boxes()
     read.buffers = {box: reader.aligned_empty([b - a for a, b in box], np.float32) for box in read.devices}
     tasks = reader._plan_chunk_tasks(read)
-    runner = reader._FileChunkReader([os.path.join(step_path(root), "params", leaf.dir)], reader._ScratchPool(0), True)
+    runner = reader._FileChunkReader([os.path.join(step_path(root), "params", leaf.dir)],
+                                     [chunk_writer.ArrayFiles.of(leaf)], reader._ScratchPool(0), True)
+    jobs = runner.jobs(0, tasks)
+    assert sorted(t.chunk for job in jobs for t in job) == sorted(t.chunk for t in tasks)
     chunk_bytes = int(np.prod(leaf.chunks)) * 4
-    assert [runner.buffered_bytes(t) for t in tasks] == [0 if in_place else chunk_bytes] * len(tasks)
+    assert [runner.buffered_bytes(j) for j in jobs] == [0 if in_place else chunk_bytes] * len(jobs)
     got = read_with(root, {"f32": NamedSharding(mesh((4, 2)), spec)}, use_tensorstore=False)["f32"]
     assert_bit_identical(got, raw["f32"])
+
+
+def test_shard_files_are_read_in_runs_of_whole_chunks_one_request_each(tmp_path, monkeypatch):
+    # 8 chunks of 64 KiB in one shard file, restored onto the save's sharding: one preadv for all,
+    # or one per run of at most RUN_BYTES; resharded, each chunk is read alone into a scratch buffer.
+    m = mesh((4, 2))
+    value = np.random.default_rng(4).standard_normal((256, 512), dtype=np.float32)
+    with rc.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(STEP, {"params": {"w": jax.device_put(value, NamedSharding(m, P("a", "b")))}}, force=True)
+        mgr.wait()
+    leaf = leaf_meta(str(tmp_path), "w")
+    assert leaf.shard == (256, 512) and leaf.chunks == (64, 256)
+    calls = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: calls.append(len(bufs)) or real_preadv(fd, bufs, offset))
+    for run_bytes, runs in ((reader.RUN_BYTES, [8]), (3 << 16, [3, 3, 2])):
+        monkeypatch.setattr(reader, "RUN_BYTES", run_bytes)
+        calls.clear()
+        got = read_with(str(tmp_path), {"w": NamedSharding(m, P("a", "b"))}, use_tensorstore=False)["w"]
+        assert_bit_identical(got, value)
+        assert calls == runs
+    calls.clear()
+    got = read_with(str(tmp_path), {"w": NamedSharding(mesh((8, 1)), P("a", None))}, use_tensorstore=False)["w"]
+    assert_bit_identical(got, value)
+    assert calls == [1] * 8
 
 
 def chunk_files_under(folder):
@@ -321,12 +355,14 @@ def cached_pages(path):
         libc.munmap(addr, size)
 
 
+@pytest.mark.parametrize("shard_files", [True, False], ids=["shard-files", "chunk-files"])
 @pytest.mark.parametrize("direct_io", [True, False])
-def test_direct_io_restores_bit_exact_without_filling_the_page_cache(tmp_path, direct_io):
+def test_direct_io_restores_bit_exact_without_filling_the_page_cache(tmp_path, direct_io, shard_files):
     # On a disk, chunk files of 64 KiB and more are read with O_DIRECT: only a part's unaligned tail
     # goes through the page cache. `rows` has chunks of 280000 bytes (68 pages and a partial one),
     # `grid` of exactly 64 KiB. Resharding reads `grid` into scratch buffers, and parts of `rows`
     # straight into box buffers at offsets mostly not congruent to theirs modulo a page (buffered).
+    # In shard files, `grid`'s chunks are read as saved in runs of several chunks per request.
     if not chunk_writer.use_direct_io(str(tmp_path), True):
         pytest.skip(f"{tmp_path} is on a memory filesystem (no O_DIRECT)")
     m = mesh((4, 2))
@@ -334,13 +370,14 @@ def test_direct_io_restores_bit_exact_without_filling_the_page_cache(tmp_path, d
     values = {"rows": rng.standard_normal((4, 70000), dtype=np.float32),
               "grid": rng.standard_normal((256, 512), dtype=np.float32)}
     saved_specs = {"rows": P("a"), "grid": P("a", "b")}
-    options = rc.ManagerOptions(direct_io=direct_io)
+    options = rc.ManagerOptions(direct_io=direct_io, shard_files=shard_files)
     with rc.CheckpointManager(str(tmp_path), options=options) as mgr:
         mgr.save(1, {"params": {k: jax.device_put(v, NamedSharding(m, saved_specs[k])) for k, v in values.items()}},
                  force=True)
         mgr.wait()
         files = chunk_files_under(os.path.join(str(tmp_path), "1"))
-        assert len(files) == 4 + 8
+        assert len(files) == (2 if shard_files else 4 + 8)
+        chunks_in = {f: (4 if "rows" in f else 8) if shard_files else 1 for f in files}
         for specs in (saved_specs, {"rows": P(None, ("a", "b")), "grid": P("b", "a")}):
             evict(files)
             assert sum(map(cached_pages, files)) == 0
@@ -354,7 +391,8 @@ def test_direct_io_restores_bit_exact_without_filling_the_page_cache(tmp_path, d
             pages = {os.path.relpath(f, str(tmp_path)): -(-os.path.getsize(f) // 4096) for f in files}
             if not direct_io:
                 assert cached == pages
-            elif specs is saved_specs:  # every file read in place: at most its partial last page cached
-                assert all(n <= 1 for n in cached.values()), cached
+            elif specs is saved_specs:  # all read in place: at most each chunk's partial last page cached
+                assert all(n <= chunks_in[os.path.join(str(tmp_path), f)] for f, n in cached.items()), cached
+                assert all(n == 0 for f, n in cached.items() if "grid" in f), cached  # whole pages
             else:  # grid read whole into scratch buffers: directly (rows: mostly buffered, see above)
                 assert all(n == 0 for f, n in cached.items() if "grid" in f), cached

@@ -76,6 +76,39 @@ def test_zarr_json_is_byte_for_byte_tensorstores(tmp_path, dtype, shape, chunks)
     assert (tmp_path / "zarr.json").read_bytes() == chunk_writer.zarr_json(shape, dtype, chunks)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bool", "uint16"])
+@pytest.mark.parametrize(("shape", "chunks", "shard"), [((8, 6), (2, 3), (8, 6)), ((5, 3), (2, 3), (4, 3))])
+def test_sharded_zarr_json_is_tensorstores_and_our_shard_files_read_back_through_it(tmp_path, dtype, shape,
+                                                                                    chunks, shard):
+    # The same sharded array written by tensorstore and by our own layout (ArrayFiles: chunks at
+    # page strides, the index at the end, a missing inner chunk where the shard overhangs the array):
+    # tensorstore reads ours, through our zarr.json, to the same values.
+    spec = tsio.build_array_spec({"driver": "file", "path": str(tmp_path / "ts") + "/"}, shape, dtype, chunks, shard)
+    theirs = ts.open(spec, create=True, open=True).result()
+    assert (tmp_path / "ts" / "zarr.json").read_bytes() == chunk_writer.zarr_json(shape, dtype, chunks, shard)
+    rng = np.random.default_rng(5)
+    value = (rng.random(shape) > 0.5) if dtype == "bool" else rng.integers(0, 1000, shape).astype(dtype)
+    theirs[...].write(value).result()
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "zarr.json").write_bytes(chunk_writer.zarr_json(shape, dtype, chunks, shard))
+    files = chunk_writer.ArrayFiles(shape, np.dtype(dtype).itemsize, chunks, shard)
+    for index in np.ndindex(*chunk_writer.chunk_grid(shape, chunks)):
+        box = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(index, chunks, shape, strict=True))
+        _, chunk = chunk_writer.chunk_data(box, value[tuple(slice(a, b) for a, b in box)], shape, chunks)
+        key, offset = files.locate(index)
+        path = str(ours.joinpath(*key))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        chunk_writer.write_chunk_file(path, chunk, offset=offset, size=None)
+    for key in files.file_keys():
+        path = str(ours.joinpath(*key))
+        chunk_writer.write_chunk_file(path, np.frombuffer(files.shard_index(key), np.uint8),
+                                      offset=files.index_offset, size=files.file_size())
+    assert files_of(ours) - {"zarr.json"} == files_of(tmp_path / "ts") - {"zarr.json"}
+    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(ours) + "/"}}, open=True).result()
+    np.testing.assert_array_equal(store.read().result(), value)
+
+
 def test_chunk_keys_match_tensorstores_including_0d_and_uneven_grids(tmp_path):
     for name, shape, chunks in (("s", (), ()), ("v", (5,), (2,)), ("m", (5, 3), (2, 2))):
         folder = tmp_path / name
@@ -86,9 +119,12 @@ def test_chunk_keys_match_tensorstores_including_0d_and_uneven_grids(tmp_path):
         assert files_of(folder) - {"zarr.json"} == want, name
 
 
-def test_saved_chunk_files_read_back_by_tensorstore_without_assumed_metadata_and_by_restore(tmp_path, devices):
+@pytest.mark.parametrize("shard_files", [True, False])
+def test_saved_chunk_files_read_back_by_tensorstore_without_assumed_metadata_and_by_restore(tmp_path, devices,
+                                                                                          shard_files):
     tree = mixed_state(3)
-    with rc.CheckpointManager(str(tmp_path), rc.ManagerOptions(async_save=False)) as mgr:
+    tree["big"] = put(np.random.default_rng(1).standard_normal((256, 512)).astype(np.float32), ("a", "b"))
+    with rc.CheckpointManager(str(tmp_path), rc.ManagerOptions(async_save=False, shard_files=shard_files)) as mgr:
         mgr.save(3, {"p": tree})
         got = mgr.restore(3)["p"]
         assert_equal_trees(got, host(tree))
@@ -101,10 +137,17 @@ def test_saved_chunk_files_read_back_by_tensorstore_without_assumed_metadata_and
                             open=True).result()  # reads zarr.json: no assumed metadata
             key = leaf["keystr"].strip("[]'")
             np.testing.assert_array_equal(store.read().result(), np.asarray(tree[key]), err_msg=key)
-            # Every chunk is stored (also the all-zero ones) and has exactly the chunk's bytes.
-            nbytes = int(np.prod(leaf["chunks"])) * np.dtype(tree[key].dtype).itemsize
-            for rel in chunk_writer.all_chunk_keys(leaf["shape"], leaf["chunks"]):
-                assert os.path.getsize(path.joinpath(*rel)) == nbytes, (key, rel)
+            # Every chunk is stored (also the all-zero ones): a file of exactly the chunk's bytes, or
+            # one shard file per process (here one) holding them all and the shard index.
+            files = chunk_writer.ArrayFiles(tuple(leaf["shape"]), np.dtype(tree[key].dtype).itemsize,
+                                            tuple(leaf["chunks"]), tuple(leaf.get("shard", ())))
+            sharded = key in ("w", "h", "i", "mask", "zeros", "big")  # several chunks
+            assert bool(files.shard) is (shard_files and sharded), key
+            assert files_of(path) == {"zarr.json"} | {"/".join(k) for k in files.file_keys()}, key
+            assert len(files.file_keys()) == (1 if files.shard else np.prod(chunk_writer.chunk_grid(
+                leaf["shape"], leaf["chunks"]) or [1])), key
+            for rel in files.file_keys():
+                assert os.path.getsize(path.joinpath(*rel)) == files.file_size(), (key, rel)
 
 
 def test_edge_chunk_of_an_uneven_grid_is_padded_like_tensorstores(tmp_path):
@@ -134,7 +177,7 @@ def test_direct_writes_are_exact_also_for_unaligned_sizes_and_rewrites(tmp_path,
         pytest.skip(f"{tmp_path} is on {chunk_writer.filesystem_type(str(tmp_path))}: no direct I/O there")
     path = str(tmp_path / "c" / "0")
     data = np.random.default_rng(nbytes).integers(0, 256, nbytes + 4096, dtype=np.uint8)
-    assert chunk_writer._write_direct(path, data)  # the filesystem took O_DIRECT
+    assert chunk_writer._write_direct(path, data, 0, data.nbytes)  # the filesystem took O_DIRECT
     inode = os.stat(path).st_ino
     assert pathlib.Path(path).read_bytes() == data.tobytes()
     chunk_writer.write_chunk_file(path, data[:nbytes], direct=True)  # a shorter rewrite, in place
