@@ -3,7 +3,8 @@
 Each array is a zarr3 array with chunks = the shard grid, the `bytes` codec (little-endian) and no
 compression, so a chunk file IS the chunk's C-order little-endian bytes (an edge chunk is padded to
 the full chunk shape with the fill value 0, as zarr requires). Chunk keys use the zarr3 default
-encoding: `c/<i>/<j>...`, and `c` itself for a 0-d array.
+encoding: `c/<i>/<j>...`, and `c` itself for a 0-d array. With shard files (`ArrayFiles`, zarr3's
+`sharding_indexed` codec) each process's chunks of an array are ranges of one file instead.
 
 Why not tensorstore's `file` kvstore: it writes a temporary file and renames it over the chunk, so
 every save creates new files. `write_chunk_file` rewrites an existing file in place (`O_CREAT`
@@ -487,8 +488,9 @@ class ChunkWriter:
 def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool, threads: int,
                    max_inflight_bytes: int, on_progress: Callable[[int], None] | None = None,
                    direct_io: bool = True) -> None:
-    """Write this process's boxes of `plan` (items.SnapshotPlan) as chunk files, or into shard files
-    (ArrayFiles), under the local folder `step_path` (and, when `create_metadata`, every array's zarr.json); returns once all are written
+    """Write this process's boxes of `plan` (items.SnapshotPlan) as chunk files, or into its shard
+    files (ArrayFiles: each preallocated, then its chunks and index written), under the local folder
+    `step_path` (and, when `create_metadata`, every array's zarr.json); returns once all are written
     (and durable when `fsync`: `make_durable`). `direct_io`: O_DIRECT where `use_direct_io` allows.
     `on_progress(i)` is called before the i-th write (test hook)."""
     from resilax_ckpt.items import resolve_source

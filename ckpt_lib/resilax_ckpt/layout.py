@@ -2,7 +2,8 @@
 
 ```
 <root>/<step>/_METADATA.json            versioned JSON (metadata.py)
-<root>/<step>/<item>/<leaf>/            one zarr3 array per array leaf, chunks = the shard grid
+<root>/<step>/<item>/<leaf>/            one zarr3 array per array leaf, chunks = the shard grid (local
+                                        shared folders: zarr3 shards, one file per process)
 <root>/<step>/<item>.json               a JSON item (written by the primary)
 <root>/<step>/<item>/process_<i>.json   a per-process item (written by each process)
 <root>/<step>/_COMMIT                   the commit marker, written last (JSON: generation, time)

@@ -7,11 +7,14 @@ tensorstore's own buffers are 16-byte aligned, which XLA copies). On GPU/TPU the
 real host-to-device transfer and the buffer is freed once it is done.
 
 The buffers are filled chunk by chunk: each saved chunk the boxes overlap is read exactly once.
-- Local folders: the chunk file (zarr3 `bytes` codec, little endian, no compression: the chunk's
-  C-order bytes, edge chunks padded to the full chunk shape) is read with `os.preadv` straight into
-  the box buffer when the part a box needs is contiguous in both the file and the buffer (always so
-  when the box is exactly one chunk: a restore onto the save's sharding); otherwise (resharding) the
-  file is read once into a pooled scratch buffer and sliced into every box it overlaps.
+- Local folders: the chunk (zarr3 `bytes` codec, little endian, no compression: the chunk's C-order
+  bytes, edge chunks padded to the full chunk shape), a whole chunk file or a range of a shard file
+  (chunk_writer.ArrayFiles), is read with `os.preadv` straight into the box buffer when the part a
+  box needs is contiguous in both the chunk and the buffer (always so when the box is exactly one
+  chunk: a restore onto the save's sharding); otherwise (resharding) the chunk is read once into a
+  pooled scratch buffer and sliced into every box it overlaps. Whole chunks that lie back to back in
+  a shard file and go straight into page-aligned box buffers are read in runs: one preadv of up to
+  RUN_BYTES with an iovec per box.
 - gs:// (and `use_tensorstore=True`): tensorstore reads a box that is exactly one chunk straight into
   its buffer (`ts.array(buf).write(store[box])`) and any other chunk once into its own array, which
   is then sliced into every box it overlaps.
