@@ -87,7 +87,7 @@ def write_files(root: str, rels: list[str], payloads: list[np.ndarray], mode: st
             os.close(fd)
 
     def direct(path: str, data: np.ndarray) -> None:
-        if not chunk_writer._write_direct(path, data):
+        if not chunk_writer._write_direct(path, data, 0, data.nbytes):
             raise SystemExit(f"{root}: the filesystem refuses O_DIRECT")
 
     one = direct if mode == "direct-syncfs" else buffered

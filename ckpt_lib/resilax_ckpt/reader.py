@@ -25,7 +25,8 @@ the cache, and does not evict the host's cached data. Box buffers of that size a
 it; an unaligned head or tail of a part, and a filesystem refusing `O_DIRECT`, get buffered reads.
 The first restore of a fresh process, 1 GiB on /tmp, 5 alternating rounds: 0.90-2.06 s buffered
 (median 1.20 s), 0.85-1.20 s direct (median 1.11 s): a fresh process first-touches memory the VM's
-host had taken back, and the page cache doubled that.
+host had taken back, and the page cache doubled that. Box buffers take no transparent huge pages
+(`_no_huge_pages`): the kernel's compaction for them stalled a fresh process's first touch.
 The reads run on a thread pool of `io_concurrency` threads. A read straight into box buffers is
 queued at once (its memory is the restored state's own); a read that needs memory of its own (a
 scratch buffer, or tensorstore's buffers) counts against the in-flight byte limit. A missing chunk
@@ -37,7 +38,10 @@ jax.Array with one batched `device_put` and `make_array_from_single_device_array
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import errno
+import functools
+import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -61,13 +65,49 @@ RUN_BYTES = 16 << 20
 
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
     """An uninitialized C-order array whose data starts at a multiple of ALIGNMENT bytes, and of
-    DIRECT_ALIGN when it has at least DIRECT_MIN_BYTES (so O_DIRECT can read into it)."""
+    DIRECT_ALIGN when it has at least DIRECT_MIN_BYTES (so O_DIRECT can read into it), without
+    transparent huge pages (`_no_huge_pages`)."""
     dtype = np.dtype(dtype)
     nbytes = planning.box_size(tuple((0, int(d)) for d in shape)) * dtype.itemsize
     align = DIRECT_ALIGN if nbytes >= DIRECT_MIN_BYTES else ALIGNMENT
     raw = np.empty(nbytes + align, np.uint8)
     offset = (-raw.ctypes.data) % align
-    return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
+    out = raw[offset:offset + nbytes]
+    if nbytes >= NUMPY_HUGE_PAGE_BYTES:
+        _no_huge_pages(out)
+    return out.view(dtype).reshape(tuple(shape))
+
+
+NUMPY_HUGE_PAGE_BYTES = 4 << 20
+"""NumPy asks the kernel for transparent huge pages for allocations of this size and more."""
+@functools.cache
+def _madvise() -> Any:
+    if not hasattr(mmap, "MADV_NOHUGEPAGE"):  # not Linux
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise
+    except (OSError, AttributeError):
+        return None
+
+
+def _no_huge_pages(buf: np.ndarray) -> None:
+    """Undo NumPy's `madvise(MADV_HUGEPAGE)` on the whole pages of a not yet touched buffer: on a
+    host whose THP `defrag` is `madvise` (the kernel's default) the first touch of such memory may
+    stall while the kernel compacts memory for huge pages, and a restored buffer is written once by
+    a read, which huge pages do not speed up. A fresh process's first restore of 1 GiB on /tmp
+    took 0.82-1.12 s (median 0.96 s) without them against 1.02-2.05 s (median 1.58 s) with them
+    (6 alternating rounds; docs/benchmarks.md). Later restores in the same process reuse memory
+    the allocator kept, already touched, either way (cold restores: median 0.95 s against 0.97 s)."""
+    madvise = _madvise()
+    if madvise is None:
+        return
+    page = mmap.PAGESIZE
+    start = -(-buf.ctypes.data // page) * page
+    end = (buf.ctypes.data + buf.nbytes) // page * page
+    if end > start:
+        madvise(start, end - start, mmap.MADV_NOHUGEPAGE)  # best effort: an error leaves huge pages on
 
 
 class LeafRead:

@@ -111,6 +111,20 @@ def test_aligned_empty_is_aligned_and_sized(shape, dtype):
     assert buf.shape == shape and buf.dtype == np.dtype(dtype) and buf.flags.c_contiguous
 
 
+def test_large_buffers_are_page_aligned_and_aliased_by_xla():
+    # From DIRECT_MIN_BYTES on, a buffer is a memory map of its own (no transparent huge pages):
+    # page-aligned for O_DIRECT, and still kept by XLA:CPU as the device buffer (no copy).
+    buf = reader.aligned_empty((256, 512), np.float32)
+    assert buf.nbytes >= reader.DIRECT_MIN_BYTES
+    assert buf.ctypes.data % reader.DIRECT_ALIGN == 0 and buf.flags.writeable and buf.flags.c_contiguous
+    buf[...] = np.arange(buf.size, dtype=np.float32).reshape(buf.shape)
+    devices = jax.devices()[:2]
+    placed = jax.device_put([buf, buf], devices)
+    assert [p.unsafe_buffer_pointer() for p in placed] == [buf.ctypes.data] * 2
+    del buf
+    np.testing.assert_array_equal(np.asarray(placed[1]), np.arange(256 * 512, dtype=np.float32).reshape(256, 512))
+
+
 TARGETS = {
     "4x2-as-saved": ((4, 2), {"f32": P("a", "b"), "bf16": P("b", "a"), "i32": P("a", None),
                               "flags": P(None, "b"), "vec": P("a"), "scalar": P(), "rep": P(),
@@ -305,12 +319,12 @@ def test_shard_files_are_read_in_runs_of_whole_chunks_one_request_each(tmp_path,
     calls = []
     real_preadv = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: calls.append(len(bufs)) or real_preadv(fd, bufs, offset))
-    for run_bytes, runs in ((reader.RUN_BYTES, [8]), (3 << 16, [3, 3, 2])):
+    for run_bytes, runs in ((reader.RUN_BYTES, [8]), (3 << 16, [2, 3, 3])):
         monkeypatch.setattr(reader, "RUN_BYTES", run_bytes)
         calls.clear()
         got = read_with(str(tmp_path), {"w": NamedSharding(m, P("a", "b"))}, use_tensorstore=False)["w"]
         assert_bit_identical(got, value)
-        assert calls == runs
+        assert sorted(calls) == sorted(runs)  # in any order: 4 reader threads
     calls.clear()
     got = read_with(str(tmp_path), {"w": NamedSharding(mesh((8, 1)), P("a", None))}, use_tensorstore=False)["w"]
     assert_bit_identical(got, value)
