@@ -125,6 +125,30 @@ def test_large_buffers_are_page_aligned_and_aliased_by_xla():
     np.testing.assert_array_equal(np.asarray(placed[1]), np.arange(256 * 512, dtype=np.float32).reshape(256, 512))
 
 
+def vm_flags(address):
+    """The VmFlags of the mapping holding `address` (/proc/self/smaps), None when unknown."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                inside = low <= address < high
+            elif inside and fields[0] == "VmFlags:":
+                return set(fields[1:])
+    return None
+
+
+def test_large_buffers_take_no_transparent_huge_pages():
+    # NumPy advises huge pages from 4 MiB on; a restore buffer undoes that (the kernel's compaction
+    # for them stalls a fresh process's first touch).
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no /proc/self/smaps")
+    buf = reader.aligned_empty((16 << 20,), np.uint8)
+    flags = vm_flags(buf.ctypes.data + (8 << 20))
+    assert flags is not None and "nh" in flags and "hg" not in flags, flags
+
+
 TARGETS = {
     "4x2-as-saved": ((4, 2), {"f32": P("a", "b"), "bf16": P("b", "a"), "i32": P("a", None),
                               "flags": P(None, "b"), "vec": P("a"), "scalar": P(), "rep": P(),
