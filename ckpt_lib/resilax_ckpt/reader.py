@@ -60,7 +60,9 @@ DIRECT_MIN_BYTES = chunk_writer.DIRECT_MIN_BYTES
 """Chunk files (and buffers) of at least this size are read (and aligned) for O_DIRECT."""
 DIRECT_ALIGN = chunk_writer.DIRECT_ALIGN
 RUN_BYTES = 16 << 20
-"""Chunks back to back in a shard file are read in requests of up to this many bytes."""
+"""Chunks back to back in a shard file are read in requests of up to this many bytes..."""
+RUN_CHUNKS = 1024
+"""...and of up to this many chunks (Linux's limit of iovecs per preadv)."""
 
 
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -80,6 +82,8 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
 
 NUMPY_HUGE_PAGE_BYTES = 4 << 20
 """NumPy asks the kernel for transparent huge pages for allocations of this size and more."""
+
+
 @functools.cache
 def _madvise() -> Any:
     if not hasattr(mmap, "MADV_NOHUGEPAGE"):  # not Linux
@@ -280,8 +284,8 @@ class _FileChunkReader:
 
     def jobs(self, index: int, tasks: list[_ChunkTask]) -> list[list[_ChunkTask]]:
         """The reads of a leaf: runs of whole chunks that lie back to back in one shard file and go
-        straight into page-aligned box buffers (one request of up to RUN_BYTES), each other chunk
-        alone."""
+        straight into page-aligned box buffers (one request of up to RUN_BYTES and RUN_CHUNKS),
+        each other chunk alone."""
         files = self._files[index]
         if not files.shard or files.chunk_bytes != files.stride:
             return [[task] for task in tasks]
@@ -295,7 +299,8 @@ class _FileChunkReader:
             if not whole:
                 jobs.append([task])
                 continue
-            if run and (end != (path, offset) or (len(run) + 1) * files.stride > RUN_BYTES):
+            if run and (end != (path, offset) or (len(run) + 1) * files.stride > RUN_BYTES
+                        or len(run) == RUN_CHUNKS):
                 jobs.append(run)
                 run = []
             run.append(task)

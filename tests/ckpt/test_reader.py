@@ -332,7 +332,8 @@ def test_only_reads_that_need_a_scratch_buffer_count_against_the_inflight_limit(
 
 def test_shard_files_are_read_in_runs_of_whole_chunks_one_request_each(tmp_path, monkeypatch):
     # 8 chunks of 64 KiB in one shard file, restored onto the save's sharding: one preadv for all,
-    # or one per run of at most RUN_BYTES; resharded, each chunk is read alone into a scratch buffer.
+    # or one per run of at most RUN_BYTES and RUN_CHUNKS; resharded, each chunk is read alone into a
+    # scratch buffer.
     m = mesh((4, 2))
     value = np.random.default_rng(4).standard_normal((256, 512), dtype=np.float32)
     with rc.CheckpointManager(str(tmp_path)) as mgr:
@@ -343,8 +344,10 @@ def test_shard_files_are_read_in_runs_of_whole_chunks_one_request_each(tmp_path,
     calls = []
     real_preadv = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: calls.append(len(bufs)) or real_preadv(fd, bufs, offset))
-    for run_bytes, runs in ((reader.RUN_BYTES, [8]), (3 << 16, [2, 3, 3])):
+    for run_bytes, run_chunks, runs in ((reader.RUN_BYTES, reader.RUN_CHUNKS, [8]), (3 << 16, 1024, [2, 3, 3]),
+                                        (reader.RUN_BYTES, 5, [3, 5])):
         monkeypatch.setattr(reader, "RUN_BYTES", run_bytes)
+        monkeypatch.setattr(reader, "RUN_CHUNKS", run_chunks)
         calls.clear()
         got = read_with(str(tmp_path), {"w": NamedSharding(m, P("a", "b"))}, use_tensorstore=False)["w"]
         assert_bit_identical(got, value)
