@@ -52,10 +52,10 @@ def plan_chunk_shape(shape: Sequence[int], boxes: Iterable[Box]) -> tuple[int, .
 
 def plan_shard_shape(chunks: Sequence[int], boxes_per_process: Iterable[Iterable[Box]]) -> tuple[int, ...]:
     """The zarr3 shard shape (in elements) that gives every process one file per array, from the
-    boxes each process holds (one iterable per process): each process's boxes must cover one block of whole chunks, all blocks of the same chunk counts,
-    starting at multiples of them, and no box may be held by two processes (then one process writes
-    each shard, whole). `()` when they do not, or when a shard would hold a single chunk (one file
-    per chunk is then the same thing)."""
+    boxes each process holds (one iterable per process): each process's boxes must cover one block
+    of whole chunks, all blocks of the same chunk counts, starting at multiples of them, and no box
+    may be held by two processes (then one process writes each shard, whole). `()` when they do
+    not, or when a shard would hold a single chunk (one file per chunk is then the same thing)."""
     counts: tuple[int, ...] | None = None
     seen: set[tuple[int, ...]] = set()
     for boxes in boxes_per_process:
