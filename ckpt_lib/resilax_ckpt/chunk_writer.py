@@ -22,8 +22,8 @@ processes left dirty on that filesystem. Where syncfs does not report write-back
 5.8) or does not exist, every file is fdatasync'ed at the end instead (`durability_mode`).
 
 Direct I/O (`direct_io=True`, on disks; not on tmpfs, where the page cache IS the storage): a chunk
-file of at least `DIRECT_MIN_BYTES` is written with `O_DIRECT` through a reused 4 KiB-aligned bounce
-buffer per writer thread (the snapshot's buffers are only 64-byte aligned), the last block padded and
+file of at least `DIRECT_MIN_BYTES` is written with `O_DIRECT` through a staging buffer (staging.py:
+reused, on a huge page; the snapshot's buffers are only 64-byte aligned), the last block padded and
 the file then truncated to its exact size. A buffered write of a new file must first get fresh page
 cache for every byte (1 GiB of it per save, which on our VM first-touches memory the host had taken
 back, and on a training host evicts the dataset's cache); a direct write copies into the same few
@@ -46,13 +46,12 @@ import json
 import math
 import os
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from resilax_ckpt import planning
+from resilax_ckpt import planning, staging
 from resilax_ckpt.errors import StorageError
 
 ZARR_JSON = "zarr.json"
@@ -274,32 +273,6 @@ DIRECT_ALIGN = 4096
 """Bytes: O_DIRECT buffers, offsets and lengths are multiples of this (any disk's logical block)."""
 DIRECT_MIN_BYTES = 64 << 10
 """Smaller chunk files (and every zarr.json) are written buffered."""
-BOUNCE_BYTES = 4 << 20
-"""Bytes of one bounce buffer; a writer thread holds one while it writes a file directly."""
-
-
-class _BouncePool:
-    """Aligned bounce buffers, reused across files and saves (at most one per writer thread is
-    ever out, so the pool holds `write_threads` x BOUNCE_BYTES once warm)."""
-
-    def __init__(self) -> None:
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> np.ndarray:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        raw = np.empty(BOUNCE_BYTES + DIRECT_ALIGN, np.uint8)
-        offset = (-raw.ctypes.data) % DIRECT_ALIGN
-        return raw[offset:offset + BOUNCE_BYTES]
-
-    def give(self, buf: np.ndarray) -> None:
-        with self._lock:
-            self._free.append(buf)
-
-
-_bounce = _BouncePool()
 
 
 @functools.cache
@@ -366,7 +339,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 def _write_direct(path: str, raw: np.ndarray, offset: int, size: int | None) -> bool:
     """Write `raw` (uint8) at `offset` (a multiple of DIRECT_ALIGN) of `path` with O_DIRECT through a
-    bounce buffer, the last block padded with zeros, then truncate the file to `size` (when given);
+    staging buffer, the last block padded with zeros, then truncate the file to `size` (when given);
     False (nothing written) when the filesystem refuses O_DIRECT."""
     try:
         fd = _open_for_write(path, os.O_DIRECT)
@@ -374,27 +347,31 @@ def _write_direct(path: str, raw: np.ndarray, offset: int, size: int | None) -> 
         if e.errno == errno.EINVAL:
             return False
         raise
-    bounce = _bounce.take()
     try:
-        done = 0
-        while done < raw.nbytes:
-            piece = min(BOUNCE_BYTES, raw.nbytes - done)
-            padded = -(-piece // DIRECT_ALIGN) * DIRECT_ALIGN
-            bounce[:piece] = raw[done:done + piece]
-            bounce[piece:padded] = 0
-            try:
-                _pwrite_all(fd, bounce[:padded].data, offset + done)
-            except OSError as e:
-                if e.errno == errno.EINVAL and done == 0:
-                    return False  # e.g. a logical block larger than DIRECT_ALIGN
-                raise
-            done += piece
-        if size is not None:
-            os.ftruncate(fd, size)
-        return True
+        with staging.borrowed() as bounce:
+            return _write_through(fd, bounce, raw, offset, size)
     finally:
-        _bounce.give(bounce)
         os.close(fd)
+
+
+def _write_through(fd: int, bounce: np.ndarray, raw: np.ndarray, offset: int, size: int | None) -> bool:
+    """`_write_direct`'s writes into the open file `fd`, each piece copied into `bounce` first."""
+    done = 0
+    while done < raw.nbytes:
+        piece = min(bounce.nbytes, raw.nbytes - done)
+        padded = -(-piece // DIRECT_ALIGN) * DIRECT_ALIGN
+        bounce[:piece] = raw[done:done + piece]
+        bounce[piece:padded] = 0
+        try:
+            _pwrite_all(fd, bounce[:padded].data, offset + done)
+        except OSError as e:
+            if e.errno == errno.EINVAL and done == 0:
+                return False  # e.g. a logical block larger than DIRECT_ALIGN
+            raise
+        done += piece
+    if size is not None:
+        os.ftruncate(fd, size)
+    return True
 
 
 def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True, direct: bool = False,

@@ -19,10 +19,15 @@ The buffers are filled chunk by chunk: each saved chunk the boxes overlap is rea
   its buffer (`ts.array(buf).write(store[box])`) and any other chunk once into its own array, which
   is then sliced into every box it overlaps.
 On disks (not tmpfs; `direct_io`, as for writes in chunk_writer.py) a chunk file of at least
-`DIRECT_MIN_BYTES` is read with `O_DIRECT`: the disk fills the box (or scratch) buffer itself, with
-no page cache in between, so a restore needs fresh memory for the state only, not a second time for
-the cache, and does not evict the host's cached data. Box buffers of that size are page-aligned for
-it; an unaligned head or tail of a part, and a filesystem refusing `O_DIRECT`, get buffered reads.
+`DIRECT_MIN_BYTES` is read with `O_DIRECT`, with no page cache in between, so a restore needs fresh
+memory for the state only, not a second time for the cache, and does not evict the host's cached
+data. The disk fills a staging buffer on a huge page (staging.py: requests of the disk's maximum
+size instead of ~1 MiB into 4 KiB pages) and the reading thread copies it into the box (or scratch)
+buffer while the disk fills the next ones; without transparent huge pages it fills the box buffer
+itself. Restoring 1 GiB on /tmp, staged against straight into the box buffers (4 alternating
+rounds): cold 0.74-0.84 s against 0.98-1.23 s, a process's first restore 0.78-0.92 s against
+0.97-1.28 s. Box buffers of that size are page-aligned for it; an
+unaligned head or tail of a part, and a filesystem refusing `O_DIRECT`, get buffered reads.
 The first restore of a fresh process, 1 GiB on /tmp, 5 alternating rounds: 0.90-2.06 s buffered
 (median 1.20 s), 0.85-1.20 s direct (median 1.11 s): a fresh process first-touches memory the VM's
 host had taken back, and the page cache doubled that. Box buffers take no transparent huge pages
@@ -50,7 +55,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from resilax_ckpt import chunk_writer, planning
+from resilax_ckpt import chunk_writer, planning, staging
 from resilax_ckpt import tensorstore_io as tsio
 from resilax_ckpt.errors import StorageError
 
@@ -99,8 +104,10 @@ def _madvise() -> Any:
 def _no_huge_pages(buf: np.ndarray) -> None:
     """Undo NumPy's `madvise(MADV_HUGEPAGE)` on the whole pages of a not yet touched buffer: on a
     host whose THP `defrag` is `madvise` (the kernel's default) the first touch of such memory may
-    stall while the kernel compacts memory for huge pages, and a restored buffer is written once by
-    a read, which huge pages do not speed up. A fresh process's first restore of 1 GiB on /tmp
+    stall while the kernel compacts memory for huge pages (and on our VM, whose host takes back
+    freed huge-page-sized blocks, fault 1 GiB in at 2-6 s against 0.5 s in 4 KiB pages), and a
+    restored buffer is written once by a copy from a staging buffer, which huge pages do not speed
+    up (staging.py). A fresh process's first restore of 1 GiB on /tmp
     took 0.82-1.12 s (median 0.96 s) without them against 1.02-2.05 s (median 1.58 s) with them
     (6 alternating rounds; docs/benchmarks.md). Later restores in the same process reuse memory
     the allocator kept, already touched, either way (cold restores: median 0.95 s against 0.97 s)."""
@@ -375,7 +382,10 @@ class _FileChunkReader:
         dfd = self._open_direct(path, size)
         try:
             try:
-                _preadv_exact(fd if dfd < 0 else dfd, buffers, offset, path)
+                if dfd < 0:
+                    _preadv_exact(fd, buffers, offset, path)
+                else:
+                    _read_direct(dfd, buffers, offset, path)
             except OSError as e:  # e.g. a logical block larger than DIRECT_ALIGN
                 if dfd < 0 or e.errno != errno.EINVAL:
                     raise
@@ -400,7 +410,7 @@ class _FileChunkReader:
                     _pread_exact(fd, buf[:head], offset, path)
                 if body:
                     try:
-                        _pread_exact(dfd, buf[head:head + body], offset + head, path)
+                        _read_direct(dfd, [buf[head:head + body]], offset + head, path)
                     except OSError as e:  # e.g. a logical block larger than DIRECT_ALIGN
                         if e.errno != errno.EINVAL:
                             raise
@@ -429,6 +439,33 @@ class _FileChunkReader:
             start = tuple(a - o for (a, _), o in zip(inter, origin, strict=True))
             parts.append((_c_offset(start, chunks) * itemsize, dst.reshape(-1).view(np.uint8)))
         return parts
+
+
+def _read_direct(fd: int, views: list[np.ndarray], offset: int, path: str) -> None:
+    """Fill `views` (page-aligned, page-multiple sizes), in order, from the bytes at `offset` of a
+    file opened with O_DIRECT: through a staging buffer (staging.py: bigger requests than the views'
+    4 KiB pages make), piece by piece, where huge pages exist; else straight into the views."""
+    if not staging.huge_pages():
+        _preadv_exact(fd, views, offset, path)
+        return
+    targets = [v.reshape(-1).view(np.uint8) for v in views]
+    with staging.borrowed() as stage:
+        index, pos = 0, 0  # the view being filled and the bytes of it done
+        left = sum(t.nbytes for t in targets)
+        while left:
+            want = min(stage.nbytes, left)
+            _preadv_exact(fd, [stage[:want]], offset, path)
+            offset += want
+            left -= want
+            got = 0
+            while got < want:
+                target = targets[index]
+                n = min(target.nbytes - pos, want - got)
+                target[pos:pos + n] = stage[got:got + n]
+                got += n
+                pos += n
+                if pos == target.nbytes:
+                    index, pos = index + 1, 0
 
 
 def _pread_exact(fd: int, view: np.ndarray, offset: int, path: str) -> None:

@@ -4,10 +4,12 @@ clear errors for missing or truncated chunk files."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
 import shutil
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import chunk_writer, reader
+from resilax_ckpt import chunk_writer, reader, staging
 from resilax_ckpt import tensorstore_io as tsio
 from resilax_ckpt.errors import IncompleteStepError, StorageError
 from resilax_ckpt.manager import read_metadata
@@ -331,9 +333,10 @@ def test_only_reads_that_need_a_scratch_buffer_count_against_the_inflight_limit(
 
 
 def test_shard_files_are_read_in_runs_of_whole_chunks_one_request_each(tmp_path, monkeypatch):
-    # 8 chunks of 64 KiB in one shard file, restored onto the save's sharding: one preadv for all,
-    # or one per run of at most RUN_BYTES and RUN_CHUNKS; resharded, each chunk is read alone into a
-    # scratch buffer.
+    # 8 chunks of 64 KiB in one shard file, restored onto the save's sharding: one request (preadv)
+    # for all, or one per run of at most RUN_BYTES and RUN_CHUNKS; resharded, each chunk is read
+    # alone into a scratch buffer. A request's bytes are what the calls record: with O_DIRECT it
+    # goes through a staging buffer (one iovec), else straight into the box buffers (one per chunk).
     m = mesh((4, 2))
     value = np.random.default_rng(4).standard_normal((256, 512), dtype=np.float32)
     with rc.CheckpointManager(str(tmp_path)) as mgr:
@@ -343,7 +346,8 @@ def test_shard_files_are_read_in_runs_of_whole_chunks_one_request_each(tmp_path,
     assert leaf.shard == (256, 512) and leaf.chunks == (64, 256)
     calls = []
     real_preadv = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: calls.append(len(bufs)) or real_preadv(fd, bufs, offset))
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: calls.append(sum(len(b) for b in bufs) >> 16)
+                        or real_preadv(fd, bufs, offset))  # in chunks of 64 KiB
     for run_bytes, run_chunks, runs in ((reader.RUN_BYTES, reader.RUN_CHUNKS, [8]), (3 << 16, 1024, [2, 3, 3]),
                                         (reader.RUN_BYTES, 5, [3, 5])):
         monkeypatch.setattr(reader, "RUN_BYTES", run_bytes)
@@ -356,6 +360,57 @@ def test_shard_files_are_read_in_runs_of_whole_chunks_one_request_each(tmp_path,
     got = read_with(str(tmp_path), {"w": NamedSharding(mesh((8, 1)), P("a", None))}, use_tensorstore=False)["w"]
     assert_bit_identical(got, value)
     assert calls == [1] * 8
+
+
+@pytest.mark.parametrize("huge_pages", [True, False], ids=["staged", "straight"])
+def test_direct_reads_fill_views_across_staging_buffers(tmp_path, monkeypatch, huge_pages):
+    # A run of views whose edges fall inside and across staging buffers, read from an O_DIRECT file
+    # at a page offset: every view gets exactly its bytes, through staging or straight.
+    if not chunk_writer.use_direct_io(str(tmp_path), True):
+        pytest.skip(f"{tmp_path} is on a memory filesystem (no O_DIRECT)")
+    monkeypatch.setattr(reader.staging, "huge_pages", lambda: huge_pages)
+    page = reader.DIRECT_ALIGN
+    sizes = [page, staging.BUFFER_BYTES - 2 * page, 3 * page, staging.BUFFER_BYTES + page, 5 * page]
+    data = np.random.default_rng(9).integers(0, 256, sum(sizes) + 2 * page, dtype=np.uint8)
+    path = str(tmp_path / "f")
+    data.tofile(path)
+    raws = [np.empty(n + page, np.uint8) for n in sizes]
+    views = [raw[-raw.ctypes.data % page:][:n] for raw, n in zip(raws, sizes, strict=True)]  # page-aligned
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        reader._read_direct(fd, views, page, path)
+    finally:
+        os.close(fd)
+    starts = np.cumsum([page, *sizes])
+    for view, start, n in zip(views, starts, sizes, strict=False):
+        assert view.tobytes() == data[start:start + n].tobytes()
+
+
+def test_staging_buffers_are_huge_page_aligned_reused_and_limited():
+    with staging.borrowed() as first:
+        address = first.ctypes.data
+        assert first.nbytes == staging.BUFFER_BYTES and address % staging.HUGE_PAGE_BYTES == 0
+        if staging.huge_pages() and os.path.exists("/proc/self/smaps"):
+            flags = vm_flags(address)
+            assert flags is not None and "hg" in flags, flags
+    with staging.borrowed() as again:
+        assert again.ctypes.data == address  # the pool's warm buffer, not a new one
+    # At most MAX_BUFFERS are out at once: one more borrower waits until one comes back.
+    with contextlib.ExitStack() as stack:
+        held = [stack.enter_context(staging.borrowed()) for _ in range(staging.MAX_BUFFERS)]
+        assert len({b.ctypes.data for b in held}) == staging.MAX_BUFFERS
+        got = threading.Event()
+
+        def borrow():
+            with staging.borrowed():
+                got.set()
+
+        waiter = threading.Thread(target=borrow)
+        waiter.start()
+        assert not got.wait(0.2)
+        stack.close()
+        assert got.wait(30)
+        waiter.join()
 
 
 def chunk_files_under(folder):

@@ -18,7 +18,7 @@ import tensorstore as ts
 from ckpt_procs import WorkerFailed, run_processes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import chunk_writer, commit, layout
+from resilax_ckpt import chunk_writer, commit, layout, staging
 from resilax_ckpt import tensorstore_io as tsio
 
 
@@ -171,7 +171,7 @@ def test_write_chunk_file_rewrites_in_place_and_truncates(tmp_path):
     assert np.fromfile(path, np.int16).tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("nbytes", [chunk_writer.DIRECT_MIN_BYTES, 100_003, 2 * chunk_writer.BOUNCE_BYTES + 4096 + 5])
+@pytest.mark.parametrize("nbytes", [chunk_writer.DIRECT_MIN_BYTES, 100_003, 2 * staging.BUFFER_BYTES + 4096 + 5])
 def test_direct_writes_are_exact_also_for_unaligned_sizes_and_rewrites(tmp_path, nbytes):
     if not chunk_writer.use_direct_io(str(tmp_path), True):
         pytest.skip(f"{tmp_path} is on {chunk_writer.filesystem_type(str(tmp_path))}: no direct I/O there")
