@@ -5,7 +5,7 @@ Why: a direct request hands the disk the physical pages of its buffer, and the b
 most `max_segments` physically contiguous pieces into one request (254 on virtio-blk). A buffer of
 scattered 4 KiB pages therefore makes requests of about 1 MiB, each with a descriptor per page; a
 buffer on 2 MiB transparent huge pages makes requests of the disk's maximum (4 MiB here) with a few
-descriptors. On our VM's /tmp, reading a 1 GiB file with O_DIRECT took 1.05-1.34 s into 4 KiB pages
+descriptors. On our VM's /tmp, reading a 1 GiB file with O_DIRECT took 1.04-1.43 s into 4 KiB pages
 (requests of 0.72-0.90 MiB on average) and 0.47-0.60 s into huge pages (4 MiB requests), the buffers
 already touched in both cases; writing it took 0.76-0.90 s from 4 KiB bounce buffers, 0.57-0.60 s
 from NumPy's (partly huge pages) and 0.38-0.39 s from 2 MiB-aligned huge pages.
