@@ -26,8 +26,8 @@ size instead of ~1 MiB into 4 KiB pages) and the reading thread copies it into t
 buffer while the disk fills the next ones; without transparent huge pages it fills the box buffer
 itself. Restoring 1 GiB on /tmp, staged against straight into the box buffers (4 alternating
 rounds): cold 0.74-0.84 s against 0.98-1.23 s, a process's first restore 0.78-0.92 s against
-0.97-1.28 s. Box buffers of that size are page-aligned for it; an
-unaligned head or tail of a part, and a filesystem refusing `O_DIRECT`, get buffered reads.
+0.97-1.28 s. Box buffers of that size are page-aligned for it; an unaligned head or tail of a
+part, and a filesystem refusing `O_DIRECT`, get buffered reads.
 The first restore of a fresh process, 1 GiB on /tmp, 5 alternating rounds: 0.90-2.06 s buffered
 (median 1.20 s), 0.85-1.20 s direct (median 1.11 s): a fresh process first-touches memory the VM's
 host had taken back, and the page cache doubled that. Box buffers take no transparent huge pages
@@ -43,9 +43,7 @@ jax.Array with one batched `device_put` and `make_array_from_single_device_array
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import errno
-import functools
 import mmap
 import os
 import threading
@@ -89,18 +87,6 @@ NUMPY_HUGE_PAGE_BYTES = 4 << 20
 """NumPy asks the kernel for transparent huge pages for allocations of this size and more."""
 
 
-@functools.cache
-def _madvise() -> Any:
-    if not hasattr(mmap, "MADV_NOHUGEPAGE"):  # not Linux
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise
-    except (OSError, AttributeError):
-        return None
-
-
 def _no_huge_pages(buf: np.ndarray) -> None:
     """Undo NumPy's `madvise(MADV_HUGEPAGE)` on the whole pages of a not yet touched buffer: on a
     host whose THP `defrag` is `madvise` (the kernel's default) the first touch of such memory may
@@ -111,8 +97,8 @@ def _no_huge_pages(buf: np.ndarray) -> None:
     took 0.82-1.12 s (median 0.96 s) without them against 1.02-2.05 s (median 1.58 s) with them
     (6 alternating rounds; docs/benchmarks.md). Later restores in the same process reuse memory
     the allocator kept, already touched, either way (cold restores: median 0.95 s against 0.97 s)."""
-    madvise = _madvise()
-    if madvise is None:
+    madvise = staging.libc_madvise()
+    if madvise is None or not hasattr(mmap, "MADV_NOHUGEPAGE"):  # not Linux
         return
     page = mmap.PAGESIZE
     start = -(-buf.ctypes.data // page) * page

@@ -59,7 +59,8 @@ def huge_pages() -> bool:
 
 
 @functools.cache
-def _madvise() -> Any:
+def libc_madvise() -> Any:
+    """libc's `madvise(addr, length, advice)` (returns 0 or -1, errno set), None where there is none."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -74,7 +75,7 @@ def _new_buffer() -> tuple[mmap.mmap, np.ndarray]:
     whole = np.frombuffer(region, np.uint8)
     start = (-whole.ctypes.data) % HUGE_PAGE_BYTES
     buf = whole[start:start + BUFFER_BYTES]
-    madvise = _madvise()
+    madvise = libc_madvise()
     if madvise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
         madvise(buf.ctypes.data, BUFFER_BYTES, mmap.MADV_HUGEPAGE)  # best effort
     return region, buf
