@@ -13,8 +13,8 @@ The buffers are filled chunk by chunk: each saved chunk the boxes overlap is rea
   box needs is contiguous in both the chunk and the buffer (always so when the box is exactly one
   chunk: a restore onto the save's sharding); otherwise (resharding) the chunk is read once into a
   pooled scratch buffer and sliced into every box it overlaps. Whole chunks that lie back to back in
-  a shard file and go straight into page-aligned box buffers are read in runs: one preadv of up to
-  RUN_BYTES with an iovec per box.
+  a shard file and go straight into page-aligned box buffers are read in runs of up to RUN_BYTES:
+  one preadv with an iovec per box, or through staging buffers (below) one per staging buffer.
 - gs:// (and `use_tensorstore=True`): tensorstore reads a box that is exactly one chunk straight into
   its buffer (`ts.array(buf).write(store[box])`) and any other chunk once into its own array, which
   is then sliced into every box it overlaps.
@@ -63,7 +63,8 @@ DIRECT_MIN_BYTES = chunk_writer.DIRECT_MIN_BYTES
 """Chunk files (and buffers) of at least this size are read (and aligned) for O_DIRECT."""
 DIRECT_ALIGN = chunk_writer.DIRECT_ALIGN
 RUN_BYTES = 16 << 20
-"""Chunks back to back in a shard file are read in requests of up to this many bytes..."""
+"""Chunks back to back in a shard file are read as one run (one thread's reads) of up to this
+many bytes..."""
 RUN_CHUNKS = 1024
 """...and of up to this many chunks (Linux's limit of iovecs per preadv)."""
 
@@ -277,7 +278,7 @@ class _FileChunkReader:
 
     def jobs(self, index: int, tasks: list[_ChunkTask]) -> list[list[_ChunkTask]]:
         """The reads of a leaf: runs of whole chunks that lie back to back in one shard file and go
-        straight into page-aligned box buffers (one request of up to RUN_BYTES and RUN_CHUNKS),
+        straight into page-aligned box buffers (up to RUN_BYTES and RUN_CHUNKS: `_read_run`),
         each other chunk alone."""
         files = self._files[index]
         if not files.shard or files.chunk_bytes != files.stride:
@@ -364,7 +365,8 @@ class _FileChunkReader:
 
     def _read_run(self, path: str, fd: int, size: int, offset: int, buffers: list[np.ndarray]) -> None:
         """Fill `buffers` (page-aligned, page-multiple sizes) from consecutive bytes of the file at
-        `offset`: one preadv, with O_DIRECT when enabled."""
+        `offset`: with O_DIRECT when enabled (through staging buffers: `_read_direct`), else one
+        preadv."""
         dfd = self._open_direct(path, size)
         try:
             try:
