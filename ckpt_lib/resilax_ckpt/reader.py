@@ -94,8 +94,7 @@ def _no_huge_pages(buf: np.ndarray) -> None:
     stall while the kernel compacts memory for huge pages (and on our VM, whose host takes back
     freed huge-page-sized blocks, fault 1 GiB in at 2-6 s against 0.5 s in 4 KiB pages), and a
     restored buffer is written once by a copy from a staging buffer, which huge pages do not speed
-    up (staging.py). A fresh process's first restore of 1 GiB on /tmp
-    took 0.82-1.12 s (median 0.96 s) without them against 1.02-2.05 s (median 1.58 s) with them
+    up (staging.py). A fresh process's first restore of 1 GiB on /tmp took 0.82-1.12 s (median 0.96 s) without them against 1.02-2.05 s (median 1.58 s) with them
     (6 alternating rounds; docs/benchmarks.md). Later restores in the same process reuse memory
     the allocator kept, already touched, either way (cold restores: median 0.95 s against 0.97 s)."""
     madvise = staging.libc_madvise()

@@ -69,8 +69,8 @@ def libc_madvise() -> Any:
         return None
 
 
-def _new_buffer() -> tuple[mmap.mmap, np.ndarray]:
-    """An anonymous mapping and its HUGE_PAGE_BYTES-aligned BUFFER_BYTES, advised for huge pages."""
+def _new_buffer() -> np.ndarray:
+    """BUFFER_BYTES of a new anonymous mapping, HUGE_PAGE_BYTES-aligned and advised for huge pages."""
     region = mmap.mmap(-1, BUFFER_BYTES + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = np.frombuffer(region, np.uint8)
     start = (-whole.ctypes.data) % HUGE_PAGE_BYTES
@@ -78,13 +78,12 @@ def _new_buffer() -> tuple[mmap.mmap, np.ndarray]:
     madvise = libc_madvise()
     if madvise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
         madvise(buf.ctypes.data, BUFFER_BYTES, mmap.MADV_HUGEPAGE)  # best effort
-    return region, buf
+    return buf
 
 
 class _Pool:
     def __init__(self) -> None:
-        self._free: list[np.ndarray] = []
-        self._regions: list[mmap.mmap] = []  # kept: the buffers are views of them
+        self._free: list[np.ndarray] = []  # each a view of its own mapping, which it keeps alive
         self._slots = threading.Semaphore(MAX_BUFFERS)
         self._lock = threading.Lock()
 
@@ -96,9 +95,7 @@ class _Pool:
             with self._lock:
                 buf = self._free.pop() if self._free else None
             if buf is None:
-                region, buf = _new_buffer()
-                with self._lock:
-                    self._regions.append(region)
+                buf = _new_buffer()
             try:
                 yield buf
             finally:
