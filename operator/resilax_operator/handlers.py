@@ -1,11 +1,12 @@
-"""Thin kopf handlers: every JAXJob gets a reconcile daemon; pod and node events wake it sooner.
+"""Thin kopf handlers: every JAXJob gets a reconcile daemon; changes seen by the watch cache wake it.
 
-State-driven: the daemon observes, decides (reconcile.decide_raw) and executes (observe.py) in a loop,
-at least every few seconds and at once when one of the job's pods or a node's readiness, taints or
-labels change. Every reconcile starts from what it observes, so a missed or repeated wake-up changes
-nothing but the timing. Kopf passes `memo` (main.py fills it before kopf copies it per object, so
-its dicts are shared): `kube` (k8s.Kube), `settings` (OperatorSettings), `peering_lifetime`,
-`wakeups` ((namespace, name) → asyncio.Event), `node_digests`, `spec_generations`.
+State-driven: the daemon observes (from the watch cache, cache.py), decides (reconcile.decide_raw) and
+executes (observe.py) in a loop, at least every few seconds and at once when one of the job's pods, its
+spec, or a node's readiness, taints or labels change. Every reconcile starts from what it observes, so a
+missed or repeated wake-up changes nothing but the timing. Kopf passes `memo` (main.py fills it before
+kopf copies it per object, so its dicts are shared): `kube` (k8s.Kube), `settings` (OperatorSettings),
+`namespaces` (the watched ones; empty: all), `peering_lifetime`, `wakeups` ((namespace, name) →
+asyncio.Event); the startup handler adds `cache` (cache.WorldCache).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import kopf
 
 from . import api, observe
+from .cache import WorldCache
 
 #: The finalizer kopf puts on JAXJobs (it runs `cleanup` before the object goes).
 FINALIZER = "resilax.dev/operator"
@@ -40,18 +42,36 @@ def configure(settings: kopf.OperatorSettings, memo: Any, logger: kopf.Logger, *
                 "standalone" if settings.peering.standalone else settings.peering.name, settings.peering.lifetime)
 
 
+@kopf.on.startup(id="watch-cache")
+async def start_cache(memo: Any, logger: kopf.Logger, **_: Any) -> None:
+    """Start the watches (pods, Services, nodes, JAXJobs) and wait until each has listed once, so the
+    first reconcile reads a full cache."""
+    loop = asyncio.get_running_loop()
+    waker = Waker(memo.wakeups)
+
+    def on_change(kind: str, key: str, body: dict[str, Any], deleted: bool) -> None:
+        loop.call_soon_threadsafe(waker.changed, kind, key, body, deleted)
+
+    memo.cache = WorldCache(memo.kube, memo.namespaces, on_change).start()
+    if not await asyncio.to_thread(memo.cache.wait_synced, 120.0):
+        raise kopf.TemporaryError("the watch cache has not listed every kind within 120 s", delay=5)
+    logger.info("watch cache synced: %d nodes, %d job pods", len(memo.cache.all_nodes()),
+                sum(len(i.items()) for i in memo.cache.job_pods))
+
+
+@kopf.on.cleanup(id="stop-cache")
+async def stop_cache(memo: Any, **_: Any) -> None:
+    cache = getattr(memo, "cache", None)
+    if cache is not None:
+        cache.stop()
+
+
 @kopf.on.login(id="login")
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """$KUBECONFIG when set (`resilax operator --kubeconfig`), else in-cluster / the default kubeconfig."""
     if os.environ.get("KUBECONFIG"):
         return kopf.login_with_kubeconfig(**kwargs)
     return kopf.login_via_client(**kwargs)
-
-
-def _wake(memo: Any, namespace: str | None, name: str | None) -> None:
-    event = memo.wakeups.get((namespace, name))
-    if event is not None:
-        event.set()
 
 
 @kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, id="reconcile", cancellation_timeout=10.0)
@@ -63,7 +83,7 @@ async def reconcile(name: str, namespace: str | None, memo: Any, logger: kopf.Lo
         while not stopped:
             wake.clear()
             try:
-                delay = await asyncio.to_thread(observe.reconcile_job, memo.kube, namespace or "", name,
+                delay = await asyncio.to_thread(observe.reconcile_job, memo.kube, memo.cache, namespace or "", name,
                                                 memo.settings, logger)
             except kopf.TemporaryError as e:
                 logger.warning("reconcile: %s (retrying in %ss)", e, e.delay)
@@ -83,28 +103,44 @@ async def reconcile(name: str, namespace: str | None, memo: Any, logger: kopf.Lo
 def cleanup(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
     """Force-delete the workers no kubelet will confirm; the garbage collector removes the rest
     (pods, Services and the token Secret carry owner references). Checkpoints stay in storage."""
-    observe.cleanup_job(memo.kube, dict(body), memo.settings, logger)
+    observe.cleanup_job(memo.kube, memo.cache, dict(body), memo.settings, logger)
 
 
-@kopf.on.event("", "v1", "pods", labels={api.LABEL_JOB: kopf.PRESENT}, id="pod-event")
-async def pod_event(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
-    _wake(memo, namespace, labels.get(api.LABEL_JOB))
+class Waker:
+    """Turns the cache's changes into wake-ups (on the event loop): a job's pod → that job; a node's
+    readiness, taints, labels or schedulability (not its heartbeats) → every job; a JAXJob's spec
+    (metadata.generation, not its status writes) → that job."""
 
+    def __init__(self, wakeups: dict[tuple[str | None, str | None], asyncio.Event]) -> None:
+        self.wakeups = wakeups
+        self.node_digests: dict[str, str | None] = {}
+        self.spec_generations: dict[str, Any] = {}
 
-@kopf.on.event("", "v1", "nodes", id="node-event")
-async def node_event(name: str, body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
-    """Wake every job when a node's readiness, taints, labels or schedulability change (not on its
-    heartbeats)."""
-    digest = _node_digest(body) if type != "DELETED" else None
-    digests = memo.node_digests
-    if digests.get(name) == digest:
-        return
-    first = name not in digests
-    digests[name] = digest
-    if first and type is None:
-        return  # the initial listing
-    for event in list(memo.wakeups.values()):
-        event.set()
+    def changed(self, kind: str, key: str, body: Mapping[str, Any], deleted: bool) -> None:
+        namespace, _, name = key.partition("/")
+        if kind == "pods":
+            job = ((body.get("metadata") or {}).get("labels") or {}).get(api.LABEL_JOB)
+            if job:
+                self._wake(namespace, job)
+        elif kind == "nodes":
+            digest = None if deleted else _node_digest(body)
+            if self.node_digests.get(name, "") != digest:
+                self.node_digests[name] = digest
+                self._wake_all()
+        elif kind == "jaxjobs":
+            generation = None if deleted else (body.get("metadata") or {}).get("generation")
+            if self.spec_generations.get(key) != generation:
+                self.spec_generations[key] = generation
+                self._wake(namespace, name)
+
+    def _wake(self, namespace: str, name: str) -> None:
+        event = self.wakeups.get((namespace or None, name)) or self.wakeups.get((namespace, name))
+        if event is not None:
+            event.set()
+
+    def _wake_all(self) -> None:
+        for event in list(self.wakeups.values()):
+            event.set()
 
 
 def _node_digest(body: Mapping[str, Any]) -> str:
@@ -112,13 +148,3 @@ def _node_digest(body: Mapping[str, Any]) -> str:
     ready = next((c.get("status") for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
     taints = sorted((t.get("key"), t.get("effect")) for t in spec.get("taints") or [])
     return repr((ready, taints, bool(spec.get("unschedulable")), sorted((meta.get("labels") or {}).items())))
-
-
-@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL, id="job-event")
-async def job_event(name: str, namespace: str | None, meta: Mapping[str, Any], memo: Any, **_: Any) -> None:
-    """Wake the job's daemon when its spec changes (metadata.generation), not on its status writes."""
-    seen = memo.spec_generations
-    generation = meta.get("generation")
-    if seen.get((namespace, name)) != generation:
-        seen[(namespace, name)] = generation
-        _wake(memo, namespace, name)

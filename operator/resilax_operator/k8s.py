@@ -15,7 +15,8 @@ import base64
 import json
 import logging
 import secrets
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from datetime import datetime
 from typing import Any, Final
 
@@ -100,43 +101,52 @@ class Kube:
         parsed = json.loads(data) if data else {}
         return parsed if isinstance(parsed, dict) else {}
 
-    def _list(self, path: str, **query: Any) -> list[dict[str, Any]]:
-        answer = self.request("GET", path, query=query) or {}
-        return list(answer.get("items") or [])
-
-    # ---- reading the world -----------------------------------------------------------------
+    # ---- reading the world: list once, then watch (cache.py) --------------------------------
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A JAXJob the watch cache has not seen yet (None: it does not exist)."""
         return self.request("GET", _job_path(namespace, name), ok=(404,))
 
-    def list_job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        return self._list(f"/api/v1/namespaces/{namespace}/pods", labelSelector=f"{api.LABEL_JOB}={job}")
+    def list_page(self, path: str, query: Mapping[str, Any]) -> dict[str, Any]:
+        """One LIST (the informers' initial and 410 re-lists; never per reconcile)."""
+        return self.request("GET", path, query=query) or {}
 
-    def list_job_services(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        return self._list(f"/api/v1/namespaces/{namespace}/services", labelSelector=f"{api.LABEL_JOB}={job}")
-
-    def list_nodes(self) -> list[dict[str, Any]]:
-        return self._list("/api/v1/nodes")
-
-    def list_live_pods(self, namespace: str) -> list[dict[str, Any]]:
-        """Pods that may hold accelerators: every namespace if allowed, else `namespace` only."""
-        selector = "status.phase!=Succeeded,status.phase!=Failed"
+    def watch(self, path: str, query: Mapping[str, Any], timeout_seconds: int,
+              stop: threading.Event) -> Iterator[dict[str, Any]]:
+        """A watch's events, one parsed JSON object per line, until the server ends it
+        (`timeoutSeconds`), the connection drops (the error propagates) or `stop` is set."""
+        params = {**query, "watch": "true", "timeoutSeconds": str(timeout_seconds)}
+        method_, url, headers_, body_, _ = self.client.param_serialize(
+            "GET", path, query_params=list(params.items()), header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"])
         try:
-            return self._list("/api/v1/pods", fieldSelector=selector)
-        except KubeError as e:
-            if e.status != 403:
-                raise
-            return self._list(f"/api/v1/namespaces/{namespace}/pods", fieldSelector=selector)
+            response = self.client.call_api(method_, url, header_params=headers_, body=body_,
+                                            _request_timeout=(10.0, timeout_seconds + 30.0))
+        except (ApiException, urllib3.exceptions.HTTPError, OSError) as e:
+            raise kopf.TemporaryError(f"watch {path}: {e}", delay=2) from e
+        raw = response.response
+        try:
+            if int(response.status) >= 400:
+                data = response.read()
+                raise KubeError(int(response.status), f"watch {path}: {response.status} {_api_message(data)}")
+            for line in raw:
+                if stop.is_set():
+                    return
+                if line.strip():
+                    yield json.loads(line)
+        finally:
+            raw.release_conn()
 
     # ---- writing ---------------------------------------------------------------------------
-    def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        self.request("PATCH", _job_path(namespace, name) + "/status", {"status": dict(status)},
+    def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Returns the JAXJob as written (cache.WorldCache.remember keeps the status fresh)."""
+        return self.request("PATCH", _job_path(namespace, name) + "/status", {"status": dict(status)},
                      content_type=MERGE_PATCH)
 
-    def create(self, manifest: Manifest) -> bool:
-        """Create a namespaced core/v1 object; False if it already existed."""
+    def create(self, manifest: Manifest) -> dict[str, Any] | None:
+        """Create a namespaced core/v1 object: the object as created, or None if it already existed."""
         kind = str(manifest["kind"]).lower() + "s"
         namespace = manifest["metadata"]["namespace"]
-        return self.request("POST", f"/api/v1/namespaces/{namespace}/{kind}", manifest, ok=(409,)) is not None
+        return self.request("POST", f"/api/v1/namespaces/{namespace}/{kind}", manifest, ok=(409,))
 
     def delete_pod(self, namespace: str, name: str, *, force: bool = False, grace_seconds: int | None = None) -> None:
         """Delete a pod: with its own grace period, `grace_seconds`, or at once (`force`: no kubelet

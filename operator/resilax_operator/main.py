@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("metrics on http://%s/metrics", args.metrics_bind_address)
 
     memo = kopf.Memo(kube=kube, settings=settings, peering_lifetime=args.peering_lifetime,
-                     wakeups={}, node_digests={}, spec_generations={})
+                     namespaces=tuple(args.namespace), wakeups={})
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
     log.info("starting: %s, %s (priority %d)",
              f"namespaces {', '.join(args.namespace)}" if args.namespace else "all namespaces",

@@ -1,10 +1,12 @@
 """The I/O side of one reconcile: observe the world, decide (pure), execute the actions in order.
 
-1. `observe`: the JAXJob, its pods and Services, the nodes, the live pods of others (capacity), the
-   sidecars' answers to an open final save request and pod 0's `/v1/state` → `reconcile.Observed`.
+1. `observe`: the JAXJob, its pods and Services, the nodes, the live pods of others (capacity) — all
+   read from the watch cache (cache.py), no LIST — plus the sidecars' answers to an open final save
+   request and pod 0's `/v1/state` → `reconcile.Observed`.
 2. `reconcile.decide_raw` (or `decide_cleanup` on deletion).
 3. `execute`: each action through `k8s.Kube`, in order, stopping at the first failure (the exception
-   propagates; the next reconcile decides again from what is then observed).
+   propagates; the next reconcile decides again from what is then observed). A status equal to the
+   one the job has is not written; what the operator writes goes into the cache at once.
 
 Everything here is synchronous; handlers.py calls `reconcile_job` from a kopf daemon thread.
 """
@@ -22,6 +24,7 @@ from typing import Any
 from . import api, metrics
 from . import status as st
 from .builders import JobRef, build_pod_name, build_service_name, build_token_secret_name
+from .cache import WorldCache
 from .errors import InvalidSpecError
 from .k8s import Kube, KubeError, SidecarError
 from .reconcile import (
@@ -97,13 +100,13 @@ def _annotation(pod: Mapping[str, Any], key: str) -> str | None:
     return ((pod.get("metadata") or {}).get("annotations") or {}).get(key)
 
 
-def observe(kube: Kube, job: Mapping[str, Any], settings: OperatorSettings, logger: Logger,
+def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: OperatorSettings, logger: Logger,
             now: datetime | None = None) -> World:
     ref = job_ref(job)
-    pods = kube.list_job_pods(ref.namespace, ref.name)
-    services = kube.list_job_services(ref.namespace, ref.name)
-    nodes = kube.list_nodes()
-    others = kube.list_live_pods(ref.namespace)
+    pods = cache.pods_of(ref.namespace, ref.name)
+    services = cache.services_of(ref.namespace, ref.name)
+    nodes = cache.all_nodes()
+    others = cache.device_pods()
     status = st.parse_status(job.get("status"))
     outcomes = observe_save_outcomes(kube, status, pods, settings, logger)
     checkpoint = None
@@ -146,7 +149,7 @@ def observe_save_outcomes(kube: Kube, status: st.JobStatus, pods: Sequence[Mappi
     return (committed[0],) if committed else tuple(found[:1])
 
 
-def execute(kube: Kube, world: World, actions: Sequence[Action], settings: OperatorSettings,
+def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Action], settings: OperatorSettings,
             logger: Logger) -> float:
     """Run the actions in order; the first failure propagates. Returns the seconds until the next look."""
     job, ref = world.job, job_ref(world.job)
@@ -154,18 +157,22 @@ def execute(kube: Kube, world: World, actions: Sequence[Action], settings: Opera
     status_before = world.observed.status
     for action in actions:
         if isinstance(action, SetStatus):
-            kube.patch_job_status(ref.namespace, ref.name, status_body(action))
+            body = status_body(action)
+            if body != st.build_status(status_before):  # written only when it changes
+                cache.remember(kube.patch_job_status(ref.namespace, ref.name, body))
             metrics.record_status(ref, status_before, action.status, world.observed.now)
             status_before = action.status
         elif isinstance(action, CreateGeneration):
             kube.ensure_token_secret(ref)
             if action.service is not None:
-                kube.create(action.service)
+                cache.remember(kube.create(action.service))
             created = []
             for manifest in action.pods:
                 name = str(manifest["metadata"]["name"])
                 try:
-                    if kube.create(manifest):
+                    made = kube.create(manifest)
+                    if made is not None:
+                        cache.remember(made)
                         created.append(name)
                 except KubeError as e:
                     if e.status not in REFUSED_STATUSES:
@@ -176,7 +183,7 @@ def execute(kube: Kube, world: World, actions: Sequence[Action], settings: Opera
                     refused = decide_pod_refused(_spec_or_none(job), status_before, action.generation, name,
                                                  e.api_message, world.observed.now, settings)
                     world = World(world.job, world.pods, replace(world.observed, status=status_before))
-                    return execute(kube, world, refused, settings, logger)
+                    return execute(kube, cache, world, refused, settings, logger)
             if created:
                 logger.info("generation %d: created %s", action.generation, ", ".join(created))
         elif isinstance(action, DeleteGeneration):
@@ -282,26 +289,28 @@ def request_final_save(kube: Kube, world: World, action: RequestFinalSave, setti
         raise SidecarError(f"no sidecar of generation {action.generation} took the final save request")
 
 
-def reconcile_job(kube: Kube, namespace: str, name: str, settings: OperatorSettings,
+def reconcile_job(kube: Kube, cache: WorldCache, namespace: str, name: str, settings: OperatorSettings,
                   logger: Logger) -> float | None:
-    """One reconcile of one JAXJob; the seconds until the next one (None: the job is gone)."""
-    job = kube.get_job(namespace, name)
+    """One reconcile of one JAXJob; the seconds until the next one (None: the job is gone).
+    Reads the cache; only a job the cache has not seen yet is read from the API."""
+    job = cache.job(namespace, name) or kube.get_job(namespace, name)
     if job is None:
         return None
     if (job.get("metadata") or {}).get("deletionTimestamp"):
-        cleanup_job(kube, job, settings, logger)
+        cleanup_job(kube, cache, job, settings, logger)
         return MAX_REQUEUE_SECONDS
-    world = observe(kube, job, settings, logger)
+    world = observe(kube, cache, job, settings, logger)
     metrics.record_checkpoint(world.observed)
     actions = decide_raw(job.get("spec") or {}, world.observed, settings)
-    return execute(kube, world, actions, settings, logger)
+    return execute(kube, cache, world, actions, settings, logger)
 
 
-def cleanup_job(kube: Kube, job: Mapping[str, Any], settings: OperatorSettings, logger: Logger) -> None:
+def cleanup_job(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: OperatorSettings,
+                logger: Logger) -> None:
     """On deletion: force-delete pods no kubelet will confirm; the garbage collector does the rest.
     The token Secret has an owner reference too; deleting it here spares a garbage-collector round."""
-    world = observe(kube, job, settings, logger)
-    execute(kube, world, decide_cleanup(world.observed, settings), settings, logger)
+    world = observe(kube, cache, job, settings, logger)
+    execute(kube, cache, world, decide_cleanup(world.observed, settings), settings, logger)
     ref = job_ref(job)
     kube.delete_secret(ref.namespace, build_token_secret_name(ref.name))
     kube.forget_token(ref.uid)

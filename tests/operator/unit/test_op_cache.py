@@ -1,0 +1,245 @@
+"""The reconcile reads the watch cache: N reconciles of a steady job make no LIST and no write.
+
+An in-memory API (`FakeAPI`) records every request the operator makes and, like a watch, feeds each
+change into the cache's stores. It stands in for the API server only to count requests; the watch
+itself (list, then watch from the resourceVersion, 410 → list again) runs against the real API server
+in the cluster tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+from resilax_operator import api, observe
+from resilax_operator.cache import Informer, WatchGone, WorldCache, trim_live_pod
+from resilax_operator.k8s import Kube
+from resilax_operator.settings import OperatorSettings
+
+NS = "team"
+SETTINGS = OperatorSettings()
+LOG = logging.getLogger("test")
+
+
+def _job() -> dict[str, Any]:
+    return {
+        "apiVersion": api.API_VERSION, "kind": api.KIND,
+        "metadata": {"name": "llama", "namespace": NS, "uid": "uid-1", "generation": 1},
+        "spec": {
+            "slices": {"accelerator": "tpu-v5-lite-podslice", "topology": "2x4", "count": 1, "chipsPerHost": 4},
+            "checkpoint": {"storage": "gs://bucket/llama"},
+            "template": {"spec": {"containers": [{"name": "trainer", "image": "example/train:1"}]}},
+        },
+    }
+
+
+def _node(name: str) -> dict[str, Any]:
+    return {
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {api.NODE_POOL_LABEL: "pool-a",
+                                              "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+                                              "cloud.google.com/gke-tpu-topology": "2x4"}},
+        "spec": {},
+        "status": {"allocatable": {"google.com/tpu": "4"},
+                   "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+class FakeAPI(Kube):
+    """The API calls of k8s.Kube answered from memory; every call recorded; changes fed to the cache."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, str] = {}
+        self.objects: dict[str, dict[str, Any]] = {}  # object path → body
+        self.requests: list[tuple[str, str]] = []
+        self.cache: WorldCache | None = None
+        self.version = 0
+
+    # ---- the recorded API ------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None, *, query: Mapping[str, Any] | None = None,
+                content_type: str = "application/json", ok: tuple[int, ...] = ()) -> dict[str, Any] | None:
+        self.requests.append((method, path))
+        if method == "POST":
+            obj = copy.deepcopy(body)
+            meta = obj.setdefault("metadata", {})
+            meta.setdefault("name", meta.get("generateName", "x") + str(self.version))
+            target = f"{path}/{meta['name']}"
+            if target in self.objects:
+                return None if 409 in ok else {}
+            return self.put(target, obj)
+        if method == "PATCH" and path.endswith("/status"):
+            obj = copy.deepcopy(self.objects[path[: -len("/status")]])
+            obj["status"] = {k: v for k, v in {**(obj.get("status") or {}), **body["status"]}.items() if v is not None}
+            return self.put(path[: -len("/status")], obj)
+        if method == "PATCH":
+            obj = copy.deepcopy(self.objects[path])
+            obj["metadata"].setdefault("annotations", {}).update(body["metadata"]["annotations"])
+            return self.put(path, obj)
+        if method == "DELETE":
+            gone = self.objects.pop(path, None)
+            if gone is not None:
+                self._feed("DELETED", gone)
+            return None
+        if method == "GET" and path in self.objects:
+            return copy.deepcopy(self.objects[path])
+        if method == "GET" and path.endswith("/secrets/llama-resilax-token"):
+            return None
+        raise AssertionError(f"unexpected request {method} {path}")
+
+    def sidecar(self, method: str, ip: str, port: int, path: str, body: Mapping[str, Any] | None = None,
+                token: str | None = None) -> dict[str, Any]:
+        return {"newest_persisted_step": 100}
+
+    def ensure_token_secret(self, job: Any) -> str:
+        return "token"
+
+    def list_page(self, path: str, query: Mapping[str, Any]) -> dict[str, Any]:
+        items = [copy.deepcopy(b) for p, b in self.objects.items() if p.rsplit("/", 1)[0] == path
+                 or (path == "/api/v1/pods" and "/pods/" in p)]
+        return {"metadata": {"resourceVersion": str(self.version)}, "items": items}
+
+    def watch(self, path: str, query: Mapping[str, Any], timeout_seconds: int,
+              stop: threading.Event) -> Iterator[dict[str, Any]]:
+        return iter(())
+
+    # ---- the world changing ----------------------------------------------------------------
+    def put(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        obj["metadata"].setdefault("namespace", NS) if "/namespaces/" in path else None
+        new = path not in self.objects
+        self.objects[path] = obj
+        self._feed("ADDED" if new else "MODIFIED", obj)
+        return copy.deepcopy(obj)
+
+    def _feed(self, kind: str, obj: Mapping[str, Any]) -> None:
+        """What the cache's watches would deliver."""
+        if self.cache is None:
+            return
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        kinds = {"Pod": ("pods", "live-pods"), "Service": ("services",), "Node": ("nodes",),
+                 api.KIND: ("jaxjobs",)}.get(str(obj.get("kind")), ())
+        for informer in self.cache.informers():
+            if informer.kind not in kinds or (informer.label_selector and informer.label_selector not in labels):
+                continue
+            informer._apply(kind, obj, notify=False)
+
+    def run_pods(self) -> None:
+        """The scheduler and the kubelets: every pod Running and Ready on a node of its own."""
+        pods = sorted(p for p in self.objects if "/pods/" in p)
+        for i, path in enumerate(pods):
+            pod = copy.deepcopy(self.objects[path])
+            if (pod.get("status") or {}).get("phase") == "Running":
+                continue
+            pod["spec"]["nodeName"] = f"node-{i}"
+            pod["status"] = {"phase": "Running", "podIP": f"10.0.0.{i + 1}",
+                             "conditions": [{"type": "Ready", "status": "True"}],
+                             "containerStatuses": [{"name": c["name"], "state": {"running": {}}}
+                                                   for c in pod["spec"]["containers"]]}
+            self.put(path, pod)
+
+
+@pytest.fixture
+def steady() -> FakeAPI:
+    fake = FakeAPI()
+    fake.put(f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}/llama", _job())
+    for i in range(2):
+        fake.put(f"/api/v1/nodes/node-{i}", _node(f"node-{i}"))
+    fake.cache = WorldCache(fake, [NS])
+    for informer in fake.cache.informers():
+        informer._relist()
+    for _ in range(20):
+        observe.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)
+        fake.run_pods()
+        if (fake.cache.job(NS, "llama") or {}).get("status", {}).get("phase") == api.PHASE_RUNNING:
+            break
+    assert fake.cache.job(NS, "llama")["status"]["phase"] == api.PHASE_RUNNING
+    observe.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)  # settle the checkpoint's time
+    return fake
+
+
+def test_steady_job_reconciles_without_any_api_request(steady: FakeAPI) -> None:
+    steady.requests.clear()
+    for _ in range(10):
+        observe.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
+    lists = [r for r in steady.requests if r[0] == "GET"]
+    assert lists == [], f"reconciles read the API: {lists}"
+    assert steady.requests == [], f"a steady job was written: {steady.requests}"
+
+
+def test_reconcile_acts_on_a_change_seen_by_the_cache(steady: FakeAPI) -> None:
+    """The cache is what the reconcile sees: a worker pod deleted behind the operator's back (the
+    watch delivers it) is noticed without any LIST."""
+    steady.requests.clear()
+    pod = next(p for p in steady.objects if "/pods/" in p)
+    steady.request("DELETE", pod)
+    steady.requests.clear()
+    for _ in range(3):
+        observe.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
+    assert not [r for r in steady.requests if r[0] == "GET"]
+    assert any(m in ("PATCH", "POST", "DELETE") for m, _ in steady.requests), steady.requests
+
+
+class _Source:
+    """A list answer and then a scripted watch, for the informer's own mechanics."""
+
+    def __init__(self, pages: list[dict[str, Any]], watches: list[list[dict[str, Any]]]) -> None:
+        self.pages, self.watches, self.queries = pages, watches, []
+
+    def list_page(self, path: str, query: Mapping[str, Any]) -> dict[str, Any]:
+        return self.pages.pop(0)
+
+    def watch(self, path: str, query: Mapping[str, Any], timeout_seconds: int,
+              stop: threading.Event) -> Iterator[dict[str, Any]]:
+        self.queries.append(dict(query))
+        return iter(self.watches.pop(0))
+
+
+def _pod(name: str, rv: str, phase: str = "Running") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": NS, "resourceVersion": rv, "labels": {api.LABEL_JOB: "j"}},
+            "spec": {"nodeName": "n", "containers": [{"name": "c", "image": "i",
+                                                      "resources": {"limits": {"google.com/tpu": "4"}}}]},
+            "status": {"phase": phase}}
+
+
+def test_informer_lists_then_follows_the_watch_and_relists_when_gone() -> None:
+    source = _Source(
+        pages=[{"metadata": {"resourceVersion": "10"}, "items": [_pod("a", "9")]},
+               {"metadata": {"resourceVersion": "30"}, "items": [_pod("c", "29")]}],
+        watches=[[{"type": "ADDED", "object": _pod("b", "11")},
+                  {"type": "MODIFIED", "object": _pod("a", "12", "Pending")},
+                  {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "15"}}}],
+                 [{"type": "DELETED", "object": _pod("b", "16")},
+                  {"type": "ERROR", "object": {"code": 410, "message": "too old"}}]])
+    seen: list[tuple[str, bool]] = []
+    informer = Informer(source, "pods", "/api/v1/namespaces/team/pods", label_selector=api.LABEL_JOB,
+                        on_change=lambda kind, key, body, deleted: seen.append((key, deleted)))
+    version = informer._relist()
+    assert version == "10" and [b["metadata"]["name"] for b in informer.items()] == ["a"]
+    version = informer._watch_once(version)
+    assert version == "15" and sorted(b["metadata"]["name"] for b in informer.items()) == ["a", "b"]
+    assert informer.get(f"{NS}/a")["status"]["phase"] == "Pending"
+    assert source.queries[0]["resourceVersion"] == "10" and source.queries[0]["labelSelector"] == api.LABEL_JOB
+    with pytest.raises(WatchGone):
+        informer._watch_once(version)
+    assert source.queries[1]["resourceVersion"] == "15"
+    informer._relist()
+    assert [b["metadata"]["name"] for b in informer.items()] == ["c"]
+    assert (f"{NS}/b", True) in seen and (f"{NS}/a", True) in seen  # a vanished between the lists
+
+
+def test_informer_keeps_the_newer_of_a_write_and_a_late_event() -> None:
+    informer = Informer(_Source([], []), "pods", "/api/v1/pods")
+    informer.remember(_pod("a", "20", "Running"))
+    informer._apply("MODIFIED", _pod("a", "19", "Pending"), notify=False)  # an event older than our write
+    assert informer.get(f"{NS}/a")["status"]["phase"] == "Running"
+
+
+def test_live_pods_are_trimmed_to_what_capacity_reads() -> None:
+    trimmed = trim_live_pod({**_pod("a", "1"), "spec": {**_pod("a", "1")["spec"], "volumes": [{"name": "v"}]}})
+    assert "volumes" not in trimmed["spec"] and "image" not in trimmed["spec"]["containers"][0]
+    assert trimmed["spec"]["containers"][0]["resources"]["limits"] == {"google.com/tpu": "4"}
