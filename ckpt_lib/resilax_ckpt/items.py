@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resilax_ckpt import chunk_writer, layout, planning
+from resilax_ckpt import chunk_writer, layout, planning, pytrees
 from resilax_ckpt.errors import ResilaxCkptError, TreeMismatchError
 from resilax_ckpt.metadata import ItemMetadata, LeafMetadata, StepMetadata
 
@@ -182,12 +182,16 @@ def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, proc
         leaves: list[LeafMetadata] = []
         for (path, leaf), keystr, leaf_dir in zip(flat, keystrs, dirs, strict=True):
             enc = encode_path(path)
+            prng_impl = ""
+            if isinstance(leaf, jax.Array) and pytrees.is_prng_key(leaf.dtype):
+                leaf, prng_impl = pytrees.key_data(leaf)
             if isinstance(leaf, jax.Array):
                 shape = tuple(leaf.shape)
                 chunks = tuple(max(1, c) for c in leaf.sharding.shard_shape(shape))
                 shard_shape = _shard_shape(leaf.sharding, shape, chunks) if shard_files else ()
                 meta = LeafMetadata(keystr=keystr, path=enc, kind="array", dir=leaf_dir, shape=shape,
-                                    dtype=np.dtype(leaf.dtype).name, chunks=chunks, shard=shard_shape)
+                                    dtype=np.dtype(leaf.dtype).name, chunks=chunks, shard=shard_shape,
+                                    prng_impl=prng_impl)
                 array_index = len(arrays)
                 arrays.append((name, meta))
                 boxes_done: set[planning.Box] = set()

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from resilax_ckpt import chunk_writer, commit, fencing, layout, planning, policy, reader
+from resilax_ckpt import chunk_writer, commit, fencing, layout, planning, policy, pytrees, reader
 from resilax_ckpt import items as items_lib
 from resilax_ckpt import tensorstore_io as tsio
 from resilax_ckpt.errors import (
@@ -67,6 +67,10 @@ def _maybe_crash(phase: str, process_index: int) -> None:
     want, _, proc = spec.partition(":")
     if want == phase and (not proc or int(proc) == process_index):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+DEFAULT_LOCAL_DIRECTORY = "resilax-checkpoints"
+"""Where `CheckpointManager.from_env` saves outside a pod (relative to the working directory)."""
 
 
 class CheckpointManager:
@@ -146,11 +150,15 @@ class CheckpointManager:
 
         Without RESILAX_LOCAL_DIR: saves go to RESILAX_CHECKPOINT_DIR. With it: saves go to the
         per-host local tier (the sidecar uploads them and applies retention on both tiers, so this
-        manager keeps every local step), and restore falls back to RESILAX_CHECKPOINT_DIR."""
+        manager keeps every local step), and restore falls back to RESILAX_CHECKPOINT_DIR.
+        Outside a pod (RESILAX_CHECKPOINT_DIR unset): saves go to `DEFAULT_LOCAL_DIRECTORY` under the
+        working directory, and a warning on stderr says so."""
         env = os.environ if env is None else env
-        directory = env.get("RESILAX_CHECKPOINT_DIR", "")
+        directory = env.get("RESILAX_CHECKPOINT_DIR", "").strip()
         if not directory:
-            raise ResilaxCkptError("RESILAX_CHECKPOINT_DIR is not set; it names the checkpoint root")
+            directory = os.path.abspath(DEFAULT_LOCAL_DIRECTORY)
+            log.warning("RESILAX_CHECKPOINT_DIR is not set (not in a JAXJob pod): checkpoints go to %s",
+                        directory)
         local = env.get("RESILAX_LOCAL_DIR", "").strip()
         if local:
             fields: dict[str, Any] = {"local_tier": True, "keep_last": None, "keep_every_steps": None}
@@ -206,7 +214,7 @@ class CheckpointManager:
         return self.restore_step_from_env()
 
     def restore_step_from_env(self, env: Mapping[str, str] | None = None, *,
-                              target: Mapping[str, Any] | None = None,
+                              target: Any = None,
                               items: Iterable[str] | None = None) -> int | None:
         """The step RESILAX_RESTORE_STEP asks for: `latest` (default), `none` or a number; None when
         there is nothing to restore. With a local tier, `latest` is the step the processes agree on
@@ -219,7 +227,8 @@ class CheckpointManager:
             return None
         if raw == "latest":
             if self._persistent is not None:
-                agreed, _ = self._agree_two_tiers(None, target, items)
+                named, unwrap = pytrees.as_target(target)
+                agreed, _ = self._agree_two_tiers(None, named, [pytrees.STATE_ITEM] if unwrap else items)
                 return agreed
             return self.latest_step()
         return int(raw)
@@ -231,9 +240,12 @@ class CheckpointManager:
         Called on: all processes, at the same steps."""
         return self._decide(step, force=False)
 
-    def save(self, step: int, items: Mapping[str, Any], force: bool = False) -> bool:
+    def save(self, step: int, items: Any, force: bool = False) -> bool:
         """Save `items` at `step` if forced, due by policy or requested. Returns whether it saved.
-        Raises the error of a failed earlier background save. Called on: all processes, same step."""
+        `items`: a mapping of named items, or any other pytree (a flax TrainState, an optax state),
+        saved as the one item "state" (resilax_ckpt.pytrees). Raises the error of a failed earlier
+        background save. Called on: all processes, same step."""
+        items, _ = pytrees.as_items(items)
         self._check_open()
         self._raise_background_error()
         if self._last_saved_step is not None and (step == self._last_saved_step
@@ -513,15 +525,18 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None,
-                items: Iterable[str] | None = None) -> dict[str, Any]:
+    def restore(self, step: int | None = None, target: Any = None,
+                items: Iterable[str] | None = None) -> Any:
         """Restore `items` (default: all) of `step` (default: latest). A target leaf that is a
         `jax.ShapeDtypeStruct` with a sharding, or a `jax.Array`, comes back as a jax.Array with that
-        sharding and dtype; otherwise as NumPy. Called on: all processes."""
+        sharding and dtype; otherwise as NumPy. A target that is not a mapping of named items (a
+        TrainState of ShapeDtypeStructs) restores the item "state" and returns it as that pytree.
+        Called on: all processes."""
         self._check_open()
-        out = self._restore(step, target, items)
+        named, unwrap = pytrees.as_target(target)
+        out = self._restore(step, named, [pytrees.STATE_ITEM] if unwrap else items)
         self._prepare_first_save(out, restored=True)
-        return out
+        return out[pytrees.STATE_ITEM] if unwrap else out
 
     def _restore(self, step: int | None, target: Mapping[str, Any] | None,
                  items: Iterable[str] | None) -> dict[str, Any]:
@@ -778,12 +793,17 @@ def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[st
             sharding = None
             dtype = np.dtype(leaf.dtype)
             if want is not None and hasattr(want, "shape"):
-                if tuple(want.shape) != tuple(leaf.shape):
+                want_shape, want_dtype = tuple(want.shape), want.dtype
+                if leaf.prng_impl and pytrees.is_prng_key(want_dtype):
+                    want_shape, want_dtype = want_shape + tuple(leaf.shape[len(want_shape):]), dtype
+                if want_shape != tuple(leaf.shape):
                     problems.append(f"step {step}: array '{name}/{leaf.keystr}' has shape {tuple(leaf.shape)} "
                                     f"on disk, the target expects {tuple(want.shape)}")
                     continue
-                dtype = np.dtype(want.dtype)
+                dtype = np.dtype(want_dtype)
                 sharding = getattr(want, "sharding", None)
+                if leaf.prng_impl and sharding is not None:
+                    sharding = pytrees.data_sharding(sharding, len(want.shape))
             read = reader.LeafRead(name, leaf, dtype, sharding)
             reads.append(read)
             slots.append(read)
@@ -801,7 +821,8 @@ def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[st
             ) from e
         raise
     for name, structure, slots in assemble:
-        values = [s.result if isinstance(s, reader.LeafRead) else s for s in slots]
+        values = [(pytrees.wrap(s.result, s.leaf.prng_impl) if s.leaf.prng_impl else s.result)
+                  if isinstance(s, reader.LeafRead) else s for s in slots]
         if isinstance(structure, list):
             out[name] = items_lib.rebuild_tree(structure, values)
         else:
@@ -819,9 +840,10 @@ def _scalar_value(value: Any, pytype: str, want: Any) -> Any:
     return value
 
 
-def save(path: str, items: Mapping[str, Any]) -> None:
-    """Save `items` into the folder `path` (one step, no manager), synchronously and atomically.
-    Called on: all processes."""
+def save(path: str, items: Any) -> None:
+    """Save `items` (named items or any pytree, as CheckpointManager.save) into the folder `path`
+    (one step, no manager), synchronously and atomically. Called on: all processes."""
+    items, _ = pytrees.as_items(items)
     path = path.rstrip("/")
     storage = open_storage(path)
     coord = current_coordinator()
@@ -845,9 +867,12 @@ def save(path: str, items: Mapping[str, Any]) -> None:
     coord.barrier(f"{key}/committed", 900)
 
 
-def restore(path: str, target: Mapping[str, Any] | None = None,
-            items: Iterable[str] | None = None) -> dict[str, Any]:
-    """Restore from a folder written by `save` (or one step folder of a manager)."""
+def restore(path: str, target: Any = None, items: Iterable[str] | None = None) -> Any:
+    """Restore from a folder written by `save` (or one step folder of a manager); a target that is
+    not a mapping of named items returns the item "state" as that pytree."""
+    named, unwrap = pytrees.as_target(target)
+    if unwrap:
+        return restore(path, named, [pytrees.STATE_ITEM])[pytrees.STATE_ITEM]
     path = path.rstrip("/")
     storage = open_storage(path)
     if not storage.exists(storage.join(path, layout.COMMIT_FILE)):

@@ -38,6 +38,9 @@ class LeafMetadata:
     shard: tuple[int, ...] = ()
     """When set, the array's files are zarr3 shards of this shape (the `sharding_indexed` codec), each
     holding the `chunks` one process wrote (chunk_writer.ArrayFiles); else one file per chunk."""
+    prng_impl: str = ""
+    """When set, the array is the key data of a typed PRNG key array of this implementation
+    (`jax.random.key_impl`): restore wraps it back (resilax_ckpt.pytrees)."""
     value: Any = None
     """A scalar leaf's value (JSON)."""
     pytype: str = ""
@@ -51,6 +54,8 @@ class LeafMetadata:
                "shape": list(self.shape), "dtype": self.dtype, "chunks": list(self.chunks)}
         if self.shard:
             out["shard"] = list(self.shard)
+        if self.prng_impl:
+            out["prng_impl"] = self.prng_impl
         return out
 
     @classmethod
@@ -62,7 +67,7 @@ class LeafMetadata:
             raise KeyError(f"unknown leaf kind {raw['kind']!r}")
         return cls(keystr=raw["keystr"], path=raw["path"], kind="array", dir=raw["dir"],
                    shape=tuple(raw["shape"]), dtype=raw["dtype"], chunks=tuple(raw["chunks"]),
-                   shard=tuple(raw.get("shard", ())))
+                   shard=tuple(raw.get("shard", ())), prng_impl=str(raw.get("prng_impl", "")))
 
 
 @dataclasses.dataclass(frozen=True)
