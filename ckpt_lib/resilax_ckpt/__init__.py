@@ -8,8 +8,12 @@ state = mgr.restore(target={"params": abstract_params})
 ```
 """
 
+from typing import TYPE_CHECKING, Any
+
 from resilax_ckpt.errors import (
+    CorruptCheckpointError,
     FencedError,
+    ForeignDataError,
     IncompleteStepError,
     MetadataError,
     ResilaxCkptError,
@@ -21,15 +25,41 @@ from resilax_ckpt.errors import (
     StorageError,
     TreeMismatchError,
 )
-from resilax_ckpt.items import PerProcess, UnsupportedLeafError
-from resilax_ckpt.manager import EXIT_CODE_STOPPED, CheckpointManager, restore, save
-from resilax_ckpt.multihost import initialize_distributed_from_env
-from resilax_ckpt.options import InvalidOptionsError, ManagerOptions
+
+# JAX is imported lazily: the format modules (layout, fencing, policy, requests, storage, errors) are
+# JAX-free, and the sidecar imports them without loading JAX (tests/sidecar/test_layout.py checks).
+_LAZY = {
+    "PerProcess": "resilax_ckpt.items", "UnsupportedLeafError": "resilax_ckpt.items",
+    "EXIT_CODE_STOPPED": "resilax_ckpt.manager", "CheckpointManager": "resilax_ckpt.manager",
+    "restore": "resilax_ckpt.manager", "save": "resilax_ckpt.manager",
+    "initialize_distributed_from_env": "resilax_ckpt.multihost",
+    "InvalidOptionsError": "resilax_ckpt.options", "ManagerOptions": "resilax_ckpt.options",
+}
+
+if TYPE_CHECKING:
+    from resilax_ckpt.items import PerProcess, UnsupportedLeafError
+    from resilax_ckpt.manager import EXIT_CODE_STOPPED, CheckpointManager, restore, save
+    from resilax_ckpt.multihost import initialize_distributed_from_env
+    from resilax_ckpt.options import InvalidOptionsError, ManagerOptions
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resilax_ckpt' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "EXIT_CODE_STOPPED",
     "CheckpointManager",
+    "CorruptCheckpointError",
     "FencedError",
+    "ForeignDataError",
     "IncompleteStepError",
     "InvalidOptionsError",
     "ManagerOptions",

@@ -15,6 +15,7 @@ point leaves only folders that nothing lists and the next start cleans or reuses
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,23 +23,49 @@ import shutil
 import time
 
 from resilax_ckpt import chunk_writer, fencing, layout
-from resilax_ckpt.errors import StepExistsError, StorageError
+from resilax_ckpt.errors import ForeignDataError, StepExistsError, StorageError
 from resilax_ckpt.metadata import StepMetadata
 from resilax_ckpt.storage import Storage
 
 log = logging.getLogger(__name__)
 
 
-def build_marker(step: int, generation: int) -> bytes:
-    return json.dumps({"step": step, "generation": generation, "time": time.time()}).encode()
+def claim_root(storage: Storage, root: str) -> None:
+    """Write the root marker on first use (create-only; an existing one is kept).
+    Called on: primary only, at manager start."""
+    path = storage.join(root, layout.ROOT_MARKER)
+    if storage.exists(path):
+        return
+    body = json.dumps({"format": 1, "written_by": "resilax", "created": time.time()}).encode()
+    with contextlib.suppress(FileExistsError):  # another primary claimed it first: the same marker
+        storage.write_bytes(path, body, create_only=True)
 
 
-def read_marker_generation(storage: Storage, step_path: str, marker: str = layout.COMMIT_FILE) -> int:
-    try:
-        raw = json.loads(storage.read_bytes(storage.join(step_path, marker)))
-        return int(raw["generation"])
-    except (ValueError, KeyError, TypeError):
-        return -1  # an unreadable marker (e.g. written by the sidecar as empty) counts as oldest
+def owns_step(storage: Storage, step_path: str) -> bool:
+    """Whether the step folder at `step_path` is Resilax's (layout.owns_step_folder)."""
+    return layout.owns_step_folder(storage.list_dir(step_path))
+
+
+def check_step_free(storage: Storage, root: str, step: int) -> None:
+    """Refuse a save whose step folder holds only what someone else wrote.
+    Called on: every process, before it writes the step's first file."""
+    path = storage.join(root, layout.step_name(step))
+    names = storage.list_dir(path)
+    if names and not layout.owns_step_folder(names):
+        shown = ", ".join(sorted(n.rstrip("/") for n in names)[:3])
+        raise ForeignDataError(
+            f"{path}: step {step} cannot be saved here: the folder holds data Resilax did not write "
+            f"({shown}), which Resilax never deletes or overwrites; move it away, or give the checkpoint "
+            f"root a folder of its own (e.g. {storage.join(root, 'resilax')})")
+
+
+def build_marker(step: int, generation: int | fencing.Epoch) -> bytes:
+    era, gen = fencing.epoch_of(generation)
+    return json.dumps({"step": step, "generation": gen, "era": era, "time": time.time()}).encode()
+
+
+def read_marker_epoch(storage: Storage, step_path: str, marker: str = layout.COMMIT_FILE) -> fencing.Epoch:
+    return fencing.parse_marker_epoch(storage.read_bytes(storage.join(step_path, marker)))
 
 
 def list_committed(storage: Storage, root: str, marker: str = layout.COMMIT_FILE) -> list[int]:
@@ -66,14 +93,15 @@ def list_visible(storage: Storage, root: str, marker: str = layout.COMMIT_FILE,
         if step <= lowest:
             visible.append(step)
             continue
-        gen = read_marker_generation(storage, storage.join(root, layout.step_name(step)), marker)
-        if fencing.decide_visible(step, gen, fences):
+        epoch = read_marker_epoch(storage, storage.join(root, layout.step_name(step)), marker)
+        if fencing.decide_visible(step, epoch, fences):
             visible.append(step)
     return visible
 
 
 def commit_local(storage: Storage, root: str, tmp_path: str, final_path: str, step: int,
-                 marker: bytes, generation: int | None, marker_name: str = layout.COMMIT_FILE) -> None:
+                 marker: bytes, generation: int | fencing.Epoch | None,
+                 marker_name: str = layout.COMMIT_FILE) -> None:
     """Write the marker into the temporary folder, check the fences, rename into place.
     Called on: primary only (or each process of the local tier)."""
     storage.write_bytes(storage.join(tmp_path, marker_name), marker)
@@ -81,6 +109,8 @@ def commit_local(storage: Storage, root: str, tmp_path: str, final_path: str, st
     if generation is not None:
         fencing.check_not_fenced(fencing.read_fences(storage, root), generation, f"step {step}")
     if storage.exists(final_path):
+        if not owns_step(storage, final_path):
+            check_step_free(storage, root, step)  # raises ForeignDataError naming the folder
         if generation is not None and step in list_visible(storage, root, marker_name):
             raise StepExistsError(f"step {step}: a committed checkpoint already exists at {final_path}")
         trash = storage.join(root, f"{layout.TRASH_PREFIX}{step}-{time.time_ns()}")
@@ -91,7 +121,7 @@ def commit_local(storage: Storage, root: str, tmp_path: str, final_path: str, st
 
 
 def commit_object(storage: Storage, root: str, final_path: str, step: int, marker: bytes,
-                  generation: int) -> None:
+                  generation: int | fencing.Epoch) -> None:
     """Check the fences, then write the marker create-only. Called on: primary only."""
     fencing.check_not_fenced(fencing.read_fences(storage, root), generation, f"step {step}")
     path = storage.join(final_path, layout.COMMIT_FILE)
@@ -110,8 +140,12 @@ def _upload_in_progress(storage: Storage, step_path: str) -> bool:
 
 
 def clean_leftovers(storage: Storage, root: str, generation: int) -> list[str]:
+    # `generation`: temporary folders of this generation or older are leftovers. Their names carry
+    # only the generation: a re-created job (a new era, generation from 1) leaves the old job's
+    # higher-numbered ones for a later start; they are never steps.
     """Delete what interrupted or fenced-out saves left: temporary folders of this or older
-    generations, trash, step folders without a marker, steps the fences hide.
+    generations, trash, Resilax's step folders without a marker, steps the fences hide. Folders
+    Resilax did not write are never touched (layout.owns_step_folder).
     Called on: primary only, at manager start (before any save of this generation)."""
     deleted = []
     try:
@@ -123,6 +157,7 @@ def clean_leftovers(storage: Storage, root: str, generation: int) -> list[str]:
                 (tmp_gen is not None and tmp_gen <= generation)
                 or name.startswith(layout.TRASH_PREFIX)
                 or (step is not None and step not in visible
+                    and owns_step(storage, storage.join(root, name))
                     and not _upload_in_progress(storage, storage.join(root, name)))
             )
             if doomed:

@@ -46,3 +46,11 @@ class FencedError(SaveError):
 
 class StepExistsError(ResilaxCkptError, FileExistsError):
     """A committed checkpoint already exists for the step being saved."""
+
+
+class ForeignDataError(ResilaxCkptError, FileExistsError):
+    """A folder Resilax did not write is where a step must go; Resilax never deletes or overwrites it."""
+
+
+class CorruptCheckpointError(ResilaxCkptError, ValueError):
+    """A committed step's file is corrupt, truncated or missing; the message names the file."""

@@ -10,8 +10,17 @@
 <root>/.tmp-<step>-g<generation>/       a local save in progress (renamed to <root>/<step>/)
 <root>/.recycle-<step>/                 a step retired by retention, kept to be rewritten in place by
                                         the next save (never a step: ignored by steps() and restore)
-<root>/_fences/<generation>.json        fence records (fencing.py)
+<root>/_fences/<generation>.json        fence records, `e<era>-g<generation>.json` and era claims
+                                        `era-<era>.json` of re-created jobs (fencing.py)
+<root>/_RESILAX.json                    the root marker: written on first use (format version)
+<root>/<step>/_WRITER.<process>         written by each process before its first file of a step on
+                                        an object store (and by each sidecar before an upload), so
+                                        that an interrupted save is provably Resilax's to clean up
 ```
+Ownership: Resilax deletes or renames only what it provably wrote — its `.tmp-`, `.trash-` and
+`.recycle-` folders, and step folders holding one of its marker files (`owns_step_folder`). Any other
+entry of the root (an Orbax step folder `1/`, `2024/notes.txt`, a README) is never touched; a save
+whose step folder is taken by such an entry fails with `ForeignDataError` naming it.
 The local fast tier (one folder per host) uses the same names, plus a per-process commit marker
 `_COMMIT.<process_id>` and metadata `_METADATA.<process_id>.json` when several processes share a
 host folder (tests); one process per host writes `_METADATA.json` and `_COMMIT` as above.
@@ -20,6 +29,7 @@ host folder (tests); one process per host writes `_METADATA.json` and `_COMMIT` 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 METADATA_FILE = "_METADATA.json"
 COMMIT_FILE = "_COMMIT"
@@ -28,6 +38,10 @@ TRASH_PREFIX = ".trash-"
 RECYCLE_PREFIX = ".recycle-"
 FENCES_DIR = "_fences"
 UPLOADED_PREFIX = "_UPLOADED."
+ROOT_MARKER = "_RESILAX.json"
+WRITER_PREFIX = "_WRITER."
+#: File names only Resilax writes into a step folder: one of them makes the folder Resilax's.
+_OWNED_PREFIXES = (COMMIT_FILE, "_METADATA.", UPLOADED_PREFIX, WRITER_PREFIX)
 
 _STEP_RE = re.compile(r"^[0-9]+$")
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -66,10 +80,6 @@ def parse_recycle_step(name: str) -> int | None:
     """The step of a recycle folder name, or None when it is not one."""
     match = re.match(rf"^{re.escape(RECYCLE_PREFIX)}([0-9]+)$", name.rstrip("/"))
     return int(match.group(1)) if match else None
-
-
-def fence_name(generation: int) -> str:
-    return f"{generation}.json"
 
 
 def item_json_name(item: str) -> str:
@@ -111,3 +121,27 @@ def leaf_dir_names(keystrs: list[str]) -> list[str]:
         seen.add(name)
         names.append(name)
     return names
+
+
+def writer_name(process_index: int) -> str:
+    """The marker a process writes into a step folder before its first file there."""
+    return f"{WRITER_PREFIX}{process_index}"
+
+
+def owns_step_folder(names: Iterable[str]) -> bool:
+    """Whether a step folder holding these entries was written by Resilax (pure). A folder without
+    any of Resilax's marker files is someone else's, whatever its name."""
+    return any(n.rstrip("/") == METADATA_FILE or n.rstrip("/").startswith(_OWNED_PREFIXES) for n in names)
+
+
+def uploaded_name(process_index: int) -> str:
+    """The marker a sidecar writes into a persistent step when its process's files are all there."""
+    return f"{UPLOADED_PREFIX}{process_index}"
+
+
+def parse_uploaded(name: str) -> int | None:
+    """The process index of an `_UPLOADED.<i>` marker name, or None."""
+    if not name.startswith(UPLOADED_PREFIX):
+        return None
+    rest = name[len(UPLOADED_PREFIX):]
+    return int(rest) if rest.isdigit() else None

@@ -127,19 +127,28 @@ class CheckpointManager:
         # Recycling of retired steps: local shared folders committed by rename (not gs://, not the
         # local tier, whose retention is the sidecar's).
         self._recycles = self._storage.is_local and not self._local_tier
+        # The epoch of this generation (fencing.py): the era is claimed where the fences live.
+        self._epoch: fencing.Epoch = (0, self._options.generation)
+        if self._is_primary:
+            fence_storage, fence_root = ((self._persistent, self._persistent_root)
+                                         if self._persistent is not None and self._persistent_root
+                                         else (self._storage, self._root))
+            self._epoch = (fencing.claim_era(fence_storage, fence_root, self._options.job_uid),
+                           self._options.generation)
         if self._is_primary and not self._local_tier:
+            commit.claim_root(self._storage, self._root)
             commit.clean_leftovers(self._storage, self._root, self._options.generation)
             if self._recycles:
                 commit.clean_recycled(self._root, self._options.recycle_pool)
             visible = commit.list_visible(self._storage, self._root)
-            fencing.write_fence(self._storage, self._root, self._options.generation,
-                                visible[-1] if visible else None)
+            fencing.write_fence(self._storage, self._root, self._epoch, visible[-1] if visible else None)
         elif self._local_tier:
             self._clean_local_tier()
         if self._persistent is not None and self._persistent_root and self._coord.process_index == 0:
             # The sidecars' uploads into the persistent tier are fenced by this generation's record.
+            commit.claim_root(self._persistent, self._persistent_root)
             visible = commit.list_visible(self._persistent, self._persistent_root)
-            fencing.write_fence(self._persistent, self._persistent_root, self._options.generation,
+            fencing.write_fence(self._persistent, self._persistent_root, self._epoch,
                                 visible[-1] if visible else None)
         self._coord.barrier(f"{self._key}/start", self._options.barrier_timeout_seconds)
         self._install_sigterm()
@@ -436,6 +445,10 @@ class CheckpointManager:
                 self._coord.fetch(f"{key}/workdir", self._options.barrier_timeout_seconds)
         _maybe_crash("before_writes", pid)
         try:
+            if self._is_primary or not renames:
+                commit.check_step_free(storage, root, step)
+            if not renames:  # object store, or a local tier folder shared by several processes
+                storage.write_bytes(storage.join(work, layout.writer_name(pid)), b"")
             _write_step_files(storage, work, plan, self._context, self._options.max_inflight_bytes,
                               create_metadata=self._is_primary, process_index=pid,
                               write_threads=self._options.write_threads, fsync=self._options.fsync,
@@ -464,14 +477,14 @@ class CheckpointManager:
                 storage.write_bytes(storage.join(work, layout.metadata_name(self._own_suffix)),
                                     plan.metadata.to_bytes())
                 _maybe_crash("before_commit", pid)
-                marker = commit.build_marker(step, gen)
+                marker = commit.build_marker(step, self._epoch)
                 if self._own_suffix is not None:
                     storage.write_bytes(storage.join(final, layout.commit_name(self._own_suffix)), marker)
                 elif storage.is_local:
                     commit.commit_local(storage, root, work, final, step, marker,
-                                        None if self._local_tier else gen)
+                                        None if self._local_tier else self._epoch)
                 else:
-                    commit.commit_object(storage, root, final, step, marker, gen)
+                    commit.commit_object(storage, root, final, step, marker, self._epoch)
                 _maybe_crash("after_commit", pid)
                 log.info("committed step %d in %s", step, root)
             except Exception as e:
@@ -517,9 +530,10 @@ class CheckpointManager:
         for name in self._storage.list_dir(self._root):
             path = self._storage.join(self._root, name)
             leftover = name.startswith((layout.TMP_PREFIX, layout.TRASH_PREFIX))
-            uncommitted = layout.parse_step(name) is not None and not any(
-                n == layout.COMMIT_FILE or n.startswith(layout.COMMIT_FILE + ".")
-                for n in self._storage.list_dir(path))
+            names = self._storage.list_dir(path) if layout.parse_step(name) is not None else []
+            uncommitted = (layout.parse_step(name) is not None and layout.owns_step_folder(names)
+                           and not any(n == layout.COMMIT_FILE or n.startswith(layout.COMMIT_FILE + ".")
+                                       for n in names))
             if leftover or uncommitted:
                 self._storage.delete_tree(path)
 

@@ -36,6 +36,10 @@ class ManagerOptions:
     generation: int = 0
     """The worker generation (RESILAX_GENERATION); a newer generation fences older ones out."""
 
+    job_uid: str | None = None
+    """The JAXJob's uid (RESILAX_JOB_UID): a job re-created on storage an earlier job used gets a
+    newer era (fencing.py), so its generations, which restart at 1, outrank the old job's."""
+
     local_tier: bool = False
     """The directory is per host (the local fast tier): every process writes every shard it holds,
     its own metadata and its own `_COMMIT`; no cross-process barrier is needed."""
@@ -133,6 +137,7 @@ class ManagerOptions:
             "keep_every_steps": number("RESILAX_KEEP_EVERY_STEPS", int),
             "generation": number("RESILAX_GENERATION", int) or 0,
             "control_dir": env.get("RESILAX_CONTROL_DIR") or None,
+            "job_uid": env.get("RESILAX_JOB_UID") or None,
         }
         if problems:
             raise InvalidOptionsError("; ".join(problems))

@@ -200,6 +200,7 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         _var("RESILAX_JOB_NAME", job.name),
         _var("RESILAX_NAMESPACE", job.namespace),
         _var("RESILAX_GENERATION", plan.generation),
+        _var("RESILAX_JOB_UID", job.uid),
         _var("RESILAX_CHECKPOINT_DIR", storage_dir(c.storage)),
         _var("RESILAX_LOCAL_DIR", api.LOCAL_DIR if c.local is not None else ""),
         _var("RESILAX_CONTROL_DIR", api.CONTROL_DIR),

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
+from resilax_ckpt import layout
 
-from resilax_sidecar import control, layout
+from resilax_sidecar import control
 from resilax_sidecar.config import SidecarConfig, log_level_number
 from resilax_sidecar.errors import ConfigError
 from resilax_sidecar.metrics import SidecarMetrics

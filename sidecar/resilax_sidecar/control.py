@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REQUESTS_DIR = "requests"
-RESULTS_DIR = "results"
-TRAINER_LOCK = "trainer.lock"
-"""A live trainer holds a shared `flock` on this file (resilax_ckpt.requests holds it); the kernel drops it
-when the process ends, however it ends, so the sidecar can tell a gone trainer from a slow one."""
+from resilax_ckpt.requests import REQUESTS_DIR, RESULTS_DIR, TRAINER_LOCK
+
+# The file protocol's names are defined once, in the library (resilax_ckpt.requests). A live trainer
+# holds a shared `flock` on TRAINER_LOCK; the kernel drops it when the process ends, however it ends,
+# so the sidecar can tell a gone trainer from a slow one.
+__all__ = ["REQUESTS_DIR", "RESULTS_DIR", "TRAINER_LOCK"]
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
 

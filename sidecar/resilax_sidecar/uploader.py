@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resilax_sidecar import layout
+from resilax_ckpt import fencing, layout
+
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import StoreError, VerifyError
 from resilax_sidecar.metrics import SidecarMetrics
@@ -82,6 +83,8 @@ class LocalStep:
     digest: str
     """Identifies this save: SHA-256 of the local metadata (or of the file list if there is none)."""
     commit_body: bytes
+    era: int = 0
+    """The era of the job that saved it (resilax_ckpt.fencing): with `generation`, its epoch."""
 
 
 def local_commit_marker(folder: Path, process_id: int) -> Path | None:
@@ -289,29 +292,33 @@ class Uploader:
             files[layout.METADATA_FILE] = folder / own_metadata
         commit_path = self._local_commit(folder)
         commit_body = commit_path.read_bytes() if commit_path is not None else b""
-        generation = self._generation_of(commit_body, files.get(layout.METADATA_FILE))
+        era, generation = self._epoch_of(commit_body, files.get(layout.METADATA_FILE))
         if layout.METADATA_FILE in files:
             digest = hashlib.sha256(files[layout.METADATA_FILE].read_bytes()).hexdigest()
         else:
             listing = "\n".join(f"{k}\t{p.stat().st_size}" for k, p in sorted(files.items()))
             digest = hashlib.sha256(listing.encode()).hexdigest()
         if not commit_body:
-            commit_body = json.dumps({"generation": generation, "time": time.time()}).encode()
-        return LocalStep(step, folder, files, generation, digest, commit_body)
+            commit_body = json.dumps({"generation": generation, "era": era, "time": time.time()}).encode()
+        return LocalStep(step, folder, files, generation, digest, commit_body, era)
 
     def _is_local_only(self, name: str, own_metadata: str) -> bool:
         if name == layout.COMMIT_FILE or name.startswith(layout.COMMIT_FILE + "."):
             return True
-        if layout.parse_uploaded(name) is not None:
+        if layout.parse_uploaded(name) is not None or name.startswith(layout.WRITER_PREFIX):
             return True
         # Another process's metadata in a shared host folder; ours is mapped to _METADATA.json.
         return name.startswith("_METADATA.") and name != layout.METADATA_FILE
 
-    def _generation_of(self, commit_body: bytes, metadata: Path | None) -> int:
-        for raw in (commit_body, metadata.read_bytes() if metadata is not None else b""):
+    def _epoch_of(self, commit_body: bytes, metadata: Path | None) -> fencing.Epoch:
+        """The epoch (era, generation) of the trainer that committed the local step (its marker)."""
+        epoch = fencing.parse_marker_epoch(commit_body)
+        if epoch != (-1, -1):
+            return epoch
+        for raw in (metadata.read_bytes() if metadata is not None else b"",):
             with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
-                return int(json.loads(raw)["generation"])
-        return self.config.generation
+                return 0, int(json.loads(raw)["generation"])
+        return 0, self.config.generation
 
     # ---- the persistent tier ----------------------------------------------------------------------
 
@@ -325,14 +332,16 @@ class Uploader:
                 self._known_committed.add(step)
         return sorted(self._known_committed)
 
-    def read_fences(self) -> dict[int, int | None]:
-        fences: dict[int, int | None] = {}
+    def read_fences(self) -> dict[fencing.Epoch, int | None]:
+        fences: dict[fencing.Epoch, int | None] = {}
         for name in self.store.list_dir(layout.FENCES_DIR):
+            if not name.endswith(".json") or name.startswith("era-"):
+                continue
             try:
                 data = self.store.read_bytes(f"{layout.FENCES_DIR}/{name}")
             except FileNotFoundError:
                 continue
-            parsed = layout.parse_fence(name, data)
+            parsed = fencing.parse_fence(name, data)
             if parsed is not None:
                 fences[parsed[0]] = parsed[1]
         return fences
@@ -343,11 +352,14 @@ class Uploader:
         marker_key = f"{step}/{layout.uploaded_name(self.config.process_id)}"
         if self._marker_done.get(step) != local.digest and not self._marker_current(marker_key, local):
             started = self._clock()
+            # Before the first file: the step folder is provably Resilax's (layout.owns_step_folder).
+            self.store.write_bytes(f"{step}/{layout.writer_name(self.config.process_id)}", b"")
             copied_bytes = self._copy_files(local)
             sizes = {key: path.stat().st_size for key, path in local.files.items()}
             marker = {
                 "process_id": self.config.process_id,
                 "generation": local.generation,
+                "era": local.era,
                 "digest": local.digest,
                 "sidecar_generation": self.config.generation,
                 "files": sizes,
@@ -489,7 +501,8 @@ class Uploader:
         if missing:
             log.info("step %d: waiting for the uploads of processes %s", step, missing)
             return False
-        stale = sorted(p for p, m in markers.items() if m.get("generation") != local.generation)
+        stale = sorted(p for p, m in markers.items()
+                       if (m.get("era", 0), m.get("generation")) != (local.era, local.generation))
         if stale:
             log.info(
                 "step %d: the markers of processes %s are from another save (not generation %d); waiting",
@@ -524,10 +537,10 @@ class Uploader:
                         self._marker_done.pop(step, None)
                     return False
         fences = self.read_fences()
-        if not layout.decide_visible(step, local.generation, fences):
+        if not fencing.decide_visible(step, (local.era, local.generation), fences):
             raise StoreError(
-                f"step {step} of generation {local.generation} is fenced out by a newer generation "
-                f"(fences {sorted(fences)}); not committing it"
+                f"step {step} of era {local.era} generation {local.generation} is fenced out by a newer "
+                f"generation or job (fences {sorted(fences)}); not committing it"
             )
         if self.store.create_bytes(commit_key, local.commit_body):
             self.metrics.commits.inc()
@@ -564,7 +577,9 @@ class Uploader:
             if kept:
                 all_steps = (layout.parse_step(n) for n in self.store.list_dir(""))
                 for step in sorted(s for s in all_steps if s is not None and s < kept[0]):
-                    if self.store.stat(f"{step}/{layout.COMMIT_FILE}") is None:
+                    # Only what a sidecar or trainer provably wrote: never a folder of someone else's.
+                    if (self.store.stat(f"{step}/{layout.COMMIT_FILE}") is None
+                            and layout.owns_step_folder(self.store.list_dir(str(step)))):
                         self.store.delete_prefix(str(step))
                         log.info("retention: deleted the abandoned partial upload of step %d", step)
         if local_keep is None:

@@ -172,9 +172,9 @@ def test_fencing_old_generation_cannot_commit(tmp_path, devices):
     old.save(1, state(1))
     old.wait()
     new = rc.CheckpointManager(str(tmp_path), rc.ManagerOptions(generation=2))
-    assert fencing.read_fences(new._storage, str(tmp_path)) == {1: None, 2: 1}
+    assert fencing.read_fences(new._storage, str(tmp_path)) == {(0, 1): None, (0, 2): 1}
     old.save(2, state(2))
-    with pytest.raises(rc.FencedError, match="generation 1 may not commit; a newer generation exists \\(2\\)"):
+    with pytest.raises(rc.FencedError, match="generation 1 may not commit; a newer set of workers exists \\(generation 2\\)"):
         old.wait()
     assert new.steps() == [1]
     new.save(2, state(2))

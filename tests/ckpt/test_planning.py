@@ -109,7 +109,7 @@ def test_decide_visible(step, gen, fences, visible):
 
 def test_check_not_fenced():
     fencing.check_not_fenced({1: None, 2: 5}, 2, "step 6")
-    with pytest.raises(FencedError, match="generation 1 may not commit; a newer generation exists \\(2\\)"):
+    with pytest.raises(FencedError, match="generation 1 may not commit; a newer set of workers exists \\(generation 2\\)"):
         fencing.check_not_fenced({1: None, 2: 5}, 1, "step 6")
 
 

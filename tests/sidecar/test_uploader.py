@@ -81,7 +81,7 @@ def test_a_local_step_is_copied_verified_marked_and_committed(tmp_path, store):
     uploader.run_once()
 
     remote = committed_files(store, 10)
-    assert set(remote) == {*files, "_METADATA.json", "_UPLOADED.0", "_COMMIT"}
+    assert set(remote) == {*files, "_METADATA.json", "_WRITER.0", "_UPLOADED.0", "_COMMIT"}
     for key, data in files.items():
         assert store.read_bytes(f"10/{key}") == data
     local_commit = (config.local_dir / "10" / "_COMMIT").read_bytes()
@@ -276,12 +276,18 @@ def test_only_process_0_trims_the_persistent_tier(tmp_path):
 
 
 def test_abandoned_partial_uploads_older_than_every_kept_step_are_cleared(tmp_path):
+    """Only partial uploads a sidecar provably wrote (its `_WRITER.<i>` marker) are cleared; step-like
+    folders of someone else's (an Orbax step, a year) are never touched."""
     store = LocalFolderStore(tmp_path / "persistent")
-    store.write_bytes("1/a", b"partial")  # never committed
+    store.write_bytes("1/_WRITER.0", b"")  # a sidecar's upload, never committed
+    store.write_bytes("1/a", b"partial")
+    store.write_bytes("2/_CHECKPOINT_METADATA", b"{}")  # an Orbax step beside ours
+    store.write_bytes("3/notes.txt", b"mine")
     config = make_config(tmp_path, keep_last=1)
     write_local_step(config.local_dir, 5, step_files(1, 10))
     Uploader(config, store, SidecarMetrics()).run_once()
-    assert store.list_dir("") == ["5"]
+    assert store.list_dir("") == ["2", "3", "5"]
+    assert store.read_bytes("2/_CHECKPOINT_METADATA") == b"{}" and store.read_bytes("3/notes.txt") == b"mine"
 
 
 @pytest.mark.parametrize("urgent", [True, False], ids=["final-save-coming", "routine"])

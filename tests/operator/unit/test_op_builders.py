@@ -148,6 +148,7 @@ def test_resilax_env_matches_architecture_doc() -> None:
     env = _env(_trainer(build_pod(JOB, _spec(), PLAN, 0, 0, SETTINGS, coordinator_ip=None)))
     assert env["RESILAX_JOB_NAME"] == "llama" and env["RESILAX_NAMESPACE"] == "ml"
     assert env["RESILAX_GENERATION"] == "3"
+    assert env["RESILAX_JOB_UID"] == JOB.uid and JOB.uid
     assert env["RESILAX_CHECKPOINT_DIR"] == "gs://bucket/runs/llama"
     assert env["RESILAX_LOCAL_DIR"] == api.LOCAL_DIR and env["RESILAX_CONTROL_DIR"] == api.CONTROL_DIR
     assert env["RESILAX_SAVE_EVERY_STEPS"] == "1000" and env["RESILAX_SAVE_EVERY_SECONDS"] == "1800"

@@ -1,0 +1,181 @@
+"""Storage integrity (issue 16): a checkpoint root is shared ground, and a re-created job keeps going.
+
+- Foreign entries (an Orbax step `1/_CHECKPOINT_METADATA`, `2024/notes.txt`, a README, a half-written
+  folder of someone else's) survive open, saves, retention, leftovers cleanup and close, on a local
+  folder, in the local tier and on gs:// (fake-gcs-server).
+- A save whose step folder is taken by someone else's data fails, naming the folder and the fix, and
+  the folder is left as it was.
+- A JAXJob deleted and re-applied (a new uid: its generations restart at 1) on the same storage
+  resumes from the last committed step and commits again; a worker of the old job never commits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import resilax_ckpt as rc
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from resilax_ckpt import commit, fencing, layout
+from resilax_ckpt.storage import open_storage
+
+FOREIGN = {
+    "1/_CHECKPOINT_METADATA": b'{"item_handlers": {}}',
+    "1/default/array_metadatas/process_0": b"orbax",
+    "2024/notes.txt": b"a team's notes",
+    "README": b"do not delete",
+    "7/half-written-by-someone.bin": b"\x00" * 10,
+}
+
+
+def _mesh() -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+
+
+def _state(step: int) -> dict:
+    w = np.arange(16 * 8, dtype=np.float32).reshape(16, 8) + step
+    return {"params": {"w": jax.device_put(w, NamedSharding(_mesh(), P("a", "b")))}, "meta": {"step": step}}
+
+
+def _put_foreign(root: str) -> None:
+    storage = open_storage(root)
+    for key, data in FOREIGN.items():
+        storage.write_bytes(storage.join(root, key), data)
+
+
+def _assert_foreign_intact(root: str) -> None:
+    storage = open_storage(root)
+    for key, data in FOREIGN.items():
+        assert storage.read_bytes(storage.join(root, key)) == data, f"{key} was changed or deleted"
+
+
+def _save_restore_with_retention(root: str) -> None:
+    with rc.CheckpointManager(root, rc.ManagerOptions(keep_last=1)) as mgr:
+        for step in (2, 3, 4, 5):  # retention deletes 2..4 as 3..5 commit
+            assert mgr.save(step, _state(step))
+        mgr.wait()
+        assert mgr.steps() == [5]
+        out = mgr.restore()
+        np.testing.assert_array_equal(np.asarray(out["params"]["w"]), np.asarray(_state(5)["params"]["w"]))
+    # a second open (a new generation) cleans leftovers: still nothing foreign is touched
+    with rc.CheckpointManager(root, rc.ManagerOptions(keep_last=1, generation=2)) as mgr:
+        assert mgr.steps() == [5]
+
+
+def test_foreign_entries_survive_saves_retention_and_cleanup_on_a_local_folder(tmp_path: Path, devices) -> None:
+    root = str(tmp_path / "shared")
+    _put_foreign(root)
+    _save_restore_with_retention(root)
+    _assert_foreign_intact(root)
+    marker = json.loads((tmp_path / "shared" / layout.ROOT_MARKER).read_text())
+    assert marker["written_by"] == "resilax" and marker["format"] == 1
+
+
+@pytest.mark.gcs
+def test_foreign_entries_survive_saves_retention_and_cleanup_on_gcs(gcs_root: str, devices) -> None:
+    _put_foreign(gcs_root)
+    _save_restore_with_retention(gcs_root)
+    _assert_foreign_intact(gcs_root)
+    storage = open_storage(gcs_root)
+    assert storage.exists(storage.join(gcs_root, layout.ROOT_MARKER))
+
+
+def test_foreign_entries_survive_the_local_tier_cleanup(tmp_path: Path, devices) -> None:
+    local, persistent = str(tmp_path / "local"), str(tmp_path / "persistent")
+    _put_foreign(local)
+    opts = rc.ManagerOptions(local_tier=True, keep_last=None, keep_every_steps=None)
+    with rc.CheckpointManager(local, opts, persistent_directory=persistent) as mgr:
+        mgr.save(3, _state(3))
+        mgr.wait()
+    # an interrupted local save of ours (a marker of ours, no commit) is cleaned; foreign data is not
+    (tmp_path / "local" / "9").mkdir()
+    (tmp_path / "local" / "9" / layout.writer_name(0)).write_bytes(b"")
+    with rc.CheckpointManager(local, opts, persistent_directory=persistent):
+        pass
+    assert not (tmp_path / "local" / "9").exists()
+    _assert_foreign_intact(local)
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_a_step_folder_taken_by_foreign_data_is_refused_and_left_alone(where: str, tmp_path: Path, request,
+                                                                        devices) -> None:
+    root = str(tmp_path / "shared") if where == "local" else request.getfixturevalue("gcs_root")
+    _put_foreign(root)
+    with rc.CheckpointManager(root, rc.ManagerOptions(async_save=False)) as mgr:
+        with pytest.raises(rc.ForeignDataError) as caught:
+            mgr.save(1, _state(1))
+        message = str(caught.value)
+        assert "/1" in message and "_CHECKPOINT_METADATA" in message and "never deletes" in message
+        assert "folder of its own" in message
+        assert mgr.steps() == []
+        mgr.save(8, _state(8))  # a free step number works beside the foreign folders
+        assert mgr.steps() == [8]
+    _assert_foreign_intact(root)
+
+
+def _manager(root: str, uid: str, generation: int, **kw) -> rc.CheckpointManager:
+    return rc.CheckpointManager(root, rc.ManagerOptions(job_uid=uid, generation=generation, async_save=False, **kw))
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_a_recreated_job_resumes_and_commits_and_the_old_job_is_fenced(where: str, tmp_path: Path, request,
+                                                                        devices) -> None:
+    root = str(tmp_path / "run") if where == "local" else request.getfixturevalue("gcs_root")
+    # The first JAXJob object reached generation 3.
+    for generation in (1, 2):
+        with _manager(root, "uid-old", generation) as m:
+            m.save(10 * generation, _state(10 * generation))
+    zombie = _manager(root, "uid-old", 3)
+    zombie.save(30, _state(30))
+    # Deleted and re-applied: a new uid, generation 1 again.
+    with _manager(root, "uid-new", 1) as new:
+        assert new.latest_step() == 30
+        out = new.restore()
+        assert out["meta"] == {"step": 30}
+        new.save(31, _state(31))
+        assert new.steps() == [10, 20, 30, 31]
+        # A worker of the old job that wakes up now never commits, whatever its generation.
+        with pytest.raises(rc.FencedError, match="generation 3 may not commit"):
+            zombie.save(40, _state(40))
+        assert new.steps() == [10, 20, 30, 31]
+    zombie.close()
+    storage = open_storage(root)
+    fences = fencing.read_fences(storage, root)
+    assert max(fences) == (2, 1), fences  # the new job's era outranks the old job's
+    # A second start of the same new job keeps its era (the claim is idempotent).
+    with _manager(root, "uid-new", 2) as again:
+        assert again.latest_step() == 31
+    assert max(fencing.read_fences(storage, root)) == (2, 2)
+
+
+def test_era_claims_are_idempotent_and_ordered(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    storage = open_storage(root)
+    assert fencing.claim_era(storage, root, None) == 0
+    assert fencing.claim_era(storage, root, "a") == 1
+    assert fencing.claim_era(storage, root, "b") == 2
+    assert fencing.claim_era(storage, root, "a") == 1
+    # someone else took era 3 in between: the next job gets 4
+    storage.write_bytes(storage.join(root, layout.FENCES_DIR, "era-3.json"), json.dumps({"job_uid": "c"}).encode())
+    assert fencing.claim_era(storage, root, "d") == 4
+
+
+@pytest.mark.parametrize(("step", "epoch", "fences", "visible"), [
+    (5, (1, 7), {(2, 1): 4}, False),  # the new job started at step 4: the old job's step 5 is hidden
+    (4, (1, 7), {(2, 1): 4}, True),
+    (5, (2, 1), {(1, 7): None}, True),  # an older era never hides a newer one
+    (5, (0, 9), {(1, 1): None}, False),  # fences from before eras are era 0
+    (5, 3, {2: None}, True),  # bare generations still work (era 0)
+], ids=["old-job-above-start", "old-job-at-start", "older-era", "legacy-vs-era", "legacy"])
+def test_decide_visible_orders_epochs(step, epoch, fences, visible) -> None:
+    assert fencing.decide_visible(step, epoch, fences) is visible
+
+
+def test_commit_markers_carry_the_epoch() -> None:
+    assert fencing.parse_marker_epoch(commit.build_marker(5, (2, 3))) == (2, 3)
+    assert fencing.parse_marker_epoch(json.dumps({"step": 5, "generation": 4}).encode()) == (0, 4)
+    assert fencing.parse_marker_epoch(b"") == (-1, -1)
