@@ -51,11 +51,15 @@ def test_markers_are_create_only_and_leftovers_are_cleaned(gcs_root, devices):
 
     with rc.CheckpointManager(gcs_root, rc.ManagerOptions(generation=1)) as mgr:
         mgr.save(5, state(5)[0])
-    storage.write_bytes(f"{gcs_root}/6/params/w/zarr.json", b"{}")  # an interrupted save: no _COMMIT
+    # an interrupted save of ours (a writer marker, no _COMMIT), and a foreign folder that looks alike
+    storage.write_bytes(f"{gcs_root}/6/{layout.writer_name(0)}", b"")
+    storage.write_bytes(f"{gcs_root}/6/params/w/zarr.json", b"{}")
+    storage.write_bytes(f"{gcs_root}/7/params/w/zarr.json", b"{}")
     assert commit.list_committed(storage, gcs_root) == [5]
     with rc.CheckpointManager(gcs_root, rc.ManagerOptions(generation=2)) as mgr:
         assert mgr.steps() == [5]
         assert "6" not in storage.list_dir(gcs_root)
+        assert storage.read_bytes(f"{gcs_root}/7/params/w/zarr.json") == b"{}"  # not ours: left alone
         with pytest.raises(rc.StepNotFoundError):
             mgr.restore(6)
 

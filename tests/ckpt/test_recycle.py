@@ -296,11 +296,11 @@ def test_retention_recycles_the_retired_step_and_rewrites_its_files_in_place(tmp
         inode = os.stat(root / "1" / "p" / "w" / "c" / "0" / "0").st_ino
         mgr.save(2, {"p": mixed_state(2), "meta": {"step": 2}})
         mgr.wait()
-        assert sorted(os.listdir(root)) == [".recycle-1", "2", "_fences"]
+        assert sorted(os.listdir(root)) == [".recycle-1", "2", "_RESILAX.json", "_fences"]
         assert mgr.steps() == [2]
         mgr.save(3, {"p": mixed_state(3)})
         mgr.wait()
-        assert sorted(os.listdir(root)) == [".recycle-2", "3", "_fences"]
+        assert sorted(os.listdir(root)) == [".recycle-2", "3", "_RESILAX.json", "_fences"]
         assert os.stat(root / "3" / "p" / "w" / "c" / "0" / "0").st_ino == inode  # step 1's file
         assert mgr.steps() == [3] and mgr.latest_step() == 3
         assert_equal_trees(mgr.restore(3)["p"], host(mixed_state(3)))
@@ -438,7 +438,7 @@ def test_two_processes_recycle_a_shared_folder(tmp_path):
     results = run_processes({"scenario": "save", "root": root, "mesh": [4, 2],
                              "steps": [1, 2, 3, 4], "options": {"keep_last": 1}}, num_processes=2)
     assert all(r["steps"] == [4] for r in results)
-    assert sorted(os.listdir(root)) == [".recycle-3", "4", "_fences"]
+    assert sorted(os.listdir(root)) == [".recycle-3", "4", "_RESILAX.json", "_fences"]
     with rc.CheckpointManager(root) as mgr:
         out = mgr.restore(4, items=["params", "data"])
         for name, value in ckpt_worker.expected(4).items():
