@@ -78,10 +78,41 @@ def list_committed(storage: Storage, root: str, marker: str = layout.COMMIT_FILE
     return sorted(steps)
 
 
+def read_bad(storage: Storage, root: str) -> dict[int, str]:
+    """Steps marked bad (a restore found them corrupt): step to the reason."""
+    out: dict[int, str] = {}
+    folder = storage.join(root, layout.BAD_DIR)
+    for name in storage.list_dir(folder):
+        step = layout.parse_step(name[:-5]) if name.endswith(".json") else None
+        if step is None:
+            continue
+        try:
+            out[step] = str(json.loads(storage.read_bytes(storage.join(folder, name))).get("reason", ""))
+        except (FileNotFoundError, ValueError, AttributeError):
+            out[step] = "marked bad"
+    return out
+
+
+def mark_bad(storage: Storage, root: str, step: int, reason: str) -> None:
+    """Record that `step` failed to restore; its files stay as they are (never deleted).
+    Called on: primary only."""
+    body = json.dumps({"step": step, "reason": reason[:2000], "time": time.time()}).encode()
+    storage.write_bytes(storage.join(root, layout.BAD_DIR, layout.bad_name(step)), body)
+
+
+def clear_bad(storage: Storage, root: str, step: int) -> None:
+    """A new save of `step` committed: its old bad record no longer applies. Called on: primary only."""
+    path = storage.join(root, layout.BAD_DIR, layout.bad_name(step))
+    if storage.exists(path):
+        storage.delete_tree(path)
+
+
 def list_visible(storage: Storage, root: str, marker: str = layout.COMMIT_FILE,
                  use_fences: bool = True) -> list[int]:
-    """Committed steps the fences leave visible: what steps() and restore() see."""
-    committed = list_committed(storage, root, marker)
+    """Committed steps the fences leave visible and no bad record hides: what steps() and restore()
+    see."""
+    bad = read_bad(storage, root)
+    committed = [s for s in list_committed(storage, root, marker) if s not in bad]
     if not use_fences:
         return committed
     fences = fencing.read_fences(storage, root)
@@ -113,11 +144,17 @@ def commit_local(storage: Storage, root: str, tmp_path: str, final_path: str, st
             check_step_free(storage, root, step)  # raises ForeignDataError naming the folder
         if generation is not None and step in list_visible(storage, root, marker_name):
             raise StepExistsError(f"step {step}: a committed checkpoint already exists at {final_path}")
-        trash = storage.join(root, f"{layout.TRASH_PREFIX}{step}-{time.time_ns()}")
-        storage.rename_dir(final_path, trash)
-        storage.delete_tree(trash)
+        if step in read_bad(storage, root):
+            # A step that failed to restore: moved aside and kept (never deleted), its number reused.
+            storage.rename_dir(final_path, storage.join(root, f"{layout.BAD_PREFIX}{step}-{time.time_ns()}"))
+        else:
+            trash = storage.join(root, f"{layout.TRASH_PREFIX}{step}-{time.time_ns()}")
+            storage.rename_dir(final_path, trash)
+            storage.delete_tree(trash)
     storage.rename_dir(tmp_path, final_path)
     storage.sync_dir(root)
+    if generation is not None:
+        clear_bad(storage, root, step)
 
 
 def commit_object(storage: Storage, root: str, final_path: str, step: int, marker: bytes,
@@ -130,8 +167,9 @@ def commit_object(storage: Storage, root: str, final_path: str, step: int, marke
     except FileExistsError:
         if step in list_visible(storage, root):
             raise StepExistsError(f"step {step}: a committed checkpoint already exists at {final_path}") from None
-        # A fenced-out commit of an older generation: ours replaces it.
+        # A fenced-out commit of an older generation, or a step marked bad: ours replaces it.
         storage.write_bytes(path, marker)
+    clear_bad(storage, root, step)
 
 
 def _upload_in_progress(storage: Storage, step_path: str) -> bool:

@@ -13,6 +13,11 @@
 <root>/_fences/<generation>.json        fence records, `e<era>-g<generation>.json` and era claims
                                         `era-<era>.json` of re-created jobs (fencing.py)
 <root>/_RESILAX.json                    the root marker: written on first use (format version)
+<root>/_bad/<step>.json                 a committed step that failed to restore (corrupt, truncated
+                                        or missing file, bad metadata): `{"step", "reason", "time"}`;
+                                        hidden from steps() and never deleted (commit.mark_bad)
+<root>/.bad-<step>-<ns>/                a bad step's folder on local disk, moved aside (kept) when the
+                                        step number is saved again
 <root>/<step>/_WRITER.<process>         written by each process before its first file of a step on
                                         an object store (and by each sidecar before an upload), so
                                         that an interrupted save is provably Resilax's to clean up
@@ -39,6 +44,8 @@ RECYCLE_PREFIX = ".recycle-"
 FENCES_DIR = "_fences"
 UPLOADED_PREFIX = "_UPLOADED."
 ROOT_MARKER = "_RESILAX.json"
+BAD_DIR = "_bad"
+BAD_PREFIX = ".bad-"
 WRITER_PREFIX = "_WRITER."
 #: File names only Resilax writes into a step folder: one of them makes the folder Resilax's.
 _OWNED_PREFIXES = (COMMIT_FILE, "_METADATA.", UPLOADED_PREFIX, WRITER_PREFIX)
@@ -145,3 +152,8 @@ def parse_uploaded(name: str) -> int | None:
         return None
     rest = name[len(UPLOADED_PREFIX):]
     return int(rest) if rest.isdigit() else None
+
+
+def bad_name(step: int) -> str:
+    """The record `<root>/_bad/<step>.json` of a step that failed to restore."""
+    return f"{step_name(step)}.json"

@@ -31,6 +31,7 @@ from resilax_ckpt import chunk_writer, commit, fencing, layout, planning, policy
 from resilax_ckpt import items as items_lib
 from resilax_ckpt import tensorstore_io as tsio
 from resilax_ckpt.errors import (
+    CorruptCheckpointError,
     IncompleteStepError,
     MetadataError,
     ResilaxCkptError,
@@ -44,7 +45,7 @@ from resilax_ckpt.errors import (
 from resilax_ckpt.metadata import StepMetadata
 from resilax_ckpt.multihost import Coordinator, current_coordinator
 from resilax_ckpt.options import ManagerOptions
-from resilax_ckpt.requests import RequestWatcher, SaveRequest
+from resilax_ckpt.requests import RequestWatcher, SaveRequest, write_restore_report
 from resilax_ckpt.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,11 @@ mid_writes, after_writes, before_commit, after_commit)."""
 
 _manager_count = 0
 _manager_count_lock = threading.Lock()
+
+
+#: What makes a committed step unreadable, as opposed to a transient storage error (which propagates):
+#: a corrupt or truncated file, a missing one, metadata that cannot be read.
+UNREADABLE_STEP_ERRORS = (CorruptCheckpointError, IncompleteStepError, MetadataError)
 
 
 def _maybe_crash(phase: str, process_index: int) -> None:
@@ -557,9 +563,7 @@ class CheckpointManager:
         if self._persistent is not None:
             return self._restore_two_tiers(step, target, items)
         if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise StepNotFoundError(f"{self._root}: no committed checkpoint")
+            return self._restore_newest_good(target, items)
         self._protected_steps = (step,)
         step_path = self._storage.join(self._root, layout.step_name(step))
         if step not in self.steps():
@@ -569,6 +573,64 @@ class CheckpointManager:
                     f"committed steps: {self.steps()}")
             raise StepNotFoundError(f"{step_path}: step {step} does not exist; committed steps: {self.steps()}")
         return self._read_step(self._storage, step_path, step, target, items)
+
+    def _restore_newest_good(self, target: Mapping[str, Any] | None,
+                             items: Iterable[str] | None) -> dict[str, Any]:
+        """The newest committed step every process can read. A step that fails (a corrupt, truncated or
+        missing file, bad metadata) on any process is marked bad (`<root>/_bad/<step>.json`, never
+        deleted), reported, and the next older step is tried; all processes agree on each try.
+        Called on: all processes."""
+        candidates = sorted(self.steps(), reverse=True)
+        if not candidates:
+            raise StepNotFoundError(f"{self._root}: no committed checkpoint")
+        self._restore_count += 1
+        skipped: list[dict[str, Any]] = []
+        for step in candidates:
+            self._protected_steps = (step,)
+            out: dict[str, Any] | None = None
+            error = "ok"
+            try:
+                out = self._read_step(self._storage, self._storage.join(self._root, layout.step_name(step)),
+                                      step, target, items)
+            except UNREADABLE_STEP_ERRORS as e:
+                error = f"process {self._coord.process_index}: {type(e).__name__}: {e}"
+            failures = self._agree_readable(f"{self._key}/restore/{self._restore_count}/{step}", error)
+            if not failures:
+                assert out is not None
+                self._report_restore(step, skipped)
+                return out
+            reason = "; ".join(failures)
+            if self._is_primary:
+                commit.mark_bad(self._storage, self._root, step, reason)
+            log.warning("step %d in %s cannot be restored, marked bad (kept), trying an older step: %s",
+                        step, self._root, reason)
+            skipped.append({"step": step, "reason": reason})
+        self._report_restore(None, skipped)
+        raise CorruptCheckpointError(
+            f"{self._root}: no committed step can be restored: "
+            + "; ".join(f"step {s['step']}: {s['reason']}" for s in skipped))
+
+    def _agree_readable(self, key: str, error: str) -> list[str]:
+        """Every process's error for one try ("ok" when it read the step); the failures."""
+        if self._coord.process_count == 1:
+            return [] if error == "ok" else [error]
+        self._coord.publish(f"{key}/{self._coord.process_index}", error)
+        self._coord.barrier(key, self._options.barrier_timeout_seconds)
+        return sorted(v for v in self._coord.fetch_dir(f"{key}/").values() if v != "ok")
+
+    @property
+    def restore_report(self) -> dict[str, Any] | None:
+        """What the last `restore()` of the newest step did: `{"step": N, "skipped": [{"step", "reason"}]}`
+        (None before any). Also written to `$RESILAX_CONTROL_DIR/restore.json` for the sidecar."""
+        return self._restore_report
+
+    _restore_report: dict[str, Any] | None = None
+    _restore_count = 0
+
+    def _report_restore(self, step: int | None, skipped: list[dict[str, Any]]) -> None:
+        self._restore_report = {"step": step, "skipped": skipped}
+        if self._options.control_dir:
+            write_restore_report(self._options.control_dir, self._restore_report)
 
     def _read_step(self, storage: Storage, path: str, step: int, target: Mapping[str, Any] | None,
                    items: Iterable[str] | None, own_metadata: bool = True) -> dict[str, Any]:

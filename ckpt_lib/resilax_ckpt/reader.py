@@ -55,7 +55,7 @@ import tensorstore as ts
 
 from resilax_ckpt import chunk_writer, planning, staging
 from resilax_ckpt import tensorstore_io as tsio
-from resilax_ckpt.errors import StorageError
+from resilax_ckpt.errors import CorruptCheckpointError, StorageError
 
 ALIGNMENT = 64
 """Bytes: XLA:CPU aliases a host buffer aligned to this instead of copying it."""
@@ -330,7 +330,7 @@ class _FileChunkReader:
             expected = files.file_size()
             if size != expected:
                 what = f"a shard {list(files.shard)} of chunks {list(chunks)}" if files.shard else f"a chunk {list(chunks)}"
-                raise StorageError(
+                raise CorruptCheckpointError(
                     f"chunk file {path} has {size} bytes, expected {expected} ({what} of "
                     f"{leaf.dtype}): truncated or not written by resilax_ckpt")
             if len(job) > 1:
@@ -466,7 +466,7 @@ def _preadv_exact(fd: int, views: list[np.ndarray], offset: int, path: str) -> N
     while bufs:
         n = os.preadv(fd, bufs, offset)
         if n <= 0:
-            raise StorageError(f"chunk file {path}: ended after {offset} bytes, expected at least {want}")
+            raise CorruptCheckpointError(f"chunk file {path}: ended after {offset} bytes, expected at least {want}")
         offset += n
         while bufs and n >= len(bufs[0]):
             n -= len(bufs.pop(0))

@@ -4,6 +4,11 @@ The sidecar or operator drops `$RESILAX_CONTROL_DIR/requests/<id>.json` =
 `{"id": ..., "reason": "manual|preemption|resize", "stop": bool}`; after the agreed step is committed
 (or failed) the manager writes `$RESILAX_CONTROL_DIR/results/<id>.json` =
 `{"id", "step", "committed", "error"}` and removes the request file.
+
+After a restore of the newest step the manager also writes `$RESILAX_CONTROL_DIR/restore.json` =
+`{"step": N, "skipped": [{"step": M, "reason": "..."}]}`: the step restored (None: none could be) and
+the newer committed steps it had to skip because they could not be read (marked bad). The sidecar
+reports it in `/v1/state` as `restore`; the operator turns skipped steps into an event.
 """
 
 from __future__ import annotations
@@ -19,9 +24,30 @@ log = logging.getLogger(__name__)
 
 REQUESTS_DIR = "requests"
 RESULTS_DIR = "results"
+RESTORE_REPORT = "restore.json"
 TRAINER_LOCK = "trainer.lock"
 """A live trainer holds a shared `flock` on this file; the kernel drops it when the process dies, so
 the sidecar can tell a trainer that will still answer a request from one that is gone."""
+
+
+def write_restore_report(control_dir: str, report: dict[str, object]) -> None:
+    """Write `restore.json` atomically (temporary name, rename). Called on: each process."""
+    os.makedirs(control_dir, exist_ok=True)
+    path = os.path.join(control_dir, RESTORE_REPORT)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, path)
+
+
+def read_restore_report(control_dir: str) -> dict[str, object] | None:
+    """The trainer's last restore report, or None (no restore yet, or unreadable)."""
+    try:
+        with open(os.path.join(control_dir, RESTORE_REPORT)) as f:
+            raw = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
 
 
 @dataclasses.dataclass(frozen=True)

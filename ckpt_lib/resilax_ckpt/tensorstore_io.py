@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from resilax_ckpt.errors import StorageError
+from resilax_ckpt.errors import CorruptCheckpointError, StorageError
 
 
 def build_context(io_concurrency: int, fsync: bool, gcs_retries: int | None = None) -> ts.Context:
@@ -99,6 +99,9 @@ class InflightLimiter:
         self._inflight -= nbytes
         try:
             result = future.result()
+        except CorruptCheckpointError as e:  # the step's data is bad, not the storage: keep the kind
+            self.cancel()
+            raise CorruptCheckpointError(f"{what}: {e}") from e
         except Exception as e:
             self.cancel()
             raise StorageError(f"{what}: {short_error(e)}") from e

@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 from resilax_ckpt import layout
+from resilax_ckpt.requests import read_restore_report
 
 from resilax_sidecar import control
 from resilax_sidecar.config import SidecarConfig, log_level_number
@@ -160,6 +161,8 @@ class Sidecar:
             "persistent_tier": cfg.checkpoint_dir,
             "stopping": self.stopping,
             "pending_requests": sorted(self.pending),
+            # What the trainer's last restore did: {"step", "skipped": [{"step", "reason"}]} or None.
+            "restore": read_restore_report(str(cfg.control_dir)),
         }
         if self.uploader is not None:
             state.update(self.uploader.state.to_json())

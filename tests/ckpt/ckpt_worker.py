@@ -113,7 +113,7 @@ def scenario_restore(args):
     mgr.close()
     return {"step": step, "steps": mgr.steps(), "meta": out["meta"], "data": out["data"],
             "process": jax.process_index(), "restored_from": mgr.restored_from, "own_latest": own_latest,
-            "agreed": step_arg}
+            "agreed": step_arg, "report": mgr.restore_report}
 
 
 def scenario_requests(args):

@@ -179,3 +179,80 @@ def test_commit_markers_carry_the_epoch() -> None:
     assert fencing.parse_marker_epoch(commit.build_marker(5, (2, 3))) == (2, 3)
     assert fencing.parse_marker_epoch(json.dumps({"step": 5, "generation": 4}).encode()) == (0, 4)
     assert fencing.parse_marker_epoch(b"") == (-1, -1)
+
+
+# ---------------------------------------------------------------- fall back, do not brick
+
+
+def _files(root: Path, step: int, item: str = "params") -> list[Path]:
+    return sorted(p for p in (root / str(step) / item).rglob("*") if p.is_file() and p.name != "zarr.json")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "metadata"])
+def test_a_damaged_newest_step_falls_back_to_the_previous_one(damage: str, tmp_path: Path, devices) -> None:
+    root = tmp_path / "run"
+    control = tmp_path / "control"
+    with rc.CheckpointManager(str(root), rc.ManagerOptions(async_save=False)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    victim = _files(root, 3)[0]
+    if damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[:-4])
+    elif damage == "deleted":
+        victim.unlink()
+    else:
+        victim = root / "3" / layout.METADATA_FILE
+        victim.write_text("{not json")
+    before = sorted(str(p.relative_to(root / "3")) for p in (root / "3").rglob("*"))
+    with rc.CheckpointManager(str(root), rc.ManagerOptions(async_save=False, control_dir=str(control))) as mgr:
+        out = mgr.restore()
+        assert out["meta"] == {"step": 2}
+        np.testing.assert_array_equal(np.asarray(out["params"]["w"]), np.asarray(_state(2)["params"]["w"]))
+        report = mgr.restore_report
+        assert report is not None and report["step"] == 2
+        assert [s["step"] for s in report["skipped"]] == [3]
+        assert str(victim) in report["skipped"][0]["reason"], report  # the error names the file
+        assert json.loads((control / "restore.json").read_text()) == report
+        # marked bad, never deleted: hidden from steps(), its files as they were
+        assert mgr.steps() == [1, 2] and mgr.latest_step() == 2
+        assert sorted(str(p.relative_to(root / "3")) for p in (root / "3").rglob("*")) == before
+        bad = json.loads((root / layout.BAD_DIR / "3.json").read_text())
+        assert bad["step"] == 3 and str(victim) in bad["reason"]
+        # the job goes on from step 2 and saves step 3 again: the bad step is moved aside, kept
+        mgr.save(3, _state(33))
+        assert mgr.steps() == [1, 2, 3]
+        assert mgr.restore()["meta"] == {"step": 33}
+    kept = [p for p in root.iterdir() if p.name.startswith(layout.BAD_PREFIX + "3-")]
+    assert len(kept) == 1 and sorted(str(p.relative_to(kept[0])) for p in kept[0].rglob("*")) == before
+    assert not (root / layout.BAD_DIR / "3.json").exists()
+
+
+def test_no_restorable_step_is_an_error_listing_each_step_and_why(tmp_path: Path, devices) -> None:
+    root = tmp_path / "run"
+    with rc.CheckpointManager(str(root), rc.ManagerOptions(async_save=False)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+    for step in (1, 2):
+        (root / str(step) / layout.METADATA_FILE).write_text("{")
+    with rc.CheckpointManager(str(root)) as mgr, pytest.raises(rc.CorruptCheckpointError) as caught:
+        mgr.restore()
+    assert "step 2:" in str(caught.value) and "step 1:" in str(caught.value)
+    assert "_METADATA.json" in str(caught.value)
+
+
+@pytest.mark.slow
+def test_processes_agree_on_the_fallback_when_only_one_of_them_cannot_read(tmp_path: Path) -> None:
+    """Two JAX processes: a chunk only one of them reads is truncated; both skip the step together."""
+    from ckpt_procs import run_processes
+
+    root = tmp_path / "ck"
+    run_processes({"scenario": "save", "root": str(root), "mesh": [4, 2], "steps": [3, 4]}, num_processes=2)
+    files = sorted(p for p in (root / "4" / "params" / "w").rglob("*") if p.is_file() and p.name != "zarr.json")
+    victim = files[-1]  # the last rows of w: process 1's shards
+    victim.write_bytes(victim.read_bytes()[:-8])
+    results = run_processes({"scenario": "restore", "root": str(root), "mesh": [4, 2]}, num_processes=2)
+    assert [r["step"] for r in results] == [3, 3]
+    for r in results:
+        assert [s["step"] for s in r["report"]["skipped"]] == [4]
+        assert str(victim) in r["report"]["skipped"][0]["reason"]
+    assert json.loads((root / layout.BAD_DIR / "4.json").read_text())["step"] == 4

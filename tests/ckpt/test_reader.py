@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from resilax_ckpt import chunk_writer, reader, staging
 from resilax_ckpt import tensorstore_io as tsio
-from resilax_ckpt.errors import IncompleteStepError, StorageError
+from resilax_ckpt.errors import CorruptCheckpointError, IncompleteStepError, StorageError
 from resilax_ckpt.manager import read_metadata
 from resilax_ckpt.storage import LocalStorage
 
@@ -280,7 +280,7 @@ def test_chunk_file_of_the_wrong_size_is_an_error_naming_it(copy_of, how):
     size = os.path.getsize(path)
     m = mesh((4, 2))
     for sharding in (NamedSharding(m, P("a", "b")), NamedSharding(mesh((2, 4)), P("b", "a")), None):
-        with pytest.raises(StorageError, match=re.escape(f"{path} has {size} bytes, expected {expected}")):
+        with pytest.raises(CorruptCheckpointError, match=re.escape(f"{path} has {size} bytes, expected {expected}")):
             read_with(root, {"f32": sharding}, use_tensorstore=False)
 
 

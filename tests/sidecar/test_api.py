@@ -206,3 +206,15 @@ def _healthy(sidecar) -> bool:
         return sidecar.get("/healthz").status == 200
     except OSError:
         return False
+
+
+def test_state_reports_the_trainers_restore_and_the_steps_it_skipped(shared):
+    """The trainer's manager writes `restore.json` into the control folder after a restore of the
+    newest step (resilax_ckpt.requests); the sidecar reports it as `restore` (the operator's event)."""
+    from resilax_ckpt.requests import write_restore_report
+
+    sidecar, env = shared
+    assert sidecar.get("/v1/state").body["restore"] is None
+    report = {"step": 20, "skipped": [{"step": 30, "reason": "CorruptCheckpointError: chunk file x/30/a"}]}
+    write_restore_report(env["RESILAX_CONTROL_DIR"], report)
+    assert sidecar.get("/v1/state").body["restore"] == report
