@@ -86,7 +86,9 @@ COND_READY: Final = "Ready"
 COND_SAVING: Final = "Saving"
 COND_DEGRADED: Final = "Degraded"
 COND_INVALID_SPEC: Final = "InvalidSpec"
-CONDITION_TYPES: Final = (COND_READY, COND_SAVING, COND_DEGRADED, COND_INVALID_SPEC)
+#: True when the workers restored an older step because newer committed ones could not be read.
+COND_CHECKPOINT_FALLBACK: Final = "CheckpointFallback"
+CONDITION_TYPES: Final = (COND_READY, COND_SAVING, COND_DEGRADED, COND_INVALID_SPEC, COND_CHECKPOINT_FALLBACK)
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,9 @@ HOSTPATH_FIX: Final = (" -- checkpoint.local.scope: Node mounts a hostPath folde
                        "root): set "
                        "checkpoint.local.scope: Pod (an emptyDir, no restart from the local tier), or run the job "
                        "in a namespace labelled pod-security.kubernetes.io/enforce=privileged")
+STEPS_SKIPPED = Reason("CheckpointStepsSkipped",
+                       "generation {generation} restored step {step}: newer committed steps could not be read and "
+                       "were marked bad (kept in storage): {skipped}")
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
 SPEC_INVALID = Reason("SpecInvalid", "{problems}")
 NOT_SAVING = Reason("NotSaving", "no final save in progress")

@@ -41,6 +41,7 @@ from .reconcile import (
     decide_cleanup,
     decide_pod_refused,
     decide_raw,
+    parse_restore_report,
     parse_save_outcome,
     parse_sidecar_state,
     status_body,
@@ -109,7 +110,7 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
     others = cache.device_pods()
     status = st.parse_status(job.get("status"))
     outcomes = observe_save_outcomes(kube, status, pods, settings, logger)
-    checkpoint = None
+    checkpoint = restore = None
     if status.generation > 0:
         pod0 = next((p for p in pods if (p.get("metadata") or {}).get("name")
                      == build_pod_name(ref.name, status.generation, 0, 0)), None)
@@ -117,10 +118,11 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
             try:
                 state = kube.sidecar("GET", str(_pod_ip(pod0)), settings.sidecar_port, "/v1/state")
                 checkpoint = parse_sidecar_state(state, now or now_utc())
+                restore = parse_restore_report(state)
             except SidecarError as e:
                 logger.debug("no checkpoint state from %s: %s", build_pod_name(ref.name, status.generation, 0, 0), e)
     observed = build_observed(job, now=now or now_utc(), pods=pods, services=services, nodes=nodes,
-                              other_pods=others, save_outcomes=outcomes, checkpoint=checkpoint)
+                              other_pods=others, save_outcomes=outcomes, checkpoint=checkpoint, restore=restore)
     return World(job, tuple(pods), observed)
 
 

@@ -188,6 +188,8 @@ class Observed:
     save_outcomes: tuple[SaveOutcome, ...] = ()
     #: The newest checkpoint the sidecars report (None if unknown).
     checkpoint: CheckpointInfo | None = None
+    #: What the current generation's restore did, from pod 0's sidecar (None if unknown).
+    restore: RestoreReport | None = None
 
     def node(self, name: str | None) -> ObservedNode | None:
         return next((n for n in self.nodes if n.name == name), None) if name else None
@@ -284,7 +286,7 @@ def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome 
 def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapping[str, Any]],
                    services: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[str, Any]],
                    other_pods: Iterable[Mapping[str, Any]] = (), save_outcomes: Iterable[SaveOutcome] = (),
-                   checkpoint: CheckpointInfo | None = None) -> Observed:
+                   checkpoint: CheckpointInfo | None = None, restore: RestoreReport | None = None) -> Observed:
     """Observed from raw API bodies: the JAXJob, its pods and Services (label resilax.dev/job=<name>),
     all Nodes, and the pods of everything else that may hold accelerators (`other_pods`, any namespace;
     this job's pods among them are ignored)."""
@@ -304,7 +306,43 @@ def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapp
                     spec_generation=int(meta.get("generation") or 0),
                     pods=tuple(sorted(job_pods, key=lambda p: p.name)), services=tuple(sorted(generations)),
                     nodes=tuple(sorted(observed_nodes, key=lambda n: n.name)),
-                    save_outcomes=tuple(save_outcomes), checkpoint=checkpoint)
+                    save_outcomes=tuple(save_outcomes), checkpoint=checkpoint, restore=restore)
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """The trainer's restore of the newest step (`restore` in the sidecar's `/v1/state`)."""
+
+    step: int | None
+    #: (step, why) of each newer committed step it could not read and skipped.
+    skipped: tuple[tuple[int, str], ...] = ()
+
+
+def parse_restore_report(body: Mapping[str, Any]) -> RestoreReport | None:
+    """`restore` of the sidecar's `GET /v1/state` → RestoreReport (None if absent or malformed)."""
+    raw = body.get("restore")
+    if not isinstance(raw, Mapping):
+        return None
+    try:
+        step = None if raw.get("step") is None else int(raw["step"])
+        skipped = tuple((int(s["step"]), str(s.get("reason", ""))) for s in raw.get("skipped") or [])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return RestoreReport(step, skipped)
+
+
+def decide_restore_fallback(s: JobStatus, report: RestoreReport | None, now: datetime) -> tuple[JobStatus, list[EmitEvent]]:
+    """When the workers skipped unreadable steps: the CheckpointFallback condition and one Warning event
+    per new report (the condition's message is the memory, so deciding twice emits nothing new)."""
+    if report is None or not report.skipped or report.step is None:
+        return s, []
+    skipped = "; ".join(f"step {step}: {why[:300]}" for step, why in report.skipped)
+    message = api.STEPS_SKIPPED.message.format(generation=s.generation, step=report.step, skipped=skipped)
+    current = s.condition(api.COND_CHECKPOINT_FALLBACK)
+    if current is not None and current.status == "True" and current.message == message:
+        return s, []
+    new = st.set_condition(s, api.COND_CHECKPOINT_FALLBACK, True, api.STEPS_SKIPPED.name, message, now)
+    return new, [EmitEvent("Warning", api.STEPS_SKIPPED.name, message)]
 
 
 def parse_sidecar_state(body: Mapping[str, Any], now: datetime) -> CheckpointInfo | None:
@@ -527,6 +565,10 @@ def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings) -> lis
         return out
 
     actions: list[Action] = []
+    fallback, events = decide_restore_fallback(s, observed.restore, now)
+    if events:
+        s = fallback
+        actions += [SetStatus(s), *events]
     # Stray pods: any generation other than the current one must go before anything else happens.
     stray = sorted({p.generation for p in observed.pods if p.generation != s.generation}
                    | {g for g in observed.services if g != s.generation and not _pods_of(observed, g)})

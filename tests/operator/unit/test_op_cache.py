@@ -243,3 +243,41 @@ def test_live_pods_are_trimmed_to_what_capacity_reads() -> None:
     trimmed = trim_live_pod({**_pod("a", "1"), "spec": {**_pod("a", "1")["spec"], "volumes": [{"name": "v"}]}})
     assert "volumes" not in trimmed["spec"] and "image" not in trimmed["spec"]["containers"][0]
     assert trimmed["spec"]["containers"][0]["resources"]["limits"] == {"google.com/tpu": "4"}
+
+
+def test_a_restore_that_skipped_bad_steps_is_shown_once(steady: FakeAPI) -> None:
+    """Pod 0's sidecar reports that the workers restored an older step (issue 16): the job gets the
+    CheckpointFallback condition and one Warning event naming the step and why; deciding again with
+    the same report writes nothing."""
+    report = {"step": 20, "skipped": [{"step": 30, "reason": "CorruptCheckpointError: chunk file /ck/30/params/w/c/0/0 "
+                                                           "has 12 bytes, expected 4096"}]}
+    steady.sidecar = lambda *a, **k: {"newest_persisted_step": 100, "restore": report}  # type: ignore[method-assign]
+    steady.requests.clear()
+    observe.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
+    events = [steady.objects[p] for p in steady.objects
+              if "/events/" in p and steady.objects[p]["reason"] == api.STEPS_SKIPPED.name]
+    assert [e["type"] for e in events] == ["Warning"]
+    assert "restored step 20" in events[0]["message"] and "step 30" in events[0]["message"]
+    assert "/ck/30/params/w/c/0/0" in events[0]["message"]
+    job = steady.cache.job(NS, "llama")
+    cond = next(c for c in job["status"]["conditions"] if c["type"] == api.COND_CHECKPOINT_FALLBACK)
+    assert cond["status"] == "True" and cond["reason"] == api.STEPS_SKIPPED.name
+    assert job["status"]["phase"] == api.PHASE_RUNNING  # running, from the older step
+    steady.requests.clear()
+    for _ in range(3):
+        observe.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
+    assert steady.requests == []
+
+
+@pytest.mark.parametrize(("body", "want"), [
+    ({}, None),
+    ({"restore": None}, None),
+    ({"restore": {"step": 5, "skipped": []}}, (5, ())),
+    ({"restore": {"step": 5, "skipped": [{"step": 7, "reason": "bad"}]}}, (5, ((7, "bad"),))),
+    ({"restore": {"step": "x"}}, None),
+], ids=["absent", "null", "clean", "skipped", "malformed"])
+def test_parse_restore_report(body: dict, want) -> None:
+    from resilax_operator.reconcile import parse_restore_report
+
+    got = parse_restore_report(body)
+    assert (None if got is None else (got.step, got.skipped)) == want
