@@ -2,7 +2,8 @@
 
 Needs neither torch nor orbax: the anchors that are not installed are reported as unavailable. The
 figures are not checked (this is no timed test); the harness's own checks are: every restore matched
-the saved bytes, and a library that cannot run is named with its reason instead of given numbers.
+the saved bytes, and a library that cannot run is named with its reason instead of given numbers. For
+Resilax itself a recorded error is a failure.
 """
 
 from __future__ import annotations
@@ -40,15 +41,15 @@ def test_quick_run_measures_or_names_each_library(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     (rnd,) = result["rounds"]
-    assert "numpy" in rnd["libs"], result["errors"]
+    # Resilax's own save and restore must work: an error the harness records for it fails the test
+    # (it may only explain anchors that are not installed here, such as Orbax and DCP).
+    assert "resilax" not in result["errors"], result["errors"]
+    assert {"resilax", "numpy"} <= set(rnd["libs"]), result["errors"]
     for lib, rec in rnd["libs"].items():
         labels = [r["label"] for r in rec["restore"]["restores"]]
         assert labels == ["first", "cold", "reshard", "params"], lib
         assert rec["save"]["leaves"] == 154
         assert [s["step"] for s in rec["save"]["saves"]] == [1, 2, 3, 4], lib
-    if "resilax" not in rnd["libs"]:
-        assert result["errors"]["resilax"], "resilax neither measured nor explained"
-        assert "resilax:" in proc.stdout
     assert "| steady-state durable save (median of saves 2-4, keep newest 1) |" in proc.stdout
     assert "| first save of a job (new files) |" in proc.stdout
     assert rnd["dd"]["write_gbps"] > 0
