@@ -27,6 +27,7 @@ from op_cluster import (
     unique_name,
 )
 from resilax_local.cluster import LocalCluster
+from resilax_local.errors import KubeAPIError
 from resilax_local.testing import wait_for
 
 EVERY = 4
@@ -144,6 +145,44 @@ def test_user_resize_saves_and_moves_to_the_new_shape(operator: OperatorProcess,
     reasons = jobs.event_reasons(name, "SpecResized", "FinalSaveDone")
     assert "SpecResized" in reasons and "FinalSaveDone" in reasons, reasons
     _record("resize", recovery_breakdown(jobs, name, 2, fault, ("SpecResized",)), lost=0)
+
+    # Back to 2 slices (generation 3), then delete the JAXJob and apply it again, as users resume a
+    # Failed job (issue 16): the new object's generations restart at 1 on the same storage; it must
+    # resume from the last committed step and commit again (the fencing era of the new uid outranks
+    # the old job's generations).
+    jobs.patch_spec(name, {"slices": {"count": 2}})
+    wait_generation(jobs, name, 3, count=2)
+    old_uid = jobs.get(name)["metadata"]["uid"]
+    jobs.delete(name)
+    wait_for(lambda: not jobs.pods(name) and not _exists(jobs, name), timeout=300, interval=1,
+             message=f"{name}: deleted with its workers")
+    last_before = max(committed_steps(storage))
+    jobs.create(job_manifest(name, storage, count=2, every_steps=EVERY, steps=5000, step_seconds=0.5))
+    assert jobs.get(name)["metadata"]["uid"] != old_uid
+    jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1, 600,
+                     "the re-created job's generation 1 Running")
+
+    def new_commits() -> list[int]:
+        return [s for s in committed_steps(storage) if _marker(storage, s).get("era", 0) >= 2]
+
+    wait_for(lambda: len(new_commits()) >= 2, timeout=600, interval=1, message=f"{name}: commits of the re-created job")
+    assert min(new_commits()) > last_before, (last_before, new_commits())  # resumed, not restarted from 0
+    assert all(_marker(storage, s)["era"] == 1 for s in committed_steps(storage) if s <= last_before)
+    assert sorted(p.name for p in (storage / "_fences").glob("era-*.json")) == ["era-1.json", "era-2.json"]
+
+
+def _exists(jobs: Jobs, name: str) -> bool:
+    try:
+        jobs.get(name)
+    except KubeAPIError as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
+
+
+def _marker(storage: Path, step: int) -> dict[str, Any]:
+    return dict(json.loads((storage / str(step) / "_COMMIT").read_text()))
 
 
 def test_failing_worker_backs_off_then_fails(operator: OperatorProcess, jobs: Jobs, tmp_path: Path) -> None:
