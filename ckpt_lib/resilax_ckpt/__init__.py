@@ -34,6 +34,7 @@ _LAZY = {
     "restore": "resilax_ckpt.manager", "save": "resilax_ckpt.manager",
     "initialize_distributed_from_env": "resilax_ckpt.multihost",
     "InvalidOptionsError": "resilax_ckpt.options", "ManagerOptions": "resilax_ckpt.options",
+    "restore_orbax": "resilax_ckpt.orbax_import",
 }
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from resilax_ckpt.manager import EXIT_CODE_STOPPED, CheckpointManager, restore, save
     from resilax_ckpt.multihost import initialize_distributed_from_env
     from resilax_ckpt.options import InvalidOptionsError, ManagerOptions
+    from resilax_ckpt.orbax_import import restore_orbax
 
 
 def __getattr__(name: str) -> Any:
@@ -76,5 +78,6 @@ __all__ = [
     "UnsupportedLeafError",
     "initialize_distributed_from_env",
     "restore",
+    "restore_orbax",
     "save",
 ]
