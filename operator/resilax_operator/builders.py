@@ -393,18 +393,3 @@ def _one_worker_per_node(affinity: Mapping[str, Any] | None, job: str, generatio
     terms.append({"labelSelector": {"matchLabels": {api.LABEL_JOB: job, api.LABEL_GENERATION: str(generation)}},
                   "topologyKey": api.HOSTNAME_LABEL})
     return out
-
-
-def build_operator_rbac(namespace: str, account: str, role: str,
-                        rules: Sequence[Mapping[str, Any]]) -> tuple[Manifest, Manifest, Manifest]:
-    """The ServiceAccount, ClusterRole (`rules`: charts/resilax/files/operator-rules.yaml) and
-    ClusterRoleBinding an operator run outside the chart (the demo, the cluster tests) authenticates as."""
-    account_body = {"apiVersion": "v1", "kind": "ServiceAccount",
-                    "metadata": {"name": account, "namespace": namespace}}
-    role_body = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-                 "metadata": {"name": role}, "rules": [dict(rule) for rule in rules]}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-               "metadata": {"name": role},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
-               "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]}
-    return account_body, role_body, binding

@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "local": ("resilax_local.cli:main", "run and break a local Kubernetes cluster (up, down, nodes, faults)"),
     "operator": ("resilax_operator.main:main", "run the JAXJob operator"),
     "sidecar": ("resilax_sidecar.app:main", "run the checkpoint sidecar of a worker pod"),
-    "demo": ("resilax_operator.demo:main", "the end-to-end demo on the local cluster"),
+    "demo": ("resilax_local.demo:main", "the end-to-end demo on the local cluster"),
 }
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from resilax_operator import demo
-from resilax_operator.timeline import Fault, LossRecord, build_plot_data
+from resilax_local import demo
+from resilax_local.timeline import Fault, LossRecord, build_plot_data
 from resilax_operator.validation import validate_spec
 
 T0 = 1_000_000.0

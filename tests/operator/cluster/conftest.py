@@ -22,8 +22,8 @@ from op_cluster import CRD_DIR, RULES_FILE, Jobs, OperatorProcess, OperatorRBAC,
 from resilax_local.cluster import LocalCluster
 from resilax_local.errors import KubeAPIError
 from resilax_local.kubeapi import KubeClient
+from resilax_local.rbac import build_operator_rbac
 from resilax_local.testing import wait_for
-from resilax_operator.builders import build_operator_rbac
 
 
 @pytest.fixture(scope="session")

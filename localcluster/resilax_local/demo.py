@@ -34,9 +34,9 @@ from types import FrameType
 from typing import Any
 
 import yaml
+from resilax_operator import api
 
-from . import api
-from .builders import build_operator_rbac
+from .rbac import build_operator_rbac
 from .timeline import (
     Fault,
     JobSnapshot,
