@@ -1,4 +1,21 @@
 """Shared pytest set-up. Each area's fixtures live in its own conftest under tests/<area>/."""
 
+from __future__ import annotations
+
+import os
+
+import pytest
+
 # The local cluster's fixtures (local_cluster, cluster, kube, namespace, fake_gcs, gcs_bucket) for every area.
 pytest_plugins = ["resilax_local.pytest_plugin"]
+
+#: The test process's JAX: 8 fake CPU devices (the checkpoint tests save on a 4x2 mesh and restore on
+#: others). Set once for the whole process, before any test imports JAX, whichever folders run.
+TEST_PROCESS_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The same environment for one folder or the whole suite (a hook, not an import side effect);
+    a value the caller set wins."""
+    for key, value in TEST_PROCESS_ENV.items():
+        os.environ.setdefault(key, value)

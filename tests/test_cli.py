@@ -23,3 +23,28 @@ def test_cli_does_not_import_heavy_packages():
     code = "import sys; from resilax_operator import cli; cli.main(['--help']); print('jax' in sys.modules, 'kopf' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("False False")
+
+
+def test_no_command_is_a_usage_error(capsys):
+    assert cli.main([]) == 2
+    captured = capsys.readouterr()
+    assert "usage: resilax" in captured.err and captured.out == ""
+
+
+def test_version():
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-m", "resilax_operator.cli", "--version"], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == f"resilax {version('resilax')}"
+
+
+def test_demo_refuses_a_non_empty_folder_it_did_not_create(tmp_path, capsys):
+    from resilax_local import demo
+
+    mine = tmp_path / "my-project"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert demo.main(["--run-dir", str(mine)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "keep me"

@@ -507,6 +507,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The file that marks a folder as a demo run's own (only such a folder is ever cleared).
+RUN_DIR_MARKER = ".resilax-demo-run"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="    %(message)s")
@@ -516,8 +520,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.run_dir = cache_dir() / "demo" / time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = args.run_dir.resolve()
     if run_dir.exists() and any(run_dir.iterdir()):
-        shutil.rmtree(run_dir)
+        if not (run_dir / RUN_DIR_MARKER).is_file():
+            print(f"resilax demo: --run-dir {run_dir} is not empty and was not made by a demo run; the demo "
+                  "never deletes a folder it did not create: name a new or empty folder", file=sys.stderr)
+            return 2
+        shutil.rmtree(run_dir)  # a previous demo run's folder (it carries the marker)
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_DIR_MARKER).write_text("a resilax demo run folder; `resilax demo` may clear it\n")
     say(f"==> resilax demo: run folder {run_dir}")
     demo = Demo(run_dir, timeout=args.timeout, fault_step=args.fault_step, keep=args.keep,
                 dwell_steps=args.dwell_steps)

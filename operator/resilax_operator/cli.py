@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: resilax <command> [args...]", "", "commands:"]
+    lines = ["usage: resilax <command> [args...] | --version | --help", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
@@ -31,10 +31,25 @@ def _load(target: str) -> Callable[[Sequence[str]], int]:
     return func
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("resilax")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:
+        print(_usage(), file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         print(_usage())
+        return 0
+    if args[0] in ("-V", "--version", "version"):
+        print(f"resilax {_version()}")
         return 0
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:

@@ -82,11 +82,6 @@ def test_documented_jaxjobs_are_valid(doc: Path) -> None:
 
 
 def test_operations_guide_lists_exactly_the_operator_metrics() -> None:
-    """Checked once the operator's metrics module exists (it is written with the operator's I/O side)."""
-    import importlib.util
-
-    if importlib.util.find_spec("resilax_operator.metrics") is None:
-        return
     import prometheus_client
     import resilax_operator.metrics  # noqa: F401  (defines its metrics on the default registry)
 

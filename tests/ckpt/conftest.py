@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import os
 
-# Before JAX is imported anywhere in this session: 8 fake CPU devices.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import jax
 import pytest
 from ckpt_fakegcs import FakeGcsServer, start_fake_gcs_server
@@ -17,8 +13,8 @@ from ckpt_fakegcs import FakeGcsServer, start_fake_gcs_server
 def devices() -> list[jax.Device]:
     devs = jax.devices()
     if len(devs) < 8:
-        pytest.fail(f"need 8 fake CPU devices, got {len(devs)}: JAX was imported before tests/ckpt/conftest.py "
-                    "set XLA_FLAGS; run tests/ckpt in its own pytest process")
+        pytest.fail(f"need 8 fake CPU devices, got {len(devs)}: XLA_FLAGS was set to "
+                    f"{os.environ.get('XLA_FLAGS')!r} before pytest started (tests/conftest.py asks for 8)")
     return devs
 
 

@@ -12,7 +12,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_the_guide_example_runs(devices):
-    pytest.importorskip("flax")
     text = (ROOT / "docs" / "checkpointing.md").read_text()
     match = re.search(r"<!-- guide-example -->\n```python\n(.*?)```", text, re.S)
     assert match, "docs/checkpointing.md lost its guide example"

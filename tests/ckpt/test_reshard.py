@@ -120,7 +120,8 @@ def test_items_subset_reads_nothing_else(saved, monkeypatch):
 
 
 def test_restore_onto_flax_optax_state(tmp_path, devices):
-    optax = pytest.importorskip("optax")
+    import optax
+
     m = mesh((4, 2))
     params = {"dense": {"kernel": jax.device_put(jnp.ones((8, 4)), NamedSharding(m, P("a", "b"))),
                         "bias": jax.device_put(jnp.zeros((4,)), NamedSharding(m, P()))}}
