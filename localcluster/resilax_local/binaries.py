@@ -84,6 +84,10 @@ def _go() -> str:
     return go
 
 
+#: Seconds between two "still building" lines while a build step runs.
+HEARTBEAT_SECONDS = 30.0
+
+
 def _run_build(cmd: list[str], cwd: Path, log_name: str, env: dict[str, str] | None = None) -> None:
     """Run a build step, under `/usr/bin/time -v` when present, appending its output to a log file."""
     log_path = cache_dir() / log_name
@@ -93,7 +97,14 @@ def _run_build(cmd: list[str], cwd: Path, log_name: str, env: dict[str, str] | N
     with log_path.open("a") as out:
         out.write(f"\n$ {' '.join(cmd)}   (in {cwd})\n")
         out.flush()
-        proc = subprocess.run(timed, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env, check=False)
+        proc = subprocess.Popen(timed, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        while True:  # a heartbeat, so that a 30-minute Kubernetes build is not 30 minutes of silence
+            try:
+                proc.wait(timeout=HEARTBEAT_SECONDS)
+                break
+            except subprocess.TimeoutExpired:
+                log.info("  still building %s: %.0f s so far (log: %s)", cmd[-1].rsplit("/", 1)[-1],
+                         time.monotonic() - start, log_path)
         out.write(f"# wall time {time.monotonic() - start:.0f} s, exit {proc.returncode}\n")
     if proc.returncode != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-30:]

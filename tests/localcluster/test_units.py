@@ -131,3 +131,20 @@ def test_kubebuilder_assets_come_first(tmp_path, monkeypatch):
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("KUBEBUILDER_ASSETS", str(tmp_path))
     assert binaries.ensure_etcd(build=False) == tmp_path / "etcd"
+
+
+def test_a_long_build_step_says_it_is_still_running(tmp_path, monkeypatch, caplog):
+    """A build step prints a heartbeat (elapsed time, the log's path) while it runs, then logs its end."""
+    import logging
+    import sys
+
+    monkeypatch.setenv("RESILAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(binaries, "HEARTBEAT_SECONDS", 0.2)
+    with caplog.at_level(logging.INFO, logger=binaries.__name__):
+        binaries._run_build([sys.executable, "-c", "import time; time.sleep(1.0); print('done')"], tmp_path,
+                            "test-build.log")
+    beats = [r.getMessage() for r in caplog.records if "still building" in r.getMessage()]
+    assert beats and all(str(tmp_path / "test-build.log") in b and "s so far" in b for b in beats)
+    assert "done" in (tmp_path / "test-build.log").read_text()
+    with pytest.raises(binaries.BinaryError, match=r"test-build\.log"):
+        binaries._run_build([sys.executable, "-c", "raise SystemExit(3)"], tmp_path, "test-build.log")
