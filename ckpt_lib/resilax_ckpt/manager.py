@@ -47,6 +47,7 @@ from resilax_ckpt.multihost import Coordinator, current_coordinator
 from resilax_ckpt.options import ManagerOptions
 from resilax_ckpt.requests import RequestWatcher, SaveRequest, write_restore_report
 from resilax_ckpt.storage import Storage, open_storage
+from resilax_ckpt.trainer_metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class CheckpointManager:
         self._sigterm = threading.Event()
         self._previous_sigterm: Any = None
         self._watcher = RequestWatcher(self._options.control_dir) if self._options.control_dir else None
+        self._trainer = TrainerMetrics(self._options.control_dir)
         if self._watcher is not None:
             self._watcher.hold_trainer_lock()
         self._persistent_root = persistent_directory.rstrip("/") if persistent_directory else None
@@ -260,8 +262,10 @@ class CheckpointManager:
         `items`: a mapping of named items, or any other pytree (a flax TrainState, an optax state),
         saved as the one item "state" (resilax_ckpt.pytrees). Raises the error of a failed earlier
         background save. Called on: all processes, same step."""
+        started = time.perf_counter()
         items, _ = pytrees.as_items(items)
         self._check_open()
+        self._trainer.step(step)
         self._raise_background_error()
         if self._last_saved_step is not None and (step == self._last_saved_step
                                                   or (step < self._last_saved_step and not force)):
@@ -292,6 +296,7 @@ class CheckpointManager:
             self.wait()
             if stop:
                 self._should_stop = True
+        self._trainer.saved(time.perf_counter() - started)
         return True
 
     def _prepare_first_save(self, items: Mapping[str, Any], *, restored: bool = False) -> None:
@@ -553,8 +558,11 @@ class CheckpointManager:
         TrainState of ShapeDtypeStructs) restores the item "state" and returns it as that pytree.
         Called on: all processes."""
         self._check_open()
+        started = time.perf_counter()
         named, unwrap = pytrees.as_target(target)
         out = self._restore(step, named, [pytrees.STATE_ITEM] if unwrap else items)
+        self._trainer.restored(self._protected_steps[0] if self._protected_steps else None,
+                               time.perf_counter() - started)
         self._prepare_first_save(out, restored=True)
         return out[pytrees.STATE_ITEM] if unwrap else out
 

@@ -6,19 +6,26 @@ did, not what a log line says:
 - a transition recorded → `resilax_operator_recoveries_total{kind}`;
 - the generation bumps → `resilax_operator_generations_total`;
 - the first time a new generation is Running after a transition → `resilax_operator_recovery_seconds`
-  (from the transition's start, i.e. when the fault was noticed, to all workers Running) and
-  `resilax_operator_steps_lost` (0 when a final save committed; otherwise unknown to the operator,
-  which never sees the step the workers reached, so not observed);
-- every reconcile → `resilax_operator_checkpoint_age_seconds{namespace,job}` (now − when the operator
-  first saw the newest checkpoint).
+  (from the transition's start, i.e. when the fault was noticed, to all workers Running);
+- pod 0's sidecar state (`record_worker_state`, every reconcile that reads it): the step the old
+  generation's trainer last reported (`trainer.step`) and the step the new generation restored
+  (`restore.step`) → `resilax_operator_steps_lost{kind}` = reached − restored, once per transition
+  (at least that many: the trainer may have gone on after the operator's last look). Without a
+  trainer report, 0 when a final save committed, else not observed;
+- every reconcile → `resilax_operator_checkpoint_age_seconds{namespace,jaxjob}` (now − when the
+  operator first saw the newest checkpoint).
+
+A job's labels are `namespace` and `jaxjob`, never `job`: Prometheus sets `job` on every target, and a
+scraped `job` label would be renamed `exported_job`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Mapping
 from datetime import datetime
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -35,12 +42,20 @@ RECOVERY_SECONDS: Final = Histogram(
 STEPS_LOST: Final = Histogram("resilax_operator_steps_lost", "Training steps redone after a transition, where known",
                               ["kind"], buckets=(0, 1, 10, 100, 1000, 10000))
 CHECKPOINT_AGE: Final = Gauge("resilax_operator_checkpoint_age_seconds",
-                              "Seconds since the operator first saw the job's newest checkpoint", ["namespace", "job"])
+                              "Seconds since the operator first saw the job's newest checkpoint", ["namespace", "jaxjob"])
 GENERATIONS: Final = Counter("resilax_operator_generations_total", "Generations (sets of workers) started")
+for _kind in st.TRANSITION_KINDS:  # every kind has its series (at 0) from the start: dashboards and alerts see them
+    RECOVERIES.labels(_kind)
+    RECOVERY_SECONDS.labels(_kind)
+    STEPS_LOST.labels(_kind)
 
 _lock = threading.Lock()
 #: job uid -> (kind, since, final save committed) of the last transition, until its generation runs.
 _pending: dict[str, tuple[str, datetime, bool]] = {}
+#: job uid -> generation -> the newest step its trainer reported.
+_reached: dict[str, dict[int, int]] = {}
+#: job uid -> (generation, kind, final save committed): a Running generation whose restore is awaited.
+_awaiting_restore: dict[str, tuple[int, str, bool]] = {}
 
 
 def record_status(job: JobRef, before: st.JobStatus, after: st.JobStatus, now: datetime) -> None:
@@ -60,8 +75,36 @@ def record_status(job: JobRef, before: st.JobStatus, after: st.JobStatus, now: d
         if after.phase == api.PHASE_RUNNING and before.phase != api.PHASE_RUNNING and job.uid in _pending:
             kind, since, saved = _pending.pop(job.uid)
             RECOVERY_SECONDS.labels(kind).observe(max(0.0, (now - since).total_seconds()))
-            if saved:
-                STEPS_LOST.labels(kind).observe(0)
+            _awaiting_restore[job.uid] = (after.generation, kind, saved)
+
+
+def steps_lost(reached: Mapping[int, int], generation: int, restored: int | None, saved: bool) -> int | None:
+    """Steps a recovery to `generation` lost: the newest step an older generation's trainer reported
+    minus the step `generation` restored (None: from scratch, step 0). Without a report from an older
+    generation: 0 when the final save committed, else unknown (None)."""
+    older = [step for gen, step in reached.items() if gen < generation]
+    if older:
+        return max(0, max(older) - (restored or 0))
+    return 0 if saved else None
+
+
+def record_worker_state(job: JobRef, generation: int, state: Mapping[str, Any]) -> None:
+    """Pod 0's sidecar `/v1/state` of `generation`: the trainer's step, and the step it restored."""
+    trainer, restore = state.get("trainer"), state.get("restore")
+    with _lock:
+        if isinstance(trainer, Mapping) and isinstance(trainer.get("step"), int):
+            steps = _reached.setdefault(job.uid, {})
+            steps[generation] = max(steps.get(generation, 0), int(trainer["step"]))
+        awaiting = _awaiting_restore.get(job.uid)
+        if awaiting is None or awaiting[0] != generation or not isinstance(restore, Mapping):
+            return
+        _, kind, saved = _awaiting_restore.pop(job.uid)
+        restored = restore.get("step")
+        lost = steps_lost(_reached.get(job.uid, {}), generation, restored if isinstance(restored, int) else None,
+                          saved)
+        if lost is not None:
+            STEPS_LOST.labels(kind).observe(lost)
+        _reached[job.uid] = {g: s for g, s in _reached.get(job.uid, {}).items() if g >= generation}
 
 
 def record_checkpoint(observed: Observed) -> None:
@@ -74,5 +117,7 @@ def record_checkpoint(observed: Observed) -> None:
 def forget_job(job: JobRef) -> None:
     with _lock:
         _pending.pop(job.uid, None)
+        _reached.pop(job.uid, None)
+        _awaiting_restore.pop(job.uid, None)
     with contextlib.suppress(KeyError):
         CHECKPOINT_AGE.remove(job.namespace, job.name)

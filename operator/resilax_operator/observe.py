@@ -119,6 +119,7 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
                 state = kube.sidecar("GET", str(_pod_ip(pod0)), settings.sidecar_port, "/v1/state")
                 checkpoint = parse_sidecar_state(state, now or now_utc())
                 restore = parse_restore_report(state)
+                metrics.record_worker_state(ref, status.generation, state)
             except SidecarError as e:
                 logger.debug("no checkpoint state from %s: %s", build_pod_name(ref.name, status.generation, 0, 0), e)
     observed = build_observed(job, now=now or now_utc(), pods=pods, services=services, nodes=nodes,

@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 from resilax_ckpt import layout
 from resilax_ckpt.requests import read_restore_report
+from resilax_ckpt.trainer_metrics import read_trainer_figures
 
 from resilax_sidecar import control
 from resilax_sidecar.config import SidecarConfig, log_level_number
@@ -46,6 +47,7 @@ class Sidecar:
     def __init__(self, config: SidecarConfig, metrics: SidecarMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or SidecarMetrics()
+        self.metrics.export_trainer(str(config.control_dir))
         self.store: BlobStore | None = None
         self.uploader: Uploader | None = None
         self.storage_error: str | None = None
@@ -163,6 +165,8 @@ class Sidecar:
             "pending_requests": sorted(self.pending),
             # What the trainer's last restore did: {"step", "skipped": [{"step", "reason"}]} or None.
             "restore": read_restore_report(str(cfg.control_dir)),
+            # The trainer's figures (resilax_ckpt.trainer_metrics): its step, step rate, save/restore times.
+            "trainer": read_trainer_figures(str(cfg.control_dir)),
         }
         if self.uploader is not None:
             state.update(self.uploader.state.to_json())

@@ -1,13 +1,21 @@
 """Every metric of the sidecar, defined once, on one registry per process.
 
 Names follow `resilax_sidecar_<what>_<unit>`; labels are bounded (a reason from a fixed set, a tier),
-never a step or a path.
+never a step or a path. The trainer's figures (`resilax_trainer_*`, from the control folder's
+trainer.json: resilax_ckpt.trainer_metrics) are exported here too, read at each scrape. Which job and
+pod a series belongs to comes from the scrape's target labels (`jaxjob`, `namespace`, `pod`: the
+chart's PodMonitor), not from labels of the sidecar's own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+from resilax_ckpt.trainer_metrics import read_trainer_figures
 
 SAVE_REASONS = ("manual", "preemption", "resize")
 """The reasons a save request may give (the `reason` label's whole range)."""
@@ -84,6 +92,43 @@ class SidecarMetrics:
             self.newest_step.labels(tier=tier).set(-1)
             self.retention_deletes.labels(tier=tier)
 
+    def export_trainer(self, control_dir: str) -> None:
+        """Export the trainer's figures from `control_dir`/trainer.json at each scrape."""
+        self.registry.register(TrainerCollector(control_dir))
+
     def render(self) -> bytes:
         """The text exposition format, for /metrics."""
         return generate_latest(self.registry)
+
+
+class TrainerCollector(Collector):
+    """`resilax_trainer_*` from the trainer's trainer.json; no series before the trainer wrote one."""
+
+    def __init__(self, control_dir: str) -> None:
+        self.control_dir = control_dir
+
+    def collect(self) -> Iterator[Metric]:
+        f = read_trainer_figures(self.control_dir)
+        if f is None:
+            return
+        try:
+            if f.get("step") is not None:
+                yield GaugeMetricFamily("resilax_trainer_step", "The step the training loop reached.",
+                                        value=float(f["step"]))
+            yield GaugeMetricFamily("resilax_trainer_steps_per_second", "Training steps per second (recent).",
+                                    value=float(f.get("steps_per_second", 0.0)))
+            yield CounterMetricFamily("resilax_trainer_saves", "Saves the trainer started.",
+                                      value=float(f.get("saves", 0)))
+            yield CounterMetricFamily(
+                "resilax_trainer_save_blocking_seconds",
+                "Seconds the training loop was blocked inside save() calls that saved.",
+                value=float(f.get("save_blocking_seconds", 0.0)))
+            yield GaugeMetricFamily("resilax_trainer_last_save_blocking_seconds",
+                                    "Seconds the loop was blocked by the last save.",
+                                    value=float(f.get("last_save_blocking_seconds", 0.0)))
+            yield CounterMetricFamily("resilax_trainer_restores", "Restores the trainer did.",
+                                      value=float(f.get("restores", 0)))
+            yield GaugeMetricFamily("resilax_trainer_restore_seconds", "Seconds the last restore took.",
+                                    value=float(f.get("last_restore_seconds", 0.0)))
+        except (TypeError, ValueError):
+            return  # a malformed file: no trainer series this scrape

@@ -257,7 +257,7 @@ def test_service_monitor(render) -> None:
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [RELEASE_NAMESPACE]}
     assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s",
-                                             "scrapeTimeout": "10s"}]
+                                             "scrapeTimeout": "10s", "honorLabels": True}]
 
 
 def test_standby_replicas_need_peering(helm, render, tmp_path: Path) -> None:
@@ -277,7 +277,10 @@ def test_sidecar_pod_monitor(render, values: dict[str, Any]) -> None:
     from resilax_operator import api
 
     assert monitor["spec"]["selector"] == {"matchLabels": {api.LABEL_ROLE: api.ROLE_WORKER}}
-    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "sidecar", "path": "/metrics", "interval": "30s"}]
+    assert monitor["spec"]["podMetricsEndpoints"] == [{
+        "port": "sidecar", "path": "/metrics", "interval": "30s",
+        "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_label_resilax_dev_job"], "targetLabel": "jaxjob"}]}]
+    assert monitor["spec"]["podTargetLabels"] == [api.LABEL_GENERATION, api.LABEL_SLICE, api.LABEL_PROCESS]
     expected = {"matchNames": ["team-a", "team-b"]} if values else {"any": True}
     assert monitor["spec"]["namespaceSelector"] == expected
 
@@ -390,3 +393,20 @@ def test_schema_documents_every_default_value() -> None:
         if rest.strip():
             assert documented, f"values.yaml:{i + 1}: {key} has no `# --` doc comment (nor a parent with one)"
         stack.append((indent, documented))
+
+
+def test_prometheus_rule_and_dashboard_are_optional_and_carry_the_files(render) -> None:
+    import json
+
+    assert by_kind(render({}), "PrometheusRule") == []
+    assert [c for c in by_kind(render({}), "ConfigMap") if c["metadata"]["name"].endswith("-dashboard")] == []
+    objects = render({"metrics": {"prometheusRule": {"enabled": True, "labels": {"release": "prom"}},
+                                  "grafanaDashboard": {"enabled": True,
+                                                       "annotations": {"grafana_folder": "Training"}}}})
+    rule = one(objects, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    assert rule["spec"] == {"groups": yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())["groups"]}
+    dashboard = next(c for c in by_kind(objects, "ConfigMap") if c["metadata"]["name"].endswith("-dashboard"))
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["metadata"]["annotations"] == {"grafana_folder": "Training"}
+    assert json.loads(dashboard["data"]["resilax.json"]) == json.loads((CHART / "files" / "dashboard.json").read_text())

@@ -87,6 +87,6 @@ def test_operations_guide_lists_exactly_the_operator_metrics() -> None:
 
     defined = {m.name for m in prometheus_client.REGISTRY.collect() if m.name.startswith("resilax_operator_")}
     text = (ROOT / "docs" / "operations.md").read_text()
-    section = text[text.index("### Operator"):text.index("Useful alerts")]
+    section = text[text.index("### Operator"):text.index("### Alerts and dashboard")]
     documented = set(re.findall(r"^\| `(resilax_operator_\w+)", section, flags=re.M))
     assert {name.removesuffix("_total") for name in documented} == defined

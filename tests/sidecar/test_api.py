@@ -218,3 +218,29 @@ def test_state_reports_the_trainers_restore_and_the_steps_it_skipped(shared):
     report = {"step": 20, "skipped": [{"step": 30, "reason": "CorruptCheckpointError: chunk file x/30/a"}]}
     write_restore_report(env["RESILAX_CONTROL_DIR"], report)
     assert sidecar.get("/v1/state").body["restore"] == report
+
+
+def test_the_trainers_figures_are_exported_and_reported(shared):
+    """The trainer's manager writes `trainer.json` into the control folder (resilax_ckpt.trainer_metrics);
+    the sidecar exports it as resilax_trainer_* at each scrape and reports it in /v1/state."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from resilax_ckpt.trainer_metrics import TrainerMetrics
+
+    sidecar, env = shared
+    clock = [100.0]
+    figures = TrainerMetrics(env["RESILAX_CONTROL_DIR"], clock=lambda: clock[0])
+    figures.restored(12, 2.5)
+    for step in range(13, 24):
+        clock[0] += 0.5
+        figures.step(step)
+    figures.saved(0.25)
+    samples = {s.name: s.value for family in text_string_to_metric_families(sidecar.get("/metrics").body)
+               for s in family.samples if s.name.startswith("resilax_trainer_")}
+    assert samples["resilax_trainer_step"] == 23
+    assert samples["resilax_trainer_steps_per_second"] == 2.0  # a step per 0.5 s of the loop's clock
+    assert samples["resilax_trainer_saves_total"] == 1
+    assert samples["resilax_trainer_save_blocking_seconds_total"] == 0.25
+    assert samples["resilax_trainer_restore_seconds"] == 2.5
+    assert samples["resilax_trainer_restores_total"] == 1
+    state = sidecar.get("/v1/state").body["trainer"]
+    assert state["step"] == 23 and state["restored_step"] == 12

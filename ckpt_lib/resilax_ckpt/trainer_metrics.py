@@ -1,0 +1,106 @@
+"""The trainer's figures, shared with the sidecar through `$RESILAX_CONTROL_DIR/trainer.json`.
+
+The manager keeps running totals (saves, seconds the loop was blocked by them, restores and their
+seconds, the newest step it was called with and the step rate) and rewrites the file atomically at most
+once per `WRITE_INTERVAL_SECONDS` of the loop and after every save and restore. The sidecar reads it at
+each scrape and exports it as `resilax_trainer_*` (docs/operations.md, "Metrics"), and reports the step
+in `/v1/state` as `trainer`, from which the operator measures the steps a recovery lost.
+
+JAX-free: the sidecar imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+TRAINER_FILE = "trainer.json"
+WRITE_INTERVAL_SECONDS = 1.0
+
+
+@dataclasses.dataclass
+class TrainerFigures:
+    """What trainer.json holds (all totals since the process started)."""
+
+    step: int | None = None
+    """The newest step `save` (or `should_save`) was called with: the step the loop reached."""
+    steps_per_second: float = 0.0
+    """Steps over seconds between the last two writes that saw the step advance."""
+    saves: int = 0
+    save_blocking_seconds: float = 0.0
+    """Seconds the loop spent inside save() calls that saved (the device copy and the dispatch)."""
+    last_save_blocking_seconds: float = 0.0
+    restores: int = 0
+    restore_seconds: float = 0.0
+    last_restore_seconds: float = 0.0
+    restored_step: int | None = None
+    time: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class TrainerMetrics:
+    """The manager's side: updates the figures and writes the file (when there is a control dir).
+    Called on: each process, from the training loop's thread."""
+
+    def __init__(self, control_dir: str | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._path = os.path.join(control_dir, TRAINER_FILE) if control_dir else None
+        self._clock = clock
+        self.figures = TrainerFigures()
+        self._last_write = float("-inf")
+        self._rate_from: tuple[int, float] | None = None
+
+    def step(self, step: int) -> None:
+        """The loop reached `step` (called by every save/should_save)."""
+        self.figures.step = step
+        now = self._clock()
+        if now - self._last_write >= WRITE_INTERVAL_SECONDS:
+            self._write(now)
+
+    def saved(self, blocking_seconds: float) -> None:
+        self.figures.saves += 1
+        self.figures.save_blocking_seconds += blocking_seconds
+        self.figures.last_save_blocking_seconds = blocking_seconds
+        self._write(self._clock())
+
+    def restored(self, step: int | None, seconds: float) -> None:
+        self.figures.restores += 1
+        self.figures.restore_seconds += seconds
+        self.figures.last_restore_seconds = seconds
+        self.figures.restored_step = step
+        self._write(self._clock())
+
+    def _write(self, now: float) -> None:
+        f = self.figures
+        if f.step is not None:
+            if self._rate_from is not None and f.step > self._rate_from[0] and now > self._rate_from[1]:
+                f.steps_per_second = (f.step - self._rate_from[0]) / (now - self._rate_from[1])
+            if self._rate_from is None or f.step != self._rate_from[0]:
+                self._rate_from = (f.step, now)
+        self._last_write = now
+        if self._path is None:
+            return
+        f.time = time.time()
+        tmp = f"{self._path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self._path), exist_ok=True)
+            with open(tmp, "w") as out:
+                json.dump(f.to_json(), out)
+            os.replace(tmp, self._path)
+        except OSError:
+            pass  # figures are best effort: never fail a training step for them
+
+
+def read_trainer_figures(control_dir: str) -> dict[str, Any] | None:
+    """The trainer's last figures, or None (no trainer yet, or unreadable). Called on: the sidecar."""
+    try:
+        with open(os.path.join(control_dir, TRAINER_FILE)) as f:
+            raw = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None

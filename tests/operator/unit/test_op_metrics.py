@@ -1,0 +1,78 @@
+"""The operator's metrics: steps lost per recovery from the trainers' reports, the job labels."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from prometheus_client import REGISTRY, generate_latest
+from resilax_operator import api, metrics
+from resilax_operator import status as st
+from resilax_operator.builders import JobRef
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _lost(kind: str) -> tuple[float, float]:
+    labels = {"kind": kind}
+    return (REGISTRY.get_sample_value("resilax_operator_steps_lost_sum", labels) or 0.0,
+            REGISTRY.get_sample_value("resilax_operator_steps_lost_count", labels) or 0.0)
+
+
+def test_steps_lost_is_the_step_reached_minus_the_step_restored() -> None:
+    assert metrics.steps_lost({1: 37}, 2, 20, saved=False) == 17
+    assert metrics.steps_lost({1: 37, 2: 50}, 2, 20, saved=False) == 17  # the new generation's own steps do not count
+    assert metrics.steps_lost({1: 37}, 2, None, saved=False) == 37  # restored nothing: from scratch
+    assert metrics.steps_lost({1: 20}, 2, 20, saved=True) == 0
+    assert metrics.steps_lost({}, 2, 20, saved=True) == 0  # no trainer report: the committed final save says 0
+    assert metrics.steps_lost({}, 2, 20, saved=False) is None  # unknown: not observed
+
+
+def _recover(job: JobRef, kind: str, reached: int, restored: int | None, saved: bool = False) -> None:
+    running1 = st.JobStatus(phase=api.PHASE_RUNNING, generation=1)
+    metrics.record_worker_state(job, 1, {"trainer": {"step": reached - 5}, "restore": None})
+    metrics.record_worker_state(job, 1, {"trainer": {"step": reached}, "restore": None})
+    moving = st.JobStatus(phase=api.PHASE_RECOVERING, generation=1,
+                          transition=st.Transition(kind=kind, generation=1, since=T0, save_done=saved))
+    metrics.record_status(job, running1, moving, T0)
+    running2 = st.JobStatus(phase=api.PHASE_RUNNING, generation=2)
+    metrics.record_status(job, moving, running2, T0 + timedelta(seconds=30))
+    # Before the new trainer restored: nothing observed yet.
+    metrics.record_worker_state(job, 2, {"trainer": None, "restore": None})
+    metrics.record_worker_state(job, 2, {"trainer": {"step": (restored or 0) + 1},
+                                         "restore": {"step": restored, "skipped": []}})
+    # Later looks at the same generation observe nothing more.
+    metrics.record_worker_state(job, 2, {"trainer": {"step": (restored or 0) + 9},
+                                         "restore": {"step": restored, "skipped": []}})
+
+
+def test_a_recovery_observes_the_steps_it_lost_once() -> None:
+    before = _lost(st.NODE_LOSS)
+    _recover(JobRef("a", "ns", "uid-a"), st.NODE_LOSS, reached=37, restored=20)
+    after = _lost(st.NODE_LOSS)
+    assert (after[0] - before[0], after[1] - before[1]) == (17.0, 1.0)
+
+
+def test_without_trainer_reports_a_committed_final_save_counts_as_nothing_lost() -> None:
+    job = JobRef("b", "ns", "uid-b")
+    before = _lost(st.PREEMPTION)
+    running1 = st.JobStatus(phase=api.PHASE_RUNNING, generation=1)
+    moving = st.JobStatus(phase=api.PHASE_RECOVERING, generation=1,
+                          transition=st.Transition(kind=st.PREEMPTION, generation=1, since=T0, save_done=True),
+                          checkpoint=st.CheckpointInfo(40, T0, True, "persistent"))
+    metrics.record_status(job, running1, moving, T0)
+    metrics.record_status(job, moving, st.JobStatus(phase=api.PHASE_RUNNING, generation=2), T0)
+    metrics.record_worker_state(job, 2, {"restore": {"step": 40, "skipped": []}})
+    after = _lost(st.PREEMPTION)
+    assert (after[0] - before[0], after[1] - before[1]) == (0.0, 1.0)
+
+
+def test_every_transition_kind_has_series_and_job_labels_are_namespace_and_jaxjob() -> None:
+    text = generate_latest(REGISTRY).decode()
+    for kind in st.TRANSITION_KINDS:
+        assert f'resilax_operator_recoveries_total{{kind="{kind}"}}' in text
+        assert f'resilax_operator_steps_lost_count{{kind="{kind}"}}' in text
+    assert metrics.CHECKPOINT_AGE._labelnames == ("namespace", "jaxjob")
+    for metric in REGISTRY.collect():
+        if metric.name.startswith("resilax_operator"):
+            for sample in metric.samples:
+                assert "job" not in sample.labels, sample
