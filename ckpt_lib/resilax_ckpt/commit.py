@@ -59,9 +59,42 @@ def check_step_free(storage: Storage, root: str, step: int) -> None:
             f"root a folder of its own (e.g. {storage.join(root, 'resilax')})")
 
 
-def build_marker(step: int, generation: int | fencing.Epoch) -> bytes:
+def build_marker(step: int, generation: int | fencing.Epoch, attempt: str | None = None) -> bytes:
     era, gen = fencing.epoch_of(generation)
-    return json.dumps({"step": step, "generation": gen, "era": era, "time": time.time()}).encode()
+    body: dict[str, object] = {"step": step, "generation": gen, "era": era, "time": time.time()}
+    if attempt is not None:
+        body["attempt"] = attempt
+    return json.dumps(body).encode()
+
+
+def step_data_path(storage: Storage, root: str, step: int, marker: str = layout.COMMIT_FILE) -> str:
+    """Where a committed step's files are: the attempt its marker names (object stores), else the
+    step folder itself (local folders, steps the sidecar uploaded, steps saved before attempts)."""
+    return data_path(storage, storage.join(root, layout.step_name(step)), marker)
+
+
+def data_path(storage: Storage, path: str, marker: str = layout.COMMIT_FILE) -> str:
+    """`step_data_path` of the step folder `path`."""
+    try:
+        attempt = json.loads(storage.read_bytes(storage.join(path, marker))).get("attempt")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return path
+    return storage.join(path, attempt) if isinstance(attempt, str) and layout.is_attempt_name(attempt) else path
+
+
+def clean_stale_attempts(storage: Storage, root: str, steps: list[int]) -> list[str]:
+    """Delete the attempt prefixes of committed steps that their marker does not name (a stale or
+    losing writer's, never readable). Called on: primary only, at manager start (object stores)."""
+    deleted = []
+    for step in steps:
+        folder = storage.join(root, layout.step_name(step))
+        won = step_data_path(storage, root, step)
+        for name in storage.list_dir(folder):
+            path = storage.join(folder, name.rstrip("/"))
+            if layout.is_attempt_name(name) and path != won:
+                storage.delete_tree(path)
+                deleted.append(f"{step}/{name.rstrip('/')}")
+    return deleted
 
 
 def read_marker_epoch(storage: Storage, step_path: str, marker: str = layout.COMMIT_FILE) -> fencing.Epoch:

@@ -6,7 +6,12 @@
                                         shared folders: zarr3 shards, one file per process)
 <root>/<step>/<item>.json               a JSON item (written by the primary)
 <root>/<step>/<item>/process_<i>.json   a per-process item (written by each process)
-<root>/<step>/_COMMIT                   the commit marker, written last (JSON: generation, time)
+<root>/<step>/_COMMIT                   the commit marker, written last (JSON: step, generation, era,
+                                        time; on object stores also `attempt`)
+<root>/<step>/a-e<era>-g<gen>-<nonce>/  on object stores: one save attempt's files (write-once steps:
+                                        every attempt writes into a prefix of its own; `_COMMIT`,
+                                        created once, names the attempt that won; readers read only
+                                        what it names)
 <root>/.tmp-<step>-g<generation>/       a local save in progress (renamed to <root>/<step>/)
 <root>/.recycle-<step>/                 a step retired by retention, kept to be rewritten in place by
                                         the next save (never a step: ignored by steps() and restore)
@@ -138,7 +143,8 @@ def writer_name(process_index: int) -> str:
 def owns_step_folder(names: Iterable[str]) -> bool:
     """Whether a step folder holding these entries was written by Resilax (pure). A folder without
     any of Resilax's marker files is someone else's, whatever its name."""
-    return any(n.rstrip("/") == METADATA_FILE or n.rstrip("/").startswith(_OWNED_PREFIXES) for n in names)
+    return any(n.rstrip("/") == METADATA_FILE or n.rstrip("/").startswith(_OWNED_PREFIXES) or is_attempt_name(n)
+               for n in names)
 
 
 def uploaded_name(process_index: int) -> str:
@@ -157,3 +163,15 @@ def parse_uploaded(name: str) -> int | None:
 def bad_name(step: int) -> str:
     """The record `<root>/_bad/<step>.json` of a step that failed to restore."""
     return f"{step_name(step)}.json"
+
+
+_ATTEMPT_RE = re.compile(r"^a-e[0-9]+-g[0-9]+-[0-9a-f]{8}$")
+
+
+def attempt_name(era: int, generation: int, nonce: str) -> str:
+    """The prefix of one save attempt of a step on an object store (`nonce`: 8 hex digits)."""
+    return f"a-e{era}-g{generation}-{nonce}"
+
+
+def is_attempt_name(name: str) -> bool:
+    return bool(_ATTEMPT_RE.match(name.rstrip("/")))

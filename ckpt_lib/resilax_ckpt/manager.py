@@ -149,6 +149,8 @@ class CheckpointManager:
             if self._recycles:
                 commit.clean_recycled(self._root, self._options.recycle_pool)
             visible = commit.list_visible(self._storage, self._root)
+            if not self._storage.is_local:
+                commit.clean_stale_attempts(self._storage, self._root, visible)
             fencing.write_fence(self._storage, self._root, self._epoch, visible[-1] if visible else None)
         elif self._local_tier:
             self._clean_local_tier()
@@ -437,8 +439,22 @@ class CheckpointManager:
         pid = self._coord.process_index
         final = storage.join(root, layout.step_name(step))
         renames = storage.is_local and self._own_suffix is None
-        work = storage.join(root, layout.tmp_name(step, gen)) if renames else final
         several = self._coord.process_count > 1 and not self._local_tier
+        attempt: str | None = None
+        if not storage.is_local:
+            # Write-once steps: this attempt writes into a prefix of its own; `_COMMIT` names it.
+            if self._is_primary:
+                attempt = layout.attempt_name(*self._epoch, os.urandom(4).hex())
+                if several:
+                    self._coord.publish(f"{key}/attempt", attempt)
+            else:
+                attempt = self._coord.fetch(f"{key}/attempt", self._options.barrier_timeout_seconds)
+        if renames:
+            work = storage.join(root, layout.tmp_name(step, gen))
+        elif attempt is not None:
+            work = storage.join(final, attempt)
+        else:
+            work = final
         error: str | None = None
         recycled: str | None = None
         if renames and self._recycles and self._options.recycle_pool > 0:
@@ -488,7 +504,7 @@ class CheckpointManager:
                 storage.write_bytes(storage.join(work, layout.metadata_name(self._own_suffix)),
                                     plan.metadata.to_bytes())
                 _maybe_crash("before_commit", pid)
-                marker = commit.build_marker(step, self._epoch)
+                marker = commit.build_marker(step, self._epoch, attempt)
                 if self._own_suffix is not None:
                     storage.write_bytes(storage.join(final, layout.commit_name(self._own_suffix)), marker)
                 elif storage.is_local:
@@ -530,7 +546,10 @@ class CheckpointManager:
             if self._recycles and commit.retire_step(self._root, step, opts.recycle_pool):
                 log.info("retention retired step %d in %s for recycling", step, self._root)
                 continue
-            self._storage.delete_tree(self._storage.join(self._root, layout.step_name(step)))
+            folder = self._storage.join(self._root, layout.step_name(step))
+            if not self._storage.is_local:  # the marker first: a half-deleted step never looks committed
+                self._storage.delete_tree(self._storage.join(folder, layout.COMMIT_FILE))
+            self._storage.delete_tree(folder)
             log.info("retention deleted step %d in %s", step, self._root)
 
     _protected_steps: tuple[int, ...] = ()
@@ -580,7 +599,8 @@ class CheckpointManager:
                     f"{step_path}: step {step} is not committed (interrupted or fenced-out save); "
                     f"committed steps: {self.steps()}")
             raise StepNotFoundError(f"{step_path}: step {step} does not exist; committed steps: {self.steps()}")
-        return self._read_step(self._storage, step_path, step, target, items)
+        return self._read_step(self._storage, commit.step_data_path(self._storage, self._root, step), step,
+                               target, items)
 
     def _restore_newest_good(self, target: Mapping[str, Any] | None,
                              items: Iterable[str] | None) -> dict[str, Any]:
@@ -598,7 +618,7 @@ class CheckpointManager:
             out: dict[str, Any] | None = None
             error = "ok"
             try:
-                out = self._read_step(self._storage, self._storage.join(self._root, layout.step_name(step)),
+                out = self._read_step(self._storage, commit.step_data_path(self._storage, self._root, step),
                                       step, target, items)
             except UNREADABLE_STEP_ERRORS as e:
                 error = f"process {self._coord.process_index}: {type(e).__name__}: {e}"
@@ -674,7 +694,7 @@ class CheckpointManager:
             raise StepNotFoundError(f"step {step}: neither this host's local tier {self._root} holds what this "
                                     f"process needs nor is it committed in {self._persistent_root} "
                                     f"(persistent steps: {persistent})")
-        path = self._persistent.join(self._persistent_root, layout.step_name(step))
+        path = commit.step_data_path(self._persistent, self._persistent_root, step)
         out = self._read_step(self._persistent, path, step, target, items, own_metadata=False)
         self._restored_from = "persistent"
         return out
@@ -964,5 +984,5 @@ def restore(path: str, target: Any = None, items: Iterable[str] | None = None) -
             raise StepNotCommittedError(f"{path}: not committed (no {layout.COMMIT_FILE})")
         raise StepNotFoundError(f"{path}: does not exist")
     coord = current_coordinator()
-    return restore_step(storage, path, layout.parse_step(path.rsplit("/", 1)[-1]) or 0, target, items,
+    return restore_step(storage, commit.data_path(storage, path), layout.parse_step(path.rsplit("/", 1)[-1]) or 0, target, items,
                         tsio.build_context(32, True), ManagerOptions.max_inflight_bytes, coord.process_index)

@@ -79,7 +79,8 @@ def scenario_save(args):
     pid = jax.process_index()
     with rc.CheckpointManager(args["root"].format(pid=pid), options(args)) as mgr:
         for step in args["steps"]:
-            mgr.save(step, {"params": make_state(step, mesh), "meta": {"step": step},
+            # data_offset: other values under the same step number (a zombie writer's, in the tests)
+            mgr.save(step, {"params": make_state(step + args.get("data_offset", 0), mesh), "meta": {"step": step},
                             "data": rc.PerProcess({"process": pid, "step": step})})
         mgr.wait()
         return {"steps": mgr.steps(), "process": pid}

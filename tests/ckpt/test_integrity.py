@@ -256,3 +256,52 @@ def test_processes_agree_on_the_fallback_when_only_one_of_them_cannot_read(tmp_p
         assert [s["step"] for s in r["report"]["skipped"]] == [4]
         assert str(victim) in r["report"]["skipped"][0]["reason"]
     assert json.loads((root / layout.BAD_DIR / "4.json").read_text())["step"] == 4
+
+
+# ---------------------------------------------------------------- write-once steps on object stores
+
+
+def _objects(root: str, step: int) -> dict[str, tuple[str | None, str | None]]:
+    """Every object under `<root>/<step>/`: name → (md5, generation)."""
+    from resilax_ckpt.storage import GcsStorage
+
+    fs = GcsStorage()._fs
+    fs.invalidate_cache()
+    prefix = f"{root.removeprefix('gs://')}/{step}/"
+    found = fs.find(prefix, detail=True)
+    return {name[len(prefix):]: (info.get("md5Hash"), str(info.get("generation")))
+            for name, info in found.items()}
+
+
+@pytest.mark.gcs
+@pytest.mark.slow
+def test_a_zombie_generation_never_changes_a_committed_step_on_gcs(gcs_root: str) -> None:
+    """Two processes of generation 2 commit steps 4 and 5; two processes of a stale generation 1 wake up
+    and save steps 5 and 6 again, with other values. The committed step's objects are unchanged (md5 and
+    object generation), its marker still names generation 2's attempt, no stale step becomes visible,
+    and step 5 restores bit-exact; the next start removes the stale attempt."""
+    from ckpt_procs import WorkerFailed, run_processes
+
+    run_processes({"scenario": "save", "root": gcs_root, "mesh": [4, 2], "steps": [4, 5],
+                   "options": {"generation": 2}}, num_processes=2)
+    storage = open_storage(gcs_root)
+    marker = json.loads(storage.read_bytes(f"{gcs_root}/5/{layout.COMMIT_FILE}"))
+    won = marker["attempt"]
+    assert layout.is_attempt_name(won) and marker["generation"] == 2
+    before = _objects(gcs_root, 5)
+    assert any(name.startswith(won + "/params/") for name in before)
+
+    with pytest.raises(WorkerFailed, match="may not commit"):
+        run_processes({"scenario": "save", "root": gcs_root, "mesh": [4, 2], "steps": [5, 6], "data_offset": 1000,
+                       "options": {"generation": 1}}, num_processes=2)
+
+    after = _objects(gcs_root, 5)
+    assert {k: v for k, v in after.items() if k.startswith(won + "/") or k == layout.COMMIT_FILE} == before
+    stale = {k.split("/")[0] for k in after if layout.is_attempt_name(k.split("/")[0]) and not k.startswith(won)}
+    assert stale and all("-g1-" in a for a in stale)  # the zombie wrote only into an attempt of its own
+    assert commit.list_visible(storage, gcs_root) == [4, 5]  # no stale step 6, no stale step 5
+
+    results = run_processes({"scenario": "restore", "root": gcs_root, "mesh": [4, 2],
+                             "options": {"generation": 3}}, num_processes=2)
+    assert [r["step"] for r in results] == [5, 5]  # the worker checks every shard against step 5's values
+    assert not [k for k in _objects(gcs_root, 5) if k.split("/")[0] in stale], "a stale attempt outlived a start"
