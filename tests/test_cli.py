@@ -48,3 +48,20 @@ def test_demo_refuses_a_non_empty_folder_it_did_not_create(tmp_path, capsys):
     assert demo.main(["--run-dir", str(mine)]) == 2
     assert "not empty" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_local_up_without_cap_sys_admin_stops_before_starting_anything(tmp_path):
+    """As root without CAP_SYS_ADMIN (as a non-root user), `local up` says why at once and starts nothing."""
+    run_dir = tmp_path / "cluster"
+    proc = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-m",
+                           "resilax_operator.cli", "local", "up", "--dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "resilax local up: cannot create a mount namespace" in proc.stderr and "root" in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_isolation_probe_passes_where_the_cluster_tests_run():
+    from resilax_local.launch import isolation_problem
+
+    assert isolation_problem() is None

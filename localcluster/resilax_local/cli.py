@@ -92,6 +92,12 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "up":
         from .controlplane import ControlPlaneSettings
+        from .launch import isolation_problem
+
+        problem = isolation_problem()
+        if problem is not None:
+            print(f"resilax local up: {problem}", file=sys.stderr)
+            return 1
 
         cluster = LocalCluster(args.dir, name=args.name, profile=args.profile,
                                settings=ControlPlaneSettings(node_monitor_grace_seconds=args.node_monitor_grace))

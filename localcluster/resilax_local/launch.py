@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,6 +59,24 @@ def enter_volumes(mounts: list[dict[str, object]]) -> None:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def isolation_problem() -> str | None:
+    """Why this user cannot start containers here, or None; tried in a short-lived child process.
+
+    Each container enters its own mount and UTS namespace (`enter_volumes`, `set_hostname`), which needs
+    CAP_SYS_ADMIN. Without it the control plane starts fine and every pod then fails in its own log;
+    `resilax local up` asks first. Called on: the machine that starts the cluster, before it starts.
+    """
+    probe = ("import ctypes, sys; libc = ctypes.CDLL(None, use_errno=True); "
+             f"sys.exit(0 if libc.unshare({CLONE_NEWNS | CLONE_NEWUTS}) == 0 else ctypes.get_errno() or 1)")
+    code = subprocess.run([sys.executable, "-c", probe], check=False).returncode
+    if code == 0:
+        return None
+    reason = os.strerror(code) if code > 0 else f"the probe exited with {code}"
+    return (f"cannot create a mount namespace for the pods' containers (unshare: {reason}; uid {os.geteuid()}): "
+            "the local cluster's node agent runs each container as a container runtime does and needs root "
+            "(CAP_SYS_ADMIN); run it as root, e.g. `sudo -E resilax local up`, or in a privileged container")
 
 
 def set_hostname(name: str) -> None:
