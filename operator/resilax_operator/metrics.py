@@ -9,7 +9,7 @@ did, not what a log line says:
   (from the transition's start, i.e. when the fault was noticed, to all workers Running);
 - pod 0's sidecar state (`record_worker_state`, every reconcile that reads it): the step the old
   generation's trainer last reported (`trainer.step`) and the step the new generation restored
-  (`restore.step`) → `resilax_operator_steps_lost{kind}` = reached − restored, once per transition
+  (`restore.step`, else `trainer.restored_step`) → `resilax_operator_steps_lost{kind}` = reached − restored, once per transition
   (at least that many: the trainer may have gone on after the operator's last look). Without a
   trainer report, 0 when a final save committed, else not observed;
 - every reconcile → `resilax_operator_checkpoint_age_seconds{namespace,jaxjob}` (now − when the
@@ -96,10 +96,19 @@ def record_worker_state(job: JobRef, generation: int, state: Mapping[str, Any]) 
             steps = _reached.setdefault(job.uid, {})
             steps[generation] = max(steps.get(generation, 0), int(trainer["step"]))
         awaiting = _awaiting_restore.get(job.uid)
-        if awaiting is None or awaiting[0] != generation or not isinstance(restore, Mapping):
+        if awaiting is None or awaiting[0] != generation:
             return
+        # The step restored: the manager's restore report (a restore of the newest step), else the
+        # trainer's figures (any restore; a trainer stepping without one started from scratch).
+        if isinstance(restore, Mapping):
+            restored = restore.get("step")
+        elif isinstance(trainer, Mapping) and trainer.get("restores"):
+            restored = trainer.get("restored_step")
+        elif isinstance(trainer, Mapping) and trainer.get("step") is not None:
+            restored = None
+        else:
+            return  # the new trainer has not restored yet
         _, kind, saved = _awaiting_restore.pop(job.uid)
-        restored = restore.get("step")
         lost = steps_lost(_reached.get(job.uid, {}), generation, restored if isinstance(restored, int) else None,
                           saved)
         if lost is not None:

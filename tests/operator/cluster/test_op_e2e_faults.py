@@ -65,6 +65,20 @@ def wait_generation(jobs: Jobs, name: str, generation: int, count: int, timeout:
     return status
 
 
+def steps_lost_observed(operator: OperatorProcess) -> tuple[int, float]:
+    """(recoveries observed, steps lost in all) of `resilax_operator_steps_lost`, over every kind."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    count, total = 0, 0.0
+    for family in text_string_to_metric_families(operator.metrics()):
+        for sample in family.samples:
+            if sample.name == "resilax_operator_steps_lost_count":
+                count += int(sample.value)
+            elif sample.name == "resilax_operator_steps_lost_sum":
+                total += sample.value
+    return count, total
+
+
 def assert_redone_steps_match(old: dict[int, dict[str, Any]], new: dict[int, dict[str, Any]]) -> int:
     """Steps both generations computed (redone after a restore) have the same loss on any mesh."""
     both = sorted(set(old) & set(new))
@@ -97,6 +111,11 @@ def test_hard_node_loss_shrinks_then_grows_back(operator: OperatorProcess, jobs:
     _record("hard_node_loss", breakdown, lost=lost, restored=restored)
     reasons = jobs.event_reasons(name, "NodeLost")
     assert "NodeLost" in reasons, reasons
+    # The operator measured the steps lost from the trainers' reports (pod 0's sidecar): once, and at
+    # most what was lost (its last look at generation 1 may predate generation 1's last step).
+    observed = wait_for(lambda: steps_lost_observed(operator) if steps_lost_observed(operator)[0] >= 1 else None,
+                        timeout=120, interval=1, message="resilax_operator_steps_lost observed for the recovery")
+    assert observed[0] == 1 and 0 <= observed[1] <= lost, (observed, lost)
 
     # The node comes back: growBack resizes up to 2 slices through a final save (0 steps lost).
     cluster.restore_node(victim)
@@ -106,6 +125,10 @@ def test_hard_node_loss_shrinks_then_grows_back(operator: OperatorProcess, jobs:
     assert all(r["devices"] == 8 for r in gen3.values())
     assert "GrowBack" in jobs.event_reasons(name, "GrowBack")
     assert "resilax_operator_generations_total 3.0" in operator.metrics()
+    # The grow-back went through a final save: its recovery lost nothing.
+    after = wait_for(lambda: steps_lost_observed(operator) if steps_lost_observed(operator)[0] >= 2 else None,
+                     timeout=120, interval=1, message="resilax_operator_steps_lost observed for the grow-back")
+    assert after == (2, observed[1]), (after, observed)
 
 
 def test_preemption_notice_saves_and_moves_with_no_step_lost(operator: OperatorProcess, jobs: Jobs,

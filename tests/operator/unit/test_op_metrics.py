@@ -76,3 +76,19 @@ def test_every_transition_kind_has_series_and_job_labels_are_namespace_and_jaxjo
         if metric.name.startswith("resilax_operator"):
             for sample in metric.samples:
                 assert "job" not in sample.labels, sample
+
+
+def test_the_trainers_figures_tell_the_restored_step_without_a_restore_report() -> None:
+    """A trainer that restored an explicit step writes no restore report; its figures say the step."""
+    job = JobRef("c", "ns", "uid-c")
+    before = _lost(st.WORKER_FAILURE)
+    metrics.record_worker_state(job, 1, {"trainer": {"step": 30}, "restore": None})
+    moving = st.JobStatus(phase=api.PHASE_RECOVERING, generation=1,
+                          transition=st.Transition(kind=st.WORKER_FAILURE, generation=1, since=T0))
+    metrics.record_status(job, st.JobStatus(phase=api.PHASE_RUNNING, generation=1), moving, T0)
+    metrics.record_status(job, moving, st.JobStatus(phase=api.PHASE_RUNNING, generation=2), T0)
+    metrics.record_worker_state(job, 2, {"trainer": None, "restore": None})  # not restored yet: nothing
+    assert _lost(st.WORKER_FAILURE) == before
+    metrics.record_worker_state(job, 2, {"trainer": {"step": 26, "restores": 1, "restored_step": 25}, "restore": None})
+    after = _lost(st.WORKER_FAILURE)
+    assert (after[0] - before[0], after[1] - before[1]) == (5.0, 1.0)
