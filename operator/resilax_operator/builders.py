@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from . import api
-from .settings import OperatorSettings
+from .settings import OperatorSettings, sidecar_resources_from_json
 from .spec import LOCAL_SCOPE_NODE, JobSpec, Shape
 from .topology import SliceGeometry, plan_geometry
 
@@ -250,7 +250,8 @@ def build_sidecar(spec: JobSpec, settings: OperatorSettings, env: Sequence[Mappi
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": settings.sidecar_port},
                            "periodSeconds": 5, "failureThreshold": 3},
         "volumeMounts": _resilax_mounts(spec),
-        "resources": copy.deepcopy(SIDECAR_RESOURCES),
+        "resources": (sidecar_resources_from_json(settings.sidecar_resources) if settings.sidecar_resources
+                      else copy.deepcopy(SIDECAR_RESOURCES)),
         "securityContext": _restricted(None),
     }
 

@@ -31,3 +31,7 @@ class InvalidSpecError(ResilaxOperatorError, ValueError):
 
 class UnknownTopologyError(ResilaxOperatorError, ValueError):
     """An accelerator/topology pair that the topology table does not know; the message lists valid ones."""
+
+
+class InvalidSettingError(ResilaxOperatorError, ValueError):
+    """An operator setting (a `RESILAX_OPERATOR_*` variable) the operator cannot use."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Final
+
+from .errors import InvalidSettingError
 
 ENV_PREFIX: Final = "RESILAX_OPERATOR_"
 
@@ -16,6 +19,9 @@ class OperatorSettings:
     """Image of the checkpoint sidecar (`resilax sidecar`); the chart sets it to its own image."""
     image_pull_policy: str = "IfNotPresent"
     """Pull policy of the sidecar container."""
+    sidecar_resources: str = ""
+    """Resources of the sidecar container as JSON (`{"requests": {...}, "limits": {...}}`); empty: the
+    built-in default (`builders.SIDECAR_RESOURCES`). The chart sets it from `sidecar.resources`."""
     sidecar_port: int = 8471
     """The sidecar's HTTP port inside each worker pod (`RESILAX_SIDECAR_PORT`)."""
     coordinator_port: int = 8476
@@ -39,6 +45,10 @@ class OperatorSettings:
     refused_retry_seconds: int = 30
     """How soon to try again after the API server refused a worker pod (PodCreationRefused)."""
 
+    def __post_init__(self) -> None:
+        if self.sidecar_resources:
+            sidecar_resources_from_json(self.sidecar_resources)  # fails at start, not at the first pod
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:
         """Read `RESILAX_OPERATOR_<FIELD>` (upper-case field names) over the defaults."""
@@ -50,3 +60,18 @@ class OperatorSettings:
                 continue
             values[f.name] = int(raw) if f.type in ("int", int) else raw
         return cls(**values)  # type: ignore[arg-type]
+
+
+def sidecar_resources_from_json(raw: str) -> dict[str, dict[str, str | int | float]]:
+    """The sidecar's resources from `RESILAX_OPERATOR_SIDECAR_RESOURCES`; a clear error when malformed."""
+    name = ENV_PREFIX + "SIDECAR_RESOURCES"
+    allowed = "a JSON object with only 'requests' and 'limits', each a map of resource name to quantity"
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise InvalidSettingError(f"{name}={raw!r} is not JSON ({e}); allowed: {allowed}") from None
+    if not isinstance(value, dict) or not set(value) <= {"requests", "limits"} or not all(
+            isinstance(v, dict) and all(isinstance(q, str | int | float) for q in v.values())
+            for v in value.values()):
+        raise InvalidSettingError(f"{name}={raw!r}: allowed: {allowed}")
+    return value

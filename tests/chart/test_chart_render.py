@@ -410,3 +410,33 @@ def test_prometheus_rule_and_dashboard_are_optional_and_carry_the_files(render) 
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert dashboard["metadata"]["annotations"] == {"grafana_folder": "Training"}
     assert json.loads(dashboard["data"]["resilax.json"]) == json.loads((CHART / "files" / "dashboard.json").read_text())
+
+
+def test_readiness_probe_pdb_and_sidecar_resources(render) -> None:
+    import json
+
+    from resilax_operator.builders import SIDECAR_RESOURCES
+
+    objects = render({})
+    container = deployment_container(objects)
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert "PodDisruptionBudget" not in {o["kind"] for o in objects}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    # The chart's default is the operator's own default, so the value changes nothing until set.
+    assert json.loads(env["RESILAX_OPERATOR_SIDECAR_RESOURCES"]) == SIDECAR_RESOURCES
+    wanted = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+    objects = render({"sidecar": {"resources": wanted},
+                      "operator": {"replicas": 2, "podDisruptionBudget": {"enabled": True}}})
+    env = {e["name"]: e.get("value") for e in deployment_container(objects)["env"]}
+    assert json.loads(env["RESILAX_OPERATOR_SIDECAR_RESOURCES"]) == wanted
+    pdb = one(objects, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
+
+
+def test_notes_name_no_repository_path(helm, tmp_path: Path) -> None:
+    proc = helm("install", RELEASE, str(CHART), "--dry-run", "--namespace", "resilax-system")
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "helm show crds" in notes and "kubectl apply --server-side" in notes
+    assert "charts/resilax" not in notes and "docs/" not in notes.replace("/blob/main/docs/", "")

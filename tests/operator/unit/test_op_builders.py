@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -400,3 +401,16 @@ def test_each_worker_prefers_the_node_its_index_last_ran_on() -> None:
         assert "requiredDuringSchedulingIgnoredDuringExecution" not in affinity["nodeAffinity"]  # the node may be gone
         assert affinity["podAntiAffinity"]  # still one worker per node
     assert "nodeAffinity" not in by_process[1]["spec"]["affinity"]
+
+
+def test_sidecar_resources_come_from_the_settings() -> None:
+    from resilax_operator.builders import SIDECAR_RESOURCES, build_sidecar
+    from resilax_operator.errors import InvalidSettingError
+
+    assert build_sidecar(_spec(), SETTINGS, [])["resources"] == SIDECAR_RESOURCES
+    wanted = {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}
+    settings = OperatorSettings.from_env({"RESILAX_OPERATOR_SIDECAR_RESOURCES": json.dumps(wanted)})
+    assert build_sidecar(_spec(), settings, [])["resources"] == wanted
+    for bad in ("{", '{"request": {}}', '{"limits": {"memory": ["1Gi"]}}', "[]"):
+        with pytest.raises(InvalidSettingError, match=r"RESILAX_OPERATOR_SIDECAR_RESOURCES.*allowed"):
+            OperatorSettings.from_env({"RESILAX_OPERATOR_SIDECAR_RESOURCES": bad})
