@@ -46,3 +46,16 @@ def test_loss_continues_after_restore_on_a_smaller_mesh(tmp_path):
     assert sorted(second) == [13, 14]
     for step in (13, 14):
         assert second[step] == pytest.approx(straight[step], rel=1e-4), step
+
+
+def test_runs_by_hand_outside_a_pod_into_a_local_folder(tmp_path: Path) -> None:
+    """Without the operator's RESILAX_* variables, from_env() saves to ./resilax-checkpoints and says so."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILAX_")}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "3"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = tmp_path / "resilax-checkpoints"
+    assert f"RESILAX_CHECKPOINT_DIR is not set (not in a JAXJob pod): checkpoints go to {folder}" in proc.stderr
+    assert [json.loads(line)["step"] for line in proc.stdout.splitlines()] == [1, 2, 3]
+    assert folder.is_dir()
