@@ -124,3 +124,22 @@ def test_a_target_leaf_the_checkpoint_lacks_is_named(orbax_root, devices):
     with pytest.raises(rc.ShapeMismatchError, match=r"'params\.w' has shape \(8, 8\)"):
         rc.restore_orbax(os.path.join(orbax_root, "std"),
                          target={"params": {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}})
+
+
+@pytest.mark.gcs
+def test_reads_an_orbax_checkpoint_on_gcs(orbax_root, gcs_root, devices):
+    """The same OCDBT and plain folders, uploaded to fake-gcs-server, read through gs:// paths."""
+    from resilax_ckpt.storage import GcsStorage
+
+    storage = GcsStorage()
+    for name in ("std", "plain"):
+        local = os.path.join(orbax_root, name)
+        for folder, _, files in os.walk(local):
+            for f in files:
+                rel = os.path.relpath(os.path.join(folder, f), local)
+                with open(os.path.join(folder, f), "rb") as data:
+                    storage.write_bytes(f"{gcs_root}/{name}/{rel}", data.read())
+        mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(2, 4), ("x", "y"))
+        target = {"params": {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P("x", "y")))}}
+        out = rc.restore_orbax(f"{gcs_root}/{name}", target=target)
+        np.testing.assert_array_equal(out["params"]["w"], _expected()["w"])
