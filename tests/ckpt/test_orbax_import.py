@@ -143,3 +143,14 @@ def test_reads_an_orbax_checkpoint_on_gcs(orbax_root, gcs_root, devices):
         target = {"params": {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P("x", "y")))}}
         out = rc.restore_orbax(f"{gcs_root}/{name}", target=target)
         np.testing.assert_array_equal(out["params"]["w"], _expected()["w"])
+
+
+@pytest.mark.slow
+def test_two_processes_each_read_their_own_shards(orbax_root):
+    """Two JAX processes (4 devices each) restore the Orbax checkpoint onto a 2x4 global mesh."""
+    from ckpt_procs import run_processes
+
+    results = run_processes({"scenario": "orbax_restore", "root": os.path.join(orbax_root, "std"), "mesh": [2, 4]},
+                            num_processes=2, timeout=300)
+    assert [r["process"] for r in results] == [0, 1]
+    assert [r["shards"] for r in results] == [4, 4]
