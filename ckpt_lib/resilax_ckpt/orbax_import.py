@@ -25,6 +25,7 @@ import numpy as np
 import tensorstore as ts
 
 from resilax_ckpt import items as items_lib
+from resilax_ckpt import pytrees
 from resilax_ckpt import tensorstore_io as tsio
 from resilax_ckpt.errors import (
     MetadataError,
@@ -103,6 +104,7 @@ def _restore_item(storage: Storage, item_path: str, target: Any) -> Any:
     for entry in tree.values():
         keys = tuple(str(k["key"]) for k in entry["key_metadata"])
         leaves[keys] = entry
+    key_impls = _key_impls(storage, item_path)
     base = storage.kvstore_spec(item_path)
     ocdbt = storage.exists(storage.join(item_path, "manifest.ocdbt"))
     context = tsio.build_context(32, False)
@@ -129,7 +131,9 @@ def _restore_item(storage: Storage, item_path: str, target: Any) -> Any:
                 continue
             paths.append([["s", int(k)] if m["key_type"] == _KEY_SEQUENCE else ["d", k]
                           for k, m in zip(keys, entry["key_metadata"], strict=True)])
-            values.append(_read_whole(open_leaf(keys), entry))
+            value = _read_whole(open_leaf(keys), entry)
+            impl = key_impls.get(".".join(keys))
+            values.append(pytrees.wrap(value, impl) if impl else value)
         return items_lib.rebuild_tree(paths, values)
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
@@ -146,16 +150,54 @@ def _restore_item(storage: Storage, item_path: str, target: Any) -> Any:
         if not hasattr(want, "shape"):
             values.append(_read_whole(array, leaves[keys]))
             continue
+        impl = key_impls.get(".".join(keys))
+        if impl and pytrees.is_prng_key(want.dtype):
+            # A typed key array: Orbax stored its key data (a trailing axis more) and the impl's name.
+            data_shape = tuple(want.shape) + tuple(array.shape[len(want.shape):])
+            sharding = getattr(want, "sharding", None)
+            data_want = jax.ShapeDtypeStruct(
+                data_shape, array.dtype.numpy_dtype,
+                sharding=pytrees.data_sharding(sharding, len(want.shape)) if sharding is not None else None)
+            if data_shape != tuple(array.shape):
+                raise ShapeMismatchError(f"{item_path}: key leaf {'.'.join(keys)!r} has key data of shape "
+                                         f"{tuple(array.shape)}, the target expects keys of shape {tuple(want.shape)}")
+            values.append(pytrees.wrap(_read_to(array, data_want), impl))
+            continue
         if tuple(want.shape) != tuple(array.shape):
             raise ShapeMismatchError(f"{item_path}: leaf {'.'.join(keys)!r} has shape {tuple(array.shape)} "
                                      f"in the Orbax checkpoint, the target expects {tuple(want.shape)}")
-        dtype = np.dtype(want.dtype)
-        sharding = getattr(want, "sharding", None)
-        if sharding is None:
-            values.append(np.asarray(array.read().result(), dtype=dtype))
-            continue
-        values.append(jax.make_array_from_callback(tuple(want.shape), sharding, _box_reader(array, dtype)))
+        values.append(_read_to(array, want))
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _read_to(array: ts.TensorStore, want: Any) -> Any:
+    """The array as NumPy of `want`'s dtype, or as a jax.Array with `want`'s sharding (each process
+    reading only the boxes its devices hold)."""
+    dtype = np.dtype(want.dtype)
+    sharding = getattr(want, "sharding", None)
+    if sharding is None:
+        return np.asarray(array.read().result(), dtype=dtype)
+    return jax.make_array_from_callback(tuple(want.shape), sharding, _box_reader(array, dtype))
+
+
+def _key_impls(storage: Storage, item_path: str) -> dict[str, str]:
+    """Orbax's leaf name -> PRNG implementation of its typed key arrays (`array_metadatas/process_*`,
+    `ext_metadata.random_key_impl`); empty for checkpoints without them."""
+    folder = storage.join(item_path, "array_metadatas")
+    if not storage.exists(folder):
+        return {}
+    out: dict[str, str] = {}
+    for name in storage.list_dir(folder):
+        try:
+            raw = json.loads(storage.read_bytes(storage.join(folder, name.rstrip("/"))))
+            for entry in raw.get("array_metadatas", []):
+                meta = entry.get("array_metadata", {})
+                impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
+                if impl:
+                    out[str(meta["param_name"])] = str(impl)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise MetadataError(f"{folder}/{name}: not Orbax array metadata ({type(e).__name__}: {e})") from e
+    return out
 
 
 def _box_reader(array: ts.TensorStore, dtype: np.dtype) -> Any:

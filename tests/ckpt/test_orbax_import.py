@@ -43,6 +43,9 @@ WRITER = textwrap.dedent("""
     ts_ = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3)).replace(step=11)
     with ocp.CheckpointManager(os.path.join(root, "flax")) as mgr:
         mgr.save(11, args=ocp.args.StandardSave(ts_))
+    keys = jax.device_put(jax.random.split(jax.random.key(7), 8), NamedSharding(mesh, P("a")))
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(os.path.join(root, "keys"), {"rng": keys, "one": jax.random.key(3, impl="rbg")})
 """)
 
 
@@ -154,3 +157,18 @@ def test_two_processes_each_read_their_own_shards(orbax_root):
                             num_processes=2, timeout=300)
     assert [r["process"] for r in results] == [0, 1]
     assert [r["shards"] for r in results] == [4, 4]
+
+
+def test_typed_prng_keys_come_back_as_keys(orbax_root, devices):
+    keys = jax.random.split(jax.random.key(7), 8)
+    one = jax.random.key(3, impl="rbg")
+    plain = rc.restore_orbax(os.path.join(orbax_root, "keys"))
+    assert plain["rng"].dtype == keys.dtype and plain["one"].dtype == one.dtype
+    np.testing.assert_array_equal(jax.random.key_data(plain["rng"]), jax.random.key_data(keys))
+    mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(2, 4), ("x", "y"))
+    target = {"rng": jax.ShapeDtypeStruct((8,), keys.dtype, sharding=NamedSharding(mesh, P("y"))),
+              "one": jax.ShapeDtypeStruct((), one.dtype)}
+    out = rc.restore_orbax(os.path.join(orbax_root, "keys"), target=target)
+    assert out["rng"].sharding.spec == P("y")
+    np.testing.assert_array_equal(jax.random.uniform(out["rng"][5]), jax.random.uniform(keys[5]))
+    np.testing.assert_array_equal(jax.random.key_data(out["one"]), jax.random.key_data(one))
