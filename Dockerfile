@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # The Resilax image. One image, entrypoint `resilax`: `resilax operator` (the JAXJob operator) and
-# `resilax sidecar` (the checkpoint sidecar of worker pods). The `worker` target adds what training pods
-# need on top: the examples extra (optax, flax) and the JAX build for the accelerator.
+# `resilax sidecar` (the checkpoint sidecar of worker pods), installed as resilax[operator,sidecar]. The
+# `worker` target is the training side alone: resilax[train] (resilax_ckpt), the examples extra (optax,
+# flax) and the JAX build for the accelerator.
 #
 #   docker build -t resilax:0.1.0 .                          # operator + sidecar (the default target)
 #   docker build --target worker -t resilax-worker:0.1.0 .   # training pods (examples in /opt/resilax)
@@ -28,7 +29,7 @@ COPY localcluster ./localcluster
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
     && test -f "/wheels/resilax-${RESILAX_VERSION}-py3-none-any.whl"
 
-# ---- base: the project and its dependencies, the non-root user --------------------------------------
+# ---- base: Python and the non-root user (each target installs its own extras) --------------------------------------
 FROM ${PYTHON_IMAGE} AS base
 ARG RESILAX_VERSION
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -40,12 +41,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN groupadd --system --gid 65532 resilax \
     && useradd --system --uid 65532 --gid 65532 --home-dir /tmp --no-create-home \
        --shell /usr/sbin/nologin resilax
-# The wheel is bind-mounted from the builder (BuildKit), so it leaves no layer behind.
-RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    python -m pip install --no-cache-dir "/wheels/resilax-${RESILAX_VERSION}-py3-none-any.whl"
 WORKDIR /tmp
 
-# ---- worker: training pods (JAX for the accelerator, the examples extra, the example job) -----------
+# ---- worker: training pods (the train extra, JAX for the accelerator, the examples) -----------------
+# Only what a trainer imports: no Kubernetes client, kopf or aiohttp. The wheel is bind-mounted from
+# the builder (BuildKit), so it leaves no layer behind.
 FROM base AS worker
 ARG RESILAX_VERSION
 # cpu, tpu or cuda12: the jax extra for the node pool the workers run on.
@@ -53,7 +53,7 @@ ARG JAX_EXTRA=cpu
 ARG JAX_VERSION=0.10.2
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python -m pip install --no-cache-dir \
-        "resilax[examples] @ file:///wheels/resilax-${RESILAX_VERSION}-py3-none-any.whl" \
+        "resilax[train,examples] @ file:///wheels/resilax-${RESILAX_VERSION}-py3-none-any.whl" \
         "jax[${JAX_EXTRA}]==${JAX_VERSION}"
 COPY examples /opt/resilax/examples
 USER 65532:65532
@@ -62,6 +62,11 @@ CMD ["--help"]
 
 # ---- resilax (default): the operator and the sidecar ------------------------------------------------
 FROM base AS resilax
+ARG RESILAX_VERSION
+# No JAX: the operator and the sidecar never import it.
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    python -m pip install --no-cache-dir \
+        "resilax[operator,sidecar] @ file:///wheels/resilax-${RESILAX_VERSION}-py3-none-any.whl"
 USER 65532:65532
 ENTRYPOINT ["resilax"]
 CMD ["--help"]

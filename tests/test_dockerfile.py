@@ -140,7 +140,7 @@ def test_copy_from_refers_to_earlier_stages(dockerfile: Dockerfile) -> None:
 def test_wheel_path_agrees_between_builder_and_installs(dockerfile: Dockerfile) -> None:
     builder = " ".join(dockerfile.stage("builder").all("RUN"))
     assert "--wheel-dir /wheels" in builder
-    for name in ("base", "worker"):
+    for name in ("worker", "resilax"):
         run = " ".join(dockerfile.stage(name).all("RUN"))
         assert "source=/wheels,target=/wheels" in run, name
         assert "/wheels/resilax-${RESILAX_VERSION}-py3-none-any.whl" in run, name
@@ -190,7 +190,20 @@ def test_entrypoint_is_the_console_script(dockerfile: Dockerfile, pyproject: dic
         assert dockerfile.stage(name).all("ENTRYPOINT")[-1] == '["resilax"]', name
     assert "examples" in pyproject["project"]["optional-dependencies"]
     worker_run = " ".join(dockerfile.stage("worker").all("RUN"))
-    assert "resilax[examples]" in worker_run and "jax[${JAX_EXTRA}]==${JAX_VERSION}" in worker_run
+    assert "resilax[train,examples]" in worker_run and "jax[${JAX_EXTRA}]==${JAX_VERSION}" in worker_run
+    operator_run = " ".join(dockerfile.stage("resilax").all("RUN"))
+    assert "resilax[operator,sidecar]" in operator_run and "jax" not in operator_run
+
+
+def test_each_target_installs_only_its_side(dockerfile: Dockerfile, pyproject: dict) -> None:
+    """The training image never pulls the operator's dependencies; the base stage installs no extras."""
+    extras = pyproject["project"]["optional-dependencies"]
+    assert pyproject["project"]["dependencies"] == []
+    train = " ".join(extras["train"]).lower()
+    for heavy in ("kopf", "kubernetes", "aiohttp"):
+        assert heavy not in train, heavy
+    assert not any("jax" in d for d in extras["operator"] + extras["sidecar"])
+    assert "pip install" not in " ".join(dockerfile.stage("base").all("RUN"))
 
 
 def test_read_only_root_friendly(dockerfile: Dockerfile) -> None:
