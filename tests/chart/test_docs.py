@@ -90,3 +90,14 @@ def test_operations_guide_lists_exactly_the_operator_metrics() -> None:
     section = text[text.index("### Operator"):text.index("### Alerts and dashboard")]
     documented = set(re.findall(r"^\| `(resilax_operator_\w+)", section, flags=re.M))
     assert {name.removesuffix("_total") for name in documented} == defined
+
+
+def test_readme_first_screen_points_a_gke_user_to_the_quickstart() -> None:
+    first_screen = "\n".join((ROOT / "README.md").read_text().splitlines()[:25])
+    assert first_screen.startswith("# Resilax\n\n```bash\nscripts/demo")
+    assert "docs/gke-quickstart.md" in first_screen and 'pip install "resilax[train]"' in first_screen
+    quickstart = (ROOT / "docs" / "gke-quickstart.md").read_text()
+    for step in ("gcloud container node-pools create", "--workload-pool", "gcloud storage buckets create",
+                 "add-iam-policy-binding", "serviceAccountName", "docker push", "helm install", "kind: JAXJob",
+                 "get jaxjobs -w"):
+        assert step in quickstart, step
