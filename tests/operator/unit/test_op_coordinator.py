@@ -68,16 +68,18 @@ def test_two_processes_find_the_coordinator_without_dns() -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
         env.update(_resolve(pod, ip))
         env["JAX_PLATFORMS"] = "cpu"
+        # stderr apart: JAX/Gloo log lines (their level depends on the parent's environment, e.g. the
+        # TF_CPP_MIN_LOG_LEVEL flax sets on import) must not split the RESULT line.
         procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+                                      stderr=subprocess.PIPE, text=True))
     outputs = []
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=600)  # generous: the machine is shared and JAX start-up varies
+            out, err = p.communicate(timeout=600)  # generous: the machine is shared and JAX start-up varies
         except subprocess.TimeoutExpired:
             p.kill()
-            out, _ = p.communicate()
-        outputs.append(out)
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, out[-3000:]
-        assert "RESULT 2 4 [0, 1]" in out, out[-3000:]
+            out, err = p.communicate()
+        outputs.append((out, err))
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, (out + err)[-3000:]
+        assert "RESULT 2 4 [0, 1]" in out.splitlines(), (out + err)[-3000:]
