@@ -61,6 +61,16 @@ def test_local_up_without_cap_sys_admin_stops_before_starting_anything(tmp_path)
     assert not run_dir.exists()
 
 
+def test_demo_without_cap_sys_admin_stops_before_creating_its_folder(tmp_path):
+    run_dir = tmp_path / "demo"
+    proc = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-m",
+                           "resilax_operator.cli", "demo", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "resilax demo: cannot create a mount namespace" in proc.stderr
+    assert not run_dir.exists()
+
+
 def test_isolation_probe_passes_where_the_cluster_tests_run():
     from resilax_local.launch import isolation_problem
 

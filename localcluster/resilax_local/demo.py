@@ -514,6 +514,12 @@ RUN_DIR_MARKER = ".resilax-demo-run"
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="    %(message)s")
+    from resilax_local.launch import isolation_problem
+
+    problem = isolation_problem()  # the demo's cluster runs pods as `local up` does: ask before starting
+    if problem is not None:
+        print(f"resilax demo: {problem}", file=sys.stderr)
+        return 1
     if args.run_dir is None:
         from resilax_local.binaries import cache_dir
 
