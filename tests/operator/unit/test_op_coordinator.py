@@ -68,8 +68,8 @@ def test_two_processes_find_the_coordinator_without_dns() -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
         env.update(_resolve(pod, ip))
         env["JAX_PLATFORMS"] = "cpu"
-        # stderr apart: JAX/Gloo log lines (their level depends on the parent's environment, e.g. the
-        # TF_CPP_MIN_LOG_LEVEL flax sets on import) must not split the RESULT line.
+        # stderr apart: a Gloo log line on stderr, merged into stdout, could land inside the RESULT line
+        # (print writes its arguments separately).
         procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outputs = []
