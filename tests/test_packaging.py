@@ -77,3 +77,19 @@ def test_operator_and_sidecar_extras_resolve_without_jax(wheel: Path, tmp_path: 
     names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
     assert {"kopf", "kubernetes", "aiohttp", "tensorstore"} <= names
     assert not names & {"jax", "jaxlib"}, names
+
+
+@pytest.mark.slow
+def test_wheel_carries_the_demo_files(wheel: Path) -> None:
+    """`resilax demo` from a wheel: the job, the CRDs, the operator's rules and the training example are
+    in the package, as the files themselves (the repository's links are followed)."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        for name, source in [("jaxjob-demo.yaml", "examples/jaxjob-demo.yaml"),
+                             ("examples/train.py", "examples/train.py"),
+                             ("operator-rules.yaml", "charts/resilax/files/operator-rules.yaml"),
+                             ("crds/jaxjobs.resilax.dev.yaml", "charts/resilax/crds/jaxjobs.resilax.dev.yaml"),
+                             ("crds/kopf-peering.yaml", "charts/resilax/crds/kopf-peering.yaml")]:
+            assert z.read(f"resilax_local/demo_files/{name}") == (ROOT / source).read_bytes(), name
+    assert not any(n.startswith("resilax_operator/") and "demo" in n for n in zipfile.ZipFile(wheel).namelist())

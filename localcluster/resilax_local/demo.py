@@ -56,10 +56,12 @@ from .timeline import (
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-JOB_FILE = ROOT / "examples" / "jaxjob-demo.yaml"
-CRD_DIR = ROOT / "charts" / "resilax" / "crds"
-RULES_FILE = ROOT / "charts" / "resilax" / "files" / "operator-rules.yaml"
+# The files the demo needs ship inside the package (links to examples/ and charts/resilax/ in a checkout,
+# copies in a wheel), so `resilax demo` runs from an installed wheel as from the repository.
+FILES = Path(__file__).resolve().parent / "demo_files"
+JOB_FILE = FILES / "jaxjob-demo.yaml"
+CRD_DIR = FILES / "crds"
+RULES_FILE = FILES / "operator-rules.yaml"
 OPERATOR_NAMESPACE = "resilax-system"
 OPERATOR_NAME = "resilax-operator"
 PEERING = "resilax"
@@ -171,7 +173,7 @@ class Demo:
     def install_operator(self) -> None:
         from resilax_local.errors import KubeAPIError
 
-        say("==> applying the CRDs from charts/resilax/crds/")
+        say(f"==> applying the CRDs from {CRD_DIR}")
         names = []
         for path in sorted(CRD_DIR.glob("*.yaml")):
             for doc in yaml.safe_load_all(path.read_text()):
@@ -182,7 +184,7 @@ class Demo:
         say(f"    {', '.join(names)} Established")
 
         say(f"==> operator RBAC: ServiceAccount {OPERATOR_NAMESPACE}/{OPERATOR_NAME}, ClusterRole from "
-            f"{RULES_FILE.relative_to(ROOT)}")
+            f"{RULES_FILE.name}")
         rules = yaml.safe_load(RULES_FILE.read_text())
         self.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                            "metadata": {"name": OPERATOR_NAMESPACE}})
@@ -221,9 +223,9 @@ class Demo:
         job["metadata"]["namespace"] = JOB_NAMESPACE
         job["spec"]["checkpoint"]["storage"] = str(ckpt)
         for container in job["spec"]["template"]["spec"]["containers"]:
-            container["workingDir"] = str(ROOT)
+            container["workingDir"] = str(FILES)  # the job's command runs examples/train.py
         (self.run_dir / "jaxjob.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
-        say(f"\n==> applying {JOB_FILE.relative_to(ROOT)} as {JOB_NAMESPACE}/{self.job_name} "
+        say(f"\n==> applying {JOB_FILE.name} as {JOB_NAMESPACE}/{self.job_name} "
             f"(checkpoints in {ckpt})")
         self.create(self.job_path(collection=True), job)
         self.note("setup", f"JAXJob {JOB_NAMESPACE}/{self.job_name} applied")

@@ -23,7 +23,18 @@ def test_demo_job_is_a_valid_elastic_two_slice_job() -> None:
     assert spec.checkpoint.every.steps == 10
     command = job["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[:2] == ["python", "examples/train.py"]
-    assert (demo.ROOT / command[1]).exists()
+    assert (demo.FILES / command[1]).exists()
+
+
+def test_demo_files_are_the_repositorys_own() -> None:
+    """The package's demo files are links to the single sources in examples/ and charts/resilax/."""
+    root = Path(demo.__file__).resolve().parents[2]
+    for name, source in [("jaxjob-demo.yaml", "examples/jaxjob-demo.yaml"),
+                         ("examples/train.py", "examples/train.py"),
+                         ("operator-rules.yaml", "charts/resilax/files/operator-rules.yaml"),
+                         ("crds/jaxjobs.resilax.dev.yaml", "charts/resilax/crds/jaxjobs.resilax.dev.yaml"),
+                         ("crds/kopf-peering.yaml", "charts/resilax/crds/kopf-peering.yaml")]:
+        assert (demo.FILES / name).resolve() == root / source, name
 
 
 def test_demo_finds_the_chart_files() -> None:
