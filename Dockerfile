@@ -26,6 +26,10 @@ COPY operator ./operator
 COPY sidecar ./sidecar
 COPY ckpt_lib ./ckpt_lib
 COPY localcluster ./localcluster
+# resilax_local/demo_files links to these single sources; the wheel carries the files themselves.
+COPY examples ./examples
+COPY charts/resilax/crds ./charts/resilax/crds
+COPY charts/resilax/files ./charts/resilax/files
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
     && test -f "/wheels/resilax-${RESILAX_VERSION}-py3-none-any.whl"
 

@@ -81,16 +81,17 @@ def context_patterns() -> list[str]:
 
 
 def sent_in_context(path: str) -> bool:
-    """Whether .dockerignore lets `path` (a top-level file or folder) into the build context.
-    Enough for the patterns we use: `*`, `!name`, `!name/` and `**/...` exclusions of caches."""
+    """Whether .dockerignore lets `path` (a file or folder) into the build context. Enough for the
+    patterns we use: `*`, `!name`, `!name/`, `!a/b/c/` and `**/...` exclusions of caches."""
     included = True
-    top = path.strip("/").split("/")[0]
+    path = path.strip("/")
+    top = path.split("/")[0]
     for pattern in context_patterns():
         negate = pattern.startswith("!")
         body = pattern.lstrip("!").rstrip("/")
         if body.startswith("**/"):
             continue  # caches inside folders, never a top-level source
-        if body == "*" or body == top:
+        if body == "*" or body == top or path == body or path.startswith(body + "/"):
             included = negate
     return included
 
@@ -251,7 +252,9 @@ def test_builder_stage_builds_the_wheel_from_what_it_copies(dockerfile: Dockerfi
         for source in sources:
             src = ROOT / source
             if src.is_dir():
-                shutil.copytree(src, context / source,
+                # symlinks=True: docker's COPY keeps links as links (resilax_local/demo_files links to
+                # examples/ and charts/, which the builder must copy too).
+                shutil.copytree(src, context / source, symlinks=True,
                                 ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".mypy_cache"))
             else:
                 shutil.copy2(src, context / source)
@@ -268,5 +271,7 @@ def test_builder_stage_builds_the_wheel_from_what_it_copies(dockerfile: Dockerfi
     names = zipfile.ZipFile(wheel).namelist()
     for package in ("resilax_operator", "resilax_sidecar", "resilax_ckpt", "resilax_local"):
         assert f"{package}/__init__.py" in names and f"{package}/py.typed" in names, package
+    for name in ("jaxjob-demo.yaml", "operator-rules.yaml", "crds/jaxjobs.resilax.dev.yaml", "examples/train.py"):
+        assert f"resilax_local/demo_files/{name}" in names, name
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "resilax = resilax_operator.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
