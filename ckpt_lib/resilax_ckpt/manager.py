@@ -239,7 +239,10 @@ class CheckpointManager:
         there is nothing to restore. With a local tier, `latest` is the step the processes agree on
         (the newest one every process can read from its local tier or the persistent tier; pass the
         restore's `target` so that "can read" is judged for this process's shards, else whole
-        arrays). Called on: all processes (with a local tier and several processes, a collective)."""
+        arrays). Without a local tier, `restore()` of the step `latest` resolved to is a restore of
+        the newest step: it falls back to an older one when that step cannot be read (the state's
+        own step then says which step came back; `restore_report` says why).
+        Called on: all processes (with a local tier and several processes, a collective)."""
         env = os.environ if env is None else env
         raw = env.get("RESILAX_RESTORE_STEP", "latest").strip().lower() or "latest"
         if raw == "none":
@@ -249,8 +252,12 @@ class CheckpointManager:
                 named, unwrap = pytrees.as_target(target)
                 agreed, _ = self._agree_two_tiers(None, named, [pytrees.STATE_ITEM] if unwrap else items)
                 return agreed
-            return self.latest_step()
+            self._latest_from_env = self.latest_step()
+            return self._latest_from_env
         return int(raw)
+
+    #: The step `restore_step_from_env` resolved "latest" to (single tier): restoring it may fall back.
+    _latest_from_env: int | None = None
 
     # ------------------------------------------------------------------ save
 
@@ -589,7 +596,7 @@ class CheckpointManager:
                  items: Iterable[str] | None) -> dict[str, Any]:
         if self._persistent is not None:
             return self._restore_two_tiers(step, target, items)
-        if step is None:
+        if step is None or step == self._latest_from_env:
             return self._restore_newest_good(target, items)
         self._protected_steps = (step,)
         step_path = self._storage.join(self._root, layout.step_name(step))

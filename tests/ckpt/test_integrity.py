@@ -305,3 +305,22 @@ def test_a_zombie_generation_never_changes_a_committed_step_on_gcs(gcs_root: str
                              "options": {"generation": 3}}, num_processes=2)
     assert [r["step"] for r in results] == [5, 5]  # the worker checks every shard against step 5's values
     assert not [k for k in _objects(gcs_root, 5) if k.split("/")[0] in stale], "a stale attempt outlived a start"
+
+
+def test_the_example_pattern_falls_back_too(tmp_path: Path, devices) -> None:
+    """examples/train.py asks `restore_step_from_env()` for the step ("latest"), then restores that step:
+    that is a restore of the newest step, so it falls back like `restore()`; a step asked for by number
+    does not."""
+    root = tmp_path / "run"
+    with rc.CheckpointManager(str(root), rc.ManagerOptions(async_save=False)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    (root / "3" / layout.METADATA_FILE).write_text("{")
+    with rc.CheckpointManager(str(root)) as mgr, pytest.raises(rc.MetadataError):
+        mgr.restore(3)  # asked for by number: no fallback
+    with rc.CheckpointManager(str(root)) as mgr:
+        step = mgr.restore_step_from_env({"RESILAX_RESTORE_STEP": "latest"})
+        assert step == 3
+        out = mgr.restore(step, target=None)
+        assert out["meta"] == {"step": 2}  # the loop starts from the state's own step
+        assert mgr.restore_report is not None and [s["step"] for s in mgr.restore_report["skipped"]] == [3]
