@@ -248,7 +248,9 @@ def test_operator_restart_mid_recovery_and_fenced_old_generation(operator: Opera
     assert_redone_steps_match(gen1, gen2)
     breakdown = recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "NodeNotReady", "PodLost", "WorkerFailed"))
     _record("operator_restart_partition", breakdown, lost=max(gen1) - restored, restored=restored)
-    assert (storage / "_fences" / "2.json").exists()
+    # generation 2's fence (named e<era>-g2.json: the operator passes the job's uid, which claims an era)
+    fences = [json.loads(p.read_text()) for p in (storage / "_fences").glob("*.json") if not p.name.startswith("era-")]
+    assert any(f["generation"] == 2 and f["era"] >= 1 for f in fences), fences
 
     # The partitioned node comes back; then a worker of generation 1 (a stale process) tries to save into
     # the same storage: the library refuses to commit, and no step of generation 1 appears.
