@@ -11,11 +11,13 @@ state = mgr.restore(target={"params": abstract_params})
 from typing import TYPE_CHECKING, Any
 
 from resilax_ckpt.errors import (
+    ChecksumMismatchError,
     CorruptCheckpointError,
     FencedError,
     ForeignDataError,
     IncompleteStepError,
     MetadataError,
+    MissingChunkError,
     ResilaxCkptError,
     SaveError,
     ShapeMismatchError,
@@ -59,6 +61,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "EXIT_CODE_STOPPED",
     "CheckpointManager",
+    "ChecksumMismatchError",
     "CorruptCheckpointError",
     "FencedError",
     "ForeignDataError",
@@ -66,6 +69,7 @@ __all__ = [
     "InvalidOptionsError",
     "ManagerOptions",
     "MetadataError",
+    "MissingChunkError",
     "PerProcess",
     "ResilaxCkptError",
     "SaveError",

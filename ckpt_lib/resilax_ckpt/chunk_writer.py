@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from resilax_ckpt import planning, staging
+from resilax_ckpt import checksums, planning, staging
 from resilax_ckpt.errors import StorageError
 
 ZARR_JSON = "zarr.json"
@@ -83,18 +83,21 @@ def _fill_value(dtype: str) -> Any:
     return 0
 
 
-def zarr_json(shape: Sequence[int], dtype: str, chunks: Sequence[int], shard: Sequence[int] = ()) -> bytes:
+def zarr_json(shape: Sequence[int], dtype: str, chunks: Sequence[int], shard: Sequence[int] = (),
+              checksum: bool = False) -> bytes:
     """The `zarr.json` of an array, exactly as tensorstore's zarr3 driver writes it; with `shard`,
     an array of shards of that shape holding `chunks`-shaped inner chunks (`sharding_indexed`, the
-    index at the end of the file, zarr's default, without a checksum: see ArrayFiles)."""
+    index at the end of the file, zarr's default: see ArrayFiles); with `checksum`, the `crc32c`
+    codec after every chunk's bytes and after the shard index (checksums.py)."""
     bytes_codec: dict[str, Any] = {"name": "bytes"}
     if dtype != "bool" and np.dtype(dtype).itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}
-    codecs: list[dict[str, Any]] = [bytes_codec]
+    crc: list[dict[str, Any]] = [{"name": checksums.CRC32C}] if checksum else []
+    codecs: list[dict[str, Any]] = [bytes_codec, *crc]
     grid = list(chunks)
     if shard:
-        codecs = [{"configuration": {"chunk_shape": list(chunks), "codecs": codecs,
-                                     "index_codecs": [{"configuration": {"endian": "little"}, "name": "bytes"}]},
+        index_codecs = [{"configuration": {"endian": "little"}, "name": "bytes"}, *crc]
+        codecs = [{"configuration": {"chunk_shape": list(chunks), "codecs": codecs, "index_codecs": index_codecs},
                    "name": "sharding_indexed"}]
         grid = list(shard)
     meta = {
@@ -135,31 +138,45 @@ class ArrayFiles:
 
     Unsharded: chunk `i` is the whole file `c/<i...>`. Sharded (`shard` set): the chunks of shard `s`
     (`shard // chunks` of them per dimension) are in the file `c/<s...>`, in C order, chunk `j` of
-    the shard at byte `j * stride` (the chunk's size rounded up to DIRECT_ALIGN, so O_DIRECT writes
-    and reads each chunk in place), followed by zarr's shard index: per chunk, its offset and size
-    as little-endian uint64, both all-ones for a chunk outside the array. A shard is written by one
-    process (planning.plan_shard_shape), so the layout needs no coordination and a restore reads a
-    run of a shard's chunks with one request.
+    the shard at byte `j * stride` (the chunk's stored size rounded up to DIRECT_ALIGN, so O_DIRECT
+    writes and reads each chunk in place), followed by zarr's shard index: per chunk, its offset and
+    stored size as little-endian uint64, both all-ones for a chunk outside the array. With `checksum`
+    (zarr's `crc32c` codec) a chunk is stored as its bytes and their crc32c (4 bytes), and the index
+    is followed by its own crc32c. A shard is written by one process (planning.plan_shard_shape), so
+    the layout needs no coordination and a restore reads a run of a shard's chunks with one request.
     """
 
     shape: tuple[int, ...]
     itemsize: int
     chunks: tuple[int, ...]
     shard: tuple[int, ...] = ()
+    checksum: bool = False
 
     @classmethod
     def of(cls, leaf: Any) -> ArrayFiles:
         """The files of a LeafMetadata."""
         itemsize = 1 if leaf.dtype == "bool" else np.dtype(leaf.dtype).itemsize
-        return cls(tuple(leaf.shape), itemsize, tuple(leaf.chunks), tuple(leaf.shard))
+        return cls(tuple(leaf.shape), itemsize, tuple(leaf.chunks), tuple(leaf.shard),
+                   leaf.checksum == checksums.CRC32C)
 
     @property
     def chunk_bytes(self) -> int:
+        """Bytes of a chunk's data (edge chunks padded to the full chunk shape)."""
         return math.prod(self.chunks) * self.itemsize
 
     @property
+    def crc_bytes(self) -> int:
+        """Bytes of the checksum after each chunk (and shard index): 4 with `checksum`, else 0."""
+        return checksums.CRC_BYTES if self.checksum else 0
+
+    @property
+    def stored_chunk_bytes(self) -> int:
+        """Bytes a chunk takes in its file: its data and its checksum."""
+        return self.chunk_bytes + self.crc_bytes
+
+    @property
     def stride(self) -> int:
-        return -(-self.chunk_bytes // DIRECT_ALIGN) * DIRECT_ALIGN
+        return -(-self.stored_chunk_bytes // DIRECT_ALIGN) * DIRECT_ALIGN
 
     @property
     def per_shard(self) -> tuple[int, ...]:
@@ -174,10 +191,15 @@ class ArrayFiles:
         """Where a shard file's index starts."""
         return math.prod(self.per_shard) * self.stride
 
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of a shard file's index (and its checksum)."""
+        return 16 * math.prod(self.per_shard) + self.crc_bytes
+
     def file_size(self) -> int:
         if not self.shard:
-            return self.chunk_bytes
-        return self.index_offset + 16 * math.prod(self.per_shard)
+            return self.stored_chunk_bytes
+        return self.index_offset + self.index_bytes
 
     def locate(self, chunk: Sequence[int]) -> tuple[tuple[str, ...], int]:
         """The file (key parts) holding chunk `chunk` of the grid and the chunk's byte offset in it."""
@@ -190,14 +212,16 @@ class ArrayFiles:
         return chunk_key([i // n for i, n in zip(chunk, per, strict=True)]), inner * self.stride
 
     def shard_index(self, key: Sequence[str]) -> bytes:
-        """The zarr shard index of the shard file `key` (its last 16 bytes per chunk)."""
+        """The zarr shard index of the shard file `key` (its last 16 bytes per chunk, then the
+        index's crc32c with `checksum`)."""
         first = [int(k) * n for k, n in zip(key[1:], self.per_shard, strict=True)]
         grid = chunk_grid(self.shape, self.chunks)
         entries = np.full((math.prod(self.per_shard), 2), _MISSING, dtype="<u8")
         for j, inner in enumerate(np.ndindex(*self.per_shard)):
             if all(f + i < g for f, i, g in zip(first, inner, grid, strict=True)):
-                entries[j] = (j * self.stride, self.chunk_bytes)
-        return entries.tobytes()
+                entries[j] = (j * self.stride, self.stored_chunk_bytes)
+        index = entries.tobytes()
+        return index + checksums.encode(checksums.crc32c(index)) if self.checksum else index
 
 
 @functools.cache
@@ -337,10 +361,11 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _write_direct(path: str, raw: np.ndarray, offset: int, size: int | None) -> bool:
+def _write_direct(path: str, raw: np.ndarray, offset: int, size: int | None, checksum: bool = False) -> bool:
     """Write `raw` (uint8) at `offset` (a multiple of DIRECT_ALIGN) of `path` with O_DIRECT through a
     staging buffer, the last block padded with zeros, then truncate the file to `size` (when given);
-    False (nothing written) when the filesystem refuses O_DIRECT."""
+    with `checksum`, the data's crc32c right after it (computed on the staging buffer, while it is
+    in the cache). False (nothing written) when the filesystem refuses O_DIRECT."""
     try:
         fd = _open_for_write(path, os.O_DIRECT)
     except OSError as e:
@@ -349,19 +374,29 @@ def _write_direct(path: str, raw: np.ndarray, offset: int, size: int | None) -> 
         raise
     try:
         with staging.borrowed() as bounce:
-            return _write_through(fd, bounce, raw, offset, size)
+            return _write_through(fd, bounce, raw, offset, size, checksum)
     finally:
         os.close(fd)
 
 
-def _write_through(fd: int, bounce: np.ndarray, raw: np.ndarray, offset: int, size: int | None) -> bool:
-    """`_write_direct`'s writes into the open file `fd`, each piece copied into `bounce` first."""
+def _write_through(fd: int, bounce: np.ndarray, raw: np.ndarray, offset: int, size: int | None,
+                   checksum: bool = False) -> bool:
+    """`_write_direct`'s writes into the open file `fd`, each piece copied into `bounce` first (with
+    `checksum`, pieces leave a block free, so the last one has room for the crc32c behind it)."""
     done = 0
+    crc = 0
+    most = bounce.nbytes - (DIRECT_ALIGN if checksum else 0)
     while done < raw.nbytes:
-        piece = min(bounce.nbytes, raw.nbytes - done)
-        padded = -(-piece // DIRECT_ALIGN) * DIRECT_ALIGN
+        piece = min(most, raw.nbytes - done)
         bounce[:piece] = raw[done:done + piece]
-        bounce[piece:padded] = 0
+        end = piece
+        if checksum:
+            crc = checksums.crc32c(bounce[:piece], crc)
+            if done + piece == raw.nbytes:
+                bounce[piece:piece + checksums.CRC_BYTES] = np.frombuffer(checksums.encode(crc), np.uint8)
+                end += checksums.CRC_BYTES
+        padded = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
+        bounce[end:padded] = 0
         try:
             _pwrite_all(fd, bounce[:padded].data, offset + done)
         except OSError as e:
@@ -375,20 +410,24 @@ def _write_through(fd: int, bounce: np.ndarray, raw: np.ndarray, offset: int, si
 
 
 def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True, direct: bool = False,
-                     offset: int = 0, size: int | None = -1) -> None:
+                     offset: int = 0, size: int | None = -1, checksum: bool = False) -> None:
     """Write `data`'s C-order bytes at `offset` of `path`, in place when it exists: open without
-    truncating, pwrite, then ftruncate to `size` (by default the data's size: the whole file; None
-    leaves the size alone: a chunk inside a shard file); when `fsync`, start its writeback (durable
-    only after `make_durable`). `direct`: with O_DIRECT (module docstring) when the data has at
-    least DIRECT_MIN_BYTES and `offset` is aligned."""
+    truncating, pwrite, then ftruncate to `size` (by default the end of what was written: the whole
+    file; None leaves the size alone: a chunk inside a shard file); when `fsync`, start its writeback
+    (durable only after `make_durable`). `checksum`: the data's crc32c (4 bytes) follows it.
+    `direct`: with O_DIRECT (module docstring) when the data has at least DIRECT_MIN_BYTES and
+    `offset` is aligned."""
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if size == -1:
-        size = offset + raw.nbytes
-    if direct and raw.nbytes >= DIRECT_MIN_BYTES and offset % DIRECT_ALIGN == 0 and _write_direct(path, raw, offset, size):
+        size = offset + raw.nbytes + (checksums.CRC_BYTES if checksum else 0)
+    if (direct and raw.nbytes >= DIRECT_MIN_BYTES and offset % DIRECT_ALIGN == 0
+            and _write_direct(path, raw, offset, size, checksum)):
         return
     fd = _open_for_write(path, 0)
     try:
         _pwrite_all(fd, raw.data, offset)
+        if checksum:
+            _pwrite_all(fd, memoryview(checksums.encode(checksums.crc32c(raw))), offset + raw.nbytes)
         if size is not None:
             os.ftruncate(fd, size)
         if fsync:
@@ -429,15 +468,18 @@ class ChunkWriter:
         """The paths of every file submitted (each written once `drain` returned), each once."""
         self._seen: set[str] = set()
 
-    def submit(self, path: str, data: np.ndarray, what: str, offset: int = 0, size: int | None = -1) -> None:
-        """Write `data` at `offset` of `path`, then truncate it to `size` (write_chunk_file)."""
+    def submit(self, path: str, data: np.ndarray, what: str, offset: int = 0, size: int | None = -1,
+               checksum: bool = False) -> None:
+        """Write `data` (and with `checksum` its crc32c) at `offset` of `path`, then truncate it to
+        `size` (write_chunk_file)."""
         nbytes = data.nbytes
         if path not in self._seen:
             self._seen.add(path)
             self.written.append(path)
         while self._pending and self._inflight + nbytes > self._limit:
             self._finish_oldest()
-        future = self._pool.submit(write_chunk_file, path, data, self._fsync, self._direct, offset, size)
+        future = self._pool.submit(write_chunk_file, path, data, self._fsync, self._direct, offset, size,
+                                   checksum)
         self._pending.append((future, nbytes, what))
         self._inflight += nbytes
 
@@ -485,7 +527,8 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
         if create_metadata:
             for item, leaf in plan.arrays:
                 path = os.path.join(step_path, item, leaf.dir, ZARR_JSON)
-                meta = np.frombuffer(zarr_json(leaf.shape, leaf.dtype, leaf.chunks, leaf.shard), np.uint8)
+                meta = np.frombuffer(zarr_json(leaf.shape, leaf.dtype, leaf.chunks, leaf.shard,
+                                               leaf.checksum == checksums.CRC32C), np.uint8)
                 writer.submit(path, meta, f"writing {path}")
         for n, write in enumerate(plan.writes):
             if on_progress is not None:
@@ -507,7 +550,7 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
             path = os.path.join(step_path, item, leaf.dir, *file_key)
             what = f"writing {item}/{leaf.keystr} box {write.box} to {path}"
             if not files.shard:
-                writer.submit(path, data, what)
+                writer.submit(path, data, what, checksum=files.checksum)
             else:
                 if path not in shard_files:  # this process writes the whole shard: its index too
                     shard_files.add(path)
@@ -518,7 +561,7 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
                     index_bytes = np.frombuffer(files.shard_index(file_key), np.uint8)
                     writer.submit(path, index_bytes, f"writing the shard index of {path}", files.index_offset,
                                   files.file_size())
-                writer.submit(path, data, what, offset, None)
+                writer.submit(path, data, what, offset, None, files.checksum)
             del data
         writer.drain()
         if fsync and writer.written:

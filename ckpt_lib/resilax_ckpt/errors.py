@@ -53,4 +53,12 @@ class ForeignDataError(ResilaxCkptError, FileExistsError):
 
 
 class CorruptCheckpointError(ResilaxCkptError, ValueError):
-    """A committed step's file is corrupt, truncated or missing; the message names the file."""
+    """A committed step's file is corrupt or truncated; the message names the file."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A chunk (or a shard index) does not match the crc32c stored with it; the message names the file."""
+
+
+class MissingChunkError(IncompleteStepError):
+    """A chunk file a restore needs does not exist; the message names the file."""

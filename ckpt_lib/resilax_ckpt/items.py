@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resilax_ckpt import chunk_writer, layout, planning, pytrees
+from resilax_ckpt import checksums, chunk_writer, layout, planning, pytrees
 from resilax_ckpt.errors import ResilaxCkptError, TreeMismatchError
 from resilax_ckpt.metadata import ItemMetadata, LeafMetadata, StepMetadata
 
@@ -164,6 +164,7 @@ def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, proc
     writes: list[ArrayWrite] = []
     files: list[tuple[tuple[str, ...], bytes]] = []
     device_sources: list[tuple[int, jax.Array, Any]] = []
+    checksum = checksums.kind_for_saves()
 
     for name, value in items.items():
         layout.validate_item_name(name)
@@ -191,7 +192,7 @@ def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, proc
                 shard_shape = _shard_shape(leaf.sharding, shape, chunks) if shard_files else ()
                 meta = LeafMetadata(keystr=keystr, path=enc, kind="array", dir=leaf_dir, shape=shape,
                                     dtype=np.dtype(leaf.dtype).name, chunks=chunks, shard=shard_shape,
-                                    prng_impl=prng_impl)
+                                    checksum=checksum, prng_impl=prng_impl)
                 array_index = len(arrays)
                 arrays.append((name, meta))
                 boxes_done: set[planning.Box] = set()
@@ -208,7 +209,8 @@ def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, proc
             elif isinstance(leaf, np.ndarray):
                 shape = tuple(leaf.shape)
                 meta = LeafMetadata(keystr=keystr, path=enc, kind="array", dir=leaf_dir, shape=shape,
-                                    dtype=leaf.dtype.name, chunks=tuple(max(1, d) for d in shape))
+                                    dtype=leaf.dtype.name, chunks=tuple(max(1, d) for d in shape),
+                                    checksum=checksum)
                 array_index = len(arrays)
                 arrays.append((name, meta))
                 if writes_host:

@@ -39,7 +39,6 @@ from resilax_ckpt.errors import (
     ShapeMismatchError,
     StepNotCommittedError,
     StepNotFoundError,
-    StorageError,
     TreeMismatchError,
 )
 from resilax_ckpt.metadata import StepMetadata
@@ -924,13 +923,11 @@ def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[st
     try:
         reader.read_leaves(reads, step_path, storage, context, max_inflight_bytes, io_concurrency,
                            direct_io=direct_io)
-    except StorageError as e:
-        if isinstance(e.__cause__, FileNotFoundError) or "is missing" in str(e) or "NOT_FOUND" in str(e):
-            raise IncompleteStepError(
-                f"step {step}: {step_path} lacks data this process's target shards need "
-                f"(a local-tier step holds only its host's shards; restore from the persistent tier): {e}"
-            ) from e
-        raise
+    except IncompleteStepError as e:  # a chunk file is missing (MissingChunkError)
+        hint = " (a local-tier step holds only its host's shards: restore from the persistent tier)"
+        raise type(e)(f"step {step}: {e}{hint if meta.local_tier else ''}") from e
+    except CorruptCheckpointError as e:
+        raise type(e)(f"step {step}: {e}") from e
     for name, structure, slots in assemble:
         values = [(pytrees.wrap(s.result, s.leaf.prng_impl) if s.leaf.prng_impl else s.result)
                   if isinstance(s, reader.LeafRead) else s for s in slots]

@@ -14,9 +14,13 @@ from typing import Any, Literal
 from resilax_ckpt.errors import MetadataError
 
 FORMAT_NAME = "resilax-ckpt"
-FORMAT_VERSION = 2
-"""Written by this library. Version 2 added a leaf's `shard` (one file per leaf and process)."""
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""Written by this library. Version 2 added a leaf's `shard` (one file per leaf and process), version 3
+a leaf's `checksum` (a crc32c after every chunk and shard index: checksums.py)."""
+READABLE_VERSIONS = (1, 2, 3)
+
+CHECKSUMS = ("", "crc32c")
+"""A leaf's `checksum` values this library reads ("" = none)."""
 
 LeafKind = Literal["array", "scalar"]
 ItemKind = Literal["pytree", "json", "per_process"]
@@ -38,6 +42,9 @@ class LeafMetadata:
     shard: tuple[int, ...] = ()
     """When set, the array's files are zarr3 shards of this shape (the `sharding_indexed` codec), each
     holding the `chunks` one process wrote (chunk_writer.ArrayFiles); else one file per chunk."""
+    checksum: str = ""
+    """"crc32c" when every chunk (and shard index) of the array carries one (zarr3's `crc32c` codec,
+    checksums.py); "" for arrays saved without (before format version 3)."""
     prng_impl: str = ""
     """When set, the array is the key data of a typed PRNG key array of this implementation
     (`jax.random.key_impl`): restore wraps it back (resilax_ckpt.pytrees)."""
@@ -54,6 +61,8 @@ class LeafMetadata:
                "shape": list(self.shape), "dtype": self.dtype, "chunks": list(self.chunks)}
         if self.shard:
             out["shard"] = list(self.shard)
+        if self.checksum:
+            out["checksum"] = self.checksum
         if self.prng_impl:
             out["prng_impl"] = self.prng_impl
         return out
@@ -65,9 +74,12 @@ class LeafMetadata:
                        pytype=raw["pytype"])
         if raw["kind"] != "array":
             raise KeyError(f"unknown leaf kind {raw['kind']!r}")
+        if raw.get("checksum", "") not in CHECKSUMS:
+            raise KeyError(f"unknown checksum {raw['checksum']!r} (known: {', '.join(map(repr, CHECKSUMS))})")
         return cls(keystr=raw["keystr"], path=raw["path"], kind="array", dir=raw["dir"],
                    shape=tuple(raw["shape"]), dtype=raw["dtype"], chunks=tuple(raw["chunks"]),
-                   shard=tuple(raw.get("shard", ())), prng_impl=str(raw.get("prng_impl", "")))
+                   shard=tuple(raw.get("shard", ())), checksum=str(raw.get("checksum", "")),
+                   prng_impl=str(raw.get("prng_impl", "")))
 
 
 @dataclasses.dataclass(frozen=True)

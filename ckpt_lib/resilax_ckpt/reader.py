@@ -53,9 +53,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from resilax_ckpt import chunk_writer, planning, staging
+from resilax_ckpt import checksums, chunk_writer, planning, staging
 from resilax_ckpt import tensorstore_io as tsio
-from resilax_ckpt.errors import CorruptCheckpointError, StorageError
+from resilax_ckpt.errors import CorruptCheckpointError, MissingChunkError, StorageError
 
 ALIGNMENT = 64
 """Bytes: XLA:CPU aliases a host buffer aligned to this instead of copying it."""
@@ -69,13 +69,14 @@ RUN_CHUNKS = 1024
 """...and of up to this many chunks (Linux's limit of iovecs per preadv)."""
 
 
-def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
-    """An uninitialized C-order array whose data starts at a multiple of ALIGNMENT bytes, and of
-    DIRECT_ALIGN when it has at least DIRECT_MIN_BYTES (so O_DIRECT can read into it), without
-    transparent huge pages (`_no_huge_pages`)."""
+def aligned_empty(shape: Sequence[int], dtype: Any, align: int | None = None) -> np.ndarray:
+    """An uninitialized C-order array whose data starts at a multiple of `align` bytes: by default
+    ALIGNMENT, and DIRECT_ALIGN when it has at least DIRECT_MIN_BYTES (so O_DIRECT can read into
+    it), without transparent huge pages (`_no_huge_pages`)."""
     dtype = np.dtype(dtype)
     nbytes = planning.box_size(tuple((0, int(d)) for d in shape)) * dtype.itemsize
-    align = DIRECT_ALIGN if nbytes >= DIRECT_MIN_BYTES else ALIGNMENT
+    if align is None:
+        align = DIRECT_ALIGN if nbytes >= DIRECT_MIN_BYTES else ALIGNMENT
     raw = np.empty(nbytes + align, np.uint8)
     offset = (-raw.ctypes.data) % align
     out = raw[offset:offset + nbytes]
@@ -269,6 +270,8 @@ class _FileChunkReader:
         self._pool = pool
         self._o_direct = o_direct
         """Read files of at least DIRECT_MIN_BYTES with O_DIRECT (cleared if the filesystem refuses)."""
+        self._indexes_checked: set[str] = set()
+        self._lock = threading.Lock()
 
     def location(self, index: int, task: _ChunkTask) -> tuple[str, int]:
         """The file holding the task's chunk and the chunk's offset in it."""
@@ -280,8 +283,9 @@ class _FileChunkReader:
         straight into page-aligned box buffers (up to RUN_BYTES and RUN_CHUNKS: `_read_run`),
         each other chunk alone."""
         files = self._files[index]
-        if not files.shard or files.chunk_bytes != files.stride:
+        if not files.shard or files.chunk_bytes % DIRECT_ALIGN:
             return [[task] for task in tasks]
+        most = RUN_CHUNKS // 2 if files.checksum else RUN_CHUNKS  # a checksum's block is an iovec too
         jobs: list[list[_ChunkTask]] = []
         run: list[_ChunkTask] = []
         end: tuple[str, int] | None = None
@@ -293,7 +297,7 @@ class _FileChunkReader:
                 jobs.append([task])
                 continue
             if run and (end != (path, offset) or (len(run) + 1) * files.stride > RUN_BYTES
-                        or len(run) == RUN_CHUNKS):
+                        or len(run) == most):
                 jobs.append(run)
                 run = []
             run.append(task)
@@ -308,10 +312,10 @@ class _FileChunkReader:
         if len(job) > 1:
             return 0
         leaf = job[0].read.leaf
-        itemsize = np.dtype(leaf.dtype).itemsize
-        if self._in_place_parts(job[0], tuple(leaf.chunks), itemsize) is not None:
+        files = chunk_writer.ArrayFiles.of(leaf)
+        if self._in_place_parts(job[0], tuple(leaf.chunks), files.itemsize, files.checksum) is not None:
             return 0
-        return planning.box_size(tuple((0, c) for c in leaf.chunks)) * itemsize
+        return files.chunk_bytes
 
     def run(self, index: int, job: list[_ChunkTask]) -> None:
         files = self._files[index]
@@ -322,9 +326,10 @@ class _FileChunkReader:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as e:
-            raise FileNotFoundError(f"chunk file {path} is missing") from e
+            raise MissingChunkError(f"chunk file {path} is missing") from e
         except OSError as e:
             raise StorageError(f"chunk file {path}: {e}") from e
+        dfd = -1
         try:
             size = os.fstat(fd).st_size
             expected = files.file_size()
@@ -333,23 +338,84 @@ class _FileChunkReader:
                 raise CorruptCheckpointError(
                     f"chunk file {path} has {size} bytes, expected {expected} ({what} of "
                     f"{leaf.dtype}): truncated or not written by resilax_ckpt")
+            dfd = self._open_direct(path, size)
+            if files.shard and files.checksum:
+                self._check_index(path, fd, dfd, files, files.locate(job[0].chunk)[0])
             if len(job) > 1:
-                self._read_run(path, fd, size, base, [task.read.buffers[task.region] for task in job])
+                self._read_whole_chunks(path, fd, dfd, base, files, [task.read.buffers[task.region] for task in job])
                 return
+            what = f"chunk file {path}" + (f", the chunk at byte {base}" if files.shard else "")
             task = job[0]
-            in_place = self._in_place_parts(task, chunks, itemsize)
+            in_place = self._in_place_parts(task, chunks, itemsize, files.checksum)
             if in_place is not None:
-                self._read_parts(path, fd, size, [(base + offset, buf) for offset, buf in in_place])
+                self._read_parts(path, fd, dfd, [(base + offset, buf) for offset, buf in in_place])
+                if files.checksum:
+                    in_order = [buf for _, buf in sorted(in_place, key=lambda part: part[0])]
+                    stored = self._read_small(path, fd, dfd, base + files.chunk_bytes, files.crc_bytes)
+                    checksums.verify(checksums.crc32c_of(in_order), stored, what)
                 return
             scratch = self._pool.take(files.chunk_bytes)
             try:
-                self._read_parts(path, fd, size, [(base, scratch)])
+                self._read_parts(path, fd, dfd, [(base, scratch)])
+                if files.checksum:
+                    stored = self._read_small(path, fd, dfd, base + files.chunk_bytes, files.crc_bytes)
+                    checksums.verify(checksums.crc32c(scratch), stored, what)
                 data = scratch.view(np.dtype(leaf.dtype)).reshape(chunks)
                 task.scatter(_view(data, tuple(slice(0, b - a) for a, b in task.region)))
             finally:
                 self._pool.give(scratch)
         finally:
             os.close(fd)
+            if dfd >= 0:
+                os.close(dfd)
+
+    def _read_whole_chunks(self, path: str, fd: int, dfd: int, base: int, files: chunk_writer.ArrayFiles,
+                           boxes: list[np.ndarray]) -> None:
+        """Fill `boxes` (page-aligned, page-multiple sizes) with the chunks that lie back to back in a
+        shard file from `base`: one run; with checksums, each chunk's checksum and padding up to the
+        next chunk (one block) is read into a block of its own and verified."""
+        if not files.checksum:
+            self._read_run(path, fd, dfd, base, boxes)
+            return
+        tails = aligned_empty((len(boxes), files.stride - files.chunk_bytes), np.uint8, DIRECT_ALIGN)
+        self._read_run(path, fd, dfd, base, [b for pair in zip(boxes, tails, strict=True) for b in pair])
+        for n, (box, tail) in enumerate(zip(boxes, tails, strict=True)):
+            checksums.verify(checksums.crc32c(box.reshape(-1).view(np.uint8)), tail[:files.crc_bytes],
+                             f"chunk file {path}, the chunk at byte {base + n * files.stride}")
+
+    def _check_index(self, path: str, fd: int, dfd: int, files: chunk_writer.ArrayFiles, key: Sequence[str]) -> None:
+        """Verify the shard index of the open shard file `path`, once per file: its crc32c, and that it
+        is the index of our layout (ArrayFiles), by which this reader finds the chunks without it."""
+        with self._lock:  # held while reading: each file's index is read once
+            if path in self._indexes_checked:
+                return
+            stored = self._read_small(path, fd, dfd, files.index_offset, files.index_bytes)
+            what = f"chunk file {path}, its shard index"
+            checksums.verify(checksums.crc32c(stored[:-files.crc_bytes]), stored[-files.crc_bytes:], what)
+            if stored.tobytes() != files.shard_index(key):
+                raise CorruptCheckpointError(f"{what}: not the index of a {list(files.shard)} shard of "
+                                             f"{list(files.chunks)} chunks as resilax_ckpt writes it")
+            self._indexes_checked.add(path)
+
+    def _read_small(self, path: str, fd: int, dfd: int, offset: int, nbytes: int) -> np.ndarray:
+        """`nbytes` bytes at `offset` (a checksum, a shard index): with O_DIRECT (`dfd` >= 0) as the
+        few whole blocks around them, so that they fill no page cache either; else buffered."""
+        out = np.empty(nbytes, np.uint8)
+        if dfd >= 0:
+            start = offset // DIRECT_ALIGN * DIRECT_ALIGN
+            block = aligned_empty((-(-(offset + nbytes - start) // DIRECT_ALIGN) * DIRECT_ALIGN,), np.uint8,
+                                  DIRECT_ALIGN)
+            try:
+                got = os.preadv(dfd, [block.data], start)
+            except OSError as e:  # e.g. a logical block larger than DIRECT_ALIGN
+                if e.errno != errno.EINVAL:
+                    raise
+                got = 0
+            if got >= offset + nbytes - start:
+                out[:] = block[offset - start:offset - start + nbytes]
+                return out
+        _pread_exact(fd, out, offset, path)
+        return out
 
     def _open_direct(self, path: str, size: int) -> int:
         """`path` opened with O_DIRECT when enabled and the file is large enough, else -1."""
@@ -362,58 +428,50 @@ class _FileChunkReader:
                 self._o_direct = False  # the filesystem refuses O_DIRECT
         return -1
 
-    def _read_run(self, path: str, fd: int, size: int, offset: int, buffers: list[np.ndarray]) -> None:
+    @staticmethod
+    def _read_run(path: str, fd: int, dfd: int, offset: int, buffers: list[np.ndarray]) -> None:
         """Fill `buffers` (page-aligned, page-multiple sizes) from consecutive bytes of the file at
-        `offset`: with O_DIRECT when enabled (through staging buffers: `_read_direct`), else one
+        `offset`: with O_DIRECT when `dfd` >= 0 (through staging buffers: `_read_direct`), else one
         preadv."""
-        dfd = self._open_direct(path, size)
         try:
-            try:
-                if dfd < 0:
-                    _preadv_exact(fd, buffers, offset, path)
-                else:
-                    _read_direct(dfd, buffers, offset, path)
-            except OSError as e:  # e.g. a logical block larger than DIRECT_ALIGN
-                if dfd < 0 or e.errno != errno.EINVAL:
-                    raise
+            if dfd < 0:
                 _preadv_exact(fd, buffers, offset, path)
-        finally:
-            if dfd >= 0:
-                os.close(dfd)
-
-    def _read_parts(self, path: str, fd: int, size: int, parts: list[tuple[int, np.ndarray]]) -> None:
-        """Fill each (file offset, buffer) part from the open file `fd` of `size` bytes: the
-        page-aligned middle of a part with O_DIRECT when enabled and the file is large enough, the
-        rest (and everything otherwise) with buffered reads."""
-        dfd = self._open_direct(path, size)
-        try:
-            for offset, view in parts:
-                buf = view.reshape(-1).view(np.uint8)
-                head = (-offset) % DIRECT_ALIGN
-                body = (buf.nbytes - head) // DIRECT_ALIGN * DIRECT_ALIGN if buf.nbytes > head else 0
-                if dfd < 0 or body == 0 or (buf.ctypes.data + head) % DIRECT_ALIGN:
-                    head, body = buf.nbytes, 0
-                if head:
-                    _pread_exact(fd, buf[:head], offset, path)
-                if body:
-                    try:
-                        _read_direct(dfd, [buf[head:head + body]], offset + head, path)
-                    except OSError as e:  # e.g. a logical block larger than DIRECT_ALIGN
-                        if e.errno != errno.EINVAL:
-                            raise
-                        _pread_exact(fd, buf[head:head + body], offset + head, path)
-                if head + body < buf.nbytes:
-                    _pread_exact(fd, buf[head + body:], offset + head + body, path)
-        finally:
-            if dfd >= 0:
-                os.close(dfd)
+            else:
+                _read_direct(dfd, buffers, offset, path)
+        except OSError as e:  # e.g. a logical block larger than DIRECT_ALIGN
+            if dfd < 0 or e.errno != errno.EINVAL:
+                raise
+            _preadv_exact(fd, buffers, offset, path)
 
     @staticmethod
-    def _in_place_parts(task: _ChunkTask, chunks: tuple[int, ...],
-                        itemsize: int) -> list[tuple[int, np.ndarray]] | None:
+    def _read_parts(path: str, fd: int, dfd: int, parts: list[tuple[int, np.ndarray]]) -> None:
+        """Fill each (file offset, buffer) part from the open file `fd`: the page-aligned middle of a
+        part with O_DIRECT when `dfd` >= 0, the rest (and everything otherwise) with buffered reads."""
+        for offset, view in parts:
+            buf = view.reshape(-1).view(np.uint8)
+            head = (-offset) % DIRECT_ALIGN
+            body = (buf.nbytes - head) // DIRECT_ALIGN * DIRECT_ALIGN if buf.nbytes > head else 0
+            if dfd < 0 or body == 0 or (buf.ctypes.data + head) % DIRECT_ALIGN:
+                head, body = buf.nbytes, 0
+            if head:
+                _pread_exact(fd, buf[:head], offset, path)
+            if body:
+                try:
+                    _read_direct(dfd, [buf[head:head + body]], offset + head, path)
+                except OSError as e:  # e.g. a logical block larger than DIRECT_ALIGN
+                    if e.errno != errno.EINVAL:
+                        raise
+                    _pread_exact(fd, buf[head:head + body], offset + head, path)
+            if head + body < buf.nbytes:
+                _pread_exact(fd, buf[head + body:], offset + head + body, path)
+
+    @staticmethod
+    def _in_place_parts(task: _ChunkTask, chunks: tuple[int, ...], itemsize: int,
+                        whole: bool = False) -> list[tuple[int, np.ndarray]] | None:
         """(offset in the chunk, destination byte view) per pair when every pair's part is
-        contiguous in the chunk and in its box buffer; None when the chunk must be sliced from a
-        scratch copy."""
+        contiguous in the chunk and in its box buffer (and with `whole`, as a checksum needs, when
+        the parts hold every byte of the chunk); None when the chunk must be read into a scratch
+        buffer and sliced from there."""
         parts = []
         origin = tuple(a for a, _ in task.region)
         for box, inter in task.pairs:
@@ -425,6 +483,8 @@ class _FileChunkReader:
                 return None
             start = tuple(a - o for (a, _), o in zip(inter, origin, strict=True))
             parts.append((_c_offset(start, chunks) * itemsize, dst.reshape(-1).view(np.uint8)))
+        if whole and sum(buf.nbytes for _, buf in parts) != planning.box_size(tuple((0, c) for c in chunks)) * itemsize:
+            return None
         return parts
 
 
@@ -475,10 +535,15 @@ def _preadv_exact(fd: int, views: list[np.ndarray], offset: int, path: str) -> N
 
 
 class _TensorstoreChunkReader:
-    """Fills boxes through tensorstore (gs://, or local when asked): each chunk read once."""
+    """Fills boxes through tensorstore (gs://, or local when asked): each chunk read once, its
+    checksum verified by tensorstore (the `crc32c` codec)."""
 
-    def __init__(self, stores: list[Any]) -> None:
+    def __init__(self, stores: list[Any], leaf_paths: list[str], files: list[chunk_writer.ArrayFiles],
+                 storage: Any) -> None:
         self._stores = stores
+        self._leaf_paths = leaf_paths
+        self._files = files
+        self._storage = storage
 
     @staticmethod
     def jobs(index: int, tasks: list[_ChunkTask]) -> list[list[_ChunkTask]]:
@@ -495,10 +560,15 @@ class _TensorstoreChunkReader:
         (task,) = job
         store = self._stores[index][planning.box_to_index(task.region)]
         target = task.single_box()
-        if target is not None:
-            ts.array(target).write(store).result()
-            return
-        task.scatter(store.read().result())
+        try:
+            if target is not None:
+                ts.array(target).write(store).result()
+                return
+            data = store.read().result()
+        except Exception as e:
+            key, _ = self._files[index].locate(task.chunk)
+            raise tsio.read_error(e, self._storage.join(self._leaf_paths[index], *key)) from e
+        task.scatter(data)
 
 
 def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: Any, max_inflight_bytes: int,
@@ -506,8 +576,9 @@ def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: An
     """Read, per leaf, the boxes this process's target shards need (each saved chunk once) and fill
     each `LeafRead.result`. `use_tensorstore` (default: unless the storage is local) picks the
     tensorstore reader over direct file reads. `direct_io`: O_DIRECT file reads where
-    `chunk_writer.use_direct_io` allows (module docstring). Errors are StorageError naming the leaf and chunk
-    (whose cause is a FileNotFoundError when a chunk file is missing)."""
+    `chunk_writer.use_direct_io` allows (module docstring). Errors name the leaf, the chunk and the file:
+    MissingChunkError (a chunk file is missing), ChecksumMismatchError (a crc32c does not match),
+    CorruptCheckpointError (a file is truncated or damaged), StorageError (reading failed)."""
     if use_tensorstore is None:
         use_tensorstore = not storage.is_local
     leaf_paths = [storage.join(step_path, r.item, r.leaf.dir) for r in reads]
@@ -518,9 +589,10 @@ def read_leaves(reads: list[LeafRead], step_path: str, storage: Any, context: An
     runner: _FileChunkReader | _TensorstoreChunkReader
     if use_tensorstore:
         specs = [tsio.build_array_spec(storage.kvstore_spec(path), r.leaf.shape, r.leaf.dtype, r.leaf.chunks,
-                                       r.leaf.shard)
+                                       r.leaf.shard, r.leaf.checksum)
                  for path, r in zip(leaf_paths, reads, strict=True)]
-        runner = _TensorstoreChunkReader(tsio.open_arrays(specs, context, create=False))
+        runner = _TensorstoreChunkReader(tsio.open_arrays(specs, context, create=False), leaf_paths,
+                                         [chunk_writer.ArrayFiles.of(r.leaf) for r in reads], storage)
     else:
         runner = _FileChunkReader(leaf_paths, [chunk_writer.ArrayFiles.of(r.leaf) for r in reads], scratch,
                                   chunk_writer.use_direct_io(step_path, direct_io))

@@ -6,6 +6,9 @@ memory of in-flight I/O stays below `ManagerOptions.max_inflight_bytes`. Arrays 
 `assume_metadata` (no metadata I/O per leaf): the shape, dtype and chunks come from our own
 `_METADATA.json`; the primary writes each array's `zarr.json` so the data stays readable by any zarr3
 reader. Reads refuse missing chunks (`fill_missing_data_reads: false`) instead of returning zeros.
+A checksummed array has zarr3's `crc32c` codec (checksums.py): tensorstore writes the crc32c after
+every chunk and shard index and verifies it on every read; `read_error` turns tensorstore's errors
+about the data (missing, digest mismatch, truncated) into the typed errors naming the file.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from resilax_ckpt.errors import CorruptCheckpointError, StorageError
+from resilax_ckpt import checksums
+from resilax_ckpt.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    MissingChunkError,
+    ResilaxCkptError,
+    StorageError,
+)
 
 
 def build_context(io_concurrency: int, fsync: bool, gcs_retries: int | None = None) -> ts.Context:
@@ -49,15 +59,16 @@ def dtype_name(dtype: Any) -> str:
 
 
 def build_array_spec(kvstore: dict[str, Any], shape: Sequence[int], dtype: str,
-                     chunks: Sequence[int], shard: Sequence[int] = ()) -> dict[str, Any]:
+                     chunks: Sequence[int], shard: Sequence[int] = (), checksum: str = "") -> dict[str, Any]:
     """The zarr3 spec of a leaf's array; with `shard`, an array of shards of that shape holding
-    `chunks`-shaped chunks (chunk_writer.ArrayFiles)."""
-    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    `chunks`-shaped chunks (chunk_writer.ArrayFiles); `checksum` ("crc32c" or "") as the leaf's."""
+    crc: list[dict[str, Any]] = [{"name": checksums.CRC32C}] if checksum == checksums.CRC32C else []
+    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}, *crc]
     grid = list(chunks)
     if shard:
         codecs = [{"name": "sharding_indexed", "configuration": {
             "chunk_shape": list(chunks), "codecs": codecs, "index_location": "end",
-            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]}}]
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, *crc]}}]
         grid = list(shard)
     return {
         "driver": "zarr3",
@@ -99,9 +110,9 @@ class InflightLimiter:
         self._inflight -= nbytes
         try:
             result = future.result()
-        except CorruptCheckpointError as e:  # the step's data is bad, not the storage: keep the kind
+        except ResilaxCkptError as e:  # e.g. the step's data is bad, not the storage: keep the kind
             self.cancel()
-            raise CorruptCheckpointError(f"{what}: {e}") from e
+            raise type(e)(f"{what}: {e}") from e
         except Exception as e:
             self.cancel()
             raise StorageError(f"{what}: {short_error(e)}") from e
@@ -117,6 +128,22 @@ class InflightLimiter:
             entry[0].cancel()
         self._pending.clear()
         self._inflight = 0
+
+
+def read_error(error: Exception, file: str) -> Exception:
+    """The error to raise for tensorstore's `error` reading a chunk of the file `file`: a missing
+    chunk (NOT_FOUND) is a MissingChunkError, a digest mismatch a ChecksumMismatchError, other bad
+    data (DATA_LOSS; FAILED_PRECONDITION while decoding, e.g. a truncated chunk) a
+    CorruptCheckpointError, each naming the file; anything else (a transient storage error) a
+    StorageError."""
+    message = short_error(error)
+    if message.startswith("NOT_FOUND"):
+        return MissingChunkError(f"chunk file {file} is missing ({message})")
+    if "Digest mismatch" in message:
+        return ChecksumMismatchError(f"chunk file {file}: crc32c mismatch ({message})")
+    if message.startswith("DATA_LOSS") or (message.startswith("FAILED_PRECONDITION") and "Error reading" in message):
+        return CorruptCheckpointError(f"chunk file {file} is damaged or truncated ({message})")
+    return StorageError(f"chunk file {file}: {message}")
 
 
 def open_arrays(specs: Sequence[dict[str, Any]], context: ts.Context, create: bool) -> list[ts.TensorStore]:
@@ -141,7 +168,7 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
     once all are durable. `on_progress(i)` is called before the i-th write (test hook)."""
     specs = [
         build_array_spec(storage.kvstore_spec(storage.join(step_path, item, leaf.dir)), leaf.shape,
-                         leaf.dtype, leaf.chunks, leaf.shard)
+                         leaf.dtype, leaf.chunks, leaf.shard, leaf.checksum)
         for item, leaf in plan.arrays
     ]
     needed = sorted({w.array_index for w in plan.writes})

@@ -133,18 +133,22 @@ def test_metadata_round_trip_and_version_check():
     leaf = LeafMetadata(keystr="['w']", path=[["d", "w"]], kind="array", dir="w", shape=(8, 4),
                         dtype="bfloat16", chunks=(4, 2))
     sharded = LeafMetadata(keystr="['v']", path=[["d", "v"]], kind="array", dir="v", shape=(8, 4),
-                           dtype="float32", chunks=(2, 2), shard=(4, 4))
+                           dtype="float32", chunks=(2, 2), shard=(4, 4), checksum="crc32c")
     scalar = LeafMetadata(keystr="['s']", path=[["d", "s"]], kind="scalar", value=3, pytype="int")
     meta = StepMetadata(step=5, generation=2, process_count=2,
                         items={"params": ItemMetadata("pytree", (leaf, sharded, scalar)),
                                "meta": ItemMetadata("json")})
     assert StepMetadata.from_bytes(meta.to_bytes(), "x") == meta
-    # Version 1 (no shards) is still read.
-    v1 = StepMetadata(step=5, generation=2, process_count=2, items={"params": ItemMetadata("pytree", (leaf,))})
-    assert StepMetadata.from_bytes(v1.to_bytes().replace(b'"version": 2', b'"version": 1'), "x") == v1
-    bad = meta.to_bytes().replace(b'"version": 2', b'"version": 99')
-    with pytest.raises(MetadataError, match="format version 99 is not supported; this library reads versions 1, 2"):
+    # Versions 1 (no shards) and 2 (no checksums) are still read.
+    old = StepMetadata(step=5, generation=2, process_count=2, items={"params": ItemMetadata("pytree", (leaf,))})
+    for version in (b"1", b"2"):
+        assert StepMetadata.from_bytes(old.to_bytes().replace(b'"version": 3', b'"version": ' + version), "x") == old
+    bad = meta.to_bytes().replace(b'"version": 3', b'"version": 99')
+    with pytest.raises(MetadataError, match="format version 99 is not supported; this library reads versions 1, 2, 3"):
         StepMetadata.from_bytes(bad, "x")
+    unknown = meta.to_bytes().replace(b'"checksum": "crc32c"', b'"checksum": "md5"')
+    with pytest.raises(MetadataError, match="unknown checksum 'md5'"):
+        StepMetadata.from_bytes(unknown, "x")
     with pytest.raises(MetadataError, match="not valid JSON"):
         StepMetadata.from_bytes(b"{", "x")
 

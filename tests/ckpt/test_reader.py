@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from resilax_ckpt import chunk_writer, reader, staging
 from resilax_ckpt import tensorstore_io as tsio
-from resilax_ckpt.errors import CorruptCheckpointError, IncompleteStepError, StorageError
+from resilax_ckpt.errors import CorruptCheckpointError, IncompleteStepError
 from resilax_ckpt.manager import read_metadata
 from resilax_ckpt.storage import LocalStorage
 
@@ -257,14 +257,17 @@ def test_missing_chunk_file_is_an_error_naming_it(copy_of):
     os.remove(path)
     m = mesh((4, 2))
     target = {"params": {"f32": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(m, P("a", "b")))}}
-    with rc.CheckpointManager(root) as mgr, pytest.raises(IncompleteStepError) as err:
+    with rc.CheckpointManager(root) as mgr, pytest.raises(rc.MissingChunkError) as err:
         mgr.restore(STEP, target=target, items=["params"])
     assert path in str(err.value) and "missing" in str(err.value)
-    # Resharded (the chunk is sliced into several boxes) and without a target: the same error.
-    with pytest.raises(StorageError, match=path):
+    assert isinstance(err.value, IncompleteStepError)
+    # Resharded (the chunk is sliced into several boxes), without a target, through tensorstore: the same.
+    with pytest.raises(rc.MissingChunkError, match=path):
         read_with(root, {"f32": NamedSharding(mesh((2, 4)), P("b", "a"))}, use_tensorstore=False)
-    with pytest.raises(StorageError, match=path):
+    with pytest.raises(rc.MissingChunkError, match=path):
         read_with(root, {"f32": None}, use_tensorstore=False)
+    with pytest.raises(rc.MissingChunkError, match=path):
+        read_with(root, {"f32": None}, use_tensorstore=True)
 
 
 @pytest.mark.parametrize("how", ["truncated", "empty", "too long"])
@@ -344,22 +347,28 @@ def test_shard_files_are_read_in_runs_of_whole_chunks_one_request_each(tmp_path,
         mgr.wait()
     leaf = leaf_meta(str(tmp_path), "w")
     assert leaf.shard == (256, 512) and leaf.chunks == (64, 256)
+    stride = chunk_writer.ArrayFiles.of(leaf).stride  # a chunk, its checksum, padding to the next block
+    assert stride == (64 << 10) + 4096
     calls = []
     real_preadv = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: calls.append(sum(len(b) for b in bufs) >> 16)
-                        or real_preadv(fd, bufs, offset))  # in chunks of 64 KiB
-    for run_bytes, run_chunks, runs in ((reader.RUN_BYTES, reader.RUN_CHUNKS, [8]), (3 << 16, 1024, [2, 3, 3]),
-                                        (reader.RUN_BYTES, 5, [3, 5])):
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: calls.append(sum(len(b) for b in bufs))
+                        or real_preadv(fd, bufs, offset))
+    small = 16 << 10  # a checksum or a shard index, read apart (as a block with O_DIRECT)
+    # (RUN_CHUNKS counts iovecs: with checksums a chunk takes two, its data and its checksum's block)
+    for run_bytes, run_chunks, runs in ((reader.RUN_BYTES, reader.RUN_CHUNKS, [8]), (3 * stride, 1024, [2, 3, 3]),
+                                        (reader.RUN_BYTES, 10, [3, 5])):
         monkeypatch.setattr(reader, "RUN_BYTES", run_bytes)
         monkeypatch.setattr(reader, "RUN_CHUNKS", run_chunks)
         calls.clear()
         got = read_with(str(tmp_path), {"w": NamedSharding(m, P("a", "b"))}, use_tensorstore=False)["w"]
         assert_bit_identical(got, value)
-        assert sorted(calls) == sorted(runs)  # in any order: 4 reader threads
+        assert sorted(c // stride for c in calls if c > small) == sorted(runs)  # in any order: 4 reader threads
+        assert len([c for c in calls if c <= small]) == 1  # the shard index, checked once
     calls.clear()
     got = read_with(str(tmp_path), {"w": NamedSharding(mesh((8, 1)), P("a", None))}, use_tensorstore=False)["w"]
     assert_bit_identical(got, value)
-    assert calls == [1] * 8
+    assert [c >> 16 for c in calls if c > small] == [1] * 8  # each chunk alone (64 KiB)...
+    assert len([c for c in calls if c <= small]) == 8 + 1  # ...then its checksum; and the index once
 
 
 @pytest.mark.parametrize("huge_pages", [True, False], ids=["staged", "straight"])

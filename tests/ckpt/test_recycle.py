@@ -140,7 +140,9 @@ def test_saved_chunk_files_read_back_by_tensorstore_without_assumed_metadata_and
             # Every chunk is stored (also the all-zero ones): a file of exactly the chunk's bytes, or
             # one shard file per process (here one) holding them all and the shard index.
             files = chunk_writer.ArrayFiles(tuple(leaf["shape"]), np.dtype(tree[key].dtype).itemsize,
-                                            tuple(leaf["chunks"]), tuple(leaf.get("shard", ())))
+                                            tuple(leaf["chunks"]), tuple(leaf.get("shard", ())),
+                                            leaf["checksum"] == "crc32c")
+            assert files.checksum, key
             sharded = key in ("w", "h", "i", "mask", "zeros", "big")  # several chunks
             assert bool(files.shard) is (shard_files and sharded), key
             assert files_of(path) == {"zarr.json"} | {"/".join(k) for k in files.file_keys()}, key
