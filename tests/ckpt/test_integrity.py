@@ -324,3 +324,114 @@ def test_the_example_pattern_falls_back_too(tmp_path: Path, devices) -> None:
         out = mgr.restore(step, target=None)
         assert out["meta"] == {"step": 2}  # the loop starts from the state's own step
         assert mgr.restore_report is not None and [s["step"] for s in mgr.restore_report["skipped"]] == [3]
+
+
+# ---------------------------------------------------------------- checksums
+
+
+def _state_with_big(step: int) -> dict:
+    """`_state` plus `big`: 64 KiB chunks, read with O_DIRECT in runs of whole chunks from shard files."""
+    big = np.arange(256 * 512, dtype=np.float32).reshape(256, 512) * 0.5 + step
+    return {**_state(step), "big": {"b": jax.device_put(big, NamedSharding(_mesh(), P("a", "b")))}}
+
+
+def _chunk_files(root: str, step: int, item: str) -> list[str]:
+    """The chunk (or shard) files of `item`'s first leaf in the committed step (its attempt on gs://)."""
+    storage = open_storage(root)
+    data = commit.step_data_path(storage, root, step)
+    leaf = storage.join(data, item, storage.list_dir(storage.join(data, item))[0])
+    found, todo = [], [storage.join(leaf, "c")]
+    while todo:
+        folder = todo.pop()
+        for name in storage.list_dir(folder):
+            path = storage.join(folder, name)
+            (todo if not storage.exists(path) or not _is_file(storage, path) else found).append(path)
+    return sorted(found)
+
+
+def _is_file(storage, path: str) -> bool:
+    try:
+        storage.read_bytes(path)
+    except (IsADirectoryError, FileNotFoundError):
+        return False
+    return True
+
+
+def _damage(root: str, path: str, how: str) -> None:
+    storage = open_storage(root)
+    data = storage.read_bytes(path)
+    if how == "flipped":  # one bit of the first chunk's data
+        storage.write_bytes(path, data[:10] + bytes([data[10] ^ 0x01]) + data[11:])
+    elif how == "index":  # one bit of the shard index (local shard files)
+        storage.write_bytes(path, data[:-7] + bytes([data[-7] ^ 0x10]) + data[-6:])
+    elif how == "truncated":
+        storage.write_bytes(path, data[:-4])
+    else:
+        storage.delete_tree(path)
+
+
+_DAMAGE_ERRORS = {"flipped": (rc.ChecksumMismatchError, "crc32c mismatch"),
+                  "index": (rc.ChecksumMismatchError, "shard index: crc32c mismatch"),
+                  "truncated": (rc.CorruptCheckpointError, ""), "deleted": (rc.MissingChunkError, "is missing")}
+
+
+@pytest.mark.parametrize(("where", "item", "damage"), [
+    *[("local", item, damage) for item in ("params", "big") for damage in _DAMAGE_ERRORS],
+    *[pytest.param("gcs", "params", damage, marks=pytest.mark.gcs) for damage in ("flipped", "truncated", "deleted")],
+])
+def test_a_damaged_chunk_is_a_typed_error_naming_the_file_and_restore_falls_back(
+        where: str, item: str, damage: str, tmp_path: Path, request, devices) -> None:
+    root = str(tmp_path / "run") if where == "local" else request.getfixturevalue("gcs_root")
+    with rc.CheckpointManager(root, rc.ManagerOptions(async_save=False)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state_with_big(step))
+    meta = json.loads(open_storage(root).read_bytes(
+        f"{commit.step_data_path(open_storage(root), root, 3)}/{layout.METADATA_FILE}"))
+    assert all(leaf.get("checksum") == "crc32c" for it in ("params", "big")
+               for leaf in meta["items"][it]["leaves"])
+    victim = _chunk_files(root, 3, item)[0]
+    _damage(root, victim, damage)
+    error, words = _DAMAGE_ERRORS[damage]
+    with rc.CheckpointManager(root, rc.ManagerOptions(async_save=False)) as mgr:
+        with pytest.raises(error) as caught:  # asked for by number: the typed error, naming the file
+            mgr.restore(3)
+        assert victim in str(caught.value) and words in str(caught.value), caught.value
+        assert "step 3" in str(caught.value)
+        out = mgr.restore()  # the newest step: falls back to step 2
+        assert out["meta"] == {"step": 2}
+        want = _state_with_big(2)
+        for it, key in (("params", "w"), ("big", "b")):
+            np.testing.assert_array_equal(np.asarray(out[it][key]), np.asarray(want[it][key]))
+        report = mgr.restore_report
+        assert report is not None and report["step"] == 2 and [s["step"] for s in report["skipped"]] == [3]
+        reason = report["skipped"][0]["reason"]
+        assert victim in reason and error.__name__ in reason, reason
+        assert mgr.steps() == [1, 2]
+
+
+def test_checkpoints_without_checksums_still_restore(tmp_path: Path, devices, monkeypatch) -> None:
+    """A step saved before checksums (format version 2: no `checksum`, no crc32c codec) restores, on
+    our reader and through tensorstore; the switch that saves without them is for benchmarks only."""
+    from resilax_ckpt import checksums, reader
+    from resilax_ckpt.manager import read_metadata
+
+    root = tmp_path / "run"
+    monkeypatch.setenv(checksums.ENV, "none")
+    with rc.CheckpointManager(str(root), rc.ManagerOptions(async_save=False)) as mgr:
+        mgr.save(1, _state_with_big(1))
+    monkeypatch.delenv(checksums.ENV)
+    meta_path = root / "1" / layout.METADATA_FILE
+    meta = json.loads(meta_path.read_text())
+    assert not any("checksum" in leaf for leaf in meta["items"]["params"]["leaves"])
+    assert "crc32c" not in (root / "1" / "params" / "w" / "zarr.json").read_text()
+    meta_path.write_text(meta_path.read_text().replace('"version": 3', '"version": 2'))
+    want = _state_with_big(1)
+    with rc.CheckpointManager(str(root), rc.ManagerOptions(async_save=False)) as mgr:
+        out = mgr.restore()
+        np.testing.assert_array_equal(np.asarray(out["big"]["b"]), np.asarray(want["big"]["b"]))
+        mgr.save(2, want)  # new saves carry checksums again
+    assert '"checksum": "crc32c"' in (root / "2" / layout.METADATA_FILE).read_text()
+    leaf = read_metadata(open_storage(str(root)), str(root / "1")).items["big"].leaves[0]
+    read = reader.LeafRead("big", leaf, np.dtype("float32"), None)
+    reader.read_leaves([read], str(root / "1"), open_storage(str(root)), None, 1 << 30, use_tensorstore=True)
+    np.testing.assert_array_equal(read.result, np.asarray(want["big"]["b"]))
