@@ -2,7 +2,8 @@
 
 Each array is a zarr3 array with chunks = the shard grid, the `bytes` codec (little-endian) and no
 compression, so a chunk file IS the chunk's C-order little-endian bytes (an edge chunk is padded to
-the full chunk shape with the fill value 0, as zarr requires). Chunk keys use the zarr3 default
+the full chunk shape with the fill value 0, as zarr requires), followed by their crc32c (zarr3's
+`crc32c` codec, checksums.py; computed on the staging buffer of a direct write). Chunk keys use the zarr3 default
 encoding: `c/<i>/<j>...`, and `c` itself for a 0-d array. With shard files (`ArrayFiles`, zarr3's
 `sharding_indexed` codec) each process's chunks of an array are ranges of one file instead.
 

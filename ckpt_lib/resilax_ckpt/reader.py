@@ -35,7 +35,10 @@ host had taken back, and the page cache doubled that. Box buffers take no transp
 The reads run on a thread pool of `io_concurrency` threads. A read straight into box buffers is
 queued at once (its memory is the restored state's own); a read that needs memory of its own (a
 scratch buffer, or tensorstore's buffers) counts against the in-flight byte limit. A missing chunk
-file is an error naming it (never zeros), as is a file of the wrong size.
+file is an error naming it (never zeros), as is a file of the wrong size. Every chunk of a checksummed
+array (checksums.py) is verified: its crc32c is computed on the bytes where they landed (box or
+scratch buffer; a chunk a box needs only part of is read whole into a scratch buffer for that) and
+compared with the one stored behind it; each shard file's index is verified once.
 Once a leaf's reads are done it is cast (once) if the target asks for another dtype and becomes a
 jax.Array with one batched `device_put` and `make_array_from_single_device_arrays`.
 """
