@@ -44,7 +44,13 @@ from resilax_ckpt.errors import (
 from resilax_ckpt.metadata import StepMetadata
 from resilax_ckpt.multihost import Coordinator, current_coordinator
 from resilax_ckpt.options import ManagerOptions
-from resilax_ckpt.requests import RequestWatcher, SaveRequest, write_restore_report
+from resilax_ckpt.requests import (
+    RequestWatcher,
+    SaveRequest,
+    clear_stop_record,
+    write_restore_report,
+    write_stop_record,
+)
 from resilax_ckpt.storage import Storage, open_storage
 from resilax_ckpt.trainer_metrics import TrainerMetrics
 
@@ -124,6 +130,7 @@ class CheckpointManager:
         self._trainer = TrainerMetrics(self._options.control_dir)
         if self._watcher is not None:
             self._watcher.hold_trainer_lock()
+            clear_stop_record(self._options.control_dir or "")
         self._persistent_root = persistent_directory.rstrip("/") if persistent_directory else None
         self._persistent: Storage | None = (
             open_storage(self._persistent_root, fsync=self._options.fsync)
@@ -303,7 +310,7 @@ class CheckpointManager:
         if stop or not self._options.async_save:
             self.wait()
             if stop:
-                self._should_stop = True
+                self._stop_after(step)
         self._trainer.saved(time.perf_counter() - started)
         return True
 
@@ -372,9 +379,15 @@ class CheckpointManager:
             self._answer_with_last_save()
             if stop:
                 self.wait()
-                self._should_stop = True
+                self._stop_after(self._last_saved_step)
             return False
         return force or step_due or time_due or requested or stop
+
+    def _stop_after(self, step: int | None) -> None:
+        """The final save of `step` committed: tell the loop to stop, and the sidecar which step."""
+        self._should_stop = True
+        if self._options.control_dir and step is not None:
+            write_stop_record(self._options.control_dir, step, self._sigterm.is_set())
 
     def _poll_local_requests(self) -> bool:
         if self._watcher is not None:
@@ -386,17 +399,10 @@ class CheckpointManager:
 
     def _agree(self, step: int, local_request: bool, time_due: bool) -> tuple[bool, bool, bool]:
         """Several processes: every `request_check_every_steps` steps, exchange flags through the
-        coordination service (set, barrier, list). SIGTERM goes through JAX's preemption sync point,
-        which agrees on its own."""
-        preempted = False
-        if self._options.handle_sigterm and not self._local_tier:
-            from jax.experimental import multihost_utils
-
-            try:
-                preempted = bool(multihost_utils.reached_preemption_sync_point(step))
-            except RuntimeError:  # jax_enable_preemption_service is off: SIGTERM is not watched
-                preempted = False
-        if step % self._options.request_check_every_steps != 0 and not preempted:
+        coordination service (set, barrier, list). A SIGTERM is one more local stop request
+        (`_poll_local_requests`), so it is agreed here like the sidecar's: every process saves the
+        same step and stops, whichever process got the signal."""
+        if step % self._options.request_check_every_steps != 0:
             return False, False, False
         self._poll_count += 1
         prefix = f"{self._key}/poll{self._poll_count}/"
@@ -409,7 +415,7 @@ class CheckpointManager:
         if self._coord.process_index == 0 and self._poll_count > 1:
             self._coord.delete(f"{self._key}/poll{self._poll_count - 1}/")
         requested = any(f["request"] for f in seen)
-        stop = any(f["stop"] for f in seen) or preempted
+        stop = any(f["stop"] for f in seen)
         return requested, stop, any(f["time"] for f in seen)
 
     def _answer_with_last_save(self) -> None:
@@ -810,10 +816,17 @@ class CheckpointManager:
             raise ResilaxCkptError(f"{self._root}: the CheckpointManager is closed")
 
     def _install_sigterm(self) -> None:
-        if (not self._options.handle_sigterm or self._coord.process_count > 1
-                or threading.current_thread() is not threading.main_thread()):
+        """SIGTERM becomes a stop request (`options.handle_sigterm`), in every mode: one process or
+        several, with or without a local tier. The handler only sets a flag; the next `save()` turns it
+        into a save request with stop, which the processes agree on like any other (`_agree`). It
+        replaces the handler installed before (with several processes, JAX's preemption notifier, so
+        `multihost_utils.reached_preemption_sync_point` no longer fires). Needs the main thread
+        (Python delivers signals there); a manager built on another thread installs none."""
+        if not self._options.handle_sigterm or threading.current_thread() is not threading.main_thread():
             return
-        self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+        previous = signal.getsignal(signal.SIGTERM)
+        # None: a handler not installed from Python (JAX's); on close the default action comes back.
+        self._previous_sigterm = previous if previous is not None else signal.SIG_DFL
 
         def on_sigterm(signum: int, frame: Any) -> None:
             self._sigterm.set()

@@ -48,8 +48,10 @@ class ManagerOptions:
     """Folder of save requests and results shared with the sidecar (RESILAX_CONTROL_DIR)."""
 
     handle_sigterm: bool = True
-    """Treat SIGTERM as a save request with stop (single process: a Python handler; several
-    processes: JAX's preemption sync point)."""
+    """Treat SIGTERM as a save request with stop, in every mode (one process or several, with or
+    without a local tier): a Python handler sets a flag, the processes agree at the next request
+    check on one step, save it, and `should_stop` turns True once it is committed. The handler
+    replaces any earlier one (with several processes, JAX's preemption notifier)."""
 
     request_check_every_steps: int = 1
     """With several processes, agree on pending save requests every this many steps (a barrier on

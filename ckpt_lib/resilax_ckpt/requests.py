@@ -5,6 +5,11 @@ The sidecar or operator drops `$RESILAX_CONTROL_DIR/requests/<id>.json` =
 (or failed) the manager writes `$RESILAX_CONTROL_DIR/results/<id>.json` =
 `{"id", "step", "committed", "error"}` and removes the request file.
 
+When the trainer stops after a final save (a request with stop, or SIGTERM, which no request file
+announces) the manager writes `$RESILAX_CONTROL_DIR/stopped.json` = `{"step": N, "sigterm": bool}` once
+step N is committed, so the sidecar, whose own request then finds no trainer to answer it, knows which
+local step is the final one and persists it even where `persistEverySteps` would keep it local.
+
 After a restore of the newest step the manager also writes `$RESILAX_CONTROL_DIR/restore.json` =
 `{"step": N, "skipped": [{"step": M, "reason": "..."}]}`: the step restored (None: none could be) and
 the newer committed steps it had to skip because they could not be read (marked bad). The sidecar
@@ -25,6 +30,7 @@ log = logging.getLogger(__name__)
 REQUESTS_DIR = "requests"
 RESULTS_DIR = "results"
 RESTORE_REPORT = "restore.json"
+STOP_RECORD = "stopped.json"
 TRAINER_LOCK = "trainer.lock"
 """A live trainer holds a shared `flock` on this file; the kernel drops it when the process dies, so
 the sidecar can tell a trainer that will still answer a request from one that is gone."""
@@ -48,6 +54,34 @@ def read_restore_report(control_dir: str) -> dict[str, object] | None:
     except (FileNotFoundError, ValueError):
         return None
     return raw if isinstance(raw, dict) else None
+
+
+def write_stop_record(control_dir: str, step: int, sigterm: bool) -> None:
+    """Record the committed final save the trainer stops after (temporary name, rename).
+    Called on: each process (its own control folder)."""
+    os.makedirs(control_dir, exist_ok=True)
+    path = os.path.join(control_dir, STOP_RECORD)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"step": step, "sigterm": sigterm}, f)
+    os.replace(tmp, path)
+
+
+def read_stop_record(control_dir: str) -> int | None:
+    """The step of the trainer's committed final save, or None (it has not stopped after one)."""
+    try:
+        with open(os.path.join(control_dir, STOP_RECORD)) as f:
+            raw = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+    step = raw.get("step") if isinstance(raw, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def clear_stop_record(control_dir: str) -> None:
+    """Forget an earlier trainer's record (a new trainer starts). Called on: each process."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(control_dir, STOP_RECORD))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,11 @@ Faults are taken at run time through a small HTTP API on 127.0.0.1 (its port is 
 - `POST /nodes/<name>/preempt` `{"delay_seconds": 30, "sigterm": false}`: the GKE preemption notice
   (taint `cloud.google.com/impending-node-termination`, label `cloud.google.com/scheduled-maintenance-time`),
   then a kill after the delay;
+- `POST /nodes/<name>/shutdown` `{"grace_seconds": 30, "critical_grace_seconds": 15}`: graceful node shutdown
+  as the kubelet's shutdown manager does it (a spot VM's preemption, with GKE's 30/15 s): the node turns
+  NotReady ("node is shutting down") with a `NodeShutdown` event; its pods are terminated within
+  `grace - critical` (system-critical pods within `critical`), end Failed with reason `Terminated` and a
+  `DisruptionTarget` condition, and are not deleted; then the node powers off (as `kill`);
 - `POST /nodes/<name>/restore`: the node is back (Lease, Ready status, notice removed, pods resynced);
 - `POST /nodes` `{"nodes": [NodeSpec JSON, ...]}`: register more nodes; `POST /nodes/<name>/remove`: delete one.
 - `GET /nodes`, `GET /pods`, `GET /healthz`.
@@ -41,7 +46,16 @@ from .errors import KubeAPIError
 from .kubeapi import KubeClient
 from .kubeletapi import KubeletAPI
 from .pki import CertificateAuthority
-from .pods import NodeState, PodWorker, map_host_path, memory_root, node_roots, now_rfc3339
+from .pods import (
+    NODE_SHUTDOWN_REJECTED_MESSAGE,
+    NODE_SHUTDOWN_REJECTED_REASON,
+    NodeState,
+    PodWorker,
+    map_host_path,
+    memory_root,
+    node_roots,
+    now_rfc3339,
+)
 from .profiles import NodeSpec
 
 log = logging.getLogger(__name__)
@@ -49,6 +63,9 @@ log = logging.getLogger(__name__)
 IMPENDING_TERMINATION_TAINT = "cloud.google.com/impending-node-termination"
 MAINTENANCE_TIME_LABEL = "cloud.google.com/scheduled-maintenance-time"
 LEASE_NAMESPACE = "kube-node-lease"
+#: Pods at or above this priority are system-critical for graceful node shutdown (system-node-critical
+#: and system-cluster-critical; the kubelet's `shutdownGracePeriodCriticalPods` applies to them).
+CRITICAL_PRIORITY = 2_000_000_000
 REMOVED = "Removed"
 REGISTERING = "Registering"
 
@@ -65,6 +82,8 @@ class AgentNode:
     ready_since: str = ""
     kill_timer: threading.Timer | None = None
     uid: str = ""
+    shutdown_token: int = 0
+    """Bumped by each shutdown and restore: a shutdown thread whose token is stale stops."""
 
     @property
     def name(self) -> str:
@@ -216,6 +235,7 @@ class NodeAgent:
         self.renew_lease(node)
 
     def post_node_status(self, node: AgentNode) -> None:
+        """The node's status; Ready, or NotReady with the kubelet's message during a graceful shutdown."""
         now = now_rfc3339()
         since = node.ready_since or now
 
@@ -229,6 +249,8 @@ class NodeAgent:
                 condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
                 condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
                 condition("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+                condition("Ready", "False", "KubeletNotReady", "node is shutting down")
+                if node.state == NodeState.SHUTTING_DOWN else
                 condition("Ready", "True", "KubeletReady", "resilax local node agent is posting ready status"),
             ],
             "addresses": [{"type": "InternalIP", "address": node.ip}, {"type": "Hostname", "address": node.name}],
@@ -264,7 +286,8 @@ class NodeAgent:
         interval = self.lease_renew_seconds if run_pods else max(self.lease_renew_seconds, 5.0)
         while not self.stopping.wait(interval):
             with self.lock:
-                ready = [n for n in self.nodes.values() if n.state == NodeState.READY and n.spec.run_pods == run_pods]
+                ready = [n for n in self.nodes.values() if n.state in (NodeState.READY, NodeState.SHUTTING_DOWN)
+                         and n.spec.run_pods == run_pods]
             if run_pods:
                 for node in ready:
                     self._renew_if_ready(node)
@@ -275,7 +298,7 @@ class NodeAgent:
         if self.stopping.is_set():
             return
         try:
-            if self.node_state(node.name) == NodeState.READY:
+            if self.node_state(node.name) in (NodeState.READY, NodeState.SHUTTING_DOWN):
                 self.renew_lease(node)
         except Exception as e:
             log.warning("lease of %s: %s", node.name, e)
@@ -396,12 +419,83 @@ class NodeAgent:
         log.warning("node %s: preemption notice, killed in %.0f s", name, delay_seconds)
         return {"node": name, "state": node.state, "scheduled_maintenance_time": when}
 
+    def shutdown_node(self, name: str, grace_seconds: float = 30.0, critical_grace_seconds: float = 15.0
+                      ) -> dict[str, Any]:
+        """Graceful node shutdown, as the kubelet's shutdown manager (GracefulNodeShutdown) runs it
+        when the machine is told to power off (a spot VM's preemption: GKE gives 30 s, 15 of them to
+        system-critical pods): no taint or label warns anyone first. The node turns NotReady at once
+        and gets a `NodeShutdown` event; the pods that are still running are terminated (SIGTERM, then
+        SIGKILL after min(their own grace, `grace - critical`); system-critical pods after the others,
+        within `critical`), end Failed with reason `Terminated` and a `DisruptionTarget` condition and
+        stay; then the node powers off (`kill_node`). Returns at once; the shutdown runs behind."""
+        node = self._node(name)
+        if not 0 <= critical_grace_seconds <= grace_seconds:
+            raise ValueError(f"critical_grace_seconds {critical_grace_seconds} must be between 0 and "
+                             f"grace_seconds {grace_seconds}")
+        with self.lock:
+            if node.state != NodeState.READY:
+                raise ValueError(f"node {name} is {node.state}: only a Ready node can shut down")
+            node.state = NodeState.SHUTTING_DOWN
+            node.ready_since = now_rfc3339()
+            node.shutdown_token += 1
+            token = node.shutdown_token
+        self._emit_node_event(node, "NodeShutdown", "Shutdown manager detected shutdown event")
+        self.post_node_status(node)
+        active = [w for w in self._workers_on(name) if w.terminal is None and not w.finished]
+        critical = [w for w in active if int(w.pod["spec"].get("priority") or 0) >= CRITICAL_PRIORITY]
+        regular = [w for w in active if w not in critical]
+        groups = [(regular, grace_seconds - critical_grace_seconds), (critical, critical_grace_seconds)]
+        threading.Thread(target=self._run_shutdown, args=(node, token, groups), name=f"shutdown-{name}",
+                         daemon=True).start()
+        log.warning("node %s: graceful shutdown (%d pods, grace %.0f s, critical %.0f s)", name, len(active),
+                    grace_seconds, critical_grace_seconds)
+        return {"node": name, "state": node.state, "pods": len(active)}
+
+    def _run_shutdown(self, node: AgentNode, token: int, groups: list[tuple[list[PodWorker], float]]) -> None:
+        def current() -> bool:
+            with self.lock:
+                return node.shutdown_token == token and node.state == NodeState.SHUTTING_DOWN
+
+        for workers, seconds in groups:
+            if not workers or not current():
+                continue
+            for worker in workers:
+                worker.notify("shutdown", int(seconds))
+            deadline = time.monotonic() + seconds + 2.0  # the workers' own SIGKILL comes at `seconds`
+            while time.monotonic() < deadline and current() and not all(w.finished for w in workers):
+                time.sleep(0.1)
+        if current():
+            log.warning("node %s: shutdown done, powering off", node.name)
+            self.kill_node(node.name)
+
+    def _emit_node_event(self, node: AgentNode, reason: str, message: str) -> None:
+        now = now_rfc3339()
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{node.name}.", "namespace": "default"},
+            "involvedObject": {"kind": "Node", "apiVersion": "v1", "name": node.name, "uid": node.name},
+            "reason": reason, "message": message, "type": "Normal",
+            "source": {"component": "kubelet", "host": node.name}, "firstTimestamp": now, "lastTimestamp": now,
+            "count": 1, "reportingComponent": "kubelet", "reportingInstance": node.name,
+        }
+
+        def send() -> None:
+            try:
+                self.client.create("/api/v1/namespaces/default/events", body)
+            except Exception as e:
+                log.debug("event %s for node %s: %s", reason, node.name, e)
+
+        self.events.submit(send)
+
     def restore_node(self, name: str) -> dict[str, Any]:
         node = self._node(name)
         with self.lock:
             if node.kill_timer:
                 node.kill_timer.cancel()
                 node.kill_timer = None
+            node.shutdown_token += 1
+            if node.state == NodeState.SHUTTING_DOWN:
+                node.state = NodeState.KILLED  # powered off before it comes back
 
         def remove_notice(obj: dict[str, Any]) -> dict[str, Any] | None:
             taints = obj["spec"].get("taints") or []
@@ -467,8 +561,9 @@ class NodeAgent:
         uid = pod["metadata"]["uid"]
         with self.lock:
             node = self.nodes.get(node_name or "")
-            if node is None or node.state != NodeState.READY:
+            if node is None or node.state not in (NodeState.READY, NodeState.SHUTTING_DOWN):
                 return
+            shutting_down = node.state == NodeState.SHUTTING_DOWN
             fake = not node.spec.run_pods
         if fake:
             self._fake_pod(kind, pod, node)  # outside the lock: it talks to the API server
@@ -488,9 +583,27 @@ class NodeAgent:
             if phase in ("Succeeded", "Failed") and not pod["metadata"].get("deletionTimestamp"):
                 self.finished_uids.add(uid)
                 return
-            worker = PodWorker(self, pod)
-            self.workers[uid] = worker
+            if shutting_down:  # the kubelet admits no pod while the node shuts down
+                self.finished_uids.add(uid)
+                worker = None
+            else:
+                worker = PodWorker(self, pod)
+                self.workers[uid] = worker
+        if worker is None:
+            self._reject(pod)
+            return
         worker.start()
+
+    def _reject(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        try:
+            self.client.patch(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+                              {"metadata": {"uid": meta["uid"]}, "status": {
+                                  "phase": "Failed", "reason": NODE_SHUTDOWN_REJECTED_REASON,
+                                  "message": NODE_SHUTDOWN_REJECTED_MESSAGE}})
+        except KubeAPIError as e:
+            if e.status not in (404, 409):
+                log.warning("rejecting pod %s/%s: %s", meta["namespace"], meta["name"], e)
 
     def _fake_pod(self, kind: str, pod: dict[str, Any], node: AgentNode) -> None:
         """No-process mode: report the pod Running at once; confirm its deletion at once."""
@@ -642,6 +755,8 @@ def _handler(agent: NodeAgent) -> type[BaseHTTPRequestHandler]:
                         "remove": lambda: agent.remove_node(name),
                         "preempt": lambda: agent.preempt_node(name, float(body.get("delay_seconds", 30)),
                                                               bool(body.get("sigterm", False))),
+                        "shutdown": lambda: agent.shutdown_node(name, float(body.get("grace_seconds", 30)),
+                                                                float(body.get("critical_grace_seconds", 15))),
                     }
                     if action not in actions:
                         raise KeyError(f"unknown action {action!r}; valid: {', '.join(actions)}")
@@ -650,6 +765,9 @@ def _handler(agent: NodeAgent) -> type[BaseHTTPRequestHandler]:
                     raise KeyError(f"no such path {self.path}")
             except KeyError as e:
                 self._answer(404, {"error": {"code": 404, "message": str(e.args[0])}})
+                return
+            except ValueError as e:
+                self._answer(409, {"error": {"code": 409, "message": str(e)}})
                 return
             except Exception as e:
                 log.exception("control %s", self.path)

@@ -6,6 +6,7 @@
     resilax local logs NAMESPACE/POD [CONTAINER] [--previous]
     resilax local kill-node NODE | partition-node NODE | restore-node NODE
     resilax local preempt-node NODE [--delay 30] [--sigterm]
+    resilax local shutdown-node NODE [--grace 30] [--critical-grace 15]
     resilax local add-nodes --slice POOL [--accelerator A] [--topology T] | --cpu NAME [--no-processes]
 """
 
@@ -55,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("node")
     pre.add_argument("--delay", type=float, default=30.0, help="seconds from the notice to the kill")
     pre.add_argument("--sigterm", action="store_true", help="also SIGTERM the main containers now")
+    down = with_dir(sub.add_parser("shutdown-node", help="graceful node shutdown (a spot VM's): no notice, "
+                                   "NotReady, pods SIGTERMed within the grace, then the node powers off"))
+    down.add_argument("node")
+    down.add_argument("--grace", type=float, default=30.0, help="the kubelet's shutdownGracePeriod (seconds)")
+    down.add_argument("--critical-grace", type=float, default=15.0,
+                      help="its shutdownGracePeriodCriticalPods: the part kept for system-critical pods")
     add = with_dir(sub.add_parser("add-nodes", help="register more nodes"))
     group = add.add_mutually_exclusive_group(required=True)
     group.add_argument("--slice", metavar="POOL", help="a TPU slice (node pool) named POOL")
@@ -134,6 +141,8 @@ def _run(args: argparse.Namespace) -> int:
         _print(cluster.remove_node(args.node))
     elif args.command == "preempt-node":
         _print(cluster.preempt_node(args.node, args.delay, args.sigterm))
+    elif args.command == "shutdown-node":
+        _print(cluster.shutdown_node(args.node, args.grace, args.critical_grace))
     elif args.command == "add-nodes":
         if args.slice:
             added = cluster.add_tpu_slice(args.slice, args.accelerator, args.topology, not args.no_processes)

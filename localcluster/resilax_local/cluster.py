@@ -254,6 +254,15 @@ class LocalCluster:
         with `sigterm`, the main containers also get SIGTERM now (graceful node shutdown)."""
         return self._agent("POST", f"/nodes/{name}/preempt", {"delay_seconds": delay_seconds, "sigterm": sigterm})
 
+    def shutdown_node(self, name: str, grace_seconds: float = 30.0, critical_grace_seconds: float = 15.0
+                      ) -> dict[str, Any]:
+        """Graceful node shutdown as the kubelet runs it (a spot VM's preemption; GKE: 30 s, 15 s of them
+        for system-critical pods), with no notice first: the node turns NotReady ("node is shutting
+        down"), its running pods get SIGTERM and end Failed (reason `Terminated`, `DisruptionTarget`)
+        within `grace - critical` seconds, then the node powers off as with `kill_node`."""
+        return self._agent("POST", f"/nodes/{name}/shutdown",
+                           {"grace_seconds": grace_seconds, "critical_grace_seconds": critical_grace_seconds})
+
     def restore_node(self, name: str) -> dict[str, Any]:
         """The node is back: Lease and Ready status again, preemption notice removed, pods resynced."""
         return self._agent("POST", f"/nodes/{name}/restore")

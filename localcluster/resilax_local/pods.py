@@ -9,7 +9,10 @@ A `PodWorker` thread owns one pod bound to one of the agent's nodes. It
 4. when the pod completes, stops the sidecars (reverse order);
 5. when the pod is deleted, terminates it like the kubelet: SIGTERM to the main containers, wait up to
    the grace period, SIGKILL, then the sidecars in reverse order, then the final status and a delete
-   with grace period 0.
+   with grace period 0;
+6. when its node shuts down gracefully (`("shutdown", grace)`), terminates it the same way within the
+   shutdown's grace and leaves it as the kubelet's shutdown manager does: phase Failed, reason
+   `Terminated`, condition `DisruptionTarget` (`TerminationByKubelet`), not deleted.
 
 Each container is `python -m resilax_local.launch <spec>`, which enters a private mount namespace, binds
 the volumes at their `mountPath` and execs the container's command (so the pid is the command's).
@@ -51,6 +54,15 @@ class NodeState:
     READY = "Ready"
     KILLED = "Killed"
     PARTITIONED = "Partitioned"
+    SHUTTING_DOWN = "ShuttingDown"
+    """Graceful node shutdown in progress: the kubelet still runs, renews the Lease and writes the API."""
+
+
+#: What the kubelet's shutdown manager writes on the pods it stops (pkg/kubelet/nodeshutdown).
+NODE_SHUTDOWN_REASON = "Terminated"
+NODE_SHUTDOWN_MESSAGE = "Pod was terminated in response to imminent node shutdown."
+NODE_SHUTDOWN_REJECTED_REASON = "NodeShutdown"
+NODE_SHUTDOWN_REJECTED_MESSAGE = "Pod was rejected as the node is shutting down."
 
 
 class PodHost(Protocol):
@@ -197,6 +209,7 @@ class _Condition:
     status: str
     since: str
     reason: str | None = None
+    message: str | None = None
 
 
 @dataclass
@@ -228,6 +241,9 @@ class PodWorker:
         self.next_prepare = 0.0
         self.conditions: dict[str, _Condition] = {}
         self.last_status: str | None = None
+        self.shutdown_grace: int | None = None
+        """Set by a graceful node shutdown: the grace period the shutdown manager gives this pod."""
+        self.status_reason: str | None = None
         self.thread = threading.Thread(target=self._run, name=f"pod-{self.namespace}/{self.name}", daemon=True)
 
     # ---- called from the agent's threads -------------------------------------------------------
@@ -257,7 +273,7 @@ class PodWorker:
                     continue
                 try:
                     self._drain_events()
-                    self._sync(api=state == NodeState.READY)
+                    self._sync(api=state in (NodeState.READY, NodeState.SHUTTING_DOWN))
                     failures = 0
                 except Exception as e:  # the API server busy or restarting: keep the pod, try again
                     failures += 1
@@ -302,6 +318,8 @@ class PodWorker:
                 self.pod = payload
         elif kind == "deleted":
             self.gone = True
+        elif kind == "shutdown":
+            self.shutdown_grace = int(payload)
         elif kind == "resync":
             try:
                 fresh = self.host.client.get(f"/api/v1/namespaces/{self.namespace}/pods/{self.name}")
@@ -336,6 +354,9 @@ class PodWorker:
         if self.gone:
             grace = int(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
             self._terminate(grace, api=False)
+            return
+        if api and self.shutdown_grace is not None:
+            self._shut_down(self.shutdown_grace)
             return
         if api and meta.get("deletionTimestamp"):
             grace = int(meta.get("deletionGracePeriodSeconds", self.pod["spec"].get("terminationGracePeriodSeconds", 30)))
@@ -739,13 +760,34 @@ class PodWorker:
                 if c.proc is not None:
                     c.proc.wait()
 
-    def _terminate(self, grace: int, api: bool) -> None:
-        """Graceful termination as the kubelet does it, then (with `api`) the final status and delete."""
-        log.info("pod %s/%s: terminating (grace %d s)", self.namespace, self.name, grace)
-        if api:
-            for c in self.containers:
-                if c.running():
-                    self.host.emit_event(self.pod, "Killing", f"Stopping container {c.name}", container=c.name)
+    def _shut_down(self, override: int) -> None:
+        """Graceful node shutdown (the kubelet's shutdown manager): stop the containers as for a
+        deletion, within the shutdown's grace (or the pod's own, if shorter), then write the final
+        status (Failed unless it had succeeded, reason Terminated, DisruptionTarget) and keep the pod."""
+        grace = min(override, int(self.pod["spec"].get("terminationGracePeriodSeconds", 30)))
+        log.info("pod %s/%s: node shutdown, terminating (grace %d s)", self.namespace, self.name, grace)
+        for c in self.containers:
+            if c.running():
+                self.host.emit_event(self.pod, "Killing", f"Stopping container {c.name}", container=c.name)
+        self._stop_all(grace)
+        if self.terminal != "Succeeded":
+            self.terminal = "Failed"
+        self.status_reason = NODE_SHUTDOWN_REASON
+        self.conditions["DisruptionTarget"] = _Condition("True", now_rfc3339(), "TerminationByKubelet",
+                                                         NODE_SHUTDOWN_MESSAGE)
+        self.finished = True
+        for attempt in range(30):  # the final status must land, or the pod looks alive on a dead node
+            try:
+                self._post_status()
+                return
+            except Exception as e:
+                log.warning("pod %s/%s: final status failed (attempt %d): %r", self.namespace, self.name,
+                            attempt + 1, e)
+                time.sleep(min(5.0, 0.5 * (attempt + 1)))
+
+    def _stop_all(self, grace: int) -> None:
+        """SIGTERM the main containers (in parallel, after their preStop hooks), SIGKILL what is left
+        at the deadline, then the sidecars in reverse order within what is left of the grace."""
         deadline = time.monotonic() + grace
         for c in self.containers:
             c.restart_at = None
@@ -757,6 +799,15 @@ class PodWorker:
         self._await_exit(mains, deadline)
         self._stop_in_order([c for c in self.containers if c.kind == "sidecar"], deadline)
         self._reap()
+
+    def _terminate(self, grace: int, api: bool) -> None:
+        """Graceful termination as the kubelet does it, then (with `api`) the final status and delete."""
+        log.info("pod %s/%s: terminating (grace %d s)", self.namespace, self.name, grace)
+        if api:
+            for c in self.containers:
+                if c.running():
+                    self.host.emit_event(self.pod, "Killing", f"Stopping container {c.name}", container=c.name)
+        self._stop_all(grace)
         self.finished = True
         if not api:
             return
@@ -802,6 +853,8 @@ class PodWorker:
 
     # ---- status -------------------------------------------------------------------------------
     def _set_condition(self, kind: str, value: bool, reason: str | None = None) -> None:
+        """One of the conditions this worker computes (a condition set once, e.g. DisruptionTarget,
+        is kept as it is)."""
         status = "True" if value else "False"
         current = self.conditions.get(kind)
         if current is None or current.status != status or current.reason != reason:
@@ -849,7 +902,8 @@ class PodWorker:
         self._set_condition("ContainersReady", ready, reason)
         self._set_condition("Ready", ready, reason)
         conditions = [{"type": k, "status": v.status, "lastTransitionTime": v.since,
-                       "lastProbeTime": None, **({"reason": v.reason} if v.reason else {})}
+                       "lastProbeTime": None, **({"reason": v.reason} if v.reason else {}),
+                       **({"message": v.message} if v.message else {})}
                       for k, v in self.conditions.items()]
         foreign = [c for c in (self.pod.get("status") or {}).get("conditions") or [] if c["type"] not in self.conditions]
         host_ip = self.host.node_ip(self.node)
@@ -867,6 +921,8 @@ class PodWorker:
             status["initContainerStatuses"] = [self._container_status(c) for c in inits]
         if self.prepare_error:
             status["message"] = self.prepare_error
+        if self.status_reason == NODE_SHUTDOWN_REASON:
+            status["reason"], status["message"] = NODE_SHUTDOWN_REASON, NODE_SHUTDOWN_MESSAGE
         encoded = json.dumps(status, sort_keys=True)
         if encoded == self.last_status:
             return

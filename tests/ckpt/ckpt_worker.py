@@ -122,6 +122,7 @@ def scenario_requests(args):
     into its control folder before step `request_at`. Reports the steps each process saved."""
     import jax
     import resilax_ckpt as rc
+    from resilax_ckpt.requests import read_stop_record
 
     mesh = global_mesh(args["mesh"])
     pid = jax.process_index()
@@ -152,7 +153,7 @@ def scenario_requests(args):
                 with open(os.path.join(results_dir, name)) as f:
                     results[name] = json.load(f)
         return {"saved": saved, "steps": mgr.steps(), "results": results, "stopped_at": stopped_at,
-                "process": pid}
+                "process": pid, "stop_record": read_stop_record(control) if stopped_at else None}
 
 
 def scenario_orbax_restore(args):

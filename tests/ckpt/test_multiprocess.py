@@ -61,14 +61,27 @@ def test_request_on_one_process_saves_one_agreed_step_everywhere(tmp_path, stop)
         assert [r["stopped_at"] for r in results] == [None, None]
 
 
-def test_sigterm_to_one_process_saves_one_agreed_step_and_stops_all(tmp_path):
+@pytest.mark.parametrize(("local_tier", "processes", "requester"), [(False, 2, 0), (True, 4, 2)],
+                         ids=["shared-folder-2-processes", "local-tier-4-processes"])
+def test_sigterm_to_one_process_saves_one_agreed_step_and_stops_all(tmp_path, local_tier, processes, requester):
+    """SIGTERM is a stop request in every mode: the process that got it and all the others save the
+    same step (with a local tier, each its own copy with its own marker), record it for the sidecar,
+    and stop."""
     results = run_processes({"scenario": "requests", "root": str(tmp_path / "ck"), "mesh": [4, 2], "steps": 100,
-                             "control": str(tmp_path / "control"), "requester": 0, "request_at": 3,
-                             "sigterm": True, "step_seconds": 0.05}, num_processes=2)
+                             "control": str(tmp_path / "control"), "requester": requester, "request_at": 3,
+                             "sigterm": True, "step_seconds": 0.05, "options": {"local_tier": local_tier}},
+                            num_processes=processes)
     saved = [r["saved"] for r in results]
-    assert saved[0] == saved[1] and len(saved[0]) == 1, saved
-    assert [r["stopped_at"] for r in results] == saved[0] * 2
-    assert results[0]["steps"] == saved[0]
+    assert all(s == saved[0] for s in saved) and len(saved[0]) == 1, saved
+    step = saved[0][0]
+    assert step >= 3
+    assert [r["stopped_at"] for r in results] == [step] * processes
+    assert [r["steps"] for r in results] == [[step]] * processes  # committed: each process's view of its tier
+    assert [r["stop_record"] for r in results] == [step] * processes
+    assert all(r["results"] == {} for r in results)  # no request file asked: nothing to answer
+    if local_tier:
+        markers = sorted(p.name for p in (tmp_path / "ck" / str(step)).iterdir() if p.name.startswith("_COMMIT"))
+        assert markers == [f"_COMMIT.{i}" for i in range(processes)]
 
 
 def test_kill_one_of_two_saving_processes_mid_writes(tmp_path, devices):

@@ -457,3 +457,48 @@ def test_preemption_with_sigterm_warns_the_workers_at_once(cluster, kube, namesp
     assert container_status(pod, "main")["state"]["terminated"]["exitCode"] == 75
     assert "SIGTERM: saving and exiting" in cluster.logs(namespace, "worker")
     assert {n["name"]: n for n in cluster.nodes()}[victim]["kill_pending"]
+
+
+def test_graceful_node_shutdown_sigterms_the_pods_then_powers_off(cluster, kube, namespace):
+    """A spot VM's preemption as the kubelet's shutdown manager runs it: no notice, the node NotReady at
+    once, the pods SIGTERMed and left Failed (reason Terminated, DisruptionTarget), then the node off."""
+    victim = "tpu-slice-0-h1"
+    script = """
+        import signal, sys, time
+        def stop(*_):
+            print("SIGTERM: saving and exiting", flush=True)
+            sys.exit(75)
+        signal.signal(signal.SIGTERM, stop)
+        print("training", flush=True)
+        while True:
+            time.sleep(0.1)
+    """
+    create_pod(kube, namespace, python_pod("worker", script, node=victim, restartPolicy="Never",
+                                           terminationGracePeriodSeconds=60))
+    create_pod(kube, namespace, sleeper("elsewhere", "cpu-0"))
+    wait_for(lambda: "training" in cluster.logs(namespace, "worker"), 60, message="worker started")
+    other = pid_of(cluster, namespace, "elsewhere")
+    answer = cluster.shutdown_node(victim, grace_seconds=8, critical_grace_seconds=2)
+    assert answer["pods"] == 1
+    node = wait_for_node(kube, victim, lambda n: node_condition(n) == "False", timeout=30, message="NotReady")
+    ready = next(c for c in node["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["message"] == "node is shutting down"
+    assert not any(t["key"] == "cloud.google.com/impending-node-termination" for t in node_taints(node))
+
+    pod = wait_for_pod_phase(kube, namespace, "worker", "Failed", timeout=60)
+    assert pod["status"]["reason"] == "Terminated"
+    assert pod["status"]["message"] == "Pod was terminated in response to imminent node shutdown."
+    disruption = next(c for c in pod["status"]["conditions"] if c["type"] == "DisruptionTarget")
+    assert (disruption["status"], disruption["reason"]) == ("True", "TerminationByKubelet")
+    assert container_status(pod, "main")["state"]["terminated"]["exitCode"] == 75
+    assert "SIGTERM: saving and exiting" in cluster.logs(namespace, "worker")
+    assert not pod["metadata"].get("deletionTimestamp")  # the kubelet leaves it for its owner
+
+    wait_for(lambda: {n["name"]: n["state"] for n in cluster.nodes()}[victim] == "Killed", 30,
+             message="powered off after the shutdown")
+    assert alive(other)  # other nodes are not touched
+    events = kube.get("/api/v1/namespaces/default/events",
+                      fieldSelector=f"involvedObject.kind=Node,involvedObject.name={victim}")["items"]
+    assert "NodeShutdown" in [e["reason"] for e in events]
+    cluster.restore_node(victim)
+    wait_for_node(kube, victim, lambda n: node_condition(n) == "True", timeout=60, message="node back")

@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+from resilax_ckpt.requests import write_stop_record
 from resilax_sidecar.store import LocalFolderStore
 from sidecar_harness import step_files, wait_until, write_local_step
 
@@ -41,6 +42,26 @@ def test_a_gone_trainer_is_not_waited_for_and_its_last_local_step_is_persisted(
     assert LocalFolderStore(tmp_path / "persistent").stat("30/_COMMIT") is not None
     assert "the trainer has exited" in sidecar.log()
     assert not list((control / "requests").iterdir()), "left a stop request for the next trainer"
+
+
+def test_the_final_save_a_trainer_stopped_after_is_persisted_whatever_persist_every_steps_says(
+    tmp_path, sidecar_env, start_sidecar
+):
+    """Graceful node shutdown: the trainer saved step 31 on its own SIGTERM (no request file), recorded
+    it in `stopped.json` and exited; with `persistEverySteps: 10` the sidecar still uploads it."""
+    env = {**_env(sidecar_env, tmp_path, grace=60), "RESILAX_PERSIST_EVERY_STEPS": "10"}
+    control = Path(env["RESILAX_CONTROL_DIR"])
+    control.mkdir()
+    (control / "trainer.lock").touch()
+    write_stop_record(str(control), 31, sigterm=True)
+    sidecar = start_sidecar(env)
+    write_local_step(tmp_path / "local", 30, step_files(3, 1000))
+    write_local_step(tmp_path / "local", 31, step_files(3, 1000))
+    sidecar.signal(signal.SIGTERM)
+    assert sidecar.wait(30) == 0
+    persistent = LocalFolderStore(tmp_path / "persistent")
+    assert persistent.stat("31/_COMMIT") is not None, sidecar.log()[-3000:]
+    assert "persisting its newest local step 31" in sidecar.log()
 
 
 def test_a_live_trainer_is_waited_for_until_the_grace_period_ends(tmp_path, sidecar_env, start_sidecar):

@@ -4,7 +4,9 @@ the persistent tier when it must.
 
 (a) A worker's process fails: the next generation's workers land on the same nodes (status.workerNodes,
     preferred node affinity) and all restore from their local tiers a step newer than anything in the
-    persistent tier (which lags by design: `persistEverySteps`).
+    persistent tier (which lags by design: `persistEverySteps`). Then a graceful node shutdown (a spot
+    VM's SIGTERM, no request before it) on one of the 4 workers' nodes: all agree on one step, save it
+    locally, stop; it is uploaded, and generation 3 restores it with no step lost.
 (b) A node is lost (removed, its disk with it) and replaced by a new, empty one: the survivors restore from
     their local tiers, the replacement from the persistent tier, all the same step: the newest that
     generation 1 committed there.
@@ -127,6 +129,57 @@ def test_worker_failure_restores_every_worker_from_its_local_tier(
     assert "WorkerFailed" in jobs.event_reasons(name, "WorkerFailed")
     wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
     recovery_breakdown(jobs, name, 2, fault, ("WorkerFailed",))
+
+    graceful_node_shutdown_saves_the_agreed_step_and_the_next_generation_restores_it(
+        jobs, cluster, name, storage, folders, after=step)
+
+
+def graceful_node_shutdown_saves_the_agreed_step_and_the_next_generation_restores_it(
+        jobs: Jobs, cluster: LocalCluster, name: str, storage: Path, folders: dict[str, Path], after: int) -> None:
+    """Issue 18, item 2: a spot VM's preemption is a SIGTERM no request precedes (graceful node shutdown,
+    GKE's 30 s with 15 s for system pods). The trainer on the shut-down node (process 2 of 4) and the
+    three others agree on one step, save it in their local tiers and exit 75; the sidecars upload it
+    although `persistEverySteps: 20` would keep it local (the trainer recorded it as its final save);
+    generation 3, back on the same nodes once the victim returns (fixed shape), restores it: 0 steps lost."""
+    wait_for(lambda: max(jobs.losses(name, 2), default=0) >= after + 3, timeout=300, interval=1,
+             message=f"{name}: generation 2 past step {after + 3}")
+    nodes2 = pod_nodes(jobs, name, 2)
+    victim = nodes2["s1-h0"]  # process 2: not the one that prints the loss lines
+    sidecar_pod = f"{name}-g2-s1-h0"
+    fault = time.time()
+    cluster.shutdown_node(victim, grace_seconds=30, critical_grace_seconds=15)
+    try:
+        wait_for(lambda: {n["name"]: n["state"] for n in cluster.nodes()}[victim] == "Killed", timeout=120,
+                 interval=0.5, message=f"{victim}: its pods stopped, powered off")
+        final = max(jobs.losses(name, 2))
+        local = {w: local_steps(f) for w, f in folders.items()}
+        commit_times = {w: max(p.stat().st_mtime for p in (f / str(final)).glob("_COMMIT*")) - fault
+                        for w, f in folders.items() if final in local[w]}
+        persisted = wait_for(lambda: final in (c := committed_steps(storage)) and c, timeout=120, interval=0.5,
+                             message=f"{name}: step {final} committed in the persistent tier")
+        print(f"\ngraceful shutdown of {victim}: generation 2 reached step {final}; local tiers {local}; "
+              f"local commit {', '.join(f'{w} +{t:.2f} s' for w, t in sorted(commit_times.items()))} after "
+              f"the SIGTERM; persistent tier {persisted}")
+        # Every process saved the same final step in its local tier (the victim's too) ...
+        assert all(final in steps for steps in local.values()), (final, local)
+        # ... and the sidecars persisted it (the victim's while its node was shutting down).
+        assert commit_generation(storage, final) == 2
+        victim_log = cluster.logs(jobs.namespace, sidecar_pod, "resilax-sidecar")
+        assert f"persisting its newest local step {final}" in victim_log, victim_log[-3000:]
+
+        cluster.restore_node(victim)
+        jobs.wait_status(name, lambda s: s.get("generation") == 3 and s.get("phase") == "Running", 600,
+                         "generation 3 Running")
+        lines = wait_restored(jobs, name, 3)
+        print(f"graceful shutdown: generation 3 restored {lines}")
+        assert all(r["restored"] == final for r in lines.values()), (final, lines)  # 0 steps lost
+        assert pod_nodes(jobs, name, 3) == nodes2
+        wait_for(lambda: jobs.losses(name, 3), timeout=300, interval=1, message=f"{name}: a step of generation 3")
+        assert min(jobs.losses(name, 3)) == final + 1
+        recovery_breakdown(jobs, name, 3, fault, ("NodeLost", "WorkerStopped"))
+    finally:
+        if {n["name"]: n["state"] for n in cluster.nodes()}[victim] != "Ready":
+            cluster.restore_node(victim)
 
 
 def test_node_loss_survivors_restore_local_the_replacement_persistent_one_step(
