@@ -77,7 +77,7 @@ def _newer_or_equal(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> bo
 
 
 def trim_live_pod(body: Mapping[str, Any]) -> Body:
-    """What capacity accounting reads of a pod that is not ours (reconcile.count_devices_in_use)."""
+    """What capacity accounting reads of a pod that is not ours (observed.count_devices_in_use)."""
     meta, spec = body.get("metadata") or {}, body.get("spec") or {}
 
     def resources(c: Mapping[str, Any]) -> Body:

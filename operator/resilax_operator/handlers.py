@@ -1,7 +1,7 @@
 """Thin kopf handlers: every JAXJob gets a reconcile daemon; changes seen by the watch cache wake it.
 
-State-driven: the daemon observes (from the watch cache, cache.py), decides (reconcile.decide_raw) and
-executes (observe.py) in a loop, at least every few seconds and at once when one of the job's pods, its
+State-driven: the daemon observes (observe.py, from the watch cache), decides (reconcile.py, pure) and
+executes (execute.py) in a loop, at least every few seconds and at once when one of the job's pods, its
 spec, or a node's readiness, taints or labels change. Every reconcile starts from what it observes, so a
 missed or repeated wake-up changes nothing but the timing. Kopf passes `memo` (main.py fills it before
 kopf copies it per object, so its dicts are shared): `kube` (k8s.Kube), `settings` (OperatorSettings),
@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from . import api, observe
+from . import api, execute
 from .cache import WorldCache
 
 #: The finalizer kopf puts on JAXJobs (it runs `cleanup` before the object goes).
@@ -83,7 +83,7 @@ async def reconcile(name: str, namespace: str | None, memo: Any, logger: kopf.Lo
         while not stopped:
             wake.clear()
             try:
-                delay = await asyncio.to_thread(observe.reconcile_job, memo.kube, memo.cache, namespace or "", name,
+                delay = await asyncio.to_thread(execute.reconcile_job, memo.kube, memo.cache, namespace or "", name,
                                                 memo.settings, logger)
             except kopf.TemporaryError as e:
                 logger.warning("reconcile: %s (retrying in %ss)", e, e.delay)
@@ -103,7 +103,7 @@ async def reconcile(name: str, namespace: str | None, memo: Any, logger: kopf.Lo
 def cleanup(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
     """Force-delete the workers no kubelet will confirm; the garbage collector removes the rest
     (pods, Services and the token Secret carry owner references). Checkpoints stay in storage."""
-    observe.cleanup_job(memo.kube, memo.cache, dict(body), memo.settings, logger)
+    execute.cleanup_job(memo.kube, memo.cache, dict(body), memo.settings, logger)
 
 
 class Waker:

@@ -32,7 +32,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from . import api
 from . import status as st
 from .builders import JobRef
-from .reconcile import Observed
+from .observed import Observed
 
 RECOVERIES: Final = Counter("resilax_operator_recoveries_total",
                             "Moves to a new generation, by why (NodeLoss, Preemption, Resize, ...)", ["kind"])

@@ -42,6 +42,8 @@ class Transition:
     save_done: bool = False
     #: The next generation starts no earlier than this (backoff after a worker failure).
     not_before: datetime | None = None
+    #: When the teardown of `generation` began (after its final save, if any); None: not yet.
+    teardown_since: datetime | None = None
 
     @property
     def saving(self) -> bool:
@@ -124,7 +126,7 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
             since=parse_time(t.get("since")) or datetime.fromtimestamp(0, UTC),
             message=str(t.get("message", "")), save_request_id=t.get("saveRequestId") or None,
             save_deadline=parse_time(t.get("saveDeadline")), save_done=bool(t.get("saveDone", False)),
-            not_before=parse_time(t.get("notBefore")))
+            not_before=parse_time(t.get("notBefore")), teardown_since=parse_time(t.get("teardownSince")))
     ck = raw.get("checkpoint") or None
     checkpoint = None
     if ck and ck.get("step") is not None:
@@ -169,7 +171,8 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "transition": None if t is None else {
             "kind": t.kind, "generation": t.generation, "since": format_time(t.since), "message": t.message,
             "saveRequestId": t.save_request_id, "saveDeadline": format_time(t.save_deadline),
-            "saveDone": t.save_done, "notBefore": format_time(t.not_before)},
+            "saveDone": t.save_done, "notBefore": format_time(t.not_before),
+            "teardownSince": format_time(t.teardown_since)},
         "checkpoint": None if ck is None else {
             "step": ck.step, "time": format_time(ck.time), "committed": ck.committed, "tier": ck.tier},
         "conditions": [

@@ -15,21 +15,17 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from resilax_operator import api
-from resilax_operator.builders import JobRef
-from resilax_operator.reconcile import (
+from resilax_operator.actions import (
     Action,
     CreateGeneration,
     DeleteGeneration,
     EmitEvent,
-    Observed,
-    ObservedNode,
-    ObservedPod,
     RequestFinalSave,
-    SaveOutcome,
     SetStatus,
-    Taint,
-    decide_raw,
 )
+from resilax_operator.builders import JobRef
+from resilax_operator.observed import Observed, ObservedNode, ObservedPod, SaveOutcome, Taint
+from resilax_operator.reconcile import decide_raw
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.status import CheckpointInfo, JobStatus, build_status, parse_status
 
@@ -108,13 +104,16 @@ class World:
                 self.created.append(a.generation)
         elif isinstance(a, DeleteGeneration):
             self.services.discard(a.generation)
-            for p in list(self.pods.values()):
-                if p.generation != a.generation:
+            for d in a.pods:
+                p = self.pods.get(d.name)
+                assert p is not None and p.generation == a.generation, f"{d.name} is not a pod of generation {a.generation}"
+                if d.not_before is not None and self.now < d.not_before:
                     continue
-                if p.name in a.force_pods:
+                if d.force:
                     del self.pods[p.name]
                 elif p.deletion_timestamp is None:
-                    self.pods[p.name] = replace(p, deletion_timestamp=self.now, deletion_grace_seconds=330)
+                    grace = 330 if d.grace_seconds is None else d.grace_seconds
+                    self.pods[p.name] = replace(p, deletion_timestamp=self.now, deletion_grace_seconds=grace)
         elif isinstance(a, RequestFinalSave):
             self.save_requests.append(a)
         elif isinstance(a, EmitEvent):
@@ -132,7 +131,8 @@ class World:
                 continue
             node = sorted(free, key=lambda n: n.name)[0]
             used.add(node.name)
-            self.pods[name] = replace(p, node_name=node.name, phase="Running", ready=True, pod_ip=f"10.0.0.{self.next_ip}")
+            self.pods[name] = replace(p, node_name=node.name, phase="Running", ready=True, pod_ip=f"10.0.0.{self.next_ip}",
+                                      trainer_running=True)
             self.next_ip += 1
 
     def kubelets(self) -> None:
@@ -160,7 +160,8 @@ class World:
         for name, p in list(self.pods.items()):
             if (generation is None or p.generation == generation) and (names is None or name in names):
                 self.pods[name] = replace(p, phase="Succeeded" if code == 0 else "Failed", exit_code=code,
-                                          exit_reason=None if code in (0, 75) else "Error", ready=False)
+                                          exit_reason=None if code in (0, 75) else "Error", ready=False,
+                                          trainer_running=False)
 
     def gen_pods(self, generation: int | None = None) -> list[ObservedPod]:
         g = self.status.generation if generation is None else generation

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
-from resilax_operator import api, observe
+from resilax_operator import api, execute
 from resilax_operator.cache import Informer, WatchGone, WorldCache, trim_live_pod
 from resilax_operator.k8s import Kube
 from resilax_operator.settings import OperatorSettings
@@ -153,19 +153,19 @@ def steady() -> FakeAPI:
     for informer in fake.cache.informers():
         informer._relist()
     for _ in range(20):
-        observe.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)
+        execute.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)
         fake.run_pods()
         if (fake.cache.job(NS, "llama") or {}).get("status", {}).get("phase") == api.PHASE_RUNNING:
             break
     assert fake.cache.job(NS, "llama")["status"]["phase"] == api.PHASE_RUNNING
-    observe.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)  # settle the checkpoint's time
+    execute.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)  # settle the checkpoint's time
     return fake
 
 
 def test_steady_job_reconciles_without_any_api_request(steady: FakeAPI) -> None:
     steady.requests.clear()
     for _ in range(10):
-        observe.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
+        execute.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
     lists = [r for r in steady.requests if r[0] == "GET"]
     assert lists == [], f"reconciles read the API: {lists}"
     assert steady.requests == [], f"a steady job was written: {steady.requests}"
@@ -179,7 +179,7 @@ def test_reconcile_acts_on_a_change_seen_by_the_cache(steady: FakeAPI) -> None:
     steady.request("DELETE", pod)
     steady.requests.clear()
     for _ in range(3):
-        observe.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
+        execute.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
     assert not [r for r in steady.requests if r[0] == "GET"]
     assert any(m in ("PATCH", "POST", "DELETE") for m, _ in steady.requests), steady.requests
 
@@ -253,7 +253,7 @@ def test_a_restore_that_skipped_bad_steps_is_shown_once(steady: FakeAPI) -> None
                                                            "has 12 bytes, expected 4096"}]}
     steady.sidecar = lambda *a, **k: {"newest_persisted_step": 100, "restore": report}  # type: ignore[method-assign]
     steady.requests.clear()
-    observe.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
+    execute.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
     events = [steady.objects[p] for p in steady.objects
               if "/events/" in p and steady.objects[p]["reason"] == api.STEPS_SKIPPED.name]
     assert [e["type"] for e in events] == ["Warning"]
@@ -265,7 +265,7 @@ def test_a_restore_that_skipped_bad_steps_is_shown_once(steady: FakeAPI) -> None
     assert job["status"]["phase"] == api.PHASE_RUNNING  # running, from the older step
     steady.requests.clear()
     for _ in range(3):
-        observe.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
+        execute.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
     assert steady.requests == []
 
 
@@ -277,7 +277,7 @@ def test_a_restore_that_skipped_bad_steps_is_shown_once(steady: FakeAPI) -> None
     ({"restore": {"step": "x"}}, None),
 ], ids=["absent", "null", "clean", "skipped", "malformed"])
 def test_parse_restore_report(body: dict, want) -> None:
-    from resilax_operator.reconcile import parse_restore_report
+    from resilax_operator.observed import parse_restore_report
 
     got = parse_restore_report(body)
     assert (None if got is None else (got.step, got.skipped)) == want

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from resilax_operator import api
-from resilax_operator.reconcile import (
+from resilax_operator.observed import (
     SaveOutcome,
     Taint,
     count_devices_in_use,
@@ -73,7 +73,7 @@ def test_parse_save_outcome() -> None:
 
 
 def test_parse_sidecar_state() -> None:
-    from resilax_operator.reconcile import parse_sidecar_state
+    from resilax_operator.observed import parse_sidecar_state
     from resilax_operator.status import CheckpointInfo
 
     now = datetime(2026, 1, 1, 12, 0, 0, 500, tzinfo=UTC)
@@ -85,7 +85,7 @@ def test_parse_sidecar_state() -> None:
 
 
 def test_build_observed_from_raw_bodies() -> None:
-    from resilax_operator.reconcile import build_observed
+    from resilax_operator.observed import build_observed
 
     now = datetime(2026, 1, 1, 12, tzinfo=UTC)
     job = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u1", "generation": 3},

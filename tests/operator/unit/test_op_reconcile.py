@@ -11,18 +11,18 @@ from op_samples import good_spec
 from op_world import SETTINGS, T0, World, cpu_pool, tpu_pool
 from resilax_operator import api
 from resilax_operator import status as st
-from resilax_operator.reconcile import (
+from resilax_operator.actions import (
     CreateGeneration,
     DeleteGeneration,
     EmitEvent,
+    PodDeletion,
     RequestFinalSave,
     RequeueAfter,
-    SaveOutcome,
     SetStatus,
-    Taint,
-    decide_cleanup,
-    decide_pod_refused,
 )
+from resilax_operator.observed import SaveOutcome, Taint
+from resilax_operator.policies.generation_start import decide_pod_refused
+from resilax_operator.reconcile import decide_cleanup
 from resilax_operator.spec import Shape
 from resilax_operator.validation import validate_spec
 
@@ -81,6 +81,8 @@ def test_restore_step_from_spec_for_first_generation_only() -> None:
     w = running_world(spec)
     assert w.status.restore_step == "1200"
     w.exit_workers(75, names=["llama-g1-s0-h0"])
+    w.settle()
+    w.advance(15)  # the others' trainers still run: they get STOPPING_TRAINER_WAIT_SECONDS to stop
     w.settle()
     assert w.status.generation == 2 and w.status.restore_step == "latest"
 
@@ -355,6 +357,9 @@ def test_stopped_worker_moves_on_without_counting_a_failure() -> None:
     w = running_world()
     w.exit_workers(75, names=["llama-g1-s0-h3"])
     w.settle()
+    assert w.status.generation == 1 and len(w.gen_pods()) == 15  # the other trainers get time to stop
+    w.advance(15)
+    w.settle()
     assert w.status.generation == 2 and w.status.failures == 0 and w.status.restarts == 1
 
 
@@ -487,7 +492,7 @@ def test_cleanup_forces_pods_on_down_nodes_only() -> None:
     dead = w.gen_pods()[0]
     w.set_node(dead.node_name or "", ready="Unknown")
     actions = decide_cleanup(w.observed(), SETTINGS)
-    assert actions == [DeleteGeneration(1, "job deleted", (dead.name,))]
+    assert actions == [DeleteGeneration(1, "job deleted", (PodDeletion(dead.name, force=True),))]
 
 
 # ---------------------------------------------------------------- the local tier: placement and refusals

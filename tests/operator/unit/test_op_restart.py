@@ -11,7 +11,7 @@ import pytest
 from op_samples import good_spec
 from op_world import World, cpu_pool
 from resilax_operator import api
-from resilax_operator.reconcile import Taint
+from resilax_operator.observed import Taint
 
 
 def _world() -> World:

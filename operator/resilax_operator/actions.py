@@ -1,0 +1,128 @@
+"""What a decision asks the I/O side to do (pure types). execute.py carries each out, in order,
+stopping at the first failure; every action is idempotent, so the next decision may repeat it.
+
+Rules every decision keeps (`collapse` and `status_change` help):
+- At most one `SetStatus` per decision (the full status, not a diff), placed before the objects it
+  describes.
+- A status that names a new generation (or a transition) is written before acting on it.
+- Events go with the status change that records what they announce, so deciding twice emits nothing new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
+
+from . import status as st
+from .builders import Manifest
+from .status import JobStatus
+
+#: How soon to look again while waiting for something that has no event of its own (seconds).
+POLL_SECONDS: Final = 5.0
+
+
+@dataclass(frozen=True)
+class SetStatus:
+    """Replace the status subresource with `status_body(action)` (a JSON merge patch: None removes)."""
+
+    status: JobStatus
+
+
+@dataclass(frozen=True)
+class CreateGeneration:
+    """Create `service` (if given) and each pod, skipping those that already exist (409 is success).
+    Before the first generation the job's token Secret must exist. When the API server refuses a pod
+    (admission: 400, 403, 422), the I/O side stops and asks `reconcile.decide_pod_refused`."""
+
+    generation: int
+    service: Manifest | None
+    pods: tuple[Manifest, ...]
+
+
+@dataclass(frozen=True)
+class PodDeletion:
+    """One pod to delete, and how."""
+
+    name: str
+    #: gracePeriodSeconds for the delete call; None: the pod's own terminationGracePeriodSeconds.
+    grace_seconds: int | None = None
+    #: No kubelet will confirm this pod (its node is down or gone): delete with gracePeriodSeconds=0.
+    force: bool = False
+    #: Not before this time (a trainer that stops by itself after its final save gets the chance);
+    #: until then the I/O side leaves the pod alone and the decision asks to look again.
+    not_before: datetime | None = None
+
+
+@dataclass(frozen=True)
+class DeleteGeneration:
+    """Delete the generation's Service and the pods in `pods` (each as its `PodDeletion` says; pods
+    already being deleted and not forced are not listed). 404 is success."""
+
+    generation: int
+    reason: str
+    pods: tuple[PodDeletion, ...] = ()
+
+    @property
+    def force_pods(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.pods if d.force)
+
+
+@dataclass(frozen=True)
+class RequestFinalSave:
+    """Ask the workers of `generation` for a final save and stop. Emitted on every decision until the
+    save is done, so executing it must be idempotent. With the sidecar's API (resilax_sidecar.routes):
+    for each pod in `pods` that lacks the annotation `resilax.dev/save-request` starting with
+    `<request_id>=`, POST `http://<podIP>:<RESILAX_SIDECAR_PORT>/v1/save` with the bearer token and
+    {"reason": reason, "stop": true}, then annotate the pod `<request_id>=<the sidecar's id>`. Any one
+    pod suffices (all processes agree on one step); posting to all survives a dead one. The answers
+    come back as `Observed.save_outcomes` (observe.py)."""
+
+    generation: int
+    request_id: str
+    reason: str
+    deadline: datetime
+    pods: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EmitEvent:
+    """A Kubernetes Event on the JAXJob. Emitted once per transition (decisions emit it together with
+    the status change that records the transition)."""
+
+    type: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RequeueAfter:
+    """Decide again after this many seconds at the latest (a hint for the timer)."""
+
+    seconds: float
+
+
+Action = SetStatus | CreateGeneration | DeleteGeneration | RequestFinalSave | EmitEvent | RequeueAfter
+
+
+def status_body(action: SetStatus) -> dict[str, Any]:
+    return st.build_status(action.status)
+
+
+def status_change(old: JobStatus, new: JobStatus, *events: EmitEvent) -> list[Action]:
+    """SetStatus (and the events that go with it) only when the status changes."""
+    if st.build_status(old) == st.build_status(new):
+        return []
+    return [SetStatus(new), *events]
+
+
+def collapse(actions: list[Action]) -> list[Action]:
+    """One SetStatus per decision: the last (most complete) status, at the place of the first, so the
+    status is written before the objects it describes."""
+    statuses = [a for a in actions if isinstance(a, SetStatus)]
+    if len(statuses) <= 1:
+        return actions
+    first = actions.index(statuses[0])
+    rest: list[Action] = [a for a in actions if not isinstance(a, SetStatus)]
+    rest.insert(first, statuses[-1])
+    return rest

@@ -1,0 +1,122 @@
+"""Shape and pool planning (pure): which shape the spec allows that schedulable node pools can host now,
+why none fits, and what a generation was planned from.
+
+A slice goes on one node pool (`cloud.google.com/gke-nodepool`); a pool hosts a slice when enough of its
+nodes are schedulable, carry the slice's labels and have free devices for one worker each (devices held
+by others' pods are subtracted, `ObservedNode.in_use_by_others`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from . import api
+from .builders import geometry_of
+from .observed import ObservedNode, ObservedPod
+from .spec import JobSpec, Shape
+from .status import JobStatus
+from .topology import SliceGeometry
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    """A shape to run, the node pools its slices go on (one each), and its host count."""
+
+    shape: Shape
+    pools: tuple[str, ...]
+    hosts: int
+
+
+def plan_pools(geometry: SliceGeometry, nodes: Iterable[ObservedNode], now: datetime) -> tuple[str, ...]:
+    """Node pools that can host one slice of `geometry` now: enough schedulable nodes carrying the
+    slice's labels, each with free devices for one worker. Sorted by name."""
+    by_pool: dict[str, int] = {}
+    for n in nodes:
+        if n.pool is None or not n.schedulable(now):
+            continue
+        if any(n.labels.get(k) != v for k, v in geometry.node_selector):
+            continue
+        if geometry.resource is None:
+            if api.TPU_ACCELERATOR_LABEL in n.labels or api.GPU_ACCELERATOR_LABEL in n.labels:
+                continue  # keep accelerator nodes for accelerator jobs
+        else:
+            free = n.allocatable.get(geometry.resource, 0) - n.in_use_by_others.get(geometry.resource, 0)
+            if free < geometry.chips_per_host:
+                continue
+        by_pool[n.pool] = by_pool.get(n.pool, 0) + 1
+    return tuple(sorted(p for p, count in by_pool.items() if count >= geometry.hosts))
+
+
+def plan_shape(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime) -> ShapePlan | None:
+    """The largest shape (total chips) within the spec's bounds that schedulable node pools can host,
+    one slice per pool; ties go to the preferred topology. Without `elastic`: the spec shape or None."""
+    nodes = tuple(nodes)
+    low, high = spec.count_bounds
+    best: tuple[tuple[int, int], ShapePlan] | None = None
+    for preference, topology in enumerate(spec.allowed_topologies):
+        geometry = geometry_of(spec, topology)
+        pools = plan_pools(geometry, nodes, now)
+        count = min(high, len(pools))
+        if count < low:
+            continue
+        key = (geometry.chips * count, -preference)
+        if best is None or key > best[0]:
+            best = (key, ShapePlan(Shape(topology, count), pools[:count], geometry.hosts * count))
+    return None if best is None else best[1]
+
+
+def explain_shortfall(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime) -> str:
+    """Why `plan_shape` found nothing, for the InsufficientCapacity message: what each allowed
+    topology needs and what the schedulable nodes carrying its labels offer. When such nodes exist
+    but all have fewer free devices than one host of the slice needs, and the spec left the host
+    size to its default, it says which field picks smaller hosts."""
+    nodes = tuple(nodes)
+    low, high = spec.count_bounds
+    parts = []
+    for topology in spec.allowed_topologies:
+        g = geometry_of(spec, topology)
+        matching = [n for n in nodes if n.pool is not None and n.schedulable(now)
+                    and all(n.labels.get(k) == v for k, v in g.node_selector)]
+        need = f"{topology}: {low}..{high} node pools of {g.hosts} host(s)"
+        if g.resource is None:
+            parts.append(f"{need}; {len(matching)} schedulable nodes")
+            continue
+        need += f" with {g.chips_per_host} free {g.resource} each"
+        most = max((n.allocatable.get(g.resource, 0) - n.in_use_by_others.get(g.resource, 0)
+                    for n in matching), default=0)
+        offer = f"{len(matching)} schedulable nodes with these labels, at most {most} free per node"
+        hint = ""
+        if (matching and most < g.chips_per_host and spec.slices.machine_type is None
+                and spec.slices.chips_per_host is None):
+            hint = (f" (the default is {g.chips_per_host} per host; set slices.machineType or "
+                    f"slices.chipsPerHost for smaller hosts)")
+        parts.append(f"{need}; {offer}{hint}")
+    return f"{spec.slices.accelerator}: " + "; ".join(parts)
+
+
+def shape_chips(spec: JobSpec, shape: Shape) -> int:
+    return geometry_of(spec, shape.topology).chips * shape.count
+
+
+def fingerprint(spec: JobSpec) -> str:
+    """`<hardware>/<shape bounds>`: what the current generation was planned from."""
+    s, e = spec.slices, spec.elastic
+    hardware = json.dumps([s.accelerator, s.machine_type, s.chips_per_host])
+    bounds = json.dumps([s.topology, s.count, None if e is None else [e.min_count, e.max_count, e.topologies]])
+    return f"{_digest(hardware)}/{_digest(bounds)}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def plan_worker_nodes(s: JobStatus, pods: Iterable[ObservedPod]) -> dict[int, str]:
+    """Worker process index → node, for the current generation's pods bound to a node."""
+    count = s.shape.count if s.shape is not None else 1
+    hosts = max(1, s.hosts // max(1, count))
+    return {p.slice_index * hosts + p.host: p.node_name for p in pods
+            if p.node_name and p.generation == s.generation}

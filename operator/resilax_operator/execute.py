@@ -1,0 +1,185 @@
+"""The I/O side, part 2: carry out a decision's actions, and the reconcile loop's one turn.
+
+`reconcile_job`: observe (observe.py) → decide (reconcile.py, pure) → `execute`. Each action goes
+through `k8s.Kube`, in order, stopping at the first failure (the exception propagates; the next
+reconcile decides again from what is then observed). Nothing here decides: how and when each pod is
+deleted, what a refused pod means, when to look again, all come from the decision. A status equal to
+the one the job has is not written; what the operator writes goes into the cache at once.
+
+Synchronous; handlers.py calls `reconcile_job` and `cleanup_job` from kopf's threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from . import api, metrics
+from . import status as st
+from .actions import (
+    Action,
+    CreateGeneration,
+    DeleteGeneration,
+    EmitEvent,
+    RequestFinalSave,
+    RequeueAfter,
+    SetStatus,
+    status_body,
+)
+from .builders import build_service_name, build_token_secret_name
+from .cache import WorldCache
+from .errors import ResilaxOperatorError
+from .k8s import Kube, KubeError, SidecarError
+from .observe import Logger, World, job_ref, observe
+from .reconcile import decide_cleanup, decide_pod_refused, decide_raw
+from .settings import OperatorSettings
+
+#: Longest wait between two reconciles of one job, whatever the actions say (seconds).
+MAX_REQUEUE_SECONDS = 5.0
+#: API answers to a pod create that retrying at once will not change (admission refused it).
+REFUSED_STATUSES = frozenset({400, 403, 422})
+
+
+class PodRefusedError(ResilaxOperatorError, PermissionError):
+    """The API server refused to create a worker pod (admission: Pod Security, a quota, a webhook)."""
+
+    def __init__(self, generation: int, pod: str, detail: str, status: st.JobStatus) -> None:
+        self.generation, self.pod, self.detail = generation, pod, detail
+        #: The job's status as the actions executed so far left it.
+        self.status = status
+        super().__init__(f"generation {generation}: creating {pod} refused: {detail}")
+
+
+def reconcile_job(kube: Kube, cache: WorldCache, namespace: str, name: str, settings: OperatorSettings,
+                  logger: Logger) -> float | None:
+    """One reconcile of one JAXJob; the seconds until the next one (None: the job is gone).
+    Reads the cache; only a job the cache has not seen yet is read from the API."""
+    job = cache.job(namespace, name) or kube.get_job(namespace, name)
+    if job is None:
+        return None
+    if (job.get("metadata") or {}).get("deletionTimestamp"):
+        cleanup_job(kube, cache, job, settings, logger)
+        return MAX_REQUEUE_SECONDS
+    world = observe(kube, cache, job, settings, logger)
+    metrics.record_checkpoint(world.observed)
+    spec = job.get("spec") or {}
+    try:
+        return execute(kube, cache, world, decide_raw(spec, world.observed, settings), settings, logger)
+    except PodRefusedError as e:
+        world = replace(world, observed=replace(world.observed, status=e.status))
+        refused = decide_pod_refused(spec, world.observed, e.generation, e.pod, e.detail, settings)
+        return execute(kube, cache, world, refused, settings, logger)
+
+
+def cleanup_job(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: OperatorSettings,
+                logger: Logger) -> None:
+    """On deletion: force-delete pods no kubelet will confirm; the garbage collector does the rest.
+    The token Secret has an owner reference too; deleting it here spares a garbage-collector round."""
+    world = observe(kube, cache, job, settings, logger)
+    execute(kube, cache, world, decide_cleanup(world.observed, settings), settings, logger)
+    ref = job_ref(job)
+    kube.delete_secret(ref.namespace, build_token_secret_name(ref.name))
+    kube.forget_token(ref.uid)
+    metrics.forget_job(ref)
+
+
+def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Action], settings: OperatorSettings,
+            logger: Logger) -> float:
+    """Run the actions in order; the first failure propagates (a refused pod as `PodRefusedError`).
+    Returns the seconds until the next look."""
+    job, ref = world.job, job_ref(world.job)
+    wait = MAX_REQUEUE_SECONDS
+    status_before = world.observed.status
+    for action in actions:
+        if isinstance(action, SetStatus):
+            body = status_body(action)
+            if body != st.build_status(status_before):  # written only when it changes
+                cache.remember(kube.patch_job_status(ref.namespace, ref.name, body))
+            metrics.record_status(ref, status_before, action.status, world.observed.now)
+            status_before = action.status
+        elif isinstance(action, CreateGeneration):
+            create_generation(kube, cache, world, action, status_before, logger)
+        elif isinstance(action, DeleteGeneration):
+            delete_generation(kube, world, action, logger)
+        elif isinstance(action, RequestFinalSave):
+            request_final_save(kube, world, action, settings, logger)
+        elif isinstance(action, EmitEvent):
+            log = logger.warning if action.type == "Warning" else logger.info
+            log("%s: %s", action.reason, action.message)
+            kube.create_event(job, action.type, action.reason, action.message, world.observed.now)
+        elif isinstance(action, RequeueAfter):
+            wait = min(wait, action.seconds)
+    return max(0.5, wait)
+
+
+def create_generation(kube: Kube, cache: WorldCache, world: World, action: CreateGeneration,
+                      status: st.JobStatus, logger: Logger) -> None:
+    """The token Secret, the Service (if given) and each pod; an existing object is success."""
+    kube.ensure_token_secret(job_ref(world.job))
+    if action.service is not None:
+        cache.remember(kube.create(action.service))
+    created = []
+    try:
+        for manifest in action.pods:
+            name = str(manifest["metadata"]["name"])
+            try:
+                made = kube.create(manifest)
+            except KubeError as e:
+                if e.status in REFUSED_STATUSES:
+                    raise PodRefusedError(action.generation, name, e.api_message, status) from e
+                raise
+            if made is not None:
+                cache.remember(made)
+                created.append(name)
+    finally:
+        if created:
+            logger.info("generation %d: created %s", action.generation, ", ".join(created))
+
+
+def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger: Logger) -> None:
+    """Each pod as its `PodDeletion` says (one whose `not_before` is still ahead stays), then the Service."""
+    ref = job_ref(world.job)
+    gone = []
+    for d in action.pods:
+        if d.not_before is not None and world.observed.now < d.not_before:
+            continue  # its trainer may still stop by itself; the decision looks again
+        kube.delete_pod(ref.namespace, d.name, force=d.force, grace_seconds=d.grace_seconds)
+        gone.append(d.name + (" (force)" if d.force else ""))
+    kube.delete_service(ref.namespace, build_service_name(ref.name, action.generation))
+    if gone:
+        logger.info("generation %d (%s): deleting %s", action.generation, action.reason, ", ".join(gone))
+
+
+def request_final_save(kube: Kube, world: World, action: RequestFinalSave, settings: OperatorSettings,
+                       logger: Logger) -> None:
+    """POST /v1/save (stop) to each named pod's sidecar not yet asked, then annotate the pod."""
+    ref = job_ref(world.job)
+    wanted = set(action.pods)
+    asked = errors = 0
+    token: str | None = None
+    for pod in world.pods:
+        meta = pod.get("metadata") or {}
+        name = str(meta.get("name"))
+        if name not in wanted:
+            continue
+        annotation = (meta.get("annotations") or {}).get(api.ANNOTATION_SAVE_REQUEST) or ""
+        if annotation.startswith(action.request_id + "="):
+            asked += 1
+            continue
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip:
+            continue
+        token = token or kube.ensure_token_secret(ref)
+        try:
+            answer = kube.sidecar("POST", ip, settings.sidecar_port, "/v1/save",
+                                  {"reason": action.reason, "stop": True}, token=token)
+        except SidecarError as e:
+            errors += 1
+            logger.warning("final save request to %s failed: %s", name, e)
+            continue
+        kube.annotate_pod(ref.namespace, name, {api.ANNOTATION_SAVE_REQUEST: f"{action.request_id}={answer.get('id')}"})
+        asked += 1
+        logger.info("final save (%s) requested from %s: sidecar request %s", action.reason, name, answer.get("id"))
+    if asked == 0 and errors:
+        raise SidecarError(f"no sidecar of generation {action.generation} took the final save request")

@@ -1,0 +1,291 @@
+"""The world a decision sees (pure): its types and the parsers that build them from raw API bodies.
+
+The I/O side (observe.py) reads the JAXJob, its pods and Services, the nodes and the pods of others
+from the watch cache and the sidecars' answers, and hands them to `build_observed`; every decision reads
+only the resulting `Observed` snapshot (time included: `Observed.now`, never the clock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final
+
+from . import api
+from . import status as st
+from .builders import JobRef
+from .status import CheckpointInfo, JobStatus
+
+
+@dataclass(frozen=True)
+class Taint:
+    key: str
+    value: str = ""
+    effect: str = "NoSchedule"
+
+
+@dataclass(frozen=True)
+class ObservedNode:
+    """A node, as the planner and the failure detection need it."""
+
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)
+    taints: tuple[Taint, ...] = ()
+    #: Status of the node's Ready condition: "True", "False" or "Unknown".
+    ready: str = "True"
+    #: lastTransitionTime of the Ready condition.
+    ready_since: datetime | None = None
+    unschedulable: bool = False
+    #: Allocatable extended resources (google.com/tpu, nvidia.com/gpu) as integers.
+    allocatable: Mapping[str, int] = field(default_factory=dict, hash=False)
+    #: Requests of those resources by pods that are NOT this job's (not terminated).
+    in_use_by_others: Mapping[str, int] = field(default_factory=dict, hash=False)
+
+    @property
+    def pool(self) -> str | None:
+        return self.labels.get(api.NODE_POOL_LABEL)
+
+    def notice(self) -> str | None:
+        """The preemption/maintenance notice on this node, if any."""
+        for t in self.taints:
+            if t.key == api.IMPENDING_TERMINATION_TAINT:
+                return f"taint {t.key}"
+        if api.SCHEDULED_MAINTENANCE_LABEL in self.labels:
+            return f"label {api.SCHEDULED_MAINTENANCE_LABEL}={self.labels[api.SCHEDULED_MAINTENANCE_LABEL]}"
+        return None
+
+    def down_since(self, now: datetime) -> datetime | None:
+        """When the node stopped being Ready (or got the unreachable taint); None while it is Ready."""
+        if self.ready != "True":
+            return self.ready_since or now
+        if any(t.key == api.UNREACHABLE_TAINT for t in self.taints):
+            return self.ready_since or now
+        return None
+
+    def schedulable(self, now: datetime) -> bool:
+        return (self.down_since(now) is None and self.notice() is None and not self.unschedulable
+                and not any(t.key == api.NOT_READY_TAINT for t in self.taints))
+
+
+@dataclass(frozen=True)
+class ObservedPod:
+    """A worker pod of this job (any generation), from its labels and status."""
+
+    name: str
+    generation: int
+    slice_index: int
+    host: int
+    #: Pending, Running, Succeeded, Failed or Unknown.
+    phase: str = "Pending"
+    node_name: str | None = None
+    pod_ip: str | None = None
+    deletion_timestamp: datetime | None = None
+    #: metadata.deletionGracePeriodSeconds once deletion started.
+    deletion_grace_seconds: int | None = None
+    #: The trainer container's exit code once terminated (None while running or never started).
+    exit_code: int | None = None
+    #: The trainer container's termination reason (Error, OOMKilled, ...).
+    exit_reason: str | None = None
+    #: The pod's status.reason (Evicted, NodeShutdown, ...): set when the pod, not the worker, failed.
+    pod_reason: str | None = None
+    ready: bool = False
+    #: The trainer container is running (its state is `running`).
+    trainer_running: bool = False
+
+    @property
+    def terminated(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def trainer_exited(self) -> bool:
+        """The trainer container has terminated (whatever the pod's phase)."""
+        return self.exit_code is not None
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """A final save result a sidecar reported ($RESILAX_CONTROL_DIR/results/<id>.json)."""
+
+    request_id: str
+    step: int | None = None
+    committed: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """The trainer's restore of the newest step (`restore` in the sidecar's `/v1/state`)."""
+
+    step: int | None
+    #: (step, why) of each newer committed step it could not read and skipped.
+    skipped: tuple[tuple[int, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One snapshot of everything a decision needs. Built by the I/O side; never mutated."""
+
+    now: datetime
+    job: JobRef
+    status: JobStatus
+    #: metadata.generation of the JAXJob (recorded as status.observedGeneration).
+    spec_generation: int = 0
+    pods: tuple[ObservedPod, ...] = ()
+    #: Generations whose headless Service exists.
+    services: tuple[int, ...] = ()
+    nodes: tuple[ObservedNode, ...] = ()
+    save_outcomes: tuple[SaveOutcome, ...] = ()
+    #: The newest checkpoint the sidecars report (None if unknown).
+    checkpoint: CheckpointInfo | None = None
+    #: What the current generation's restore did, from pod 0's sidecar (None if unknown).
+    restore: RestoreReport | None = None
+
+    def node(self, name: str | None) -> ObservedNode | None:
+        return next((n for n in self.nodes if n.name == name), None) if name else None
+
+    def pods_of(self, generation: int) -> list[ObservedPod]:
+        """The pods of one generation, by name."""
+        return sorted((p for p in self.pods if p.generation == generation), key=lambda p: p.name)
+
+
+# ---------------------------------------------------------------- parsers (raw API bodies → Observed)
+
+#: Extended resources the planner counts per node.
+DEVICE_RESOURCES: Final = (api.TPU_RESOURCE, api.GPU_RESOURCE)
+
+
+def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
+    """A worker pod as the API returns it → ObservedPod (None if it lacks the worker labels)."""
+    meta = raw.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    try:
+        generation = int(labels[api.LABEL_GENERATION])
+        slice_index = int(labels[api.LABEL_SLICE])
+        host = int(labels[api.LABEL_HOST])
+    except (KeyError, ValueError):
+        return None
+    spec = raw.get("spec") or {}
+    status = raw.get("status") or {}
+    containers = [c.get("name") for c in spec.get("containers") or []]
+    trainer = api.TRAINER_CONTAINER if api.TRAINER_CONTAINER in containers else (containers[0] if containers else None)
+    exit_code = exit_reason = None
+    trainer_running = False
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") == trainer:
+            state = cs.get("state") or {}
+            trainer_running = bool(state.get("running"))
+            terminated = state.get("terminated")
+            if terminated:
+                code = terminated.get("exitCode")
+                exit_code = None if code is None else int(code)
+                exit_reason = terminated.get("reason")
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    grace = meta.get("deletionGracePeriodSeconds")
+    return ObservedPod(
+        name=str(meta.get("name", "")), generation=generation, slice_index=slice_index, host=host,
+        phase=str(status.get("phase") or "Pending"), node_name=spec.get("nodeName") or None,
+        pod_ip=status.get("podIP") or None, deletion_timestamp=st.parse_time(meta.get("deletionTimestamp")),
+        deletion_grace_seconds=None if grace is None else int(grace),
+        exit_code=exit_code, exit_reason=exit_reason, pod_reason=status.get("reason") or None, ready=ready,
+        trainer_running=trainer_running)
+
+
+def parse_node(raw: Mapping[str, Any], in_use_by_others: Mapping[str, int] | None = None) -> ObservedNode:
+    """A Node as the API returns it → ObservedNode. `in_use_by_others`: see `count_devices_in_use`."""
+    meta = raw.get("metadata") or {}
+    spec = raw.get("spec") or {}
+    status = raw.get("status") or {}
+    ready: Mapping[str, Any] = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    allocatable = {}
+    for r in DEVICE_RESOURCES:
+        value = (status.get("allocatable") or {}).get(r)
+        if value is not None:
+            allocatable[r] = int(str(value))
+    return ObservedNode(
+        name=str(meta.get("name", "")), labels=dict(meta.get("labels") or {}),
+        taints=tuple(Taint(str(t.get("key", "")), str(t.get("value", "") or ""), str(t.get("effect", "")))
+                     for t in spec.get("taints") or []),
+        ready=str(ready.get("status", "Unknown")), ready_since=st.parse_time(ready.get("lastTransitionTime")),
+        unschedulable=bool(spec.get("unschedulable", False)), allocatable=allocatable,
+        in_use_by_others=dict(in_use_by_others or {}))
+
+
+def count_devices_in_use(raw_pods: Iterable[Mapping[str, Any]], job: str) -> dict[str, dict[str, int]]:
+    """node name → device resource → amount requested by live pods that are not this job's workers."""
+    out: dict[str, dict[str, int]] = {}
+    for pod in raw_pods:
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        node = spec.get("nodeName")
+        if not node or (meta.get("labels") or {}).get(api.LABEL_JOB) == job:
+            continue
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+            resources = c.get("resources") or {}
+            asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+            for r in DEVICE_RESOURCES:
+                if r in asked:
+                    out.setdefault(node, {})[r] = out.get(node, {}).get(r, 0) + int(str(asked[r]))
+    return out
+
+
+def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome | None:
+    """The sidecar's `GET /v1/save/{id}` answer → SaveOutcome for the operator's `request_id`
+    (None while it is pending)."""
+    state = body.get("status")
+    if state == "pending":
+        return None
+    step = body.get("step")
+    return SaveOutcome(request_id, None if step is None else int(step), bool(body.get("committed")),
+                       body.get("error") or (None if state == "committed" else f"save {state}"))
+
+
+def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapping[str, Any]],
+                   services: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[str, Any]],
+                   other_pods: Iterable[Mapping[str, Any]] = (), save_outcomes: Iterable[SaveOutcome] = (),
+                   checkpoint: CheckpointInfo | None = None, restore: RestoreReport | None = None) -> Observed:
+    """Observed from raw API bodies: the JAXJob, its pods and Services (label resilax.dev/job=<name>),
+    all Nodes, and the pods of everything else that may hold accelerators (`other_pods`, any namespace;
+    this job's pods among them are ignored)."""
+    meta = job.get("metadata") or {}
+    name = str(meta.get("name", ""))
+    ref = JobRef(name, str(meta.get("namespace", "")), str(meta.get("uid", "")))
+    job_pods = [p for p in (parse_pod(raw) for raw in pods) if p is not None]
+    generations = set()
+    for svc in services:
+        label = ((svc.get("metadata") or {}).get("labels") or {}).get(api.LABEL_GENERATION)
+        if label is not None and str(label).isdigit():
+            generations.add(int(label))
+    in_use = count_devices_in_use(other_pods, name)
+    observed_nodes = tuple(parse_node(n, in_use.get(str((n.get("metadata") or {}).get("name", "")), {}))
+                           for n in nodes)
+    return Observed(now=now, job=ref, status=st.parse_status(job.get("status")),
+                    spec_generation=int(meta.get("generation") or 0),
+                    pods=tuple(sorted(job_pods, key=lambda p: p.name)), services=tuple(sorted(generations)),
+                    nodes=tuple(sorted(observed_nodes, key=lambda n: n.name)),
+                    save_outcomes=tuple(save_outcomes), checkpoint=checkpoint, restore=restore)
+
+
+def parse_restore_report(body: Mapping[str, Any]) -> RestoreReport | None:
+    """`restore` of the sidecar's `GET /v1/state` → RestoreReport (None if absent or malformed)."""
+    raw = body.get("restore")
+    if not isinstance(raw, Mapping):
+        return None
+    try:
+        step = None if raw.get("step") is None else int(raw["step"])
+        skipped = tuple((int(s["step"]), str(s.get("reason", ""))) for s in raw.get("skipped") or [])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return RestoreReport(step, skipped)
+
+
+def parse_sidecar_state(body: Mapping[str, Any], now: datetime) -> CheckpointInfo | None:
+    """The sidecar's `GET /v1/state` answer → the newest checkpoint it knows (persisted beats local).
+    `time` is when the operator first saw the step (the status keeps the first time it saw it)."""
+    persisted, local = body.get("newest_persisted_step"), body.get("newest_local_step")
+    if persisted is not None:
+        return CheckpointInfo(int(persisted), st.truncate(now), True, "persistent")
+    if local is not None:
+        return CheckpointInfo(int(local), st.truncate(now), True, "local")
+    return None

@@ -1,0 +1,49 @@
+"""The operator's policies (pure), one file each; reconcile.py dispatches to them.
+
+On a running generation the checks run in this order and the first that finds something decides
+(`reconcile.WATCH`):
+
+| policy             | finds                                                   | then                          |
+|--------------------|---------------------------------------------------------|-------------------------------|
+| node_loss          | a worker's node down past nodeLossGraceSeconds, or gone | NodeLoss: force, no save      |
+| preemption         | a preemption/maintenance notice on a worker's node      | Preemption: final save        |
+| node_loss          | a worker's node down within its grace                   | Degraded, wait                |
+| resize             | a spec edit the running shape no longer fits            | Resize                        |
+| worker_exit        | a worker stopped (75), failed, lost, gone; all done     | WorkerStopped/Failure/PodLost |
+| generation_start   | workers no node takes within scheduleTimeoutSeconds     | PodLost: replan               |
+| resize             | a spec edit to a larger shape; capacity came back       | Resize / GrowBack: final save |
+
+A finding starts a transition (transition.py: record it, final_save.py, tear the generation down);
+once no pod of it is left, generation_start.py plans and creates the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from ..actions import Action, EmitEvent
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A check found that the running generation must be replaced (`transition.begin` records it)."""
+
+    #: The transition's kind (status.PREEMPTION, NODE_LOSS, ...).
+    kind: str
+    #: The Ready condition's reason (a constant of api.py) and its message.
+    reason: str
+    message: str
+    #: Type of the Event announcing it.
+    event_type: str = "Warning"
+    #: Counted against recovery.maxRestarts (the worker's own failure).
+    failure: bool = False
+    #: The next generation starts no earlier than this (backoff).
+    not_before: datetime | None = None
+    #: Events after the announcing one.
+    events: tuple[EmitEvent, ...] = field(default=())
+
+
+#: What a check on the running generation returns: a finding (replace the generation), the actions
+#: to take instead (wait, complete), or None (nothing to say; the next check runs).
+Verdict = Finding | list[Action] | None

@@ -1,0 +1,185 @@
+"""Generation start: plan and create a generation once no pod of another one exists, bring it up, and
+watch it come to Running.
+
+| situation                                         | decision                                          |
+|---------------------------------------------------|---------------------------------------------------|
+| pods of another generation still exist            | wait (never two generations at once)              |
+| a failure's backoff (`transition.notBefore`) runs | Ready=False Backoff, look again at notBefore      |
+| no shape fits the schedulable node pools          | InsufficientCapacity (event once), look again     |
+| a shape fits                                      | status first (generation N+1), then Service + pods |
+| pod 0 has no IP yet                               | wait                                              |
+| pod 0 has an IP                                   | the other pods (coordinator address), workersCreated |
+| the API server refuses a pod (admission)          | PodCreationRefused with its answer (and the fix)  |
+| a worker unscheduled past scheduleTimeoutSeconds  | PodLost Unschedulable: replan                     |
+| every worker Running                              | Running, Ready=True (event once)                  |
+
+The first generation restores `checkpoint.restoreStep`, every later one the latest step. A restore
+that skipped unreadable steps sets CheckpointFallback (`decide_restore_fallback`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Final
+
+from .. import api
+from .. import status as st
+from ..actions import (
+    POLL_SECONDS,
+    Action,
+    CreateGeneration,
+    EmitEvent,
+    RequeueAfter,
+    SetStatus,
+    status_change,
+)
+from ..builders import GenerationPlan, JobRef, build_pod_name, build_pods, build_service, node_scoped
+from ..capacity import explain_shortfall, fingerprint, plan_shape, shape_chips
+from ..observed import Observed, RestoreReport
+from ..settings import OperatorSettings
+from ..spec import RESTORE_LATEST, JobSpec
+from ..status import JobStatus
+from . import Finding
+
+#: How soon to look again while waiting for capacity (seconds).
+CAPACITY_POLL_SECONDS: Final = 15.0
+
+
+def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
+          actions: list[Action]) -> list[Action]:
+    """The next generation (the first when `s.generation` is 0), once no pod of any generation exists."""
+    now = observed.now
+    first = s.generation == 0
+    if observed.pods:  # never two generations at once
+        return [*actions, RequeueAfter(POLL_SECONDS)]
+    t = s.transition
+    if t is not None and t.not_before is not None and now < t.not_before:
+        new = replace(s, phase=st.phase_for(t, first=first))
+        new = st.set_condition(new, api.COND_READY, False, api.BACKOFF.name, t.message, now)
+        return [*actions, *status_change(observed.status, new),
+                RequeueAfter(max(1.0, (t.not_before - now).total_seconds()))]
+    planned = plan_shape(spec, observed.nodes, now)
+    if planned is None:
+        detail = explain_shortfall(spec, observed.nodes, now)
+        new = replace(s, phase=st.phase_for(t, first=first))
+        new = st.set_condition(new, api.COND_READY, False, api.INSUFFICIENT_CAPACITY.name,
+                               api.INSUFFICIENT_CAPACITY.format(detail=detail), now)
+        changed = (s.condition(api.COND_READY) or st.Condition("", "", "", "")).reason != api.INSUFFICIENT_CAPACITY.name
+        events = [EmitEvent("Warning", api.INSUFFICIENT_CAPACITY.name, api.INSUFFICIENT_CAPACITY.format(detail=detail))]
+        return [*actions, *status_change(observed.status, new, *(events if changed else [])),
+                RequeueAfter(CAPACITY_POLL_SECONDS)]
+
+    generation = s.generation + 1
+    restore = spec.checkpoint.restore_step if generation == 1 else RESTORE_LATEST
+    plan = GenerationPlan(generation, planned.shape, planned.pools, restore, s.worker_nodes)
+    if t is None:
+        phase = api.PHASE_PENDING if first else api.PHASE_RECOVERING
+    else:
+        phase = api.PHASE_RESIZING if t.kind in st.RESIZE_KINDS else api.PHASE_RECOVERING
+    new = replace(s, phase=phase, generation=generation, shape=planned.shape, hosts=planned.hosts, pools=planned.pools,
+                  restore_step=restore, generation_start_time=st.truncate(now), workers_created=planned.hosts == 1,
+                  restarts=s.restarts + (0 if first else 1), planned_from=fingerprint(spec), transition=None)
+    message = api.GENERATION_CREATED.format(generation=generation, count=planned.shape.count,
+                                            topology=planned.shape.topology, hosts=planned.hosts, restore=restore)
+    new = st.set_condition(new, api.COND_READY, False, api.WORKERS_STARTING.name, message, now)
+    new = with_degraded(spec, new, now)
+    new = st.set_condition(new, api.COND_SAVING, False, api.NOT_SAVING.name, api.NOT_SAVING.message, now)
+    pods = build_pods(observed.job, spec, plan, settings, coordinator_ip=None)
+    return [*actions, SetStatus(new), EmitEvent("Normal", api.GENERATION_CREATED.name, message),
+            CreateGeneration(generation, build_service(observed.job, plan, settings), tuple(pods))]
+
+
+def check_unscheduled(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings) -> Finding | None:
+    """Workers no node takes `scheduleTimeoutSeconds` after the generation started: the capacity the
+    planner saw is not there after all; replan."""
+    now = observed.now
+    started = s.generation_start_time or now
+    if now - started < timedelta(seconds=settings.schedule_timeout_seconds):
+        return None
+    stuck = [p.name for p in observed.pods_of(s.generation) if p.node_name is None and p.phase == "Pending"]
+    if not stuck:
+        return None
+    return Finding(st.POD_LOST, api.UNSCHEDULABLE.name, api.UNSCHEDULABLE.format(
+        pod=stuck[0], generation=s.generation, seconds=settings.schedule_timeout_seconds))
+
+
+def bring_up(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings) -> list[Action]:
+    """The running generation, nothing found against it: create the missing workers (pod 0 first, the
+    others once its IP is known), then report Running or Starting."""
+    now, g = observed.now, s.generation
+    pods = observed.pods_of(g)
+    names = expected_pod_names(observed.job, s)
+    plan = GenerationPlan(g, s.shape or spec.spec_shape, s.pools, s.restore_step or RESTORE_LATEST, s.worker_nodes)
+    if not s.workers_created:
+        pod0 = next((p for p in pods if p.name == names[0]), None)
+        if pod0 is None:
+            return [CreateGeneration(g, build_service(observed.job, plan, settings),
+                                     tuple(build_pods(observed.job, spec, plan, settings, coordinator_ip=None))),
+                    RequeueAfter(POLL_SECONDS)]
+        if pod0.pod_ip is None:
+            return [RequeueAfter(POLL_SECONDS)]
+        rest = [m for m in build_pods(observed.job, spec, plan, settings, coordinator_ip=pod0.pod_ip)
+                if m["metadata"]["name"] not in {p.name for p in pods}]
+        return [CreateGeneration(g, None, tuple(rest)), SetStatus(replace(s, workers_created=True)),
+                RequeueAfter(POLL_SECONDS)]
+    running = sum(1 for p in pods if p.phase in ("Running", "Succeeded"))
+    new = replace(with_degraded(spec, s, now), planned_from=fingerprint(spec))
+    if running == s.hosts:
+        message = api.WORKERS_RUNNING.format(generation=g, hosts=s.hosts)
+        new = replace(new, phase=api.PHASE_RUNNING)
+        new = st.set_condition(new, api.COND_READY, True, api.WORKERS_RUNNING.name, message, now)
+        became_ready = observed.status.phase != api.PHASE_RUNNING
+        events = [EmitEvent("Normal", api.WORKERS_RUNNING.name, message)] if became_ready else []
+        return status_change(observed.status, new, *events)
+    message = api.WORKERS_STARTING.format(generation=g, running=running, hosts=s.hosts)
+    new = st.set_condition(new, api.COND_READY, False, api.WORKERS_STARTING.name, message, now)
+    return [*status_change(observed.status, new), RequeueAfter(POLL_SECONDS)]
+
+
+def decide_pod_refused(spec: JobSpec | None, status: JobStatus, generation: int, pod: str, detail: str,
+                       now: datetime, settings: OperatorSettings) -> list[Action]:
+    """The API server refused to create a worker pod (Pod Security admission, a quota, a webhook):
+    Ready=False with reason PodCreationRefused, the API server's message and, when the pods mount a
+    hostPath local tier, the fix; a Warning event when that message is new; try again later.
+    `spec` is None when the job's spec no longer validates."""
+    fix = api.HOSTPATH_FIX if spec is not None and node_scoped(spec) else ""
+    message = api.POD_CREATION_REFUSED.format(generation=generation, pod=pod, detail=detail, fix=fix)
+    old = status.condition(api.COND_READY)
+    new = st.set_condition(status, api.COND_READY, False, api.POD_CREATION_REFUSED.name, message, now)
+    events = [] if old is not None and old.reason == api.POD_CREATION_REFUSED.name and old.message == message \
+        else [EmitEvent("Warning", api.POD_CREATION_REFUSED.name, message)]
+    return [*status_change(status, new, *events), RequeueAfter(float(settings.refused_retry_seconds))]
+
+
+def decide_restore_fallback(s: JobStatus, report: RestoreReport | None, now: datetime) -> tuple[JobStatus, list[EmitEvent]]:
+    """When the workers skipped unreadable steps: the CheckpointFallback condition and one Warning event
+    per new report (the condition's message is the memory, so deciding twice emits nothing new)."""
+    if report is None or not report.skipped or report.step is None:
+        return s, []
+    skipped = "; ".join(f"step {step}: {why[:300]}" for step, why in report.skipped)
+    message = api.STEPS_SKIPPED.message.format(generation=s.generation, step=report.step, skipped=skipped)
+    current = s.condition(api.COND_CHECKPOINT_FALLBACK)
+    if current is not None and current.status == "True" and current.message == message:
+        return s, []
+    new = st.set_condition(s, api.COND_CHECKPOINT_FALLBACK, True, api.STEPS_SKIPPED.name, message, now)
+    return new, [EmitEvent("Warning", api.STEPS_SKIPPED.name, message)]
+
+
+def expected_pod_names(job: JobRef, s: JobStatus) -> list[str]:
+    """The current generation's pod names, from the status alone (the spec may have changed since)."""
+    count = s.shape.count if s.shape is not None else 1
+    hosts = max(1, s.hosts // max(1, count))
+    return [build_pod_name(job.name, s.generation, i, h) for i in range(count) for h in range(hosts)]
+
+
+def with_degraded(spec: JobSpec, s: JobStatus, now: datetime) -> JobStatus:
+    """The Degraded condition: True while the running shape has fewer chips than the spec's."""
+    if s.shape is None:
+        return s
+    wanted = spec.spec_shape
+    if shape_chips(spec, s.shape) < shape_chips(spec, wanted):
+        return st.set_condition(s, api.COND_DEGRADED, True, api.SHRUNK.name,
+                                api.SHRUNK.format(current=s.shape, wanted=wanted), now)
+    return st.set_condition(s, api.COND_DEGRADED, False, api.AT_FULL_SHAPE.name,
+                            api.AT_FULL_SHAPE.format(current=s.shape), now)

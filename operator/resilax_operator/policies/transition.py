@@ -1,0 +1,135 @@
+"""A transition: how a generation is replaced, whatever found that it must be (the other policies).
+
+1. `begin`: record the transition in the status (kind, message, the final save request if
+   final_save.py wants one, the backoff) with Ready=False and an Event, then act on it at once.
+2. `proceed` (every later decision, also after an operator restart: the status is the memory):
+   while the final save runs, final_save.py; then tear the generation down (`plan_delete`);
+   once none of its pods is left, generation_start.py starts the next one.
+
+How each pod of a generation is deleted (`plan_delete`):
+
+| the pod                                                  | deletion                                   |
+|----------------------------------------------------------|--------------------------------------------|
+| on a down or gone node, or Terminating far past its grace | force (gracePeriodSeconds=0)              |
+| already Terminating                                      | left alone                                 |
+| NodeLoss: a surviving worker                             | grace node_loss.SURVIVOR_GRACE_SECONDS     |
+| its trainer exited, no local tier                        | grace TRAINER_GONE_GRACE_SECONDS           |
+| planned teardown, its trainer still running              | not before teardownSince + STOPPING_TRAINER_WAIT_SECONDS |
+| otherwise                                                | the pod's own grace (SIGTERM: the workers save) |
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Final
+
+from .. import api
+from .. import status as st
+from ..actions import (
+    POLL_SECONDS,
+    Action,
+    DeleteGeneration,
+    EmitEvent,
+    PodDeletion,
+    RequeueAfter,
+    SetStatus,
+    status_change,
+)
+from ..observed import Observed
+from ..settings import OperatorSettings
+from ..spec import JobSpec
+from ..status import JobStatus, Transition
+from . import Finding, final_save, generation_start, node_loss
+
+#: Grace period of a pod whose trainer has already exited, when the job has no local tier: its sidecar
+#: has nothing left to save or upload, but without the trainer's liveness lock (docs/sidecar.md, open
+#: points) it would wait for an answer until its own grace (finalSave.timeoutSeconds) runs out.
+TRAINER_GONE_GRACE_SECONDS: Final = 2
+#: After a final save with stop, the trainers exit (75) by themselves within moments. A pod deleted
+#: before that gets SIGTERM and its sidecar waits for a save answer that never comes; so a planned
+#: teardown leaves a pod whose trainer still runs alone for up to this long after it began (seconds).
+STOPPING_TRAINER_WAIT_SECONDS: Final = 15
+#: Transitions the operator chose (not forced on it): their workers may stop by themselves.
+PLANNED_KINDS: Final = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK, st.WORKER_STOPPED})
+
+
+def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings, actions: list[Action],
+          finding: Finding) -> list[Action]:
+    """Record a transition away from the current generation, then act on it."""
+    now, g = observed.now, s.generation
+    if finding.failure:
+        s = replace(s, failures=s.failures + 1)
+    save = final_save.wanted(spec, finding.kind) and any(p.phase == "Running" for p in observed.pods_of(g))
+    since = st.truncate(now)
+    t = Transition(kind=finding.kind, generation=g, since=since, message=finding.message,
+                   save_request_id=f"{observed.job.name}-g{g}-{finding.kind.lower()}" if save else None,
+                   save_deadline=since + timedelta(seconds=spec.checkpoint.final_save.timeout_seconds) if save else None,
+                   not_before=finding.not_before, teardown_since=None if save else since)
+    new = replace(s, transition=t, phase=st.phase_for(t, first=False))
+    new = st.set_condition(new, api.COND_READY, False, finding.reason, finding.message, now)
+    head: list[Action] = [*actions, SetStatus(new), EmitEvent(finding.event_type, finding.reason, finding.message),
+                          *finding.events]
+    # Act on the recorded transition right away, as the next decision would.
+    return head + proceed(spec, replace(observed, status=new), new, settings, [], announce=False)
+
+
+def proceed(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
+            actions: list[Action], *, announce: bool = True) -> list[Action]:
+    """The recorded transition's next step: final save, teardown, or the next generation."""
+    t = s.transition
+    assert t is not None
+    g = t.generation
+    pods = observed.pods_of(g)
+    base = observed.status if announce else s
+
+    if t.saving:
+        step = final_save.progress(spec, observed, s, settings, base)
+        if isinstance(step, list):
+            return [*actions, *step]
+        s, event = step
+        actions = [*actions, SetStatus(s), event]
+    else:
+        new = replace(s, phase=st.phase_for(t, first=False))
+        new = st.set_condition(new, api.COND_SAVING, False, api.NOT_SAVING.name, api.NOT_SAVING.message, observed.now)
+        actions = [*actions, *status_change(base, new)]
+        s = new
+    t = s.transition
+    assert t is not None
+
+    if pods or g in observed.services:
+        delete = plan_delete(observed, spec, g, t.kind, settings, t.teardown_since or t.since)
+        if needs_delete(observed, delete):
+            actions = [*actions, delete]
+        if pods:
+            return [*actions, RequeueAfter(POLL_SECONDS)]
+    return generation_start.start(spec, replace(observed, status=s), s, settings, actions)
+
+
+def plan_delete(observed: Observed, spec: JobSpec, generation: int, reason: str, settings: OperatorSettings,
+                teardown_since: datetime | None = None) -> DeleteGeneration:
+    """Delete `generation`: each pod as the table in this module's docstring says."""
+    pods = observed.pods_of(generation)
+    forced = set(node_loss.pods_to_force(observed, pods, settings))
+    out = []
+    for p in pods:
+        if p.name in forced:
+            out.append(PodDeletion(p.name, force=True))
+            continue
+        if p.deletion_timestamp is not None:
+            continue  # already going; deleting again changes nothing
+        grace = None
+        if reason == st.NODE_LOSS:
+            grace = node_loss.SURVIVOR_GRACE_SECONDS
+        elif spec.checkpoint.local is None and p.trainer_exited:
+            grace = TRAINER_GONE_GRACE_SECONDS
+        not_before = None
+        if reason in PLANNED_KINDS and p.trainer_running and teardown_since is not None:
+            not_before = teardown_since + timedelta(seconds=STOPPING_TRAINER_WAIT_SECONDS)
+        out.append(PodDeletion(p.name, grace, not_before=not_before))
+    return DeleteGeneration(generation, reason, tuple(out))
+
+
+def needs_delete(observed: Observed, action: DeleteGeneration) -> bool:
+    """Whether `action` changes anything: a pod to delete, or the generation's Service."""
+    return bool(action.pods) or action.generation in observed.services
