@@ -26,8 +26,6 @@ STORAGE_MOUNT: Final = "/var/run/resilax/storage"
 STORAGE_VOLUME: Final = "resilax-storage"
 SIDECAR_RESOURCES: Final = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 LOCAL_INIT_RESOURCES: Final = {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}}
-#: Variables the trainer keeps from the template when it sets them (everything else the operator owns).
-USER_OVERRIDABLE: Final = frozenset({"XLA_FLAGS", "JAX_CPU_COLLECTIVES_IMPLEMENTATION"})
 
 
 @dataclass(frozen=True)
@@ -321,7 +319,8 @@ def _var(name: str, value: object) -> dict[str, Any]:
 
 def _merge_env(ours: list[dict[str, Any]], theirs: Sequence[Mapping[str, Any]],
                geometry: SliceGeometry) -> list[dict[str, Any]]:
-    """Ours first (so theirs may refer to $(RESILAX_...)); ours win except for USER_OVERRIDABLE."""
+    """Ours first (so theirs may refer to $(RESILAX_...)) and ours win; on CPU the XLA_FLAGS and
+    JAX_CPU_COLLECTIVES_IMPLEMENTATION defaults only when the user sets none."""
     names = {e["name"] for e in ours}
     user_names = {e.get("name") for e in theirs}
     extra: list[dict[str, Any]] = []

@@ -77,7 +77,7 @@ def cleanup_job(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings:
     """On deletion: force-delete pods no kubelet will confirm; the garbage collector does the rest.
     The token Secret has an owner reference too; deleting it here spares a garbage-collector round."""
     world = observe(kube, cache, job, settings, logger)
-    execute(kube, cache, world, decide_cleanup(world.observed, settings), settings, logger)
+    execute(kube, cache, world, decide_cleanup(world.observed), settings, logger)
     ref = job_ref(job)
     kube.delete_secret(ref.namespace, build_token_secret_name(ref.name))
     kube.forget_token(ref.uid)

@@ -142,7 +142,7 @@ def decide_pod_refused(raw_spec: Mapping[str, Any], observed: Observed, generati
     return generation_start.decide_pod_refused(spec, observed.status, generation, pod, detail, observed.now, settings)
 
 
-def decide_cleanup(observed: Observed, settings: OperatorSettings) -> list[Action]:
+def decide_cleanup(observed: Observed) -> list[Action]:
     """For the JAXJob's delete handler: the garbage collector deletes the workers gracefully, but no
     kubelet will ever confirm pods on a down node; force-delete those (checkpoints stay in storage)."""
     out: list[Action] = []

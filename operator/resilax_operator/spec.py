@@ -19,7 +19,6 @@ DEFAULT_MAX_RESTARTS: Final = 20
 DEFAULT_BACKOFF_SECONDS: Final = 10
 DEFAULT_NODE_LOSS_GRACE_SECONDS: Final = 30
 RESTORE_LATEST: Final = "latest"
-RESTORE_NONE: Final = "none"
 RESTORE_STEP_PATTERN: Final = re.compile(r"^(latest|none|[0-9]+)$")
 LOCAL_MEDIA: Final = ("", "Memory")
 LOCAL_SCOPE_NODE: Final = "Node"

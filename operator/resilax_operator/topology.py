@@ -26,7 +26,6 @@ TPU_3D: Final = ("tpu-v4-podslice", "tpu-v5p-slice")
 TPU_2D: Final = ("tpu-v5-lite-podslice", "tpu-v6e-slice")
 TPU_ACCELERATORS: Final = TPU_3D + TPU_2D
 CPU: Final = "cpu"
-GPU_PREFIX: Final = "nvidia-"
 GPU_PATTERN: Final = re.compile(r"^nvidia-[a-z0-9]+(-[a-z0-9]+)*$")
 
 #: Largest slice (chips) per 3-D family.

@@ -491,7 +491,7 @@ def test_cleanup_forces_pods_on_down_nodes_only() -> None:
     w = running_world()
     dead = w.gen_pods()[0]
     w.set_node(dead.node_name or "", ready="Unknown")
-    actions = decide_cleanup(w.observed(), SETTINGS)
+    actions = decide_cleanup(w.observed())
     assert actions == [DeleteGeneration(1, "job deleted", (PodDeletion(dead.name, force=True),))]
 
 
