@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from op_samples import good_spec
 from resilax_operator import api
 from resilax_operator.actions import (
     Action,
@@ -169,3 +170,24 @@ class World:
 
     def reasons(self) -> list[str]:
         return [e.reason for e in self.events]
+
+
+# ---- worlds the policy tests start from
+
+
+def fixed_spec(count: int = 2) -> dict[str, Any]:
+    raw = good_spec()
+    del raw["elastic"]
+    raw["slices"]["count"] = count
+    return raw
+
+
+def four_pools(hosts: int = 4) -> list[list[ObservedNode]]:
+    return [tpu_pool(f"pool-{c}", hosts) for c in "abcd"]
+
+
+def running_world(spec: dict[str, Any] | None = None, pools: list[list[ObservedNode]] | None = None) -> World:
+    w = World.make(spec or good_spec(), *(pools or four_pools()))
+    w.settle()
+    assert w.status.phase == api.PHASE_RUNNING, w.status
+    return w

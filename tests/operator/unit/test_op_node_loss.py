@@ -1,0 +1,194 @@
+"""node_loss.py: a worker's node down past its grace (or gone) replaces the generation at once.
+
+Driven through the in-memory world (op_world), which checks at every decision that deciding twice
+gives the same actions and that no generation is created while another one's pods exist; the
+tables call the policy's functions directly."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from op_restart import KEEP, Driver, assert_survives_restarts
+from op_samples import good_spec
+from op_world import SETTINGS, T0, cpu_pool, fixed_spec, four_pools, running_world, tpu_pool
+from resilax_operator import api
+from resilax_operator import status as st
+from resilax_operator.actions import (
+    DeleteGeneration,
+    PodDeletion,
+    RequeueAfter,
+    SetStatus,
+)
+from resilax_operator.observed import Taint
+from resilax_operator.policies import node_loss
+from resilax_operator.reconcile import decide_cleanup
+from resilax_operator.spec import Shape
+from resilax_operator.validation import validate_spec
+
+
+def test_hard_node_loss_after_grace_force_deletes_and_shrinks() -> None:
+    w = running_world()
+    dead = w.gen_pods()[6].node_name or ""
+    w.advance(100)
+    w.set_node(dead, ready="Unknown", ready_since=w.now, taints=(Taint(api.UNREACHABLE_TAINT, "", "NoSchedule"),))
+    w.advance(29)
+    actions = w.step()
+    assert not any(isinstance(a, DeleteGeneration) for a in actions)
+    degraded = w.status.condition(api.COND_DEGRADED)
+    assert degraded is not None and degraded.reason == api.NODE_NOT_READY.name
+    # the other workers fail (JAX: when one process dies the others fail) within the grace: not counted
+    w.exit_workers(1, names=[w.gen_pods()[0].name])
+    assert not any(isinstance(a, DeleteGeneration) for a in w.step())
+    w.advance(1)
+    dead_pod = next(p.name for p in w.gen_pods(1) if p.node_name == dead)
+    actions = w.step()
+    delete = next(a for a in actions if isinstance(a, DeleteGeneration))
+    assert delete.force_pods == (dead_pod,)
+    assert w.status.transition is not None and w.status.transition.kind == st.NODE_LOSS
+    assert w.status.phase == api.PHASE_RECOVERING and w.status.failures == 0
+    w.settle()
+    assert w.status.generation == 2 and w.status.shape == Shape("4x4", 3)
+    assert w.nodes[dead].pool not in w.status.pools
+
+
+def test_pods_on_a_deleted_node_are_lost_at_once() -> None:
+    w = running_world()
+    gone = w.gen_pods()[0].node_name or ""
+    del w.nodes[gone]
+    w.step()
+    assert w.status.transition is not None and w.status.transition.kind == st.NODE_LOSS
+
+
+def test_fixed_shape_node_loss_waits_for_capacity() -> None:
+    w = running_world(fixed_spec(2), [tpu_pool("pool-a", 4), tpu_pool("pool-b", 4)])
+    dead = w.gen_pods()[0].node_name or ""
+    w.set_node(dead, ready="False", ready_since=w.now)
+    w.advance(31)
+    w.settle()
+    assert w.status.generation == 1 and w.status.phase == api.PHASE_RECOVERING
+    assert not w.pods
+    ready = w.status.condition(api.COND_READY)
+    assert ready is not None and ready.reason == api.INSUFFICIENT_CAPACITY.name
+    w.set_node(dead, ready="True", ready_since=w.now)
+    w.settle()
+    assert w.status.generation == 2 and w.status.phase == api.PHASE_RUNNING
+
+
+def test_cpu_job_on_local_pools() -> None:
+    raw = copy.deepcopy(good_spec())
+    raw["slices"] = {"accelerator": "cpu", "topology": "2x4", "count": 2, "chipsPerHost": 4}
+    raw["elastic"] = {"minCount": 1, "maxCount": 2}
+    w = running_world(raw, [cpu_pool("cpu-a", 2), cpu_pool("cpu-b", 2)])
+    assert w.status.shape == Shape("2x4", 2) and w.status.hosts == 4
+    dead = w.gen_pods()[0].node_name or ""
+    w.set_node(dead, ready="Unknown", ready_since=w.now)
+    w.advance(30)
+    w.settle()
+    assert w.status.shape == Shape("2x4", 1) and w.status.pools == ("cpu-b",)
+    w.set_node(dead, ready="True", ready_since=w.now)
+    w.advance(60)
+    w.settle()
+    assert w.status.transition is not None and w.status.transition.kind == st.GROW_BACK
+    w.exit_workers(75)
+    w.settle()
+    assert w.status.shape == Shape("2x4", 2) and w.status.generation == 3
+
+
+def test_cleanup_forces_pods_on_down_nodes_only() -> None:
+    w = running_world()
+    dead = w.gen_pods()[0]
+    w.set_node(dead.node_name or "", ready="Unknown")
+    actions = decide_cleanup(w.observed())
+    assert actions == [DeleteGeneration(1, "job deleted", (PodDeletion(dead.name, force=True),))]
+
+
+# ---------------------------------------------------------------- the rule, as a table
+
+LOST_CASES = {
+    # id: (node changes for the first worker's node, seconds after it went down, lost?, waiting?)
+    "ready": ({}, 0, False, False),
+    "unknown-within-grace": ({"ready": "Unknown"}, 29, False, True),
+    "unknown-at-grace": ({"ready": "Unknown"}, 30, True, False),
+    "false-past-grace": ({"ready": "False"}, 31, True, False),
+    "ready-but-unreachable-taint-past-grace": ({"taints": (Taint(api.UNREACHABLE_TAINT, "", "NoExecute"),)}, 30, True, False),
+    "ready-but-unreachable-taint-within-grace": ({"taints": (Taint(api.UNREACHABLE_TAINT, "", "NoExecute"),)}, 5, False, True),
+    "unschedulable-only": ({"unschedulable": True}, 300, False, False),
+}
+
+
+@pytest.mark.parametrize(("changes", "seconds", "lost", "waiting"), list(LOST_CASES.values()), ids=list(LOST_CASES))
+def test_node_loss_table(changes: dict[str, Any], seconds: int, lost: bool, waiting: bool) -> None:
+    w = running_world()
+    node = w.gen_pods()[0].node_name or ""
+    w.set_node(node, ready_since=w.now, **changes)
+    w.advance(seconds)
+    spec, observed = validate_spec(w.spec), w.observed()
+    finding = node_loss.check_lost(spec, observed, w.status, SETTINGS)
+    assert (finding is not None) == lost
+    if finding is not None:
+        assert finding.kind == st.NODE_LOSS and finding.reason == api.NODE_LOST.name and node in finding.message
+        assert not finding.failure and finding.not_before is None
+    wait = node_loss.check_not_ready(spec, observed, w.status, SETTINGS)
+    assert (wait is not None) == (waiting or lost)
+    if waiting:
+        assert wait is not None and wait[-1] == RequeueAfter(5.0)
+        degraded = next(a for a in wait if isinstance(a, SetStatus)).status.condition(api.COND_DEGRADED)
+        assert degraded is not None and degraded.reason == api.NODE_NOT_READY.name and node in degraded.message
+
+
+def test_a_down_node_without_workers_changes_nothing() -> None:
+    w = running_world(pools=[*four_pools(), tpu_pool("spare", 4)])
+    w.set_node("spare-n0", ready="Unknown", ready_since=w.now)
+    w.advance(600)
+    spec, observed = validate_spec(w.spec), w.observed()
+    assert node_loss.check_lost(spec, observed, w.status, SETTINGS) is None
+    assert node_loss.check_not_ready(spec, observed, w.status, SETTINGS) is None
+
+
+FORCE_CASES = {
+    # id: (pod changes, node changes, seconds later, forced?)
+    "healthy": ({}, {}, 0, False),
+    "node-down": ({}, {"ready": "Unknown"}, 0, True),
+    "terminating-within-grace-and-margin": ({"deletion_timestamp": T0, "deletion_grace_seconds": 30}, {}, 89, False),
+    "terminating-past-grace-and-margin": ({"deletion_timestamp": T0, "deletion_grace_seconds": 30}, {}, 90, True),
+    "terminating-no-grace": ({"deletion_timestamp": T0}, {}, 60, True),
+}
+
+
+@pytest.mark.parametrize(("pod", "node", "seconds", "forced"), list(FORCE_CASES.values()), ids=list(FORCE_CASES))
+def test_pods_to_force_table(pod: dict[str, Any], node: dict[str, Any], seconds: int, forced: bool) -> None:
+    w = running_world()
+    first = w.gen_pods()[0]
+    w.pods[first.name] = replace(first, **pod)
+    if node:
+        w.set_node(first.node_name or "", ready_since=w.now, **node)
+    w.now = T0 + timedelta(seconds=seconds)
+    assert node_loss.pods_to_force(w.observed(), w.gen_pods(), SETTINGS) == ((first.name,) if forced else ())
+
+
+def test_pods_on_a_gone_node_are_forced() -> None:
+    w = running_world()
+    first = w.gen_pods()[0]
+    del w.nodes[first.node_name or ""]
+    assert node_loss.pods_to_force(w.observed(), w.gen_pods(), SETTINGS) == (first.name,)
+
+
+# ---------------------------------------------------------------- operator restarts
+
+
+def node_loss_flow(d: Driver) -> None:
+    d.tick(6)
+    node = d.w.gen_pods()[0].node_name or ""
+    d.w.set_node(node, ready="Unknown", ready_since=d.w.now)
+    d.tick(2)
+    d.w.advance(30)
+    d.tick(10)
+
+
+@pytest.mark.parametrize("keep", list(KEEP.values()), ids=list(KEEP))
+def test_operator_dies_at_every_step_of_a_node_loss(keep: int) -> None:
+    assert_survives_restarts(node_loss_flow, keep)

@@ -1,0 +1,166 @@
+"""worker_exit.py: a worker stopped, failed, was lost or all finished.
+
+Driven through the in-memory world (op_world), which checks at every decision that deciding twice
+gives the same actions and that no generation is created while another one's pods exist; the
+tables call the policy's functions directly."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from op_restart import KEEP, Driver, assert_survives_restarts
+from op_samples import good_spec
+from op_world import SETTINGS, T0, running_world
+from resilax_operator import api
+from resilax_operator import status as st
+from resilax_operator.actions import (
+    CreateGeneration,
+    DeleteGeneration,
+    EmitEvent,
+    SetStatus,
+)
+from resilax_operator.policies import Finding, worker_exit
+from resilax_operator.validation import validate_spec
+
+
+def test_all_workers_exit_zero_succeeds() -> None:
+    w = running_world()
+    w.exit_workers(0)
+    actions = w.step()
+    assert w.status.phase == api.PHASE_SUCCEEDED
+    assert not any(isinstance(a, (DeleteGeneration, CreateGeneration)) for a in actions)
+    assert w.step() == []
+
+
+def test_worker_failure_backoff_then_restart() -> None:
+    w = running_world()
+    w.exit_workers(1, names=["llama-g1-s2-h1"])
+    w.step()
+    t = w.status.transition
+    assert t is not None and t.kind == st.WORKER_FAILURE and w.status.failures == 1
+    assert "exit code 1 (Error)" in t.message
+    w.settle()
+    assert w.status.generation == 1 and not w.pods  # torn down, waiting for the backoff
+    ready = w.status.condition(api.COND_READY)
+    assert ready is not None and ready.reason == api.BACKOFF.name
+    w.advance(10)
+    w.settle()
+    assert w.status.generation == 2 and w.status.phase == api.PHASE_RUNNING and w.status.restarts == 1
+
+
+def test_failed_after_max_restarts() -> None:
+    spec = good_spec()
+    spec["recovery"]["maxRestarts"] = 1
+    w = running_world(spec)
+    for generation in (1, 2):
+        w.exit_workers(1, generation=generation)
+        w.step()
+        w.advance(10)
+        w.settle()
+    assert w.status.phase == api.PHASE_FAILED and w.status.failures == 2
+    ready = w.status.condition(api.COND_READY)
+    assert ready is not None and ready.reason == api.MAX_RESTARTS_EXCEEDED.name
+    assert "recovery.maxRestarts=1" in ready.message
+    assert not w.pods and w.status.generation == 2
+
+
+def test_stopped_worker_moves_on_without_counting_a_failure() -> None:
+    w = running_world()
+    w.exit_workers(75, names=["llama-g1-s0-h3"])
+    w.settle()
+    assert w.status.generation == 1 and len(w.gen_pods()) == 15  # the other trainers get time to stop
+    w.advance(15)
+    w.settle()
+    assert w.status.generation == 2 and w.status.failures == 0 and w.status.restarts == 1
+
+
+def test_evicted_pod_is_lost_not_failed() -> None:
+    w = running_world()
+    w.pods["llama-g1-s1-h1"] = replace(w.pods["llama-g1-s1-h1"], phase="Failed", pod_reason="Evicted")
+    w.settle()
+    assert w.status.failures == 0 and w.status.generation == 2 and w.status.phase == api.PHASE_RUNNING
+    assert any("(Evicted)" in e.message for e in w.events)
+
+
+def test_pod_deleted_by_someone_else() -> None:
+    w = running_world()
+    del w.pods["llama-g1-s1-h1"]
+    w.step()
+    assert w.status.transition is not None and w.status.transition.kind == st.POD_LOST
+
+
+# ---------------------------------------------------------------- the rule, as a table
+
+EXIT_CASES = {
+    # id: (changes to worker s1-h1, expected kind or phase, reason, counted as a failure?)
+    "exit-75-stopped": ({"phase": "Failed", "exit_code": 75}, st.WORKER_STOPPED, api.WORKER_STOPPED.name, False),
+    "exit-75-succeeded-phase": ({"phase": "Succeeded", "exit_code": 75}, st.WORKER_STOPPED, api.WORKER_STOPPED.name, False),
+    "evicted-no-exit-code": ({"phase": "Failed", "pod_reason": "Evicted"}, st.POD_LOST, api.POD_LOST.name, False),
+    "node-shutdown": ({"phase": "Failed", "pod_reason": "NodeShutdown"}, st.POD_LOST, api.POD_LOST.name, False),
+    "evicted-but-exit-code-1": ({"phase": "Failed", "pod_reason": "Evicted", "exit_code": 1}, st.WORKER_FAILURE,
+                                api.WORKER_FAILED.name, True),
+    "exit-1": ({"phase": "Failed", "exit_code": 1, "exit_reason": "Error"}, st.WORKER_FAILURE, api.WORKER_FAILED.name, True),
+    "oom-killed": ({"phase": "Failed", "exit_code": 137, "exit_reason": "OOMKilled"}, st.WORKER_FAILURE,
+                   api.WORKER_FAILED.name, True),
+    "deleted-by-someone": ({"deletion_timestamp": T0}, st.POD_LOST, api.POD_LOST.name, False),
+    "one-succeeded-others-run": ({"phase": "Succeeded", "exit_code": 0}, None, None, False),
+    "running": ({}, None, None, False),
+}
+
+
+@pytest.mark.parametrize(("changes", "kind", "reason", "failure"), list(EXIT_CASES.values()), ids=list(EXIT_CASES))
+def test_worker_exit_table(changes: dict[str, Any], kind: str | None, reason: str | None, failure: bool) -> None:
+    w = running_world()
+    w.pods["llama-g1-s1-h1"] = replace(w.pods["llama-g1-s1-h1"], **changes)
+    verdict = worker_exit.check(validate_spec(w.spec), w.observed(), w.status, SETTINGS)
+    if kind is None:
+        assert verdict is None
+        return
+    assert isinstance(verdict, Finding)
+    assert (verdict.kind, verdict.reason, verdict.failure) == (kind, reason, failure)
+    assert "llama-g1-s1-h1" in verdict.message
+    if failure:  # backoff: the next generation no earlier than recovery.backoffSeconds from now
+        assert verdict.not_before == T0 + timedelta(seconds=10)
+        assert [e.reason for e in verdict.events] == [api.BACKOFF.name]
+    else:
+        assert verdict.not_before is None and verdict.events == ()
+
+
+def test_a_missing_pod_is_lost() -> None:
+    w = running_world()
+    del w.pods["llama-g1-s2-h0"]
+    verdict = worker_exit.check(validate_spec(w.spec), w.observed(), w.status, SETTINGS)
+    assert isinstance(verdict, Finding) and verdict.kind == st.POD_LOST and "llama-g1-s2-h0" in verdict.message
+
+
+def test_all_succeeded_completes_and_the_failure_past_max_restarts_fails_the_job() -> None:
+    w = running_world()
+    w.exit_workers(0)
+    done = worker_exit.check(validate_spec(w.spec), w.observed(), w.status, SETTINGS)
+    assert isinstance(done, list) and isinstance(done[0], SetStatus) and done[0].status.phase == api.PHASE_SUCCEEDED
+    assert done[1] == EmitEvent("Normal", api.COMPLETED.name, api.COMPLETED.format(generation=1))
+    w = running_world()
+    w.status = replace(w.status, failures=20)  # good_spec allows maxRestarts=20
+    w.exit_workers(1, names=["llama-g1-s0-h0"])
+    failed = worker_exit.check(validate_spec(w.spec), w.observed(), w.status, SETTINGS)
+    assert isinstance(failed, list) and [type(a).__name__ for a in failed] == ["SetStatus", "EmitEvent", "DeleteGeneration"]
+    assert failed[0].status.phase == api.PHASE_FAILED and failed[0].status.failures == 21  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------- operator restarts
+
+
+def worker_failure_flow(d: Driver) -> None:
+    d.tick(6)
+    d.w.exit_workers(1, names=[d.w.gen_pods()[0].name])
+    d.tick(3)
+    d.w.advance(10)
+    d.tick(10)
+
+
+@pytest.mark.parametrize("keep", list(KEEP.values()), ids=list(KEEP))
+def test_operator_dies_at_every_step_of_a_worker_failure(keep: int) -> None:
+    assert_survives_restarts(worker_failure_flow, keep)
