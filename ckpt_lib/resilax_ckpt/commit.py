@@ -59,11 +59,17 @@ def check_step_free(storage: Storage, root: str, step: int) -> None:
             f"root a folder of its own (e.g. {storage.join(root, 'resilax')})")
 
 
-def build_marker(step: int, generation: int | fencing.Epoch, attempt: str | None = None) -> bytes:
+def build_marker(step: int, generation: int | fencing.Epoch, attempt: str | None = None,
+                 save: str | None = None) -> bytes:
+    """A commit marker's body. `attempt`: the attempt prefix holding the step's files (object
+    stores). `save`: the save's identity, the same on every process (local tier: the sidecars derive
+    their upload attempt from it, layout.upload_attempt_name)."""
     era, gen = fencing.epoch_of(generation)
     body: dict[str, object] = {"step": step, "generation": gen, "era": era, "time": time.time()}
     if attempt is not None:
         body["attempt"] = attempt
+    if save is not None:
+        body["save"] = save
     return json.dumps(body).encode()
 
 
@@ -84,11 +90,15 @@ def data_path(storage: Storage, path: str, marker: str = layout.COMMIT_FILE) -> 
 
 def clean_stale_attempts(storage: Storage, root: str, steps: list[int]) -> list[str]:
     """Delete the attempt prefixes of committed steps that their marker does not name (a stale or
-    losing writer's, never readable). Called on: primary only, at manager start (object stores)."""
+    losing writer's or uploader's, never readable). Only steps whose marker names an attempt are
+    looked at, and only entries of the attempt form are deleted. Called on: primary only, at manager
+    start (object stores; and on the persistent tier behind a local tier, where the sidecars upload)."""
     deleted = []
     for step in steps:
         folder = storage.join(root, layout.step_name(step))
         won = step_data_path(storage, root, step)
+        if won == folder:
+            continue  # the step's files are the folder itself (a rename-committed step): no attempts
         for name in storage.list_dir(folder):
             path = storage.join(folder, name.rstrip("/"))
             if layout.is_attempt_name(name) and path != won:
@@ -172,12 +182,14 @@ def commit_local(storage: Storage, root: str, tmp_path: str, final_path: str, st
     storage.sync_dir(tmp_path)
     if generation is not None:
         fencing.check_not_fenced(fencing.read_fences(storage, root), generation, f"step {step}")
+    was_bad = False
     if storage.exists(final_path):
         if not owns_step(storage, final_path):
             check_step_free(storage, root, step)  # raises ForeignDataError naming the folder
         if generation is not None and step in list_visible(storage, root, marker_name):
             raise StepExistsError(f"step {step}: a committed checkpoint already exists at {final_path}")
-        if step in read_bad(storage, root):
+        was_bad = step in read_bad(storage, root)
+        if was_bad:
             # A step that failed to restore: moved aside and kept (never deleted), its number reused.
             storage.rename_dir(final_path, storage.join(root, f"{layout.BAD_PREFIX}{step}-{time.time_ns()}"))
         else:
@@ -186,7 +198,7 @@ def commit_local(storage: Storage, root: str, tmp_path: str, final_path: str, st
             storage.delete_tree(trash)
     storage.rename_dir(tmp_path, final_path)
     storage.sync_dir(root)
-    if generation is not None:
+    if generation is not None or was_bad:  # the local tier (no generation) marks bad steps too
         clear_bad(storage, root, step)
 
 
@@ -206,8 +218,13 @@ def commit_object(storage: Storage, root: str, final_path: str, step: int, marke
 
 
 def _upload_in_progress(storage: Storage, step_path: str) -> bool:
-    """A sidecar is moving a local-tier step here (it has `_UPLOADED.*` markers): leave it."""
-    return any(n.startswith(layout.UPLOADED_PREFIX) for n in storage.list_dir(step_path))
+    """A sidecar is moving a local-tier step here (an attempt, or the folder itself for uploads
+    before attempts, has `_UPLOADED.*` markers): leave it."""
+    names = storage.list_dir(step_path)
+    if any(n.startswith(layout.UPLOADED_PREFIX) for n in names):
+        return True
+    return any(any(m.startswith(layout.UPLOADED_PREFIX) for m in storage.list_dir(storage.join(step_path, n.rstrip("/"))))
+               for n in names if layout.is_attempt_name(n))
 
 
 def clean_leftovers(storage: Storage, root: str, generation: int) -> list[str]:

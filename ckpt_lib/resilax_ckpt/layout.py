@@ -11,7 +11,11 @@
 <root>/<step>/a-e<era>-g<gen>-<nonce>/  on object stores: one save attempt's files (write-once steps:
                                         every attempt writes into a prefix of its own; `_COMMIT`,
                                         created once, names the attempt that won; readers read only
-                                        what it names)
+                                        what it names). The sidecar's uploads from the local tier use
+                                        the same form on every persistent tier (gs:// or a folder), with
+                                        the nonce derived from the save (`upload_attempt_name`) so that
+                                        every host's sidecar uploads one save into one attempt; its
+                                        `_WRITER.<i>` and `_UPLOADED.<i>` markers are inside the attempt
 <root>/.tmp-<step>-g<generation>/       a local save in progress (renamed to <root>/<step>/)
 <root>/.recycle-<step>/                 a step retired by retention, kept to be rewritten in place by
                                         the next save (never a step: ignored by steps() and restore)
@@ -23,9 +27,13 @@
                                         hidden from steps() and never deleted (commit.mark_bad)
 <root>/.bad-<step>-<ns>/                a bad step's folder on local disk, moved aside (kept) when the
                                         step number is saved again
-<root>/<step>/_WRITER.<process>         written by each process before its first file of a step on
+<root>/<step>/<attempt>/_WRITER.<i>     written by each process before its first file of an attempt on
                                         an object store (and by each sidecar before an upload), so
                                         that an interrupted save is provably Resilax's to clean up
+<root>/<step>/<attempt>/_UPLOADED.<i>   a sidecar's record that process i's files of the step are all
+                                        in the attempt (the sidecar commits when every process's is)
+<local>/_bad/<step>.json                a local-tier step a two-tier restore could not read: hidden
+                                        from that host's steps() and from its sidecar's uploads
 ```
 Ownership: Resilax deletes or renames only what it provably wrote — its `.tmp-`, `.trash-` and
 `.recycle-` folders, and step folders holding one of its marker files (`owns_step_folder`). Any other
@@ -38,6 +46,7 @@ host folder (tests); one process per host writes `_METADATA.json` and `_COMMIT` 
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable
 
@@ -111,10 +120,10 @@ def metadata_name(process_index: int | None) -> str:
 
 
 def validate_item_name(item: str) -> None:
-    if not item or item.startswith(("_", ".")) or _UNSAFE_RE.search(item):
+    if not item or item.startswith(("_", ".")) or _UNSAFE_RE.search(item) or is_attempt_name(item):
         raise ValueError(
-            f"item name {item!r} is not allowed; use letters, digits, '_', '.', '-' and do not start "
-            "with '_' or '.'"
+            f"item name {item!r} is not allowed; use letters, digits, '_', '.', '-', do not start "
+            "with '_' or '.', and do not use the form 'a-e<N>-g<N>-<8 hex digits>' (an attempt prefix)"
         )
 
 
@@ -175,3 +184,14 @@ def attempt_name(era: int, generation: int, nonce: str) -> str:
 
 def is_attempt_name(name: str) -> bool:
     return bool(_ATTEMPT_RE.match(name.rstrip("/")))
+
+
+def upload_attempt_name(era: int, generation: int, step: int, save: str = "") -> str:
+    """The attempt prefix of one save's upload from the local tier (pure): every host's sidecar
+    computes the same name from what the save's local commit markers carry, so their uploads meet in
+    one attempt without talking to each other, and a restarted sidecar resumes its own attempt.
+    `save` is the save's identity agreed by the processes (the library's local marker field "save");
+    without it the name is fixed per (era, generation, step), which fencing makes equivalent across
+    generations (an older epoch's attempt is never named by a newer epoch's marker)."""
+    nonce = hashlib.sha256(f"{era}/{generation}/{step}/{save}".encode()).hexdigest()[:8]
+    return attempt_name(era, generation, nonce)

@@ -164,6 +164,8 @@ class CheckpointManager:
             # The sidecars' uploads into the persistent tier are fenced by this generation's record.
             commit.claim_root(self._persistent, self._persistent_root)
             visible = commit.list_visible(self._persistent, self._persistent_root)
+            # What stale or losing uploads left in committed steps (the sidecars' write-once attempts).
+            commit.clean_stale_attempts(self._persistent, self._persistent_root, visible)
             fencing.write_fence(self._persistent, self._persistent_root, self._epoch,
                                 visible[-1] if visible else None)
         self._coord.barrier(f"{self._key}/start", self._options.barrier_timeout_seconds)
@@ -205,8 +207,10 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed (and not fenced-out) steps, ascending."""
-        if self._local_tier:
-            return commit.list_committed(self._storage, self._root, layout.commit_name(self._own_suffix))
+        if self._local_tier:  # without the steps a restore found unreadable (`<local>/_bad/`)
+            bad = commit.read_bad(self._storage, self._root)
+            committed = commit.list_committed(self._storage, self._root, layout.commit_name(self._own_suffix))
+            return [s for s in committed if s not in bad]
         return commit.list_visible(self._storage, self._root)
 
     def persistent_steps(self) -> list[int]:
@@ -245,9 +249,9 @@ class CheckpointManager:
         there is nothing to restore. With a local tier, `latest` is the step the processes agree on
         (the newest one every process can read from its local tier or the persistent tier; pass the
         restore's `target` so that "can read" is judged for this process's shards, else whole
-        arrays). Without a local tier, `restore()` of the step `latest` resolved to is a restore of
-        the newest step: it falls back to an older one when that step cannot be read (the state's
-        own step then says which step came back; `restore_report` says why).
+        arrays). `restore()` of the step `latest` resolved to is a restore of the newest step: it
+        falls back (to the persistent tier's copy of that step, or to an older step) when that step
+        cannot be read; the state's own step then says which step came back, `restore_report` why.
         Called on: all processes (with a local tier and several processes, a collective)."""
         env = os.environ if env is None else env
         raw = env.get("RESILAX_RESTORE_STEP", "latest").strip().lower() or "latest"
@@ -256,13 +260,14 @@ class CheckpointManager:
         if raw == "latest":
             if self._persistent is not None:
                 named, unwrap = pytrees.as_target(target)
-                agreed, _ = self._agree_two_tiers(None, named, [pytrees.STATE_ITEM] if unwrap else items)
-                return agreed
+                candidates, _, _ = self._agree_two_tiers(None, named, [pytrees.STATE_ITEM] if unwrap else items)
+                self._latest_from_env = candidates[0] if candidates else None
+                return self._latest_from_env
             self._latest_from_env = self.latest_step()
             return self._latest_from_env
         return int(raw)
 
-    #: The step `restore_step_from_env` resolved "latest" to (single tier): restoring it may fall back.
+    #: The step `restore_step_from_env` resolved "latest" to: restoring it may fall back.
     _latest_from_env: int | None = None
 
     # ------------------------------------------------------------------ save
@@ -516,9 +521,12 @@ class CheckpointManager:
                 storage.write_bytes(storage.join(work, layout.metadata_name(self._own_suffix)),
                                     plan.metadata.to_bytes())
                 _maybe_crash("before_commit", pid)
-                marker = commit.build_marker(step, self._epoch, attempt)
+                # The local tier's marker carries the save's identity (`key`, the same on every
+                # process): every host's sidecar uploads this save into one attempt (layout.py).
+                marker = commit.build_marker(step, self._epoch, attempt, key if self._local_tier else None)
                 if self._own_suffix is not None:
                     storage.write_bytes(storage.join(final, layout.commit_name(self._own_suffix)), marker)
+                    commit.clear_bad(storage, root, step)  # a new save of a step marked bad
                 elif storage.is_local:
                     commit.commit_local(storage, root, work, final, step, marker,
                                         None if self._local_tier else self._epoch)
@@ -652,23 +660,38 @@ class CheckpointManager:
 
     def _agree_readable(self, key: str, error: str) -> list[str]:
         """Every process's error for one try ("ok" when it read the step); the failures."""
+        return sorted(v for v in self._exchange(key, error) if v != "ok")
+
+    def _exchange(self, key: str, value: str) -> list[str]:
+        """Every process's `value` under `key`. Called on: all processes (a collective)."""
         if self._coord.process_count == 1:
-            return [] if error == "ok" else [error]
-        self._coord.publish(f"{key}/{self._coord.process_index}", error)
+            return [value]
+        self._coord.publish(f"{key}/{self._coord.process_index}", value)
         self._coord.barrier(key, self._options.barrier_timeout_seconds)
-        return sorted(v for v in self._coord.fetch_dir(f"{key}/").values() if v != "ok")
+        return list(self._coord.fetch_dir(f"{key}/").values())
 
     @property
     def restore_report(self) -> dict[str, Any] | None:
         """What the last `restore()` of the newest step did: `{"step": N, "skipped": [{"step", "reason"}]}`
-        (None before any). Also written to `$RESILAX_CONTROL_DIR/restore.json` for the sidecar."""
+        (None before any). With a local tier each entry also has "tier": "local" (this host's copy
+        could not be read, marked bad, the persistent tier's copy of that step was read instead) or
+        "all" (no tier could serve it on some process: skipped); and "local_misses" lists this
+        process's local steps (the restored one and newer) that lacked a chunk it needed, naming the
+        file (read from the persistent tier or skipped; not marked bad: after a change of mesh that is
+        expected). Also written to `$RESILAX_CONTROL_DIR/restore.json` for the sidecar."""
         return self._restore_report
 
     _restore_report: dict[str, Any] | None = None
     _restore_count = 0
 
-    def _report_restore(self, step: int | None, skipped: list[dict[str, Any]]) -> None:
+    #: This process's local steps (of the last two-tier agreement) it could not read whole locally, and why.
+    _local_misses: dict[int, str] = {}  # noqa: RUF012  (replaced, never mutated)
+
+    def _report_restore(self, step: int | None, skipped: list[dict[str, Any]],
+                        local_misses: list[dict[str, Any]] | None = None) -> None:
         self._restore_report = {"step": step, "skipped": skipped}
+        if local_misses:
+            self._restore_report["local_misses"] = local_misses
         if self._options.control_dir:
             write_restore_report(self._options.control_dir, self._restore_report)
 
@@ -685,41 +708,110 @@ class CheckpointManager:
                            items: Iterable[str] | None) -> dict[str, Any]:
         """Local tier first, persistent tier behind it. Each process finds the local steps whose
         chunks its target shards need are all on this host; the processes agree on the newest step
-        every one of them can read from its local tier or the persistent tier."""
+        every one of them can read from its local tier or the persistent tier. Restoring the newest
+        step (`step` None, or the one restore_step_from_env resolved "latest" to) falls back like
+        `_restore_newest_good`: a process whose local copy cannot be read (a corrupt, truncated or
+        missing file, bad metadata) marks it bad in its local tier (`<local>/_bad/<step>.json`, kept;
+        its sidecar never uploads it) and reads the persistent tier's copy of the same step; a step no
+        tier can serve on some process is skipped by all (the persistent copy marked bad) and the next
+        older one tried. `restore_report` lists what was skipped, why, naming the file.
+        Called on: all processes."""
         assert self._persistent is not None and self._persistent_root is not None
-        agreed, local_ok = self._agree_two_tiers(step, target, items)
-        if agreed is None:
+        fallback = step is None or step == self._latest_from_env
+        candidates, local_ok, persistent = self._agree_two_tiers(None if fallback else step, target, items)
+        if fallback and step is not None:
+            candidates = [c for c in candidates if c <= step]
+        if not candidates:
             raise StepNotFoundError(f"{self._root} and {self._persistent_root}: no committed checkpoint "
                                     "that every process can read")
-        step = agreed
-        persistent = self.persistent_steps()
-        self._protected_steps = (step,)
-        # Local steps after the restored one belong to a timeline this generation abandons; this
-        # generation may save the same step numbers into the same folders: withdraw them first.
-        self._withdraw_local_steps_after(step)
-        if step in local_ok:  # this host holds what this process needs (same bytes as persistent)
+        self._restore_count += 1
+        skipped: list[dict[str, Any]] = []
+        own_local = set(self.steps())
+        for cand in candidates:
+            self._protected_steps = (cand,)
+            # An older persistent step this host also holds (left out of the agreement, which looks at
+            # local steps from the newest persistent one up): read locally when it covers this process.
+            has_local = cand in local_ok or (cand in own_local and cand in persistent and cand not in self._local_misses
+                                             and self._local_covers(cand, target, items) is None)
+            out, source, errors = self._read_either_tier(cand, has_local, cand in persistent,
+                                                         target, items, mark_persistent=fallback)
+            views = [json.loads(v) for v in self._exchange(
+                f"{self._key}/restore2/{self._restore_count}/{cand}", json.dumps(errors))]
+            if self._coord.process_index == 0:
+                bad_persistent = [v["persistent"] for v in views if v.get("persistent")]
+                if bad_persistent and fallback:
+                    commit.mark_bad(self._persistent, self._persistent_root, cand, "; ".join(bad_persistent))
+            failed = [v["error"] for v in views if v.get("error")]
+            recovered = sorted(v["local"] for v in views if v.get("local") and not v.get("error"))
+            if recovered:  # a local copy could not be read; the persistent tier's was
+                skipped.append({"step": cand, "tier": "local",
+                                "reason": "; ".join(recovered) + " (read from the persistent tier instead)"})
+            if not failed:
+                assert out is not None
+                # Local steps after the restored one belong to a timeline this generation abandons; it
+                # may save the same step numbers into the same folders: withdraw them first.
+                self._withdraw_local_steps_after(cand)
+                self._restored_from = source
+                self._report_restore(cand, skipped, [
+                    {"step": m, "reason": why} for m, why in sorted(self._local_misses.items()) if m >= cand])
+                return out
+            reason = "; ".join(sorted(failed))
+            skipped.append({"step": cand, "tier": "all", "reason": reason})
+            if not fallback:
+                self._report_restore(None, skipped)
+                raise CorruptCheckpointError(f"step {cand} cannot be restored: {reason}")
+            log.warning("step %d cannot be restored from either tier, trying an older step: %s", cand, reason)
+        self._report_restore(None, skipped)
+        raise CorruptCheckpointError(
+            f"{self._root} and {self._persistent_root}: no committed step can be restored: "
+            + "; ".join(f"step {s['step']}: {s['reason']}" for s in skipped if s["tier"] == "all"))
+
+    def _read_either_tier(self, step: int, local_ok: bool, in_persistent: bool,
+                          target: Mapping[str, Any] | None, items: Iterable[str] | None,
+                          mark_persistent: bool) -> tuple[dict[str, Any] | None, str | None, dict[str, str | None]]:
+        """(what this process read of `step`, from which tier, and {"local", "persistent", "error"}:
+        why each tier failed, and why the step failed for this process; None where nothing failed)."""
+        assert self._persistent is not None and self._persistent_root is not None
+        pid = self._coord.process_index
+        errors: dict[str, str | None] = {"local": None, "persistent": None, "error": None}
+        if local_ok:  # this host holds what this process needs (same bytes as persistent)
             path = self._storage.join(self._root, layout.step_name(step))
-            out = self._read_step(self._storage, path, step, target, items)
-            self._restored_from = "local"
-            return out
-        if step not in persistent:
-            raise StepNotFoundError(f"step {step}: neither this host's local tier {self._root} holds what this "
-                                    f"process needs nor is it committed in {self._persistent_root} "
-                                    f"(persistent steps: {persistent})")
-        path = commit.step_data_path(self._persistent, self._persistent_root, step)
-        out = self._read_step(self._persistent, path, step, target, items, own_metadata=False)
-        self._restored_from = "persistent"
-        return out
+            try:
+                return self._read_step(self._storage, path, step, target, items), "local", errors
+            except UNREADABLE_STEP_ERRORS as e:
+                reason = f"process {pid}: local tier: {type(e).__name__}: {e}"
+                errors["local"] = reason
+                commit.mark_bad(self._storage, self._root, step, reason)
+                log.warning("step %d in this host's local tier %s cannot be read, marked bad (kept): %s",
+                            step, self._root, reason)
+        if in_persistent:
+            path = commit.step_data_path(self._persistent, self._persistent_root, step)
+            try:
+                out = self._read_step(self._persistent, path, step, target, items, own_metadata=False)
+                return out, "persistent", errors
+            except UNREADABLE_STEP_ERRORS as e:
+                errors["persistent"] = f"process {pid}: persistent tier: {type(e).__name__}: {e}"
+                errors["error"] = "; ".join(x for x in (errors["local"], errors["persistent"]) if x)
+                if mark_persistent:
+                    log.warning("step %d in the persistent tier %s cannot be read: %s", step,
+                                self._persistent_root, errors["persistent"])
+                return None, None, errors
+        errors["error"] = errors["local"] or (
+            f"process {pid}: step {step}: neither this host's local tier {self._root} holds what this process "
+            f"needs nor is it committed in {self._persistent_root}")
+        return None, None, errors
 
     def _agree_two_tiers(self, step: int | None, target: Mapping[str, Any] | None,
-                         items: Iterable[str] | None) -> tuple[int | None, list[int]]:
-        """(the agreed step, or None if there is none; this process's local steps that cover its
-        restore). With `step` given, the agreed step is `step`. Called on: all processes (a
-        collective with several)."""
+                         items: Iterable[str] | None) -> tuple[list[int], list[int], list[int]]:
+        """(the steps every process can read, newest first — with `step` given, just `step`; this
+        process's local steps that cover its restore; the persistent tier's steps). Called on: all
+        processes (a collective with several)."""
         persistent = self.persistent_steps()
         local = [s for s in self.steps() if (step is None or s == step)
                  and (not persistent or s >= persistent[-1] or s == step)]
-        local_ok = [s for s in local if self._local_covers(s, target, items)]
+        misses = {s: self._local_covers(s, target, items) for s in local}
+        local_ok = [s for s in local if misses[s] is None]
+        self._local_misses = {s: why for s, why in misses.items() if why is not None}
         if self._coord.process_count > 1:
             self._save_count += 1
             key = f"{self._key}/restore{self._save_count}"
@@ -730,9 +822,8 @@ class CheckpointManager:
         else:
             agreed_local = set(local_ok)
         if step is not None:
-            return step, local_ok
-        candidates = sorted(agreed_local | set(persistent))
-        return (candidates[-1] if candidates else None), local_ok
+            return [step], local_ok, persistent
+        return sorted(agreed_local | set(persistent), reverse=True), local_ok, persistent
 
     def _withdraw_local_steps_after(self, step: int) -> None:
         """Withdraw this process's commit marker of every local step newer than `step`, marker
@@ -751,25 +842,31 @@ class CheckpointManager:
                 self._storage.delete_tree(path)
             log.info("withdrew local step %d (newer than the restored step %d) in %s", old, step, self._root)
 
-    def _local_covers(self, step: int, target: Mapping[str, Any] | None, items: Iterable[str] | None) -> bool:
-        """Whether this host's local step has every chunk this process's restore would read."""
+    def _local_covers(self, step: int, target: Mapping[str, Any] | None, items: Iterable[str] | None) -> str | None:
+        """Why this host's local step lacks a chunk this process's restore would read (naming the
+        file), or None when it has every one. A missing chunk is not proof of damage (after a change
+        of mesh, another host holds it): the step is just not read locally. Unreadable metadata is:
+        the step is marked bad (`<local>/_bad/<step>.json`, kept), so its sidecar never uploads it."""
         step_path = self._storage.join(self._root, layout.step_name(step))
         try:
             meta = read_metadata(self._storage, step_path, layout.metadata_name(self._own_suffix))
-        except MetadataError:
-            return False
+        except MetadataError as e:
+            reason = f"process {self._coord.process_index}: local tier: {type(e).__name__}: {e}"
+            commit.mark_bad(self._storage, self._root, step, reason)
+            log.warning("step %d in this host's local tier cannot be read, marked bad (kept): %s", step, reason)
+            return reason
         target = target or {}
         for name in (list(items) if items is not None else list(meta.items)):
             item = meta.items.get(name)
             if item is None:
-                return False
+                return f"{step_path}: no item {name!r}"
             if item.kind != "pytree":
                 continue
             if target.get(name) is not None:
                 try:
                     leaves, _ = items_lib.match_target(step, name, item, target[name])
-                except TreeMismatchError:
-                    return False
+                except TreeMismatchError as e:
+                    return str(e)
                 wants = jax.tree_util.tree_leaves(target[name])
             else:
                 leaves, wants = list(item.leaves), [None] * len(item.leaves)
@@ -785,10 +882,10 @@ class CheckpointManager:
                 files = chunk_writer.ArrayFiles.of(leaf)
                 file_keys = {files.locate(c)[0] for box in boxes for c in planning.chunks_of_box(box, leaf.chunks)}
                 leaf_path = self._storage.join(step_path, name, str(leaf.dir))
-                for key in file_keys:
+                for key in sorted(file_keys):
                     if not self._storage.exists(self._storage.join(leaf_path, *key)):
-                        return False
-        return True
+                        return f"{self._storage.join(leaf_path, *key)} is missing on this host"
+        return None
 
     # ------------------------------------------------------------------ lifecycle
 

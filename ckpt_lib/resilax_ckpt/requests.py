@@ -12,7 +12,8 @@ local step is the final one and persists it even where `persistEverySteps` would
 
 After a restore of the newest step the manager also writes `$RESILAX_CONTROL_DIR/restore.json` =
 `{"step": N, "skipped": [{"step": M, "reason": "..."}]}`: the step restored (None: none could be) and
-the newer committed steps it had to skip because they could not be read (marked bad). The sidecar
+the newer committed steps it had to skip because they could not be read (marked bad; with a local
+tier also a local copy read from the persistent tier instead, `"tier": "local"`). The sidecar
 reports it in `/v1/state` as `restore`; the operator turns skipped steps into an event.
 """
 

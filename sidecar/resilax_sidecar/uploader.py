@@ -1,18 +1,29 @@
 """The multi-tier uploader: moves locally committed steps to the persistent tier, then commits them.
 
+Write-once, like the library's saves (resilax_ckpt.layout): every upload of a save goes into an
+attempt prefix of its own, `<root>/<step>/a-e<era>-g<gen>-<nonce>/`, whose name every host's sidecar
+derives alike from the save's local commit marker (`layout.upload_attempt_name`); the one
+`<root>/<step>/_COMMIT`, created once, names the attempt that won. Files under a committed step are
+never written again: a stale uploader (an older generation woken after a newer one committed the same
+step numbers) writes only into its own attempt, which no marker names and cleanup removes later.
+
 One pass (`run_once`), repeated every `poll_seconds` by `run_forever` on a background thread:
-1. list this host's locally committed steps (`<local>/<step>/_COMMIT`, or `_COMMIT.<process_id>`) and
-   the persistent tier's committed steps (`<root>/<step>/_COMMIT`);
+1. list this host's locally committed steps (`<local>/<step>/_COMMIT`, or `_COMMIT.<process_id>`; not
+   those a restore marked bad in `<local>/_bad/`) and the persistent tier's visible committed steps
+   (`<root>/<step>/_COMMIT` that no newer generation's fence and no `_bad/` record hides);
 2. take the newest local step that is newer than the newest persisted one (older ones would only add
    lag; every host picks the same newest step, so their uploads meet in one persistent step);
-3. copy each of its files to `<root>/<step>/` with bounded concurrency, skipping files already there
-   with the same size and MD5 (a resumed upload, or another host's identical copy), and verify each
-   copy (size, or MD5 with `RESILAX_SIDECAR_VERIFY=md5`);
-4. write `_UPLOADED.<process_id>` listing the files and sizes this process needs;
-5. if every process's marker is there, all from the same save (generation), every listed file exists
-   with its size, and no newer generation's fence hides the step, create `_COMMIT` (create-only; the
-   losers of a race see it exists and are done);
-6. retention on both tiers.
+3. copy each of its files to `<root>/<step>/<attempt>/` with bounded concurrency, skipping files
+   already there with the same size and MD5 (a resumed upload, or another host's identical copy), and
+   verify each copy (size, or MD5 with `RESILAX_SIDECAR_VERIFY=md5`);
+4. write `<attempt>/_UPLOADED.<process_id>` listing the files and sizes this process needs;
+5. if every process's marker is in the attempt, all from the same save (generation), every listed
+   file exists with its size, and no newer generation's fence hides the step, create `_COMMIT` naming
+   the attempt (create-only; the losers of a race see it exists and are done). A `_COMMIT` that
+   fences or a bad record hide (a fenced-out older generation's, a step a restore marked bad) is
+   re-pointed to our attempt, as the library's commit does; a visible one is never touched;
+6. retention on both tiers, and (process 0) deleting attempts that a visible step's marker does not
+   name (`layout.is_attempt_name` entries only: never anything Resilax did not write).
 Any error aborts the pass; `run_forever` records it, counts it and retries with exponential back-off.
 A restart simply runs the passes again: files that are there are skipped, nothing is committed before
 step 5's checks pass, so a killed upload resumes and a partial step never looks committed.
@@ -85,6 +96,12 @@ class LocalStep:
     commit_body: bytes
     era: int = 0
     """The era of the job that saved it (resilax_ckpt.fencing): with `generation`, its epoch."""
+    attempt: str = ""
+    """The persistent attempt prefix this save is uploaded into (layout.upload_attempt_name)."""
+
+    @property
+    def epoch(self) -> fencing.Epoch:
+        return self.era, self.generation
 
 
 def local_commit_marker(folder: Path, process_id: int) -> Path | None:
@@ -96,13 +113,42 @@ def local_commit_marker(folder: Path, process_id: int) -> Path | None:
 
 
 def list_local_steps(local_dir: Path, process_id: int) -> list[int]:
-    """The steps committed in a host's local tier for this process, ascending."""
+    """The steps committed in a host's local tier for this process, ascending (bad ones included:
+    retention counts them like any other)."""
     try:
         names = os.listdir(local_dir)
     except FileNotFoundError:
         return []
     steps = [s for s in map(layout.parse_step, names) if s is not None]
     return sorted(s for s in steps if local_commit_marker(local_dir / str(s), process_id) is not None)
+
+
+def list_bad_steps(names: list[str]) -> set[int]:
+    """The steps of the `_bad/<step>.json` records among `names` (pure)."""
+    return {s for n in names if n.endswith(".json") and (s := layout.parse_step(n[:-5])) is not None}
+
+
+def commit_body_naming(local_body: bytes, step: int, epoch: fencing.Epoch, attempt: str) -> bytes:
+    """The persistent `_COMMIT` of an upload: the library's local marker (step, generation, era, time,
+    save) plus the attempt that holds the files (pure)."""
+    try:
+        body = json.loads(local_body)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body = {}
+    body.update({"step": step, "era": epoch[0], "generation": epoch[1], "attempt": attempt})
+    body.setdefault("time", time.time())
+    return json.dumps(body).encode()
+
+
+def named_attempt(body: bytes) -> str | None:
+    """The attempt a commit marker names, or None (a step committed in place) (pure)."""
+    try:
+        attempt = json.loads(body).get("attempt")
+    except (ValueError, AttributeError):
+        return None
+    return attempt if isinstance(attempt, str) and layout.is_attempt_name(attempt) else None
 
 
 class _Superseded(Exception):
@@ -153,7 +199,12 @@ class Uploader:
         self.requested_steps: set[int] = set()
         """Steps that answered a save request of this sidecar's (a final save, the operator's): they
         go to the persistent tier whatever `persist_every_steps` says."""
-        self._known_committed: set[int] = set()
+        self._known_committed: dict[int, fencing.Epoch] = {}
+        """Steps with a `_COMMIT` in the persistent tier, visible or not, and its epoch."""
+        self._fences: dict[str, tuple[str, tuple[fencing.Epoch, int | None]]] = {}
+        """gs://: fence records read so far, by name: (their MD5, what they say)."""
+        self._cleaned: dict[int, str] = {}
+        """Process 0: the committed steps whose unnamed attempts were deleted, and the attempt kept."""
         self._marker_done: dict[int, str] = {}
         self._changed = threading.Condition()
 
@@ -241,7 +292,7 @@ class Uploader:
                 self.state.in_flight = None
             self._publish(self.scan_local(), persisted)
         if self.apply_retention(persisted):
-            self._publish(self.scan_local(), sorted(self._known_committed))
+            self._publish(self.scan_local(), self.scan_persisted())
         self.state.consecutive_failures = 0
         self.state.passes += 1
 
@@ -268,8 +319,12 @@ class Uploader:
         return local_commit_marker(folder, self.config.process_id)
 
     def scan_local(self) -> list[int]:
-        """This process's locally committed steps."""
-        return list_local_steps(self.local_dir, self.config.process_id)
+        """This process's locally committed steps that a restore did not mark bad (what is uploaded)."""
+        try:
+            bad = list_bad_steps(os.listdir(self.local_dir / layout.BAD_DIR))
+        except FileNotFoundError:
+            bad = set()
+        return [s for s in list_local_steps(self.local_dir, self.config.process_id) if s not in bad]
 
     def read_local_step(self, step: int) -> LocalStep:
         """The files of a local step this process uploads, and what identifies the save."""
@@ -298,9 +353,12 @@ class Uploader:
         else:
             listing = "\n".join(f"{k}\t{p.stat().st_size}" for k, p in sorted(files.items()))
             digest = hashlib.sha256(listing.encode()).hexdigest()
-        if not commit_body:
-            commit_body = json.dumps({"generation": generation, "era": era, "time": time.time()}).encode()
-        return LocalStep(step, folder, files, generation, digest, commit_body, era)
+        save = ""
+        with contextlib.suppress(ValueError, AttributeError):
+            save = str(json.loads(commit_body).get("save") or "")
+        attempt = layout.upload_attempt_name(era, generation, step, save)
+        return LocalStep(step, folder, files, generation, digest,
+                         commit_body_naming(commit_body, step, (era, generation), attempt), era, attempt)
 
     def _is_local_only(self, name: str, own_metadata: str) -> bool:
         if name == layout.COMMIT_FILE or name.startswith(layout.COMMIT_FILE + "."):
@@ -323,37 +381,77 @@ class Uploader:
     # ---- the persistent tier ----------------------------------------------------------------------
 
     def scan_persisted(self) -> list[int]:
-        """Committed steps in the persistent tier (a step is committed once `_COMMIT` exists)."""
+        """The persistent tier's visible committed steps: a `_COMMIT` that no newer generation's fence
+        and no `_bad/` record hides (what the library's readers see, resilax_ckpt.commit.list_visible)."""
         steps = [s for s in map(layout.parse_step, self.store.list_dir("")) if s is not None]
         present = set(steps)
-        self._known_committed &= present
+        for gone in set(self._known_committed) - present:
+            del self._known_committed[gone]
+        fences = self.read_fences()
         for step in steps:
-            if step not in self._known_committed and self.store.stat(f"{step}/{layout.COMMIT_FILE}"):
-                self._known_committed.add(step)
-        return sorted(self._known_committed)
+            known = self._known_committed.get(step)
+            if known is not None and fencing.decide_visible(step, known, fences):
+                continue
+            # New, or hidden so far (its marker may since have been re-pointed by a newer save).
+            body = self._read_commit(step)
+            if body is None:
+                self._known_committed.pop(step, None)
+            else:
+                self._known_committed[step] = fencing.parse_marker_epoch(body)
+        bad = list_bad_steps(self.store.list_dir(layout.BAD_DIR))
+        return sorted(s for s, epoch in self._known_committed.items()
+                      if s not in bad and fencing.decide_visible(s, epoch, fences))
+
+    def _read_commit(self, step: int) -> bytes | None:
+        try:
+            return self.store.read_bytes(f"{step}/{layout.COMMIT_FILE}")
+        except FileNotFoundError:
+            return None
+
+    def _visible(self, step: int, epoch: fencing.Epoch) -> bool:
+        """Whether a step committed at `epoch` is visible now (fences, bad records)."""
+        if step in list_bad_steps(self.store.list_dir(layout.BAD_DIR)):
+            return False
+        return fencing.decide_visible(step, epoch, self.read_fences())
 
     def read_fences(self) -> dict[fencing.Epoch, int | None]:
+        """Every fence record (resilax_ckpt.fencing). On gs:// a record whose MD5 (free in the
+        listing) did not change is not read again."""
+        listing = self.store.list_files(layout.FENCES_DIR)
         fences: dict[fencing.Epoch, int | None] = {}
-        for name in self.store.list_dir(layout.FENCES_DIR):
-            if not name.endswith(".json") or name.startswith("era-"):
+        for name, info in listing.items():
+            if "/" in name or not name.endswith(".json") or name.startswith("era-"):
                 continue
-            try:
-                data = self.store.read_bytes(f"{layout.FENCES_DIR}/{name}")
-            except FileNotFoundError:
-                continue
-            parsed = fencing.parse_fence(name, data)
-            if parsed is not None:
-                fences[parsed[0]] = parsed[1]
+            cached = self._fences.get(name)
+            if cached is not None and info.md5 is not None and cached[0] == info.md5:
+                parsed = cached[1]
+            else:
+                try:
+                    fresh = fencing.parse_fence(name, self.store.read_bytes(f"{layout.FENCES_DIR}/{name}"))
+                except FileNotFoundError:
+                    continue
+                if fresh is None:
+                    continue  # half-written by a crashed primary: read again next time
+                parsed = fresh
+                if info.md5 is not None:
+                    self._fences[name] = (info.md5, parsed)
+            fences[parsed[0]] = parsed[1]
         return fences
 
     def upload_step(self, local: LocalStep) -> bool:
-        """Copy, verify, mark and (when every process is done) commit one step; True if committed."""
+        """Copy, verify, mark and (when every process is done) commit one step; True if the step is
+        committed (by this save or, visibly, by another one)."""
         step = local.step
-        marker_key = f"{step}/{layout.uploaded_name(self.config.process_id)}"
-        if self._marker_done.get(step) != local.digest and not self._marker_current(marker_key, local):
+        if self._committed_elsewhere(local):
+            return True
+        self._check_step_folder(step)
+        base = f"{step}/{local.attempt}"
+        marker_key = f"{base}/{layout.uploaded_name(self.config.process_id)}"
+        done = f"{local.attempt}:{local.digest}"
+        if self._marker_done.get(step) != done and not self._marker_current(marker_key, local):
             started = self._clock()
-            # Before the first file: the step folder is provably Resilax's (layout.owns_step_folder).
-            self.store.write_bytes(f"{step}/{layout.writer_name(self.config.process_id)}", b"")
+            # Before the first file: the attempt is provably Resilax's (layout.owns_step_folder).
+            self.store.write_bytes(f"{base}/{layout.writer_name(self.config.process_id)}", b"")
             copied_bytes = self._copy_files(local)
             sizes = {key: path.stat().st_size for key, path in local.files.items()}
             marker = {
@@ -361,6 +459,7 @@ class Uploader:
                 "generation": local.generation,
                 "era": local.era,
                 "digest": local.digest,
+                "attempt": local.attempt,
                 "sidecar_generation": self.config.generation,
                 "files": sizes,
                 "time": time.time(),
@@ -376,15 +475,40 @@ class Uploader:
                 "files": len(sizes),
             }
             log.info(
-                "step %d: uploaded %d files (%d bytes copied) to %s in %.2f s",
+                "step %d: uploaded %d files (%d bytes copied) to %s/%s in %.2f s",
                 step,
                 len(sizes),
                 copied_bytes,
                 self.store.url,
+                base,
                 seconds,
             )
-        self._marker_done[step] = local.digest
+        self._marker_done[step] = done
         return self.try_commit(local)
+
+    def _committed_elsewhere(self, local: LocalStep) -> bool:
+        """Whether `_COMMIT` of the step names another attempt and is visible: the step is committed
+        and this upload has nothing to add (it could never be read)."""
+        body = self._read_commit(local.step)
+        if body is None or named_attempt(body) == local.attempt:
+            return False
+        epoch = fencing.parse_marker_epoch(body)
+        if not self._visible(local.step, epoch):
+            return False
+        log.info("step %d: already committed by another save (%s, era %d generation %d); not uploading ours",
+                 local.step, named_attempt(body) or "in place", *epoch)
+        self._known_committed[local.step] = epoch
+        return True
+
+    def _check_step_folder(self, step: int) -> None:
+        """Refuse to upload into a step folder that holds only what someone else wrote."""
+        names = self.store.list_dir(str(step))
+        if names and not layout.owns_step_folder(names):
+            shown = ", ".join(sorted(names)[:3])
+            raise StoreError(
+                f"{self.store.url}/{step}: step {step} cannot be uploaded here: the folder holds data Resilax "
+                f"did not write ({shown}), which Resilax never deletes or overwrites; move it away, or give "
+                "the checkpoint root a folder of its own")
 
     def _marker_current(self, marker_key: str, local: LocalStep) -> bool:
         """Whether our marker for this very save is already there (a restarted sidecar)."""
@@ -397,9 +521,11 @@ class Uploader:
         return isinstance(raw, dict) and raw.get("digest") == local.digest
 
     def _copy_files(self, local: LocalStep) -> int:
-        """Copy every missing or different file with `upload_concurrency` workers; the bytes copied."""
+        """Copy every missing or different file into the save's attempt with `upload_concurrency`
+        workers; the bytes copied."""
         step = local.step
-        remote = self.store.list_files(str(step))
+        base = f"{step}/{local.attempt}"
+        remote = self.store.list_files(base)
         work: queue.SimpleQueue[tuple[str, Path]] = queue.SimpleQueue()
         for key, path in local.files.items():
             work.put((key, path))
@@ -420,7 +546,7 @@ class Uploader:
                 except queue.Empty:
                     return
                 try:
-                    n = self._copy_one(step, key, path, remote.get(key))
+                    n = self._copy_one(base, key, path, remote.get(key))
                 except BaseException as e:
                     with lock:
                         errors.append(e)
@@ -454,12 +580,12 @@ class Uploader:
         newest = max((s for s in self.scan_local() if self.persists(s)), default=None)
         return newest if newest is not None and newest > step else None
 
-    def _copy_one(self, step: int, key: str, path: Path, remote: BlobInfo | None) -> int:
-        full_key = f"{step}/{key}"
+    def _copy_one(self, base: str, key: str, path: Path, remote: BlobInfo | None) -> int:
+        full_key = f"{base}/{key}"
         size = path.stat().st_size
         if remote is not None and remote.size == size:
-            # Already there: ours from before a restart, or another host's copy. Same bytes only if
-            # the MD5s agree (a stale file of an older save of this step can have the same size).
+            # Already in this save's attempt: ours from before a restart, or another host's copy.
+            # Same bytes only if the MD5s agree (an interrupted copy can have the right size).
             remote_md5 = remote.md5 or self.store.md5(full_key)
             if remote_md5 == md5_file(path):
                 return 0
@@ -479,20 +605,27 @@ class Uploader:
         return size
 
     def try_commit(self, local: LocalStep) -> bool:
-        """Create `<step>/_COMMIT` if every process's upload of this save is complete."""
+        """Create `<step>/_COMMIT` naming the save's attempt if every process's upload of this save is
+        complete; True when the step is committed (by this save, or visibly by another one)."""
         step = local.step
-        commit_key = f"{step}/{layout.COMMIT_FILE}"
-        if step in self._known_committed or self.store.stat(commit_key) is not None:
-            self._known_committed.add(step)
-            return True
-        listing = self.store.list_files(str(step))
+        existing = self._read_commit(step)
+        if existing is not None:
+            if named_attempt(existing) == local.attempt:
+                self._known_committed[step] = local.epoch
+                return True
+            if self._committed_elsewhere(local):
+                return True
+            # Hidden (a fenced-out older generation's commit, or a step marked bad): a complete
+            # upload of ours re-points it below; the attempt it named is left as it is.
+        base = f"{step}/{local.attempt}"
+        listing = self.store.list_files(base)
         markers: dict[int, dict[str, Any]] = {}
         for name in listing:
             pid = layout.parse_uploaded(name)
             if pid is None:
                 continue
             try:
-                raw = json.loads(self.store.read_bytes(f"{step}/{name}"))
+                raw = json.loads(self.store.read_bytes(f"{base}/{name}"))
             except (FileNotFoundError, ValueError):
                 continue
             if isinstance(raw, dict):
@@ -523,32 +656,81 @@ class Uploader:
                     continue
                 if info is None or info.size != size:
                     log.warning(
-                        "step %d: process %d's file %r is %s in %s; not committing",
+                        "step %d: process %d's file %r is %s in %s/%s; not committing",
                         step,
                         pid,
                         key,
                         "missing" if info is None else f"{info.size} bytes, not {size}",
                         self.store.url,
+                        base,
                     )
                     if key in local.files:
-                        # Deleted under us (e.g. a starting primary clearing a folder it took for a
-                        # leftover): withdraw our marker so the next pass copies it again.
-                        self.store.delete(f"{step}/{layout.uploaded_name(self.config.process_id)}")
+                        # Deleted under us (e.g. a cleanup that took the attempt for a leftover):
+                        # withdraw our marker so the next pass copies it again.
+                        self.store.delete(f"{base}/{layout.uploaded_name(self.config.process_id)}")
                         self._marker_done.pop(step, None)
                     return False
         fences = self.read_fences()
-        if not fencing.decide_visible(step, (local.era, local.generation), fences):
+        if not fencing.decide_visible(step, local.epoch, fences):
             raise StoreError(
                 f"step {step} of era {local.era} generation {local.generation} is fenced out by a newer "
                 f"generation or job (fences {sorted(fences)}); not committing it"
             )
-        if self.store.create_bytes(commit_key, local.commit_body):
-            self.metrics.commits.inc()
-            log.info("step %d: committed in %s (all %d processes uploaded)", step, self.store.url, len(markers))
-        else:
-            log.info("step %d: already committed by another sidecar", step)
-        self._known_committed.add(step)
+        commit_key = f"{step}/{layout.COMMIT_FILE}"
+        if existing is None:
+            if self.store.create_bytes(commit_key, local.commit_body):
+                self.metrics.commits.inc()
+                log.info("step %d: committed in %s (all %d processes uploaded into %s)",
+                         step, self.store.url, len(markers), local.attempt)
+                self._known_committed[step] = local.epoch
+                return True
+            existing = self._read_commit(step)
+            if existing is not None and named_attempt(existing) == local.attempt:
+                log.info("step %d: already committed by another sidecar", step)
+                self._known_committed[step] = local.epoch
+                return True
+            return self._committed_elsewhere(local)
+        # Re-point a hidden commit, as resilax_ckpt.commit.commit_object does: only an older epoch's
+        # that the fences hide, or a step marked bad, never a visible one.
+        old_epoch = fencing.parse_marker_epoch(existing)
+        bad = step in list_bad_steps(self.store.list_dir(layout.BAD_DIR))
+        if not bad and old_epoch >= local.epoch:
+            log.warning("step %d: committed by era %d generation %d, which is hidden; not replacing it with "
+                        "era %d generation %d's", step, *old_epoch, *local.epoch)
+            return False
+        self.store.write_bytes(commit_key, local.commit_body)
+        if bad:
+            self.store.delete(f"{layout.BAD_DIR}/{layout.bad_name(step)}")
+        self.metrics.commits.inc()
+        log.info("step %d: committed in %s (all %d processes uploaded into %s), replacing %s's hidden commit",
+                 step, self.store.url, len(markers), local.attempt, named_attempt(existing) or "an in-place")
+        self._known_committed[step] = local.epoch
         return True
+
+    # ---- cleanup and retention ----
+
+    def clean_stale_attempts(self, persisted: list[int]) -> list[str]:
+        """Delete the attempts under visible committed steps that their `_COMMIT` does not name (a
+        stale or losing upload's, never readable), once per step in this sidecar's life; only entries of
+        the attempt form, only in steps whose marker names an attempt. Called on: process 0's
+        sidecar, each pass (the library's primary does the same at each generation's start)."""
+        deleted: list[str] = []
+        for step in persisted:
+            if step in self._cleaned:
+                continue  # a visible commit is never re-pointed: its named attempt stays the same
+            body = self._read_commit(step)
+            won = named_attempt(body) if body is not None else None
+            if won is None:
+                self._cleaned[step] = ""
+                continue
+            for name in self.store.list_dir(str(step)):
+                if layout.is_attempt_name(name) and name != won:
+                    self.store.delete_prefix(f"{step}/{name}")
+                    deleted.append(f"{step}/{name}")
+            self._cleaned[step] = won
+        if deleted:
+            log.info("deleted attempts no commit marker names in %s: %s", self.store.url, ", ".join(deleted))
+        return deleted
 
     # ---- retention --------------------------------------------------------------------------------
 
@@ -557,6 +739,8 @@ class Uploader:
         set). The persistent tier is trimmed by process 0 only (one deleter); each host trims its own
         local tier. True when something was deleted."""
         cfg = self.config
+        if cfg.process_id == 0:
+            self.clean_stale_attempts(persisted)
         local_keep = cfg.local_keep_last if cfg.local_keep_last is not None else cfg.keep_last
         if cfg.keep_last is None and local_keep is None:
             return False
@@ -566,7 +750,8 @@ class Uploader:
             for step in plan_retention(persisted, cfg.keep_last, cfg.keep_every_steps, protect):
                 # _COMMIT first: a half-deleted step must never look committed.
                 self.store.delete(f"{step}/{layout.COMMIT_FILE}")
-                self._known_committed.discard(step)
+                self._known_committed.pop(step, None)
+                self._cleaned.pop(step, None)
                 self.store.delete_prefix(str(step))
                 self.metrics.retention_deletes.labels(tier="persistent").inc()
                 deleted = True
@@ -584,11 +769,13 @@ class Uploader:
                         log.info("retention: deleted the abandoned partial upload of step %d", step)
         if local_keep is None:
             return deleted
-        local_steps = self.scan_local()
+        # Steps a restore marked bad count like the others (kept until they age out, never uploaded).
+        local_steps = list_local_steps(self.local_dir, cfg.process_id)
         newest_persisted = max(persisted, default=None)
         local_protect = set(protect)
         # A local step newer than everything persisted is still to be uploaded: keep the newest one.
-        waiting = [s for s in local_steps if (newest_persisted is None or s > newest_persisted) and self.persists(s)]
+        waiting = [s for s in self.scan_local()
+                   if (newest_persisted is None or s > newest_persisted) and self.persists(s)]
         if waiting:
             local_protect.add(waiting[-1])
         for step in plan_retention(local_steps, local_keep, None, local_protect):

@@ -15,6 +15,7 @@ from ckpt_procs import run_processes
 from ckpt_worker import expected, global_mesh, make_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from resilax_ckpt import layout
 
 
 def test_single_process_local_tier_writes_all_replicas_and_restores(tmp_path, devices):
@@ -37,10 +38,12 @@ def test_single_process_local_tier_writes_all_replicas_and_restores(tmp_path, de
 
 
 def merge_like_the_uploader(local_dirs: list[str], step: int, root: str, generation: int = 0) -> None:
-    """What resilax_sidecar's uploader does: copy each host's files into <root>/<step>/ (identical
-    names carry identical bytes), map _METADATA.<id>.json to _METADATA.json, skip the local markers,
-    then write _COMMIT."""
-    dest = os.path.join(root, str(step))
+    """What resilax_sidecar's uploader does: copy each host's files into the attempt
+    <root>/<step>/<attempt>/ (identical names carry identical bytes), map _METADATA.<id>.json to
+    _METADATA.json, skip the local markers, then write _COMMIT naming the attempt (write-once uploads;
+    the library reads what the marker names)."""
+    attempt = layout.upload_attempt_name(0, generation, step)
+    dest = os.path.join(root, str(step), attempt)
     for folder in local_dirs:
         src = os.path.join(folder, str(step))
         for dirpath, _, files in os.walk(src):
@@ -51,8 +54,8 @@ def merge_like_the_uploader(local_dirs: list[str], step: int, root: str, generat
                 target = "_METADATA.json" if rel == "." and name.startswith("_METADATA.") else name
                 os.makedirs(os.path.join(dest, rel), exist_ok=True)
                 shutil.copyfile(os.path.join(dirpath, name), os.path.join(dest, rel, target))
-    with open(os.path.join(dest, "_COMMIT"), "w") as f:
-        f.write(f'{{"generation": {generation}}}')
+    with open(os.path.join(root, str(step), "_COMMIT"), "w") as f:
+        f.write(f'{{"generation": {generation}, "attempt": "{attempt}"}}')
 
 
 @pytest.mark.slow
@@ -179,3 +182,110 @@ def test_restore_withdraws_newer_local_steps_before_they_can_be_saved_again(tmp_
         out = mgr.restore(2, target=target)
         assert out["meta"] == {"step": 2, "gen": 2}
         np.testing.assert_array_equal(np.asarray(out["params"]["w"]), expected(20)["w"])
+
+
+def truncate(path) -> None:
+    """Cut a file to half its length, as a full disk or a crash mid-write leaves it."""
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def a_chunk(step_dir) -> str:
+    """One chunk file of the array "w" of a step folder (the local tier's, or a persistent attempt's)."""
+    return str(next(p for p in sorted((step_dir / "params" / "w" / "c").rglob("*")) if p.is_file()))
+
+
+def test_two_tiers_an_unreadable_newest_step_falls_back_to_its_persistent_copy_then_to_an_older_step(
+        tmp_path, devices):
+    """Item 4 of issue 16 for the local tier: a truncated chunk in the newest local step is reported
+    naming the file, the local copy is marked bad (kept, hidden, never uploaded) and the persistent
+    tier's copy of the same step restores; when that copy is truncated too, the step is skipped on both
+    tiers (marked bad in the persistent tier, kept) and the next older step restores."""
+    mesh = global_mesh([4, 2])
+    persistent = tmp_path / "persistent"
+    env = {"RESILAX_CHECKPOINT_DIR": str(persistent), "RESILAX_LOCAL_DIR": str(tmp_path / "host"),
+           "RESILAX_GENERATION": "1"}
+    with rc.CheckpointManager.from_env(env, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"params": make_state(step, mesh), "meta": {"step": step}})
+    for step in (2, 3):
+        merge_like_the_uploader([str(tmp_path / "host")], step, str(persistent), generation=1)
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P()))
+                         for k, v in expected(1).items()}}
+    local_chunk = a_chunk(tmp_path / "host" / "3")
+    truncate(local_chunk)
+
+    with rc.CheckpointManager.from_env(dict(env, RESILAX_GENERATION="2")) as mgr:
+        out = mgr.restore(target=target)
+        assert out["meta"] == {"step": 3} and mgr.restored_from == "persistent"
+        np.testing.assert_array_equal(np.asarray(out["params"]["w"]), expected(3)["w"])
+        [entry] = mgr.restore_report["skipped"]
+        assert entry["step"] == 3 and entry["tier"] == "local" and local_chunk in entry["reason"], entry
+        assert mgr.restore_report["step"] == 3
+        assert mgr.steps() == [1, 2], "the unreadable local step is still visible"
+    assert os.path.exists(local_chunk), "the bad local step was deleted"
+    assert local_chunk in (tmp_path / "host" / "_bad" / "3.json").read_text()
+
+    attempt = layout.upload_attempt_name(0, 1, 3)
+    persistent_chunk = a_chunk(persistent / "3" / attempt)
+    truncate(persistent_chunk)
+    with rc.CheckpointManager.from_env(dict(env, RESILAX_GENERATION="3")) as mgr:
+        step = mgr.restore_step_from_env({}, target=target)  # "latest": what examples/train.py does
+        assert step == 3
+        out = mgr.restore(step, target=target)
+        assert out["meta"] == {"step": 2} and mgr.restored_from == "local"
+        np.testing.assert_array_equal(np.asarray(out["params"]["w"]), expected(2)["w"])
+        [entry] = mgr.restore_report["skipped"]
+        assert entry["step"] == 3 and entry["tier"] == "all" and persistent_chunk in entry["reason"], entry
+        assert mgr.persistent_steps() == [2]
+    assert persistent_chunk in (persistent / "_bad" / "3.json").read_text()
+    assert os.path.exists(persistent_chunk)
+
+
+def test_two_tiers_a_local_step_missing_a_chunk_is_skipped_and_named_but_not_marked_bad(tmp_path, devices):
+    """A chunk missing on this host is not proof of damage (after a change of mesh another host holds
+    it): the step is not read locally, the report names the file under "local_misses", nothing is
+    marked bad, and the newest step the tiers can serve (here an older one) restores."""
+    mesh = global_mesh([4, 2])
+    persistent = tmp_path / "persistent"
+    env = {"RESILAX_CHECKPOINT_DIR": str(persistent), "RESILAX_LOCAL_DIR": str(tmp_path / "host"),
+           "RESILAX_GENERATION": "1"}
+    with rc.CheckpointManager.from_env(env, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"params": make_state(step, mesh), "meta": {"step": step}})
+    merge_like_the_uploader([str(tmp_path / "host")], 1, str(persistent), generation=1)
+    victim = a_chunk(tmp_path / "host" / "2")
+    os.remove(victim)
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P()))
+                         for k, v in expected(1).items()}}
+    with rc.CheckpointManager.from_env(dict(env, RESILAX_GENERATION="2")) as mgr:
+        out = mgr.restore(target=target)
+        assert out["meta"] == {"step": 1}
+        report = mgr.restore_report
+        assert report["skipped"] == [] and report["step"] == 1
+        [miss] = report["local_misses"]
+        assert miss["step"] == 2 and victim in miss["reason"], report
+    assert not (tmp_path / "host" / "_bad").exists()
+
+
+@pytest.mark.slow
+def test_two_hosts_agree_to_skip_a_step_one_host_cannot_read(tmp_path, devices):
+    """Two processes: host 1's newest local step has a truncated chunk and the persistent tier never
+    got that step; host 0 could read its own copy, yet both skip it (every process restores the same
+    step) and both report why, naming host 1's file."""
+    local = str(tmp_path / "local{pid}")
+    persistent = str(tmp_path / "persistent")
+    run_processes({"scenario": "save", "root": local, "mesh": [4, 2], "steps": [1, 2],
+                   "options": {"local_tier": True}}, num_processes=2)
+    merge_like_the_uploader([local.format(pid=0), local.format(pid=1)], 1, persistent)
+    victim = a_chunk(tmp_path / "local1" / "2")
+    truncate(victim)
+    restored = run_processes({"scenario": "restore", "root": local, "persistent": persistent, "mesh": [4, 2],
+                              "latest_from_env": True, "options": {"local_tier": True}}, num_processes=2)
+    assert [r["agreed"] for r in restored] == [2, 2]
+    assert [r["step"] for r in restored] == [1, 1]
+    for r in restored:
+        [entry] = r["report"]["skipped"]
+        assert entry["step"] == 2 and entry["tier"] == "all" and victim in entry["reason"], r["report"]
+    assert (tmp_path / "local1" / "_bad" / "2.json").is_file()
+    assert not (tmp_path / "local0" / "_bad").exists()

@@ -84,6 +84,18 @@ def write_local_step(
     return final
 
 
+def committed_attempt(store: Any, step: int) -> str:
+    """The attempt prefix the persistent `<step>/_COMMIT` names (write-once uploads)."""
+    attempt = json.loads(store.read_bytes(f"{step}/_COMMIT"))["attempt"]
+    assert isinstance(attempt, str) and attempt.startswith("a-e"), attempt
+    return attempt
+
+
+def attempt_files(store: Any, step: int) -> dict[str, int]:
+    """Name -> size of the files of the attempt `<step>/_COMMIT` names, relative to that attempt."""
+    return {k: v.size for k, v in store.list_files(f"{step}/{committed_attempt(store, step)}").items()}
+
+
 def step_files(n: int, size: int, seed: int = 0) -> dict[str, bytes]:
     """`n` files of `size` bytes under one item folder, distinct contents."""
     return {f"state/leaf{i}/c/0": bytes([(seed + i) % 256]) * size + f"{seed}:{i}".encode() for i in range(n)}

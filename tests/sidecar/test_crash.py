@@ -4,12 +4,13 @@ ever looks committed, and the next sidecar finishes the upload, re-copying only 
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
 import threading
 
 import pytest
 from resilax_sidecar.store import GcsStore
-from sidecar_harness import step_files, wait_until, write_local_step
+from sidecar_harness import committed_attempt, step_files, wait_until, write_local_step
 
 pytestmark = pytest.mark.gcs
 
@@ -39,8 +40,12 @@ def test_sigkill_mid_upload_never_exposes_a_partial_step_and_the_next_start_comp
         reader = GcsStore(persistent)
         while not stop_watching.is_set():
             listing = reader.list_files("12")
-            if "_COMMIT" in listing and len([k for k in listing if not k.startswith("_")]) < len(files):
-                violations.append(f"_COMMIT with only {len(listing)} objects")
+            if "_COMMIT" in listing:
+                # Write-once uploads: the files are in the attempt the marker names.
+                attempt = json.loads(reader.read_bytes("12/_COMMIT"))["attempt"]
+                data = [k for k in listing if k.startswith(f"{attempt}/") and not k.split("/")[1].startswith("_")]
+                if len(data) < len(files):
+                    violations.append(f"_COMMIT naming {attempt} with only {len(data)} data objects")
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -55,8 +60,9 @@ def test_sigkill_mid_upload_never_exposes_a_partial_step_and_the_next_start_comp
         first.signal(signal.SIGKILL)
         assert first.wait(10) == -signal.SIGKILL
         partial = store.list_files("12")
-        assert n_before <= len(partial) < total, f"the upload finished before the kill ({len(partial)} files)"
-        assert "_COMMIT" not in partial and "_UPLOADED.0" not in partial
+        # + the attempt's _WRITER.0 marker
+        assert n_before <= len(partial) < total + 1, f"the upload finished before the kill ({len(partial)} files)"
+        assert "_COMMIT" not in partial and not any(k.endswith("/_UPLOADED.0") for k in partial)
 
         second = start_sidecar(env)
         wait_until(lambda: store.stat("12/_COMMIT") is not None, 60, "the resumed upload to commit")
@@ -68,5 +74,7 @@ def test_sigkill_mid_upload_never_exposes_a_partial_step_and_the_next_start_comp
         stop_watching.set()
         watcher.join(10)
     assert not violations, violations
+    attempt = committed_attempt(store, 12)  # the killed sidecar's attempt, resumed by the next one
+    assert store.list_dir("12") == sorted(["_COMMIT", attempt])
     for key, data in files.items():
-        assert store.md5(f"12/{key}") == hashlib.md5(data).hexdigest(), key
+        assert store.md5(f"12/{attempt}/{key}") == hashlib.md5(data).hexdigest(), key

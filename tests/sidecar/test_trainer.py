@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from resilax_sidecar.store import GcsStore
-from sidecar_harness import TOKEN, wait_until
+from resilax_sidecar.store import GcsStore, LocalFolderStore
+from sidecar_harness import TOKEN, committed_attempt, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -98,13 +98,14 @@ def test_sigterm_gets_a_final_step_committed_and_uploaded_before_the_sidecar_exi
     # Before the sidecar exited, the final step was committed in the persistent tier, whole.
     store = GcsStore(persistent)
     assert store.stat(f"{final_step}/_COMMIT") is not None, sidecar.log()
-    remote = store.list_files(str(final_step))
+    attempt = committed_attempt(store, final_step)
+    remote = store.list_files(f"{final_step}/{attempt}")
     local = tmp_path / "local" / str(final_step)
     for path in local.rglob("*"):
         rel = path.relative_to(local).as_posix()
         if path.is_file() and rel != "_COMMIT":
             assert remote[rel].size == path.stat().st_size, rel
-    assert json.loads(store.read_bytes(f"{final_step}/_UPLOADED.0"))["generation"] == 0
+    assert json.loads(store.read_bytes(f"{final_step}/{attempt}/_UPLOADED.0"))["generation"] == 0
     assert "committed and uploaded" in sidecar.log()
     # ... and resilax_ckpt restores it from the emulator.
     assert restore_w0(f"{persistent}/{final_step}", gcs_env) == final_step
@@ -142,7 +143,8 @@ def test_two_hosts_local_tiers_combine_into_one_committed_persistent_step(
     wait_until(lambda: (persistent / "10" / "_COMMIT").is_file(), 60, "step 10 to be committed")
     for pid, (_, sidecar) in enumerate(hosts):
         wait_until(lambda s=sidecar: s.get("/v1/state").body["newest_persisted_step"] == 10, 30, "state")
-        assert (persistent / "10" / f"_UPLOADED.{pid}").is_file()
+        attempt = committed_attempt(LocalFolderStore(persistent), 10)
+        assert (persistent / "10" / attempt / f"_UPLOADED.{pid}").is_file()
     commits = sum(s.metric("resilax_sidecar_commits_total") for _, s in hosts)
     committed = [p for p in persistent.iterdir() if (p / "_COMMIT").is_file()]
     assert commits == len(committed), "a step was committed by both sidecars"  # step 5 too, if it was early

@@ -9,12 +9,13 @@ import threading
 from pathlib import Path
 
 import pytest
+from resilax_ckpt import layout
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import StoreError, VerifyError
 from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.store import BlobStore, GcsStore, LocalFolderStore
 from resilax_sidecar.uploader import Uploader, plan_retention
-from sidecar_harness import step_files, wait_until, write_local_step
+from sidecar_harness import attempt_files, committed_attempt, step_files, wait_until, write_local_step
 
 
 def make_config(tmp_path: Path, **overrides) -> SidecarConfig:
@@ -33,7 +34,15 @@ def make_config(tmp_path: Path, **overrides) -> SidecarConfig:
 
 
 def committed_files(store: BlobStore, step: int) -> dict[str, int]:
-    return {k: v.size for k, v in store.list_files(str(step)).items()}
+    """The files of a committed step: those of the attempt its `_COMMIT` names."""
+    return attempt_files(store, step)
+
+
+def only_attempt(store: BlobStore, step: int) -> str:
+    """The one attempt under an uncommitted step folder."""
+    attempts = [n for n in store.list_dir(str(step)) if layout.is_attempt_name(n)]
+    assert len(attempts) == 1, store.list_dir(str(step))
+    return attempts[0]
 
 
 class FailingStore:
@@ -80,13 +89,18 @@ def test_a_local_step_is_copied_verified_marked_and_committed(tmp_path, store):
     uploader = Uploader(config, store, metrics)
     uploader.run_once()
 
+    # Write-once: everything is in one attempt prefix; `_COMMIT`, beside it, names it.
+    attempt = committed_attempt(store, 10)
+    assert attempt == layout.upload_attempt_name(0, 0, 10)
+    assert store.list_dir("10") == sorted(["_COMMIT", attempt])
     remote = committed_files(store, 10)
-    assert set(remote) == {*files, "_METADATA.json", "_WRITER.0", "_UPLOADED.0", "_COMMIT"}
+    assert set(remote) == {*files, "_METADATA.json", "_WRITER.0", "_UPLOADED.0"}
     for key, data in files.items():
-        assert store.read_bytes(f"10/{key}") == data
-    local_commit = (config.local_dir / "10" / "_COMMIT").read_bytes()
-    assert store.read_bytes("10/_COMMIT") == local_commit  # the library's own marker content
-    marker = json.loads(store.read_bytes("10/_UPLOADED.0"))
+        assert store.read_bytes(f"10/{attempt}/{key}") == data
+    local_commit = json.loads((config.local_dir / "10" / "_COMMIT").read_bytes())
+    # The library's own marker content, plus the attempt.
+    assert json.loads(store.read_bytes("10/_COMMIT")) == {**local_commit, "step": 10, "era": 0, "attempt": attempt}
+    marker = json.loads(store.read_bytes(f"10/{attempt}/_UPLOADED.0"))
     assert marker["generation"] == 0 and marker["files"]["_METADATA.json"] > 0
     assert uploader.state.newest_persisted == 10 and uploader.state.newest_local == 10
     assert metrics.uploads._value.get() == 1
@@ -98,6 +112,11 @@ def test_a_local_step_is_copied_verified_marked_and_committed(tmp_path, store):
     # A second pass changes nothing and copies nothing.
     uploader.run_once()
     assert metrics.uploads._value.get() == 1 and metrics.commits._value.get() == 1
+    # The library's reader finds the files where the marker says (resilax_ckpt.commit.step_data_path).
+    from resilax_ckpt import commit, storage
+
+    root = store.url
+    assert commit.step_data_path(storage.open_storage(root), root, 10) == f"{root}/10/{attempt}"
 
 
 def test_only_the_newest_new_step_is_uploaded(tmp_path):
@@ -128,6 +147,7 @@ def test_several_processes_combine_into_one_step_and_the_last_one_commits(tmp_pa
     uploaders[2].run_once()
     uploaders[0].run_once()
     assert store.stat("5/_COMMIT") is None, "committed before every process uploaded"
+    assert len(store.list_dir("5")) == 1, "the hosts' uploads of one save did not meet in one attempt"
     uploaders[1].run_once()
     assert store.stat("5/_COMMIT") is not None
     assert {f"state/leaf/c/{p}" for p in range(3)} <= set(committed_files(store, 5))
@@ -147,14 +167,16 @@ def test_processes_sharing_one_host_folder_upload_their_own_metadata_as_the_step
     for u in uploaders:
         u.run_once()
     names = set(committed_files(store, 3))
-    assert {"_METADATA.json", "_COMMIT", "state/c/0", "state/c/1"} <= names
+    assert {"_METADATA.json", "state/c/0", "state/c/1"} <= names
     assert not any(n.startswith(("_METADATA.0", "_METADATA.1", "_COMMIT.")) for n in names)
 
 
 def test_markers_of_another_save_of_the_same_step_never_commit_it(tmp_path):
     store = LocalFolderStore(tmp_path / "persistent")
-    # Process 1's marker left by generation 1's save of step 7, which never committed.
-    store.write_bytes("7/_UPLOADED.1", json.dumps({"generation": 1, "files": {}}).encode())
+    # Process 1's marker left by generation 1's save of step 7, which never committed, in the attempt
+    # generation 2's save uses (as if a sidecar wrote a wrong marker there).
+    attempt = layout.upload_attempt_name(0, 2, 7)
+    store.write_bytes(f"7/{attempt}/_UPLOADED.1", json.dumps({"generation": 1, "files": {}}).encode())
     config = make_config(tmp_path, process_id=0, num_processes=2, generation=2)
     write_local_step(config.local_dir, 7, step_files(2, 100), generation=2)
     uploader = Uploader(config, store, SidecarMetrics())
@@ -170,15 +192,16 @@ def test_a_file_deleted_after_its_marker_blocks_the_commit_until_copied_again(tm
     write_local_step(config1.local_dir, 9, {"a/1": b"1" * 50})
     uploader0 = Uploader(config0, store, SidecarMetrics())
     uploader0.run_once()
-    store.delete("9/a/0")
+    attempt = only_attempt(store, 9)
+    store.delete(f"9/{attempt}/a/0")
     uploader1 = Uploader(config1, store, SidecarMetrics())
     uploader1.run_once()
     assert store.stat("9/_COMMIT") is None
     # Process 0's sidecar notices its file is gone, withdraws its marker, copies it again, commits.
     uploader0.run_once()
-    assert store.stat("9/_COMMIT") is None and store.stat("9/_UPLOADED.0") is None
+    assert store.stat("9/_COMMIT") is None and store.stat(f"9/{attempt}/_UPLOADED.0") is None
     uploader0.run_once()
-    assert store.read_bytes("9/a/0") == b"0" * 50 and store.stat("9/_COMMIT") is not None
+    assert store.read_bytes(f"9/{attempt}/a/0") == b"0" * 50 and committed_attempt(store, 9) == attempt
 
 
 def test_a_newer_generations_fence_stops_the_commit(tmp_path):
@@ -211,8 +234,9 @@ def test_storage_errors_are_retried_with_back_off_and_counted(tmp_path, store):
     assert metrics.upload_failures._value.get() == 3
     assert "injected outage" in (uploader.state.last_error or "")
     assert uploader.state.consecutive_failures == 0
+    attempt = committed_attempt(store, 4)
     for key, data in files.items():
-        assert store.read_bytes(f"4/{key}") == data
+        assert store.read_bytes(f"4/{attempt}/{key}") == data
 
 
 def test_a_bad_copy_fails_verification_and_is_redone(tmp_path):
@@ -222,18 +246,51 @@ def test_a_bad_copy_fails_verification_and_is_redone(tmp_path):
     uploader = Uploader(config, FailingStore(store, failures=1, corrupt=True), SidecarMetrics())
     with pytest.raises(VerifyError, match="after upload"):
         uploader.run_once()
-    assert store.stat("4/_COMMIT") is None and store.stat("4/_UPLOADED.0") is None
+    attempt = only_attempt(store, 4)
+    assert store.stat("4/_COMMIT") is None and store.stat(f"4/{attempt}/_UPLOADED.0") is None
     uploader.run_once()
-    assert store.read_bytes("4/a") == b"x" * 1000 and store.stat("4/_COMMIT") is not None
+    assert store.read_bytes(f"4/{attempt}/a") == b"x" * 1000 and committed_attempt(store, 4) == attempt
 
 
-def test_a_stale_file_of_the_same_size_is_replaced(tmp_path):
+def test_a_stale_upload_of_the_same_step_is_never_written_into(tmp_path):
+    """Write-once: a file of the same name and size left by an older, uncommitted upload of step 6 (in
+    its own attempt) is not replaced; the new save goes into an attempt of its own, which `_COMMIT`
+    names. The old bytes stay untouched until cleanup removes the attempt no marker names."""
     store = LocalFolderStore(tmp_path / "persistent")
-    store.write_bytes("6/a", b"y" * 100)  # left by an older, uncommitted save of step 6
-    config = make_config(tmp_path)
-    write_local_step(config.local_dir, 6, {"a": b"x" * 100})
-    Uploader(config, store, SidecarMetrics()).run_once()
-    assert store.read_bytes("6/a") == b"x" * 100
+    old_attempt = layout.upload_attempt_name(0, 1, 6)  # generation 1's upload, never committed
+    store.write_bytes(f"6/{old_attempt}/_WRITER.0", b"")
+    store.write_bytes(f"6/{old_attempt}/a", b"y" * 100)
+    config = make_config(tmp_path, keep_last=5)
+    write_local_step(config.local_dir, 6, {"a": b"x" * 100}, generation=2)
+    uploader = Uploader(config, store, SidecarMetrics())
+    uploader.run_once()
+    attempt = committed_attempt(store, 6)
+    assert attempt != old_attempt and attempt == layout.upload_attempt_name(0, 2, 6)
+    assert store.read_bytes(f"6/{attempt}/a") == b"x" * 100
+    # Process 0's pass deletes the attempt that no marker names (after the commit, in the same pass).
+    assert old_attempt not in store.list_dir("6")
+    # A second upload of step 6 by the same save changes nothing.
+    uploader.run_once()
+    assert store.list_dir("6") == sorted(["_COMMIT", attempt])
+
+
+def test_a_committed_step_is_never_written_again_by_another_save_of_it(tmp_path):
+    """Step 6 is committed by generation 2; generation 3 saved step 6 again (e.g. after restoring
+    step 5) and its uploader runs: it writes nothing, the committed bytes and marker stay as they were."""
+    store = LocalFolderStore(tmp_path / "persistent")
+    first = make_config(tmp_path / "g2", checkpoint_dir=store.url, generation=2)
+    write_local_step(first.local_dir, 6, {"a": b"x" * 100}, generation=2)
+    Uploader(first, store, SidecarMetrics()).run_once()
+    commit_before = store.read_bytes("6/_COMMIT")
+    files_before = {k: store.read_bytes(f"6/{committed_attempt(store, 6)}/{k}") for k in committed_files(store, 6)}
+    later = make_config(tmp_path / "g3", checkpoint_dir=store.url, generation=3)
+    write_local_step(later.local_dir, 6, {"a": b"z" * 100}, generation=3)
+    uploader = Uploader(later, store, SidecarMetrics())
+    assert uploader.upload_step(uploader.read_local_step(6)) is True  # committed (by generation 2)
+    assert store.read_bytes("6/_COMMIT") == commit_before
+    attempt = committed_attempt(store, 6)
+    assert {k: store.read_bytes(f"6/{attempt}/{k}") for k in committed_files(store, 6)} == files_before
+    assert store.list_dir("6") == sorted(["_COMMIT", attempt]), "generation 3 wrote under step 6"
 
 
 @pytest.mark.parametrize(
@@ -269,7 +326,7 @@ def test_retention_on_both_tiers(tmp_path):
 def test_only_process_0_trims_the_persistent_tier(tmp_path):
     store = LocalFolderStore(tmp_path / "persistent")
     for step in (1, 2, 3):
-        store.write_bytes(f"{step}/_COMMIT", b"{}")
+        store.write_bytes(f"{step}/_COMMIT", b'{"generation": 0}')
     config = make_config(tmp_path, keep_last=1, process_id=1, num_processes=2)
     Uploader(config, store, SidecarMetrics()).run_once()
     assert sorted(store.list_dir("")) == ["1", "2", "3"]
@@ -309,7 +366,8 @@ def test_a_newer_local_step_supersedes_the_upload_in_flight_only_before_a_final_
         uploader.urgent.set()
     uploader.run_once()
     if urgent:
-        assert store.stat("10/_COMMIT") is None and store.stat("10/_UPLOADED.0") is None
+        assert store.stat("10/_COMMIT") is None
+        assert store.stat(f"10/{only_attempt(store, 10)}/_UPLOADED.0") is None
         assert len(store.list_files("10")) < 21, "step 10 was copied to the end"
     else:
         # Routine saves never starve the persistent tier: the upload in flight finishes first.
@@ -383,3 +441,23 @@ def test_persist_every_steps_uploads_multiples_and_requested_steps_only(tmp_path
     uploader.requested_steps.add(7)  # a final save answered step 7
     uploader.run_once()
     assert uploader.state.committed_steps == [4, 7]
+
+
+def test_a_local_step_a_restore_marked_bad_is_never_uploaded(tmp_path):
+    """resilax_ckpt's two-tier restore marks a local step it could not read `<local>/_bad/<step>.json`:
+    the sidecar leaves it out of its uploads (a corrupt copy never reaches the persistent tier), and
+    local retention ages it out like any other step."""
+    store = LocalFolderStore(tmp_path / "persistent")
+    config = make_config(tmp_path, keep_last=2)
+    for step in (5, 6):
+        write_local_step(config.local_dir, step, step_files(1, 10, seed=step))
+    (config.local_dir / "_bad").mkdir()
+    (config.local_dir / "_bad" / "6.json").write_text('{"step": 6, "reason": "chunk file ... truncated"}')
+    uploader = Uploader(config, store, SidecarMetrics())
+    uploader.run_once()
+    assert uploader.state.committed_steps == [5] and store.list_dir("") == ["5"]
+    assert uploader.state.newest_local == 5
+    for step in (7, 8):
+        write_local_step(config.local_dir, step, step_files(1, 10, seed=step))
+        uploader.run_once()
+    assert sorted(p.name for p in config.local_dir.iterdir() if p.name.isdigit()) == ["7", "8"]

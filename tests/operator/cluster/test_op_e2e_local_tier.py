@@ -11,6 +11,7 @@ in either tier can only come from the final save."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -84,7 +85,9 @@ def test_preemption_final_save_goes_local_then_persistent_and_restores(
             assert steps == [final], f"{pod}: local tier {steps}, final step {final}"
         # ... and the sidecars uploaded it and committed it in the persistent tier (every process's marker).
         assert persisted == [final], f"persistent tier commits {persisted}, final step {final}"
-        uploaded = sorted(p.name for p in (storage / str(final)).glob("_UPLOADED.*"))
+        # Write-once uploads: the markers are in the attempt that `_COMMIT` names.
+        attempt = json.loads((storage / str(final) / "_COMMIT").read_text())["attempt"]
+        uploaded = sorted(p.name for p in (storage / str(final) / attempt).glob("_UPLOADED.*"))
         assert len(uploaded) == 4, uploaded
         # Generation 2 runs in new pods off the preempted node: their local tiers never held that step,
         # so it came from the persistent tier.
