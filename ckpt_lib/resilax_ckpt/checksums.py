@@ -3,7 +3,7 @@
 A checksummed array (`LeafMetadata.checksum == "crc32c"`) has the codec after `bytes` in its
 `zarr.json`: every chunk file ends with the crc32c of the chunk's bytes, and with shard files every
 inner chunk does, and the shard index too (`index_codecs`). tensorstore verifies them itself; our own
-reader verifies them where the bytes already are in memory (reader.py). Arrays saved before checksums
+reader verifies them where the bytes already are in memory (file_reader.py). Arrays saved before checksums
 (format version 2 and earlier) have none, and restore reads them unverified.
 
 The crc32c comes from the `crc32c` package (SSE4.2 / ARMv8 instructions; it releases the GIL for

@@ -17,8 +17,7 @@ Durability (`fsync=True`) is one flush per save, not one per file: each file's w
 as soon as it is written (`sync_file_range(SYNC_FILE_RANGE_WRITE)`: the disk works while the next
 files are written, nothing waits), and once every file is written one `syncfs` of the step folder's
 filesystem makes them all durable with their folders: one journal commit instead of one per new file.
-On ext4 in /tmp, writing 690 new files of 1 GiB took 2.07 s with an fdatasync per file and 0.82 s
-this way, next to 0.73 s for dd writing one 1 GiB file (medians of 5). syncfs also flushes what other
+syncfs also flushes what other
 processes left dirty on that filesystem. Where syncfs does not report write-back errors (Linux before
 5.8) or does not exist, every file is fdatasync'ed at the end instead (`durability_mode`).
 
@@ -28,9 +27,9 @@ reused, on a huge page; the snapshot's buffers are only 64-byte aligned), the la
 the file then truncated to its exact size. A buffered write of a new file must first get fresh page
 cache for every byte (1 GiB of it per save, which on our VM first-touches memory the host had taken
 back, and on a training host evicts the dataset's cache); a direct write copies into the same few
-warm MiB and the disk reads from there. First save of the 1 GiB bench state on /tmp: 4.8-5.7 s
-buffered, 1.65-1.84 s direct (3 alternating rounds each); saves into recycled files are unchanged.
-A filesystem that refuses `O_DIRECT` (EINVAL) gets buffered writes.
+warm MiB and the disk reads from there. A filesystem that refuses `O_DIRECT` (EINVAL) gets buffered writes.
+
+The figures behind these choices: docs/benchmarks.md, "Measurements behind the fast path".
 
 `zarr_json` produces byte for byte the `zarr.json` tensorstore writes for the same array, so any zarr3
 reader (tensorstore without `assume_metadata`, zarr-python) reads what we wrote.
@@ -40,11 +39,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import dataclasses
 import errno
 import functools
-import json
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -53,176 +49,16 @@ from typing import Any
 import numpy as np
 
 from resilax_ckpt import checksums, planning, staging
+from resilax_ckpt.chunk_format import (
+    DIRECT_ALIGN,
+    DIRECT_MIN_BYTES,
+    ZARR_JSON,
+    ArrayFiles,
+    chunk_data,
+    zarr_json,
+)
 from resilax_ckpt.errors import StorageError
-
-ZARR_JSON = "zarr.json"
-CHUNK_DIR = "c"
-
-_ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-              "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float8_e8m0fnu")
-
-
-def supports(dtype: str) -> bool:
-    """Whether this module writes arrays of `dtype` (others go through tensorstore): numeric and bool
-    types whose in-memory bytes are their zarr3 encoding (not sub-byte or complex types)."""
-    if sys.byteorder != "little":
-        return False
-    if dtype in _ML_FLOATS:
-        return True
-    try:
-        kind = np.dtype(dtype).kind
-    except TypeError:
-        return False
-    return kind in "biuf" and dtype not in ("int4", "uint4", "int2", "uint2")
-
-
-def _fill_value(dtype: str) -> Any:
-    if dtype == "bool":
-        return False
-    if dtype in _ML_FLOATS or np.dtype(dtype).kind == "f":
-        return 0.0
-    return 0
-
-
-def zarr_json(shape: Sequence[int], dtype: str, chunks: Sequence[int], shard: Sequence[int] = (),
-              checksum: bool = False) -> bytes:
-    """The `zarr.json` of an array, exactly as tensorstore's zarr3 driver writes it; with `shard`,
-    an array of shards of that shape holding `chunks`-shaped inner chunks (`sharding_indexed`, the
-    index at the end of the file, zarr's default: see ArrayFiles); with `checksum`, the `crc32c`
-    codec after every chunk's bytes and after the shard index (checksums.py)."""
-    bytes_codec: dict[str, Any] = {"name": "bytes"}
-    if dtype != "bool" and np.dtype(dtype).itemsize > 1:
-        bytes_codec["configuration"] = {"endian": "little"}
-    crc: list[dict[str, Any]] = [{"name": checksums.CRC32C}] if checksum else []
-    codecs: list[dict[str, Any]] = [bytes_codec, *crc]
-    grid = list(chunks)
-    if shard:
-        index_codecs = [{"configuration": {"endian": "little"}, "name": "bytes"}, *crc]
-        codecs = [{"configuration": {"chunk_shape": list(chunks), "codecs": codecs, "index_codecs": index_codecs},
-                   "name": "sharding_indexed"}]
-        grid = list(shard)
-    meta = {
-        "chunk_grid": {"configuration": {"chunk_shape": grid}, "name": "regular"},
-        "chunk_key_encoding": {"name": "default"},
-        "codecs": codecs,
-        "data_type": dtype,
-        "fill_value": _fill_value(dtype),
-        "node_type": "array",
-        "shape": list(shape),
-        "zarr_format": 3,
-    }
-    return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-
-
-def chunk_key(index: Sequence[int]) -> tuple[str, ...]:
-    """The path parts of a chunk under its array folder (zarr3 default encoding, '/' separator)."""
-    return (CHUNK_DIR, *map(str, index))
-
-
-def chunk_grid(shape: Sequence[int], chunks: Sequence[int]) -> tuple[int, ...]:
-    return tuple(math.ceil(s / c) for s, c in zip(shape, chunks, strict=True))
-
-
-def all_chunk_keys(shape: Sequence[int], chunks: Sequence[int]) -> list[tuple[str, ...]]:
-    """Every chunk key of an array (one for a 0-d array, none when a dimension is 0)."""
-    grid = chunk_grid(shape, chunks)
-    return [chunk_key(index) for index in np.ndindex(*grid)] if grid else [chunk_key(())]
-
-
-_MISSING = 0xFFFFFFFFFFFFFFFF
-"""A shard index entry (offset and size) of an inner chunk that is not stored."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ArrayFiles:
-    """Where an array's chunks are on disk, from its metadata alone (writer and reader agree).
-
-    Unsharded: chunk `i` is the whole file `c/<i...>`. Sharded (`shard` set): the chunks of shard `s`
-    (`shard // chunks` of them per dimension) are in the file `c/<s...>`, in C order, chunk `j` of
-    the shard at byte `j * stride` (the chunk's stored size rounded up to DIRECT_ALIGN, so O_DIRECT
-    writes and reads each chunk in place), followed by zarr's shard index: per chunk, its offset and
-    stored size as little-endian uint64, both all-ones for a chunk outside the array. With `checksum`
-    (zarr's `crc32c` codec) a chunk is stored as its bytes and their crc32c (4 bytes), and the index
-    is followed by its own crc32c. A shard is written by one process (planning.plan_shard_shape), so
-    the layout needs no coordination and a restore reads a run of a shard's chunks with one request.
-    """
-
-    shape: tuple[int, ...]
-    itemsize: int
-    chunks: tuple[int, ...]
-    shard: tuple[int, ...] = ()
-    checksum: bool = False
-
-    @classmethod
-    def of(cls, leaf: Any) -> ArrayFiles:
-        """The files of a LeafMetadata."""
-        itemsize = 1 if leaf.dtype == "bool" else np.dtype(leaf.dtype).itemsize
-        return cls(tuple(leaf.shape), itemsize, tuple(leaf.chunks), tuple(leaf.shard),
-                   leaf.checksum == checksums.CRC32C)
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes of a chunk's data (edge chunks padded to the full chunk shape)."""
-        return math.prod(self.chunks) * self.itemsize
-
-    @property
-    def crc_bytes(self) -> int:
-        """Bytes of the checksum after each chunk (and shard index): 4 with `checksum`, else 0."""
-        return checksums.CRC_BYTES if self.checksum else 0
-
-    @property
-    def stored_chunk_bytes(self) -> int:
-        """Bytes a chunk takes in its file: its data and its checksum."""
-        return self.chunk_bytes + self.crc_bytes
-
-    @property
-    def stride(self) -> int:
-        return -(-self.stored_chunk_bytes // DIRECT_ALIGN) * DIRECT_ALIGN
-
-    @property
-    def per_shard(self) -> tuple[int, ...]:
-        return tuple(s // c for s, c in zip(self.shard, self.chunks, strict=True))
-
-    def file_keys(self) -> list[tuple[str, ...]]:
-        """Every file of the array's grid (chunk files, or shard files)."""
-        return all_chunk_keys(self.shape, self.shard or self.chunks)
-
-    @property
-    def index_offset(self) -> int:
-        """Where a shard file's index starts."""
-        return math.prod(self.per_shard) * self.stride
-
-    @property
-    def index_bytes(self) -> int:
-        """Bytes of a shard file's index (and its checksum)."""
-        return 16 * math.prod(self.per_shard) + self.crc_bytes
-
-    def file_size(self) -> int:
-        if not self.shard:
-            return self.stored_chunk_bytes
-        return self.index_offset + self.index_bytes
-
-    def locate(self, chunk: Sequence[int]) -> tuple[tuple[str, ...], int]:
-        """The file (key parts) holding chunk `chunk` of the grid and the chunk's byte offset in it."""
-        if not self.shard:
-            return chunk_key(chunk), 0
-        per = self.per_shard
-        inner = 0
-        for i, n in zip(chunk, per, strict=True):
-            inner = inner * n + i % n
-        return chunk_key([i // n for i, n in zip(chunk, per, strict=True)]), inner * self.stride
-
-    def shard_index(self, key: Sequence[str]) -> bytes:
-        """The zarr shard index of the shard file `key` (its last 16 bytes per chunk, then the
-        index's crc32c with `checksum`)."""
-        first = [int(k) * n for k, n in zip(key[1:], self.per_shard, strict=True)]
-        grid = chunk_grid(self.shape, self.chunks)
-        entries = np.full((math.prod(self.per_shard), 2), _MISSING, dtype="<u8")
-        for j, inner in enumerate(np.ndindex(*self.per_shard)):
-            if all(f + i < g for f, i, g in zip(first, inner, grid, strict=True)):
-                entries[j] = (j * self.stride, self.stored_chunk_bytes)
-        index = entries.tobytes()
-        return index + checksums.encode(checksums.crc32c(index)) if self.checksum else index
+from resilax_ckpt.sources import resolve_source
 
 
 @functools.cache
@@ -294,10 +130,6 @@ def make_durable(folder: str, files: Sequence[str]) -> None:
             os.close(fd)
 
 
-DIRECT_ALIGN = 4096
-"""Bytes: O_DIRECT buffers, offsets and lengths are multiples of this (any disk's logical block)."""
-DIRECT_MIN_BYTES = 64 << 10
-"""Smaller chunk files (and every zarr.json) are written buffered."""
 
 
 @functools.cache
@@ -437,23 +269,6 @@ def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True, direct: bo
         os.close(fd)
 
 
-def chunk_data(box: planning.Box, data: np.ndarray, shape: Sequence[int],
-               chunks: Sequence[int]) -> tuple[tuple[int, ...], np.ndarray]:
-    """The chunk index of a box that is exactly one chunk (clipped to the array) and the chunk's
-    data, padded with zeros to the full chunk shape at the array's edge."""
-    index = []
-    for dim, ((a, b), size, c) in enumerate(zip(box, shape, chunks, strict=True)):
-        if a % c or b != min(a + c, size):
-            raise StorageError(f"box {box} is not one chunk of the grid {tuple(chunks)} of an array of shape "
-                               f"{tuple(shape)} (dimension {dim})")
-        index.append(a // c)
-    if tuple(data.shape) != tuple(chunks):
-        padded = np.zeros(tuple(chunks), dtype=data.dtype)
-        padded[tuple(slice(0, n) for n in data.shape)] = data
-        data = padded
-    return tuple(index), data
-
-
 class ChunkWriter:
     """Writes chunk files on a thread pool, keeping at most `limit` bytes in flight (always admits
     one). A write's data stays referenced only until its file is written."""
@@ -513,10 +328,7 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
     `step_path` (and, when `create_metadata`, every array's zarr.json); returns once all are written
     (and durable when `fsync`: `make_durable`). `direct_io`: O_DIRECT where `use_direct_io` allows.
     `on_progress(i)` is called before the i-th write (test hook)."""
-    from resilax_ckpt.items import resolve_source
-    from resilax_ckpt.tensorstore_io import scaled_inflight_limit
-
-    limit = scaled_inflight_limit(max_inflight_bytes, sum(w.nbytes for w in plan.writes))
+    limit = planning.scaled_inflight_limit(max_inflight_bytes, sum(w.nbytes for w in plan.writes))
     remaining: dict[int, int] = {}
     for write in plan.writes:
         key = id(getattr(write.source, "array", write))
@@ -573,19 +385,3 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
     finally:
         writer.close()
         shard_cache.clear()
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def release_free_memory() -> None:
-    """Give the memory of a written snapshot back to the OS (glibc keeps freed small blocks in its
-    arenas: without this the next save's copy starts on top of the last one's high-water mark)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

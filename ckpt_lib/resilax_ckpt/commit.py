@@ -22,7 +22,7 @@ import os
 import shutil
 import time
 
-from resilax_ckpt import chunk_writer, fencing, layout
+from resilax_ckpt import chunk_format, fencing, layout
 from resilax_ckpt.errors import ForeignDataError, StepExistsError, StorageError
 from resilax_ckpt.metadata import StepMetadata
 from resilax_ckpt.storage import Storage
@@ -278,8 +278,8 @@ def expected_files(metadata: StepMetadata) -> set[str]:
                 if leaf.kind != "array":
                     continue
                 base = f"{name}/{leaf.dir}"
-                out.add(f"{base}/{chunk_writer.ZARR_JSON}")
-                out.update(f"{base}/" + "/".join(key) for key in chunk_writer.ArrayFiles.of(leaf).file_keys())
+                out.add(f"{base}/{chunk_format.ZARR_JSON}")
+                out.update(f"{base}/" + "/".join(key) for key in chunk_format.ArrayFiles.of(leaf).file_keys())
     return out
 
 

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from resilax_ckpt import checksums, chunk_writer, layout, planning, pytrees
+from resilax_ckpt import checksums, chunk_format, layout, planning, pytrees
 from resilax_ckpt.errors import ResilaxCkptError, TreeMismatchError
 from resilax_ckpt.metadata import ItemMetadata, LeafMetadata, StepMetadata
+from resilax_ckpt.sources import ShardOf
 
 
 class UnsupportedLeafError(ResilaxCkptError, TypeError):
@@ -188,21 +189,17 @@ def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, proc
                 leaf, prng_impl = pytrees.key_data(leaf)
             if isinstance(leaf, jax.Array):
                 shape = tuple(leaf.shape)
-                chunks = tuple(max(1, c) for c in leaf.sharding.shard_shape(shape))
+                chunks = _chunk_shape(leaf.sharding, shape)
                 shard_shape = _shard_shape(leaf.sharding, shape, chunks) if shard_files else ()
                 meta = LeafMetadata(keystr=keystr, path=enc, kind="array", dir=leaf_dir, shape=shape,
                                     dtype=np.dtype(leaf.dtype).name, chunks=chunks, shard=shard_shape,
                                     checksum=checksum, prng_impl=prng_impl)
                 array_index = len(arrays)
                 arrays.append((name, meta))
-                boxes_done: set[planning.Box] = set()
-                for shard in leaf.addressable_shards:
-                    if not (local_tier or shard.replica_id == 0):
-                        continue
-                    box = planning.box_of_index(shard.index, shape)
-                    if box in boxes_done:
-                        continue
-                    boxes_done.add(box)
+                shards = leaf.addressable_shards
+                for position, box in planning.plan_write_boxes(((sh.index, sh.replica_id) for sh in shards), shape,
+                                                               all_replicas=local_tier):
+                    shard = shards[position]
                     nbytes = planning.box_size(box) * leaf.dtype.itemsize
                     device_sources.append((len(writes), leaf, shard))
                     writes.append(ArrayWrite(array_index, box, None, nbytes))
@@ -230,8 +227,8 @@ def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, proc
             leaves.append(meta)
         item_meta[name] = ItemMetadata(kind="pytree", leaves=tuple(leaves))
 
-    if shard_files and not all(chunk_writer.supports(leaf.dtype) for _, leaf in arrays):
-        # tensorstore writes this step (manager._write_step_files), one file per chunk.
+    if shard_files and not all(chunk_format.supports(leaf.dtype) for _, leaf in arrays):
+        # Shard files hold raw chunks only (chunk_format.supports): one file per chunk instead.
         arrays = [(name, dataclasses.replace(leaf, shard=())) for name, leaf in arrays]
         item_meta = {name: dataclasses.replace(item, leaves=tuple(
             dataclasses.replace(leaf, shard=()) if leaf.kind == "array" else leaf for leaf in item.leaves))
@@ -239,6 +236,14 @@ def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, proc
     metadata = StepMetadata(step=step, generation=generation, process_count=process_count,
                             items=item_meta, time=time_now, local_tier=local_tier)
     return SnapshotPlan(metadata=metadata, arrays=arrays, writes=writes, files=files), device_sources
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_shape(sharding: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The chunk shape of an array saved with `sharding` (planning.plan_chunk_shape of its boxes on
+    every device, so all processes agree)."""
+    boxes = {planning.box_of_index(index, shape) for index in sharding.devices_indices_map(shape).values()}
+    return planning.plan_chunk_shape(shape, boxes)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -294,25 +299,6 @@ def _copy_groups(sources: list[tuple[int, jax.Array, Any]]) -> list[list[jax.Arr
             groups.setdefault(frozenset(array.sharding.device_set), {})[id(array)] = array
             last = array
     return [list(group.values()) for group in groups.values()]
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardOf:
-    """The shard on `device` of a (private, possibly still being computed) global array copy."""
-
-    array: jax.Array
-    device: Any
-
-
-def resolve_source(source: Any, cache: dict[int, dict[Any, Any]]) -> np.ndarray:
-    """A write's data as NumPy (zero-copy for CPU arrays). Called on: the writing thread."""
-    if isinstance(source, ShardOf):
-        shards = cache.get(id(source.array))
-        if shards is None:
-            shards = {s.device: s.data for s in source.array.addressable_shards}
-            cache[id(source.array)] = shards
-        return np.asarray(shards[source.device])
-    return np.asarray(source)
 
 
 def _json_bytes(name: str, value: Any) -> bytes:

@@ -9,7 +9,7 @@ A save, step by step (shared folder, several processes):
 On a local shared folder, retention keeps retired steps as `.recycle-<step>/` (up to
 `recycle_pool`); step 2 then starts with the primary renaming one to the save's temporary folder and
 pruning it to the new step's files (commit.take_recycled), and every process rewrites its chunk
-files in place (chunk_writer.py).
+files in place (the file chunk backend, backends.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from resilax_ckpt import chunk_writer, commit, fencing, layout, planning, policy, pytrees, reader
+from resilax_ckpt import backends, chunk_format, commit, fencing, layout, planning, policy, pytrees, reader
 from resilax_ckpt import items as items_lib
-from resilax_ckpt import tensorstore_io as tsio
 from resilax_ckpt.errors import (
     CorruptCheckpointError,
     IncompleteStepError,
@@ -107,8 +106,6 @@ class CheckpointManager:
         # processes may share one host folder (docs/architecture.md, "Checkpoint layout").
         self._own_suffix: int | None = (
             self._coord.process_index if self._local_tier and self._coord.process_count > 1 else None)
-        self._context = tsio.build_context(self._options.io_concurrency, self._options.fsync,
-                                           self._options.gcs_retries)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-ckpt")
         self._pending: concurrent.futures.Future[None] | None = None
         self._copy_prepared = False  # the first save's device copy compiled ahead (or tried)
@@ -135,6 +132,9 @@ class CheckpointManager:
         self._persistent: Storage | None = (
             open_storage(self._persistent_root, fsync=self._options.fsync)
             if self._persistent_root and self._local_tier else None)
+        self._backend = backends.for_storage(self._storage, self._options)
+        self._persistent_backend = (backends.for_storage(self._persistent, self._options)
+                                    if self._persistent is not None else None)
 
         if self._storage.is_local:
             os.makedirs(self._root, exist_ok=True)
@@ -493,10 +493,8 @@ class CheckpointManager:
                 commit.check_step_free(storage, root, step)
             if not renames:  # object store, or a local tier folder shared by several processes
                 storage.write_bytes(storage.join(work, layout.writer_name(pid)), b"")
-            _write_step_files(storage, work, plan, self._context, self._options.max_inflight_bytes,
-                              create_metadata=self._is_primary, process_index=pid,
-                              write_threads=self._options.write_threads, fsync=self._options.fsync,
-                              direct_io=self._options.direct_io)
+            _write_step_files(storage, self._backend, work, plan, create_metadata=self._is_primary,
+                              process_index=pid)
             _maybe_crash("after_writes", pid)
         except Exception as e:
             error = f"process {pid}: {type(e).__name__}: {e}"
@@ -699,10 +697,11 @@ class CheckpointManager:
                    items: Iterable[str] | None, own_metadata: bool = True) -> dict[str, Any]:
         """`restore_step` with this manager's options; `own_metadata`: this process's metadata file
         (the local tier's per-process name), else the step's shared one."""
-        return restore_step(storage, path, step, target, items, self._context, self._options.max_inflight_bytes,
+        backend = self._persistent_backend if storage is self._persistent and self._persistent_backend else self._backend
+        return restore_step(storage, backend, path, step, target, items, self._options.max_inflight_bytes,
                             self._coord.process_index,
                             layout.metadata_name(self._own_suffix) if own_metadata else layout.METADATA_FILE,
-                            self._options.io_concurrency, self._options.direct_io)
+                            self._options.io_concurrency)
 
     def _restore_two_tiers(self, step: int | None, target: Mapping[str, Any] | None,
                            items: Iterable[str] | None) -> dict[str, Any]:
@@ -879,7 +878,7 @@ class CheckpointManager:
                 else:
                     boxes = list(planning.plan_read_boxes(
                         sharding.addressable_devices_indices_map(leaf.shape).items(), leaf.shape))
-                files = chunk_writer.ArrayFiles.of(leaf)
+                files = chunk_format.ArrayFiles.of(leaf)
                 file_keys = {files.locate(c)[0] for box in boxes for c in planning.chunks_of_box(box, leaf.chunks)}
                 leaf_path = self._storage.join(step_path, name, str(leaf.dir))
                 for key in sorted(file_keys):
@@ -943,21 +942,15 @@ def _compile_quietly(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
         log.warning("compiling the snapshot copy ahead failed (the first save will compile it): %s", e)
 
 
-def _write_step_files(storage: Storage, work: str, plan: items_lib.SnapshotPlan, context: Any,
-                      max_inflight_bytes: int, create_metadata: bool, process_index: int,
-                      write_threads: int = 8, fsync: bool = True, direct_io: bool = True) -> None:
-    """Local folders: our own chunk files (chunk_writer.py) when every array's dtype allows; else
-    (gs://, exotic dtypes) tensorstore."""
+def _write_step_files(storage: Storage, backend: backends.ChunkBackend, work: str, plan: items_lib.SnapshotPlan,
+                      create_metadata: bool, process_index: int) -> None:
+    """Write this process's chunks (through the chunk backend) and small files of `plan` under `work`."""
     def progress(n: int) -> None:
         if n == len(plan.writes) // 2:
             _maybe_crash("mid_writes", process_index)
 
-    if storage.is_local and all(chunk_writer.supports(leaf.dtype) for _, leaf in plan.arrays):
-        chunk_writer.write_snapshot(plan, work, create_metadata, fsync, write_threads, max_inflight_bytes,
-                                    progress, direct_io)
-    else:
-        tsio.write_snapshot(plan, work, storage, context, create_metadata, max_inflight_bytes, progress)
-    chunk_writer.release_free_memory()  # the snapshot is written and dropped
+    backend.write(plan, work, create_metadata, progress)
+    backends.release_free_memory()  # the snapshot is written and dropped
     for parts, data in plan.files:
         storage.write_bytes(storage.join(work, *parts), data)
 
@@ -973,11 +966,12 @@ def read_metadata(storage: Storage, step_path: str, name: str = layout.METADATA_
     return StepMetadata.from_bytes(data, where)
 
 
-def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[str, Any] | None,
-                 items: Iterable[str] | None, context: Any, max_inflight_bytes: int,
+def restore_step(storage: Storage, backend: backends.ChunkBackend, step_path: str, step: int,
+                 target: Mapping[str, Any] | None, items: Iterable[str] | None, max_inflight_bytes: int,
                  process_index: int, metadata_name: str = layout.METADATA_FILE,
-                 io_concurrency: int = 32, direct_io: bool = True) -> dict[str, Any]:
-    """Restore from one committed step folder (see CheckpointManager.restore)."""
+                 io_concurrency: int = 32) -> dict[str, Any]:
+    """Restore from one committed step folder (see CheckpointManager.restore), reading the chunks
+    through `backend` (the storage's: backends.for_storage)."""
     meta = read_metadata(storage, step_path, metadata_name)
     names = list(items) if items is not None else list(meta.items)
     unknown = [n for n in names if n not in meta.items]
@@ -1031,8 +1025,7 @@ def restore_step(storage: Storage, step_path: str, step: int, target: Mapping[st
     if problems:
         raise ShapeMismatchError("; ".join(problems))
     try:
-        reader.read_leaves(reads, step_path, storage, context, max_inflight_bytes, io_concurrency,
-                           direct_io=direct_io)
+        reader.read_leaves(reads, step_path, backend, max_inflight_bytes, io_concurrency)
     except IncompleteStepError as e:  # a chunk file is missing (MissingChunkError)
         hint = " (a local-tier step holds only its host's shards: restore from the persistent tier)"
         raise type(e)(f"step {step}: {e}{hint if meta.local_tier else ''}") from e
@@ -1066,12 +1059,11 @@ def save(path: str, items: Any) -> None:
     storage = open_storage(path)
     coord = current_coordinator()
     root, name = path.rsplit("/", 1) if "/" in path else (".", path)
-    context = tsio.build_context(32, True)
     plan = items_lib.snapshot_items(items, step=0, generation=0, process_index=coord.process_index,
                                     process_count=coord.process_count, local_tier=False, time_now=time.time(),
                                     shard_files=storage.is_local)
     work = storage.join(root, f"{layout.TMP_PREFIX}{name}") if storage.is_local else path
-    _write_step_files(storage, work, plan, context, ManagerOptions.max_inflight_bytes, coord.process_index == 0,
+    _write_step_files(storage, backends.for_storage(storage, ManagerOptions()), work, plan, coord.process_index == 0,
                       coord.process_index)
     key = f"resilax_ckpt/oneshot/{name}/{time.time_ns() if coord.process_count == 1 else 0}"
     coord.barrier(f"{key}/written", 900)
@@ -1098,5 +1090,6 @@ def restore(path: str, target: Any = None, items: Iterable[str] | None = None) -
             raise StepNotCommittedError(f"{path}: not committed (no {layout.COMMIT_FILE})")
         raise StepNotFoundError(f"{path}: does not exist")
     coord = current_coordinator()
-    return restore_step(storage, commit.data_path(storage, path), layout.parse_step(path.rsplit("/", 1)[-1]) or 0, target, items,
-                        tsio.build_context(32, True), ManagerOptions.max_inflight_bytes, coord.process_index)
+    return restore_step(storage, backends.for_storage(storage, ManagerOptions()), commit.data_path(storage, path),
+                        layout.parse_step(path.rsplit("/", 1)[-1]) or 0, target, items,
+                        ManagerOptions.max_inflight_bytes, coord.process_index)

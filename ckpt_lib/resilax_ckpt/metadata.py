@@ -41,7 +41,7 @@ class LeafMetadata:
     """The zarr3 chunk shape: the shard shape of the saved sharding (of a JAX sharding, not zarr's)."""
     shard: tuple[int, ...] = ()
     """When set, the array's files are zarr3 shards of this shape (the `sharding_indexed` codec), each
-    holding the `chunks` one process wrote (chunk_writer.ArrayFiles); else one file per chunk."""
+    holding the `chunks` one process wrote (chunk_format.ArrayFiles); else one file per chunk."""
     checksum: str = ""
     """"crc32c" when every chunk (and shard index) of the array carries one (zarr3's `crc32c` codec,
     checksums.py); "" for arrays saved without (before format version 3)."""

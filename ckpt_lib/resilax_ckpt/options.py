@@ -82,9 +82,9 @@ class ManagerOptions:
 
     shard_files: bool = True
     """Local shared folders: store each array as zarr3 shards, one file per array and process (each
-    process's chunks back to back, `sharding_indexed`; chunk_writer.ArrayFiles), instead of one file
+    process's chunks back to back, `sharding_indexed`; chunk_format.ArrayFiles), instead of one file
     per chunk: a step has several times fewer files (a job's first save creates fewer), and a
-    restore reads a shard's chunks in runs (reader.RUN_BYTES). Not on gs:// or in the local tier,
+    restore reads a shard's chunks in runs (file_reader.RUN_BYTES). Not on gs:// or in the local tier,
     and only where the processes' shards form a regular grid (planning.plan_shard_shape)."""
 
     fsync: bool = True

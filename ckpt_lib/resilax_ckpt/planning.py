@@ -79,17 +79,18 @@ def plan_shard_shape(chunks: Sequence[int], boxes_per_process: Iterable[Iterable
 
 
 def plan_write_boxes(shards: Iterable[tuple[Index, int]], shape: Sequence[int],
-                     all_replicas: bool = False) -> list[Box]:
-    """The distinct boxes a process writes, from its addressable shards' `(index, replica_id)`.
+                     all_replicas: bool = False) -> list[tuple[int, Box]]:
+    """The distinct boxes a process writes, from its addressable shards' `(index, replica_id)`, each
+    with the position of the shard that writes it.
 
     Only replica 0 of each shard is written to a shared folder (so each byte is written once
     overall); `all_replicas=True` (the per-host local tier) writes every box the process holds.
     """
-    seen: dict[Box, None] = {}
-    for index, replica_id in shards:
+    seen: dict[Box, int] = {}
+    for position, (index, replica_id) in enumerate(shards):
         if all_replicas or replica_id == 0:
-            seen.setdefault(box_of_index(index, shape), None)
-    return list(seen)
+            seen.setdefault(box_of_index(index, shape), position)
+    return [(position, box) for box, position in seen.items()]
 
 
 def plan_read_boxes(device_indices: Iterable[tuple[Hashable, Index]],
@@ -114,28 +115,13 @@ def chunks_of_box(box: Box, chunks: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
-def box_covered(box: Box, written: Iterable[Box], chunks: Sequence[int]) -> bool:
-    """Whether every chunk a box overlaps was written (by whole chunks, as plan_chunk_shape makes)."""
-    have: set[tuple[int, ...]] = set()
-    for w in written:
-        have.update(chunks_of_box(w, chunks))
-    return all(c in have for c in chunks_of_box(box, chunks))
-
-
-def plan_read_regions(boxes: Sequence[Box]) -> list[tuple[Box, list[Box]]]:
-    """Group a process's distinct read boxes into regions read at once: when the boxes tile their
-    bounding box exactly (a process's shards usually form one block) one read covers them all, so
-    each stored chunk is read once even when the target's boxes cut across the saved chunks;
-    otherwise each box is its own region."""
-    if len(boxes) <= 1:
-        return [(b, [b]) for b in boxes]
-    rank = len(boxes[0])
-    bounding = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(rank))
-    if sum(box_size(b) for b in boxes) == box_size(bounding):
-        return [(bounding, list(boxes))]
-    return [(b, [b]) for b in boxes]
-
-
 def offset_index(box: Box, region: Box) -> Index:
     """The slices of `box` inside an array holding `region`."""
     return tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(box, region, strict=True))
+
+
+def scaled_inflight_limit(limit: int, total_bytes: int) -> int:
+    """The in-flight bound for an operation on `total_bytes`: `limit`, but at most an eighth of the
+    total (at least 8 MiB): tensorstore's own buffers roughly double it, and the peak memory of a
+    restore (1x the state) or a save (2x: the state and its snapshot) must stay near those."""
+    return max(8 << 20, min(limit, total_bytes // 16))

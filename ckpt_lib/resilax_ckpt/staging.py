@@ -5,17 +5,13 @@ Why: a direct request hands the disk the physical pages of its buffer, and the b
 most `max_segments` physically contiguous pieces into one request (254 on virtio-blk). A buffer of
 scattered 4 KiB pages therefore makes requests of about 1 MiB, each with a descriptor per page; a
 buffer on 2 MiB transparent huge pages makes requests of the disk's maximum (4 MiB here) with a few
-descriptors. On our VM's /tmp, reading a 1 GiB file with O_DIRECT took 1.04-1.43 s into 4 KiB pages
-(requests of 0.72-0.90 MiB on average) and 0.47-0.60 s into huge pages (4 MiB requests), the buffers
-already touched in both cases; writing it took 0.76-0.90 s from 4 KiB bounce buffers, 0.57-0.60 s
-from NumPy's (partly huge pages) and 0.38-0.39 s from 2 MiB-aligned huge pages.
+descriptors, and reads and writes a file about twice as fast.
 
 Why a copy instead of reading straight into the restored arrays on huge pages: the first touch of a
-huge page is the expensive part. On this VM the host takes back the memory of freed huge-page-sized
-blocks (virtio-balloon free page reporting), and faulting 1 GiB of huge pages in took 2-6 s against
-0.5 s in 4 KiB pages. So the arrays stay on 4 KiB pages (reader.aligned_empty) and a thread copies
-each staged piece into them while the disk fills the other staging buffers: a cold 1 GiB read took
-0.64-0.71 s staged through 16 buffers of 2 MiB against 0.90-1.13 s straight into the arrays.
+huge page is the expensive part where the host takes back the memory of freed huge-page-sized
+blocks (virtio-balloon free page reporting, as on our VM). So the arrays stay on 4 KiB pages
+(reader.aligned_empty) and a thread copies each staged piece into them while the disk fills the other
+staging buffers. The figures: docs/benchmarks.md, "Measurements behind the fast path".
 
 The pool holds at most `MAX_BUFFERS` buffers of `BUFFER_BYTES`, each one 2 MiB-aligned huge page,
 allocated on first use and kept for the life of the process (32 MiB at most). A thread borrows one

@@ -1,6 +1,7 @@
 """Array I/O through tensorstore: one zarr3 array per leaf, chunks = the shard grid, no compression.
 
-The restore side's reading lives in reader.py (it uses the specs, context and limiter from here).
+The tensorstore chunk backend (backends.TensorstoreChunkBackend): writes here, reads through
+`TensorstoreChunkReader` (driven by reader.read_leaves).
 Writes and reads are issued as futures and awaited together, bounded by a byte limit so the host
 memory of in-flight I/O stays below `ManagerOptions.max_inflight_bytes`. Arrays are opened with
 `assume_metadata` (no metadata I/O per leaf): the shape, dtype and chunks come from our own
@@ -13,21 +14,20 @@ about the data (missing, digest mismatch, truncated) into the typed errors namin
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorstore as ts
 
-from resilax_ckpt import checksums
-from resilax_ckpt.errors import (
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    MissingChunkError,
-    ResilaxCkptError,
-    StorageError,
-)
+from resilax_ckpt import checksums, planning
+from resilax_ckpt.chunk_format import ArrayFiles
+from resilax_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError, StorageError
+from resilax_ckpt.inflight import InflightLimiter, short_error
+from resilax_ckpt.sources import resolve_source
+
+if TYPE_CHECKING:
+    from resilax_ckpt.reader import ChunkTask
 
 
 def build_context(io_concurrency: int, fsync: bool, gcs_retries: int | None = None) -> ts.Context:
@@ -49,9 +49,6 @@ def kvstore_url(kvstore: dict[str, Any]) -> str:
     return str(kvstore.get("path", kvstore))
 
 
-def short_error(error: Exception) -> str:
-    """tensorstore's message without the JSON spec it appends."""
-    return str(error).split(" [tensorstore_spec=", 1)[0]
 
 
 def dtype_name(dtype: Any) -> str:
@@ -61,7 +58,7 @@ def dtype_name(dtype: Any) -> str:
 def build_array_spec(kvstore: dict[str, Any], shape: Sequence[int], dtype: str,
                      chunks: Sequence[int], shard: Sequence[int] = (), checksum: str = "") -> dict[str, Any]:
     """The zarr3 spec of a leaf's array; with `shard`, an array of shards of that shape holding
-    `chunks`-shaped chunks (chunk_writer.ArrayFiles); `checksum` ("crc32c" or "") as the leaf's."""
+    `chunks`-shaped chunks (chunk_format.ArrayFiles); `checksum` ("crc32c" or "") as the leaf's."""
     crc: list[dict[str, Any]] = [{"name": checksums.CRC32C}] if checksum == checksums.CRC32C else []
     codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}, *crc]
     grid = list(chunks)
@@ -87,47 +84,6 @@ def build_array_spec(kvstore: dict[str, Any], shape: Sequence[int], dtype: str,
         },
     }
 
-
-class InflightLimiter:
-    """Keeps at most `limit` bytes of I/O in flight (always admits one operation). Each operation
-    may carry a callback run on its result and objects kept alive until it finished."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._inflight = 0
-        self._pending: collections.deque[tuple[Any, int, str, Any, Any]] = collections.deque()
-
-    def admit(self, nbytes: int) -> None:
-        while self._pending and self._inflight + nbytes > self._limit:
-            self._finish_oldest()
-
-    def add(self, future: Any, nbytes: int, what: str, on_done: Any = None, keep: Any = None) -> None:
-        self._pending.append((future, nbytes, what, on_done, keep))
-        self._inflight += nbytes
-
-    def _finish_oldest(self) -> None:
-        future, nbytes, what, on_done, _ = self._pending.popleft()
-        self._inflight -= nbytes
-        try:
-            result = future.result()
-        except ResilaxCkptError as e:  # e.g. the step's data is bad, not the storage: keep the kind
-            self.cancel()
-            raise type(e)(f"{what}: {e}") from e
-        except Exception as e:
-            self.cancel()
-            raise StorageError(f"{what}: {short_error(e)}") from e
-        if on_done is not None:
-            on_done(result)
-
-    def drain(self) -> None:
-        while self._pending:
-            self._finish_oldest()
-
-    def cancel(self) -> None:
-        for entry in self._pending:
-            entry[0].cancel()
-        self._pending.clear()
-        self._inflight = 0
 
 
 def read_error(error: Exception, file: str) -> Exception:
@@ -179,9 +135,7 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
         stores = [None] * len(specs)  # type: ignore[list-item]
         for i, store in zip(needed, opened, strict=True):
             stores[i] = store
-    from resilax_ckpt.items import resolve_source
-
-    limiter = InflightLimiter(scaled_inflight_limit(max_inflight_bytes, sum(w.nbytes for w in plan.writes)))
+    limiter = InflightLimiter(planning.scaled_inflight_limit(max_inflight_bytes, sum(w.nbytes for w in plan.writes)))
     shard_cache: dict[int, dict[Any, Any]] = {}
     try:
         for n, write in enumerate(plan.writes):
@@ -202,8 +156,41 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
         shard_cache.clear()
 
 
-def scaled_inflight_limit(limit: int, total_bytes: int) -> int:
-    """The in-flight bound for an operation on `total_bytes`: `limit`, but at most an eighth of the
-    total (at least 8 MiB): tensorstore's own buffers roughly double it, and the peak memory of a
-    restore (1x the state) or a save (2x: the state and its snapshot) must stay near those."""
-    return max(8 << 20, min(limit, total_bytes // 16))
+class TensorstoreChunkReader:
+    """Fills boxes through tensorstore (gs://, or local when asked): each chunk read once, its
+    checksum verified by tensorstore (the `crc32c` codec)."""
+
+    def __init__(self, stores: list[Any], leaf_paths: list[str], files: list[ArrayFiles],
+                 storage: Any) -> None:
+        self._stores = stores
+        self._leaf_paths = leaf_paths
+        self._files = files
+        self._storage = storage
+
+    @staticmethod
+    def jobs(index: int, tasks: list[ChunkTask]) -> list[list[ChunkTask]]:
+        """Each chunk is a read of its own (tensorstore batches them itself)."""
+        return [[task] for task in tasks]
+
+    @staticmethod
+    def buffered_bytes(job: list[ChunkTask]) -> int:
+        """Bytes of tensorstore's own buffers while reading `job`'s chunk: its region's (counted always)."""
+        (task,) = job
+        return planning.box_size(task.region) * np.dtype(task.read.leaf.dtype).itemsize
+
+    def run(self, index: int, job: list[ChunkTask]) -> None:
+        (task,) = job
+        store = self._stores[index][planning.box_to_index(task.region)]
+        target = task.single_box()
+        try:
+            if target is not None:
+                ts.array(target).write(store).result()
+                return
+            data = store.read().result()
+        except Exception as e:
+            key, _ = self._files[index].locate(task.chunk)
+            raise read_error(e, self._storage.join(self._leaf_paths[index], *key)) from e
+        task.scatter(data)
+
+    def close(self) -> None:
+        """Nothing to release (tensorstore's buffers are its own)."""

@@ -412,7 +412,7 @@ def test_a_damaged_chunk_is_a_typed_error_naming_the_file_and_restore_falls_back
 def test_checkpoints_without_checksums_still_restore(tmp_path: Path, devices, monkeypatch) -> None:
     """A step saved before checksums (format version 2: no `checksum`, no crc32c codec) restores, on
     our reader and through tensorstore; the switch that saves without them is for benchmarks only."""
-    from resilax_ckpt import checksums, reader
+    from resilax_ckpt import backends, checksums, reader
     from resilax_ckpt.manager import read_metadata
 
     root = tmp_path / "run"
@@ -433,5 +433,6 @@ def test_checkpoints_without_checksums_still_restore(tmp_path: Path, devices, mo
     assert '"checksum": "crc32c"' in (root / "2" / layout.METADATA_FILE).read_text()
     leaf = read_metadata(open_storage(str(root)), str(root / "1")).items["big"].leaves[0]
     read = reader.LeafRead("big", leaf, np.dtype("float32"), None)
-    reader.read_leaves([read], str(root / "1"), open_storage(str(root)), None, 1 << 30, use_tensorstore=True)
+    backend = backends.for_storage(open_storage(str(root)), rc.ManagerOptions(), use_tensorstore=True)
+    reader.read_leaves([read], str(root / "1"), backend, 1 << 30)
     np.testing.assert_array_equal(read.result, np.asarray(want["big"]["b"]))

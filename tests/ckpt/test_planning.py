@@ -32,9 +32,9 @@ def test_plan_chunk_shape(shape, boxes, chunks):
 
 def test_plan_write_boxes_writes_replica_zero_once():
     shards = [((S(0, 4),), 0), ((S(0, 4),), 1), ((S(4, 8),), 1), ((S(4, 8),), 0), ((S(4, 8),), 0)]
-    assert planning.plan_write_boxes(shards, (8,)) == [((0, 4),), ((4, 8),)]
+    assert planning.plan_write_boxes(shards, (8,)) == [(0, ((0, 4),)), (3, ((4, 8),))]
     assert planning.plan_write_boxes([((S(4, 8),), 1)], (8,)) == []
-    assert planning.plan_write_boxes([((S(4, 8),), 1)], (8,), all_replicas=True) == [((4, 8),)]
+    assert planning.plan_write_boxes([((S(4, 8),), 1)], (8,), all_replicas=True) == [(0, ((4, 8),))]
 
 
 def test_plan_read_boxes_groups_devices_per_box():
@@ -60,15 +60,6 @@ def _grid(rows, cols, r, c):
         "scalar"])
 def test_plan_shard_shape_gives_each_process_whole_shards(chunks, per_process, shard):
     assert planning.plan_shard_shape(chunks, per_process) == shard
-
-
-@pytest.mark.parametrize(("box", "written", "covered"), [
-    (((0, 4), (0, 4)), [((0, 4), (0, 2)), ((0, 4), (2, 4))], True),
-    (((0, 4), (0, 4)), [((0, 4), (0, 2))], False),
-    (((2, 4), (0, 2)), [((0, 4), (0, 2))], True),
-], ids=["two-chunks", "half-missing", "inside-one-chunk"])
-def test_box_covered(box, written, covered):
-    assert planning.box_covered(box, written, (4, 2)) is covered
 
 
 @pytest.mark.parametrize(("steps", "keep_last", "every", "protected", "deleted"), [
@@ -151,16 +142,6 @@ def test_metadata_round_trip_and_version_check():
         StepMetadata.from_bytes(unknown, "x")
     with pytest.raises(MetadataError, match="not valid JSON"):
         StepMetadata.from_bytes(b"{", "x")
-
-
-@pytest.mark.parametrize(("boxes", "regions"), [
-    ([((0, 4), (0, 2)), ((0, 4), (2, 4)), ((4, 8), (0, 2)), ((4, 8), (2, 4))], [((0, 8), (0, 4))]),
-    ([((0, 4),), ((6, 8),)], [((0, 4),), ((6, 8),)]),
-    ([((0, 4),)], [((0, 4),)]),
-], ids=["tiles-one-block", "gap", "single"])
-def test_plan_read_regions(boxes, regions):
-    assert [region for region, _ in planning.plan_read_regions(boxes)] == regions
-    assert sorted(b for _, bs in planning.plan_read_regions(boxes) for b in bs) == sorted(boxes)
 
 
 def test_offset_index():

@@ -19,8 +19,7 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import chunk_writer, reader, staging
-from resilax_ckpt import tensorstore_io as tsio
+from resilax_ckpt import backends, chunk_format, chunk_writer, file_reader, reader, staging
 from resilax_ckpt.errors import CorruptCheckpointError, IncompleteStepError
 from resilax_ckpt.manager import read_metadata
 from resilax_ckpt.storage import LocalStorage
@@ -94,8 +93,9 @@ def read_with(root, targets, use_tensorstore, item="params"):
         sharding, dtype = want if isinstance(want, tuple) else (want, None)
         leaf = leaves[f"['{key}']"]
         reads.append(reader.LeafRead(item, leaf, np.dtype(dtype or leaf.dtype), sharding))
-    reader.read_leaves(reads, step_path(root), LocalStorage(), tsio.build_context(4, False), 1 << 20,
-                       io_concurrency=4, use_tensorstore=use_tensorstore)
+    backend = backends.for_storage(LocalStorage(), rc.ManagerOptions(io_concurrency=4, fsync=False),
+                                   use_tensorstore=use_tensorstore)
+    reader.read_leaves(reads, step_path(root), backend, 1 << 20, io_concurrency=4)
     return {key: r.result for key, r in zip(targets, reads, strict=True)}
 
 
@@ -247,7 +247,7 @@ def leaf_meta(root, key, item="params"):
 def chunk_file(root, item, key, *chunk):
     """The file holding chunk `chunk` of leaf `key`: its chunk file, or the shard file holding it."""
     leaf = leaf_meta(root, key, item)
-    rel, _ = chunk_writer.ArrayFiles.of(leaf).locate(chunk)
+    rel, _ = chunk_format.ArrayFiles.of(leaf).locate(chunk)
     return os.path.join(root, str(STEP), item, leaf.dir, *rel)
 
 
@@ -276,7 +276,7 @@ def test_chunk_file_of_the_wrong_size_is_an_error_naming_it(copy_of, how):
     path = chunk_file(root, "params", "f32", 2, 1)
     with open(path, "rb") as f:
         data = f.read()
-    expected = chunk_writer.ArrayFiles.of(leaf_meta(root, "f32")).file_size()  # a chunk: 4 x 4 x 4 bytes
+    expected = chunk_format.ArrayFiles.of(leaf_meta(root, "f32")).file_size()  # a chunk: 4 x 4 x 4 bytes
     assert len(data) == expected
     with open(path, "wb") as f:
         f.write({"truncated": data[:-4], "empty": b"", "too long": data + b"\0" * 4}[how])
@@ -324,9 +324,9 @@ def test_only_reads_that_need_a_scratch_buffer_count_against_the_inflight_limit(
     read = reader.LeafRead("params", leaf, np.dtype(leaf.dtype), NamedSharding(mesh((4, 2)), spec))
     read.plan_boxes()
     read.buffers = {box: reader.aligned_empty([b - a for a, b in box], np.float32) for box in read.devices}
-    tasks = reader._plan_chunk_tasks(read)
-    runner = reader._FileChunkReader([os.path.join(step_path(root), "params", leaf.dir)],
-                                     [chunk_writer.ArrayFiles.of(leaf)], reader._ScratchPool(0), True)
+    tasks = reader.plan_chunk_tasks(read)
+    runner = file_reader.FileChunkReader([os.path.join(step_path(root), "params", leaf.dir)],
+                                     [chunk_format.ArrayFiles.of(leaf)], reader.ScratchPool(0), True)
     jobs = runner.jobs(0, tasks)
     assert sorted(t.chunk for job in jobs for t in job) == sorted(t.chunk for t in tasks)
     chunk_bytes = int(np.prod(leaf.chunks)) * 4
@@ -347,7 +347,7 @@ def test_shard_files_are_read_in_runs_of_whole_chunks_one_request_each(tmp_path,
         mgr.wait()
     leaf = leaf_meta(str(tmp_path), "w")
     assert leaf.shard == (256, 512) and leaf.chunks == (64, 256)
-    stride = chunk_writer.ArrayFiles.of(leaf).stride  # a chunk, its checksum, padding to the next block
+    stride = chunk_format.ArrayFiles.of(leaf).stride  # a chunk, its checksum, padding to the next block
     assert stride == (64 << 10) + 4096
     calls = []
     real_preadv = os.preadv
@@ -355,10 +355,10 @@ def test_shard_files_are_read_in_runs_of_whole_chunks_one_request_each(tmp_path,
                         or real_preadv(fd, bufs, offset))
     small = 16 << 10  # a checksum or a shard index, read apart (as a block with O_DIRECT)
     # (RUN_CHUNKS counts iovecs: with checksums a chunk takes two, its data and its checksum's block)
-    for run_bytes, run_chunks, runs in ((reader.RUN_BYTES, reader.RUN_CHUNKS, [8]), (3 * stride, 1024, [2, 3, 3]),
-                                        (reader.RUN_BYTES, 10, [3, 5])):
-        monkeypatch.setattr(reader, "RUN_BYTES", run_bytes)
-        monkeypatch.setattr(reader, "RUN_CHUNKS", run_chunks)
+    for run_bytes, run_chunks, runs in ((file_reader.RUN_BYTES, file_reader.RUN_CHUNKS, [8]), (3 * stride, 1024, [2, 3, 3]),
+                                        (file_reader.RUN_BYTES, 10, [3, 5])):
+        monkeypatch.setattr(file_reader, "RUN_BYTES", run_bytes)
+        monkeypatch.setattr(file_reader, "RUN_CHUNKS", run_chunks)
         calls.clear()
         got = read_with(str(tmp_path), {"w": NamedSharding(m, P("a", "b"))}, use_tensorstore=False)["w"]
         assert_bit_identical(got, value)
@@ -377,7 +377,7 @@ def test_direct_reads_fill_views_across_staging_buffers(tmp_path, monkeypatch, h
     # at a page offset: every view gets exactly its bytes, through staging or straight.
     if not chunk_writer.use_direct_io(str(tmp_path), True):
         pytest.skip(f"{tmp_path} is on a memory filesystem (no O_DIRECT)")
-    monkeypatch.setattr(reader.staging, "huge_pages", lambda: huge_pages)
+    monkeypatch.setattr(file_reader.staging, "huge_pages", lambda: huge_pages)
     page = reader.DIRECT_ALIGN
     sizes = [page, staging.BUFFER_BYTES - 2 * page, 3 * page, staging.BUFFER_BYTES + page, 5 * page]
     data = np.random.default_rng(9).integers(0, 256, sum(sizes) + 2 * page, dtype=np.uint8)
@@ -387,7 +387,7 @@ def test_direct_reads_fill_views_across_staging_buffers(tmp_path, monkeypatch, h
     views = [raw[-raw.ctypes.data % page:][:n] for raw, n in zip(raws, sizes, strict=True)]  # page-aligned
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        reader._read_direct(fd, views, page, path)
+        file_reader._read_direct(fd, views, page, path)
     finally:
         os.close(fd)
     starts = np.cumsum([page, *sizes])

@@ -18,7 +18,7 @@ import tensorstore as ts
 from ckpt_procs import WorkerFailed, run_processes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import chunk_writer, commit, layout, staging
+from resilax_ckpt import chunk_format, chunk_writer, commit, layout, staging
 from resilax_ckpt import tensorstore_io as tsio
 
 
@@ -73,7 +73,7 @@ def assert_equal_trees(got, want):
 def test_zarr_json_is_byte_for_byte_tensorstores(tmp_path, dtype, shape, chunks):
     spec = tsio.build_array_spec({"driver": "file", "path": str(tmp_path) + "/"}, shape, dtype, chunks)
     ts.open(spec, create=True, open=True).result()
-    assert (tmp_path / "zarr.json").read_bytes() == chunk_writer.zarr_json(shape, dtype, chunks)
+    assert (tmp_path / "zarr.json").read_bytes() == chunk_format.zarr_json(shape, dtype, chunks)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bool", "uint16"])
@@ -85,17 +85,17 @@ def test_sharded_zarr_json_is_tensorstores_and_our_shard_files_read_back_through
     # tensorstore reads ours, through our zarr.json, to the same values.
     spec = tsio.build_array_spec({"driver": "file", "path": str(tmp_path / "ts") + "/"}, shape, dtype, chunks, shard)
     theirs = ts.open(spec, create=True, open=True).result()
-    assert (tmp_path / "ts" / "zarr.json").read_bytes() == chunk_writer.zarr_json(shape, dtype, chunks, shard)
+    assert (tmp_path / "ts" / "zarr.json").read_bytes() == chunk_format.zarr_json(shape, dtype, chunks, shard)
     rng = np.random.default_rng(5)
     value = (rng.random(shape) > 0.5) if dtype == "bool" else rng.integers(0, 1000, shape).astype(dtype)
     theirs[...].write(value).result()
     ours = tmp_path / "ours"
     ours.mkdir()
-    (ours / "zarr.json").write_bytes(chunk_writer.zarr_json(shape, dtype, chunks, shard))
-    files = chunk_writer.ArrayFiles(shape, np.dtype(dtype).itemsize, chunks, shard)
-    for index in np.ndindex(*chunk_writer.chunk_grid(shape, chunks)):
+    (ours / "zarr.json").write_bytes(chunk_format.zarr_json(shape, dtype, chunks, shard))
+    files = chunk_format.ArrayFiles(shape, np.dtype(dtype).itemsize, chunks, shard)
+    for index in np.ndindex(*chunk_format.chunk_grid(shape, chunks)):
         box = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(index, chunks, shape, strict=True))
-        _, chunk = chunk_writer.chunk_data(box, value[tuple(slice(a, b) for a, b in box)], shape, chunks)
+        _, chunk = chunk_format.chunk_data(box, value[tuple(slice(a, b) for a, b in box)], shape, chunks)
         key, offset = files.locate(index)
         path = str(ours.joinpath(*key))
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -115,7 +115,7 @@ def test_chunk_keys_match_tensorstores_including_0d_and_uneven_grids(tmp_path):
         spec = tsio.build_array_spec({"driver": "file", "path": str(folder) + "/"}, shape, "int32", chunks)
         store = ts.open(spec, create=True, open=True).result()
         store[...].write(np.ones(shape, np.int32)).result()
-        want = {"/".join(k) for k in chunk_writer.all_chunk_keys(shape, chunks)}
+        want = {"/".join(k) for k in chunk_format.all_chunk_keys(shape, chunks)}
         assert files_of(folder) - {"zarr.json"} == want, name
 
 
@@ -139,14 +139,14 @@ def test_saved_chunk_files_read_back_by_tensorstore_without_assumed_metadata_and
             np.testing.assert_array_equal(store.read().result(), np.asarray(tree[key]), err_msg=key)
             # Every chunk is stored (also the all-zero ones): a file of exactly the chunk's bytes, or
             # one shard file per process (here one) holding them all and the shard index.
-            files = chunk_writer.ArrayFiles(tuple(leaf["shape"]), np.dtype(tree[key].dtype).itemsize,
+            files = chunk_format.ArrayFiles(tuple(leaf["shape"]), np.dtype(tree[key].dtype).itemsize,
                                             tuple(leaf["chunks"]), tuple(leaf.get("shard", ())),
                                             leaf["checksum"] == "crc32c")
             assert files.checksum, key
             sharded = key in ("w", "h", "i", "mask", "zeros", "big")  # several chunks
             assert bool(files.shard) is (shard_files and sharded), key
             assert files_of(path) == {"zarr.json"} | {"/".join(k) for k in files.file_keys()}, key
-            assert len(files.file_keys()) == (1 if files.shard else np.prod(chunk_writer.chunk_grid(
+            assert len(files.file_keys()) == (1 if files.shard else np.prod(chunk_format.chunk_grid(
                 leaf["shape"], leaf["chunks"]) or [1])), key
             for rel in files.file_keys():
                 assert os.path.getsize(path.joinpath(*rel)) == files.file_size(), (key, rel)
@@ -154,14 +154,14 @@ def test_saved_chunk_files_read_back_by_tensorstore_without_assumed_metadata_and
 
 def test_edge_chunk_of_an_uneven_grid_is_padded_like_tensorstores(tmp_path):
     data = np.arange(15, dtype=np.float32).reshape(5, 3)
-    index, chunk = chunk_writer.chunk_data(((4, 5), (0, 3)), data[4:], (5, 3), (2, 3))
+    index, chunk = chunk_format.chunk_data(((4, 5), (0, 3)), data[4:], (5, 3), (2, 3))
     assert index == (2, 0) and chunk.shape == (2, 3)
     chunk_writer.write_chunk_file(str(tmp_path / "ours"), chunk)
     spec = tsio.build_array_spec({"driver": "file", "path": str(tmp_path / "ts") + "/"}, (5, 3), "float32", (2, 3))
     ts.open(spec, create=True, open=True).result()[4:5].write(data[4:]).result()
     assert (tmp_path / "ours").read_bytes() == (tmp_path / "ts" / "c" / "2" / "0").read_bytes()
     with pytest.raises(rc.StorageError, match=r"not one chunk of the grid \(2, 3\)"):
-        chunk_writer.chunk_data(((1, 3), (0, 3)), data[1:3], (5, 3), (2, 3))
+        chunk_format.chunk_data(((1, 3), (0, 3)), data[1:3], (5, 3), (2, 3))
 
 
 def test_write_chunk_file_rewrites_in_place_and_truncates(tmp_path):
@@ -173,7 +173,7 @@ def test_write_chunk_file_rewrites_in_place_and_truncates(tmp_path):
     assert np.fromfile(path, np.int16).tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("nbytes", [chunk_writer.DIRECT_MIN_BYTES, 100_003, 2 * staging.BUFFER_BYTES + 4096 + 5])
+@pytest.mark.parametrize("nbytes", [chunk_format.DIRECT_MIN_BYTES, 100_003, 2 * staging.BUFFER_BYTES + 4096 + 5])
 def test_direct_writes_are_exact_also_for_unaligned_sizes_and_rewrites(tmp_path, nbytes):
     if not chunk_writer.use_direct_io(str(tmp_path), True):
         pytest.skip(f"{tmp_path} is on {chunk_writer.filesystem_type(str(tmp_path))}: no direct I/O there")
@@ -204,7 +204,7 @@ def test_direct_and_buffered_saves_write_the_same_bytes(tmp_path, devices):
             mgr.wait()
     chunks = sorted(f for f in files_of(tmp_path / "direct" / "1") if "/c" in f)
     assert chunks == sorted(f for f in files_of(tmp_path / "buffered" / "1") if "/c" in f)
-    assert any(os.path.getsize(tmp_path / "direct" / "1" / f) >= chunk_writer.DIRECT_MIN_BYTES for f in chunks)
+    assert any(os.path.getsize(tmp_path / "direct" / "1" / f) >= chunk_format.DIRECT_MIN_BYTES for f in chunks)
     for f in chunks:
         assert (tmp_path / "direct" / "1" / f).read_bytes() == (tmp_path / "buffered" / "1" / f).read_bytes(), f
     got = rc.restore(str(tmp_path / "direct" / "1"), items=["params"])["params"]
