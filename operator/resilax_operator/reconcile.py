@@ -64,7 +64,7 @@ def decide_raw(raw_spec: Mapping[str, Any], observed: Observed, settings: Operat
     """Validate the spec, then `decide`. An invalid spec sets InvalidSpec (and fails a job that has not
     started); a running generation is left alone."""
     try:
-        spec = validate_spec(raw_spec, name=observed.job.name)
+        spec = validate_spec(raw_spec, name=observed.job.name, settings=settings)
     except InvalidSpecError as e:
         return decide_invalid(e, observed)
     return decide(spec, observed, settings)

@@ -44,6 +44,10 @@ class OperatorSettings:
     """Owner of a scope Node local tier folder when the template sets no runAsUser (the image's user)."""
     refused_retry_seconds: int = 30
     """How soon to try again after the API server refused a worker pod (PodCreationRefused)."""
+    allow_host_access: bool = False
+    """Let worker templates ask for the node itself: privileged containers, hostNetwork, hostPID,
+    hostIPC, hostPath volumes. Off: such a JAXJob gets `InvalidSpec` naming the field. (The chart's
+    `operator.allowHostAccess`; `RESILAX_OPERATOR_ALLOW_HOST_ACCESS=true`.)"""
 
     def __post_init__(self) -> None:
         if self.sidecar_resources:
@@ -58,8 +62,20 @@ class OperatorSettings:
             raw = env.get(ENV_PREFIX + f.name.upper())
             if raw is None or raw == "":
                 continue
-            values[f.name] = int(raw) if f.type in ("int", int) else raw
+            if f.type in ("bool", bool):
+                values[f.name] = _boolean(ENV_PREFIX + f.name.upper(), raw)
+            else:
+                values[f.name] = int(raw) if f.type in ("int", int) else raw
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _boolean(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise InvalidSettingError(f"{name}={raw!r} is not a boolean; allowed: true, false")
 
 
 def sidecar_resources_from_json(raw: str) -> dict[str, dict[str, str | int | float]]:

@@ -2,7 +2,9 @@
 
 The CRD schema and its CEL rules reject what they can at admission; this module repeats those checks
 (an operator may meet objects written before a schema change) and adds what a schema cannot express
-(topology tables, machine types, the pod template's contents). Modelled on jobset's webhook `allErrs`.
+(topology tables, machine types, the pod template's contents: Kubernetes' PodTemplateSpec schema in
+podtemplate.py). With the operator's settings it also applies the operator's policies (host access).
+Modelled on jobset's webhook `allErrs`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any, Final
 
 from . import api, topology
 from .errors import InvalidSpecError, SpecProblem, UnknownTopologyError
+from .podtemplate import check_host_access, check_template_schema
+from .settings import OperatorSettings
 from .spec import LOCAL_MEDIA, LOCAL_SCOPE_POD, LOCAL_SCOPES, JobSpec, parse_spec
 
 STORAGE_SCHEMES: Final = ("gs://", "pvc://", "/")
@@ -25,13 +29,18 @@ _GCS: Final = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/.*)?$")
 _PVC: Final = re.compile(r"^pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?$")
 
 
-def validate_spec(raw: Mapping[str, Any], *, name: str | None = None) -> JobSpec:
-    """Parse and check `spec` (and the job's name when given). Raises InvalidSpecError with all problems."""
+def validate_spec(raw: Mapping[str, Any], *, name: str | None = None,
+                  settings: OperatorSettings | None = None) -> JobSpec:
+    """Parse and check `spec` (and the job's name when given; with `settings`, the operator's policies
+    too). Raises InvalidSpecError with all problems."""
     problems: list[SpecProblem] = []
     if name is not None:
         problems += validate_name(name)
     spec = parse_spec(raw, problems)
     problems += check_spec(spec, already_found=problems)
+    if settings is not None and not settings.allow_host_access and not any(
+            p.path.startswith("spec.template") for p in problems):
+        problems += check_host_access(spec.template)
     if problems:
         raise InvalidSpecError(problems)
     return spec
@@ -176,4 +185,7 @@ def _check_template(template: Mapping[str, Any], found: set[str]) -> list[SpecPr
     if restart not in (None, "Never"):
         out.append(SpecProblem(f"{p}.restartPolicy", f"{restart!r}: workers run with Never (the operator "
                                "restarts whole generations); leave it unset"))
-    return out
+    # Kubernetes' own schema: what the builder reads is typed there (a problem found above, with its
+    # more specific message, wins for the same field).
+    seen = {problem.path for problem in out}
+    return out + [problem for problem in check_template_schema(template) if problem.path not in seen]

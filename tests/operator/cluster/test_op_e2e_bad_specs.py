@@ -74,6 +74,21 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("negative-node-loss-grace", _set("spec.recovery.nodeLossGraceSeconds", -10),
      "spec.recovery.nodeLossGraceSeconds"),
     ("name-too-long", _set("metadata.name", "a" * 50), "metadata.name"),
+    # Kubernetes' own PodTemplateSpec schema in the CRD (issue 18): refused at apply, naming the field
+    ("template-env-as-map", _set("spec.template", {"spec": {"containers": [
+        {"name": "trainer", "image": "x", "command": ["true"], "env": {"A": "1"}}]}}),
+     "spec.template.spec.containers[0].env"),
+    ("template-labels-as-list", _set("spec.template", {"metadata": {"labels": ["a"]}, "spec": {"containers": [
+        {"name": "trainer", "image": "x", "command": ["true"]}]}}), "spec.template.metadata.labels"),
+    # host access: valid pods, refused by the operator's policy (operator.allowHostAccess is off)
+    ("template-privileged", _set("spec.template", {"spec": {"containers": [
+        {"name": "trainer", "image": "x", "command": ["true"], "securityContext": {"privileged": True}}]}}),
+     "spec.template.spec.containers[0].securityContext.privileged"),
+    ("template-host-network", _set("spec.template", {"spec": {"hostNetwork": True, "containers": [
+        {"name": "trainer", "image": "x", "command": ["true"]}]}}), "spec.template.spec.hostNetwork"),
+    ("template-host-path", _set("spec.template", {"spec": {
+        "containers": [{"name": "trainer", "image": "x", "command": ["true"]}],
+        "volumes": [{"name": "h", "hostPath": {"path": "/var/run"}}]}}), "spec.template.spec.volumes[0].hostPath"),
 ]
 
 

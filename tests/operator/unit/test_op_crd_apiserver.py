@@ -4,6 +4,7 @@ body round-trips through the status subresource."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from op_samples import good_spec
+from op_samples import MALFORMED_TEMPLATES, TEMPLATE_TYPOS, good_spec
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.spec import Shape
@@ -145,6 +146,42 @@ def test_bad_job_rejected_with_field_path(kube: Any, mutate: Callable[[Raw], Any
     with pytest.raises(KubeAPIError) as info:
         kube.create(BASE, _job("bad", mutate))
     assert info.value.status == 422 and path in str(info.value)
+
+
+@pytest.mark.parametrize(("change", "path"), [m[1:] for m in MALFORMED_TEMPLATES], ids=[m[0] for m in MALFORMED_TEMPLATES])
+def test_malformed_template_refused_at_apply(kube: Any, change: Callable[[Raw], Any], path: str) -> None:
+    """Kubernetes' own PodTemplateSpec schema in the CRD (issue 18): the API server names the field."""
+    from resilax_local.errors import KubeAPIError
+
+    with pytest.raises(KubeAPIError) as info:
+        kube.create(BASE, _job("bad-template", lambda s: change(s["template"])))
+    assert info.value.status == 422 and path in str(info.value), info.value
+
+
+@pytest.mark.parametrize(("change", "path"), [m[1:] for m in TEMPLATE_TYPOS], ids=[m[0] for m in TEMPLATE_TYPOS])
+def test_template_typo_refused_with_strict_field_validation(kube: Any, change: Callable[[Raw], Any], path: str) -> None:
+    """`kubectl apply` validates fields strictly: a misspelt field is refused, not silently dropped."""
+    from resilax_local.errors import KubeAPIError
+
+    body = _job("typo", lambda s: change(s["template"]))
+    with pytest.raises(KubeAPIError) as info:
+        kube.request("POST", BASE, body, params={"fieldValidation": "Strict"})
+    assert info.value.status in (400, 422) and f'unknown field "{path}"' in str(info.value), info.value
+    created = kube.create(BASE, body)  # without strict validation: pruned, never stored
+    assert path.rsplit(".", 1)[-1] not in json.dumps(created["spec"]["template"])
+    kube.delete(f"{BASE}/typo")
+
+
+def test_explain_documents_the_template(kube: Any) -> None:
+    """What `kubectl explain jaxjob.spec.template.spec.containers.env` reads: the published OpenAPI v3."""
+    doc = kube.get(f"/openapi/v3/apis/{api.GROUP}/{api.VERSION}")
+    job = next(v for k, v in doc["components"]["schemas"].items() if k.endswith(f".{api.KIND}"))
+    pod = job["properties"]["spec"]["properties"]["template"]["properties"]["spec"]
+    container = pod["properties"]["containers"]["items"]
+    assert container["properties"]["env"]["type"] == "array"
+    assert "environment variables" in container["properties"]["env"]["description"]
+    assert container["properties"]["env"]["items"]["properties"]["valueFrom"]["properties"]["fieldRef"]
+    assert {"volumes", "affinity", "tolerations", "securityContext"} <= set(pod["properties"])
 
 
 @pytest.mark.parametrize(("name", "message"), [("x" * 41, "at most 40"), ("9lives", "start with a letter")],
