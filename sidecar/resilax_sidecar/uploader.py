@@ -56,6 +56,11 @@ from resilax_sidecar.store import BlobInfo, BlobStore, md5_file
 log = logging.getLogger(__name__)
 
 
+HIDING_REFRESH_SECONDS = 30.0
+"""How long `scan_persisted` trusts the fences and bad records it read while no step folder appears
+or goes."""
+
+
 @dataclass
 class UploadState:
     """What `/v1/state` reports; written by the uploader thread, read by the HTTP handlers."""
@@ -387,7 +392,7 @@ class Uploader:
         present = set(steps)
         for gone in set(self._known_committed) - present:
             del self._known_committed[gone]
-        fences = self.read_fences()
+        fences, bad = self._hiding(present)
         for step in steps:
             known = self._known_committed.get(step)
             if known is not None and fencing.decide_visible(step, known, fences):
@@ -398,9 +403,23 @@ class Uploader:
                 self._known_committed.pop(step, None)
             else:
                 self._known_committed[step] = fencing.parse_marker_epoch(body)
-        bad = list_bad_steps(self.store.list_dir(layout.BAD_DIR))
         return sorted(s for s, epoch in self._known_committed.items()
                       if s not in bad and fencing.decide_visible(s, epoch, fences))
+
+    def _hiding(self, present: set[int]) -> tuple[dict[fencing.Epoch, int | None], set[int]]:
+        """The fences and the bad records, as `scan_persisted` uses them: read again when the set of
+        step folders changed or `HIDING_REFRESH_SECONDS` passed, not on every pass (two listings
+        less per pass; both change only when a generation starts or a restore marks a step bad).
+        The checks before an upload and a commit always read them fresh (`_visible`, `try_commit`)."""
+        now = self._clock()
+        cached = self._hiding_cache
+        if cached is None or cached[0] != present or now - cached[1] >= HIDING_REFRESH_SECONDS:
+            fences, bad = self.read_fences(), list_bad_steps(self.store.list_dir(layout.BAD_DIR))
+            self._hiding_cache = (present, now, fences, bad)
+            return fences, bad
+        return cached[2], cached[3]
+
+    _hiding_cache: tuple[set[int], float, dict[fencing.Epoch, int | None], set[int]] | None = None
 
     def _read_commit(self, step: int) -> bytes | None:
         try:
