@@ -25,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 from resilax_ckpt import layout
-from resilax_ckpt.requests import read_restore_report, read_stop_record
+from resilax_ckpt.requests import read_restore_report
 from resilax_ckpt.trainer_metrics import read_trainer_figures
 
 from resilax_sidecar import control
@@ -281,11 +281,6 @@ class Sidecar:
         step: int | None
         if trainer_gone:
             local_steps = list_local_steps(cfg.local_dir, cfg.process_id) if cfg.local_dir else []
-            # It stopped after a final save of its own (SIGTERM, agreed by every process): that step
-            # goes to the persistent tier like an answered request's.
-            final = read_stop_record(str(cfg.control_dir))
-            if final is not None and self.uploader is not None:
-                self.uploader.requested_steps.add(final)
             if self.uploader is not None:  # only what goes to the persistent tier at all
                 local_steps = [s for s in local_steps if self.uploader.persists(s)]
             step = local_steps[-1] if local_steps else None

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from resilax_ckpt import fencing, layout
+from resilax_ckpt.requests import read_stop_record
 
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import StoreError, VerifyError
@@ -266,9 +267,18 @@ class Uploader:
 
     def persists(self, step: int) -> bool:
         """Whether `step` goes to the persistent tier: every step, or with `persist_every_steps` its
-        multiples and the steps that answered a save request (the other local steps stay local)."""
+        multiples, the steps that answered a save request, and the final save the trainer stopped
+        after on its own SIGTERM (`stopped.json`, read as soon as it appears: the upload then runs
+        while the trainer shuts down, not after); the other local steps stay local."""
         every = self.config.persist_every_steps
-        return every is None or step % every == 0 or step in self.requested_steps
+        if every is None or step % every == 0 or step in self.requested_steps:
+            return True
+        final = read_stop_record(str(self.config.control_dir))
+        if final is not None and final == step:
+            self.requested_steps.add(step)
+            self.urgent.set()
+            return True
+        return False
 
     def run_once(self) -> None:
         """One pass: see both tiers, upload and commit the newest new step, apply retention."""

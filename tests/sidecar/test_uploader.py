@@ -443,6 +443,25 @@ def test_persist_every_steps_uploads_multiples_and_requested_steps_only(tmp_path
     assert uploader.state.committed_steps == [4, 7]
 
 
+def test_the_final_save_a_trainer_stopped_after_is_uploaded_at_once(tmp_path):
+    """Graceful node shutdown: the trainer's own SIGTERM save (step 7, no request) is recorded in
+    `stopped.json`; the uploader takes it at its next pass, while the trainer is still shutting down,
+    although `persistEverySteps: 4` keeps 5 and 6 local."""
+    from resilax_ckpt.requests import write_stop_record
+
+    store = LocalFolderStore(tmp_path / "persistent")
+    config = make_config(tmp_path, persist_every_steps=4)
+    uploader = Uploader(config, store, SidecarMetrics())
+    for step in range(4, 8):
+        write_local_step(config.local_dir, step, step_files(1, 10, seed=step))
+    uploader.run_once()
+    assert uploader.state.committed_steps == [4]
+    write_stop_record(str(config.control_dir), 7, sigterm=True)
+    uploader.run_once()
+    assert uploader.state.committed_steps == [4, 7]
+    assert not uploader.persists(6) and uploader.urgent.is_set()
+
+
 def test_a_local_step_a_restore_marked_bad_is_never_uploaded(tmp_path):
     """resilax_ckpt's two-tier restore marks a local step it could not read `<local>/_bad/<step>.json`:
     the sidecar leaves it out of its uploads (a corrupt copy never reaches the persistent tier), and
