@@ -1,12 +1,14 @@
 """Write-once uploads (issue 16, item 2, the sidecar's half): a stale generation's uploaders keep
 uploading the same step numbers after a newer generation committed them. The committed bytes stay
 checksum-equal, no stale step becomes visible, and what the stale uploads left is removed later —
-on a folder and on gs:// (fake-gcs-server), with two uploaders (processes) per generation."""
+on a folder and on gs:// (fake-gcs-server), with two uploaders (processes) per generation, and on gs://
+with real `resilax sidecar` processes (one frozen with SIGSTOP mid-upload)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import threading
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from resilax_sidecar.errors import StoreError
 from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.store import BlobStore, GcsStore, LocalFolderStore
 from resilax_sidecar.uploader import Uploader
-from sidecar_harness import committed_attempt, write_local_step
+from sidecar_harness import build_sidecar_env, committed_attempt, step_files, wait_until, write_local_step
 
 
 @pytest.fixture(params=["folder", "gcs"])
@@ -231,3 +233,58 @@ over, and cleanup removes that attempt once no marker names it."""
     assert all(stale_bytes[k] == v for k, v in left.items())
     uploaders(tmp_path / "restart", store, 2, {})[0].run_once()
     assert store.list_dir("30") == sorted(["_COMMIT", won])
+
+
+@pytest.mark.gcs
+@pytest.mark.slow
+def test_a_frozen_sidecar_process_of_an_old_generation_wakes_after_a_newer_commit_and_changes_nothing(
+        tmp_path, sidecar_env, start_sidecar, gcs_bucket, gcs_env):
+    """The same through real `resilax sidecar` processes on fake-gcs-server: generation 1's sidecar is
+    frozen (SIGSTOP, as a partition would) in the middle of its upload of step 12; generation 2 starts
+    (its fence), saves step 12 with other bytes, and its sidecar commits it. Woken (SIGCONT), the old
+    sidecar finishes copying step 12 into its own attempt, then uploads its step 13: the committed
+    objects keep their SHA-256, step 13 is fenced out, only step 12 is visible."""
+    persistent = f"{gcs_bucket}/zombie"
+    store = GcsStore(persistent)
+    old_files = step_files(240, 32 * 1024, seed=1)
+    env1 = {**sidecar_env, **gcs_env, "RESILAX_LOCAL_DIR": str(tmp_path / "g1"), "RESILAX_CHECKPOINT_DIR": persistent,
+            "RESILAX_GENERATION": "1", "RESILAX_SIDECAR_UPLOAD_CONCURRENCY": "1"}
+    write_local_step(tmp_path / "g1", 12, old_files, generation=1)
+    old = start_sidecar(env1)
+    wait_until(lambda: len(store.list_files("12")) >= 20, 60, "the old upload to be under way", interval=0.01)
+    old.signal(signal.SIGSTOP)
+    try:
+        assert store.stat("12/_COMMIT") is None and len(store.list_files("12")) < len(old_files), "finished too soon"
+        write_fence(store, 2, None)  # generation 2's primary, at start: nothing committed
+        new_files = step_files(20, 32 * 1024, seed=2)
+        write_local_step(tmp_path / "g2", 12, new_files, generation=2)
+        (tmp_path / "s2").mkdir()
+        env2 = {**build_sidecar_env(tmp_path / "s2"), **gcs_env, "RESILAX_LOCAL_DIR": str(tmp_path / "g2"),
+                "RESILAX_CHECKPOINT_DIR": persistent, "RESILAX_GENERATION": "2"}
+        new = start_sidecar(env2)
+        wait_until(lambda: store.stat("12/_COMMIT") is not None, 60, "generation 2's commit of step 12")
+        won = committed_attempt(store, 12)
+        assert won == layout.upload_attempt_name(0, 2, 12)
+        committed = snapshot(store, 12)
+        new.close()  # after its pass: its cleanup of the old partial attempt does not race the old upload
+    finally:
+        resumed_at = len(old.log())
+        old.signal(signal.SIGCONT)
+    stale = layout.upload_attempt_name(0, 1, 12)
+    wait_until(lambda: old.get("/v1/state").body["newest_persisted_step"] == 12, 120, "the old sidecar to see step 12")
+    # Woken, the old sidecar went on with its upload into its own attempt: it finished it (then found
+    # step 12 committed by another save), or a file it had in flight was gone when it verified it
+    # (generation 2's process 0 deleted the old partial attempt at its commit) and the retried pass
+    # found step 12 committed. Either way it wrote only under 12/<its attempt>.
+    after = old.log()[resumed_at:]
+    finished = f"/12/{stale} in" in after and "step 12: already committed by another save" in after
+    interrupted = f"'12/{stale}/" in after and "after upload" in after
+    assert finished or interrupted, after[-3000:]
+    write_local_step(tmp_path / "g1", 13, step_files(3, 1024, seed=13), generation=1)
+    wait_until(lambda: "fenced out" in (old.get("/v1/state").body["last_error"] or ""), 60, "step 13 to be refused")
+
+    assert snapshot(store, 12) == committed
+    for key, data in new_files.items():
+        assert store.md5(f"12/{won}/{key}") == hashlib.md5(data).hexdigest(), key
+    assert store.stat("13/_COMMIT") is None
+    assert visible(store) == [12]
