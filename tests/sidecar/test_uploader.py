@@ -255,23 +255,52 @@ def test_a_bad_copy_fails_verification_and_is_redone(tmp_path):
 def test_a_stale_upload_of_the_same_step_is_never_written_into(tmp_path):
     """Write-once: a file of the same name and size left by an older, uncommitted upload of step 6 (in
     its own attempt) is not replaced; the new save goes into an attempt of its own, which `_COMMIT`
-    names. The old bytes stay untouched until cleanup removes the attempt no marker names."""
+    names. Not one write touches the old attempt; cleanup removes it whole once no marker names it."""
     store = LocalFolderStore(tmp_path / "persistent")
     old_attempt = layout.upload_attempt_name(0, 1, 6)  # generation 1's upload, never committed
     store.write_bytes(f"6/{old_attempt}/_WRITER.0", b"")
     store.write_bytes(f"6/{old_attempt}/a", b"y" * 100)
-    config = make_config(tmp_path, keep_last=5)
+
+    class Recording(FailingStore):
+        """Every key written or deleted, in order."""
+
+        def __init__(self, inner: BlobStore) -> None:
+            super().__init__(inner, failures=0)
+            self.touched: list[str] = []
+
+        def upload_file(self, local_path: Path, key: str) -> None:
+            self.touched.append(f"upload {key}")
+            super().upload_file(local_path, key)
+
+        def write_bytes(self, key: str, data: bytes) -> None:
+            self.touched.append(f"write {key}")
+            self._inner.write_bytes(key, data)
+
+        def create_bytes(self, key: str, data: bytes) -> bool:
+            self.touched.append(f"create {key}")
+            return self._inner.create_bytes(key, data)
+
+        def delete_prefix(self, prefix: str) -> None:
+            self.touched.append(f"delete_prefix {prefix}")
+            self._inner.delete_prefix(prefix)
+
+    recording = Recording(store)
+    config = make_config(tmp_path)
     write_local_step(config.local_dir, 6, {"a": b"x" * 100}, generation=2)
-    uploader = Uploader(config, store, SidecarMetrics())
+    uploader = Uploader(config, recording, SidecarMetrics())
     uploader.run_once()
     attempt = committed_attempt(store, 6)
     assert attempt != old_attempt and attempt == layout.upload_attempt_name(0, 2, 6)
     assert store.read_bytes(f"6/{attempt}/a") == b"x" * 100
-    # Process 0's pass deletes the attempt that no marker names (after the commit, in the same pass).
-    assert old_attempt not in store.list_dir("6")
-    # A second upload of step 6 by the same save changes nothing.
-    uploader.run_once()
+    # The old attempt was never written; process 0's pass deleted it whole after the commit.
+    old = [t for t in recording.touched if old_attempt in t]
+    assert old == [f"delete_prefix 6/{old_attempt}"], recording.touched
+    assert recording.touched.index(old[0]) > recording.touched.index("create 6/_COMMIT")
     assert store.list_dir("6") == sorted(["_COMMIT", attempt])
+    # A second upload of step 6 by the same save writes nothing.
+    before = len(recording.touched)
+    uploader.run_once()
+    assert recording.touched[before:] == []
 
 
 def test_a_committed_step_is_never_written_again_by_another_save_of_it(tmp_path):
