@@ -811,18 +811,22 @@ class CheckpointManager:
         misses = {s: self._local_covers(s, target, items) for s in local}
         local_ok = [s for s in local if misses[s] is None]
         self._local_misses = {s: why for s, why in misses.items() if why is not None}
+        agreed_persistent = set(persistent)
         if self._coord.process_count > 1:
+            # The persistent lists too: a sidecar's commit landing between two processes' listings
+            # must not give them different candidates (every try below is a collective).
             self._save_count += 1
             key = f"{self._key}/restore{self._save_count}"
-            self._coord.publish(f"{key}/{self._coord.process_index}", json.dumps(local_ok))
+            self._coord.publish(f"{key}/{self._coord.process_index}", json.dumps([local_ok, persistent]))
             self._coord.barrier(key, self._options.barrier_timeout_seconds)
-            views = [set(json.loads(v)) for v in self._coord.fetch_dir(f"{key}/").values()]
-            agreed_local = set.intersection(*views) if views else set()
+            views = [json.loads(v) for v in self._coord.fetch_dir(f"{key}/").values()]
+            agreed_local = set.intersection(*(set(v[0]) for v in views)) if views else set()
+            agreed_persistent = set.intersection(*(set(v[1]) for v in views)) if views else set()
         else:
             agreed_local = set(local_ok)
         if step is not None:
             return [step], local_ok, persistent
-        return sorted(agreed_local | set(persistent), reverse=True), local_ok, persistent
+        return sorted(agreed_local | agreed_persistent, reverse=True), local_ok, persistent
 
     def _withdraw_local_steps_after(self, step: int) -> None:
         """Withdraw this process's commit marker of every local step newer than `step`, marker
