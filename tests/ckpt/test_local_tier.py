@@ -289,3 +289,36 @@ def test_two_hosts_agree_to_skip_a_step_one_host_cannot_read(tmp_path, devices):
         assert entry["step"] == 2 and entry["tier"] == "all" and victim in entry["reason"], r["report"]
     assert (tmp_path / "local1" / "_bad" / "2.json").is_file()
     assert not (tmp_path / "local0" / "_bad").exists()
+
+
+def test_cleanup_leaves_uploads_in_progress_and_deletes_only_attempts_no_marker_names(tmp_path):
+    """What a starting primary does on a persistent root the sidecars upload to: an attempt holding an
+    `_UPLOADED.*` marker (an upload in progress, no `_COMMIT` yet) is left alone; in a committed step
+    only entries of the attempt form that its marker does not name go; a step committed in place (files
+    beside `_COMMIT`) and foreign files are untouched; item names of the attempt form are refused."""
+    from resilax_ckpt import commit
+    from resilax_ckpt.storage import LocalStorage
+
+    storage, root = LocalStorage(fsync=False), str(tmp_path)
+
+    def put(rel: str, data: bytes = b"x") -> None:
+        storage.write_bytes(os.path.join(root, rel), data)
+
+    uploading = layout.upload_attempt_name(0, 1, 5)
+    put(f"5/{uploading}/_WRITER.0", b"")
+    put(f"5/{uploading}/_UPLOADED.0", b"{}")
+    won, stale = layout.upload_attempt_name(0, 2, 6), layout.upload_attempt_name(0, 1, 6)
+    put(f"6/{won}/params/w/c/0")
+    put(f"6/{stale}/params/w/c/0")
+    put("6/notes.txt", b"someone's")
+    put("6/_COMMIT", f'{{"generation": 2, "attempt": "{won}"}}'.encode())
+    put("7/_COMMIT", b'{"generation": 2}')
+    put("7/params/w/c/0")
+    assert commit.clean_leftovers(storage, root, 2) == []
+    assert commit.clean_stale_attempts(storage, root, [6, 7]) == [f"6/{stale}"]
+    assert sorted(os.listdir(tmp_path / "6")) == sorted(["_COMMIT", won, "notes.txt"])
+    assert sorted(os.listdir(tmp_path / "5" / uploading)) == ["_UPLOADED.0", "_WRITER.0"]
+    assert commit.step_data_path(storage, root, 6) == os.path.join(root, "6", won)
+    assert commit.step_data_path(storage, root, 7) == os.path.join(root, "7")
+    with pytest.raises(ValueError, match="attempt prefix"):
+        layout.validate_item_name(won)
