@@ -94,11 +94,12 @@ class NodeAgent:
     """Registers and heartbeats the nodes, runs their pods, takes fault commands."""
 
     def __init__(self, run_dir: Path, kubeconfig: Path, nodes: list[NodeSpec], lease_renew_seconds: float = 3.0,
-                 lease_duration_seconds: int = 40) -> None:
+                 lease_duration_seconds: int = 40, no_process_lease_seconds: float | None = None) -> None:
         self.run_dir = run_dir
         self.client = KubeClient.from_kubeconfig(kubeconfig)
         self.apiserver_port = urlparse(self.client.creds.server).port or 443
         self.lease_renew_seconds = lease_renew_seconds
+        self.no_process_lease_seconds = no_process_lease_seconds or max(lease_renew_seconds, 5.0)
         self.lease_duration_seconds = lease_duration_seconds
         self.lock = threading.RLock()
         self.stopping = threading.Event()
@@ -283,7 +284,7 @@ class NodeAgent:
     def _lease_loop(self, run_pods: bool) -> None:
         """Renew the Leases of Ready nodes. Nodes that run pods and no-process nodes (scale tests, renewed
         less often) have a thread each, so hundreds of the latter never delay the former."""
-        interval = self.lease_renew_seconds if run_pods else max(self.lease_renew_seconds, 5.0)
+        interval = self.lease_renew_seconds if run_pods else self.no_process_lease_seconds
         while not self.stopping.wait(interval):
             with self.lock:
                 ready = [n for n in self.nodes.values() if n.state in (NodeState.READY, NodeState.SHUTTING_DOWN)
@@ -690,16 +691,23 @@ class NodeAgent:
         threading.Thread(target=self._watch_loop, name="pod-watch", daemon=True).start()
 
     def _register_all(self) -> None:
+        """Register the configured nodes; no-process ones 4 at a time (thousands take minutes one by one)."""
         with self.lock:
             nodes = list(self.nodes.values())
-        for node in nodes:
+
+        def register(node: AgentNode) -> None:
             while not self.stopping.is_set():
                 try:
                     self.register(node)
-                    break
+                    return
                 except Exception as e:
                     log.warning("registering %s: %s", node.name, e)
                     time.sleep(1.0)
+
+        for node in nodes:  # one at a time: the first picks the kubelet API's port for all
+            if node.spec.run_pods:
+                register(node)
+        list(self.registrations.map(register, [n for n in nodes if not n.spec.run_pods]))
         self.registered.set()
         log.info("registered %d nodes", len(nodes))
 
@@ -784,7 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     config = json.loads((run_dir / "agent-config.json").read_text())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
     agent = NodeAgent(run_dir, Path(config["kubeconfig"]), [NodeSpec.from_json(n) for n in config["nodes"]],
-                      lease_renew_seconds=float(config.get("lease_renew_seconds", 3.0)))
+                      lease_renew_seconds=float(config.get("lease_renew_seconds", 3.0)),
+                      no_process_lease_seconds=config.get("no_process_lease_seconds"))
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(agent))
     server.daemon_threads = True
 

@@ -51,12 +51,15 @@ class LocalCluster:
 
     def __init__(self, run_dir: Path | str | None = None, *, name: str = "default", profile: str = "default",
                  nodes: list[NodeSpec] | None = None, settings: ControlPlaneSettings | None = None,
-                 lease_renew_seconds: float = 2.0) -> None:
+                 lease_renew_seconds: float = 2.0, no_process_lease_seconds: float | None = None) -> None:
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(name)
         self.profile = profile
         self.node_specs = nodes if nodes is not None else build_profile(profile)
         self.settings = settings or ControlPlaneSettings()
         self.lease_renew_seconds = lease_renew_seconds
+        #: How often no-process nodes renew their Leases (default: every max(lease_renew_seconds, 5) s);
+        #: thousands of them need longer, with `settings.node_monitor_grace_seconds` to match.
+        self.no_process_lease_seconds = no_process_lease_seconds
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._state: dict[str, Any] = {}
         self._http = urllib3.PoolManager(retries=False)
@@ -82,6 +85,7 @@ class LocalCluster:
             self._procs.update(control_plane.processes)
             (self.run_dir / "agent-config.json").write_text(json.dumps({
                 "kubeconfig": str(control_plane.kubeconfig), "lease_renew_seconds": self.lease_renew_seconds,
+                "no_process_lease_seconds": self.no_process_lease_seconds,
                 "nodes": [n.to_json() for n in self.node_specs]}, indent=1))
             self._procs["node-agent"] = spawn([sys.executable, "-m", "resilax_local.agent", str(self.run_dir)],
                                               self.run_dir / "logs" / "node-agent.log")

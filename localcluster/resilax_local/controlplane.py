@@ -8,6 +8,7 @@ manager and scheduler that envtest leaves out.
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import urllib3
 
+from . import audit
 from .binaries import Binaries
 from .errors import KubeAPIError, StartError
 from .kubeapi import Credentials, KubeClient, write_kubeconfig
@@ -42,6 +44,9 @@ class ControlPlaneSettings:
     """Nodes per second the lifecycle controller may taint NoExecute (upstream default 0.1)."""
     etcd_unsafe_no_fsync: bool = True
     """Skip etcd's fsyncs: throwaway clusters, much faster on slow disks."""
+    audit_service_accounts: bool = False
+    """Write `logs/audit.log`: every request of a ServiceAccount outside kube-system (audit.py), to count
+    one client's requests (the scale benchmark counts the operator's)."""
 
 
 @dataclass
@@ -109,8 +114,14 @@ class ControlPlane:
         self.processes["etcd"] = spawn(etcd_argv, logs / "etcd.log")
         self._wait_http("etcd", f"http://127.0.0.1:{p['etcd_client']}/health", deadline)
 
+        audit_flags = []
+        if s.audit_service_accounts:
+            policy = self.run_dir / "audit-policy.json"
+            policy.write_text(json.dumps(audit.POLICY, indent=1))
+            audit_flags = [f"--audit-policy-file={policy}", f"--audit-log-path={logs / audit.AUDIT_LOG}",
+                           "--audit-log-format=json", "--audit-log-maxsize=100000"]  # MB: never rotated
         self.processes["kube-apiserver"] = spawn([
-            str(self.binaries.kube_apiserver),
+            str(self.binaries.kube_apiserver), *audit_flags,
             f"--etcd-servers=http://127.0.0.1:{p['etcd_client']}",
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={p['apiserver']}",
             f"--tls-cert-file={serving.cert}", f"--tls-private-key-file={serving.key}",
