@@ -120,7 +120,7 @@ class NodeAgent:
         self.kubelet_api = KubeletAPI(run_dir, serving.cert, serving.key, self._container_running)
         self.nodes: dict[str, AgentNode] = {}
         for spec in nodes:
-            self._add_node_record(spec)
+            self._add_node_record(spec).state = REGISTERING  # Ready (Lease renewed) once registered
         self.publish_hosts("", "", [])
 
     # ---- PodHost -----------------------------------------------------------------------------
@@ -285,7 +285,9 @@ class NodeAgent:
         """Renew the Leases of Ready nodes. Nodes that run pods and no-process nodes (scale tests, renewed
         less often) have a thread each, so hundreds of the latter never delay the former."""
         interval = self.lease_renew_seconds if run_pods else self.no_process_lease_seconds
-        while not self.stopping.wait(interval):
+        due = time.monotonic() + interval
+        while not self.stopping.wait(max(0.0, due - time.monotonic())):
+            due = max(due + interval, time.monotonic())  # every `interval` from the start of each round
             with self.lock:
                 ready = [n for n in self.nodes.values() if n.state in (NodeState.READY, NodeState.SHUTTING_DOWN)
                          and n.spec.run_pods == run_pods]
@@ -293,7 +295,11 @@ class NodeAgent:
                 for node in ready:
                     self._renew_if_ready(node)
             else:  # hundreds: in parallel, or one round outlasts the grace period on a busy machine
+                started = time.monotonic()
                 list(self.lease_pool.map(self._renew_if_ready, ready))
+                took = time.monotonic() - started
+                if took > interval / 2:
+                    log.warning("renewing %d no-process Leases took %.1f s (every %.0f s)", len(ready), took, interval)
 
     def _renew_if_ready(self, node: AgentNode) -> None:
         if self.stopping.is_set():
@@ -699,6 +705,9 @@ class NodeAgent:
             while not self.stopping.is_set():
                 try:
                     self.register(node)
+                    with self.lock:
+                        if node.state == REGISTERING:
+                            node.state = NodeState.READY
                     return
                 except Exception as e:
                     log.warning("registering %s: %s", node.name, e)
