@@ -77,7 +77,8 @@ def _newer_or_equal(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> bo
 
 
 def trim_live_pod(body: Mapping[str, Any]) -> Body:
-    """What capacity accounting reads of a pod that is not ours (observed.count_devices_in_use)."""
+    """What capacity accounting reads of a pod that is not ours (observed.count_devices_in_use): its
+    node, or the node pool a pending one is pinned to, and its device requests."""
     meta, spec = body.get("metadata") or {}, body.get("spec") or {}
 
     def resources(c: Mapping[str, Any]) -> Body:
@@ -85,8 +86,9 @@ def trim_live_pod(body: Mapping[str, Any]) -> Body:
         return {"resources": {k: r[k] for k in ("limits", "requests") if k in r}}
 
     return {
-        "metadata": {k: meta[k] for k in ("name", "namespace", "labels", "resourceVersion") if k in meta},
-        "spec": {"nodeName": spec.get("nodeName"),
+        "metadata": {k: meta[k] for k in ("name", "namespace", "labels", "resourceVersion", "deletionTimestamp")
+                     if k in meta},
+        "spec": {"nodeName": spec.get("nodeName"), "nodeSelector": spec.get("nodeSelector") or {},
                  "containers": [resources(c) for c in spec.get("containers") or []],
                  "initContainers": [resources(c) for c in spec.get("initContainers") or []]},
         "status": {"phase": (body.get("status") or {}).get("phase")},
@@ -228,6 +230,9 @@ class WorldCache:
                                    field_selector=LIVE_PODS_SELECTOR, trim=trim_live_pod) for ns in scopes]
         self.nodes = Informer(source, "nodes", "/api/v1/nodes", on_change=on_change)
         self._namespaced = bool(namespaces)
+        #: Held by the reconcile that plans a new generation's node pools and creates its first pod: two
+        #: jobs planning at once would pick the same free pool (the next plan must see the pod created).
+        self.planning = threading.Lock()
 
     def informers(self) -> list[Informer]:
         return [*self.jobs, *self.job_pods, *self.services, *self.live_pods, self.nodes]
@@ -281,8 +286,8 @@ class WorldCache:
         namespace = str((body.get("metadata") or {}).get("namespace") or "")
         if kind == api.KIND:
             targets = self._scoped(self.jobs, namespace)
-        elif kind == "Pod":
-            targets = self._scoped(self.job_pods, namespace)
+        elif kind == "Pod":  # a pending pod holds its pool's devices for the next job's plan
+            targets = [*self._scoped(self.job_pods, namespace), *self._scoped(self.live_pods, namespace)]
         elif kind == "Service":
             targets = self._scoped(self.services, namespace)
         else:

@@ -64,8 +64,17 @@ def reconcile_job(kube: Kube, cache: WorldCache, namespace: str, name: str, sett
     world = observe(kube, cache, job, settings, logger)
     metrics.record_checkpoint(world.observed)
     spec = job.get("spec") or {}
+    actions = decide_raw(spec, world.observed, settings)
     try:
-        return execute(kube, cache, world, decide_raw(spec, world.observed, settings), settings, logger)
+        if any(isinstance(a, CreateGeneration) and a.generation > world.observed.status.generation for a in actions):
+            # One job at a time plans a new generation's node pools and creates its first pod (held in the
+            # cache at once), so the next plan sees it: jobs started together never pick the same free pool.
+            with cache.planning:
+                job = cache.job(namespace, name) or job
+                spec = job.get("spec") or {}
+                world = observe(kube, cache, job, settings, logger)
+                return execute(kube, cache, world, decide_raw(spec, world.observed, settings), settings, logger)
+        return execute(kube, cache, world, actions, settings, logger)
     except PodRefusedError as e:
         world = replace(world, observed=replace(world.observed, status=e.status))
         refused = decide_pod_refused(spec, world.observed, e.generation, e.pod, e.detail, settings)

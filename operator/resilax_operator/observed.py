@@ -211,23 +211,57 @@ def parse_node(raw: Mapping[str, Any], in_use_by_others: Mapping[str, int] | Non
         in_use_by_others=dict(in_use_by_others or {}))
 
 
-def count_devices_in_use(raw_pods: Iterable[Mapping[str, Any]], job: str) -> dict[str, dict[str, int]]:
-    """node name → device resource → amount requested by live pods that are not this job's workers."""
+def count_devices_in_use(raw_pods: Iterable[Mapping[str, Any]], job: str,
+                         raw_nodes: Iterable[Mapping[str, Any]] = ()) -> dict[str, dict[str, int]]:
+    """node name → device resource → amount requested by live pods that are not this job's workers.
+
+    A pod not yet bound to a node but pinned to a node pool (another job's new generation, still
+    pending) holds its devices too: it is counted on the node of its pool with the most free devices
+    (`raw_nodes`), so that two jobs starting at once never plan the same free pool."""
     out: dict[str, dict[str, int]] = {}
+    pending: list[tuple[str, str, dict[str, int]]] = []
     for pod in raw_pods:
         meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-        node = spec.get("nodeName")
-        if not node or (meta.get("labels") or {}).get(api.LABEL_JOB) == job:
+        if (meta.get("labels") or {}).get(api.LABEL_JOB) == job:
             continue
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             continue
-        for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
-            resources = c.get("resources") or {}
-            asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
-            for r in DEVICE_RESOURCES:
-                if r in asked:
-                    out.setdefault(node, {})[r] = out.get(node, {}).get(r, 0) + int(str(asked[r]))
+        asked = _devices_asked(spec)
+        node = spec.get("nodeName")
+        if node:
+            for r, amount in asked.items():
+                out.setdefault(node, {})[r] = out.get(node, {}).get(r, 0) + amount
+        elif asked and (spec.get("nodeSelector") or {}).get(api.NODE_POOL_LABEL) and not meta.get("deletionTimestamp"):
+            pending.append((str(meta.get("name", "")), str(spec["nodeSelector"][api.NODE_POOL_LABEL]), asked))
+    if pending:
+        by_pool: dict[str, list[tuple[str, dict[str, int]]]] = {}
+        for n in raw_nodes:
+            meta, status = n.get("metadata") or {}, n.get("status") or {}
+            pool = (meta.get("labels") or {}).get(api.NODE_POOL_LABEL)
+            if pool:
+                allocatable = {r: int(str(v)) for r, v in (status.get("allocatable") or {}).items()
+                               if r in DEVICE_RESOURCES}
+                by_pool.setdefault(str(pool), []).append((str(meta.get("name", "")), allocatable))
+        for _, pool, asked in sorted(pending):
+            candidates = by_pool.get(pool) or []
+            if not candidates:
+                continue
+            r = next(iter(asked))
+            name = min(candidates, key=lambda c: (out.get(c[0], {}).get(r, 0) - c[1].get(r, 0), c[0]))[0]
+            for r, amount in asked.items():
+                out.setdefault(name, {})[r] = out.get(name, {}).get(r, 0) + amount
     return out
+
+
+def _devices_asked(spec: Mapping[str, Any]) -> dict[str, int]:
+    asked: dict[str, int] = {}
+    for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+        resources = c.get("resources") or {}
+        wanted = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+        for r in DEVICE_RESOURCES:
+            if r in wanted:
+                asked[r] = asked.get(r, 0) + int(str(wanted[r]))
+    return asked
 
 
 def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome | None:
@@ -257,7 +291,8 @@ def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapp
         label = ((svc.get("metadata") or {}).get("labels") or {}).get(api.LABEL_GENERATION)
         if label is not None and str(label).isdigit():
             generations.add(int(label))
-    in_use = count_devices_in_use(other_pods, name)
+    nodes = tuple(nodes)
+    in_use = count_devices_in_use(other_pods, name, nodes)
     observed_nodes = tuple(parse_node(n, in_use.get(str((n.get("metadata") or {}).get("name", "")), {}))
                            for n in nodes)
     return Observed(now=now, job=ref, status=st.parse_status(job.get("status")),
