@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 
 from resilax_ckpt import chunk_format, fencing, layout
@@ -28,6 +29,34 @@ from resilax_ckpt.metadata import StepMetadata
 from resilax_ckpt.storage import Storage
 
 log = logging.getLogger(__name__)
+
+CRASH_ENV = "RESILAX_CKPT_TEST_CRASH_AT"
+"""Test hook (kill points): `<phase>[:<process_index>[:<nth>]]` SIGKILLs the process at a named phase
+(`KILL_POINTS`), on its `nth` pass there (default: the first); unset, a kill point costs one lookup."""
+
+KILL_POINTS = ("before_writes", "mid_writes", "after_writes", "before_commit", "before_rename", "after_commit",
+               "retention_marker_deleted", "recycle_taken", "mid_cleanup")
+"""The named phases of a save (manager.py) and of the commit steps here, in the order they occur:
+before_rename (local folders: `_COMMIT` is in the temporary folder, not renamed yet),
+retention_marker_deleted (gs://: a retired step's marker is gone, its objects not yet), recycle_taken
+(local: a recycled folder was renamed to the save's temporary folder, not pruned yet), mid_cleanup
+(at start: after each leftover deleted)."""
+
+_kill_passes: dict[str, int] = {}
+
+
+def kill_point(phase: str, process_index: int = 0) -> None:
+    """SIGKILL this process here when CRASH_ENV names `phase` (tests only; see CRASH_ENV)."""
+    spec = os.environ.get(CRASH_ENV)
+    if not spec:
+        return
+    want, _, rest = spec.partition(":")
+    proc, _, nth = rest.partition(":")
+    if want != phase or (proc and int(proc) != process_index):
+        return
+    _kill_passes[phase] = _kill_passes.get(phase, 0) + 1
+    if not nth or int(nth) == _kill_passes[phase]:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def claim_root(storage: Storage, root: str) -> None:
@@ -180,6 +209,7 @@ def commit_local(storage: Storage, root: str, tmp_path: str, final_path: str, st
     Called on: primary only (or each process of the local tier)."""
     storage.write_bytes(storage.join(tmp_path, marker_name), marker)
     storage.sync_dir(tmp_path)
+    kill_point("before_rename")
     if generation is not None:
         fencing.check_not_fenced(fencing.read_fences(storage, root), generation, f"step {step}")
     was_bad = False
@@ -251,6 +281,7 @@ def clean_leftovers(storage: Storage, root: str, generation: int) -> list[str]:
             if doomed:
                 storage.delete_tree(storage.join(root, name))
                 deleted.append(name)
+                kill_point("mid_cleanup")
     except StorageError:
         raise
     except OSError as e:
@@ -344,6 +375,7 @@ def take_recycled(root: str, work: str, metadata: StepMetadata) -> str | None:
         except OSError as e:
             log.warning("could not reuse %s in %s: %s", name, root, e)
             continue
+        kill_point("recycle_taken")
         for entry in os.listdir(work):
             if entry.startswith((layout.COMMIT_FILE, "_METADATA", layout.UPLOADED_PREFIX)):
                 os.remove(os.path.join(work, entry))

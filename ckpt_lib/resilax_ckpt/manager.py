@@ -58,9 +58,7 @@ log = logging.getLogger(__name__)
 EXIT_CODE_STOPPED = 75
 """Exit code of a worker that stopped after a requested final save (operator: reschedule)."""
 
-CRASH_ENV = "RESILAX_CKPT_TEST_CRASH_AT"
-"""Test hook: `<phase>[:<process_index>]` kills the saving process at a named phase (before_writes,
-mid_writes, after_writes, before_commit, after_commit)."""
+CRASH_ENV = commit.CRASH_ENV
 
 _manager_count = 0
 _manager_count_lock = threading.Lock()
@@ -69,15 +67,6 @@ _manager_count_lock = threading.Lock()
 #: What makes a committed step unreadable, as opposed to a transient storage error (which propagates):
 #: a corrupt or truncated file, a missing one, metadata that cannot be read.
 UNREADABLE_STEP_ERRORS = (CorruptCheckpointError, IncompleteStepError, MetadataError)
-
-
-def _maybe_crash(phase: str, process_index: int) -> None:
-    spec = os.environ.get(CRASH_ENV)
-    if not spec:
-        return
-    want, _, proc = spec.partition(":")
-    if want == phase and (not proc or int(proc) == process_index):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 DEFAULT_LOCAL_DIRECTORY = "resilax-checkpoints"
@@ -487,7 +476,7 @@ class CheckpointManager:
             elif several:
                 # The primary renames a recycled folder to `work` before anyone writes into it.
                 self._coord.fetch(f"{key}/workdir", self._options.barrier_timeout_seconds)
-        _maybe_crash("before_writes", pid)
+        commit.kill_point("before_writes", pid)
         try:
             if self._is_primary or not renames:
                 commit.check_step_free(storage, root, step)
@@ -495,7 +484,7 @@ class CheckpointManager:
                 storage.write_bytes(storage.join(work, layout.writer_name(pid)), b"")
             _write_step_files(storage, self._backend, work, plan, create_metadata=self._is_primary,
                               process_index=pid)
-            _maybe_crash("after_writes", pid)
+            commit.kill_point("after_writes", pid)
         except Exception as e:
             error = f"process {pid}: {type(e).__name__}: {e}"
             if not several:
@@ -518,7 +507,7 @@ class CheckpointManager:
                                     step, len(stale), work, ", ".join(stale[:5]))
                 storage.write_bytes(storage.join(work, layout.metadata_name(self._own_suffix)),
                                     plan.metadata.to_bytes())
-                _maybe_crash("before_commit", pid)
+                commit.kill_point("before_commit", pid)
                 # The local tier's marker carries the save's identity (`key`, the same on every
                 # process): every host's sidecar uploads this save into one attempt (layout.py).
                 marker = commit.build_marker(step, self._epoch, attempt, key if self._local_tier else None)
@@ -530,7 +519,7 @@ class CheckpointManager:
                                         None if self._local_tier else self._epoch)
                 else:
                     commit.commit_object(storage, root, final, step, marker, self._epoch)
-                _maybe_crash("after_commit", pid)
+                commit.kill_point("after_commit", pid)
                 log.info("committed step %d in %s", step, root)
             except Exception as e:
                 result = f"{type(e).__name__}: {e}"
@@ -567,6 +556,7 @@ class CheckpointManager:
             folder = self._storage.join(self._root, layout.step_name(step))
             if not self._storage.is_local:  # the marker first: a half-deleted step never looks committed
                 self._storage.delete_tree(self._storage.join(folder, layout.COMMIT_FILE))
+                commit.kill_point("retention_marker_deleted")
             self._storage.delete_tree(folder)
             log.info("retention deleted step %d in %s", step, self._root)
 
@@ -951,7 +941,7 @@ def _write_step_files(storage: Storage, backend: backends.ChunkBackend, work: st
     """Write this process's chunks (through the chunk backend) and small files of `plan` under `work`."""
     def progress(n: int) -> None:
         if n == len(plan.writes) // 2:
-            _maybe_crash("mid_writes", process_index)
+            commit.kill_point("mid_writes", process_index)
 
     backend.write(plan, work, create_metadata, progress)
     backends.release_free_memory()  # the snapshot is written and dropped
