@@ -35,10 +35,11 @@ CRASH_ENV = "RESILAX_CKPT_TEST_CRASH_AT"
 (`KILL_POINTS`), on its `nth` pass there (default: the first); unset, a kill point costs one lookup."""
 
 KILL_POINTS = ("before_writes", "mid_writes", "after_writes", "before_commit", "before_rename", "after_commit",
-               "retention_marker_deleted", "recycle_taken", "mid_cleanup")
+               "retention_marker_deleted", "retention_moved_aside", "recycle_taken", "mid_cleanup")
 """The named phases of a save (manager.py) and of the commit steps here, in the order they occur:
 before_rename (local folders: `_COMMIT` is in the temporary folder, not renamed yet),
-retention_marker_deleted (gs://: a retired step's marker is gone, its objects not yet), recycle_taken
+retention_marker_deleted (gs://: a retired step's marker is gone, its objects not yet),
+retention_moved_aside (local, no recycling: a retired step was renamed to trash, not deleted yet), recycle_taken
 (local: a recycled folder was renamed to the save's temporary folder, not pruned yet), mid_cleanup
 (at start: after each leftover deleted)."""
 
@@ -358,7 +359,15 @@ def retire_step(root: str, step: int, pool: int) -> bool:
             return True
         except OSError as e:
             log.warning("could not keep step %d in %s for recycling (%s); deleting it", step, root, e)
-    shutil.rmtree(path, ignore_errors=True)
+    # Renamed away first (atomic): a crash mid-delete leaves trash the next start deletes, never a
+    # committed step with files missing.
+    trash = os.path.join(root, f"{layout.TRASH_PREFIX}{step}-{time.time_ns()}")
+    try:
+        os.rename(path, trash)
+    except OSError:
+        trash = path
+    kill_point("retention_moved_aside")
+    shutil.rmtree(trash, ignore_errors=True)
     return False
 
 

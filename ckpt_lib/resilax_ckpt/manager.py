@@ -980,11 +980,11 @@ def restore_step(storage: Storage, backend: backends.ChunkBackend, step_path: st
     for name in names:
         item = meta.items[name]
         if item.kind == "json":
-            out[name] = json.loads(storage.read_bytes(storage.join(step_path, layout.item_json_name(name))))
+            out[name] = _read_json_item(storage, storage.join(step_path, layout.item_json_name(name)), step)
             continue
         if item.kind == "per_process":
             path = storage.join(step_path, name, layout.process_json_name(process_index))
-            out[name] = json.loads(storage.read_bytes(path)) if storage.exists(path) else None
+            out[name] = _read_json_item(storage, path, step) if storage.exists(path) else None
             continue
         item_target = target.get(name)
         if item_target is not None:
@@ -1033,6 +1033,17 @@ def restore_step(storage: Storage, backend: backends.ChunkBackend, step_path: st
         else:
             out[name] = jax.tree_util.tree_unflatten(structure, values)
     return out
+
+
+def _read_json_item(storage: Storage, path: str, step: int) -> Any:
+    """A JSON item's value; a missing or damaged file is an error of the step that names the file (so a
+    restore of the newest step falls back)."""
+    try:
+        return json.loads(storage.read_bytes(path))
+    except FileNotFoundError as e:
+        raise IncompleteStepError(f"step {step}: {path} is missing") from e
+    except ValueError as e:
+        raise CorruptCheckpointError(f"step {step}: {path} is not valid JSON ({e})") from e
 
 
 def _scalar_value(value: Any, pytype: str, want: Any) -> Any:

@@ -3,8 +3,8 @@
 resilax_ckpt once, so a life costs its own work only (no interpreter start-up or import).
 
 A life opens the checkpoint root as generation `generation` of one job, checks what it finds (the step
-folders are exactly the visible steps; the newest visible step restores bit-exact without falling back;
-every other visible step restores bit-exact by number; nothing is marked bad), then saves the next
+folders are exactly the visible steps; nothing is marked bad; every older visible step restores bit-exact
+by number; the newest visible step restores bit-exact without falling back), then saves the next
 `saves` steps (asynchronously, like a training loop) until the harness SIGKILLs it or it is done.
 Every array of step s is a pure function of s, so a check needs no record of what was saved.
 
@@ -94,7 +94,8 @@ def _run(args: dict[str, Any], say: Any) -> None:
                                          f"({int((got != want[shard.index]).sum())} elements differ)")
 
     options = rc.ManagerOptions(generation=args["generation"], job_uid="fuzz-job", keep_last=args["keep_last"],
-                                keep_every_steps=None, barrier_timeout_seconds=60)
+                                keep_every_steps=None, recycle_pool=args["recycle_pool"],
+                                barrier_timeout_seconds=60)
     mgr = rc.CheckpointManager(args["root"], options)
     steps = mgr.steps()
     say("open", steps=steps)
@@ -104,10 +105,11 @@ def _run(args: dict[str, Any], say: Any) -> None:
         assert found == steps, f"step folders {found} after the start, but visible steps {steps}"
         assert not storage.list_dir(storage.join(args["root"], layout.BAD_DIR)), "a step was marked bad"
     if steps:
-        check(mgr.restore(target=target), steps[-1], "restore() of the newest step")
-        assert mgr.restore_report == {"step": steps[-1], "skipped": []}, mgr.restore_report
         for step in steps[:-1]:
             check(mgr.restore(step, target=target), step, f"restore({step})")
+        # Last, so the step this manager protects from retention is the newest (the older ones may go).
+        check(mgr.restore(target=target), steps[-1], "restore() of the newest step")
+        assert mgr.restore_report == {"step": steps[-1], "skipped": []}, mgr.restore_report
     say("verified", steps=steps)
     first = (steps[-1] if steps else 0) + 1
     say("ready")

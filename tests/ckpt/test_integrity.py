@@ -436,3 +436,24 @@ def test_checkpoints_without_checksums_still_restore(tmp_path: Path, devices, mo
     backend = backends.for_storage(open_storage(str(root)), rc.ManagerOptions(), use_tensorstore=True)
     reader.read_leaves([read], str(root / "1"), backend, 1 << 30)
     np.testing.assert_array_equal(read.result, np.asarray(want["big"]["b"]))
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+@pytest.mark.parametrize("damage", ["deleted", "garbled"])
+def test_a_damaged_json_item_in_the_newest_step_falls_back(damage: str, where: str, tmp_path: Path, request,
+                                                           devices) -> None:
+    """A JSON item (the step's `meta`) deleted or garbled: the newest step is skipped, naming the file."""
+    root = str(tmp_path / "run") if where == "local" else request.getfixturevalue("gcs_root")
+    with rc.CheckpointManager(root, rc.ManagerOptions(async_save=False)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+    storage = open_storage(root)
+    victim = storage.join(commit.step_data_path(storage, root, 2), layout.item_json_name("meta"))
+    if damage == "deleted":
+        storage.delete_tree(victim)
+    else:
+        storage.write_bytes(victim, b'{"step": ')
+    with rc.CheckpointManager(root) as mgr:
+        assert mgr.restore()["meta"] == {"step": 1}
+        assert mgr.restore_report is not None and [s["step"] for s in mgr.restore_report["skipped"]] == [2]
+        assert victim in mgr.restore_report["skipped"][0]["reason"], mgr.restore_report

@@ -42,9 +42,9 @@ KILLS = int(os.environ.get("RESILAX_FUZZ_KILLS", "100"))
 SAVES_PER_LIFE = 4
 LIFE_TIMEOUT = 120.0
 PRELOAD = ["numpy", "jax", "tensorstore", "gcsfs", "resilax_ckpt", "resilax_ckpt.manager", "ckpt_fuzz_worker"]
-PRIMARY_ONLY = {"before_commit", "before_rename", "after_commit", "retention_marker_deleted", "recycle_taken",
-                "mid_cleanup"}
-NOT_ON = {"local": {"retention_marker_deleted"}, "gcs": {"before_rename", "recycle_taken"}}
+PRIMARY_ONLY = {"before_commit", "before_rename", "after_commit", "retention_marker_deleted", "retention_moved_aside",
+                "recycle_taken", "mid_cleanup"}
+NOT_ON = {"local": {"retention_marker_deleted"}, "gcs": {"before_rename", "retention_moved_aside", "recycle_taken"}}
 
 
 @dataclasses.dataclass
@@ -108,6 +108,7 @@ class Fuzz:
     def life(self, ctx: Any, plan: Plan | None) -> str:
         """One generation of the job under `plan` (None: run to the end). Returns how it ended."""
         self.lives += 1
+        recycle_pool = self.rng.choice((0, 1, 1))  # local folders: retention deletes or keeps for recycling
         env = dict(self.env)
         if plan is not None and plan.kind == "phase":
             env[commit.CRASH_ENV] = f"{plan.phase}:{plan.process}:{plan.nth}"
@@ -116,7 +117,7 @@ class Fuzz:
         procs = [ctx.Process(target=ckpt_fuzz_worker.life, args=({
             "root": self.root, "env": env, "generation": self.lives, "coordinator": f"127.0.0.1:{port}",
             "num_processes": 2, "process_id": pid, "devices": 4, "saves": SAVES_PER_LIFE, "keep_last": 2,
-            "out": str(outs[pid])},)) for pid in range(2)]
+            "recycle_pool": recycle_pool, "out": str(outs[pid])},)) for pid in range(2)]
         started = time.monotonic()
         for p in procs:
             p.start()
@@ -183,7 +184,8 @@ class Fuzz:
             self.fail(f"a life without a kill did not finish: exit codes {[p.exitcode for p in procs]}", lines)
         else:
             how = "finished"
-        self.history.append(f"life {self.lives}: {plan.describe() if plan else 'no kill'} -> {how}; "
+        self.history.append(f"life {self.lives} (recycle_pool {recycle_pool}): "
+                            f"{plan.describe() if plan else 'no kill'} -> {how}; "
                             f"saving {[ln['step'] for ln in lines[0] if ln['kind'] == 'saving']}, "
                             f"committed {[ln['step'] for ln in lines[0] if ln['kind'] == 'committed']}")
         return how
