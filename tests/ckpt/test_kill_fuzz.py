@@ -172,6 +172,10 @@ class Fuzz:
         for pid in range(2):
             offsets[pid] = _read_lines(outs[pid], offsets[pid], lines[pid])
         self._learn(lines, started)
+        if not any(ln["kind"] == "initialized" for ln in lines[0]) and "Failed to add port" in _text(outs[0], ".log"):
+            # The coordinator's port, free a moment before, was taken by another program: not a result.
+            self.history.append(f"life {self.lives}: the coordinator could not listen on port {port}; again")
+            return "retry"
         self_killed = [pid for pid, p in enumerate(procs) if p.exitcode == -signal.SIGKILL and pid not in killed
                        and "done" not in [ln["kind"] for ln in lines[pid]]]
         if plan is not None and (killed or (plan.kind == "phase" and self_killed)):
@@ -228,6 +232,13 @@ def _kill(process: Any) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _text(path: Path, suffix: str) -> str:
+    try:
+        return path.with_name(path.name + suffix).read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 def _read_lines(path: Path, offset: int, into: list[dict[str, Any]]) -> int:
