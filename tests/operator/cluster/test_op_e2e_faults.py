@@ -171,8 +171,10 @@ def test_user_resize_saves_and_moves_to_the_new_shape(operator: OperatorProcess,
 
     # Back to 2 slices (generation 3), then delete the JAXJob and apply it again, as users resume a
     # Failed job (issue 16): the new object's generations restart at 1 on the same storage; it must
-    # resume from the last committed step and commit again (the fencing era of the new uid outranks
-    # the old job's generations).
+    # resume from the last good committed step and commit again (the fencing era of the new uid
+    # outranks the old job's generations). Meanwhile the newest committed step was damaged (a flipped
+    # bit in a chunk file): the new generation falls back to the step before it, and the job says so
+    # (CheckpointFallback, a CheckpointStepsSkipped event naming the step and the checksum error).
     jobs.patch_spec(name, {"slices": {"count": 2}})
     wait_generation(jobs, name, 3, count=2)
     old_uid = jobs.get(name)["metadata"]["uid"]
@@ -180,18 +182,50 @@ def test_user_resize_saves_and_moves_to_the_new_shape(operator: OperatorProcess,
     wait_for(lambda: not jobs.pods(name) and not _exists(jobs, name), timeout=300, interval=1,
              message=f"{name}: deleted with its workers")
     last_before = max(committed_steps(storage))
+    previous = max(s for s in committed_steps(storage) if s < last_before)
+    victim = _flip_a_byte(storage / str(last_before))
     jobs.create(job_manifest(name, storage, count=2, every_steps=EVERY, steps=5000, step_seconds=0.5))
     assert jobs.get(name)["metadata"]["uid"] != old_uid
-    jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1, 600,
-                     "the re-created job's generation 1 Running")
+    status = jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1
+                              and _condition(s, "CheckpointFallback").get("status") == "True", 600,
+                              "the re-created job's generation 1 Running, fallen back")
+    fallback = _condition(status, "CheckpointFallback")
+    message = fallback["message"]
+    assert fallback["reason"] == "CheckpointStepsSkipped", fallback
+    assert f"generation 1 restored step {previous}:" in message, (previous, message)
+    assert f"step {last_before}: process " in message and "ChecksumMismatchError" in message, message
+    assert str(storage / str(last_before)) in message, message  # where the unreadable file is
+    wait_for(lambda: message in [e.get("message") for e in jobs.events(name) if e["reason"] == "CheckpointStepsSkipped"],
+             timeout=60, interval=0.5, message=f"{name}: the CheckpointStepsSkipped event")
 
     def new_commits() -> list[int]:
         return [s for s in committed_steps(storage) if _marker(storage, s).get("era", 0) >= 2]
 
     wait_for(lambda: len(new_commits()) >= 2, timeout=600, interval=1, message=f"{name}: commits of the re-created job")
-    assert min(new_commits()) > last_before, (last_before, new_commits())  # resumed, not restarted from 0
-    assert all(_marker(storage, s)["era"] == 1 for s in committed_steps(storage) if s <= last_before)
+    assert min(new_commits()) > previous, (previous, new_commits())  # resumed, not restarted from 0
+    assert all(_marker(storage, s)["era"] == 1 for s in committed_steps(storage) if s <= previous)
     assert sorted(p.name for p in (storage / "_fences").glob("era-*.json")) == ["era-1.json", "era-2.json"]
+    # The damaged step was marked bad and kept: still in place, or moved aside when the job saved that
+    # step number again, the damaged file as it was.
+    kept = [storage / str(last_before)] if last_before not in new_commits() else list(
+        storage.glob(f".bad-{last_before}-*"))
+    assert len(kept) == 1, (last_before, new_commits(), sorted(p.name for p in storage.iterdir()))
+    assert (kept[0] / victim[0]).read_bytes() == victim[1]
+
+
+def _flip_a_byte(step_folder: Path) -> tuple[Path, bytes]:
+    """Flip one bit in the data of the first chunk (shard) file of a committed step, as a storage fault
+    would; (its path in the step, its damaged bytes)."""
+    files = sorted(p for p in (step_folder / "params").rglob("*") if p.is_file() and p.name != "zarr.json")
+    victim = files[0]
+    data = victim.read_bytes()
+    damaged = data[:10] + bytes([data[10] ^ 0x01]) + data[11:]
+    victim.write_bytes(damaged)
+    return victim.relative_to(step_folder), damaged
+
+
+def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), {})
 
 
 def _exists(jobs: Jobs, name: str) -> bool:
