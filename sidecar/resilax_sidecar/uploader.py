@@ -785,17 +785,30 @@ class Uploader:
                 self.metrics.retention_deletes.labels(tier="persistent").inc()
                 deleted = True
                 log.info("retention: deleted step %d from %s", step, self.store.url)
-            # Partial uploads older than every kept step (a save abandoned for a newer one, a host
-            # that died mid-upload) will never be committed: clear them out too.
-            kept = sorted(self._known_committed)
+            # Partial uploads older than every kept (visible) step (a save abandoned for a newer one, a
+            # host that died mid-upload) will never be committed, and a commit there that the fences
+            # hide (a stale generation's) will never be read: clear them out too. Not a step marked
+            # bad (kept), never a folder of someone else's.
+            kept = sorted(s for s in persisted if s in self._known_committed)
             if kept:
                 all_steps = (layout.parse_step(n) for n in self.store.list_dir(""))
+                hiding: tuple[dict[fencing.Epoch, int | None], set[int]] | None = None
                 for step in sorted(s for s in all_steps if s is not None and s < kept[0]):
-                    # Only what a sidecar or trainer provably wrote: never a folder of someone else's.
-                    if (self.store.stat(f"{step}/{layout.COMMIT_FILE}") is None
-                            and layout.owns_step_folder(self.store.list_dir(str(step)))):
+                    body = self._read_commit(step)
+                    if body is None:
+                        if layout.owns_step_folder(self.store.list_dir(str(step))):
+                            self.store.delete_prefix(str(step))
+                            log.info("retention: deleted the abandoned partial upload of step %d", step)
+                        continue
+                    if hiding is None:
+                        hiding = self.read_fences(), list_bad_steps(self.store.list_dir(layout.BAD_DIR))
+                    fences, bad = hiding
+                    if step not in bad and not fencing.decide_visible(step, fencing.parse_marker_epoch(body), fences):
+                        self.store.delete(f"{step}/{layout.COMMIT_FILE}")
+                        self._known_committed.pop(step, None)
                         self.store.delete_prefix(str(step))
-                        log.info("retention: deleted the abandoned partial upload of step %d", step)
+                        log.info("retention: deleted step %d, committed by a fenced-out generation (never visible)",
+                                 step)
         if local_keep is None:
             return deleted
         # Steps a restore marked bad count like the others (kept until they age out, never uploaded).

@@ -376,6 +376,27 @@ def test_abandoned_partial_uploads_older_than_every_kept_step_are_cleared(tmp_pa
     assert store.read_bytes("2/_CHECKPOINT_METADATA") == b"{}" and store.read_bytes("3/notes.txt") == b"mine"
 
 
+def test_a_commit_the_fences_hide_older_than_every_kept_step_is_cleared_but_a_bad_step_is_kept(tmp_path):
+    """A stale generation's commit that landed after a newer generation's fence is never visible; once
+    it is older than every kept step, process 0's retention deletes it (marker first). A step a restore
+    marked bad is hidden too, but kept."""
+    store = LocalFolderStore(tmp_path / "persistent")
+    store.write_bytes("_fences/2.json", json.dumps({"generation": 2, "latest_step": 1}).encode())
+    stale = layout.upload_attempt_name(0, 1, 3)
+    store.write_bytes(f"3/{stale}/a", b"stale")
+    store.write_bytes("3/_COMMIT", json.dumps({"generation": 1, "attempt": stale}).encode())
+    store.write_bytes("2/_COMMIT", json.dumps({"generation": 2}).encode())
+    store.write_bytes("2/a", b"bad")
+    store.write_bytes("_bad/2.json", b'{"step": 2, "reason": "truncated"}')
+    config = make_config(tmp_path, keep_last=1, generation=2)
+    write_local_step(config.local_dir, 5, step_files(1, 10), generation=2)
+    uploader = Uploader(config, store, SidecarMetrics())
+    uploader.run_once()
+    assert uploader.state.committed_steps == [5]
+    assert sorted(store.list_dir("")) == ["2", "5", "_bad", "_fences"]
+    assert store.read_bytes("2/a") == b"bad"
+
+
 @pytest.mark.parametrize("urgent", [True, False], ids=["final-save-coming", "routine"])
 def test_a_newer_local_step_supersedes_the_upload_in_flight_only_before_a_final_save(tmp_path, urgent):
     store = LocalFolderStore(tmp_path / "persistent")
