@@ -44,8 +44,14 @@ TPU_RESOURCE: Final = "google.com/tpu"
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 TPU_TAINT_KEY: Final = "google.com/tpu"
 GPU_TAINT_KEY: Final = "nvidia.com/gpu"
-#: Preemption notices: the taint GKE puts on a node about to be reclaimed, and the maintenance label.
+#: GKE's disruption signals on a node. "Now": the taint GKE puts on a node about to be reclaimed, the
+#: taint set when a host maintenance window opens, and the label set while host maintenance runs.
 IMPENDING_TERMINATION_TAINT: Final = "cloud.google.com/impending-node-termination"
+MAINTENANCE_WINDOW_STARTED_TAINT: Final = "cloud.google.com/maintenance-window-started"
+ACTIVE_MAINTENANCE_LABEL: Final = "cloud.google.com/active-node-maintenance"
+#: Values of ACTIVE_MAINTENANCE_LABEL that mean the maintenance runs now.
+ACTIVE_MAINTENANCE_VALUES: Final = frozenset({"ONGOING", "true"})
+#: "Later": the time of an upcoming host maintenance, in Unix epoch seconds (GKE sets it days ahead).
 SCHEDULED_MAINTENANCE_LABEL: Final = "cloud.google.com/scheduled-maintenance-time"
 UNREACHABLE_TAINT: Final = "node.kubernetes.io/unreachable"
 NOT_READY_TAINT: Final = "node.kubernetes.io/not-ready"
@@ -88,7 +94,10 @@ COND_DEGRADED: Final = "Degraded"
 COND_INVALID_SPEC: Final = "InvalidSpec"
 #: True when the workers restored an older step because newer committed ones could not be read.
 COND_CHECKPOINT_FALLBACK: Final = "CheckpointFallback"
-CONDITION_TYPES: Final = (COND_READY, COND_SAVING, COND_DEGRADED, COND_INVALID_SPEC, COND_CHECKPOINT_FALLBACK)
+#: True while a node hosting a worker has a host maintenance scheduled (the job moves before it).
+COND_MAINTENANCE: Final = "MaintenanceScheduled"
+CONDITION_TYPES: Final = (COND_READY, COND_SAVING, COND_DEGRADED, COND_INVALID_SPEC, COND_CHECKPOINT_FALLBACK,
+                          COND_MAINTENANCE)
 
 
 @dataclass(frozen=True)
@@ -109,7 +118,16 @@ WORKERS_RUNNING = Reason("WorkersRunning", "generation {generation}: all {hosts}
 COMPLETED = Reason("Completed", "all workers of generation {generation} exited 0")
 INSUFFICIENT_CAPACITY = Reason("InsufficientCapacity", "no shape fits the healthy capacity: {detail}")
 PREEMPTION_NOTICE = Reason("PreemptionNotice", "node {node} hosting generation {generation} has a preemption notice ({notice})")
+MAINTENANCE_SCHEDULED = Reason("MaintenanceScheduled",
+                               "node {node} hosting generation {generation} has host maintenance at {time}; the job "
+                               "saves and moves from {move_at} (lead {lead}s)")
+NO_MAINTENANCE = Reason("NoMaintenance", "no node hosting a worker has host maintenance scheduled")
 NODE_LOST = Reason("NodeLost", "node {node} hosting generation {generation} has not been Ready for {seconds}s (grace {grace}s)")
+NODE_LOSS_GUARD = Reason("NodeLossGuard",
+                         "{down} of {total} nodes are NotReady/Unknown at once (guard: at least {percent}% and "
+                         "{min_nodes} nodes), {node} hosting generation {generation} among them: more likely a "
+                         "control-plane or network blip than that many node losses; waiting for them instead of "
+                         "tearing down (no pod is force-deleted)")
 NODE_NOT_READY = Reason("NodeNotReady", "node {node} hosting generation {generation} is not Ready; waiting up to {grace}s")
 UNSCHEDULABLE = Reason("Unschedulable", "worker {pod} of generation {generation} was not scheduled within {seconds}s; replanning")
 POD_LOST = Reason("PodLost", "worker pod {pod} of generation {generation} disappeared or was deleted")

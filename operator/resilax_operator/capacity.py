@@ -12,7 +12,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from . import api
 from .builders import geometry_of
@@ -31,12 +31,14 @@ class ShapePlan:
     hosts: int
 
 
-def plan_pools(geometry: SliceGeometry, nodes: Iterable[ObservedNode], now: datetime) -> tuple[str, ...]:
+def plan_pools(geometry: SliceGeometry, nodes: Iterable[ObservedNode], now: datetime,
+               lead: timedelta = timedelta(0)) -> tuple[str, ...]:
     """Node pools that can host one slice of `geometry` now: enough schedulable nodes carrying the
-    slice's labels, each with free devices for one worker. Sorted by name."""
+    slice's labels, each with free devices for one worker. Sorted by name. A node whose scheduled host
+    maintenance is within `lead` is not schedulable (`ObservedNode.schedulable`)."""
     by_pool: dict[str, int] = {}
     for n in nodes:
-        if n.pool is None or not n.schedulable(now):
+        if n.pool is None or not n.schedulable(now, lead):
             continue
         if any(n.labels.get(k) != v for k, v in geometry.node_selector):
             continue
@@ -51,7 +53,8 @@ def plan_pools(geometry: SliceGeometry, nodes: Iterable[ObservedNode], now: date
     return tuple(sorted(p for p, count in by_pool.items() if count >= geometry.hosts))
 
 
-def plan_shape(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime) -> ShapePlan | None:
+def plan_shape(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime,
+               lead: timedelta = timedelta(0)) -> ShapePlan | None:
     """The largest shape (total chips) within the spec's bounds that schedulable node pools can host,
     one slice per pool; ties go to the preferred topology. Without `elastic`: the spec shape or None."""
     nodes = tuple(nodes)
@@ -59,7 +62,7 @@ def plan_shape(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime) -> S
     best: tuple[tuple[int, int], ShapePlan] | None = None
     for preference, topology in enumerate(spec.allowed_topologies):
         geometry = geometry_of(spec, topology)
-        pools = plan_pools(geometry, nodes, now)
+        pools = plan_pools(geometry, nodes, now, lead)
         count = min(high, len(pools))
         if count < low:
             continue
@@ -69,7 +72,8 @@ def plan_shape(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime) -> S
     return None if best is None else best[1]
 
 
-def explain_shortfall(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime) -> str:
+def explain_shortfall(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime,
+                      lead: timedelta = timedelta(0)) -> str:
     """Why `plan_shape` found nothing, for the InsufficientCapacity message: what each allowed
     topology needs and what the schedulable nodes carrying its labels offer. When such nodes exist
     but all have fewer free devices than one host of the slice needs, and the spec left the host
@@ -79,7 +83,7 @@ def explain_shortfall(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetim
     parts = []
     for topology in spec.allowed_topologies:
         g = geometry_of(spec, topology)
-        matching = [n for n in nodes if n.pool is not None and n.schedulable(now)
+        matching = [n for n in nodes if n.pool is not None and n.schedulable(now, lead)
                     and all(n.labels.get(k) == v for k, v in g.node_selector)]
         need = f"{topology}: {low}..{high} node pools of {g.hosts} host(s)"
         if g.resource is None:

@@ -106,6 +106,12 @@ class Kube:
         """A JAXJob the watch cache has not seen yet (None: it does not exist)."""
         return self.request("GET", _job_path(namespace, name), ok=(404,))
 
+    def get_node_lease(self, node: str) -> dict[str, Any] | None:
+        """A node's Lease in kube-node-lease (None: none). Read only for a NotReady node hosting a worker,
+        so a reconcile issues no request while every node is Ready."""
+        return self.request("GET", f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{node}",
+                            ok=(404,))
+
     def list_page(self, path: str, query: Mapping[str, Any]) -> dict[str, Any]:
         """One LIST (the informers' initial and 410 re-lists; never per reconcile)."""
         return self.request("GET", path, query=query) or {}

@@ -1,7 +1,8 @@
 """The I/O side, part 1: gather the world one decision sees (`observe` → `World`).
 
 The JAXJob, its pods and Services, the nodes and the live pods of others (capacity) are read from the
-watch cache (cache.py), never listed; the sidecars answer over HTTP: pod 0's `/v1/state` (newest
+watch cache (cache.py), never listed; the Lease of a NotReady node hosting a worker is read directly
+(a GET, only then: watching every node's heartbeats would cost more than it tells); the sidecars answer over HTTP: pod 0's `/v1/state` (newest
 checkpoint, restore report, the trainer's figures for metrics) and, while a final save runs, each
 asked pod's `/v1/save/<id>`. The parsing is observed.py's; nothing here decides. Synchronous (a
 kopf daemon thread runs it, execute.py's `reconcile_job`).
@@ -19,11 +20,13 @@ from . import api, metrics
 from . import status as st
 from .builders import JobRef, build_pod_name
 from .cache import WorldCache
-from .k8s import Kube, SidecarError
+from .k8s import Kube, KubeError, SidecarError
 from .observed import (
     Observed,
     SaveOutcome,
     build_observed,
+    nodes_needing_lease,
+    parse_lease,
     parse_restore_report,
     parse_save_outcome,
     parse_sidecar_state,
@@ -83,9 +86,27 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
                 metrics.record_worker_state(ref, status.generation, state)
             except SidecarError as e:
                 logger.debug("no checkpoint state from %s: %s", build_pod_name(ref.name, status.generation, 0, 0), e)
+    leases = observe_leases(kube, nodes_needing_lease(pods, nodes), logger)
     observed = build_observed(job, now=now, pods=pods, services=services, nodes=nodes,
-                              other_pods=others, save_outcomes=outcomes, checkpoint=checkpoint, restore=restore)
+                              other_pods=others, save_outcomes=outcomes, checkpoint=checkpoint, restore=restore,
+                              leases=leases)
     return World(job, tuple(pods), observed)
+
+
+def observe_leases(kube: Kube, names: Sequence[str], logger: Logger) -> dict[str, datetime]:
+    """Node → until when its Lease says the kubelet lives, for the NotReady nodes hosting a worker (a
+    few GETs, only while such a node exists; a Lease that cannot be read counts as none)."""
+    out = {}
+    for name in names:
+        try:
+            lease = kube.get_node_lease(name)
+        except KubeError as e:
+            logger.debug("lease of node %s not readable: %s", name, e)
+            continue
+        live_until = parse_lease(lease) if lease else None
+        if live_until is not None:
+            out[name] = live_until
+    return out
 
 
 def observe_save_outcomes(kube: Kube, status: st.JobStatus, pods: Sequence[Mapping[str, Any]],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 from . import api
@@ -41,30 +41,58 @@ class ObservedNode:
     allocatable: Mapping[str, int] = field(default_factory=dict, hash=False)
     #: Requests of those resources by pods that are NOT this job's (not terminated).
     in_use_by_others: Mapping[str, int] = field(default_factory=dict, hash=False)
+    #: Until when the node's Lease (kube-node-lease) says its kubelet is alive: renewTime +
+    #: leaseDurationSeconds. Read only for a NotReady (Ready=False) node hosting a worker; None: unknown.
+    lease_live_until: datetime | None = None
 
     @property
     def pool(self) -> str | None:
         return self.labels.get(api.NODE_POOL_LABEL)
 
-    def notice(self) -> str | None:
-        """The preemption/maintenance notice on this node, if any."""
+    def notice(self, now: datetime, lead: timedelta = timedelta(0)) -> str | None:
+        """The disruption notice that tells the job to save and move off this node now, if any: GKE's
+        "now" signals at once (the impending-termination and maintenance-window-started taints, the
+        active-node-maintenance label), a scheduled host maintenance once `now` is within `lead` of its
+        time (at once when the label's time cannot be read)."""
         for t in self.taints:
-            if t.key == api.IMPENDING_TERMINATION_TAINT:
+            if t.key in (api.IMPENDING_TERMINATION_TAINT, api.MAINTENANCE_WINDOW_STARTED_TAINT):
                 return f"taint {t.key}"
-        if api.SCHEDULED_MAINTENANCE_LABEL in self.labels:
-            return f"label {api.SCHEDULED_MAINTENANCE_LABEL}={self.labels[api.SCHEDULED_MAINTENANCE_LABEL]}"
+        active = self.labels.get(api.ACTIVE_MAINTENANCE_LABEL)
+        if active in api.ACTIVE_MAINTENANCE_VALUES:
+            return f"label {api.ACTIVE_MAINTENANCE_LABEL}={active}"
+        raw = self.labels.get(api.SCHEDULED_MAINTENANCE_LABEL)
+        if raw is None:
+            return None
+        when = self.maintenance_time()
+        if when is None:
+            return f"label {api.SCHEDULED_MAINTENANCE_LABEL}={raw} (not a time: acting now)"
+        if now >= when - lead:
+            return (f"label {api.SCHEDULED_MAINTENANCE_LABEL}={raw}: host maintenance at "
+                    f"{st.format_time(when)}, within the lead of {int(lead.total_seconds())}s")
         return None
 
+    def maintenance_time(self) -> datetime | None:
+        """The time of the scheduled host maintenance (the label's Unix epoch seconds; an RFC 3339 time is
+        read too); None without the label or when its value is not a time."""
+        return parse_maintenance_time(self.labels.get(api.SCHEDULED_MAINTENANCE_LABEL))
+
     def down_since(self, now: datetime) -> datetime | None:
-        """When the node stopped being Ready (or got the unreachable taint); None while it is Ready."""
+        """When the node stopped being Ready (or got the unreachable taint); None while it is Ready, and
+        while it is NotReady (Ready=False) with a live Lease: its kubelet runs and still manages the pods
+        (a runtime or network-plugin hiccup), so it is no node loss and nothing on it is force-deleted."""
+        if self.ready == "False" and self.lease_live_until is not None and now < self.lease_live_until \
+                and not any(t.key == api.UNREACHABLE_TAINT for t in self.taints):
+            return None
         if self.ready != "True":
             return self.ready_since or now
         if any(t.key == api.UNREACHABLE_TAINT for t in self.taints):
             return self.ready_since or now
         return None
 
-    def schedulable(self, now: datetime) -> bool:
-        return (self.down_since(now) is None and self.notice() is None and not self.unschedulable
+    def schedulable(self, now: datetime, lead: timedelta = timedelta(0)) -> bool:
+        """Whether a new generation may use this node: up, no notice within `lead`, not cordoned."""
+        return (self.ready == "True" and self.down_since(now) is None and self.notice(now, lead) is None
+                and not self.unschedulable
                 and not any(t.key == api.NOT_READY_TAINT for t in self.taints))
 
 
@@ -155,6 +183,22 @@ class Observed:
 DEVICE_RESOURCES: Final = (api.TPU_RESOURCE, api.GPU_RESOURCE)
 
 
+def parse_maintenance_time(raw: str | None) -> datetime | None:
+    """`cloud.google.com/scheduled-maintenance-time` → a time: Unix epoch seconds as GKE writes them (an
+    RFC 3339 time is accepted too); None when absent or unreadable."""
+    if not raw:
+        return None
+    try:
+        return datetime.fromtimestamp(int(raw), UTC)
+    except (ValueError, OverflowError, OSError):
+        pass
+    try:
+        when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
 def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
     """A worker pod as the API returns it → ObservedPod (None if it lacks the worker labels)."""
     meta = raw.get("metadata") or {}
@@ -191,8 +235,23 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         trainer_running=trainer_running)
 
 
-def parse_node(raw: Mapping[str, Any], in_use_by_others: Mapping[str, int] | None = None) -> ObservedNode:
-    """A Node as the API returns it → ObservedNode. `in_use_by_others`: see `count_devices_in_use`."""
+def parse_lease(raw: Mapping[str, Any]) -> datetime | None:
+    """A node's Lease (coordination.k8s.io/v1, namespace kube-node-lease) → until when it says the
+    kubelet is alive (renewTime + leaseDurationSeconds); None when it has no renewTime."""
+    spec = raw.get("spec") or {}
+    try:
+        renewed = st.parse_time(spec.get("renewTime"))
+    except ValueError:
+        return None
+    if renewed is None:
+        return None
+    return renewed + timedelta(seconds=int(spec.get("leaseDurationSeconds") or 40))
+
+
+def parse_node(raw: Mapping[str, Any], in_use_by_others: Mapping[str, int] | None = None,
+               lease_live_until: datetime | None = None) -> ObservedNode:
+    """A Node as the API returns it → ObservedNode. `in_use_by_others`: see `count_devices_in_use`;
+    `lease_live_until`: see `parse_lease`."""
     meta = raw.get("metadata") or {}
     spec = raw.get("spec") or {}
     status = raw.get("status") or {}
@@ -208,7 +267,7 @@ def parse_node(raw: Mapping[str, Any], in_use_by_others: Mapping[str, int] | Non
                      for t in spec.get("taints") or []),
         ready=str(ready.get("status", "Unknown")), ready_since=st.parse_time(ready.get("lastTransitionTime")),
         unschedulable=bool(spec.get("unschedulable", False)), allocatable=allocatable,
-        in_use_by_others=dict(in_use_by_others or {}))
+        in_use_by_others=dict(in_use_by_others or {}), lease_live_until=lease_live_until)
 
 
 def count_devices_in_use(raw_pods: Iterable[Mapping[str, Any]], job: str,
@@ -278,10 +337,12 @@ def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome 
 def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapping[str, Any]],
                    services: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[str, Any]],
                    other_pods: Iterable[Mapping[str, Any]] = (), save_outcomes: Iterable[SaveOutcome] = (),
-                   checkpoint: CheckpointInfo | None = None, restore: RestoreReport | None = None) -> Observed:
+                   checkpoint: CheckpointInfo | None = None, restore: RestoreReport | None = None,
+                   leases: Mapping[str, datetime] | None = None) -> Observed:
     """Observed from raw API bodies: the JAXJob, its pods and Services (label resilax.dev/job=<name>),
     all Nodes, and the pods of everything else that may hold accelerators (`other_pods`, any namespace;
-    this job's pods among them are ignored)."""
+    this job's pods among them are ignored). `leases`: node name → `parse_lease` of the NotReady nodes
+    hosting a worker (`nodes_needing_lease`)."""
     meta = job.get("metadata") or {}
     name = str(meta.get("name", ""))
     ref = JobRef(name, str(meta.get("namespace", "")), str(meta.get("uid", "")))
@@ -293,13 +354,29 @@ def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapp
             generations.add(int(label))
     nodes = tuple(nodes)
     in_use = count_devices_in_use(other_pods, name, nodes)
-    observed_nodes = tuple(parse_node(n, in_use.get(str((n.get("metadata") or {}).get("name", "")), {}))
+    leases = leases or {}
+    observed_nodes = tuple(parse_node(n, in_use.get(node_name := str((n.get("metadata") or {}).get("name", "")), {}),
+                                      leases.get(node_name))
                            for n in nodes)
     return Observed(now=now, job=ref, status=st.parse_status(job.get("status")),
                     spec_generation=int(meta.get("generation") or 0),
                     pods=tuple(sorted(job_pods, key=lambda p: p.name)), services=tuple(sorted(generations)),
                     nodes=tuple(sorted(observed_nodes, key=lambda n: n.name)),
                     save_outcomes=tuple(save_outcomes), checkpoint=checkpoint, restore=restore)
+
+
+def nodes_needing_lease(pods: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The nodes whose Lease a decision reads: NotReady (Ready=False, the kubelet's own report) and
+    hosting one of `pods` (this job's). Sorted."""
+    hosting = {(p.get("spec") or {}).get("nodeName") for p in pods}
+    out = []
+    for n in nodes:
+        name = (n.get("metadata") or {}).get("name")
+        ready: Mapping[str, Any] = next(
+            (c for c in (n.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+        if name in hosting and ready.get("status") == "False":
+            out.append(str(name))
+    return sorted(out)
 
 
 def parse_restore_report(body: Mapping[str, Any]) -> RestoreReport | None:

@@ -50,6 +50,7 @@ Check = Callable[[JobSpec, Observed, JobStatus, OperatorSettings], Verdict]
 
 #: The checks on a running generation, in order; the first that finds something decides.
 WATCH: Final[tuple[Check, ...]] = (
+    node_loss.check_guard,               # many nodes down at once: a blip, wait
     node_loss.check_lost,                # a worker's node gone, or down past its grace
     preemption.check,                    # a notice on a worker's node
     node_loss.check_not_ready,           # a worker's node down within its grace: wait
@@ -122,6 +123,9 @@ def watch(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     """The running generation: the first check of `WATCH` that finds something decides; else bring the
     generation up and report how it runs."""
     s = st.record_worker_nodes(s, plan_worker_nodes(s, observed.pods_of(s.generation)))
+    s, events = preemption.record_scheduled(spec, observed, s)
+    if events:
+        actions = [*actions, SetStatus(s), *events]
     for check in WATCH:
         verdict = check(spec, observed, s, settings)
         if isinstance(verdict, Finding):

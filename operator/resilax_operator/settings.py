@@ -48,6 +48,13 @@ class OperatorSettings:
     """Let worker templates ask for the node itself: privileged containers, hostNetwork, hostPID,
     hostIPC, hostPath volumes. Off: such a JAXJob gets `InvalidSpec` naming the field. (The chart's
     `operator.allowHostAccess`; `RESILAX_OPERATOR_ALLOW_HOST_ACCESS=true`.)"""
+    node_loss_guard_percent: int = 50
+    """Disruption guard: when at least this share (percent) of the cluster's nodes are NotReady/Unknown
+    at once (and at least `node_loss_guard_min_nodes`), a control-plane or network blip is likelier than
+    that many node losses: jobs wait (Degraded=True, NodeLossGuard) instead of tearing down and
+    force-deleting. 0 turns the guard off."""
+    node_loss_guard_min_nodes: int = 2
+    """The guard needs at least this many nodes down at once (a single lost node is never a blip)."""
 
     def __post_init__(self) -> None:
         if self.sidecar_resources:

@@ -17,7 +17,9 @@ from .errors import SpecProblem
 DEFAULT_FINAL_SAVE_TIMEOUT_SECONDS: Final = 300
 DEFAULT_MAX_RESTARTS: Final = 20
 DEFAULT_BACKOFF_SECONDS: Final = 10
-DEFAULT_NODE_LOSS_GRACE_SECONDS: Final = 30
+#: Unknown already means ~40 s without a heartbeat; a kubelet restart (node upgrade) or a short network
+#: partition usually heals within two minutes, and a false alarm costs a whole restart of every worker.
+DEFAULT_NODE_LOSS_GRACE_SECONDS: Final = 120
 RESTORE_LATEST: Final = "latest"
 RESTORE_STEP_PATTERN: Final = re.compile(r"^(latest|none|[0-9]+)$")
 LOCAL_MEDIA: Final = ("", "Memory")
@@ -98,6 +100,8 @@ class RecoverySpec:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     backoff_seconds: int = DEFAULT_BACKOFF_SECONDS
     node_loss_grace_seconds: int = DEFAULT_NODE_LOSS_GRACE_SECONDS
+    #: Save and move this long before a scheduled host maintenance; None: sized from measurements.
+    maintenance_lead_seconds: int | None = None
 
 
 @dataclass(frozen=True)
@@ -290,6 +294,7 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
         backoff_seconds=_int_or(r.integer(rc, "backoffSeconds", rp, minimum=0), DEFAULT_BACKOFF_SECONDS),
         node_loss_grace_seconds=_int_or(r.integer(rc, "nodeLossGraceSeconds", rp, minimum=0),
                                         DEFAULT_NODE_LOSS_GRACE_SECONDS),
+        maintenance_lead_seconds=r.integer(rc, "maintenanceLeadSeconds", rp, minimum=0),
     )
     template = r.obj(raw, "template", p, required=True) or {}
     return JobSpec(slices=slices, checkpoint=checkpoint, recovery=recovery, elastic=elastic,

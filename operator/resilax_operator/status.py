@@ -89,6 +89,10 @@ class JobStatus:
     conditions: tuple[Condition, ...] = ()
     #: (worker process index, node it last ran on), sorted; kept across generations.
     worker_nodes: tuple[tuple[int, str], ...] = ()
+    #: Measured: seconds the last committed final save took (transition start to the sidecar's answer).
+    final_save_seconds: int | None = None
+    #: Measured: seconds from the last new generation's creation to all its workers Running.
+    restart_seconds: int | None = None
 
     def condition(self, type_: str) -> Condition | None:
         return next((c for c in self.conditions if c.type == type_), None)
@@ -146,7 +150,16 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         planned_from=str(raw.get("plannedFrom") or ""), observed_generation=int(raw.get("observedGeneration") or 0),
         transition=transition, checkpoint=checkpoint, conditions=conditions,
         worker_nodes=tuple(sorted((int(k), str(v)) for k, v in (raw.get("workerNodes") or {}).items()
-                                  if str(k).isdigit() and v)))
+                                  if str(k).isdigit() and v)),
+        final_save_seconds=_int_or_none((raw.get("timings") or {}).get("finalSaveSeconds")),
+        restart_seconds=_int_or_none((raw.get("timings") or {}).get("restartSeconds")))
+
+
+def _int_or_none(raw: Any) -> int | None:
+    try:
+        return None if raw is None else int(raw)
+    except (TypeError, ValueError):
+        return None
 
 
 def build_status(status: JobStatus) -> dict[str, Any]:
@@ -173,6 +186,8 @@ def build_status(status: JobStatus) -> dict[str, Any]:
             "saveRequestId": t.save_request_id, "saveDeadline": format_time(t.save_deadline),
             "saveDone": t.save_done, "notBefore": format_time(t.not_before),
             "teardownSince": format_time(t.teardown_since)},
+        "timings": {"finalSaveSeconds": status.final_save_seconds, "restartSeconds": status.restart_seconds}
+        if status.final_save_seconds is not None or status.restart_seconds is not None else None,
         "checkpoint": None if ck is None else {
             "step": ck.step, "time": format_time(ck.time), "committed": ck.committed, "tier": ck.tier},
         "conditions": [

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from chart_helpers import CHART, RELEASE, RELEASE_NAMESPACE, by_kind, one, operator_rules, write_values
 
-CLUSTER_SCOPED = {"nodes", "namespaces", "customresourcedefinitions", "clusterkopfpeerings"}
+CLUSTER_SCOPED = {"nodes", "leases", "namespaces", "customresourcedefinitions", "clusterkopfpeerings"}
 RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
                            "projected", "secret"}
 NAMESPACED_VALUES = {"operator": {"watchNamespaces": ["team-a", "team-b"]}}
@@ -186,6 +186,7 @@ def test_rules_file_is_least_privilege() -> None:
         ("", "services"): {"get", "list", "watch", "create", "delete"},
         ("", "secrets"): {"get", "create", "delete", "patch"},
         ("", "nodes"): {"get", "list", "watch"},
+        ("coordination.k8s.io", "leases"): {"get"},
         ("", "events"): {"create", "patch"},
         ("events.k8s.io", "events"): {"create", "patch"},
         ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"},

@@ -96,12 +96,13 @@ Whether the operator watches a list of namespaces ("true") or the whole cluster 
 The operator's PolicyRules from files/operator-rules.yaml (the single source), as YAML.
 Call with (dict "root" $ "scope" S), S one of:
   "all"        every rule (the ClusterRole when the operator watches all namespaces);
-  "cluster"    the rules on cluster-scoped resources (the ClusterRole in namespaced mode);
+  "cluster"    the rules on cluster-scoped resources (the ClusterRole in namespaced mode), and node
+               Leases (they live in kube-node-lease, never a watched namespace);
   "namespaced" the rules on namespaced resources (the Role per watched namespace).
 A rule that mixes cluster-scoped and namespaced resources cannot be split and fails the render.
 */}}
 {{- define "resilax.operatorRules" -}}
-{{- $clusterScoped := list "nodes" "namespaces" "customresourcedefinitions" "clusterkopfpeerings" -}}
+{{- $clusterScoped := list "nodes" "leases" "namespaces" "customresourcedefinitions" "clusterkopfpeerings" -}}
 {{- $rules := .root.Files.Get "files/operator-rules.yaml" | fromYamlArray -}}
 {{- $out := list -}}
 {{- range $rule := $rules -}}

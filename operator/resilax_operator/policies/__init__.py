@@ -5,6 +5,7 @@ On a running generation the checks run in this order and the first that finds so
 
 | policy             | finds                                                   | then                          |
 |--------------------|---------------------------------------------------------|-------------------------------|
+| node_loss          | a worker's node down while many nodes are (the guard)   | Degraded NodeLossGuard, wait  |
 | node_loss          | a worker's node down past nodeLossGraceSeconds, or gone | NodeLoss: force, no save      |
 | preemption         | a preemption/maintenance notice on a worker's node      | Preemption: final save        |
 | node_loss          | a worker's node down within its grace                   | Degraded, wait                |

@@ -13,11 +13,14 @@ operator restart resumes the wait. While it runs:
 | every worker ended or is being deleted                  | done: "the workers exited"                  |
 | a worker's node is down or gone                         | done: "a node was lost"                     |
 
-Done sets `transition.saveDone` and `teardownSince`; transition.py tears the generation down.
+Done sets `transition.saveDone` and `teardownSince` (and, for a committed save, how long it took in
+`status.timings.finalSaveSeconds`, which sizes the default maintenance lead); transition.py tears the
+generation down.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from .. import api
@@ -68,11 +71,13 @@ def progress(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
     else:
         event = EmitEvent("Normal", api.FINAL_SAVE_DONE.name, api.FINAL_SAVE_DONE.format(
             generation=g, detail="the workers exited" if all_ended else "a node was lost"))
-    checkpoint = s.checkpoint
+    checkpoint, took = s.checkpoint, s.final_save_seconds
     if outcome is not None and outcome.committed and outcome.step is not None:
         checkpoint = st.newer_checkpoint(checkpoint, CheckpointInfo(outcome.step, st.truncate(now), True))
+        took = math.ceil((now - t.since).total_seconds())
     done = replace(t, save_done=True, teardown_since=st.truncate(now))
-    new = replace(s, transition=done, checkpoint=checkpoint, phase=st.phase_for(done, first=False))
+    new = replace(s, transition=done, checkpoint=checkpoint, phase=st.phase_for(done, first=False),
+                  final_save_seconds=took)
     new = st.set_condition(new, api.COND_SAVING, False, api.NOT_SAVING.name, api.NOT_SAVING.message, now)
     return new, event
 

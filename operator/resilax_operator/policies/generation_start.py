@@ -11,7 +11,8 @@ watch it come to Running.
 | pod 0 has an IP                                   | the other pods (coordinator address), workersCreated |
 | the API server refuses a pod (admission)          | PodCreationRefused with its answer (and the fix)  |
 | a worker unscheduled past scheduleTimeoutSeconds  | PodLost Unschedulable: replan                     |
-| every worker Running                              | Running, Ready=True (event once)                  |
+| every worker Running                              | Running, Ready=True (event once); the restart time |
+|                                                   | (creation to Running) in status.timings           |
 
 The first generation restores `checkpoint.restoreStep`, every later one the latest step. A restore
 that skipped unreadable steps sets CheckpointFallback (`decide_restore_fallback`).
@@ -19,6 +20,7 @@ that skipped unreadable steps sets CheckpointFallback (`decide_restore_fallback`
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Final
@@ -40,7 +42,7 @@ from ..observed import Observed, RestoreReport
 from ..settings import OperatorSettings
 from ..spec import RESTORE_LATEST, JobSpec
 from ..status import JobStatus
-from . import Finding
+from . import Finding, preemption
 
 #: How soon to look again while waiting for capacity (seconds).
 CAPACITY_POLL_SECONDS: Final = 15.0
@@ -59,9 +61,10 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
         new = st.set_condition(new, api.COND_READY, False, api.BACKOFF.name, t.message, now)
         return [*actions, *status_change(observed.status, new),
                 RequeueAfter(max(1.0, (t.not_before - now).total_seconds()))]
-    planned = plan_shape(spec, observed.nodes, now)
+    lead = preemption.maintenance_lead(spec, s)
+    planned = plan_shape(spec, observed.nodes, now, lead)
     if planned is None:
-        detail = explain_shortfall(spec, observed.nodes, now)
+        detail = explain_shortfall(spec, observed.nodes, now, lead)
         new = replace(s, phase=st.phase_for(t, first=first))
         new = st.set_condition(new, api.COND_READY, False, api.INSUFFICIENT_CAPACITY.name,
                                api.INSUFFICIENT_CAPACITY.format(detail=detail), now)
@@ -127,9 +130,11 @@ def bring_up(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
     new = replace(with_degraded(spec, s, now), planned_from=fingerprint(spec))
     if running == s.hosts:
         message = api.WORKERS_RUNNING.format(generation=g, hosts=s.hosts)
-        new = replace(new, phase=api.PHASE_RUNNING)
-        new = st.set_condition(new, api.COND_READY, True, api.WORKERS_RUNNING.name, message, now)
         became_ready = observed.status.phase != api.PHASE_RUNNING
+        new = replace(new, phase=api.PHASE_RUNNING)
+        if became_ready and s.generation_start_time is not None:  # measured: sizes the maintenance lead
+            new = replace(new, restart_seconds=math.ceil((now - s.generation_start_time).total_seconds()))
+        new = st.set_condition(new, api.COND_READY, True, api.WORKERS_RUNNING.name, message, now)
         events = [EmitEvent("Normal", api.WORKERS_RUNNING.name, message)] if became_ready else []
         return status_change(observed.status, new, *events)
     message = api.WORKERS_STARTING.format(generation=g, running=running, hosts=s.hosts)

@@ -7,8 +7,17 @@ node's doing, not theirs. Past the grace (at once for a deleted node) the genera
 gone node are force-deleted, as no kubelet will ever confirm them; the surviving workers get a short
 grace (`SURVIVOR_GRACE_SECONDS`) instead of their full one.
 
+A node whose kubelet reports NotReady (Ready=False) while its Lease is live is not down: the kubelet
+runs and still manages its pods (`ObservedNode.down_since`). When at least
+`settings.node_loss_guard_percent` of the cluster's nodes (and `node_loss_guard_min_nodes`) are down at once, a
+control-plane or network blip is likelier than that many node losses: the disruption guard waits
+(`check_guard`, Degraded=True NodeLossGuard) and nothing is force-deleted (`pods_to_force`), whatever
+the grace; when the nodes come back the generation runs on.
+
 | node of a worker                   | decision                                             |
 |------------------------------------|------------------------------------------------------|
+| down while the guard holds         | Degraded NodeLossGuard (event once), wait            |
+| NotReady (Ready=False), Lease live | not down: nothing                                    |
 | deleted                            | NodeLoss now                                         |
 | NotReady/Unknown ≥ grace           | NodeLoss                                             |
 | NotReady/Unknown < grace           | Degraded NodeNotReady, look again in POLL_SECONDS    |
@@ -23,7 +32,7 @@ from typing import Final
 
 from .. import api
 from .. import status as st
-from ..actions import POLL_SECONDS, Action, RequeueAfter, status_change
+from ..actions import POLL_SECONDS, Action, EmitEvent, RequeueAfter, status_change
 from ..observed import Observed, ObservedPod
 from ..settings import OperatorSettings
 from ..spec import JobSpec
@@ -34,6 +43,39 @@ from . import Finding
 #: collective with a dead peer and cannot finish, so the pod's full grace (finalSave.timeoutSeconds
 #: + margin) only delays the next generation; they still get SIGTERM and a few seconds.
 SURVIVOR_GRACE_SECONDS: Final = 5
+
+
+def guard_active(observed: Observed, settings: OperatorSettings) -> tuple[int, int] | None:
+    """(nodes down, nodes in all) when the disruption guard holds: at least `node_loss_guard_percent` of
+    the cluster's nodes and `node_loss_guard_min_nodes` are down at once; None otherwise."""
+    percent = settings.node_loss_guard_percent
+    if percent <= 0 or not observed.nodes:
+        return None
+    down = sum(1 for n in observed.nodes if n.down_since(observed.now) is not None)
+    total = len(observed.nodes)
+    if down >= max(1, settings.node_loss_guard_min_nodes) and down * 100 >= percent * total:
+        return down, total
+    return None
+
+
+def check_guard(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings) -> list[Action] | None:
+    """A worker's node is down while the disruption guard holds: wait (Degraded=True NodeLossGuard, an
+    event when it starts), whatever the grace; nothing is torn down or force-deleted."""
+    guard = guard_active(observed, settings)
+    if guard is None:
+        return None
+    for p in observed.pods_of(s.generation):
+        node = observed.node(p.node_name)
+        if node is not None and node.down_since(observed.now) is not None:
+            message = api.NODE_LOSS_GUARD.format(down=guard[0], total=guard[1], percent=settings.node_loss_guard_percent,
+                                                 min_nodes=settings.node_loss_guard_min_nodes, node=node.name,
+                                                 generation=s.generation)
+            old = s.condition(api.COND_DEGRADED)
+            new = st.set_condition(s, api.COND_DEGRADED, True, api.NODE_LOSS_GUARD.name, message, observed.now)
+            events = [] if old is not None and old.reason == api.NODE_LOSS_GUARD.name \
+                else [EmitEvent("Warning", api.NODE_LOSS_GUARD.name, message)]
+            return [*status_change(observed.status, new, *events), RequeueAfter(POLL_SECONDS)]
+    return None
 
 
 def check_lost(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings) -> Finding | None:
@@ -64,12 +106,13 @@ def check_not_ready(spec: JobSpec, observed: Observed, s: JobStatus, settings: O
 
 
 def pods_to_force(observed: Observed, pods: Iterable[ObservedPod], settings: OperatorSettings) -> tuple[str, ...]:
-    """Pods no kubelet will confirm: on a node that is down or gone, or Terminating far past their grace
-    (`stuckTerminatingSeconds`)."""
+    """Pods no kubelet will confirm: on a node that is gone, or down (unless the disruption guard holds:
+    then the node is likelier to come back), or Terminating far past their grace (`stuckTerminatingSeconds`)."""
     out = []
+    guarded = guard_active(observed, settings) is not None
     for p in pods:
         node = observed.node(p.node_name)
-        if p.node_name and (node is None or node.down_since(observed.now) is not None):
+        if p.node_name and (node is None or (node.down_since(observed.now) is not None and not guarded)):
             out.append(p.name)
         elif p.deletion_timestamp is not None:
             grace = p.deletion_grace_seconds or 0

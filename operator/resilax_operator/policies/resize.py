@@ -24,7 +24,7 @@ from ..observed import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus
-from . import Finding
+from . import Finding, preemption
 
 
 def check_incompatible(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings) -> Finding | None:
@@ -34,7 +34,7 @@ def check_incompatible(spec: JobSpec, observed: Observed, s: JobStatus, settings
         return None
     if not _hardware_changed(spec, s) and spec.allows(s.shape):
         return None
-    target = plan_shape(spec, observed.nodes, observed.now)
+    target = plan_shape(spec, observed.nodes, observed.now, preemption.maintenance_lead(spec, s))
     return _finding(st.RESIZE, s, target.shape if target else spec.spec_shape)
 
 
@@ -44,7 +44,7 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     if current is None:
         return None
     if s.planned_from != fingerprint(spec):
-        planned = plan_shape(spec, observed.nodes, now)
+        planned = plan_shape(spec, observed.nodes, now, preemption.maintenance_lead(spec, s))
         if planned is not None and shape_chips(spec, planned.shape) > shape_chips(spec, current):
             return _finding(st.RESIZE, s, planned.shape)
         return None
@@ -56,7 +56,7 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     pods = observed.pods_of(s.generation)
     if not (pods and len(pods) == s.hosts and all(p.phase == "Running" for p in pods)):
         return None
-    planned = plan_shape(spec, observed.nodes, now)
+    planned = plan_shape(spec, observed.nodes, now, preemption.maintenance_lead(spec, s))
     if planned is not None and shape_chips(spec, planned.shape) > shape_chips(spec, current):
         return _finding(st.GROW_BACK, s, planned.shape)
     return None

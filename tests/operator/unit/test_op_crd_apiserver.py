@@ -101,7 +101,7 @@ def test_good_job_gets_defaults(kube: Any) -> None:
         "template": {"spec": {"containers": [{"name": "trainer", "image": "x"}]}}}}
     spec = kube.create(BASE, minimal)["spec"]
     assert spec["slices"]["count"] == 1
-    assert spec["recovery"] == {"maxRestarts": 20, "backoffSeconds": 10, "nodeLossGraceSeconds": 30}
+    assert spec["recovery"] == {"maxRestarts": 20, "backoffSeconds": 10, "nodeLossGraceSeconds": 120}
     assert spec["checkpoint"]["finalSave"] == {"onPreemption": True, "onResize": True, "timeoutSeconds": 300}
     assert spec["checkpoint"]["restore"] == {"step": "latest"}
     full = kube.create(BASE, _job("full", lambda s: s["checkpoint"]["restore"].update(step=1200)))["spec"]

@@ -108,6 +108,7 @@ def test_cleanup_forces_pods_on_down_nodes_only() -> None:
 
 # ---------------------------------------------------------------- the rule, as a table
 
+LEASE_FOREVER = T0 + timedelta(days=1)
 LOST_CASES = {
     # id: (node changes for the first worker's node, seconds after it went down, lost?, waiting?)
     "ready": ({}, 0, False, False),
@@ -117,6 +118,12 @@ LOST_CASES = {
     "ready-but-unreachable-taint-past-grace": ({"taints": (Taint(api.UNREACHABLE_TAINT, "", "NoExecute"),)}, 30, True, False),
     "ready-but-unreachable-taint-within-grace": ({"taints": (Taint(api.UNREACHABLE_TAINT, "", "NoExecute"),)}, 5, False, True),
     "unschedulable-only": ({"unschedulable": True}, 300, False, False),
+    # NotReady reported by a kubelet that still renews its Lease: not down, whatever the time
+    "false-with-a-live-lease": ({"ready": "False", "lease_live_until": LEASE_FOREVER}, 600, False, False),
+    "false-with-an-expired-lease": ({"ready": "False", "lease_live_until": T0}, 31, True, False),
+    "unknown-with-a-live-lease": ({"ready": "Unknown", "lease_live_until": LEASE_FOREVER}, 31, True, False),
+    "false-live-lease-but-unreachable": ({"ready": "False", "lease_live_until": LEASE_FOREVER,
+                                          "taints": (Taint(api.UNREACHABLE_TAINT, "", "NoExecute"),)}, 31, True, False),
 }
 
 
@@ -175,6 +182,83 @@ def test_pods_on_a_gone_node_are_forced() -> None:
     first = w.gen_pods()[0]
     del w.nodes[first.node_name or ""]
     assert node_loss.pods_to_force(w.observed(), w.gen_pods(), SETTINGS) == (first.name,)
+
+
+def test_a_notready_node_with_a_live_lease_is_not_schedulable() -> None:
+    w = running_world()
+    node = w.nodes[w.gen_pods()[0].node_name or ""]
+    alive = replace(node, ready="False", lease_live_until=LEASE_FOREVER)
+    assert alive.down_since(w.now) is None and not alive.schedulable(w.now)
+
+
+# ---------------------------------------------------------------- the disruption guard
+
+def _down(w: Any, names: list[str]) -> None:
+    for name in names:
+        w.set_node(name, ready="Unknown", ready_since=w.now, taints=(Taint(api.UNREACHABLE_TAINT, "", "NoExecute"),))
+
+
+GUARD_CASES = {
+    # id: (nodes down of the 16, guard percent, guard min nodes, guarded?)
+    "one-node": (1, 50, 2, False),
+    "seven-of-sixteen": (7, 50, 2, False),
+    "half": (8, 50, 2, True),
+    "all": (16, 50, 2, True),
+    "half-guard-off": (8, 0, 2, False),
+    "three-at-twenty-percent": (3, 20, 2, False),
+    "four-at-twenty-percent": (4, 20, 2, True),
+    "four-at-twenty-percent-min-five": (4, 20, 5, False),
+}
+
+
+@pytest.mark.parametrize(("down", "percent", "min_nodes", "guarded"), list(GUARD_CASES.values()), ids=list(GUARD_CASES))
+def test_guard_table(down: int, percent: int, min_nodes: int, guarded: bool) -> None:
+    w = running_world()
+    worker_nodes = [p.node_name or "" for p in w.gen_pods()]
+    others = sorted(set(w.nodes) - set(worker_nodes))
+    _down(w, (worker_nodes + others)[:down])
+    w.advance(600)
+    settings = replace(SETTINGS, node_loss_guard_percent=percent, node_loss_guard_min_nodes=min_nodes)
+    observed = w.observed()
+    assert (node_loss.guard_active(observed, settings) is not None) == guarded
+    wait = node_loss.check_guard(validate_spec(w.spec), observed, w.status, settings)
+    assert (wait is not None) == guarded
+    forced = node_loss.pods_to_force(observed, w.gen_pods(), settings)
+    assert (forced == ()) == guarded
+
+
+def test_guard_on_a_two_node_cluster_needs_both_down() -> None:
+    w = running_world()
+    observed = replace(w.observed(), nodes=w.observed().nodes[:2])
+    one = replace(observed, nodes=(replace(observed.nodes[0], ready="Unknown"), observed.nodes[1]))
+    assert node_loss.guard_active(one, SETTINGS) is None
+    both = replace(observed, nodes=tuple(replace(n, ready="Unknown") for n in observed.nodes))
+    assert node_loss.guard_active(both, SETTINGS) == (2, 2)
+
+
+def test_half_the_nodes_unknown_waits_then_the_same_generation_runs_on() -> None:
+    """Issue 18, item 5: half the cluster's nodes go Unknown at once, far past the grace: no teardown,
+    no force-delete, Degraded=True NodeLossGuard saying why (one event); they come back: generation 1
+    runs on."""
+    w = running_world()
+    half = sorted(w.nodes)[:8]
+    assert any(p.node_name in half for p in w.gen_pods())
+    _down(w, half)
+    for _ in range(3):
+        w.advance(300)
+        actions = w.step()
+        assert not any(isinstance(a, DeleteGeneration) for a in actions), actions
+    assert w.status.transition is None and w.status.generation == 1
+    degraded = w.status.condition(api.COND_DEGRADED)
+    assert degraded is not None and degraded.status == "True" and degraded.reason == api.NODE_LOSS_GUARD.name
+    assert "8 of 16 nodes" in degraded.message
+    assert w.reasons().count(api.NODE_LOSS_GUARD.name) == 1
+    for name in half:
+        w.set_node(name, ready="True", ready_since=w.now, taints=(Taint(api.TPU_TAINT_KEY),))
+    w.settle()
+    assert w.status.generation == 1 and w.status.phase == api.PHASE_RUNNING and w.status.restarts == 0
+    degraded = w.status.condition(api.COND_DEGRADED)
+    assert degraded is not None and degraded.reason != api.NODE_LOSS_GUARD.name
 
 
 # ---------------------------------------------------------------- operator restarts

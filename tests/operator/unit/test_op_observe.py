@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
+import pytest
 from resilax_operator import api
 from resilax_operator.observed import (
     SaveOutcome,
     Taint,
     count_devices_in_use,
+    nodes_needing_lease,
+    parse_lease,
+    parse_maintenance_time,
     parse_node,
     parse_pod,
     parse_save_outcome,
@@ -101,3 +106,41 @@ def test_build_observed_from_raw_bodies() -> None:
     assert observed.status.phase == "Running" and observed.status.generation == 2
     assert [p.name for p in observed.pods] == ["llama-g2-s1-h0"] and observed.services == (2,)
     assert observed.nodes[0].in_use_by_others == {"google.com/tpu": 4}
+
+
+LEASE_CASES = {
+    # id: (the Lease's spec, live until)
+    "renewed": ({"renewTime": "2026-01-01T12:00:00.123456Z", "leaseDurationSeconds": 40},
+                datetime(2026, 1, 1, 12, 0, 40, 123456, tzinfo=UTC)),
+    "no-duration-40s": ({"renewTime": "2026-01-01T12:00:00Z"}, datetime(2026, 1, 1, 12, 0, 40, tzinfo=UTC)),
+    "never-renewed": ({"leaseDurationSeconds": 40}, None),
+    "garbage-time": ({"renewTime": "yesterday"}, None),
+}
+
+
+@pytest.mark.parametrize(("spec", "until"), list(LEASE_CASES.values()), ids=list(LEASE_CASES))
+def test_parse_lease(spec: dict[str, Any], until: datetime | None) -> None:
+    assert parse_lease({"spec": spec}) == until
+
+
+def test_leases_are_read_only_for_notready_nodes_hosting_a_worker() -> None:
+    def node(name: str, ready: str) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "status": {"conditions": [{"type": "Ready", "status": ready}]}}
+
+    nodes = [node("a", "False"), node("b", "False"), node("c", "Unknown"), node("d", "True")]
+    pods = [{"spec": {"nodeName": n}} for n in ("a", "c", "d")]
+    assert nodes_needing_lease(pods, nodes) == ["a"]
+
+
+MAINTENANCE_TIMES = {
+    "epoch-seconds": ("1767268800", datetime(2026, 1, 1, 12, 0, tzinfo=UTC)),
+    "rfc3339": ("2026-01-01T12:00:00Z", datetime(2026, 1, 1, 12, 0, tzinfo=UTC)),
+    "naive-iso-is-utc": ("2026-01-01T12:00:00", datetime(2026, 1, 1, 12, 0, tzinfo=UTC)),
+    "empty": ("", None),
+    "words": ("next tuesday", None),
+}
+
+
+@pytest.mark.parametrize(("raw", "when"), list(MAINTENANCE_TIMES.values()), ids=list(MAINTENANCE_TIMES))
+def test_parse_maintenance_time(raw: str, when: datetime | None) -> None:
+    assert parse_maintenance_time(raw) == when

@@ -58,6 +58,7 @@ def test_invalid_edit_leaves_the_running_generation_alone() -> None:
 
 ORDER_CASES = {
     # id: (faults, the transition kind that wins, or None: the job waits)
+    "the-guard-beats-node-lost-and-a-notice": (["half-down", "notice"], None),
     "node-lost-beats-a-notice": (["lost", "notice"], st.NODE_LOSS),
     "a-notice-beats-a-node-within-its-grace": (["not-ready", "notice"], st.PREEMPTION),
     "a-node-within-its-grace-hides-worker-failures": (["not-ready", "failed"], None),
@@ -72,7 +73,10 @@ def test_the_first_check_that_finds_something_decides(faults: list[str], kind: s
     w = running_world(pools=[tpu_pool("pool-a", 4), tpu_pool("pool-b", 4), tpu_pool("pool-c", 4)])
     pods = w.gen_pods()
     for fault in faults:
-        if fault == "lost":
+        if fault == "half-down":
+            for name in sorted(w.nodes)[:6]:
+                w.set_node(name, ready="Unknown", ready_since=w.now - timedelta(seconds=600))
+        elif fault == "lost":
             w.set_node(pods[0].node_name or "", ready="Unknown", ready_since=w.now - timedelta(seconds=60))
         elif fault == "not-ready":
             w.set_node(pods[0].node_name or "", ready="Unknown", ready_since=w.now)
@@ -96,6 +100,6 @@ def test_the_first_check_that_finds_something_decides(faults: list[str], kind: s
 
 def test_watch_lists_every_check_once() -> None:
     names = [f"{c.__module__.rsplit('.', 1)[-1]}.{c.__name__}" for c in WATCH]
-    assert names == ["node_loss.check_lost", "preemption.check", "node_loss.check_not_ready",
+    assert names == ["node_loss.check_guard", "node_loss.check_lost", "preemption.check", "node_loss.check_not_ready",
                      "resize.check_incompatible", "worker_exit.check", "generation_start.check_unscheduled",
                      "resize.check"]
