@@ -80,7 +80,7 @@ def build_array_spec(kvstore: dict[str, Any], shape: Sequence[int], dtype: str,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
             "chunk_key_encoding": {"name": "default"},
             "codecs": codecs,
-            "fill_value": 0 if dtype != "bool" else False,
+            "fill_value": False if dtype == "bool" else [0.0, 0.0] if dtype.startswith("complex") else 0,
         },
     }
 
