@@ -133,6 +133,13 @@ UNSCHEDULABLE = Reason("Unschedulable", "worker {pod} of generation {generation}
 POD_LOST = Reason("PodLost", "worker pod {pod} of generation {generation} disappeared or was deleted")
 WORKER_FAILED = Reason("WorkerFailed", "worker {pod} of generation {generation} failed: {detail}")
 WORKER_STOPPED = Reason("WorkerStopped", "worker {pod} of generation {generation} stopped for rescheduling (exit {code})")
+CONTAINER_WAITING = Reason("ContainerWaiting", "worker {pod} of generation {generation}: container {container} is "
+                           "waiting: {reason}{message}; fix: {fix}")
+CONTAINER_WAITING_TIMEOUT = Reason("ContainerWaitingTimeout", "a container waited longer than {seconds}s: {detail}")
+POD_LOSS_BACKOFF = Reason("PodLossBackoff", "pod-level loss {losses} in a row (failing after {max_losses}); the next "
+                          "generation starts at {until}")
+POD_LOSSES_EXCEEDED = Reason("PodLossesExceeded", "{losses} pod-level losses in a row, none after a generation that "
+                             "ran {reset}s (operator setting max_pod_losses={max_losses}); last: {detail}")
 BACKOFF = Reason("Backoff", "restart {failures} of {max_restarts} after a worker failure; waiting until {until}")
 MAX_RESTARTS_EXCEEDED = Reason("MaxRestartsExceeded", "worker failures exceeded recovery.maxRestarts={max_restarts}; last: {detail}")
 SPEC_RESIZED = Reason("SpecResized", "spec changed: resizing from {old} to {new}")

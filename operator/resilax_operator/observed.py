@@ -120,6 +120,9 @@ class ObservedPod:
     ready: bool = False
     #: The trainer container is running (its state is `running`).
     trainer_running: bool = False
+    #: (container, reason, message) of each container (init, trainer, sidecar, ...) waiting for a reason
+    #: other than the normal start-up ones (ImagePullBackOff, CreateContainerConfigError, CrashLoopBackOff).
+    waiting: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def terminated(self) -> bool:
@@ -183,6 +186,10 @@ class Observed:
 DEVICE_RESOURCES: Final = (api.TPU_RESOURCE, api.GPU_RESOURCE)
 
 
+#: Waiting reasons of a container that is simply starting (not stuck).
+STARTING_REASONS: Final = frozenset({"ContainerCreating", "PodInitializing"})
+
+
 def parse_maintenance_time(raw: str | None) -> datetime | None:
     """`cloud.google.com/scheduled-maintenance-time` → a time: Unix epoch seconds as GKE writes them (an
     RFC 3339 time is accepted too); None when absent or unreadable."""
@@ -225,6 +232,10 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
                 exit_code = None if code is None else int(code)
                 exit_reason = terminated.get("reason")
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    waiting = tuple(
+        (str(cs.get("name", "")), str(w.get("reason")), str(w.get("message") or ""))
+        for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+        if (w := (cs.get("state") or {}).get("waiting")) and w.get("reason") and w.get("reason") not in STARTING_REASONS)
     grace = meta.get("deletionGracePeriodSeconds")
     return ObservedPod(
         name=str(meta.get("name", "")), generation=generation, slice_index=slice_index, host=host,
@@ -232,7 +243,7 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         pod_ip=status.get("podIP") or None, deletion_timestamp=st.parse_time(meta.get("deletionTimestamp")),
         deletion_grace_seconds=None if grace is None else int(grace),
         exit_code=exit_code, exit_reason=exit_reason, pod_reason=status.get("reason") or None, ready=ready,
-        trainer_running=trainer_running)
+        trainer_running=trainer_running, waiting=waiting)
 
 
 def parse_lease(raw: Mapping[str, Any]) -> datetime | None:

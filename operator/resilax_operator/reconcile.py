@@ -34,6 +34,7 @@ from .observed import Observed
 from .policies import (
     Finding,
     Verdict,
+    container_waiting,
     generation_start,
     node_loss,
     preemption,
@@ -57,6 +58,7 @@ WATCH: Final[tuple[Check, ...]] = (
     resize.check_incompatible,           # the spec no longer allows the running shape
     worker_exit.check,                   # stopped, failed, lost, deleted; or all done
     generation_start.check_unscheduled,  # workers no node takes
+    container_waiting.check,             # a container stuck waiting (image, config, crash loop)
     resize.check,                        # a larger shape: spec edit or capacity back
 )
 

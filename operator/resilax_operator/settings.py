@@ -48,6 +48,19 @@ class OperatorSettings:
     """Let worker templates ask for the node itself: privileged containers, hostNetwork, hostPID,
     hostIPC, hostPath volumes. Off: such a JAXJob gets `InvalidSpec` naming the field. (The chart's
     `operator.allowHostAccess`; `RESILAX_OPERATOR_ALLOW_HOST_ACCESS=true`.)"""
+    container_waiting_timeout_seconds: int = 300
+    """A worker container still waiting for a reason that is not start-up (ImagePullBackOff,
+    CreateContainerConfigError, CrashLoopBackOff, ...) this long after its generation started: the job
+    fails (image and configuration errors) or the generation is replaced as a counted failure."""
+    pod_loss_backoff_seconds: int = 10
+    """Pod-level losses (a pod lost, evicted or deleted, a trainer exiting 75) in a row back off: the
+    second waits this long before the next generation, each further one twice as long as the one before."""
+    pod_loss_backoff_max_seconds: int = 300
+    """The longest pod-loss backoff."""
+    max_pod_losses: int = 20
+    """Pod-level losses in a row after which the job fails (PodLossesExceeded)."""
+    pod_loss_reset_seconds: int = 600
+    """A generation all Running this long clears the run of pod-level losses."""
     node_loss_guard_percent: int = 50
     """Disruption guard: when at least this share (percent) of the cluster's nodes are NotReady/Unknown
     at once (and at least `node_loss_guard_min_nodes`), a control-plane or network blip is likelier than

@@ -82,6 +82,9 @@ class JobStatus:
     workers_created: bool = False
     restarts: int = 0
     failures: int = 0
+    #: Pod-level losses (PodLost, WorkerStopped) in a row, without a generation that ran
+    #: podLossResetSeconds in between: their backoff grows with it, and past maxPodLosses the job fails.
+    pod_losses: int = 0
     planned_from: str = ""
     observed_generation: int = 0
     transition: Transition | None = None
@@ -147,6 +150,7 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         generation_start_time=parse_time(raw.get("generationStartTime")),
         workers_created=bool(raw.get("workersCreated", False)),
         restarts=int(raw.get("restarts") or 0), failures=int(raw.get("failures") or 0),
+        pod_losses=int(raw.get("podLosses") or 0),
         planned_from=str(raw.get("plannedFrom") or ""), observed_generation=int(raw.get("observedGeneration") or 0),
         transition=transition, checkpoint=checkpoint, conditions=conditions,
         worker_nodes=tuple(sorted((int(k), str(v)) for k, v in (raw.get("workerNodes") or {}).items()
@@ -179,6 +183,7 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "workersCreated": status.workers_created,
         "restarts": status.restarts,
         "failures": status.failures,
+        "podLosses": status.pod_losses or None,
         "plannedFrom": status.planned_from or None,
         "observedGeneration": status.observed_generation,
         "transition": None if t is None else {

@@ -12,6 +12,7 @@ On a running generation the checks run in this order and the first that finds so
 | resize             | a spec edit the running shape no longer fits            | Resize                        |
 | worker_exit        | a worker stopped (75), failed, lost, gone; all done     | WorkerStopped/Failure/PodLost |
 | generation_start   | workers no node takes within scheduleTimeoutSeconds     | PodLost: replan               |
+| container_waiting  | a container stuck waiting (image, config, crash loop)   | ContainerWaiting; past the timeout Failed or WorkerFailure |
 | resize             | a spec edit to a larger shape; capacity came back       | Resize / GrowBack: final save |
 
 A finding starts a transition (transition.py: record it, final_save.py, tear the generation down);

@@ -134,6 +134,9 @@ def bring_up(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
         new = replace(new, phase=api.PHASE_RUNNING)
         if became_ready and s.generation_start_time is not None:  # measured: sizes the maintenance lead
             new = replace(new, restart_seconds=math.ceil((now - s.generation_start_time).total_seconds()))
+        if s.pod_losses and s.generation_start_time is not None and \
+                now - s.generation_start_time >= timedelta(seconds=settings.pod_loss_reset_seconds):
+            new = replace(new, pod_losses=0)  # it ran long enough: the run of pod-level losses is over
         new = st.set_condition(new, api.COND_READY, True, api.WORKERS_RUNNING.name, message, now)
         events = [EmitEvent("Normal", api.WORKERS_RUNNING.name, message)] if became_ready else []
         return status_change(observed.status, new, *events)

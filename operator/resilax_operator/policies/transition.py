@@ -1,7 +1,10 @@
 """A transition: how a generation is replaced, whatever found that it must be (the other policies).
 
 1. `begin`: record the transition in the status (kind, message, the final save request if
-   final_save.py wants one, the backoff) with Ready=False and an Event, then act on it at once.
+   final_save.py wants one, the backoff) with Ready=False and an Event, then act on it at once. A
+   pod-level loss (PodLost, WorkerStopped) counts in `status.podLosses`: the first starts the next
+   generation at once, the n-th waits podLossBackoffSeconds x 2^(n-2) (capped), past maxPodLosses
+   the job is Failed (PodLossesExceeded); a generation Running podLossResetSeconds clears the count.
 2. `proceed` (every later decision, also after an operator restart: the status is the memory):
    while the final save runs, final_save.py; then tear the generation down (`plan_delete`);
    once none of its pods is left, generation_start.py starts the next one.
@@ -52,6 +55,9 @@ TRAINER_GONE_GRACE_SECONDS: Final = 2
 STOPPING_TRAINER_WAIT_SECONDS: Final = 15
 #: Transitions the operator chose (not forced on it): their workers may stop by themselves.
 PLANNED_KINDS: Final = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK, st.WORKER_STOPPED})
+#: Transitions that are pod-level losses (not the worker's own failure, not a node's): they back off
+#: exponentially (`pod_loss_backoff`) and fail the job past `max_pod_losses` in a row.
+POD_LOSS_KINDS: Final = frozenset({st.POD_LOST, st.WORKER_STOPPED})
 
 
 def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings, actions: list[Action],
@@ -60,6 +66,22 @@ def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     now, g = observed.now, s.generation
     if finding.failure:
         s = replace(s, failures=s.failures + 1)
+    if finding.kind in POD_LOSS_KINDS and not finding.failure:
+        losses = s.pod_losses + 1
+        if losses > settings.max_pod_losses:
+            text = api.POD_LOSSES_EXCEEDED.format(losses=losses, reset=settings.pod_loss_reset_seconds,
+                                                  max_losses=settings.max_pod_losses, detail=finding.message)
+            failed = replace(s, phase=api.PHASE_FAILED, pod_losses=losses)
+            failed = st.set_condition(failed, api.COND_READY, False, api.POD_LOSSES_EXCEEDED.name, text, now)
+            return [*actions, SetStatus(failed), EmitEvent("Warning", api.POD_LOSSES_EXCEEDED.name, text),
+                    plan_delete(observed, spec, g, "job failed", settings)]
+        s = replace(s, pod_losses=losses)
+        delay = pod_loss_backoff(losses, settings)
+        if delay:
+            until = st.truncate(now) + timedelta(seconds=delay)
+            event = EmitEvent("Warning", api.POD_LOSS_BACKOFF.name, api.POD_LOSS_BACKOFF.format(
+                losses=losses, max_losses=settings.max_pod_losses, until=st.format_time(until)))
+            finding = replace(finding, not_before=until, events=(*finding.events, event))
     save = final_save.wanted(spec, finding.kind) and any(p.phase == "Running" for p in observed.pods_of(g))
     since = st.truncate(now)
     t = Transition(kind=finding.kind, generation=g, since=since, message=finding.message,
@@ -72,6 +94,14 @@ def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
                           *finding.events]
     # Act on the recorded transition right away, as the next decision would.
     return head + proceed(spec, replace(observed, status=new), new, settings, [], announce=False)
+
+
+def pod_loss_backoff(losses: int, settings: OperatorSettings) -> int:
+    """Seconds before the next generation after the `losses`-th pod-level loss in a row: none for the
+    first, then podLossBackoffSeconds doubling each time, capped."""
+    if losses <= 1:
+        return 0
+    return min(settings.pod_loss_backoff_max_seconds, settings.pod_loss_backoff_seconds * 2 ** (losses - 2))
 
 
 def proceed(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,

@@ -50,7 +50,7 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
             detail = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code"
             if p.exit_reason:
                 detail += f" ({p.exit_reason})"
-            return _failure(spec, observed, s, settings,
+            return counted_failure(spec, observed, s, settings,
                             api.WORKER_FAILED.format(pod=p.name, generation=g, detail=detail))
     if s.workers_created and len(pods) == s.hosts and all(p.phase == "Succeeded" for p in pods):
         message = api.COMPLETED.format(generation=g)
@@ -65,9 +65,9 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     return None
 
 
-def _failure(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
+def counted_failure(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
              message: str) -> Finding | list[Action]:
-    """A worker's own failure: counted; the next generation after `recovery.backoffSeconds`, or the job
+    """A worker's own failure (also a crash-looping container, container_waiting.py): counted; the next generation after `recovery.backoffSeconds`, or the job
     fails (and keeps no workers) once the count exceeds `recovery.maxRestarts`."""
     now, failures, limit = observed.now, s.failures + 1, spec.recovery.max_restarts
     if failures > limit:

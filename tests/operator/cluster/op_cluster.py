@@ -45,6 +45,8 @@ class OperatorProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.runs = 0
         self.metrics_port = 0
+        #: Operator settings (RESILAX_OPERATOR_*) for the next start, over the tests' defaults.
+        self.settings_env: dict[str, str] = {}
 
     @property
     def log_file(self) -> Path:
@@ -53,7 +55,7 @@ class OperatorProcess:
     def start(self) -> OperatorProcess:
         self.runs += 1
         env = {**os.environ, "RESILAX_OPERATOR_GROW_BACK_SETTLE_SECONDS": "20",
-               "RESILAX_OPERATOR_STUCK_TERMINATING_SECONDS": "30"}
+               "RESILAX_OPERATOR_STUCK_TERMINATING_SECONDS": "30", **self.settings_env}
         env.pop("KUBECONFIG", None)
         import socket
 

@@ -311,6 +311,28 @@ def test_failing_worker_backs_off_then_fails(operator: OperatorProcess, jobs: Jo
     wait_for(lambda: not jobs.pods(name), timeout=120, message="a failed job keeps no workers")
 
 
+def test_a_trainer_exiting_75_in_a_loop_backs_off_then_fails(operator: OperatorProcess, jobs: Jobs,
+                                                              tmp_path: Path) -> None:
+    """Issue 18, item 4: a trainer that stops (exit 75) right after every start is a pod-level loss each
+    time: not counted against maxRestarts, but backed off (the second waits 2 s here) and, past the
+    operator's max_pod_losses (2 here), Failed with the reason. No JAX: the trainer exits at once."""
+    operator.kill()
+    operator.settings_env.update({"RESILAX_OPERATOR_POD_LOSS_BACKOFF_SECONDS": "2",
+                                  "RESILAX_OPERATOR_MAX_POD_LOSSES": "2"})
+    operator.start()
+    name = unique_name("stops")
+    template = {"spec": {"containers": [{"name": "trainer", "image": "x",
+                                         "command": [sys.executable, "-c", "import sys; sys.exit(75)"]}]}}
+    jobs.create(job_manifest(name, tmp_path / "ckpt", count=1, template=template))
+    status = jobs.wait_status(name, lambda s: s.get("phase") == "Failed", 600, "Failed")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "PodLossesExceeded" and "exit 75" in ready["message"], ready
+    assert status["generation"] == 3 and status["failures"] == 0 and status["podLosses"] == 3, status
+    reasons = jobs.event_reasons(name, "PodLossBackoff", "PodLossesExceeded")
+    assert reasons.count("PodLossBackoff") == 1 and reasons.count("WorkerStopped") == 2, reasons
+    wait_for(lambda: not jobs.pods(name), timeout=120, message="a failed job keeps no workers")
+
+
 def test_operator_restart_mid_recovery_and_fenced_old_generation(operator: OperatorProcess, jobs: Jobs,
                                                                  cluster: LocalCluster, tmp_path: Path) -> None:
     name, storage = unique_name("restart"), tmp_path / "ckpt"

@@ -22,7 +22,7 @@ from resilax_operator.actions import (
     EmitEvent,
     SetStatus,
 )
-from resilax_operator.policies import Finding, worker_exit
+from resilax_operator.policies import Finding, transition, worker_exit
 from resilax_operator.validation import validate_spec
 
 
@@ -164,3 +164,71 @@ def worker_failure_flow(d: Driver) -> None:
 @pytest.mark.parametrize("keep", list(KEEP.values()), ids=list(KEEP))
 def test_operator_dies_at_every_step_of_a_worker_failure(keep: int) -> None:
     assert_survives_restarts(worker_failure_flow, keep)
+
+
+# ---------------------------------------------------------------- pod-level losses back off
+
+BACKOFF_CASES = {
+    # id: (pod-level losses in a row, seconds before the next generation) with the default settings
+    "first": (1, 0),
+    "second": (2, 10),
+    "third": (3, 20),
+    "fifth": (5, 80),
+    "sixth": (6, 160),
+    "capped": (7, 300),
+    "still-capped": (19, 300),
+}
+
+
+@pytest.mark.parametrize(("losses", "seconds"), list(BACKOFF_CASES.values()), ids=list(BACKOFF_CASES))
+def test_pod_loss_backoff_table(losses: int, seconds: int) -> None:
+    assert transition.pod_loss_backoff(losses, SETTINGS) == seconds
+
+
+def test_a_trainer_exiting_75_again_and_again_backs_off_then_fails() -> None:
+    """Issue 18, item 4: each stop waits longer (the backoff is in the status: notBefore, podLosses),
+    and past max_pod_losses the job is Failed with the reason; none of it counts as a worker failure."""
+    w = running_world()
+    waits = []
+    for loss in range(1, SETTINGS.max_pod_losses + 1):
+        w.exit_workers(75, generation=w.status.generation)
+        w.step()
+        t = w.status.transition
+        assert t is not None and t.kind == st.WORKER_STOPPED and w.status.pod_losses == loss
+        waits.append(0 if t.not_before is None else int((t.not_before - t.since).total_seconds()))
+        w.settle(3)
+        w.advance(waits[-1] + 1)
+        w.settle()
+        assert w.status.phase == api.PHASE_RUNNING and w.status.generation == loss + 1
+        w.advance(5)
+    assert waits[:4] == [0, 10, 20, 40] and max(waits) == SETTINGS.pod_loss_backoff_max_seconds
+    assert api.POD_LOSS_BACKOFF.name in w.reasons()
+    w.exit_workers(75, generation=w.status.generation)
+    w.settle()
+    assert w.status.phase == api.PHASE_FAILED and w.status.failures == 0 and not w.gen_pods()
+    ready = w.status.condition(api.COND_READY)
+    assert ready is not None and ready.reason == api.POD_LOSSES_EXCEEDED.name
+    assert "exit 75" in ready.message and str(SETTINGS.max_pod_losses + 1) in ready.message
+
+
+def test_a_generation_that_runs_long_enough_clears_the_pod_losses() -> None:
+    w = running_world()
+    w.exit_workers(75)
+    w.settle()
+    w.exit_workers(75, generation=w.status.generation)
+    w.settle()
+    w.advance(11)
+    w.settle()
+    assert w.status.pod_losses == 2 and w.status.phase == api.PHASE_RUNNING
+    started = w.status.generation_start_time
+    assert started is not None
+    w.now = started + timedelta(seconds=SETTINGS.pod_loss_reset_seconds - 1)
+    w.step()
+    assert w.status.pod_losses == 2
+    w.now = started + timedelta(seconds=SETTINGS.pod_loss_reset_seconds)
+    w.step()
+    assert w.status.pod_losses == 0
+    w.exit_workers(75, generation=w.status.generation)
+    w.step()
+    t = w.status.transition
+    assert t is not None and t.not_before is None and w.status.pod_losses == 1  # the first again: at once
