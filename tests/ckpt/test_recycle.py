@@ -70,36 +70,40 @@ def assert_equal_trees(got, want):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32", "bool", "int8", "float64", "uint16"])
 @pytest.mark.parametrize(("shape", "chunks"), [((), ()), ((7,), (7,)), ((5, 3), (2, 3)), ((4, 6), (2, 3))])
-def test_zarr_json_is_byte_for_byte_tensorstores(tmp_path, dtype, shape, chunks):
-    spec = tsio.build_array_spec({"driver": "file", "path": str(tmp_path) + "/"}, shape, dtype, chunks)
+@pytest.mark.parametrize("checksum", ["crc32c", ""])
+def test_zarr_json_is_byte_for_byte_tensorstores(tmp_path, dtype, shape, chunks, checksum):
+    spec = tsio.build_array_spec({"driver": "file", "path": str(tmp_path) + "/"}, shape, dtype, chunks, (), checksum)
     ts.open(spec, create=True, open=True).result()
-    assert (tmp_path / "zarr.json").read_bytes() == chunk_format.zarr_json(shape, dtype, chunks)
+    assert (tmp_path / "zarr.json").read_bytes() == chunk_format.zarr_json(shape, dtype, chunks, (), bool(checksum))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bool", "uint16"])
 @pytest.mark.parametrize(("shape", "chunks", "shard"), [((8, 6), (2, 3), (8, 6)), ((5, 3), (2, 3), (4, 3))])
+@pytest.mark.parametrize("checksum", ["crc32c", ""])
 def test_sharded_zarr_json_is_tensorstores_and_our_shard_files_read_back_through_it(tmp_path, dtype, shape,
-                                                                                    chunks, shard):
+                                                                                    chunks, shard, checksum):
     # The same sharded array written by tensorstore and by our own layout (ArrayFiles: chunks at
     # page strides, the index at the end, a missing inner chunk where the shard overhangs the array):
     # tensorstore reads ours, through our zarr.json, to the same values.
-    spec = tsio.build_array_spec({"driver": "file", "path": str(tmp_path / "ts") + "/"}, shape, dtype, chunks, shard)
+    spec = tsio.build_array_spec({"driver": "file", "path": str(tmp_path / "ts") + "/"}, shape, dtype, chunks, shard,
+                                 checksum)
     theirs = ts.open(spec, create=True, open=True).result()
-    assert (tmp_path / "ts" / "zarr.json").read_bytes() == chunk_format.zarr_json(shape, dtype, chunks, shard)
+    ours_json = chunk_format.zarr_json(shape, dtype, chunks, shard, bool(checksum))
+    assert (tmp_path / "ts" / "zarr.json").read_bytes() == ours_json
     rng = np.random.default_rng(5)
     value = (rng.random(shape) > 0.5) if dtype == "bool" else rng.integers(0, 1000, shape).astype(dtype)
     theirs[...].write(value).result()
     ours = tmp_path / "ours"
     ours.mkdir()
-    (ours / "zarr.json").write_bytes(chunk_format.zarr_json(shape, dtype, chunks, shard))
-    files = chunk_format.ArrayFiles(shape, np.dtype(dtype).itemsize, chunks, shard)
+    (ours / "zarr.json").write_bytes(ours_json)
+    files = chunk_format.ArrayFiles(shape, np.dtype(dtype).itemsize, chunks, shard, bool(checksum))
     for index in np.ndindex(*chunk_format.chunk_grid(shape, chunks)):
         box = tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(index, chunks, shape, strict=True))
         _, chunk = chunk_format.chunk_data(box, value[tuple(slice(a, b) for a, b in box)], shape, chunks)
         key, offset = files.locate(index)
         path = str(ours.joinpath(*key))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        chunk_writer.write_chunk_file(path, chunk, offset=offset, size=None)
+        chunk_writer.write_chunk_file(path, chunk, offset=offset, size=None, checksum=files.checksum)
     for key in files.file_keys():
         path = str(ours.joinpath(*key))
         chunk_writer.write_chunk_file(path, np.frombuffer(files.shard_index(key), np.uint8),
