@@ -27,7 +27,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from resilax_ckpt import backends, chunk_format, commit, fencing, layout, planning, policy, pytrees, reader
+from resilax_ckpt import (
+    backends,
+    chunk_format,
+    commit,
+    fencing,
+    layout,
+    peer_client,
+    peers,
+    planning,
+    policy,
+    pytrees,
+    reader,
+)
 from resilax_ckpt import items as items_lib
 from resilax_ckpt.errors import (
     CorruptCheckpointError,
@@ -157,8 +169,37 @@ class CheckpointManager:
             commit.clean_stale_attempts(self._persistent, self._persistent_root, visible)
             fencing.write_fence(self._persistent, self._persistent_root, self._epoch,
                                 visible[-1] if visible else None)
+        peer_info = self._peer_info()
+        if peer_info is not None:
+            self._coord.publish(f"{self._key}/peers/{self._coord.process_index}", peer_info)
         self._coord.barrier(f"{self._key}/start", self._options.barrier_timeout_seconds)
+        if peer_info is not None:
+            self._write_peers()
         self._install_sigterm()
+
+    def _peer_info(self) -> str | None:
+        """This process's entry of peers.json (with a local tier, a persistent tier, several
+        processes and a sidecar), else None."""
+        o = self._options
+        if not (self._persistent is not None and self._coord.process_count > 1 and o.sidecar_address):
+            return None
+        return json.dumps({"process": self._coord.process_index, "slice": o.slice_id, "node": o.node_name,
+                           "address": o.sidecar_address})
+
+    def _write_peers(self) -> None:
+        """Every process's sidecar address, slice and node; for the sidecar's replicator (peers.json)
+        and the restore's peer fetches."""
+        raw = [json.loads(v) for v in self._coord.fetch_dir(f"{self._key}/peers/").values()]
+        hosts = sorted((peers.PeerHost(int(h["process"]), int(h["slice"]), str(h["node"]), str(h["address"]))
+                        for h in raw), key=lambda h: h.process)
+        self._peer_addresses = {h.process: h.address for h in hosts}
+        if self._options.control_dir:
+            peer_client.write_peers(self._options.control_dir, self._coord.process_index, hosts)
+
+    #: process -> its sidecar's address (exchanged at start when peer replicas are on).
+    _peer_addresses: dict[int, str] = {}  # noqa: RUF012  (replaced, never mutated)
+    #: step -> the sidecars holding this process's replica of it (of the last two-tier agreement).
+    _peer_sources: dict[int, list[str]] = {}  # noqa: RUF012  (replaced, never mutated)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> CheckpointManager:
@@ -217,8 +258,9 @@ class CheckpointManager:
 
     @property
     def restored_from(self) -> str | None:
-        """Where this process's last `restore` read from: "local" (this host's local tier) or
-        "persistent" (without a local tier, the only tier); None before any restore."""
+        """Where this process's last `restore` read from: "local" (this host's local tier), "peer"
+        (this host's local tier, after its sidecar fetched the step from a peer holding its replica)
+        or "persistent" (without a local tier, the only tier); None before any restore."""
         if self._persistent is None:
             return "persistent" if self._protected_steps else None
         return self._restored_from
@@ -722,8 +764,11 @@ class CheckpointManager:
             # local steps from the newest persistent one up): read locally when it covers this process.
             has_local = cand in local_ok or (cand in own_local and cand in persistent and cand not in self._local_misses
                                              and self._local_covers(cand, target, items) is None)
-            out, source, errors = self._read_either_tier(cand, has_local, cand in persistent,
+            from_peer = not has_local and self._fetch_from_peers(cand, target, items)
+            out, source, errors = self._read_either_tier(cand, has_local or from_peer, cand in persistent,
                                                          target, items, mark_persistent=fallback)
+            if from_peer and source == "local":
+                source = "peer"
             views = [json.loads(v) for v in self._exchange(
                 f"{self._key}/restore2/{self._restore_count}/{cand}", json.dumps(errors))]
             if self._coord.process_index == 0:
@@ -790,6 +835,41 @@ class CheckpointManager:
             f"needs nor is it committed in {self._persistent_root}")
         return None, None, errors
 
+    def _fetch_from_peers(self, step: int, target: Mapping[str, Any] | None, items: Iterable[str] | None) -> bool:
+        """Have the sidecar copy this process's replica of `step` from the peers holding it into the
+        local tier (checksums checked there; the next peer tried when one fails); whether the local
+        tier then covers this process's restore."""
+        sources = self._peer_sources.get(step)
+        if not sources or not self._options.sidecar_address:
+            return False
+        try:
+            source = peer_client.request_fetch(self._options.sidecar_address, self._options.sidecar_token_file,
+                                               self._coord.process_index, step, sources)
+        except peer_client.PeerFetchError as e:
+            log.warning("step %d: no peer replica of process %d could be fetched: %s", step,
+                        self._coord.process_index, e)
+            return False
+        why = self._local_covers(step, target, items)
+        if why is not None:
+            log.warning("step %d fetched from peer %s does not cover this process's restore: %s", step, source, why)
+            return False
+        log.info("step %d of process %d fetched from peer %s", step, self._coord.process_index, source)
+        return True
+
+    def _own_holdings(self, steps: Iterable[int], newest_persistent: int | None) -> peers.Holdings:
+        """This process's local steps `steps` and the peer replicas on this host (no older than the
+        persistent tier's newest), with their save identities."""
+        def identity(step: int) -> str:
+            path = self._storage.join(self._root, layout.step_name(step), layout.commit_name(self._own_suffix))
+            try:
+                return str(json.loads(self._storage.read_bytes(path)).get("save", ""))
+            except (OSError, ValueError):
+                return ""
+        held = {} if not self._storage.is_local else peer_client.held_replicas(self._root)
+        floor = -1 if newest_persistent is None else newest_persistent
+        return peers.Holdings({s: identity(s) for s in steps},
+                              {p: {s: v for s, v in got.items() if s >= floor} for p, got in held.items()})
+
     def _agree_two_tiers(self, step: int | None, target: Mapping[str, Any] | None,
                          items: Iterable[str] | None) -> tuple[list[int], list[int], list[int]]:
         """(the steps every process can read, newest first — with `step` given, just `step`; this
@@ -807,11 +887,21 @@ class CheckpointManager:
             # must not give them different candidates (every try below is a collective).
             self._save_count += 1
             key = f"{self._key}/restore{self._save_count}"
-            self._coord.publish(f"{key}/{self._coord.process_index}", json.dumps([local_ok, persistent]))
+            mine = self._own_holdings(local_ok, persistent[-1] if persistent else None)
+            self._coord.publish(f"{key}/{self._coord.process_index}",
+                                json.dumps({"process": self._coord.process_index, "persistent": persistent,
+                                            **mine.to_json()}))
             self._coord.barrier(key, self._options.barrier_timeout_seconds)
-            views = [json.loads(v) for v in self._coord.fetch_dir(f"{key}/").values()]
-            agreed_local = set.intersection(*(set(v[0]) for v in views)) if views else set()
-            agreed_persistent = set.intersection(*(set(v[1]) for v in views)) if views else set()
+            raw = [json.loads(v) for v in self._coord.fetch_dir(f"{key}/").values()]
+            agreed_persistent = set.intersection(*(set(v["persistent"]) for v in raw)) if raw else set()
+            # Which step every process can get, each from its own tier or a peer's (peers.py).
+            plan = peers.decide_sources({int(v["process"]): peers.Holdings.from_json(v) for v in raw})
+            me = self._coord.process_index
+            self._peer_sources = {s: [self._peer_addresses[q] for q in by[me] if q in self._peer_addresses]
+                                  for s, by in plan.items() if by.get(me)}
+            agreed_local = {s for s, by in plan.items()
+                            if all(not holders or any(q in self._peer_addresses for q in holders)
+                                   for holders in by.values())}
         else:
             agreed_local = set(local_ok)
         if step is not None:
@@ -834,6 +924,13 @@ class CheckpointManager:
                        for n in self._storage.list_dir(path)):
                 self._storage.delete_tree(path)
             log.info("withdrew local step %d (newer than the restored step %d) in %s", old, step, self._root)
+        # Replicas held for peers of steps newer than `step` belong to the abandoned timeline too.
+        if self._storage.is_local:
+            for origin, got in peer_client.held_replicas(self._root).items():
+                for old in got:
+                    if old > step:
+                        self._storage.delete_tree(self._storage.join(
+                            self._root, peers.PEER_DIR, peers.origin_dir_name(origin), layout.step_name(old)))
 
     def _local_covers(self, step: int, target: Mapping[str, Any] | None, items: Iterable[str] | None) -> str | None:
         """Why this host's local step lacks a chunk this process's restore would read (naming the

@@ -94,6 +94,21 @@ class ManagerOptions:
     barrier_timeout_seconds: float = 900.0
     """How long a process waits for the others at a save's barriers before it fails the save."""
 
+    sidecar_address: str | None = None
+    """`host:port` of this pod's sidecar (RESILAX_SIDECAR_HOST, RESILAX_SIDECAR_PORT): with a local tier
+    and several processes, the processes exchange these at start (`$RESILAX_CONTROL_DIR/peers.json`,
+    for the sidecars' peer replicas) and a restore asks the sidecar to fetch this process's step from
+    the peers holding it (peers.py)."""
+
+    sidecar_token_file: str | None = None
+    """RESILAX_SIDECAR_TOKEN_FILE: the bearer token of the sidecars' API (peer fetches)."""
+
+    slice_id: int = 0
+    """RESILAX_SLICE_ID: this process's slice (the placement of peer replicas)."""
+
+    node_name: str = ""
+    """RESILAX_NODE_NAME: this process's node (peer replicas go to another node)."""
+
     clock: Callable[[], float] = time.monotonic
     """The time source of `save_every_seconds` (injectable for tests)."""
 
@@ -140,7 +155,13 @@ class ManagerOptions:
             "generation": number("RESILAX_GENERATION", int) or 0,
             "control_dir": env.get("RESILAX_CONTROL_DIR") or None,
             "job_uid": env.get("RESILAX_JOB_UID") or None,
+            "slice_id": number("RESILAX_SLICE_ID", int) or 0,
+            "node_name": env.get("RESILAX_NODE_NAME", "").strip(),
+            "sidecar_token_file": env.get("RESILAX_SIDECAR_TOKEN_FILE", "").strip() or None,
         }
+        host, port = env.get("RESILAX_SIDECAR_HOST", "").strip(), env.get("RESILAX_SIDECAR_PORT", "").strip()
+        if host and port:
+            values["sidecar_address"] = f"{host}:{port}"
         if problems:
             raise InvalidOptionsError("; ".join(problems))
         values.update(overrides)

@@ -2,7 +2,8 @@
 
 It runs three things side by side until SIGTERM:
 1. the HTTP API (routes.py) on RESILAX_SIDECAR_HOST:RESILAX_SIDECAR_PORT;
-2. the uploader (uploader.py) on a background thread, when RESILAX_LOCAL_DIR is set;
+2. the uploader (uploader.py) on a background thread, when RESILAX_LOCAL_DIR is set, and the peer
+   replicator (peers.py) on another, keeping copies of the peers' newest local steps;
 3. a watcher of the save requests it made, which times them (request -> committed) and wakes the
    uploader when a save lands.
 On SIGTERM it asks the trainer for a final save with `stop: true`, waits until that save is committed
@@ -32,6 +33,7 @@ from resilax_sidecar import control
 from resilax_sidecar.config import SidecarConfig, log_level_number
 from resilax_sidecar.errors import ConfigError
 from resilax_sidecar.metrics import SidecarMetrics
+from resilax_sidecar.peers import Replicator
 from resilax_sidecar.routes import build_app
 from resilax_sidecar.store import BlobStore, open_store
 from resilax_sidecar.uploader import Uploader, list_local_steps
@@ -237,6 +239,14 @@ class Sidecar:
 
     def start_uploader(self) -> None:
         threading.Thread(target=self.open_storage, name="open-storage", daemon=True).start()
+        cfg = self.config
+        if cfg.local_dir is not None:
+            self.replicator = Replicator(cfg.local_dir, cfg.control_dir, self.read_token,
+                                         cfg.peer_bytes_per_second, cfg.poll_seconds)
+            threading.Thread(target=self.replicator.run_forever, args=(self._uploader_stop,),
+                             name="peer-replicator", daemon=True).start()
+
+    replicator: Replicator | None = None
 
     def stop_uploader(self) -> None:
         self._uploader_stop.set()

@@ -94,6 +94,10 @@ class SidecarConfig:
     """`RESILAX_SIDECAR_VERIFY`: how each copied file is checked: `size` (default) or `md5` (the
     persistent copy's MD5 against the local file's)."""
 
+    peer_bytes_per_second: float | None = 200e6
+    """`RESILAX_PEER_BYTES_PER_SECOND`: the pace of peer replica transfers (peers.py), bytes per second
+    (empty: 200 MB/s; `0`: unpaced). One transfer holds one 1 MiB piece in memory at a time."""
+
     log_level: str = "INFO"
     """`RESILAX_SIDECAR_LOG_LEVEL`: DEBUG, INFO, WARNING or ERROR."""
 
@@ -131,6 +135,12 @@ class SidecarConfig:
         def positive_float(raw: str) -> float:
             value = float(raw)
             if not value > 0 or value == float("inf"):
+                raise ValueError(raw)
+            return value
+
+        def non_negative_float(raw: str) -> float:
+            value = float(raw)
+            if not value >= 0 or value == float("inf"):
                 raise ValueError(raw)
             return value
 
@@ -198,6 +208,8 @@ class SidecarConfig:
             poll_seconds=get("RESILAX_SIDECAR_POLL_SECONDS", positive_float, 1.0, "a number of seconds > 0"),
             retry_initial_seconds=retry_initial,
             retry_max_seconds=retry_max,
+            peer_bytes_per_second=get("RESILAX_PEER_BYTES_PER_SECOND", non_negative_float, 200e6,
+                                      "a number of bytes per second (0: unpaced)") or None,
             verify=get("RESILAX_SIDECAR_VERIFY", choice(VERIFY_MODES), "size", f"one of {', '.join(VERIFY_MODES)}"),
             log_level=get(
                 "RESILAX_SIDECAR_LOG_LEVEL", choice(LOG_LEVELS, upper=True), "INFO", f"one of {', '.join(LOG_LEVELS)}"

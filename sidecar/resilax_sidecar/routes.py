@@ -7,6 +7,10 @@
 | GET | /v1/state | - | tiers, newest steps, upload in flight, last error, generation |
 | GET | /healthz, /readyz | - | `{"status": ...}` (readyz 503 until ready) |
 | GET | /metrics | - | Prometheus text format |
+| GET | /v1/peer/{origin}/newest | token | `{"step", "save"}` of this host's newest local step (peers.py) |
+| GET | /v1/peer/{origin}/{step}/manifest | token | the files of a local step or a held replica, with crc32c |
+| GET | /v1/peer/{origin}/{step}/files/{path} | token | one file of it, streamed |
+| POST | /v1/peer/fetch | token | `{"origin", "step", "sources"}`: fetch this process's step from peers into the local tier |
 Errors: `{"error": {"code": "<slug>", "message": "..."}}` with the HTTP status; never a traceback.
 """
 
@@ -21,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from resilax_sidecar import control
+from resilax_sidecar import control, peers
 from resilax_sidecar.errors import SidecarError
 from resilax_sidecar.metrics import CONTENT_TYPE, SAVE_REASONS
 
@@ -184,6 +188,81 @@ async def metrics(request: web.Request) -> web.Response:
     return response
 
 
+def _peer_target(request: web.Request) -> tuple[int, int | None]:
+    """(origin, step) of a peer call, after the token check; 404 without a local tier."""
+    _require_token(request)
+    sidecar = request.app[SIDECAR_KEY]
+    if sidecar.config.local_dir is None:
+        raise ApiError(404, "not_found", "this sidecar has no local tier (RESILAX_LOCAL_DIR), so no peer replicas")
+    origin, step = request.match_info["origin"], request.match_info.get("step")
+    if not origin.isdigit() or (step is not None and not step.isdigit()):
+        raise ApiError(400, "bad_request", f"origin {origin!r} and step {step!r} must be non-negative integers")
+    return int(origin), None if step is None else int(step)
+
+
+async def get_peer_newest(request: web.Request) -> web.Response:
+    origin, _ = _peer_target(request)
+    cfg = request.app[SIDECAR_KEY].config
+    assert cfg.local_dir is not None
+    if origin != cfg.process_id:
+        raise ApiError(404, "not_found", f"this sidecar serves the newest step of process {cfg.process_id} only")
+    newest = await asyncio.to_thread(peers.newest_own_step, cfg.local_dir, cfg.process_id)
+    return web.json_response({"step": newest[0] if newest else None, "save": newest[1] if newest else None})
+
+
+async def _served(request: web.Request) -> tuple[Any, dict[str, Any]]:
+    origin, step = _peer_target(request)
+    assert step is not None
+    cfg = request.app[SIDECAR_KEY].config
+    assert cfg.local_dir is not None
+    served = await asyncio.to_thread(peers.served_step, cfg.local_dir, cfg.process_id, origin, step)
+    if served is None:
+        raise ApiError(404, "not_found", f"no committed step {step} of process {origin} on this host")
+    return served
+
+
+async def get_peer_manifest(request: web.Request) -> web.Response:
+    _, manifest = await _served(request)
+    return web.json_response(manifest)
+
+
+async def get_peer_file(request: web.Request) -> web.StreamResponse:
+    folder, manifest = await _served(request)
+    path = peers.served_file(folder, manifest, request.match_info["path"])
+    if path is None or not path.is_file():
+        raise ApiError(404, "not_found", f"{request.match_info['path']!r} is not a file of this step")
+    return web.FileResponse(path, chunk_size=peers.CHUNK_BYTES)
+
+
+async def post_peer_fetch(request: web.Request) -> web.Response:
+    _require_token(request)
+    sidecar = request.app[SIDECAR_KEY]
+    cfg = sidecar.config
+    if cfg.local_dir is None:
+        raise ApiError(404, "not_found", "this sidecar has no local tier (RESILAX_LOCAL_DIR)")
+    body = await _json_body(request)
+    step, sources = body.get("step"), body.get("sources")
+    problems = []
+    if body.get("origin") != cfg.process_id:
+        problems.append(f"origin: {body.get('origin')!r} must be this sidecar's process {cfg.process_id}")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        problems.append(f"step: {step!r} must be a non-negative integer")
+    if not isinstance(sources, list) or not sources or not all(isinstance(s, str) and s for s in sources):
+        problems.append(f"sources: {sources!r} must be a non-empty list of 'host:port'")
+    if problems:
+        raise ApiError(400, "bad_request", "; ".join(problems))
+    assert isinstance(step, int) and isinstance(sources, list)
+    try:
+        source, manifest = await asyncio.to_thread(
+            peers.fetch_for_restore, cfg.local_dir, cfg.process_id, step, sources, sidecar.read_token(),
+            peers.Pacer(cfg.peer_bytes_per_second))
+    except peers.PeerError as e:
+        raise ApiError(409, "peer_failed", str(e)) from e
+    return web.json_response({"origin": cfg.process_id, "step": step, "source": source,
+                              "files": len(manifest["files"]),
+                              "bytes": sum(int(f["size"]) for f in manifest["files"])})
+
+
 def build_app(sidecar: Sidecar) -> web.Application:
     """The aiohttp application for one sidecar."""
     app = web.Application(middlewares=[json_errors], client_max_size=64 * 1024)
@@ -194,4 +273,8 @@ def build_app(sidecar: Sidecar) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/peer/{origin}/newest", get_peer_newest)
+    app.router.add_get("/v1/peer/{origin}/{step}/manifest", get_peer_manifest)
+    app.router.add_get("/v1/peer/{origin}/{step}/files/{path:.+}", get_peer_file)
+    app.router.add_post("/v1/peer/fetch", post_peer_fetch)
     return app

@@ -8,8 +8,9 @@ the persistent tier when it must.
     VM's SIGTERM, no request before it) on one of the 4 workers' nodes: all agree on one step, save it
     locally, stop; it is uploaded, and generation 3 restores it with no step lost.
 (b) A node is lost (removed, its disk with it) and replaced by a new, empty one: the survivors restore from
-    their local tiers, the replacement from the persistent tier, all the same step: the newest that
-    generation 1 committed there.
+    their local tiers, the replacement from the peer holding its replica (issue 19), all the same step,
+    newer than anything persistent; then the two nodes holding each other's replicas are lost together
+    and the next generation restores the persistent tier's newest.
 (c) A namespace enforcing Pod Security `baseline` refuses the hostPath: `PodCreationRefused` names the fix,
     and `scope: Pod` gets the pods created.
 
@@ -28,7 +29,7 @@ from typing import Any
 from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, recovery_breakdown, unique_name
 from resilax_local.cluster import LocalCluster
 from resilax_local.kubeapi import KubeClient
-from resilax_local.profiles import build_tpu_slice
+from resilax_local.profiles import NodeSpec, build_tpu_slice
 from resilax_local.testing import wait_for
 
 EVERY = 2
@@ -182,43 +183,108 @@ def graceful_node_shutdown_saves_the_agreed_step_and_the_next_generation_restore
             cluster.restore_node(victim)
 
 
-def test_node_loss_survivors_restore_local_the_replacement_persistent_one_step(
+def replica_steps(cluster: LocalCluster, jobs: Jobs, name: str, node: str, origin: int) -> list[int]:
+    """Steps of `origin`'s complete peer replicas on `node` (`<local>/_peer/p<origin>/<step>/_REPLICA.json`)."""
+    base = local_folder(cluster, jobs, name, node) / "_peer" / f"p{origin}"
+    if not base.is_dir():
+        return []
+    return sorted(int(p.name) for p in base.iterdir() if p.name.isdigit() and (p / "_REPLICA.json").is_file())
+
+
+def node_spec(node: str) -> NodeSpec:
+    return next(n for s in (0, 1) for n in build_tpu_slice(f"tpu-slice-{s}", "tpu-v5-lite-podslice", "2x4")
+                if n.name == node)
+
+
+def replace_nodes(cluster: LocalCluster, kube: KubeClient, nodes: list[str]) -> None:
+    """Remove `nodes` (their disks with them) at once and add new, empty machines under the same names."""
+    specs = [node_spec(n) for n in nodes]
+    for node in nodes:
+        cluster.remove_node(node)
+    wait_for(lambda: not any(n["metadata"]["name"] in nodes for n in kube.get("/api/v1/nodes")["items"]),
+             timeout=60, message=f"nodes {nodes} deleted")
+    cluster.add_nodes(specs)
+    cluster.wait_nodes_ready(nodes, timeout=120)
+
+
+def test_node_loss_the_replacement_restores_from_its_peer_and_two_peers_lost_fall_back(
         operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, kube: KubeClient, tmp_path: Path) -> None:
+    """Issue 19, item 1. (a) A node is lost (its disk with it) while the local tiers are ahead of the
+    persistent tier: the replacement (process 1) fetches its shards of the newest local step from the
+    peer holding its replica (process 3, the same host index in the other slice), the survivors read
+    their own; every process restores that step, newer than anything persistent. (b) Then the nodes of
+    processes 1 and 3, which hold each other's replicas, are lost together: no local step is complete,
+    so generation 3 restores the persistent tier's newest, with no error."""
     name, storage = unique_name("nlt-loss"), tmp_path / "ckpt"
-    start(jobs, name, storage, {"keepLast": 3})
-    wait_for(lambda: len(committed_steps(storage)) >= 2, timeout=900, interval=1,
-             message=f"{name}: steps committed in the persistent tier")
+    start(jobs, name, storage, {"keepLast": 3, "persistEverySteps": 20})
     nodes1 = pod_nodes(jobs, name, 1)
-    victim = nodes1["s0-h1"]  # worker index 1
+    victim, holder = nodes1["s0-h1"], nodes1["s1-h1"]  # processes 1 and 3 (peers.plan_peers)
     lost_folder = local_folder(cluster, jobs, name, victim)
-    assert local_steps(lost_folder)
-    spec = next(n for n in build_tpu_slice("tpu-slice-0", "tpu-v5-lite-podslice", "2x4") if n.name == victim)
+
+    def replica_current() -> int | None:
+        """The holder's replica of process 1, once it is its newest local step and newer than persistent."""
+        persisted = committed_steps(storage)
+        held, own = replica_steps(cluster, jobs, name, holder, 1), local_steps(lost_folder)
+        if persisted and held and own and held[-1] == own[-1] and held[-1] > max(persisted):
+            return held[-1]
+        return None
+    # process 1's newest local step as last seen before the loss (also replicated by then)
+    victim_newest = wait_for(replica_current, timeout=900, interval=0.1, message=(
+        f"{name}: process 1's newest local step replicated on {holder}, ahead of the persistent tier"))
     fault = time.time()
-    cluster.remove_node(victim)  # its disk goes with it
+    replace_nodes(cluster, kube, [victim])
     try:
-        wait_for(lambda: not any(n["metadata"]["name"] == victim for n in kube.get("/api/v1/nodes")["items"]),
-                 timeout=60, message=f"node {victim} deleted")
-        assert not lost_folder.exists()
-        cluster.add_nodes([spec])  # a new machine under the same name: an empty local tier
-        cluster.wait_nodes_ready([victim], timeout=120)
+        held_at_fault = replica_steps(cluster, jobs, name, holder, 1)[-1]
         lines, gen1_persisted = generation_2_restored(jobs, name, storage)
-        print(f"\nnode loss: generation 1's commits in the persistent tier {gen1_persisted}; "
+        print(f"\nnode loss: process 1's newest local step {victim_newest}, its replica on {holder} "
+              f"{held_at_fault}; generation 1's commits in the persistent tier {gen1_persisted}; "
               f"generation 2 restored {lines}")
         step = lines["s0-h0"]["restored"]
         assert pod_nodes(jobs, name, 2) == nodes1
         assert {w: r["from"] for w, r in lines.items()} == {
-            "s0-h0": "local", "s0-h1": "persistent", "s1-h0": "local", "s1-h1": "local"}, lines
+            "s0-h0": "local", "s0-h1": "peer", "s1-h0": "local", "s1-h1": "local"}, lines
         assert all(r["restored"] == step for r in lines.values()), lines
-        # nothing committed is lost: the newest step generation 1 committed in the persistent tier
-        assert step == max(gen1_persisted), (step, gen1_persisted)
+        assert step > max(gen1_persisted), (step, gen1_persisted)  # newer than anything persistent
+        assert step == held_at_fault  # the replica there was at the loss
         gen1 = jobs.losses(name, 1)
-        print(f"node loss: generation 1 reached step {max(gen1)}, restored {step}")
-        wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
+        print(f"node loss: generation 1 reached step {max(gen1)}; process 1 had committed {victim_newest} "
+              f"locally; restored {step}: {victim_newest - step} steps lost")
+        assert step >= victim_newest, (step, victim_newest)  # 0 steps lost
+        # The replacement's local tier now holds the step byte for byte as the replica on the holder
+        # (each file's crc32c checked on the way), and it continues the same loss curve: the arrays
+        # restored are the saved ones.
+        fetched = local_folder(cluster, jobs, name, victim) / str(step)
+        replica = local_folder(cluster, jobs, name, holder) / "_peer" / "p1" / str(step)
+        assert {str(p.relative_to(fetched)): p.read_bytes() for p in fetched.rglob("*") if p.is_file()} == {
+            str(p.relative_to(replica)): p.read_bytes() for p in replica.rglob("*")
+            if p.is_file() and p.name != "_REPLICA.json"}
+        gen2 = wait_for(lambda: (g := jobs.losses(name, 2)) and step + 1 in g and g, timeout=300, interval=1,
+                        message=f"{name}: step {step + 1} of generation 2")
+        assert min(gen2) == step + 1
+        if step + 1 in gen1:
+            assert gen2[step + 1]["loss"] == gen1[step + 1]["loss"], (gen1[step + 1], gen2[step + 1])
         recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "PodLost", "WorkerFailed"))
+
+        # (b) Two hosts holding each other's replicas lost together.
+        wait_for(lambda: replica_steps(cluster, jobs, name, holder, 1) and replica_steps(
+            cluster, jobs, name, victim, 3), timeout=300, interval=0.5,
+            message=f"{name}: processes 1 and 3 holding each other's replicas in generation 2")
+        replace_nodes(cluster, kube, [victim, holder])
+        jobs.wait_status(name, lambda s: s.get("generation") == 3 and s.get("phase") == "Running", 900,
+                         "generation 3 Running")
+        lines3 = wait_restored(jobs, name, 3)
+        persisted = committed_steps(storage)
+        print(f"two peers lost: persistent tier {persisted}; generation 3 restored {lines3}")
+        step3 = lines3["s0-h0"]["restored"]
+        assert all(r["restored"] == step3 for r in lines3.values()), lines3
+        assert lines3["s0-h1"]["from"] == lines3["s1-h1"]["from"] == "persistent", lines3
+        assert step3 == max(s for s in persisted if commit_generation(storage, s) <= 2), (step3, persisted)
+        wait_for(lambda: jobs.losses(name, 3), timeout=300, interval=1, message=f"{name}: a step of generation 3")
     finally:
-        if not any(n["name"] == victim for n in cluster.nodes()):
-            cluster.add_nodes([spec])
-            cluster.wait_nodes_ready([victim], timeout=120)
+        missing = [n for n in (victim, holder) if not any(x["name"] == n for x in cluster.nodes())]
+        if missing:
+            cluster.add_nodes([node_spec(n) for n in missing])
+            cluster.wait_nodes_ready(missing, timeout=120)
 
 
 def test_baseline_pod_security_refuses_node_scope_with_the_fix_in_the_condition(

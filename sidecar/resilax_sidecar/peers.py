@@ -1,0 +1,344 @@
+"""Peer replicas between sidecars (the I/O; the rules are in `resilax_ckpt.peers`).
+
+Protocol (HTTP, every call with the job's bearer token, like the sidecar's mutating API):
+1. `GET /v1/peer/{origin}/newest` on the origin's sidecar: `{"step", "save"}` of its newest
+   committed local step (`step` null when it has none).
+2. `GET /v1/peer/{origin}/{step}/manifest`: `{"origin", "step", "save", "files": [{"path", "size",
+   "crc32c"}]}` — the origin computes it from its own local step; a holder answers the manifest it
+   stored with the replica (the origin's checksums, so a byte changed on the holder's disk since is
+   caught).
+3. `GET /v1/peer/{origin}/{step}/files/{path}`: one file, streamed.
+The receiver streams each file to disk in `CHUNK_BYTES` pieces (memory bound: one piece per
+transfer), paced to `RESILAX_PEER_BYTES_PER_SECOND`, computes its crc32c on the way and refuses the
+copy on any mismatch of size or checksum; the copy becomes visible only when complete (renamed from a
+`.tmp-` folder, `_REPLICA.json` or the commit marker last).
+
+Two uses of the same transfer:
+- replication: each holder (`resilax_ckpt.peers.plan_peers`) pulls the newest local step of each
+  origin it holds for into `<local>/_peer/p<origin>/<step>/` and then drops that origin's older
+  replicas (the `Replicator` thread);
+- restore: the trainer of a replacement host asks its own sidecar (`POST /v1/peer/fetch`, body
+  `{"origin", "step", "sources": ["host:port", ...]}`) to fetch its step from the holders in order
+  into its local tier `<local>/<step>/`, the next source tried when one fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from resilax_ckpt import checksums, layout
+from resilax_ckpt import peers as rules
+from resilax_ckpt.peer_client import held_replicas
+
+from resilax_sidecar.errors import SidecarError
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20
+"""Bytes read or written per piece of a transfer: the memory one transfer holds."""
+
+TIMEOUT_SECONDS = 30.0
+
+
+class PeerError(SidecarError, OSError):
+    """A peer transfer failed: the source is unreachable, refused, or sent bytes that do not match."""
+
+
+# ---- the files a sidecar serves -----------------------------------------------------------------
+
+
+def replica_folder(local_dir: Path, origin: int, step: int) -> Path:
+    return local_dir / rules.PEER_DIR / rules.origin_dir_name(origin) / layout.step_name(step)
+
+
+def _commit_marker(folder: Path, process_id: int) -> Path | None:
+    for name in (layout.commit_name(None), layout.commit_name(process_id)):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def save_identity(marker: Path) -> str:
+    """The save's identity in a local `_COMMIT` (`""` when it has none)."""
+    try:
+        body = json.loads(marker.read_bytes())
+    except (OSError, ValueError):
+        return ""
+    return str(body.get("save", "")) if isinstance(body, dict) else ""
+
+
+def newest_own_step(local_dir: Path, process_id: int) -> tuple[int, str] | None:
+    """(step, save identity) of this host's newest committed local step of `process_id`."""
+    try:
+        names = os.listdir(local_dir)
+    except FileNotFoundError:
+        return None
+    for step in sorted((s for s in map(layout.parse_step, names) if s is not None), reverse=True):
+        marker = _commit_marker(local_dir / layout.step_name(step), process_id)
+        if marker is not None:
+            return step, save_identity(marker)
+    return None
+
+
+def _files_of(folder: Path) -> list[str]:
+    out = []
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            out.append(os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def file_crc32c(path: Path) -> int:
+    value = 0
+    with open(path, "rb") as f:
+        while piece := f.read(CHUNK_BYTES):
+            value = checksums.crc32c(piece, value)
+    return value
+
+
+def build_manifest(folder: Path, origin: int, step: int, save: str) -> dict[str, Any]:
+    """The manifest of an origin's own local step (reads every file once)."""
+    files = [{"path": rel, "size": (folder / rel).stat().st_size, "crc32c": file_crc32c(folder / rel)}
+             for rel in _files_of(folder)]
+    return {"origin": origin, "step": step, "save": save, "files": files}
+
+
+def served_step(local_dir: Path, process_id: int, origin: int, step: int) -> tuple[Path, dict[str, Any]] | None:
+    """The folder and manifest this sidecar serves for (origin, step): its own committed local step
+    when `origin` is its process, else a complete replica it holds; None when it has neither."""
+    if origin == process_id:
+        folder = local_dir / layout.step_name(step)
+        marker = _commit_marker(folder, process_id)
+        if marker is None:
+            return None
+        return folder, build_manifest(folder, origin, step, save_identity(marker))
+    folder = replica_folder(local_dir, origin, step)
+    try:
+        manifest = json.loads((folder / rules.REPLICA_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return folder, manifest
+
+
+def served_file(folder: Path, manifest: dict[str, Any], path: str) -> Path | None:
+    """The file `path` of a served step, only if its manifest lists it (nothing else is served)."""
+    if path not in {f["path"] for f in manifest.get("files", [])}:
+        return None
+    return folder / path
+
+
+# ---- the client side of a transfer --------------------------------------------------------------
+
+
+class Pacer:
+    """Paces a transfer to `bytes_per_second` (None: unpaced); `sleep` injectable for tests."""
+
+    def __init__(self, bytes_per_second: float | None, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = bytes_per_second
+        self._sleep = sleep
+        self._clock = clock
+        self._start = clock()
+        self._sent = 0
+
+    def account(self, n: int) -> None:
+        self._sent += n
+        if not self._rate:
+            return
+        ahead = self._sent / self._rate - (self._clock() - self._start)
+        if ahead > 0:
+            self._sleep(ahead)
+
+
+def _get(source: str, path: str, token: str | None) -> Any:
+    request = urllib.request.Request(f"http://{source}{path}")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        return urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS)
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:500].decode("utf-8", "replace")
+        raise PeerError(f"{source}{path}: HTTP {e.code}: {detail}") from e
+    except (urllib.error.URLError, OSError) as e:
+        raise PeerError(f"{source}{path}: {e}") from e
+
+
+def _get_json(source: str, path: str, token: str | None) -> Any:
+    with _get(source, path, token) as response:
+        try:
+            return json.loads(response.read())
+        except ValueError as e:
+            raise PeerError(f"{source}{path}: not JSON: {e}") from e
+
+
+def fetch_newest(source: str, origin: int, token: str | None) -> tuple[int, str] | None:
+    body = _get_json(source, f"/v1/peer/{origin}/newest", token)
+    return None if body.get("step") is None else (int(body["step"]), str(body.get("save", "")))
+
+
+def fetch_step(source: str, origin: int, step: int, token: str | None, dest: Path, pacer: Pacer) -> dict[str, Any]:
+    """Copy (origin, step) from `source` into the new folder `dest`, checking every file's size and
+    crc32c against the source's manifest; the manifest. On any failure `dest` is removed."""
+    manifest = _get_json(source, f"/v1/peer/{origin}/{step}/manifest", token)
+    if manifest.get("origin") != origin or manifest.get("step") != step:
+        raise PeerError(f"{source}: manifest of ({origin}, {step}) names ({manifest.get('origin')}, "
+                        f"{manifest.get('step')})")
+    dest.mkdir(parents=True)
+    try:
+        for entry in manifest["files"]:
+            rel = str(entry["path"])
+            if rel.startswith("/") or ".." in rel.split("/"):
+                raise PeerError(f"{source}: manifest of step {step} names an unsafe path {rel!r}")
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            value, size = 0, 0
+            quoted = urllib.parse.quote(rel)
+            with _get(source, f"/v1/peer/{origin}/{step}/files/{quoted}", token) as response, \
+                    open(target, "wb") as out:
+                while piece := response.read(CHUNK_BYTES):
+                    out.write(piece)
+                    value = checksums.crc32c(piece, value)
+                    size += len(piece)
+                    pacer.account(len(piece))
+                out.flush()
+                os.fsync(out.fileno())
+            if size != entry["size"] or value != entry["crc32c"]:
+                raise PeerError(f"{source}: step {step} of process {origin}: {rel}: got {size} bytes with crc32c "
+                                f"0x{value:08x}, the manifest says {entry['size']} bytes with 0x{entry['crc32c']:08x}; "
+                                "the copy is refused")
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    return dict(manifest)
+
+
+def _tmp(parent: Path, step: int) -> Path:
+    return parent / f"{layout.TMP_PREFIX}peer-{step}-{uuid.uuid4().hex[:8]}"
+
+
+def replicate_once(local_dir: Path, source: str, origin: int, token: str | None, pacer: Pacer) -> int | None:
+    """Pull `origin`'s newest local step from `source` unless this host holds it already; then drop
+    that origin's older replicas. The step now held (None when the origin has none)."""
+    newest = fetch_newest(source, origin, token)
+    if newest is None:
+        return None
+    step, save = newest
+    base = local_dir / rules.PEER_DIR / rules.origin_dir_name(origin)
+    final = base / layout.step_name(step)
+    held = held_replicas(str(local_dir)).get(origin, {})
+    if held.get(step) != save:
+        base.mkdir(parents=True, exist_ok=True)
+        if final.exists():
+            shutil.rmtree(final)  # an older save of the same step number, or an incomplete copy
+        tmp = _tmp(base, step)
+        manifest = fetch_step(source, origin, step, token, tmp, pacer)
+        (tmp / rules.REPLICA_FILE).write_text(json.dumps(manifest))
+        os.replace(tmp, final)
+        log.info("replica of process %d's step %d (%d files) taken from %s", origin, step,
+                 len(manifest["files"]), source)
+    for name in os.listdir(base):
+        old = layout.parse_step(name)
+        if (old is not None and old != step) or name.startswith(layout.TMP_PREFIX):
+            shutil.rmtree(base / name, ignore_errors=True)
+    return step
+
+
+def fetch_for_restore(local_dir: Path, process_id: int, step: int, sources: Sequence[str], token: str | None,
+                      pacer: Pacer) -> tuple[str, dict[str, Any]]:
+    """Copy this process's replica of `step` from the first source that serves it whole into the
+    local tier `<local>/<step>/` (committed: the marker is moved last). (source, manifest); raises
+    PeerError naming every source's failure."""
+    failures = []
+    for source in sources:
+        tmp = _tmp(local_dir, step)
+        try:
+            manifest = fetch_step(source, process_id, step, token, tmp, pacer)
+        except PeerError as e:
+            log.warning("peer %s refused for step %d: %s", source, step, e)
+            failures.append(str(e))
+            continue
+        final = local_dir / layout.step_name(step)
+        if not final.exists():
+            os.replace(tmp, final)
+        else:  # a folder other processes of this host share: files first, commit markers last
+            names = sorted(_files_of(tmp), key=lambda n: n.split("/")[-1].startswith(layout.COMMIT_FILE))
+            for rel in names:
+                (final / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp / rel, final / rel)
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("step %d of process %d restored into the local tier from peer %s", step, process_id, source)
+        return source, manifest
+    raise PeerError(f"no peer served step {step} of process {process_id}: " + "; ".join(failures)
+                    if failures else f"no peer holds step {step} of process {process_id}")
+
+
+# ---- the replicator thread ----------------------------------------------------------------------
+
+
+def read_peers(control_dir: Path) -> tuple[int, list[rules.PeerHost]] | None:
+    """`peers.json` written by this pod's trainer: (its process, the generation's hosts)."""
+    try:
+        body = json.loads((control_dir / rules.PEERS_FILE).read_bytes())
+        hosts = [rules.PeerHost(int(h["process"]), int(h["slice"]), str(h["node"]), str(h["address"]))
+                 for h in body["hosts"]]
+        return int(body["process"]), hosts
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class Replicator:
+    """Keeps a replica of the newest local step of each origin this host holds for (the placement of
+    `resilax_ckpt.peers`), polling the origins' sidecars every `poll_seconds`."""
+
+    def __init__(self, local_dir: Path, control_dir: Path, read_token: Callable[[], str | None],
+                 bytes_per_second: float | None, poll_seconds: float) -> None:
+        self.local_dir = local_dir
+        self.control_dir = control_dir
+        self.read_token = read_token
+        self.bytes_per_second = bytes_per_second
+        self.poll_seconds = poll_seconds
+        self.held: dict[int, int] = {}
+        self.last_error: str | None = None
+
+    def plan(self) -> Iterator[tuple[int, str]]:
+        """(origin, its sidecar's address) for each origin this host holds for."""
+        peers = read_peers(self.control_dir)
+        if peers is None:
+            return
+        me, hosts = peers
+        placement = rules.plan_peers(hosts)
+        addresses = {h.process: h.address for h in hosts}
+        for origin in rules.origins_held_by(me, placement):
+            if addresses.get(origin):
+                yield origin, addresses[origin]
+
+    def run_once(self) -> None:
+        for origin, source in list(self.plan()):
+            try:
+                step = replicate_once(self.local_dir, source, origin, self.read_token(), Pacer(self.bytes_per_second))
+            except (PeerError, OSError) as e:
+                self.last_error = str(e)
+                log.warning("replica of process %d from %s: %s", origin, source, e)
+                continue
+            if step is not None:
+                self.held[origin] = step
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.run_once()
+            except Exception:
+                log.exception("peer replication failed; retrying")
+            stop.wait(self.poll_seconds)

@@ -1,0 +1,132 @@
+"""Peer replicas between real `resilax sidecar` processes (sidecar/resilax_sidecar/peers.py): the
+holder pulls its origin's newest local step, a replica with a flipped byte is refused on fetch (the
+origin's crc32c) and the next source is used, and the peer endpoints refuse calls without the token.
+
+The trainers' side is played by writing what resilax_ckpt writes: local steps and `peers.json`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from resilax_ckpt.peers import PEERS_FILE, REPLICA_FILE
+from sidecar_harness import TOKEN, build_sidecar_env, http, step_files, wait_until, write_local_step
+
+FILES = step_files(3, 300_000)
+
+
+def peer_env(tmp_path: Path, process: int, count: int) -> dict[str, str]:
+    base = tmp_path / f"host{process}"
+    base.mkdir()
+    env = build_sidecar_env(base)
+    env.update({"RESILAX_LOCAL_DIR": str(base / "local"), "RESILAX_CHECKPOINT_DIR": str(tmp_path / "persistent"),
+                "JAX_PROCESS_ID": str(process), "JAX_NUM_PROCESSES": str(count),
+                "RESILAX_PEER_BYTES_PER_SECOND": "0"})
+    (base / "local").mkdir()
+    return env
+
+
+def write_peers(envs: list[dict[str, str]]) -> None:
+    """What each trainer writes at start: its process and every process's slice, node and sidecar."""
+    hosts = [{"process": p, "slice": 0, "node": f"node-{p}", "address": f"127.0.0.1:{e['RESILAX_SIDECAR_PORT']}"}
+             for p, e in enumerate(envs)]
+    for p, env in enumerate(envs):
+        control = Path(env["RESILAX_CONTROL_DIR"])
+        control.mkdir(parents=True, exist_ok=True)
+        (control / PEERS_FILE).write_text(json.dumps({"process": p, "hosts": hosts}))
+
+
+def replica(env: dict[str, str], origin: int, step: int) -> Path:
+    return Path(env["RESILAX_LOCAL_DIR"]) / "_peer" / f"p{origin}" / str(step)
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_replica_with_a_flipped_byte_is_refused_and_the_next_source_is_used(
+        tmp_path: Path, start_sidecar: Any) -> None:
+    # One slice of three processes on three nodes: the placement is 0 -> 1, 1 -> 2, 2 -> 0.
+    envs = [peer_env(tmp_path, p, 3) for p in range(3)]
+    write_peers(envs)
+    origin_step = write_local_step(Path(envs[0]["RESILAX_LOCAL_DIR"]), 12, FILES)
+    saved = tree(origin_step)
+    sidecars = [start_sidecar(env) for env in envs]
+    held = wait_until(lambda: (replica(envs[1], 0, 12) / REPLICA_FILE).is_file(), 60,
+                      "process 1 holding process 0's step 12")
+    assert held
+    assert {k: v for k, v in tree(replica(envs[1], 0, 12)).items() if k != REPLICA_FILE} == saved
+    manifest = json.loads((replica(envs[1], 0, 12) / REPLICA_FILE).read_text())
+    assert manifest["origin"] == 0 and manifest["step"] == 12 and len(manifest["files"]) == len(saved)
+    assert not replica(envs[2], 0, 12).exists()  # process 2 holds process 1's replicas, not 0's
+
+    # A newer local step replaces the older replica.
+    write_local_step(Path(envs[0]["RESILAX_LOCAL_DIR"]), 14, FILES)
+    wait_until(lambda: (replica(envs[1], 0, 14) / REPLICA_FILE).is_file() and not replica(envs[1], 0, 12).exists(),
+               60, "process 1 holding step 14 only")
+    newest = tree(Path(envs[0]["RESILAX_LOCAL_DIR"]) / "14")
+
+    # Process 0's node is lost; a second copy of its replica sits on process 2's node (as a holder
+    # under another placement would have it), and one byte of process 1's copy flips on its disk.
+    sidecars[0].close()
+    second = replica(envs[2], 0, 14)
+    second.parent.mkdir(parents=True)
+    second.mkdir()
+    for rel, data in tree(replica(envs[1], 0, 14)).items():
+        (second / rel).parent.mkdir(parents=True, exist_ok=True)
+        (second / rel).write_bytes(data)
+    victim = replica(envs[1], 0, 14) / "state" / "leaf1" / "c" / "0"
+    data = bytearray(victim.read_bytes())
+    data[1000] ^= 0x01
+    victim.write_bytes(bytes(data))
+
+    # The replacement host (process 0, an empty local tier) fetches from the holders in order.
+    fresh = tmp_path / "replacement"
+    fresh.mkdir()
+    env0 = peer_env(fresh, 0, 3)
+    replacement = start_sidecar(env0)
+    sources = [f"127.0.0.1:{envs[1]['RESILAX_SIDECAR_PORT']}", f"127.0.0.1:{envs[2]['RESILAX_SIDECAR_PORT']}"]
+    answer = replacement.post("/v1/peer/fetch", {"origin": 0, "step": 14, "sources": sources}, token=TOKEN)
+    assert answer.status == 200, answer.body
+    assert answer.body["source"] == sources[1]  # the first was refused
+    assert "crc32c" in replacement.log() and "refused" in replacement.log()
+    restored = Path(env0["RESILAX_LOCAL_DIR"]) / "14"
+    assert tree(restored) == newest  # the step, committed (its _COMMIT last), byte for byte
+    assert not [p for p in Path(env0["RESILAX_LOCAL_DIR"]).iterdir() if p.name.startswith(".tmp-")]
+
+    # With the flipped copy as the only source: refused, nothing left behind, a JSON error naming it.
+    (restored / "_COMMIT").unlink()
+    for p in sorted(restored.rglob("*"), reverse=True):
+        p.unlink() if p.is_file() else p.rmdir()
+    restored.rmdir()
+    refused = replacement.post("/v1/peer/fetch", {"origin": 0, "step": 14, "sources": sources[:1]}, token=TOKEN)
+    assert refused.status == 409, refused.body
+    assert refused.body["error"]["code"] == "peer_failed"
+    assert "state/leaf1/c/0" in refused.body["error"]["message"]
+    assert not restored.exists()
+    for s in sidecars[1:]:
+        s.close()
+
+
+def test_peer_endpoints_refuse_a_call_without_the_token(tmp_path: Path, start_sidecar: Any) -> None:
+    env = peer_env(tmp_path, 0, 2)
+    write_local_step(Path(env["RESILAX_LOCAL_DIR"]), 8, FILES)
+    sidecar = start_sidecar(env)
+    url = sidecar.url
+    calls = [("GET", "/v1/peer/0/newest", None), ("GET", "/v1/peer/0/8/manifest", None),
+             ("GET", "/v1/peer/0/8/files/state/leaf0/c/0", None),
+             ("POST", "/v1/peer/fetch", {"origin": 0, "step": 8, "sources": ["127.0.0.1:1"]})]
+    for method, path, body in calls:
+        none = http(method, url + path, body)
+        assert none.status == 401, (path, none.body)
+        assert none.body["error"]["code"] == "unauthorized"
+        wrong = http(method, url + path, body, token="not-the-token")
+        assert wrong.status == 403, (path, wrong.body)
+    # with the token the same calls are served
+    assert http("GET", url + "/v1/peer/0/newest", token=TOKEN).body["step"] == 8
+    assert len(http("GET", url + "/v1/peer/0/8/manifest", token=TOKEN).body["files"]) == len(FILES) + 2
+    assert http("GET", url + "/v1/peer/0/8/files/state/leaf0/c/0", token=TOKEN).status == 200
+    # only files of the step's manifest are served
+    assert http("GET", url + "/v1/peer/0/8/files/..%2F..%2Ftoken", token=TOKEN).status == 404
+    assert http("GET", url + "/v1/peer/0/9/manifest", token=TOKEN).status == 404
