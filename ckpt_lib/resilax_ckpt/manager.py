@@ -886,7 +886,7 @@ class CheckpointManager:
             # The persistent lists too: a sidecar's commit landing between two processes' listings
             # must not give them different candidates (every try below is a collective).
             self._save_count += 1
-            key = f"{self._key}/restore{self._save_count}"
+            key = f"{self._key}/restore-agree{self._save_count}"
             mine = self._own_holdings(local_ok, persistent[-1] if persistent else None)
             self._coord.publish(f"{key}/{self._coord.process_index}",
                                 json.dumps({"process": self._coord.process_index, "persistent": persistent,

@@ -169,6 +169,9 @@ class Sidecar:
             "restore": read_restore_report(str(cfg.control_dir)),
             # The trainer's figures (resilax_ckpt.trainer_metrics): its step, step rate, save/restore times.
             "trainer": read_trainer_figures(str(cfg.control_dir)),
+            # Peer replicas this host keeps: origin process -> step, and the last replication error.
+            "peer_replicas": {str(p): s for p, s in sorted(self.replicator.held.items())} if self.replicator else {},
+            "peer_last_error": self.replicator.last_error if self.replicator else None,
         }
         if self.uploader is not None:
             state.update(self.uploader.state.to_json())

@@ -24,15 +24,14 @@ Two uses of the same transfer:
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
 import shutil
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -115,28 +114,35 @@ def build_manifest(folder: Path, origin: int, step: int, save: str) -> dict[str,
     return {"origin": origin, "step": step, "save": save, "files": files}
 
 
-def served_step(local_dir: Path, process_id: int, origin: int, step: int) -> tuple[Path, dict[str, Any]] | None:
-    """The folder and manifest this sidecar serves for (origin, step): its own committed local step
-    when `origin` is its process, else a complete replica it holds; None when it has neither."""
+def served_folder(local_dir: Path, process_id: int, origin: int, step: int) -> Path | None:
+    """The folder this sidecar serves for (origin, step): its own committed local step when `origin`
+    is its process, else a complete replica it holds; None when it has neither."""
     if origin == process_id:
         folder = local_dir / layout.step_name(step)
-        marker = _commit_marker(folder, process_id)
-        if marker is None:
-            return None
-        return folder, build_manifest(folder, origin, step, save_identity(marker))
+        return folder if _commit_marker(folder, process_id) is not None else None
     folder = replica_folder(local_dir, origin, step)
+    return folder if (folder / rules.REPLICA_FILE).is_file() else None
+
+
+def served_manifest(folder: Path, process_id: int, origin: int, step: int) -> dict[str, Any] | None:
+    """The manifest of a served folder: computed for its own step, the stored one for a replica."""
     try:
-        manifest = json.loads((folder / rules.REPLICA_FILE).read_bytes())
+        if origin == process_id:
+            marker = _commit_marker(folder, process_id)
+            return None if marker is None else build_manifest(folder, origin, step, save_identity(marker))
+        return dict(json.loads((folder / rules.REPLICA_FILE).read_bytes()))
     except (OSError, ValueError):
         return None
-    return folder, manifest
 
 
-def served_file(folder: Path, manifest: dict[str, Any], path: str) -> Path | None:
-    """The file `path` of a served step, only if its manifest lists it (nothing else is served)."""
-    if path not in {f["path"] for f in manifest.get("files", [])}:
+def served_file(folder: Path, path: str) -> Path | None:
+    """The file `path` of a served folder: a relative path to a regular file inside it (nothing else
+    is served)."""
+    parts = path.split("/")
+    if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts):
         return None
-    return folder / path
+    target = folder.joinpath(*parts)
+    return target if target.is_file() and not target.is_symlink() else None
 
 
 # ---- the client side of a transfer --------------------------------------------------------------
@@ -162,36 +168,63 @@ class Pacer:
             self._sleep(ahead)
 
 
-def _get(source: str, path: str, token: str | None) -> Any:
-    request = urllib.request.Request(f"http://{source}{path}")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        return urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS)
-    except urllib.error.HTTPError as e:
-        detail = e.read()[:500].decode("utf-8", "replace")
-        raise PeerError(f"{source}{path}: HTTP {e.code}: {detail}") from e
-    except (urllib.error.URLError, OSError) as e:
-        raise PeerError(f"{source}{path}: {e}") from e
+class _Connection:
+    """One keep-alive HTTP connection to a peer sidecar (a step's files in one connection)."""
 
+    def __init__(self, source: str, token: str | None) -> None:
+        host, _, port = source.rpartition(":")
+        if not host or not port.isdigit():
+            raise PeerError(f"{source!r} is not host:port")
+        self.source = source
+        self._conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_SECONDS)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-def _get_json(source: str, path: str, token: str | None) -> Any:
-    with _get(source, path, token) as response:
+    def get(self, path: str) -> http.client.HTTPResponse:
+        """The response to GET `path` (read it whole before the next call)."""
+        try:
+            self._conn.request("GET", path, headers=self._headers)
+            response = self._conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            self._conn.close()
+            raise PeerError(f"{self.source}{path}: {e}") from e
+        if response.status != 200:
+            detail = response.read()[:500].decode("utf-8", "replace")
+            raise PeerError(f"{self.source}{path}: HTTP {response.status}: {detail}")
+        return response
+
+    def get_json(self, path: str) -> Any:
+        response = self.get(path)
         try:
             return json.loads(response.read())
-        except ValueError as e:
-            raise PeerError(f"{source}{path}: not JSON: {e}") from e
+        except (ValueError, OSError, http.client.HTTPException) as e:
+            raise PeerError(f"{self.source}{path}: not JSON: {e}") from e
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 def fetch_newest(source: str, origin: int, token: str | None) -> tuple[int, str] | None:
-    body = _get_json(source, f"/v1/peer/{origin}/newest", token)
+    connection = _Connection(source, token)
+    try:
+        body = connection.get_json(f"/v1/peer/{origin}/newest")
+    finally:
+        connection.close()
     return None if body.get("step") is None else (int(body["step"]), str(body.get("save", "")))
 
 
 def fetch_step(source: str, origin: int, step: int, token: str | None, dest: Path, pacer: Pacer) -> dict[str, Any]:
     """Copy (origin, step) from `source` into the new folder `dest`, checking every file's size and
     crc32c against the source's manifest; the manifest. On any failure `dest` is removed."""
-    manifest = _get_json(source, f"/v1/peer/{origin}/{step}/manifest", token)
+    connection = _Connection(source, token)
+    try:
+        return _fetch_step(connection, origin, step, dest, pacer)
+    finally:
+        connection.close()
+
+
+def _fetch_step(connection: _Connection, origin: int, step: int, dest: Path, pacer: Pacer) -> dict[str, Any]:
+    source = connection.source
+    manifest = connection.get_json(f"/v1/peer/{origin}/{step}/manifest")
     if manifest.get("origin") != origin or manifest.get("step") != step:
         raise PeerError(f"{source}: manifest of ({origin}, {step}) names ({manifest.get('origin')}, "
                         f"{manifest.get('step')})")
@@ -205,8 +238,8 @@ def fetch_step(source: str, origin: int, step: int, token: str | None, dest: Pat
             target.parent.mkdir(parents=True, exist_ok=True)
             value, size = 0, 0
             quoted = urllib.parse.quote(rel)
-            with _get(source, f"/v1/peer/{origin}/{step}/files/{quoted}", token) as response, \
-                    open(target, "wb") as out:
+            response = connection.get(f"/v1/peer/{origin}/{step}/files/{quoted}")
+            with open(target, "wb") as out:
                 while piece := response.read(CHUNK_BYTES):
                     out.write(piece)
                     value = checksums.crc32c(piece, value)

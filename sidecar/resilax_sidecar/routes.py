@@ -210,26 +210,30 @@ async def get_peer_newest(request: web.Request) -> web.Response:
     return web.json_response({"step": newest[0] if newest else None, "save": newest[1] if newest else None})
 
 
-async def _served(request: web.Request) -> tuple[Any, dict[str, Any]]:
+async def _served_folder(request: web.Request) -> tuple[Any, int, int]:
     origin, step = _peer_target(request)
     assert step is not None
     cfg = request.app[SIDECAR_KEY].config
     assert cfg.local_dir is not None
-    served = await asyncio.to_thread(peers.served_step, cfg.local_dir, cfg.process_id, origin, step)
-    if served is None:
+    folder = await asyncio.to_thread(peers.served_folder, cfg.local_dir, cfg.process_id, origin, step)
+    if folder is None:
         raise ApiError(404, "not_found", f"no committed step {step} of process {origin} on this host")
-    return served
+    return folder, origin, step
 
 
 async def get_peer_manifest(request: web.Request) -> web.Response:
-    _, manifest = await _served(request)
+    folder, origin, step = await _served_folder(request)
+    cfg = request.app[SIDECAR_KEY].config
+    manifest = await asyncio.to_thread(peers.served_manifest, folder, cfg.process_id, origin, step)
+    if manifest is None:
+        raise ApiError(404, "not_found", f"step {step} of process {origin} went away while being read")
     return web.json_response(manifest)
 
 
 async def get_peer_file(request: web.Request) -> web.StreamResponse:
-    folder, manifest = await _served(request)
-    path = peers.served_file(folder, manifest, request.match_info["path"])
-    if path is None or not path.is_file():
+    folder, _, _ = await _served_folder(request)
+    path = peers.served_file(folder, request.match_info["path"])
+    if path is None:
         raise ApiError(404, "not_found", f"{request.match_info['path']!r} is not a file of this step")
     return web.FileResponse(path, chunk_size=peers.CHUNK_BYTES)
 

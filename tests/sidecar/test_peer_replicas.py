@@ -66,6 +66,9 @@ def test_a_replica_with_a_flipped_byte_is_refused_and_the_next_source_is_used(
     wait_until(lambda: (replica(envs[1], 0, 14) / REPLICA_FILE).is_file() and not replica(envs[1], 0, 12).exists(),
                60, "process 1 holding step 14 only")
     newest = tree(Path(envs[0]["RESILAX_LOCAL_DIR"]) / "14")
+    state = wait_until(lambda: (b := sidecars[1].get("/v1/state").body)["peer_replicas"] == {"0": 14} and b, 30,
+                       "/v1/state reporting the replica")
+    assert state["peer_last_error"] is None
 
     # Process 0's node is lost; a second copy of its replica sits on process 2's node (as a holder
     # under another placement would have it), and one byte of process 1's copy flips on its disk.
