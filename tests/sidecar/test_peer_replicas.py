@@ -133,3 +133,26 @@ def test_peer_endpoints_refuse_a_call_without_the_token(tmp_path: Path, start_si
     # only files of the step's manifest are served
     assert http("GET", url + "/v1/peer/0/8/files/..%2F..%2Ftoken", token=TOKEN).status == 404
     assert http("GET", url + "/v1/peer/0/9/manifest", token=TOKEN).status == 404
+
+
+def test_a_transfer_is_paced_to_its_byte_rate() -> None:
+    """RESILAX_PEER_BYTES_PER_SECOND: the pacer sleeps whenever the bytes sent run ahead of the rate
+    (time injected: a clock that advances only by the sleeps)."""
+    from resilax_sidecar.peers import CHUNK_BYTES, Pacer
+
+    now = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    pacer = Pacer(4 * CHUNK_BYTES, sleep=sleep, clock=lambda: now[0])
+    for _ in range(8):
+        pacer.account(CHUNK_BYTES)
+    assert abs(now[0] - 2.0) < 1e-9  # 8 pieces at 4 pieces per second
+    assert all(abs(s - 0.25) < 1e-9 for s in sleeps)
+    unpaced = Pacer(None, sleep=sleep, clock=lambda: now[0])
+    count = len(sleeps)
+    unpaced.account(100 * CHUNK_BYTES)
+    assert len(sleeps) == count
