@@ -44,6 +44,8 @@ class ObservedNode:
     #: Until when the node's Lease (kube-node-lease) says its kubelet is alive: renewTime +
     #: leaseDurationSeconds. Read only for a NotReady (Ready=False) node hosting a worker; None: unknown.
     lease_live_until: datetime | None = None
+    #: The Ready condition's message (the kubelet's reason for NotReady).
+    ready_message: str = ""
 
     @property
     def pool(self) -> str | None:
@@ -79,8 +81,11 @@ class ObservedNode:
     def down_since(self, now: datetime) -> datetime | None:
         """When the node stopped being Ready (or got the unreachable taint); None while it is Ready, and
         while it is NotReady (Ready=False) with a live Lease: its kubelet runs and still manages the pods
-        (a runtime or network-plugin hiccup), so it is no node loss and nothing on it is force-deleted."""
+        (a runtime or network-plugin hiccup), so it is no node loss and nothing on it is force-deleted.
+        A node whose kubelet says it is shutting down (graceful node shutdown: a spot VM's preemption) is
+        down whatever its Lease: it is going away."""
         if self.ready == "False" and self.lease_live_until is not None and now < self.lease_live_until \
+                and SHUTTING_DOWN_MESSAGE not in self.ready_message \
                 and not any(t.key == api.UNREACHABLE_TAINT for t in self.taints):
             return None
         if self.ready != "True":
@@ -186,6 +191,8 @@ class Observed:
 DEVICE_RESOURCES: Final = (api.TPU_RESOURCE, api.GPU_RESOURCE)
 
 
+#: The kubelet's Ready=False message during a graceful node shutdown.
+SHUTTING_DOWN_MESSAGE: Final = "node is shutting down"
 #: Waiting reasons of a container that is simply starting (not stuck).
 STARTING_REASONS: Final = frozenset({"ContainerCreating", "PodInitializing"})
 
@@ -277,6 +284,7 @@ def parse_node(raw: Mapping[str, Any], in_use_by_others: Mapping[str, int] | Non
         taints=tuple(Taint(str(t.get("key", "")), str(t.get("value", "") or ""), str(t.get("effect", "")))
                      for t in spec.get("taints") or []),
         ready=str(ready.get("status", "Unknown")), ready_since=st.parse_time(ready.get("lastTransitionTime")),
+        ready_message=str(ready.get("message") or ""),
         unschedulable=bool(spec.get("unschedulable", False)), allocatable=allocatable,
         in_use_by_others=dict(in_use_by_others or {}), lease_live_until=lease_live_until)
 

@@ -121,6 +121,8 @@ LOST_CASES = {
     # NotReady reported by a kubelet that still renews its Lease: not down, whatever the time
     "false-with-a-live-lease": ({"ready": "False", "lease_live_until": LEASE_FOREVER}, 600, False, False),
     "false-with-an-expired-lease": ({"ready": "False", "lease_live_until": T0}, 31, True, False),
+    "shutting-down-with-a-live-lease": ({"ready": "False", "lease_live_until": LEASE_FOREVER,
+                                         "ready_message": "node is shutting down"}, 31, True, False),
     "unknown-with-a-live-lease": ({"ready": "Unknown", "lease_live_until": LEASE_FOREVER}, 31, True, False),
     "false-live-lease-but-unreachable": ({"ready": "False", "lease_live_until": LEASE_FOREVER,
                                           "taints": (Taint(api.UNREACHABLE_TAINT, "", "NoExecute"),)}, 31, True, False),
