@@ -111,7 +111,7 @@ def observe_leases(kube: Kube, names: Sequence[str], logger: Logger) -> dict[str
 
 def observe_save_outcomes(kube: Kube, status: st.JobStatus, pods: Sequence[Mapping[str, Any]],
                           settings: OperatorSettings, logger: Logger) -> tuple[SaveOutcome, ...]:
-    """The sidecars' answers to the open final save request: the first committed, else the first failed."""
+    """Every sidecar's answer to the open final save request (final_save.py picks which counts)."""
     t = status.transition
     if t is None or not t.saving or not t.save_request_id:
         return ()
@@ -130,7 +130,6 @@ def observe_save_outcomes(kube: Kube, status: st.JobStatus, pods: Sequence[Mappi
         outcome = parse_save_outcome(t.save_request_id, answer)
         if outcome is not None:
             found.append(outcome)
-    committed = [o for o in found if o.committed and o.error is None]
-    return (committed[0],) if committed else tuple(found[:1])
+    return tuple(found)
 
 

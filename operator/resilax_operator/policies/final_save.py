@@ -8,7 +8,7 @@ operator restart resumes the wait. While it runs:
 | observed                                                | decision                                    |
 |---------------------------------------------------------|---------------------------------------------|
 | no answer, before the deadline, workers alive           | Saving=True; RequestFinalSave (idempotent)  |
-| a sidecar's answer (committed or failed)                | done: FinalSaveDone (the step joins status) |
+| a sidecar's answer: one committed, else a failure      | done: FinalSaveDone (the step joins status) |
 | the deadline passed                                     | done: FinalSaveTimeout                      |
 | every worker ended or is being deleted                  | done: "the workers exited"                  |
 | a worker's node is down or gone                         | done: "a node was lost"                     |
@@ -47,7 +47,9 @@ def progress(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
     assert t is not None and t.saving
     g = t.generation
     pods = observed.pods_of(g)
-    outcome = next((o for o in observed.save_outcomes if o.request_id == t.save_request_id), None)
+    answers = [o for o in observed.save_outcomes if o.request_id == t.save_request_id]
+    # All processes agree on one step, so any sidecar's commit is the save's; else the first failure.
+    outcome = next((o for o in answers if o.committed and o.error is None), answers[0] if answers else None)
     lost = node_loss.pods_to_force(observed, pods, settings)
     timed_out = t.save_deadline is not None and now >= t.save_deadline
     all_ended = all(p.terminated or p.deletion_timestamp is not None for p in pods)

@@ -74,6 +74,8 @@ PROGRESS_CASES = {
     "no-answer-yet": ("nothing", False, None, None, None),
     "committed": ("committed", True, api.FINAL_SAVE_DONE.name, "Normal", "step 4200 committed"),
     "failed": ("failed", True, api.FINAL_SAVE_DONE.name, "Warning", "error: disk full"),
+    "one-failed-another-committed": ("both", True, api.FINAL_SAVE_DONE.name, "Normal", "step 4200 committed"),
+    "another-job-request-ignored": ("other-request", False, None, None, None),
     "deadline-passed": ("timeout", True, api.FINAL_SAVE_TIMEOUT.name, "Warning", "300s"),
     "workers-exited": ("exited", True, api.FINAL_SAVE_DONE.name, "Normal", "the workers exited"),
     "a-node-was-lost": ("node-lost", True, api.FINAL_SAVE_DONE.name, "Normal", "a node was lost"),
@@ -89,6 +91,10 @@ def test_final_save_progress_table(happens: str, done: bool, reason: str | None,
         w.outcomes.append(SaveOutcome(request, step=4200, committed=True))
     elif happens == "failed":
         w.outcomes.append(SaveOutcome(request, error="disk full"))
+    elif happens == "both":
+        w.outcomes += [SaveOutcome(request, error="peer gone"), SaveOutcome(request, step=4200, committed=True)]
+    elif happens == "other-request":
+        w.outcomes.append(SaveOutcome("older-request", step=1, committed=True))
     elif happens == "timeout":
         w.advance(300)
     elif happens == "exited":
@@ -109,7 +115,7 @@ def test_final_save_progress_table(happens: str, done: bool, reason: str | None,
     assert (event.reason, event.type) == (reason, event_type) and detail in event.message
     saving = status.condition(api.COND_SAVING)
     assert saving is not None and saving.status == "False"
-    if happens == "committed":
+    if happens in ("committed", "both"):
         assert status.checkpoint is not None and status.checkpoint.step == 4200
 
 
