@@ -16,7 +16,7 @@ WORKER = Path(__file__).with_name("ckpt_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_processes(args: dict[str, Any], num_processes: int = 1, timeout: float = 120,
+def run_processes(args: dict[str, Any], num_processes: int = 1, timeout: float = 240,
                   env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Start `num_processes` workers (each with devices // num_processes local devices) and return
     their results in process order; raises with their output if any fails."""
@@ -30,15 +30,25 @@ def run_processes(args: dict[str, Any], num_processes: int = 1, timeout: float =
         procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(a)], stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, env=base_env, start_new_session=True))
     outputs = []
+    hung = None
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
+            try:
+                out, _ = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                hung = len(outputs)
+                break
             outputs.append((p.returncode, out.decode(errors="replace")))
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        for p in procs[len(outputs):]:
+            # Whatever a killed worker printed says where it hung; this also closes its pipe.
+            out, _ = p.communicate()
+            outputs.append((p.returncode, out.decode(errors="replace")))
+    if hung is not None:
+        raise WorkerFailed(hung, None, f"(did not finish within {timeout} s; killed)\n{outputs[hung][1]}")
     results = []
     for pid, (code, out) in enumerate(outputs):
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
