@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         if restore_step is not None:  # 3. restore onto this generation's mesh
             state = mgr.restore(restore_step, target=state)
             print(json.dumps({"restored": restore_step, "from": mgr.restored_from, "generation": generation,
-                              "process": jax.process_index(), "node": os.environ.get("RESILAX_NODE_NAME", "")}),
+                              "process": jax.process_index(), "node": os.environ.get("RESILAX_NODE_NAME", ""),
+                              "time": time.time()}),
                   flush=True)
         start = int(state["meta"]["step"])
 

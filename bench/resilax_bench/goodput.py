@@ -1,0 +1,351 @@
+"""Goodput under a seeded failure schedule: ``python -m resilax_bench.goodput [--minutes 20] [--seed 1]``.
+
+One local cluster (resilax_local, the demo's profile: 2 TPU slices tpu-v5-lite-podslice 2x4 of 2 hosts
+each + cpu-0) and one operator (started as `resilax demo` starts it: the chart's RBAC, a ServiceAccount
+token). For each variant in turn, on the same cluster and with the same schedule (`goodput_model.
+build_schedule(seed)`: a hard node loss every ~`--kill-every` s, the second one a preemption notice
+instead, each node back `--restore-after` s later):
+
+* ``resilax``: the demo's JAXJob (examples/jaxjob-demo.yaml: 2 slices, elastic 1..2 with growBack, a
+  checkpoint every 10 steps, final saves on preemption and resize) plus a node-local tier
+  (`checkpoint.local: {}`, every step persisted too);
+* ``restart``: what a JobSet-style restart has: the same job with no local tier, no final saves
+  (`finalSave: {onPreemption: false, onResize: false}`) and no elastic shapes (every fault restarts all
+  workers at the full shape from the persistent checkpoint, once the capacity is there).
+
+The job trains examples/train.py (real JAX processes, 2 CPU devices each) for `--minutes`; the harness
+applies the faults at their times (the victim: the node of the job's last worker then), polls the job,
+its pods and Events every ~second, then deletes the job and restores every node. From process 0's step
+lines, the restore lines, the pods' times and the job's status it computes goodput and its breakdown
+(`goodput_model.compute_goodput`), and writes the JSON (`--json`, default bench/results/goodput-<time>.json)
+and the markdown table (printed; `--markdown FILE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+from resilax_local.demo import FILES, JOB_FILE, JOB_NAMESPACE, Demo, DemoError, say, stop_process_group
+from resilax_local.timeline import Fault, parse_timestamp
+from resilax_operator import api
+
+from .goodput_model import (
+    BUCKETS,
+    KILL,
+    PREEMPT,
+    RESTORE,
+    GenerationMarks,
+    Goodput,
+    PlannedFault,
+    build_schedule,
+    compute_goodput,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+VARIANTS = ("resilax", "restart")
+STEPS = 1_000_000  # more than any run trains: the harness ends the job
+
+
+def build_variant_job(variant: str, name: str, storage: str, step_seconds: float) -> dict[str, Any]:
+    """The demo's JAXJob as `variant` runs it (see the module doc)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    job = copy.deepcopy(yaml.safe_load(JOB_FILE.read_text()))
+    job["metadata"] = {"name": name, "namespace": JOB_NAMESPACE}
+    spec = job["spec"]
+    spec["checkpoint"]["storage"] = storage
+    spec["recovery"]["maxRestarts"] = 1000  # the schedule, not the restart budget, is under test
+    for container in spec["template"]["spec"]["containers"]:
+        container["workingDir"] = str(FILES)  # the demo's files: examples/train.py
+        container["command"] = ["python", "examples/train.py", "--steps", str(STEPS), "--step-seconds",
+                                str(step_seconds)]
+    if variant == "resilax":
+        spec["checkpoint"]["local"] = {}
+    else:
+        spec["checkpoint"]["finalSave"] = {**spec["checkpoint"].get("finalSave", {}),
+                                           "onPreemption": False, "onResize": False}
+        spec.pop("elastic", None)
+    return job
+
+
+class GoodputRun(Demo):
+    """The demo's cluster, operator and observation (resilax_local.demo.Demo), driven by a schedule."""
+
+    def __init__(self, run_dir: Path, timeout: float) -> None:
+        super().__init__(run_dir, timeout=timeout, fault_step=0, keep=False)
+        self.pods_seen: dict[int, dict[str, Any]] = {}  # generation -> {"created", "running"}
+        self.down: set[str] = set()
+
+    def reset(self, name: str) -> None:
+        self.job_name = name
+        self.snapshots, self.faults, self.notes, self.events, self.records = [], [], [], {}, []
+        self.pods_seen = {}
+        self._last_line = None
+
+    def observe_pods(self) -> None:
+        selector = f"{api.LABEL_JOB}={self.job_name}"
+        pods = self.client.get(f"/api/v1/namespaces/{JOB_NAMESPACE}/pods", labelSelector=selector)["items"]
+        now = time.time()
+        by_gen: dict[int, list[dict[str, Any]]] = {}
+        for p in pods:
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                by_gen.setdefault(int(p["metadata"]["labels"][api.LABEL_GENERATION]), []).append(p)
+        for gen, ps in by_gen.items():
+            seen = self.pods_seen.setdefault(gen, {"created": None, "running": None, "pods": 0})
+            created = [parse_timestamp(p["metadata"].get("creationTimestamp")) for p in ps]
+            if created and all(c is not None for c in created):
+                first = min(c for c in created if c is not None)
+                seen["created"] = min(seen["created"] or first, first)
+            seen["pods"] = max(seen["pods"], len(ps))
+            if seen["running"] is None and ps and all((p.get("status") or {}).get("phase") == "Running" for p in ps):
+                started = [parse_timestamp(_started_at(p)) for p in ps]
+                seen["running"] = max(s for s in started if s is not None) if all(started) else now
+
+    def restore_lines(self) -> dict[int, float]:
+        """generation -> when process 0 printed its restore line (the trainer's restore done)."""
+        out: dict[int, float] = {}
+        pods = self.cluster.run_dir / "pods" / JOB_NAMESPACE
+        for path in pods.glob(f"{self.job_name}-g*/logs/{api.TRAINER_CONTAINER}/*.log"):
+            with contextlib.suppress(OSError):
+                for line in path.read_text(errors="replace").splitlines():
+                    if not line.startswith("{") or '"restored"' not in line:
+                        continue
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        raw = json.loads(line)
+                        if int(raw.get("process", 0)) == 0 and "time" in raw:
+                            gen = int(raw["generation"])
+                            out[gen] = min(out.get(gen, float(raw["time"])), float(raw["time"]))
+        return out
+
+    def marks(self, start: float) -> dict[int, GenerationMarks]:
+        restored = self.restore_lines()
+        out = {}
+        gens = sorted({r.generation for r in self.records})
+        for n, gen in enumerate(gens):
+            seen = self.pods_seen.get(gen, {})
+            detected = None
+            if n:
+                prev_last = max(r.time for r in self.records if r.generation == gens[n - 1])
+                hard = [f.time for f in self.faults if f.kind in (KILL, PREEMPT) and f.time >= prev_last]
+                since = min(hard) if hard else prev_last
+                reacted = [s.time for s in self.snapshots
+                           if s.time >= since and (s.phase != "Running" or (s.generation or 0) > gens[n - 1])]
+                reacted += [e.time for e in self.events.values() if e.time >= since]
+                detected = min(reacted, default=None)
+            out[gen] = GenerationMarks(detected=detected, pods_created=seen.get("created"),
+                                       pods_running=seen.get("running"), restored=restored.get(gen))
+        return out
+
+    def apply_fault(self, planned: PlannedFault, victims: dict[int, str]) -> None:
+        if planned.kind == RESTORE:
+            node = victims.pop(planned.victim, None)
+            if node is not None:
+                self.cluster.restore_node(node)
+                self.down.discard(node)
+                self.faults.append(Fault(time.time(), RESTORE, node))
+                say(f"    {self.elapsed():6.0f}s  restore-node {node}")
+            return
+        gen = self.snapshots[-1].generation if self.snapshots else None
+        try:
+            node = self.pick_victim(gen)
+        except DemoError as e:
+            self.note("fault", f"{planned.kind} skipped: {e}")
+            say(f"    {self.elapsed():6.0f}s  {planned.kind} skipped: {e}")
+            return
+        if planned.kind == KILL:
+            self.cluster.kill_node(node)
+        else:
+            self.cluster.preempt_node(node, delay_seconds=30.0)
+        self.down.add(node)
+        victims[planned.victim] = node
+        self.faults.append(Fault(time.time(), planned.kind, node))
+        say(f"    {self.elapsed():6.0f}s  {planned.kind} {node} (generation {gen})")
+
+    def elapsed(self) -> float:
+        return time.time() - self.variant_start
+
+    def run_variant(self, variant: str, schedule: tuple[PlannedFault, ...], duration: float,
+                    step_seconds: float) -> dict[str, Any]:
+        name = f"goodput-{variant}"
+        self.reset(name)
+        ckpt = self.run_dir / "ckpt" / variant
+        ckpt.mkdir(parents=True, exist_ok=True)
+        job = build_variant_job(variant, name, str(ckpt), step_seconds)
+        (self.run_dir / f"{name}.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+        say(f"\n==> variant {variant}: JAXJob {JOB_NAMESPACE}/{name} for {duration:.0f} s, "
+            f"{sum(f.kind != RESTORE for f in schedule)} faults")
+        self.client.create(self.job_path(collection=True), job)
+        self.variant_start = start = time.time()
+        pending = list(schedule)
+        victims: dict[int, str] = {}
+        while time.time() < start + duration:
+            with contextlib.suppress(Exception):  # one failed poll (an API hiccup) is not the end
+                self.observe()
+                self.observe_pods()
+            while pending and time.time() >= start + pending[0].at:
+                self.apply_fault(pending.pop(0), victims)
+            time.sleep(1.0)
+        end = time.time()
+        with contextlib.suppress(Exception):
+            self.observe_quietly()
+            self.observe_pods()
+        marks = self.marks(start)
+        result = compute_goodput(self.records, self.faults, start, end, marks)
+        self.save_variant(variant, start, end, marks)
+        self.teardown_variant()
+        return summarize(variant, result, self.faults, start, marks)
+
+    def save_variant(self, variant: str, start: float, end: float, marks: dict[int, GenerationMarks]) -> None:
+        out = self.run_dir / variant
+        out.mkdir(parents=True, exist_ok=True)
+        for fname, items in (("losses", self.records), ("faults", self.faults), ("snapshots", self.snapshots),
+                             ("events", sorted(self.events.values(), key=lambda e: e.time))):
+            (out / f"{fname}.jsonl").write_text("".join(json.dumps(asdict(i)) + "\n" for i in items))
+        (out / "marks.json").write_text(json.dumps({"start": start, "end": end,
+                                                    "marks": {g: asdict(m) for g, m in marks.items()}}, indent=1))
+
+    def teardown_variant(self) -> None:
+        say(f"==> deleting {self.job_name}, restoring nodes {sorted(self.down) or '-'}")
+        for node in sorted(self.down):
+            with contextlib.suppress(Exception):
+                self.cluster.restore_node(node)
+        self.down.clear()
+        with contextlib.suppress(Exception):
+            self.client.delete(self.job_path())
+        selector = f"{api.LABEL_JOB}={self.job_name}"
+
+        def gone() -> bool:
+            return not self.client.get(f"/api/v1/namespaces/{JOB_NAMESPACE}/pods", labelSelector=selector)["items"]
+
+        self.poll_until(gone, f"the pods of {self.job_name} gone", 180)
+        names = [n["name"] for n in self.cluster.nodes()]
+        self.cluster.wait_nodes_ready(names, timeout=180)
+
+
+def _started_at(pod: dict[str, Any]) -> str | None:
+    for c in (pod.get("status") or {}).get("containerStatuses") or []:
+        if c.get("name") == api.TRAINER_CONTAINER:
+            return ((c.get("state") or {}).get("running") or {}).get("startedAt")
+    return None
+
+
+def summarize(variant: str, g: Goodput, faults: list[Fault], start: float,
+              marks: dict[int, GenerationMarks]) -> dict[str, Any]:
+    return {
+        "variant": variant, "goodput": round(g.goodput, 4), "wall_seconds": round(g.wall_seconds, 1),
+        "buckets_seconds": {k: round(v, 1) for k, v in g.buckets.items()},
+        "final_step": g.final_step, "steps_trained": g.steps_trained, "steps_lost": g.steps_lost,
+        "generations": g.generations,
+        "faults": [{"at": round(f.time - start, 1), "kind": f.kind, "node": f.node} for f in faults],
+        "marks": {g_: {k: (round(v - start, 1) if v is not None else None) for k, v in asdict(m).items()}
+                  for g_, m in marks.items()},
+    }
+
+
+def render_table(result: dict[str, Any]) -> str:
+    rows = result["variants"]
+    head = "| | " + " | ".join(r["variant"] for r in rows) + " |"
+    lines = [head, "|---" * (len(rows) + 1) + "|"]
+
+    def row(label: str, values: list[str]) -> None:
+        lines.append(f"| {label} | " + " | ".join(values) + " |")
+
+    row("goodput", [f"{100 * r['goodput']:.1f}%" for r in rows])
+    row("wall time", [f"{r['wall_seconds']:.0f} s" for r in rows])
+    for bucket in BUCKETS:
+        row(bucket.replace("_", " "), [f"{r['buckets_seconds'][bucket]:.1f} s" for r in rows])
+    row("final step", [str(r["final_step"]) for r in rows])
+    row("steps lost (trained again)", [str(r["steps_lost"]) for r in rows])
+    row("generations", [str(r["generations"]) for r in rows])
+    row("faults applied", [", ".join(f"{f['kind']}@{f['at']:.0f}s" for f in r["faults"]) or "-" for r in rows])
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m resilax_bench.goodput", description=__doc__.split("\n")[0])
+    p.add_argument("--minutes", type=float, default=20.0, help="training time per variant (default 20)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--kill-every", type=float, default=300.0, help="seconds between faults, ± jitter (default 300)")
+    p.add_argument("--restore-after", type=float, default=90.0, help="seconds until a lost node returns (default 90)")
+    p.add_argument("--jitter", type=float, default=0.2, help="fraction of --kill-every (default 0.2)")
+    p.add_argument("--step-seconds", type=float, default=0.3, help="examples/train.py --step-seconds (default 0.3)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: resilax, restart")
+    p.add_argument("--run-dir", type=Path, default=None, help="default: a temporary folder, removed afterwards")
+    p.add_argument("--json", type=Path, default=None, help="default: bench/results/goodput-<time>.json")
+    p.add_argument("--markdown", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad or not args.variants:
+        p.error(f"--variants: {bad or args.variants!r} not allowed; choose from {', '.join(VARIANTS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from resilax_local.launch import isolation_problem
+
+    problem = isolation_problem()  # the cluster runs pods as `resilax local up` does: ask before starting
+    if problem is not None:
+        print(f"resilax_bench.goodput: {problem}", file=sys.stderr)
+        return 1
+    duration = args.minutes * 60
+    schedule = build_schedule(args.seed, duration, args.kill_every, args.restore_after, args.jitter)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="resilax-goodput-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H%M%SZ")
+    result: dict[str, Any] = {
+        "benchmark": "goodput", "started": stamp, "seed": args.seed, "minutes": args.minutes,
+        "kill_every": args.kill_every, "restore_after": args.restore_after, "jitter": args.jitter,
+        "step_seconds": args.step_seconds, "schedule": [asdict(f) for f in schedule],
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "command": " ".join(["python -m resilax_bench.goodput", *(sys.argv[1:] if argv is None else argv)]),
+        "variants": [],
+    }
+    run = GoodputRun(run_dir, timeout=duration * len(args.variants) + 1800)
+    code = 0
+    try:
+        run.start_cluster()
+        run.install_operator()
+        for variant in args.variants:
+            result["variants"].append(run.run_variant(variant, schedule, duration, args.step_seconds))
+    except (Exception, KeyboardInterrupt) as e:
+        say(f"==> goodput run failed: {e!r} (logs in {run_dir})")
+        result["error"] = repr(e)
+        code = 1
+    finally:
+        if run.operator is not None:
+            stop_process_group(run.operator)
+        if run.cluster is not None:
+            run.cluster.stop()
+    out = args.json or RESULTS / f"goodput-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    if result["variants"]:
+        table = render_table(result)
+        say("\n" + table)
+        if args.markdown:
+            args.markdown.write_text(table + "\n")
+    say(f"==> result: {out}; run folder: {run_dir}")
+    if args.run_dir is None and code == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

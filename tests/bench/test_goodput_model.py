@@ -1,0 +1,152 @@
+"""The goodput benchmark's pure core: the seeded failure schedule and the goodput breakdown of a
+recorded run (bench/resilax_bench/goodput_model.py), on synthetic timelines with known answers."""
+
+from __future__ import annotations
+
+import pytest
+from resilax_bench.goodput_model import (
+    BUCKETS,
+    KILL,
+    PREEMPT,
+    RESTORE,
+    GenerationMarks,
+    GoodputInputError,
+    build_schedule,
+    compute_goodput,
+)
+from resilax_local.timeline import Fault, LossRecord
+
+
+def rec(step: int, time: float, generation: int) -> LossRecord:
+    return LossRecord(step=step, loss=1.0 / step, generation=generation, devices=8, time=time)
+
+
+# ---- the schedule -------------------------------------------------------------------------------------
+
+def test_same_seed_same_schedule_other_seed_other_times() -> None:
+    a = build_schedule(7, duration=1200, kill_every=300, restore_after=90)
+    assert a == build_schedule(7, duration=1200, kill_every=300, restore_after=90)
+    assert [f.at for f in a] != [f.at for f in build_schedule(8, duration=1200, kill_every=300, restore_after=90)]
+
+
+def test_schedule_losses_every_interval_one_preemption_each_followed_by_the_node_back() -> None:
+    s = build_schedule(3, duration=1200, kill_every=300, restore_after=90, jitter=0.2)
+    faults = [f for f in s if f.kind != RESTORE]
+    assert [f.kind for f in faults] == [KILL, PREEMPT, KILL]  # the 4th (~1200 s) would return after the end
+    for i, f in enumerate(faults):
+        assert 0.8 * 300 <= f.at - i * 300 <= 1.2 * 300
+        back = [r for r in s if r.kind == RESTORE and r.victim == f.victim]
+        assert len(back) == 1 and back[0].at == pytest.approx(f.at + 90, abs=0.11)
+    assert all(f.at + 0 <= 1200 for f in s)
+    assert [f.at for f in s] == sorted(f.at for f in s)
+
+
+def test_short_schedule_has_one_fault_and_its_return() -> None:
+    s = build_schedule(1, duration=60, kill_every=30, restore_after=10, jitter=0.0)
+    assert [(f.at, f.kind) for f in s] == [(30.0, KILL), (40.0, RESTORE)]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"duration": 0}, "duration"),
+    ({"kill_every": -1}, "kill_every"),
+    ({"restore_after": 0}, "restore_after"),
+    ({"jitter": 0.5}, "jitter"),
+    ({"restore_after": 250}, "restore_after"),  # would come after the next fault (300 * 0.6 = 180)
+])
+def test_bad_schedule_input_names_the_field(kwargs: dict[str, float], field: str) -> None:
+    args = {"duration": 1200.0, "kill_every": 300.0, "restore_after": 90.0, "jitter": 0.2, **kwargs}
+    with pytest.raises(GoodputInputError, match=field):
+        build_schedule(0, **args)
+
+
+# ---- the breakdown ----------------------------------------------------------------------------------
+
+def one_loss_run() -> tuple[list[LossRecord], list[Fault], dict[int, GenerationMarks]]:
+    """Generation 0 trains steps 1..10 (1 s each; the gap after step 5 is 3 s: a save blocked 2 s); its
+    node dies at 22.5; generation 1 restored step 6 and trains 7..12. Pods, restore marks as seen."""
+    gen0 = [rec(i, 10.0 + i, 0) for i in range(1, 6)] + [rec(i, 12.0 + i, 0) for i in range(6, 11)]
+    gen1 = [rec(i, 28.0 + i, 1) for i in range(7, 13)]  # step 7 at 35 ... step 12 at 40
+    faults = [Fault(22.5, KILL, "tpu-1-1"), Fault(30.0, RESTORE, "tpu-1-1")]
+    marks = {0: GenerationMarks(pods_created=2.0, pods_running=6.0),
+             1: GenerationMarks(detected=25.0, pods_created=27.0, pods_running=30.0, restored=33.0)}
+    return gen0 + gen1, faults, marks
+
+
+def test_breakdown_of_a_hard_loss_with_known_answer() -> None:
+    records, faults, marks = one_loss_run()
+    g = compute_goodput(records, faults, start=0.0, end=42.0, marks=marks)
+    assert g.buckets == pytest.approx({
+        "productive": 12.0,  # steps 1..6 of gen 0 and 7..12 of gen 1, 1 s each
+        "checkpoint_blocking": 2.0,  # the 3 s gap after step 5, less the 1 s median step
+        "lost_steps_redone": 4.0,  # steps 7..10 of gen 0, trained again by gen 1
+        "detection": 2.5,  # fault 22.5 -> the operator reacted 25
+        "teardown": 2.0,  # 25 -> new pods 27
+        "scheduling": 6.0 + 3.0,  # job applied 0 -> gen 0 running 6; new pods 27 -> running 30
+        "jax_startup": 4.0 + 3.0,  # running 6 -> first step began 10 (from scratch); 30 -> restored 33
+        "restore": 1.0,  # restored 33 -> step 7 began 34
+        "other": 0.5 + 2.0,  # last step 22 -> fault 22.5; last step 40 -> end 42
+    })
+    assert sum(g.buckets.values()) == pytest.approx(g.wall_seconds) == 42.0
+    assert g.goodput == pytest.approx(12 / 42)
+    assert (g.final_step, g.steps_trained, g.steps_lost, g.generations, g.faults) == (12, 16, 4, 2, 1)
+
+
+def test_nothing_lost_when_the_new_generation_resumes_at_the_last_step() -> None:
+    records, faults, marks = one_loss_run()
+    gen1 = [rec(i, 24.0 + i, 1) for i in range(11, 17)]  # restored step 10: 11..16 at 35..40
+    g = compute_goodput([r for r in records if r.generation == 0] + gen1, faults, 0.0, 42.0, marks)
+    assert g.steps_lost == 0 and g.buckets["lost_steps_redone"] == 0.0
+    assert g.buckets["productive"] == pytest.approx(16.0)
+    assert g.final_step == 16
+
+
+def test_a_missing_mark_extends_the_segment_before_it() -> None:
+    records, faults, marks = one_loss_run()
+    marks[1] = GenerationMarks(detected=25.0, pods_created=None, pods_running=30.0, restored=None)
+    g = compute_goodput(records, faults, 0.0, 42.0, marks)
+    assert g.buckets["teardown"] == pytest.approx(5.0)  # 25 -> running 30 (no pods-created mark)
+    assert g.buckets["jax_startup"] == pytest.approx(4.0 + 4.0)  # 30 -> first step 34 (no restore line)
+    assert g.buckets["restore"] == 0.0
+    assert sum(g.buckets.values()) == pytest.approx(42.0)
+
+
+def test_a_pause_without_a_fault_starts_at_the_last_step() -> None:
+    records, _, marks = one_loss_run()  # e.g. a grow-back: the operator restarted the job on its own
+    g = compute_goodput(records, [], 0.0, 42.0, marks)
+    assert g.buckets["detection"] == pytest.approx(3.0)  # last step 22 -> reacted 25
+    assert g.buckets["other"] == pytest.approx(2.0)
+    assert g.faults == 0
+
+
+def test_records_outside_the_window_are_not_counted_and_no_records_is_all_other() -> None:
+    records, faults, marks = one_loss_run()
+    g = compute_goodput(records, faults, 0.0, 30.0, marks)
+    assert g.generations == 1 and g.steps_lost == 0 and g.final_step == 10
+    empty = compute_goodput([], faults, 0.0, 10.0)
+    assert empty.goodput == 0.0 and empty.buckets["other"] == 10.0
+    assert set(empty.buckets) == set(BUCKETS)
+    with pytest.raises(GoodputInputError, match="end"):
+        compute_goodput(records, faults, 5.0, 5.0)
+
+
+# ---- the two variants' jobs -------------------------------------------------------------------------
+
+def test_the_restart_baseline_has_no_local_tier_no_final_save_no_elastic_and_both_specs_parse() -> None:
+    from resilax_bench.goodput import build_variant_job
+    from resilax_operator.spec import parse_spec
+
+    resilax = build_variant_job("resilax", "goodput-resilax", "/tmp/ckpt", 0.3)
+    restart = build_variant_job("restart", "goodput-restart", "/tmp/ckpt", 0.3)
+    parsed = {}
+    for job in (resilax, restart):
+        problems: list = []
+        parsed[job["metadata"]["name"]] = parse_spec(job["spec"], problems)
+        assert problems == [], problems
+    r, b = parsed["goodput-resilax"], parsed["goodput-restart"]
+    assert r.checkpoint.local is not None and r.elastic is not None
+    assert r.checkpoint.final_save.on_preemption and r.checkpoint.final_save.on_resize
+    assert b.checkpoint.local is None and b.elastic is None
+    assert not b.checkpoint.final_save.on_preemption and not b.checkpoint.final_save.on_resize
+    assert (b.slices.count, b.checkpoint.storage) == (r.slices.count, r.checkpoint.storage) == (2, "/tmp/ckpt")
+    with pytest.raises(ValueError, match="variant"):
+        build_variant_job("jobset", "x", "/tmp/ckpt", 0.3)
