@@ -16,10 +16,27 @@ WORKER = Path(__file__).with_name("ckpt_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+#: What JAX's coordinator prints (before it crashes) when the port free_port() found was taken by
+#: another program in the meantime: the test harness's race, not the code under test.
+PORT_TAKEN = "Failed to add port to server"
+
+
 def run_processes(args: dict[str, Any], num_processes: int = 1, timeout: float = 240,
                   env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Start `num_processes` workers (each with devices // num_processes local devices) and return
-    their results in process order; raises with their output if any fails."""
+    their results in process order; raises with their output if any fails. A run whose coordinator
+    could not bind its port (nothing ran yet) is started again on another port, at most twice."""
+    for attempt in range(3):
+        try:
+            return _run_once(args, num_processes, timeout, env)
+        except _PortTaken as e:
+            if attempt == 2:
+                raise WorkerFailed(0, e.code, e.output) from None
+    raise AssertionError("unreachable")
+
+
+def _run_once(args: dict[str, Any], num_processes: int, timeout: float,
+              env: dict[str, str] | None) -> list[dict[str, Any]]:
     procs = []
     port = free_port()
     base_env = dict(os.environ, **(env or {}))
@@ -29,24 +46,28 @@ def run_processes(args: dict[str, Any], num_processes: int = 1, timeout: float =
         a.setdefault("devices", 8 // num_processes)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(a)], stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, env=base_env, start_new_session=True))
-    outputs = []
+    outputs: list[tuple[int | None, str]] = []
     hung = None
     try:
         for p in procs:
             try:
-                out, _ = p.communicate(timeout=timeout)
+                raw, _ = p.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
                 hung = len(outputs)
                 break
-            outputs.append((p.returncode, out.decode(errors="replace")))
+            outputs.append((p.returncode, raw.decode(errors="replace")))
+            if len(outputs) == 1 and p.returncode != 0 and PORT_TAKEN in outputs[0][1]:
+                break  # the others wait for a coordinator that never came up
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
         for p in procs[len(outputs):]:
             # Whatever a killed worker printed says where it hung; this also closes its pipe.
-            out, _ = p.communicate()
-            outputs.append((p.returncode, out.decode(errors="replace")))
+            raw, _ = p.communicate()
+            outputs.append((p.returncode, raw.decode(errors="replace")))
+    if outputs[0][0] != 0 and PORT_TAKEN in outputs[0][1]:
+        raise _PortTaken(outputs[0][0], outputs[0][1])
     if hung is not None:
         raise WorkerFailed(hung, None, f"(did not finish within {timeout} s; killed)\n{outputs[hung][1]}")
     results = []
@@ -61,5 +82,12 @@ def run_processes(args: dict[str, Any], num_processes: int = 1, timeout: float =
 class WorkerFailed(RuntimeError):
     def __init__(self, pid: int, code: int | None, output: str) -> None:
         super().__init__(f"worker {pid} exited with {code}:\n{output[-4000:]}")
+        self.code = code
+        self.output = output
+
+
+class _PortTaken(Exception):
+    def __init__(self, code: int | None, output: str) -> None:
+        super().__init__(output[-4000:])
         self.code = code
         self.output = output
