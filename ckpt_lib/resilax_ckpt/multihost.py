@@ -97,7 +97,9 @@ def current_coordinator() -> Coordinator:
 def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Call `jax.distributed.initialize` from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
     JAX_PROCESS_ID (set by the operator) when there are several processes. Returns whether it did.
-    Called on: all processes, before any other JAX call."""
+    RESILAX_INIT_TIMEOUT_SECONDS, when set, is how long to wait for the other processes (the operator
+    sets it when workers may wait for nodes that do not exist yet or for a queue's admission; JAX's
+    default is 300 s). Called on: all processes, before any other JAX call."""
     env = os.environ if env is None else env
     address = env.get("JAX_COORDINATOR_ADDRESS", "").strip()
     count = env.get("JAX_NUM_PROCESSES", "").strip()
@@ -105,9 +107,11 @@ def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> boo
         return False
     import jax
 
-    jax.distributed.initialize(
-        coordinator_address=address,
-        num_processes=int(count),
-        process_id=int(env.get("JAX_PROCESS_ID", "0")),
-    )
+    timeout = env.get("RESILAX_INIT_TIMEOUT_SECONDS", "").strip()
+    if timeout:
+        jax.distributed.initialize(coordinator_address=address, num_processes=int(count),
+                                   process_id=int(env.get("JAX_PROCESS_ID", "0")), initialization_timeout=int(timeout))
+    else:
+        jax.distributed.initialize(coordinator_address=address, num_processes=int(count),
+                                   process_id=int(env.get("JAX_PROCESS_ID", "0")))
     return True

@@ -57,6 +57,14 @@ UNREACHABLE_TAINT: Final = "node.kubernetes.io/unreachable"
 NOT_READY_TAINT: Final = "node.kubernetes.io/not-ready"
 HOSTNAME_LABEL: Final = "kubernetes.io/hostname"
 
+# --- Kueue (plain Pod integration: the workers of one generation are one pod group, admitted as a gang) ---
+#: On the JAXJob (or its template): the LocalQueue; passed to every worker pod.
+KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
+#: On each worker pod: the generation's pod group (`<job>-g<generation>`), the Workload's name.
+KUEUE_POD_GROUP_LABEL: Final = "kueue.x-k8s.io/pod-group-name"
+#: On each worker pod: how many pods the group has; Kueue creates the Workload once it sees them all.
+KUEUE_POD_GROUP_COUNT_ANNOTATION: Final = "kueue.x-k8s.io/pod-group-total-count"
+
 # --- containers, ports, volumes ---
 TRAINER_CONTAINER: Final = "trainer"  # the default name; the first container of the template is the trainer
 SIDECAR_CONTAINER: Final = "resilax-sidecar"
@@ -81,10 +89,11 @@ PHASE_RUNNING: Final = "Running"
 PHASE_SAVING: Final = "Saving"
 PHASE_RECOVERING: Final = "Recovering"
 PHASE_RESIZING: Final = "Resizing"
+PHASE_SUSPENDED: Final = "Suspended"
 PHASE_SUCCEEDED: Final = "Succeeded"
 PHASE_FAILED: Final = "Failed"
 PHASES: Final = (PHASE_PENDING, PHASE_RUNNING, PHASE_SAVING, PHASE_RECOVERING, PHASE_RESIZING,
-                 PHASE_SUCCEEDED, PHASE_FAILED)
+                 PHASE_SUSPENDED, PHASE_SUCCEEDED, PHASE_FAILED)
 TERMINAL_PHASES: Final = frozenset({PHASE_SUCCEEDED, PHASE_FAILED})
 
 # --- condition types ---
@@ -96,8 +105,10 @@ COND_INVALID_SPEC: Final = "InvalidSpec"
 COND_CHECKPOINT_FALLBACK: Final = "CheckpointFallback"
 #: True while a node hosting a worker has a host maintenance scheduled (the job moves before it).
 COND_MAINTENANCE: Final = "MaintenanceScheduled"
+#: True while spec.suspend holds and no worker is left (JobSet's condition of the same name).
+COND_SUSPENDED: Final = "Suspended"
 CONDITION_TYPES: Final = (COND_READY, COND_SAVING, COND_DEGRADED, COND_INVALID_SPEC, COND_CHECKPOINT_FALLBACK,
-                          COND_MAINTENANCE)
+                          COND_MAINTENANCE, COND_SUSPENDED)
 
 
 @dataclass(frozen=True)
@@ -158,6 +169,22 @@ HOSTPATH_FIX: Final = (" -- checkpoint.local.scope: Node mounts a hostPath folde
 STEPS_SKIPPED = Reason("CheckpointStepsSkipped",
                        "generation {generation} restored step {step}: newer committed steps could not be read and "
                        "were marked bad (kept in storage): {skipped}")
+WAITING_FOR_CAPACITY = Reason(
+    "WaitingForCapacity",
+    "generation {generation}: {waiting} of {hosts} workers wait for nodes that do not exist yet "
+    "(capacity.provisioning: Autoscaled; their pending pods are what a cluster autoscaler, node auto-provisioning "
+    "or flex-start adds nodes for): {missing}; {then}")
+WAITING_FOR_ADMISSION = Reason(
+    "WaitingForAdmission",
+    "generation {generation}: {waiting} of {hosts} workers are held by scheduling gates ({gates}): waiting for "
+    "the queue (Kueue) to admit the pod group {group}")
+CAPACITY_TIMEOUT = Reason(
+    "CapacityTimeout",
+    "generation {generation}: {waiting} workers found no node within capacity.shrinkAfterSeconds={seconds}; "
+    "shrinking from {old} to {new}, which the Ready nodes fit")
+SUSPENDING = Reason("Suspending", "spec.suspend is true: saving and stopping generation {generation}")
+SUSPENDED = Reason("Suspended", "spec.suspend is true: no workers; the newest checkpoint is step {step}")
+RESUMED = Reason("Resumed", "spec.suspend is false: generation {generation} restores step {step}")
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
 SPEC_INVALID = Reason("SpecInvalid", "{problems}")
 NOT_SAVING = Reason("NotSaving", "no final save in progress")

@@ -22,6 +22,9 @@ from .topology import SliceGeometry, plan_geometry
 
 Manifest = dict[str, Any]
 
+#: `RESILAX_INIT_TIMEOUT_SECONDS` of workers that may wait for the others' nodes or admission (capacity
+#: Autoscaled, Kueue): the operator, not JAX's 5-minute default, decides how long a generation waits.
+WAITING_INIT_TIMEOUT_SECONDS: Final = 86400
 STORAGE_MOUNT: Final = "/var/run/resilax/storage"
 STORAGE_VOLUME: Final = "resilax-storage"
 SIDECAR_RESOURCES: Final = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
@@ -35,6 +38,8 @@ class JobRef:
     name: str
     namespace: str
     uid: str
+    #: The JAXJob's `kueue.x-k8s.io/queue-name` label ("" without one).
+    queue: str = ""
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class GenerationPlan:
     generation: int
     shape: Shape
     #: pools[i] is the node pool (value of cloud.google.com/gke-nodepool) of slice i; len == shape.count.
+    #: "" (capacity.provisioning Autoscaled): no Ready pool hosts slice i yet; its pods go to whichever
+    #: node pool the cluster provides, all on one pool and none on another slice's (`_slice_placement`).
     pools: tuple[str, ...]
     restore_step: str = "latest"
     #: Worker process index → the node it last ran on (status.workerNodes): a preferred node affinity.
@@ -103,10 +110,34 @@ def build_service(job: JobRef, plan: GenerationPlan, settings: OperatorSettings)
     }
 
 
+def kueue_queue(job: JobRef, spec: JobSpec) -> str:
+    """The Kueue LocalQueue of the job's workers: the JAXJob's `kueue.x-k8s.io/queue-name` label, else the
+    template's; "" for none."""
+    labels = (spec.template.get("metadata") or {}).get("labels") or {}
+    return job.queue or str(labels.get(api.KUEUE_QUEUE_LABEL) or "")
+
+
+def creates_all_at_once(job: JobRef, spec: JobSpec) -> bool:
+    """Whether a generation's pods are all created together, the coordinator named by DNS
+    (`<pod 0>.<service>`), instead of pod 0 first and the others with its IP. For a Kueue queue: Kueue
+    creates the pod group's Workload only once it sees all of its pods, and gates each until then."""
+    return bool(kueue_queue(job, spec))
+
+
+def build_coordinator_host(job: JobRef, generation: int) -> str:
+    """Pod 0's DNS name through the generation's headless Service (clusters with DNS, e.g. GKE)."""
+    return f"{build_pod_name(job.name, generation, 0, 0)}.{build_service_name(job.name, generation)}"
+
+
 def build_pods(job: JobRef, spec: JobSpec, plan: GenerationPlan, settings: OperatorSettings, *,
                coordinator_ip: str | None) -> list[Manifest]:
-    """Pod 0 alone while `coordinator_ip` is None (it is the coordinator); all pods once it is known."""
+    """Pod 0 alone while `coordinator_ip` is None (it is the coordinator); all pods once it is known.
+    When `creates_all_at_once`: every pod at once, pod 0 with its own IP and the others with its DNS name."""
     geometry = geometry_of(spec, plan.shape.topology)
+    if coordinator_ip is None and creates_all_at_once(job, spec):
+        host = build_coordinator_host(job, plan.generation)
+        return [build_pod(job, spec, plan, s, h, settings, coordinator_ip=None if s == h == 0 else host)
+                for s in range(plan.shape.count) for h in range(geometry.hosts)]
     if coordinator_ip is None:
         return [build_pod(job, spec, plan, 0, 0, settings, coordinator_ip=None)]
     return [build_pod(job, spec, plan, s, h, settings, coordinator_ip=coordinator_ip)
@@ -131,6 +162,10 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
               api.LABEL_PROCESS: str(process_id), api.LABEL_NODE_POOL: plan.pools[slice_index]}
     annotations = {**(meta.get("annotations") or {}), api.ANNOTATION_SHAPE: str(plan.shape),
                    api.ANNOTATION_RESTORE_STEP: plan.restore_step}
+    queue = kueue_queue(job, spec)
+    if queue:  # Kueue's plain Pod integration admits the generation's workers as one pod group
+        labels = {**labels, api.KUEUE_QUEUE_LABEL: queue, api.KUEUE_POD_GROUP_LABEL: service}
+        annotations[api.KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(plan.shape.count * geometry.hosts)
 
     env = build_env(job, spec, plan, geometry, slice_index, host, settings, coordinator_ip=coordinator_ip)
     mounts = _resilax_mounts(spec)
@@ -156,11 +191,14 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
     pod["restartPolicy"] = "Never"
     pod["hostname"] = name
     pod["subdomain"] = service
+    pool = plan.pools[slice_index]
     pod["nodeSelector"] = {**(pod.get("nodeSelector") or {}), **dict(geometry.node_selector),
-                           api.NODE_POOL_LABEL: plan.pools[slice_index]}
+                           **({api.NODE_POOL_LABEL: pool} if pool else {})}
     pod["tolerations"] = [*(pod.get("tolerations") or []),
                           *({"key": k, "operator": "Exists", "effect": "NoSchedule"} for k in geometry.toleration_keys)]
     pod["affinity"] = _one_worker_per_node(pod.get("affinity"), job.name, plan.generation)
+    if not pool:
+        pod["affinity"] = _slice_placement(pod["affinity"], job.name, plan, slice_index)
     previous = dict(plan.worker_nodes).get(process_id)
     if previous is not None:
         pod["affinity"] = _prefer_node(pod["affinity"], previous)
@@ -215,6 +253,8 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         _var("RESILAX_SIDECAR_TOKEN_FILE", f"{api.TOKEN_DIR}/{api.TOKEN_KEY}"),
         _var("RESILAX_SIDECAR_GRACE_SECONDS", c.final_save.timeout_seconds),
     ]
+    if spec.capacity.autoscaled or kueue_queue(job, spec):
+        env.append(_var("RESILAX_INIT_TIMEOUT_SECONDS", WAITING_INIT_TIMEOUT_SECONDS))
     if geometry.is_tpu:
         service = build_service_name(job.name, plan.generation)
         hostnames = ",".join(f"{build_pod_name(job.name, plan.generation, slice_index, h)}.{service}"
@@ -383,6 +423,32 @@ def _resilax_volumes(job: JobRef, spec: JobSpec, settings: OperatorSettings) -> 
         claim = spec.checkpoint.storage[len("pvc://"):].partition("/")[0]
         volumes.append({"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": claim}})
     return volumes
+
+
+def _slice_placement(affinity: Mapping[str, Any], job: str, plan: GenerationPlan, slice_index: int) -> dict[str, Any]:
+    """A slice no Ready pool hosts yet (its pool is ""): all its pods on one node pool (required pod
+    affinity on `cloud.google.com/gke-nodepool`; the first pod matches itself), no pod of another slice of
+    the generation on that pool (anti-affinity), and none of the pools the placed slices use. JobSet's
+    exclusive placement does the same, and GKE's autoscaler provisions a node pool per such group."""
+    out = copy.deepcopy(dict(affinity))
+    same = {api.LABEL_JOB: job, api.LABEL_GENERATION: str(plan.generation)}
+    out.setdefault("podAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
+        {"labelSelector": {"matchLabels": {**same, api.LABEL_SLICE: str(slice_index)}},
+         "topologyKey": api.NODE_POOL_LABEL})
+    out["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"].append(
+        {"labelSelector": {"matchLabels": same, "matchExpressions": [
+            {"key": api.LABEL_SLICE, "operator": "NotIn", "values": [str(slice_index)]}]},
+         "topologyKey": api.NODE_POOL_LABEL})
+    placed = sorted({p for p in plan.pools if p})
+    if placed:
+        expression = {"key": api.NODE_POOL_LABEL, "operator": "NotIn", "values": placed}
+        required = out.setdefault("nodeAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+        terms = required.setdefault("nodeSelectorTerms", [])
+        if not terms:
+            terms.append({})
+        for term in terms:  # terms are ORed: each gets the exclusion
+            term.setdefault("matchExpressions", []).append(dict(expression))
+    return out
 
 
 def _one_worker_per_node(affinity: Mapping[str, Any] | None, job: str, generation: int) -> dict[str, Any]:

@@ -1,5 +1,8 @@
 """Shape and pool planning (pure): which shape the spec allows that schedulable node pools can host now,
-why none fits, and what a generation was planned from.
+why none fits, and what a generation was planned from. With `capacity.provisioning: Autoscaled`
+(`plan_target`), a generation may also be planned at the declared shape where no node exists yet: its
+slices go on the free pools while they last, the others get pool "" and wait for the nodes a cluster
+autoscaler adds for their pending pods.
 
 A slice goes on one node pool (`cloud.google.com/gke-nodepool`); a pool hosts a slice when enough of its
 nodes are schedulable, carry the slice's labels and have free devices for one worker each (devices held
@@ -11,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from . import api
@@ -29,6 +32,11 @@ class ShapePlan:
     shape: Shape
     pools: tuple[str, ...]
     hosts: int
+
+    @property
+    def waiting_slices(self) -> tuple[int, ...]:
+        """Slices no Ready pool hosts (pool ""): they wait for nodes that do not exist yet."""
+        return tuple(i for i, p in enumerate(self.pools) if not p)
 
 
 def plan_pools(geometry: SliceGeometry, nodes: Iterable[ObservedNode], now: datetime,
@@ -70,6 +78,51 @@ def plan_shape(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime,
         if best is None or key > best[0]:
             best = (key, ShapePlan(Shape(topology, count), pools[:count], geometry.hosts * count))
     return None if best is None else best[1]
+
+
+def plan_target(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime,
+                lead: timedelta = timedelta(0)) -> ShapePlan | None:
+    """What a new generation runs at. `plan_shape` (Ready capacity); with `capacity.provisioning:
+    Autoscaled`, when that finds less than the declared shape (`spec.slices`), the declared shape instead:
+    its slices on the free pools `plan_pools` finds, in order, the rest with pool "" (`waiting_slices`)."""
+    nodes = tuple(nodes)
+    planned = plan_shape(spec, nodes, now, lead)
+    declared = spec.spec_shape
+    if not spec.capacity.autoscaled or (planned is not None and shape_chips(spec, planned.shape)
+                                        >= shape_chips(spec, declared)):
+        return planned
+    geometry = geometry_of(spec, declared.topology)
+    free = plan_pools(geometry, nodes, now, lead)[:declared.count]
+    pools = (*free, *("",) * (declared.count - len(free)))
+    return ShapePlan(declared, pools, geometry.hosts * declared.count)
+
+
+def describe_slice_need(spec: JobSpec, topology: str) -> str:
+    """What one slice of `topology` needs from a node pool, for messages: hosts, devices, node labels."""
+    g = geometry_of(spec, topology)
+    devices = f" with {g.chips_per_host} {g.resource} each" if g.resource else ""
+    labels = ", ".join(f"{k}={v}" for k, v in g.node_selector)
+    return f"{g.hosts} node(s){devices}" + (f" labelled {labels}" if labels else "")
+
+
+def record_pools(s: JobStatus, pods: Iterable[ObservedPod], nodes: Iterable[ObservedNode]) -> JobStatus:
+    """`s` with the node pool of each waiting slice (pool "") filled in, once every worker of the
+    generation is created and bound to a node (the pools the cluster provided). Until then the empty
+    pools mark the generation as waiting for capacity."""
+    if all(s.pools) or not s.workers_created:
+        return s
+    mine = [p for p in pods if p.generation == s.generation]
+    if len(mine) < s.hosts or any(p.node_name is None for p in mine):
+        return s
+    pool_of = {n.name: n.pool for n in nodes}
+    found: dict[int, str] = {}
+    for p in mine:
+        pool = pool_of.get(p.node_name or "")
+        if pool and p.slice_index < len(s.pools) and not s.pools[p.slice_index]:
+            found.setdefault(p.slice_index, pool)
+    if not found:
+        return s
+    return replace(s, pools=tuple(pool or found.get(i, "") for i, pool in enumerate(s.pools)))
 
 
 def explain_shortfall(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime,

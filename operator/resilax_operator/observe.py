@@ -26,6 +26,7 @@ from .observed import (
     SaveOutcome,
     build_observed,
     nodes_needing_lease,
+    parse_job_ref,
     parse_lease,
     parse_restore_report,
     parse_save_outcome,
@@ -51,8 +52,7 @@ def now_utc() -> datetime:
 
 
 def job_ref(job: Mapping[str, Any]) -> JobRef:
-    meta = job.get("metadata") or {}
-    return JobRef(str(meta.get("name", "")), str(meta.get("namespace", "")), str(meta.get("uid", "")))
+    return parse_job_ref(job)
 
 
 def _pod_ip(pod: Mapping[str, Any]) -> str | None:

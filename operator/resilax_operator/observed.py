@@ -128,6 +128,9 @@ class ObservedPod:
     #: (container, reason, message) of each container (init, trainer, sidecar, ...) waiting for a reason
     #: other than the normal start-up ones (ImagePullBackOff, CreateContainerConfigError, CrashLoopBackOff).
     waiting: tuple[tuple[str, str, str], ...] = ()
+    #: spec.schedulingGates names: the scheduler leaves the pod alone until they are removed (Kueue's
+    #: `kueue.x-k8s.io/admission` until it admits the pod group).
+    gates: tuple[str, ...] = ()
 
     @property
     def terminated(self) -> bool:
@@ -213,6 +216,13 @@ def parse_maintenance_time(raw: str | None) -> datetime | None:
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
+def parse_job_ref(job: Mapping[str, Any]) -> JobRef:
+    """The JAXJob → the reference the builders use (name, namespace, uid, Kueue queue label)."""
+    meta = job.get("metadata") or {}
+    return JobRef(str(meta.get("name", "")), str(meta.get("namespace", "")), str(meta.get("uid", "")),
+                  str((meta.get("labels") or {}).get(api.KUEUE_QUEUE_LABEL) or ""))
+
+
 def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
     """A worker pod as the API returns it → ObservedPod (None if it lacks the worker labels)."""
     meta = raw.get("metadata") or {}
@@ -244,13 +254,14 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
         if (w := (cs.get("state") or {}).get("waiting")) and w.get("reason") and w.get("reason") not in STARTING_REASONS)
     grace = meta.get("deletionGracePeriodSeconds")
+    gates = tuple(str(g.get("name", "")) for g in spec.get("schedulingGates") or [] if isinstance(g, Mapping))
     return ObservedPod(
         name=str(meta.get("name", "")), generation=generation, slice_index=slice_index, host=host,
         phase=str(status.get("phase") or "Pending"), node_name=spec.get("nodeName") or None,
         pod_ip=status.get("podIP") or None, deletion_timestamp=st.parse_time(meta.get("deletionTimestamp")),
         deletion_grace_seconds=None if grace is None else int(grace),
         exit_code=exit_code, exit_reason=exit_reason, pod_reason=status.get("reason") or None, ready=ready,
-        trainer_running=trainer_running, waiting=waiting)
+        trainer_running=trainer_running, waiting=waiting, gates=gates)
 
 
 def parse_lease(raw: Mapping[str, Any]) -> datetime | None:
@@ -363,8 +374,8 @@ def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapp
     this job's pods among them are ignored). `leases`: node name → `parse_lease` of the NotReady nodes
     hosting a worker (`nodes_needing_lease`)."""
     meta = job.get("metadata") or {}
-    name = str(meta.get("name", ""))
-    ref = JobRef(name, str(meta.get("namespace", "")), str(meta.get("uid", "")))
+    ref = parse_job_ref(job)
+    name = ref.name
     job_pods = [p for p in (parse_pod(raw) for raw in pods) if p is not None]
     generations = set()
     for svc in services:

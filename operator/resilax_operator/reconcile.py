@@ -34,11 +34,13 @@ from .observed import Observed
 from .policies import (
     Finding,
     Verdict,
+    capacity_wait,
     container_waiting,
     generation_start,
     node_loss,
     preemption,
     resize,
+    suspend,
     transition,
     worker_exit,
 )
@@ -54,9 +56,11 @@ WATCH: Final[tuple[Check, ...]] = (
     node_loss.check_guard,               # many nodes down at once: a blip, wait
     node_loss.check_lost,                # a worker's node gone, or down past its grace
     preemption.check,                    # a notice on a worker's node
+    suspend.check,                       # spec.suspend: final save, no workers
     node_loss.check_not_ready,           # a worker's node down within its grace: wait
     resize.check_incompatible,           # the spec no longer allows the running shape
     worker_exit.check,                   # stopped, failed, lost, deleted; or all done
+    capacity_wait.check,                 # workers waited for new nodes past shrinkAfterSeconds: shrink
     generation_start.check_unscheduled,  # workers no node takes
     container_waiting.check,             # a container stuck waiting (image, config, crash loop)
     resize.check,                        # a larger shape: spec edit or capacity back
@@ -125,6 +129,7 @@ def watch(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     """The running generation: the first check of `WATCH` that finds something decides; else bring the
     generation up and report how it runs."""
     s = st.record_worker_nodes(s, plan_worker_nodes(s, observed.pods_of(s.generation)))
+    s = capacity_wait.record_admission(observed, s)
     s, events = preemption.record_scheduled(spec, observed, s)
     if events:
         actions = [*actions, SetStatus(s), *events]

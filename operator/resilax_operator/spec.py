@@ -27,6 +27,13 @@ LOCAL_SCOPE_NODE: Final = "Node"
 LOCAL_SCOPE_POD: Final = "Pod"
 LOCAL_SCOPES: Final = (LOCAL_SCOPE_NODE, LOCAL_SCOPE_POD)
 DEFAULT_LOCAL_KEEP_LAST: Final = 2
+#: `spec.capacity.provisioning`: plan only over the Ready nodes with free devices (the default).
+PROVISIONING_READY: Final = "Ready"
+#: `spec.capacity.provisioning`: the cluster adds nodes for pending pods (cluster autoscaler, node
+#: auto-provisioning, flex-start): create the generation at the declared shape even without the nodes.
+PROVISIONING_AUTOSCALED: Final = "Autoscaled"
+PROVISIONING_MODES: Final = (PROVISIONING_READY, PROVISIONING_AUTOSCALED)
+DEFAULT_SHRINK_AFTER_SECONDS: Final = 600
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,25 @@ class RecoverySpec:
 
 
 @dataclass(frozen=True)
+class CapacitySpec:
+    """`spec.capacity`: where a new generation's workers may go."""
+
+    #: PROVISIONING_READY or PROVISIONING_AUTOSCALED.
+    provisioning: str = PROVISIONING_READY
+    #: Autoscaled: how long workers may wait for nodes before the job shrinks to a shape the Ready nodes
+    #: fit (with `elastic`); None: the default (DEFAULT_SHRINK_AFTER_SECONDS).
+    shrink_after_seconds: int | None = None
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.provisioning == PROVISIONING_AUTOSCALED
+
+    @property
+    def shrink_after(self) -> int:
+        return DEFAULT_SHRINK_AFTER_SECONDS if self.shrink_after_seconds is None else self.shrink_after_seconds
+
+
+@dataclass(frozen=True)
 class Shape:
     """A generation's shape: `count` slices of `topology`."""
 
@@ -121,6 +147,9 @@ class JobSpec:
     checkpoint: CheckpointSpec
     recovery: RecoverySpec = RecoverySpec()
     elastic: ElasticSpec | None = None
+    capacity: CapacitySpec = CapacitySpec()
+    #: `spec.suspend`: no workers (a final save first); false again starts a generation that restores.
+    suspend: bool = False
     #: The worker pod template (a PodTemplateSpec as a plain dict; treat as read-only).
     template: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -296,9 +325,13 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
                                         DEFAULT_NODE_LOSS_GRACE_SECONDS),
         maintenance_lead_seconds=r.integer(rc, "maintenanceLeadSeconds", rp, minimum=0),
     )
+    cap = r.obj(raw, "capacity", p) or {}
+    capacity = CapacitySpec(
+        provisioning=r.string(cap, "provisioning", f"{p}.capacity", default=PROVISIONING_READY) or PROVISIONING_READY,
+        shrink_after_seconds=r.integer(cap, "shrinkAfterSeconds", f"{p}.capacity", minimum=0))
     template = r.obj(raw, "template", p, required=True) or {}
-    return JobSpec(slices=slices, checkpoint=checkpoint, recovery=recovery, elastic=elastic,
-                   template=template)
+    return JobSpec(slices=slices, checkpoint=checkpoint, recovery=recovery, elastic=elastic, capacity=capacity,
+                   suspend=r.boolean(raw, "suspend", p, default=False), template=template)
 
 
 def _int_or(value: int | None, default: int) -> int:

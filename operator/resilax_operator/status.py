@@ -23,8 +23,16 @@ WORKER_FAILURE: Final = "WorkerFailure"
 WORKER_STOPPED: Final = "WorkerStopped"
 RESIZE: Final = "Resize"
 GROW_BACK: Final = "GrowBack"
-TRANSITION_KINDS: Final = (PREEMPTION, NODE_LOSS, POD_LOST, WORKER_FAILURE, WORKER_STOPPED, RESIZE, GROW_BACK)
+#: capacity.provisioning Autoscaled: no node came for waiting workers within shrinkAfterSeconds.
+SHRINK: Final = "Shrink"
+#: spec.suspend became true.
+SUSPEND: Final = "Suspend"
+TRANSITION_KINDS: Final = (PREEMPTION, NODE_LOSS, POD_LOST, WORKER_FAILURE, WORKER_STOPPED, RESIZE, GROW_BACK, SHRINK,
+                           SUSPEND)
+#: Kinds whose final save `checkpoint.finalSave.onResize` governs.
 RESIZE_KINDS: Final = frozenset({RESIZE, GROW_BACK})
+#: Kinds that move to another shape on purpose (phase Resizing).
+RESHAPE_KINDS: Final = frozenset({RESIZE, GROW_BACK, SHRINK})
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,15 @@ class JobStatus:
     final_save_seconds: int | None = None
     #: Measured: seconds from the last new generation's creation to all its workers Running.
     restart_seconds: int | None = None
+    #: When a queue (Kueue) admitted the current generation's workers (their scheduling gates went):
+    #: the timeouts on their start count from then (`workers_since`). None: never held by a queue.
+    admitted_time: datetime | None = None
+
+    @property
+    def workers_since(self) -> datetime | None:
+        """When the current generation's workers could start: its creation, or its admission by a queue."""
+        times = [t for t in (self.generation_start_time, self.admitted_time) if t is not None]
+        return max(times) if times else None
 
     def condition(self, type_: str) -> Condition | None:
         return next((c for c in self.conditions if c.type == type_), None)
@@ -156,7 +173,8 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         worker_nodes=tuple(sorted((int(k), str(v)) for k, v in (raw.get("workerNodes") or {}).items()
                                   if str(k).isdigit() and v)),
         final_save_seconds=_int_or_none((raw.get("timings") or {}).get("finalSaveSeconds")),
-        restart_seconds=_int_or_none((raw.get("timings") or {}).get("restartSeconds")))
+        restart_seconds=_int_or_none((raw.get("timings") or {}).get("restartSeconds")),
+        admitted_time=parse_time(raw.get("admittedTime")))
 
 
 def _int_or_none(raw: Any) -> int | None:
@@ -180,6 +198,7 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "workerNodes": {str(i): node for i, node in status.worker_nodes} or None,
         "restoreStep": status.restore_step or None,
         "generationStartTime": format_time(status.generation_start_time),
+        "admittedTime": format_time(status.admitted_time),
         "workersCreated": status.workers_created,
         "restarts": status.restarts,
         "failures": status.failures,
@@ -225,7 +244,9 @@ def phase_for(transition: Transition | None, *, first: bool) -> str:
         return api.PHASE_PENDING if first else api.PHASE_RECOVERING
     if transition.saving:
         return api.PHASE_SAVING
-    return api.PHASE_RESIZING if transition.kind in RESIZE_KINDS else api.PHASE_RECOVERING
+    if transition.kind == SUSPEND:
+        return api.PHASE_SUSPENDED
+    return api.PHASE_RESIZING if transition.kind in RESHAPE_KINDS else api.PHASE_RECOVERING
 
 
 def newer_checkpoint(current: CheckpointInfo | None, seen: CheckpointInfo | None) -> CheckpointInfo | None:

@@ -17,7 +17,7 @@ from . import api, topology
 from .errors import InvalidSpecError, SpecProblem, UnknownTopologyError
 from .podtemplate import check_host_access, check_template_schema
 from .settings import OperatorSettings
-from .spec import LOCAL_MEDIA, LOCAL_SCOPE_POD, LOCAL_SCOPES, JobSpec, parse_spec
+from .spec import LOCAL_MEDIA, LOCAL_SCOPE_POD, LOCAL_SCOPES, PROVISIONING_MODES, JobSpec, parse_spec
 
 STORAGE_SCHEMES: Final = ("gs://", "pvc://", "/")
 #: Longest JAXJob name: pod names are `<job>-g<generation>-s<slice>-h<host>` and must stay DNS labels.
@@ -60,6 +60,7 @@ def check_spec(spec: JobSpec, *, already_found: Sequence[SpecProblem] = ()) -> l
     out += _check_slices(spec, found)
     out += _check_elastic(spec, found)
     out += _check_checkpoint(spec, found)
+    out += _check_capacity(spec, found)
     out += _check_template(spec.template, found)
     return out
 
@@ -142,6 +143,24 @@ def _check_checkpoint(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
                                f"{c.local.size_limit!r} with scope {c.local.scope}: sizeLimit applies to "
                                "scope: Pod only (an emptyDir); a scope: Node folder on the node has no size limit"))
     return out
+
+
+def _check_capacity(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
+    c = spec.capacity
+    if "spec.capacity.provisioning" in found:
+        return []
+    if c.provisioning not in PROVISIONING_MODES:
+        return [SpecProblem("spec.capacity.provisioning",
+                            f"{c.provisioning!r} is not a provisioning mode; valid: Ready (plan only over Ready nodes "
+                            "with free devices), Autoscaled (create the workers at the declared shape even where "
+                            "no node exists yet: a cluster autoscaler, node auto-provisioning or flex-start adds "
+                            "nodes for pending pods)")]
+    if c.shrink_after_seconds is not None and not c.autoscaled:
+        return [SpecProblem("spec.capacity.shrinkAfterSeconds",
+                            f"{c.shrink_after_seconds} with provisioning {c.provisioning}: shrinkAfterSeconds applies "
+                            "to provisioning: Autoscaled only (with Ready the job never waits for nodes that do not "
+                            "exist)")]
+    return []
 
 
 def _check_template(template: Mapping[str, Any], found: set[str]) -> list[SpecProblem]:

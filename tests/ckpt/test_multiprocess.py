@@ -100,3 +100,22 @@ def test_kill_one_of_two_saving_processes_mid_writes(tmp_path, devices):
     for name, value in expected(1).items():
         np.testing.assert_array_equal(np.asarray(out["params"][name]), value)
     mgr.close()
+
+
+def test_init_timeout_from_the_environment_ends_a_lonely_process() -> None:
+    """RESILAX_INIT_TIMEOUT_SECONDS (the operator sets it where workers may wait for others' nodes) is
+    how long `initialize_distributed_from_env` waits for the other processes: process 0 of 2, alone,
+    gives up after 3 s instead of JAX's default 300 s (the subprocess limit, 150 s, would end it then)."""
+    import subprocess
+    import sys
+
+    from ckpt_fakegcs import free_port
+
+    code = ("from resilax_ckpt.multihost import initialize_distributed_from_env\n"
+            f"initialize_distributed_from_env({{'JAX_COORDINATOR_ADDRESS': '127.0.0.1:{free_port()}', "
+            "'JAX_NUM_PROCESSES': '2', 'JAX_PROCESS_ID': '0', 'RESILAX_INIT_TIMEOUT_SECONDS': '3'})\n"
+            "print('INITIALIZED')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode != 0 and "INITIALIZED" not in done.stdout, done.stderr[-2000:]
+    assert "Deadline" in done.stderr or "DEADLINE" in done.stderr or "timed out" in done.stderr, done.stderr[-2000:]

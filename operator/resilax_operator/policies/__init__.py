@@ -8,9 +8,11 @@ On a running generation the checks run in this order and the first that finds so
 | node_loss          | a worker's node down while many nodes are (the guard)   | Degraded NodeLossGuard, wait  |
 | node_loss          | a worker's node down past nodeLossGraceSeconds, or gone | NodeLoss: force, no save      |
 | preemption         | a preemption/maintenance notice on a worker's node      | Preemption: final save        |
+| suspend            | spec.suspend                                            | Suspend: final save, no workers |
 | node_loss          | a worker's node down within its grace                   | Degraded, wait                |
 | resize             | a spec edit the running shape no longer fits            | Resize                        |
 | worker_exit        | a worker stopped (75), failed, lost, gone; all done     | WorkerStopped/Failure/PodLost |
+| capacity_wait      | workers waited for new nodes past shrinkAfterSeconds    | Shrink to what Ready nodes fit |
 | generation_start   | workers no node takes within scheduleTimeoutSeconds     | PodLost: replan               |
 | container_waiting  | a container stuck waiting (image, config, crash loop)   | ContainerWaiting; past the timeout Failed or WorkerFailure |
 | resize             | a spec edit to a larger shape; capacity came back       | Resize / GrowBack: final save |

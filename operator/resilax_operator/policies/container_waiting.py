@@ -60,7 +60,7 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
         pod=pod, generation=g, container=container, reason=reason,
         message=f" ({message[:300]})" if message else "", fix=FIXES.get(reason, DEFAULT_FIX))
     timeout = timedelta(seconds=settings.container_waiting_timeout_seconds)
-    started = s.generation_start_time or now
+    started = s.workers_since or now
     if now - started < timeout:
         text = f"{detail}; giving up at {st.format_time(started + timeout)}"
         old = s.condition(api.COND_READY)

@@ -1,7 +1,8 @@
 """Final save: before a planned teardown the workers write one last checkpoint and stop.
 
-Wanted for a preemption when `checkpoint.finalSave.onPreemption`, for a resize or grow-back when
-`onResize`, and only while a worker runs. The request id and the deadline
+Wanted for a preemption and a suspend (`spec.suspend`: a preemption the user or a queue asks for) when
+`checkpoint.finalSave.onPreemption`, for a resize or grow-back when `onResize`, and only while a worker
+runs. The request id and the deadline
 (`finalSave.timeoutSeconds`) are in the status (`transition.saveRequestId`, `saveDeadline`), so an
 operator restart resumes the wait. While it runs:
 
@@ -36,7 +37,7 @@ from . import node_loss
 def wanted(spec: JobSpec, kind: str) -> bool:
     """Whether a transition of `kind` asks the workers for a final save (if any runs)."""
     on = spec.checkpoint.final_save
-    return (kind == st.PREEMPTION and on.on_preemption) or (kind in st.RESIZE_KINDS and on.on_resize)
+    return (kind in (st.PREEMPTION, st.SUSPEND) and on.on_preemption) or (kind in st.RESIZE_KINDS and on.on_resize)
 
 
 def progress(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
@@ -86,4 +87,4 @@ def progress(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
 
 def _reason(kind: str) -> str:
     """The `reason` the sidecar's /v1/save takes."""
-    return "preemption" if kind == st.PREEMPTION else "resize"
+    return "preemption" if kind in (st.PREEMPTION, st.SUSPEND) else "resize"

@@ -36,13 +36,21 @@ from ..actions import (
     SetStatus,
     status_change,
 )
-from ..builders import GenerationPlan, JobRef, build_pod_name, build_pods, build_service, node_scoped
-from ..capacity import explain_shortfall, fingerprint, plan_shape, shape_chips
+from ..builders import (
+    GenerationPlan,
+    JobRef,
+    build_pod_name,
+    build_pods,
+    build_service,
+    creates_all_at_once,
+    node_scoped,
+)
+from ..capacity import explain_shortfall, fingerprint, plan_shape, plan_target, record_pools, shape_chips
 from ..observed import Observed, RestoreReport
 from ..settings import OperatorSettings
 from ..spec import RESTORE_LATEST, JobSpec
 from ..status import JobStatus
-from . import Finding, preemption
+from . import Finding, capacity_wait, preemption, suspend
 
 #: How soon to look again while waiting for capacity (seconds).
 CAPACITY_POLL_SECONDS: Final = 15.0
@@ -55,17 +63,27 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     first = s.generation == 0
     if observed.pods:  # never two generations at once
         return [*actions, RequeueAfter(POLL_SECONDS)]
+    if spec.suspend:
+        return suspend.hold(observed, s, actions)
     t = s.transition
+    # A job resumed from a suspension waits as a new one does.
+    waiting_phase = api.PHASE_PENDING if t is not None and t.kind == st.SUSPEND else st.phase_for(t, first=first)
     if t is not None and t.not_before is not None and now < t.not_before:
-        new = replace(s, phase=st.phase_for(t, first=first))
+        new = replace(s, phase=waiting_phase)
         new = st.set_condition(new, api.COND_READY, False, api.BACKOFF.name, t.message, now)
         return [*actions, *status_change(observed.status, new),
                 RequeueAfter(max(1.0, (t.not_before - now).total_seconds()))]
     lead = preemption.maintenance_lead(spec, s)
-    planned = plan_shape(spec, observed.nodes, now, lead)
+    # After a Shrink only what the Ready nodes fit (else the job would wait for the same nodes again);
+    # otherwise, with capacity.provisioning Autoscaled, the declared shape even where nodes lack.
+    planned = None
+    if t is not None and t.kind == st.SHRINK:
+        planned = plan_shape(spec, observed.nodes, now, lead)
+    if planned is None:
+        planned = plan_target(spec, observed.nodes, now, lead)
     if planned is None:
         detail = explain_shortfall(spec, observed.nodes, now, lead)
-        new = replace(s, phase=st.phase_for(t, first=first))
+        new = replace(s, phase=waiting_phase)
         new = st.set_condition(new, api.COND_READY, False, api.INSUFFICIENT_CAPACITY.name,
                                api.INSUFFICIENT_CAPACITY.format(detail=detail), now)
         changed = (s.condition(api.COND_READY) or st.Condition("", "", "", "")).reason != api.INSUFFICIENT_CAPACITY.name
@@ -78,18 +96,22 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     plan = GenerationPlan(generation, planned.shape, planned.pools, restore, s.worker_nodes)
     if t is None:
         phase = api.PHASE_PENDING if first else api.PHASE_RECOVERING
+    elif t.kind == st.SUSPEND:
+        phase = api.PHASE_PENDING
     else:
-        phase = api.PHASE_RESIZING if t.kind in st.RESIZE_KINDS else api.PHASE_RECOVERING
+        phase = api.PHASE_RESIZING if t.kind in st.RESHAPE_KINDS else api.PHASE_RECOVERING
     new = replace(s, phase=phase, generation=generation, shape=planned.shape, hosts=planned.hosts, pools=planned.pools,
-                  restore_step=restore, generation_start_time=st.truncate(now), workers_created=planned.hosts == 1,
+                  restore_step=restore, generation_start_time=st.truncate(now), admitted_time=None,
+                  workers_created=planned.hosts == 1,
                   restarts=s.restarts + (0 if first else 1), planned_from=fingerprint(spec), transition=None)
     message = api.GENERATION_CREATED.format(generation=generation, count=planned.shape.count,
                                             topology=planned.shape.topology, hosts=planned.hosts, restore=restore)
     new = st.set_condition(new, api.COND_READY, False, api.WORKERS_STARTING.name, message, now)
     new = with_degraded(spec, new, now)
     new = st.set_condition(new, api.COND_SAVING, False, api.NOT_SAVING.name, api.NOT_SAVING.message, now)
+    new, resumed = suspend.resumed(new, generation, restore, now)
     pods = build_pods(observed.job, spec, plan, settings, coordinator_ip=None)
-    return [*actions, SetStatus(new), EmitEvent("Normal", api.GENERATION_CREATED.name, message),
+    return [*actions, SetStatus(new), EmitEvent("Normal", api.GENERATION_CREATED.name, message), *resumed,
             CreateGeneration(generation, build_service(observed.job, plan, settings), tuple(pods))]
 
 
@@ -97,10 +119,13 @@ def check_unscheduled(spec: JobSpec, observed: Observed, s: JobStatus, settings:
     """Workers no node takes `scheduleTimeoutSeconds` after the generation started: the capacity the
     planner saw is not there after all; replan."""
     now = observed.now
-    started = s.generation_start_time or now
+    started = s.workers_since or now
     if now - started < timedelta(seconds=settings.schedule_timeout_seconds):
         return None
-    stuck = [p.name for p in observed.pods_of(s.generation) if p.node_name is None and p.phase == "Pending"]
+    # Workers waiting for nodes that do not exist yet or for a queue's admission: capacity_wait.py's.
+    waiting = capacity_wait.waiting_workers(observed, s)
+    stuck = [p.name for p in observed.pods_of(s.generation) if p.node_name is None and p.phase == "Pending"
+             and not p.gates and p.slice_index not in waiting]
     if not stuck:
         return None
     return Finding(st.POD_LOST, api.UNSCHEDULABLE.name, api.UNSCHEDULABLE.format(
@@ -114,19 +139,30 @@ def bring_up(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
     pods = observed.pods_of(g)
     names = expected_pod_names(observed.job, s)
     plan = GenerationPlan(g, s.shape or spec.spec_shape, s.pools, s.restore_step or RESTORE_LATEST, s.worker_nodes)
+    create: list[Action] = []
     if not s.workers_created:
+        have = {p.name for p in pods}
         pod0 = next((p for p in pods if p.name == names[0]), None)
-        if pod0 is None:
+        if creates_all_at_once(observed.job, spec):
+            missing = [m for m in build_pods(observed.job, spec, plan, settings, coordinator_ip=None)
+                       if m["metadata"]["name"] not in have]
+            if missing:
+                create = [CreateGeneration(g, build_service(observed.job, plan, settings), tuple(missing))]
+            s = replace(s, workers_created=True)
+        elif pod0 is None:
             return [CreateGeneration(g, build_service(observed.job, plan, settings),
                                      tuple(build_pods(observed.job, spec, plan, settings, coordinator_ip=None))),
                     RequeueAfter(POLL_SECONDS)]
-        if pod0.pod_ip is None:
+        elif pod0.pod_ip is not None:
+            rest = [m for m in build_pods(observed.job, spec, plan, settings, coordinator_ip=pod0.pod_ip)
+                    if m["metadata"]["name"] not in have]
+            create = [CreateGeneration(g, None, tuple(rest))]
+            s = replace(s, workers_created=True)
+        elif capacity_wait.waiting(spec, observed, s) is None:
             return [RequeueAfter(POLL_SECONDS)]
-        rest = [m for m in build_pods(observed.job, spec, plan, settings, coordinator_ip=pod0.pod_ip)
-                if m["metadata"]["name"] not in {p.name for p in pods}]
-        return [CreateGeneration(g, None, tuple(rest)), SetStatus(replace(s, workers_created=True)),
-                RequeueAfter(POLL_SECONDS)]
     running = sum(1 for p in pods if p.phase in ("Running", "Succeeded"))
+    s = record_pools(s, pods, observed.nodes)
+    old = s.condition(api.COND_READY)
     new = replace(with_degraded(spec, s, now), planned_from=fingerprint(spec))
     if running == s.hosts:
         message = api.WORKERS_RUNNING.format(generation=g, hosts=s.hosts)
@@ -139,10 +175,13 @@ def bring_up(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
             new = replace(new, pod_losses=0)  # it ran long enough: the run of pod-level losses is over
         new = st.set_condition(new, api.COND_READY, True, api.WORKERS_RUNNING.name, message, now)
         events = [EmitEvent("Normal", api.WORKERS_RUNNING.name, message)] if became_ready else []
-        return status_change(observed.status, new, *events)
-    message = api.WORKERS_STARTING.format(generation=g, running=running, hosts=s.hosts)
-    new = st.set_condition(new, api.COND_READY, False, api.WORKERS_STARTING.name, message, now)
-    return [*status_change(observed.status, new), RequeueAfter(POLL_SECONDS)]
+        return [*create, *status_change(observed.status, new, *events)]
+    reason, message = capacity_wait.waiting(spec, observed, s) or (
+        api.WORKERS_STARTING.name, api.WORKERS_STARTING.format(generation=g, running=running, hosts=s.hosts))
+    events = [EmitEvent("Warning" if reason == api.WAITING_FOR_CAPACITY.name else "Normal", reason, message)] \
+        if reason != api.WORKERS_STARTING.name and (old is None or old.reason != reason) else []
+    new = st.set_condition(new, api.COND_READY, False, reason, message, now)
+    return [*create, *status_change(observed.status, new, *events), RequeueAfter(POLL_SECONDS)]
 
 
 def decide_pod_refused(spec: JobSpec | None, status: JobStatus, generation: int, pod: str, detail: str,

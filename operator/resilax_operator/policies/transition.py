@@ -15,7 +15,7 @@ How each pod of a generation is deleted (`plan_delete`):
 |----------------------------------------------------------|--------------------------------------------|
 | on a down or gone node, or Terminating far past its grace | force (gracePeriodSeconds=0)              |
 | already Terminating                                      | left alone                                 |
-| NodeLoss: a surviving worker                             | grace node_loss.SURVIVOR_GRACE_SECONDS     |
+| NodeLoss: a surviving worker; Shrink (never all ran)     | grace node_loss.SURVIVOR_GRACE_SECONDS     |
 | its trainer exited, no local tier                        | grace TRAINER_GONE_GRACE_SECONDS           |
 | planned teardown, its trainer still running              | not before teardownSince + STOPPING_TRAINER_WAIT_SECONDS |
 | otherwise                                                | the pod's own grace (SIGTERM: the workers save) |
@@ -54,7 +54,7 @@ TRAINER_GONE_GRACE_SECONDS: Final = 2
 #: teardown leaves a pod whose trainer still runs alone for up to this long after it began (seconds).
 STOPPING_TRAINER_WAIT_SECONDS: Final = 15
 #: Transitions the operator chose (not forced on it): their workers may stop by themselves.
-PLANNED_KINDS: Final = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK, st.WORKER_STOPPED})
+PLANNED_KINDS: Final = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK, st.WORKER_STOPPED, st.SUSPEND})
 #: Transitions that are pod-level losses (not the worker's own failure, not a node's): they back off
 #: exponentially (`pod_loss_backoff`) and fail the job past `max_pod_losses` in a row.
 POD_LOSS_KINDS: Final = frozenset({st.POD_LOST, st.WORKER_STOPPED})
@@ -149,7 +149,7 @@ def plan_delete(observed: Observed, spec: JobSpec, generation: int, reason: str,
         if p.deletion_timestamp is not None:
             continue  # already going; deleting again changes nothing
         grace = None
-        if reason == st.NODE_LOSS:
+        if reason in (st.NODE_LOSS, st.SHRINK):
             grace = node_loss.SURVIVOR_GRACE_SECONDS
         elif spec.checkpoint.local is None and p.trainer_exited:
             grace = TRAINER_GONE_GRACE_SECONDS

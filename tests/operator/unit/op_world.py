@@ -61,6 +61,9 @@ class World:
     checkpoint: CheckpointInfo | None = None
     next_ip: int = 1
     pool_of: dict[str, str] = field(default_factory=dict)
+    selector_of: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: Scheduling gates new pods get (a queue's admission webhook, e.g. Kueue's).
+    gates: tuple[str, ...] = ()
 
     @classmethod
     def make(cls, spec: dict[str, Any], *pools: list[ObservedNode]) -> World:
@@ -99,8 +102,9 @@ class World:
                 labels = m["metadata"]["labels"]
                 if name not in self.pods:
                     self.pods[name] = ObservedPod(name, int(labels[api.LABEL_GENERATION]), int(labels[api.LABEL_SLICE]),
-                                                  int(labels[api.LABEL_HOST]))
+                                                  int(labels[api.LABEL_HOST]), gates=self.gates)
                     self.pool_of[name] = labels[api.LABEL_NODE_POOL]
+                    self.selector_of[name] = dict(m["spec"].get("nodeSelector") or {})
             if a.generation not in self.created:
                 self.created.append(a.generation)
         elif isinstance(a, DeleteGeneration):
@@ -122,11 +126,15 @@ class World:
 
     # ---- the scheduler and kubelets
     def schedule(self) -> None:
+        """Bind each schedulable pod: a pod of a placed slice on a free node of its pool; a pod of a waiting
+        slice (pool "") on a free node carrying its node selector, in the pool its slice's bound pods use,
+        else in a pool no other slice of its generation uses (the builders' pod affinity rules)."""
         used = {p.node_name for p in self.pods.values() if p.node_name}
         for name, p in sorted(self.pods.items()):
-            if p.node_name is not None or p.deletion_timestamp is not None:
+            if p.node_name is not None or p.deletion_timestamp is not None or p.gates:
                 continue
-            free = [n for n in self.nodes.values() if n.pool == self.pool_of[name] and n.name not in used
+            pools = self._pools_for(name, p)
+            free = [n for n in self.nodes.values() if n.pool in pools and n.name not in used
                     and n.schedulable(self.now)]
             if not free:
                 continue
@@ -135,6 +143,24 @@ class World:
             self.pods[name] = replace(p, node_name=node.name, phase="Running", ready=True, pod_ip=f"10.0.0.{self.next_ip}",
                                       trainer_running=True)
             self.next_ip += 1
+
+    def _pools_for(self, name: str, p: ObservedPod) -> set[str | None]:
+        if self.pool_of[name]:
+            return {self.pool_of[name]}
+        selector = self.selector_of[name]
+        kin = [q for q in self.pods.values() if q.generation == p.generation]
+        bound = {self.nodes[q.node_name].pool for q in kin if q.slice_index == p.slice_index and q.node_name}
+        if bound:
+            return set(bound)
+        taken = {self.pool_of[q.name] or (self.nodes[q.node_name].pool if q.node_name else None)
+                 for q in kin if q.slice_index != p.slice_index}
+        return {n.pool for n in self.nodes.values()
+                if n.pool not in taken and all(n.labels.get(k) == v for k, v in selector.items())}
+
+    def admit(self) -> None:
+        """The queue admits: every pod's scheduling gates go."""
+        for name, p in list(self.pods.items()):
+            self.pods[name] = replace(p, gates=())
 
     def kubelets(self) -> None:
         """Graceful deletions finish on nodes that are up; processes told to stop exit 75 first."""

@@ -78,6 +78,8 @@ GOOD = [
     ("cpu-grid", lambda s: (s["slices"].update(accelerator="cpu", topology="2x4"), s["elastic"].update(topologies=["1x4"]))),
     ("no-elastic", lambda s: s.pop("elastic")),
     ("local-node-scope", lambda s: s["checkpoint"].update(local={"scope": "Node", "medium": "Memory", "keepLast": 3})),
+    ("autoscaled-with-shrink", lambda s: s.update(capacity={"provisioning": "Autoscaled", "shrinkAfterSeconds": 30})),
+    ("autoscaled", lambda s: s.update(capacity={"provisioning": "Autoscaled"}, suspend=True)),
 ]
 
 
@@ -107,6 +109,10 @@ BAD = [
     ("size-limit-default-scope", lambda s: s["checkpoint"]["local"].pop("scope"), "sizeLimit needs scope: Pod"),
     ("local-init-container-name", lambda s: s["template"]["spec"].update(initContainers=[{"name": "resilax-local-init"}]),
      "reserved for the operator's local tier init container"),
+    ("shrink-without-autoscaled", lambda s: s.update(capacity={"shrinkAfterSeconds": 30}),
+     "shrinkAfterSeconds applies to provisioning: Autoscaled only"),
+    ("shrink-with-ready", lambda s: s.update(capacity={"provisioning": "Ready", "shrinkAfterSeconds": 30}),
+     "shrinkAfterSeconds applies to provisioning: Autoscaled only"),
 ]
 
 

@@ -136,6 +136,13 @@ BAD = [
                                        s["elastic"].update(topologies=[])), "spec.slices.machineType"),
     ("restart-always", lambda s: s["template"]["spec"].update(restartPolicy="Always"), "spec.template.spec.restartPolicy"),
     ("zero-count", lambda s: s["slices"].update(count=0), "spec.slices.count"),
+    ("provisioning-unknown", lambda s: s.update(capacity={"provisioning": "Eventually"}),
+     "spec.capacity.provisioning"),
+    ("shrink-negative", lambda s: s.update(capacity={"provisioning": "Autoscaled", "shrinkAfterSeconds": -1}),
+     "spec.capacity.shrinkAfterSeconds"),
+    ("shrink-without-autoscaled", lambda s: s.update(capacity={"shrinkAfterSeconds": 60}),
+     "spec.capacity.shrinkAfterSeconds"),
+    ("suspend-not-bool", lambda s: s.update(suspend="yes"), "spec.suspend"),
 ]
 
 

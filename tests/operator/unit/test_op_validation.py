@@ -96,6 +96,18 @@ BAD = [
     ("count-not-integer", _set("slices.count", "four"), "spec.slices.count", "must be an integer"),
     ("grow-back-not-bool", _set("elastic.growBack", "yes"), "spec.elastic.growBack", "true or false"),
     ("missing-slices", _set("slices", _DELETE), "spec.slices", "is required"),
+    ("provisioning-unknown", _set("capacity", {"provisioning": "Eventually"}), "spec.capacity.provisioning",
+     "'Eventually' is not a provisioning mode; valid: Ready (plan only over Ready nodes"),
+    ("provisioning-not-string", _set("capacity", {"provisioning": 3}), "spec.capacity.provisioning",
+     "must be a string, found 3"),
+    ("shrink-negative", _set("capacity", {"provisioning": "Autoscaled", "shrinkAfterSeconds": -1}),
+     "spec.capacity.shrinkAfterSeconds", "must be >= 0, found -1"),
+    ("shrink-not-integer", _set("capacity", {"provisioning": "Autoscaled", "shrinkAfterSeconds": "10m"}),
+     "spec.capacity.shrinkAfterSeconds", "must be an integer, found '10m'"),
+    ("shrink-without-autoscaled", _set("capacity", {"shrinkAfterSeconds": 60}), "spec.capacity.shrinkAfterSeconds",
+     "60 with provisioning Ready: shrinkAfterSeconds applies to provisioning: Autoscaled only"),
+    ("capacity-not-object", _set("capacity", "Autoscaled"), "spec.capacity", "must be an object, found str"),
+    ("suspend-not-bool", _set("suspend", "yes"), "spec.suspend", "must be true or false, found 'yes'"),
 ]
 
 
@@ -152,6 +164,16 @@ def test_defaults_for_a_minimal_spec() -> None:
     assert spec.checkpoint.restore_step == "latest" and spec.checkpoint.final_save.timeout_seconds == 300
     assert spec.recovery.max_restarts == 20 and spec.recovery.backoff_seconds == 10
     assert spec.allowed_topologies == ("1x4",) and spec.count_bounds == (1, 1)
+    assert spec.capacity.provisioning == "Ready" and not spec.capacity.autoscaled and not spec.suspend
+    assert spec.capacity.shrink_after == 600
+
+
+def test_capacity_and_suspend_parse() -> None:
+    raw = good_spec()
+    raw["capacity"] = {"provisioning": "Autoscaled", "shrinkAfterSeconds": 45}
+    raw["suspend"] = True
+    spec = validate_spec(raw)
+    assert spec.capacity.autoscaled and spec.capacity.shrink_after == 45 and spec.suspend
 
 
 def test_elastic_topologies_start_with_the_spec_topology() -> None:
