@@ -231,9 +231,11 @@ def slice_pods(slice_index: int, bound: int, *, gates: tuple[str, ...] = ()) -> 
     (("pool-a", ""), 0, 599, 1, False, False, {1: 4}),
     (("pool-a", ""), 0, 600, 1, False, True, {1: 4}),
     (("pool-a", ""), 0, 600, 0, False, False, {1: 4}),
+    (("pool-a", ""), 0, 600, 2, False, False, {1: 4}),
     (("pool-a", ""), 0, 700, 1, True, False, {1: 4}),
     (("pool-a", "pool-b"), 0, 700, 2, False, False, {}),
 ], ids=["waiting", "half-bound", "all-bound", "before-timeout", "at-timeout", "nothing-smaller-fits",
+        "the-nodes-came-not-yet-bound",
         "gated-by-a-queue", "all-placed"])
 def test_capacity_wait_table(pools_: tuple[str, ...], bound: int, seconds: int, free: int, gated: bool,
                              shrink: bool, waiting: dict[int, int]) -> None:
