@@ -6,7 +6,7 @@
 | observed                                                             | decision                   |
 |----------------------------------------------------------------------|----------------------------|
 | spec's hardware changed, or its bounds no longer allow the shape     | Resize (`check_incompatible`, before anything reads the pods with the new spec) |
-| spec's bounds changed and capacity fits a larger shape               | Resize                     |
+| spec's bounds changed and capacity fits a larger shape (with capacity Autoscaled: or the declared shape is larger) | Resize |
 | spec's bounds changed, no larger shape fits                          | keep the generation        |
 | elastic.growBack, settled (growBackSettleSeconds), all Running, a larger shape fits | GrowBack    |
 
@@ -19,7 +19,7 @@ from datetime import timedelta
 
 from .. import api
 from .. import status as st
-from ..capacity import fingerprint, plan_shape, shape_chips
+from ..capacity import fingerprint, plan_shape, plan_target, shape_chips
 from ..observed import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
@@ -43,8 +43,8 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     now, current = observed.now, s.shape
     if current is None:
         return None
-    if s.planned_from != fingerprint(spec):
-        planned = plan_shape(spec, observed.nodes, now, preemption.maintenance_lead(spec, s))
+    if s.planned_from != fingerprint(spec):  # with capacity Autoscaled, a larger declared shape even without nodes
+        planned = plan_target(spec, observed.nodes, now, preemption.maintenance_lead(spec, s))
         if planned is not None and shape_chips(spec, planned.shape) > shape_chips(spec, current):
             return _finding(st.RESIZE, s, planned.shape)
         return None

@@ -315,3 +315,23 @@ def test_the_queue_label_of_the_template_counts_too() -> None:
     plain = build_pods(JobRef("llama", "ml", "u"), validate_spec(autoscaled_spec(provisioning="Ready")),
                        GenerationPlan(2, Shape("4x4", 1), ("pool-a",)), SETTINGS, coordinator_ip=None)
     assert len(plain) == 1 and api.KUEUE_POD_GROUP_LABEL not in plain[0]["metadata"]["labels"]
+
+
+def test_a_larger_declared_shape_resizes_to_it_even_without_the_nodes() -> None:
+    w = World.make(autoscaled_spec(high=3), *pools("pool-a", "pool-b"))
+    w.settle()
+    assert w.status.phase == api.PHASE_RUNNING and w.status.shape == Shape("4x4", 2)
+    w.spec["slices"]["count"] = 3
+    w.step()
+    assert w.status.transition is not None and w.status.transition.kind == st.RESIZE
+    w.exit_workers(75)
+    w.settle()
+    assert w.status.generation == 2 and w.status.shape == Shape("4x4", 3)
+    assert w.status.pools == ("pool-a", "pool-b", "")
+    assert ready_reason(w)[0] == api.WAITING_FOR_CAPACITY.name
+    # With Ready capacity planning the same edit keeps the running shape (no pool for a third slice).
+    r = World.make(autoscaled_spec(high=3, provisioning="Ready"), *pools("pool-a", "pool-b"))
+    r.settle()
+    r.spec["slices"]["count"] = 3
+    r.settle()
+    assert r.status.generation == 1 and r.status.shape == Shape("4x4", 2)
