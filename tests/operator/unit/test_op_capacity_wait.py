@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from op_samples import good_spec
 from op_world import SETTINGS, T0, World, tpu_pool
 from resilax_operator import api
@@ -335,3 +337,10 @@ def test_a_larger_declared_shape_resizes_to_it_even_without_the_nodes() -> None:
     r.spec["slices"]["count"] = 3
     r.settle()
     assert r.status.generation == 1 and r.status.shape == Shape("4x4", 2)
+
+
+def test_the_gke_example_is_a_valid_autoscaled_queued_job() -> None:
+    job = yaml.safe_load((Path(__file__).resolve().parents[3] / "examples" / "jaxjob-gke-autoscaled.yaml").read_text())
+    spec = validate_spec(job["spec"], name=job["metadata"]["name"])
+    assert spec.capacity.autoscaled and spec.capacity.shrink_after == 900 and not spec.suspend
+    assert job["metadata"]["labels"][api.KUEUE_QUEUE_LABEL] == "team-a"
