@@ -14,6 +14,9 @@ namespace given with `--namespace`):
 5. `nodes`: every Node (cluster-scoped; one watch whatever the scope).
 The cost per job is nothing: the watches are shared and their number does not grow with the jobs.
 
+Parsed once: every change of a store also goes to an index (indexes.py) that keeps the parsed nodes,
+the devices in use per node and each job's pods and Services, so a reconcile reads prepared data.
+
 Waking: `on_change(kind, key, body)` is called (from the watch thread) for every event that matters;
 handlers.py turns it into wake-ups of the jobs' reconcile daemons.
 
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from . import api
+from .indexes import FleetIndex, JobIndex
+from .observed import ObservedNode, ObservedPod, parse_pod, parse_service_generation
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,8 @@ LIVE_PODS_SELECTOR: Final = "status.phase!=Succeeded,status.phase!=Failed"
 Body = dict[str, Any]
 #: (kind, "namespace/name", the object (its last state when deleted), deleted)
 OnChange = Callable[[str, str, Body, bool], None]
+#: ("namespace/name", the stored object before, after): every change of a store (None: absent)
+OnStore = Callable[[str, Body | None, Body | None], None]
 
 
 class WatchSource(Protocol):
@@ -106,6 +113,8 @@ class Informer:
     field_selector: str | None = None
     trim: Callable[[Mapping[str, Any]], Body] | None = None
     on_change: OnChange | None = None
+    #: Told of every change of the store, under its lock (an index kept beside it, indexes.py).
+    on_store: OnStore | None = None
 
     def __post_init__(self) -> None:
         self._items: dict[str, Body] = {}
@@ -132,7 +141,9 @@ class Informer:
 
     def forget(self, key: str) -> None:
         with self._lock:
-            self._items.pop(key, None)
+            gone = self._items.pop(key, None)
+            if gone is not None and self.on_store is not None:
+                self.on_store(key, gone, None)
 
     # ---- the watch -------------------------------------------------------------------------
     def start(self) -> Informer:
@@ -169,6 +180,11 @@ class Informer:
         with self._lock:
             gone = {k: b for k, b in self._items.items() if k not in fresh}
             changed = [k for k, b in fresh.items() if self._items.get(k) != b]
+            if self.on_store is not None:
+                for k, b in gone.items():
+                    self.on_store(k, b, None)
+                for k in changed:
+                    self.on_store(k, self._items.get(k), fresh[k])
             self._items = fresh
         self.relists += 1
         self.synced.set()
@@ -198,14 +214,18 @@ class Informer:
     def _apply(self, kind: str, body: Mapping[str, Any], *, notify: bool) -> None:
         key = object_key(body)
         with self._lock:
+            before = self._items.get(key)
             if kind == "DELETED":
                 self._items.pop(key, None)
                 stored = dict(body)
+                after = None
             else:
-                if not _newer_or_equal(body, self._items.get(key)):
+                if not _newer_or_equal(body, before):
                     return
-                stored = self._store_form(body)
+                stored = after = self._store_form(body)
                 self._items[key] = stored
+            if self.on_store is not None and (before is not None or after is not None):
+                self.on_store(key, before, after)
         if notify and self.on_change is not None:
             self.on_change(self.kind, key, stored, kind == "DELETED")
 
@@ -220,15 +240,20 @@ class WorldCache:
         def path(prefix: str, ns: str | None, plural: str) -> str:
             return f"{prefix}/namespaces/{ns}/{plural}" if ns else f"{prefix}/{plural}"
 
+        #: The parsed forms (indexes.py): each job's pods and Services; the nodes and the devices in use.
+        self.pod_index: JobIndex[ObservedPod] = JobIndex(parse_pod)
+        self.service_index: JobIndex[int] = JobIndex(parse_service_generation)
+        self.fleet = FleetIndex()
         self.jobs = [Informer(source, "jaxjobs", path(job_path, ns, api.PLURAL), on_change=on_change)
                      for ns in scopes]
         self.job_pods = [Informer(source, "pods", path("/api/v1", ns, "pods"), label_selector=api.LABEL_JOB,
-                                  on_change=on_change) for ns in scopes]
+                                  on_change=on_change, on_store=self.pod_index.update) for ns in scopes]
         self.services = [Informer(source, "services", path("/api/v1", ns, "services"),
-                                  label_selector=api.LABEL_JOB) for ns in scopes]
+                                  label_selector=api.LABEL_JOB, on_store=self.service_index.update) for ns in scopes]
         self.live_pods = [Informer(source, "live-pods", path("/api/v1", ns, "pods"),
-                                   field_selector=LIVE_PODS_SELECTOR, trim=trim_live_pod) for ns in scopes]
-        self.nodes = Informer(source, "nodes", "/api/v1/nodes", on_change=on_change)
+                                   field_selector=LIVE_PODS_SELECTOR, trim=trim_live_pod,
+                                   on_store=self.fleet.update_pod) for ns in scopes]
+        self.nodes = Informer(source, "nodes", "/api/v1/nodes", on_change=on_change, on_store=self.fleet.update_node)
         self._namespaced = bool(namespaces)
         #: Held by the reconcile that plans a new generation's node pools and creates its first pod: two
         #: jobs planning at once would pick the same free pool (the next plan must see the pod created).
@@ -262,20 +287,20 @@ class WorldCache:
                 return found
         return None
 
-    def pods_of(self, namespace: str, job: str) -> list[Body]:
-        return [p for i in self._scoped(self.job_pods, namespace) for p in i.items()
-                if _in(p, namespace) and _labels(p).get(api.LABEL_JOB) == job]
+    def pods_of(self, namespace: str, job: str) -> tuple[list[Mapping[str, Any]], list[ObservedPod]]:
+        """The job's pods (any generation, by name): as stored, and parsed (the workers among them)."""
+        return self.pod_index.of(namespace, job)
 
-    def services_of(self, namespace: str, job: str) -> list[Body]:
-        return [s for i in self._scoped(self.services, namespace) for s in i.items()
-                if _in(s, namespace) and _labels(s).get(api.LABEL_JOB) == job]
+    def service_generations(self, namespace: str, job: str) -> list[int]:
+        """The generations whose headless Service of the job exists."""
+        return self.service_index.of(namespace, job)[1]
 
-    def all_nodes(self) -> list[Body]:
-        return self.nodes.items()
+    def nodes_for(self, namespace: str, job: str) -> tuple[ObservedNode, ...]:
+        """Every node parsed, sorted by name, with the devices others' live pods hold (indexes.FleetIndex)."""
+        return self.fleet.nodes_for(namespace, job)
 
-    def device_pods(self) -> list[Body]:
-        """The live pods the operator may see (all namespaces, or the watched ones)."""
-        return [p for i in self.live_pods for p in i.items()]
+    def node_count(self) -> int:
+        return self.fleet.node_count()
 
     # ---- the operator's own writes ---------------------------------------------------------
     def remember(self, body: Mapping[str, Any] | None) -> None:
@@ -300,10 +325,3 @@ class WorldCache:
             return informers
         return [i for i in informers if f"/namespaces/{namespace}/" in i.path]
 
-
-def _labels(body: Mapping[str, Any]) -> Mapping[str, str]:
-    return (body.get("metadata") or {}).get("labels") or {}
-
-
-def _in(body: Mapping[str, Any], namespace: str) -> bool:
-    return (body.get("metadata") or {}).get("namespace") == namespace

@@ -55,7 +55,7 @@ async def start_cache(memo: Any, logger: kopf.Logger, **_: Any) -> None:
     memo.cache = WorldCache(memo.kube, memo.namespaces, on_change).start()
     if not await asyncio.to_thread(memo.cache.wait_synced, 120.0):
         raise kopf.TemporaryError("the watch cache has not listed every kind within 120 s", delay=5)
-    logger.info("watch cache synced: %d nodes, %d job pods", len(memo.cache.all_nodes()),
+    logger.info("watch cache synced: %d nodes, %d job pods", memo.cache.node_count(),
                 sum(len(i.items()) for i in memo.cache.job_pods))
 
 

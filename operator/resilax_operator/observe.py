@@ -1,7 +1,7 @@
 """The I/O side, part 1: gather the world one decision sees (`observe` → `World`).
 
-The JAXJob, its pods and Services, the nodes and the live pods of others (capacity) are read from the
-watch cache (cache.py), never listed; the Lease of a NotReady node hosting a worker is read directly
+The JAXJob, its pods and Services, the nodes and the devices others hold (capacity) are read from the
+watch cache (cache.py), never listed, already parsed (indexes.py); the Lease of a NotReady node hosting a worker is read directly
 (a GET, only then: watching every node's heartbeats would cost more than it tells); the sidecars answer over HTTP: pod 0's `/v1/state` (newest
 checkpoint, restore report, the trainer's figures for metrics) and, while a final save runs, each
 asked pod's `/v1/save/<id>`. The parsing is observed.py's; nothing here decides. Synchronous (a
@@ -24,13 +24,14 @@ from .k8s import Kube, KubeError, SidecarError
 from .observed import (
     Observed,
     SaveOutcome,
-    build_observed,
+    assemble_observed,
     nodes_needing_lease,
     parse_job_ref,
     parse_lease,
     parse_restore_report,
     parse_save_outcome,
     parse_sidecar_state,
+    with_leases,
 )
 from .settings import OperatorSettings
 
@@ -68,10 +69,7 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
     """The world of one JAXJob now: the cache's objects, the sidecars' answers, the time."""
     now = now_utc()
     ref = job_ref(job)
-    pods = cache.pods_of(ref.namespace, ref.name)
-    services = cache.services_of(ref.namespace, ref.name)
-    nodes = cache.all_nodes()
-    others = cache.device_pods()
+    pods, workers = cache.pods_of(ref.namespace, ref.name)
     status = st.parse_status(job.get("status"))
     outcomes = observe_save_outcomes(kube, status, pods, settings, logger)
     checkpoint = restore = None
@@ -86,10 +84,13 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
                 metrics.record_worker_state(ref, status.generation, state)
             except SidecarError as e:
                 logger.debug("no checkpoint state from %s: %s", build_pod_name(ref.name, status.generation, 0, 0), e)
-    leases = observe_leases(kube, nodes_needing_lease(pods, nodes), logger)
-    observed = build_observed(job, now=now, pods=pods, services=services, nodes=nodes,
-                              other_pods=others, save_outcomes=outcomes, checkpoint=checkpoint, restore=restore,
-                              leases=leases)
+    observed = assemble_observed(job, now=now, pods=workers,
+                                 generations=cache.service_generations(ref.namespace, ref.name),
+                                 nodes=cache.nodes_for(ref.namespace, ref.name), save_outcomes=outcomes,
+                                 checkpoint=checkpoint, restore=restore)
+    needing_lease = nodes_needing_lease(observed)
+    if needing_lease:
+        observed = with_leases(observed, observe_leases(kube, needing_lease, logger))
     return World(job, tuple(pods), observed)
 
 

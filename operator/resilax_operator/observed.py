@@ -7,9 +7,10 @@ only the resulting `Observed` snapshot (time included: `Observed.now`, never the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from functools import cached_property
 from typing import Any, Final
 
 from . import api
@@ -181,7 +182,11 @@ class Observed:
     restore: RestoreReport | None = None
 
     def node(self, name: str | None) -> ObservedNode | None:
-        return next((n for n in self.nodes if n.name == name), None) if name else None
+        return self._nodes_by_name.get(name) if name else None
+
+    @cached_property
+    def _nodes_by_name(self) -> dict[str, ObservedNode]:
+        return {n.name: n for n in self.nodes}
 
     def pods_of(self, generation: int) -> list[ObservedPod]:
         """The pods of one generation, by name."""
@@ -300,30 +305,61 @@ def parse_node(raw: Mapping[str, Any], in_use_by_others: Mapping[str, int] | Non
         in_use_by_others=dict(in_use_by_others or {}), lease_live_until=lease_live_until)
 
 
+@dataclass(frozen=True)
+class DeviceUse:
+    """What one live pod holds of the accelerators (capacity accounting): on its node once bound; while
+    pending but pinned to a node pool (a new generation's pod), on one node of that pool."""
+
+    namespace: str
+    name: str
+    #: The `resilax.dev/job` label (None for a pod that is not a Resilax worker).
+    job: str | None
+    #: Device resource → amount requested (limits or requests of every container), never empty.
+    asked: Mapping[str, int]
+    node: str | None = None
+    #: The node pool a pending pod is pinned to; None once bound, or when it holds nothing (going away).
+    pool: str | None = None
+
+
+def parse_device_use(raw: Mapping[str, Any]) -> DeviceUse | None:
+    """A pod (full or `cache.trim_live_pod`'s form) → what it holds of the devices; None when it asks for
+    none, has finished (Succeeded/Failed), or is pending, unpinned or being deleted."""
+    meta, spec = raw.get("metadata") or {}, raw.get("spec") or {}
+    if (raw.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return None
+    asked = _devices_asked(spec)
+    if not asked:
+        return None
+    node = spec.get("nodeName") or None
+    pool = None if node else (spec.get("nodeSelector") or {}).get(api.NODE_POOL_LABEL)
+    if node is None and (not pool or meta.get("deletionTimestamp")):
+        return None
+    job = (meta.get("labels") or {}).get(api.LABEL_JOB)
+    return DeviceUse(str(meta.get("namespace") or ""), str(meta.get("name", "")), None if job is None else str(job),
+                     asked, node, None if pool is None else str(pool))
+
+
 def count_devices_in_use(raw_pods: Iterable[Mapping[str, Any]], job: str,
-                         raw_nodes: Iterable[Mapping[str, Any]] = ()) -> dict[str, dict[str, int]]:
-    """node name → device resource → amount requested by live pods that are not this job's workers.
+                         raw_nodes: Iterable[Mapping[str, Any]] = (), namespace: str = "") -> dict[str, dict[str, int]]:
+    """node name → device resource → amount requested by live pods that are not this job's workers
+    (the job `job` of `namespace`).
 
     A pod not yet bound to a node but pinned to a node pool (another job's new generation, still
     pending) holds its devices too: it is counted on the node of its pool with the most free devices
-    (`raw_nodes`), so that two jobs starting at once never plan the same free pool."""
+    (`raw_nodes`), so that two jobs starting at once never plan the same free pool. The full parse;
+    cache.py keeps the same figures per watch event (`indexes.FleetIndex`)."""
     out: dict[str, dict[str, int]] = {}
-    pending: list[tuple[str, str, dict[str, int]]] = []
+    pending: list[DeviceUse] = []
     for pod in raw_pods:
-        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-        if (meta.get("labels") or {}).get(api.LABEL_JOB) == job:
+        use = parse_device_use(pod)
+        if use is None or (use.namespace == namespace and use.job == job):
             continue
-        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-            continue
-        asked = _devices_asked(spec)
-        node = spec.get("nodeName")
-        if node:
-            for r, amount in asked.items():
-                out.setdefault(node, {})[r] = out.get(node, {}).get(r, 0) + amount
-        elif asked and (spec.get("nodeSelector") or {}).get(api.NODE_POOL_LABEL) and not meta.get("deletionTimestamp"):
-            pending.append((str(meta.get("name", "")), str(spec["nodeSelector"][api.NODE_POOL_LABEL]), asked))
+        if use.node is not None:
+            add_devices(out, use.node, use.asked)
+        else:
+            pending.append(use)
     if pending:
-        by_pool: dict[str, list[tuple[str, dict[str, int]]]] = {}
+        by_pool: dict[str, list[tuple[str, Mapping[str, int]]]] = {}
         for n in raw_nodes:
             meta, status = n.get("metadata") or {}, n.get("status") or {}
             pool = (meta.get("labels") or {}).get(api.NODE_POOL_LABEL)
@@ -331,15 +367,38 @@ def count_devices_in_use(raw_pods: Iterable[Mapping[str, Any]], job: str,
                 allocatable = {r: int(str(v)) for r, v in (status.get("allocatable") or {}).items()
                                if r in DEVICE_RESOURCES}
                 by_pool.setdefault(str(pool), []).append((str(meta.get("name", "")), allocatable))
-        for _, pool, asked in sorted(pending):
-            candidates = by_pool.get(pool) or []
-            if not candidates:
-                continue
-            r = next(iter(asked))
-            name = min(candidates, key=lambda c: (out.get(c[0], {}).get(r, 0) - c[1].get(r, 0), c[0]))[0]
-            for r, amount in asked.items():
-                out.setdefault(name, {})[r] = out.get(name, {}).get(r, 0) + amount
+        place_pending(out, pending, by_pool)
     return out
+
+
+def place_pending(in_use: dict[str, dict[str, int]], pending: Iterable[DeviceUse],
+                  by_pool: Mapping[str, Sequence[tuple[str, Mapping[str, int]]]]) -> list[str]:
+    """Count each pending pod (by name) on the node of its pool with the most free devices, in `in_use`
+    (node → resource → amount, updated). `by_pool`: pool → (node, allocatable) of its nodes. Returns
+    the nodes whose count changed."""
+    touched = []
+    for use in sorted(pending, key=lambda u: (u.name, u.pool or "", u.namespace)):
+        candidates = by_pool.get(use.pool or "") or []
+        if not candidates:
+            continue
+        r = next(iter(use.asked))
+        name = min(candidates, key=lambda c: (in_use.get(c[0], {}).get(r, 0) - c[1].get(r, 0), c[0]))[0]
+        add_devices(in_use, name, use.asked)
+        touched.append(name)
+    return touched
+
+
+def add_devices(in_use: dict[str, dict[str, int]], node: str, asked: Mapping[str, int], sign: int = 1) -> None:
+    """Add (or with `sign=-1` take away) `asked` to `node`'s counts; a count that reaches 0 goes."""
+    counts = in_use.setdefault(node, {})
+    for r, amount in asked.items():
+        value = counts.get(r, 0) + sign * amount
+        if value:
+            counts[r] = value
+        else:
+            counts.pop(r, None)
+    if not counts:
+        del in_use[node]
 
 
 def _devices_asked(spec: Mapping[str, Any]) -> dict[str, int]:
@@ -350,7 +409,7 @@ def _devices_asked(spec: Mapping[str, Any]) -> dict[str, int]:
         for r in DEVICE_RESOURCES:
             if r in wanted:
                 asked[r] = asked.get(r, 0) + int(str(wanted[r]))
-    return asked
+    return {r: amount for r, amount in asked.items() if amount}
 
 
 def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome | None:
@@ -364,49 +423,64 @@ def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome 
                        body.get("error") or (None if state == "committed" else f"save {state}"))
 
 
+def parse_service_generation(raw: Mapping[str, Any]) -> int | None:
+    """A job's headless Service → the generation it serves (its `resilax.dev/generation` label)."""
+    label = ((raw.get("metadata") or {}).get("labels") or {}).get(api.LABEL_GENERATION)
+    return int(label) if label is not None and str(label).isdigit() else None
+
+
 def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapping[str, Any]],
                    services: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[str, Any]],
                    other_pods: Iterable[Mapping[str, Any]] = (), save_outcomes: Iterable[SaveOutcome] = (),
                    checkpoint: CheckpointInfo | None = None, restore: RestoreReport | None = None,
                    leases: Mapping[str, datetime] | None = None) -> Observed:
-    """Observed from raw API bodies: the JAXJob, its pods and Services (label resilax.dev/job=<name>),
-    all Nodes, and the pods of everything else that may hold accelerators (`other_pods`, any namespace;
-    this job's pods among them are ignored). `leases`: node name → `parse_lease` of the NotReady nodes
-    hosting a worker (`nodes_needing_lease`)."""
+    """Observed from raw API bodies (the full parse): the JAXJob, its pods and Services (label
+    resilax.dev/job=<name>), all Nodes, and the pods of everything else that may hold accelerators
+    (`other_pods`, any namespace; this job's pods among them are ignored). `leases`: node name →
+    `parse_lease` of the NotReady nodes hosting a worker (`nodes_needing_lease`).
+
+    The operator builds the same snapshot from what the watch cache keeps parsed (`assemble_observed`
+    with cache.py's indexes); this is the reference the cache's tests compare it with."""
+    meta = job.get("metadata") or {}
+    nodes = tuple(nodes)
+    in_use = count_devices_in_use(other_pods, str(meta.get("name", "")), nodes, str(meta.get("namespace", "")))
+    parsed = [parse_node(n, in_use.get(str((n.get("metadata") or {}).get("name", "")), {})) for n in nodes]
+    observed = assemble_observed(
+        job, now=now, pods=[p for p in (parse_pod(raw) for raw in pods) if p is not None],
+        generations=[g for g in (parse_service_generation(s) for s in services) if g is not None],
+        nodes=sorted(parsed, key=lambda n: n.name), save_outcomes=save_outcomes, checkpoint=checkpoint,
+        restore=restore)
+    return with_leases(observed, leases or {})
+
+
+def assemble_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[ObservedPod],
+                      generations: Iterable[int], nodes: Sequence[ObservedNode],
+                      save_outcomes: Iterable[SaveOutcome] = (), checkpoint: CheckpointInfo | None = None,
+                      restore: RestoreReport | None = None) -> Observed:
+    """Observed from parts already parsed: the job's pods, its Services' generations and every node,
+    sorted by name, with the devices others hold counted (`in_use_by_others`)."""
     meta = job.get("metadata") or {}
     ref = parse_job_ref(job)
-    name = ref.name
-    job_pods = [p for p in (parse_pod(raw) for raw in pods) if p is not None]
-    generations = set()
-    for svc in services:
-        label = ((svc.get("metadata") or {}).get("labels") or {}).get(api.LABEL_GENERATION)
-        if label is not None and str(label).isdigit():
-            generations.add(int(label))
-    nodes = tuple(nodes)
-    in_use = count_devices_in_use(other_pods, name, nodes)
-    leases = leases or {}
-    observed_nodes = tuple(parse_node(n, in_use.get(node_name := str((n.get("metadata") or {}).get("name", "")), {}),
-                                      leases.get(node_name))
-                           for n in nodes)
     return Observed(now=now, job=ref, status=st.parse_status(job.get("status")),
                     spec_generation=int(meta.get("generation") or 0),
-                    pods=tuple(sorted(job_pods, key=lambda p: p.name)), services=tuple(sorted(generations)),
-                    nodes=tuple(sorted(observed_nodes, key=lambda n: n.name)),
-                    save_outcomes=tuple(save_outcomes), checkpoint=checkpoint, restore=restore)
+                    pods=tuple(sorted(pods, key=lambda p: p.name)), services=tuple(sorted(set(generations))),
+                    nodes=tuple(nodes), save_outcomes=tuple(save_outcomes), checkpoint=checkpoint, restore=restore)
 
 
-def nodes_needing_lease(pods: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[str, Any]]) -> list[str]:
+def nodes_needing_lease(observed: Observed) -> list[str]:
     """The nodes whose Lease a decision reads: NotReady (Ready=False, the kubelet's own report) and
-    hosting one of `pods` (this job's). Sorted."""
-    hosting = {(p.get("spec") or {}).get("nodeName") for p in pods}
-    out = []
-    for n in nodes:
-        name = (n.get("metadata") or {}).get("name")
-        ready: Mapping[str, Any] = next(
-            (c for c in (n.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
-        if name in hosting and ready.get("status") == "False":
-            out.append(str(name))
+    hosting one of the job's pods. Sorted."""
+    out = {p.node_name for p in observed.pods
+           if p.node_name and (node := observed.node(p.node_name)) is not None and node.ready == "False"}
     return sorted(out)
+
+
+def with_leases(observed: Observed, leases: Mapping[str, datetime]) -> Observed:
+    """`observed` with each node of `leases` (name → `parse_lease`) knowing until when its kubelet lives."""
+    if not leases:
+        return observed
+    nodes = tuple(replace(n, lease_live_until=leases[n.name]) if n.name in leases else n for n in observed.nodes)
+    return replace(observed, nodes=nodes)
 
 
 def parse_restore_report(body: Mapping[str, Any]) -> RestoreReport | None:

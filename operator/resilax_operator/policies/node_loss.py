@@ -61,12 +61,12 @@ def guard_active(observed: Observed, settings: OperatorSettings) -> tuple[int, i
 def check_guard(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings) -> list[Action] | None:
     """A worker's node is down while the disruption guard holds: wait (Degraded=True NodeLossGuard, an
     event when it starts), whatever the grace; nothing is torn down or force-deleted."""
-    guard = guard_active(observed, settings)
-    if guard is None:
-        return None
     for p in observed.pods_of(s.generation):
         node = observed.node(p.node_name)
         if node is not None and node.down_since(observed.now) is not None:
+            guard = guard_active(observed, settings)  # counts every node: only when a worker's is down
+            if guard is None:
+                return None
             message = api.NODE_LOSS_GUARD.format(down=guard[0], total=guard[1], percent=settings.node_loss_guard_percent,
                                                  min_nodes=settings.node_loss_guard_min_nodes, node=node.name,
                                                  generation=s.generation)
@@ -109,10 +109,10 @@ def pods_to_force(observed: Observed, pods: Iterable[ObservedPod], settings: Ope
     """Pods no kubelet will confirm: on a node that is gone, or down (unless the disruption guard holds:
     then the node is likelier to come back), or Terminating far past their grace (`stuckTerminatingSeconds`)."""
     out = []
-    guarded = guard_active(observed, settings) is not None
     for p in pods:
         node = observed.node(p.node_name)
-        if p.node_name and (node is None or (node.down_since(observed.now) is not None and not guarded)):
+        if p.node_name and (node is None or (node.down_since(observed.now) is not None
+                                             and guard_active(observed, settings) is None)):
             out.append(p.name)
         elif p.deletion_timestamp is not None:
             grace = p.deletion_grace_seconds or 0

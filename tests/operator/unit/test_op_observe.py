@@ -124,12 +124,19 @@ def test_parse_lease(spec: dict[str, Any], until: datetime | None) -> None:
 
 
 def test_leases_are_read_only_for_notready_nodes_hosting_a_worker() -> None:
+    from resilax_operator.observed import build_observed
+
     def node(name: str, ready: str) -> dict[str, Any]:
         return {"metadata": {"name": name}, "status": {"conditions": [{"type": "Ready", "status": ready}]}}
 
+    def pod(host: int, node: str) -> dict[str, Any]:
+        return {"metadata": {"name": f"w{host}", "labels": {api.LABEL_GENERATION: "1", api.LABEL_SLICE: "0",
+                                                             api.LABEL_HOST: str(host)}}, "spec": {"nodeName": node}}
+
     nodes = [node("a", "False"), node("b", "False"), node("c", "Unknown"), node("d", "True")]
-    pods = [{"spec": {"nodeName": n}} for n in ("a", "c", "d")]
-    assert nodes_needing_lease(pods, nodes) == ["a"]
+    observed = build_observed({"metadata": {"name": "j"}}, now=datetime(2026, 1, 1, tzinfo=UTC),
+                              pods=[pod(0, "a"), pod(1, "c"), pod(2, "d"), pod(3, "a")], services=[], nodes=nodes)
+    assert nodes_needing_lease(observed) == ["a"]
 
 
 MAINTENANCE_TIMES = {
