@@ -40,7 +40,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +75,27 @@ class ScaleConfig:
     settle_seconds: float = 15.0
     steady_seconds: float = 60.0
     node_loss_grace_seconds: int = 5
-    lease_seconds: float = 20.0
-    node_monitor_grace_seconds: int = 90
+    #: How often each no-process node renews its Lease; None: `lease_seconds_for(nodes)`.
+    lease_seconds: float | None = None
+    #: The node lifecycle controller's grace; None: `grace_seconds_for(lease)`.
+    node_monitor_grace_seconds: int | None = None
     running_timeout_seconds: float = 600.0
     timeout_seconds: float = 900.0
+
+
+#: Lease renewals per second the node agent asks of the API server at most (by default): at 1,617 nodes
+#: every 20 s (80/s) a loaded 2-core machine fell behind the grace and nodes flapped.
+LEASE_RENEWALS_PER_SECOND = 40
+
+
+def lease_seconds_for(nodes: int) -> float:
+    """Each node's Lease every 20 s, or less often so that all of them make ≤ LEASE_RENEWALS_PER_SECOND."""
+    return float(max(20, round(nodes / LEASE_RENEWALS_PER_SECOND)))
+
+
+def grace_seconds_for(lease_seconds: float) -> int:
+    """The node lifecycle controller's grace: 5 renewals (kube's own ratio is 40 s / 10 s = 4), ≥ 90 s."""
+    return max(90, int(5 * lease_seconds))
 
 
 def log(text: str) -> None:
@@ -284,6 +301,14 @@ def node_ready(kube: KubeClient, name: str) -> str:
     return next((c["status"] for c in node.get("status", {}).get("conditions") or [] if c["type"] == "Ready"), "?")
 
 
+def nodes_marked_not_ready(kube: KubeClient) -> int:
+    """How often the node lifecycle controller has marked a node not Ready so far (its NodeNotReady
+    events on Nodes, with their counts): besides the one node the bench kills, each is a node whose
+    Lease renewals fell behind the grace (a flap)."""
+    items = kube.get("/api/v1/events", fieldSelector="reason=NodeNotReady,involvedObject.kind=Node")["items"]
+    return sum(int(e.get("count") or 1) for e in items)
+
+
 def run_variant(cluster: LocalCluster, kube: KubeClient, variant: str, code: Path | None, cfg: ScaleConfig,
                 out: Path, last: bool) -> dict[str, Any]:
     namespace = f"scale-{variant}"
@@ -291,6 +316,7 @@ def run_variant(cluster: LocalCluster, kube: KubeClient, variant: str, code: Pat
     result: dict[str, Any] = {"variant": variant, "namespace": namespace,
                               "code": str(code) if code else "checkout", "user": op.user}
     kubeconfig = op.install()
+    not_ready_before = nodes_marked_not_ready(kube)
     try:
         op.start(kubeconfig)
         log(f"{variant}: operator up (pid {op.pid}); creating {cfg.jobs} jobs of {cfg.hosts} hosts")
@@ -335,6 +361,9 @@ def run_variant(cluster: LocalCluster, kube: KubeClient, variant: str, code: Pat
         result["reconcile_p99_whole_run_seconds"] = _round(percentile(all_times, 0.99))
         result["reconcile_max_whole_run_seconds"] = _round(max(all_times) if all_times else None)
         result["memory_mib_end"] = memory_mib(op.pid)
+        result["nodes_marked_not_ready"] = nodes_marked_not_ready(kube) - not_ready_before
+        log(f"{variant}: nodes marked not Ready during the variant: {result['nodes_marked_not_ready']} "
+            "(1 = the node killed)")
         if not last:  # the last variant's jobs go with the cluster
             teardown(kube, op, namespace, cfg)
     finally:
@@ -350,8 +379,10 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 def measure_steady(cluster: LocalCluster, op: Operator, cfg: ScaleConfig) -> dict[str, Any]:
     apiserver = int(cluster._state["pids"]["kube-apiserver"])
     cpu0, api0, t0 = cpu_seconds(op.pid), cpu_seconds(apiserver), time.time()
+    load0 = os.getloadavg()[0]
     time.sleep(cfg.steady_seconds)
     cpu1, api1, t1 = cpu_seconds(op.pid), cpu_seconds(apiserver), time.time()
+    load1 = os.getloadavg()[0]
     op._check_alive()
     time.sleep(2.0)  # the audit log's last lines of the window
     counted = read_request_count(cluster.run_dir / "logs", op.user, t0, t1)
@@ -371,6 +402,7 @@ def measure_steady(cluster: LocalCluster, op: Operator, cfg: ScaleConfig) -> dic
         "operator_cpu_percent": round(100 * (cpu1 - cpu0) / window, 1),
         "apiserver_cpu_percent": round(100 * (api1 - api0) / window, 1),
         "operator_memory_mib": memory_mib(op.pid),
+        "load_average": [round(load0, 1), round(load1, 1)],
     }
 
 
@@ -388,7 +420,7 @@ def measure_node_loss(cluster: LocalCluster, kube: KubeClient, op: Operator, cfg
     killed = time.time()
     cluster.kill_node(node)
     unknown = created = None
-    deadline = time.monotonic() + cfg.node_monitor_grace_seconds + 120
+    deadline = time.monotonic() + (cfg.node_monitor_grace_seconds or 90) + 120
     while created is None and time.monotonic() < deadline:
         now = time.time()
         if unknown is None and node_ready(kube, node) != "True":
@@ -448,6 +480,9 @@ def run(cfg: ScaleConfig, run_dir: Path) -> dict[str, Any]:
     if "before" in cfg.variants:
         codes["before"] = extract_before(cfg.before_ref, out / "before")
     nodes = build_nodes(cfg)
+    lease = cfg.lease_seconds or lease_seconds_for(len(nodes))
+    cfg = replace(cfg, lease_seconds=lease,
+                  node_monitor_grace_seconds=cfg.node_monitor_grace_seconds or grace_seconds_for(lease))
     settings = ControlPlaneSettings(audit_service_accounts=True,
                                     node_monitor_grace_seconds=cfg.node_monitor_grace_seconds)
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -508,6 +543,8 @@ def render_table(result: dict[str, Any]) -> str:
         lambda r: r["node_loss"]["unknown_to_new_generation_seconds"], f"< {5 + grace} (5 + nodeLossGraceSeconds {grace})")
     row("node Unknown → that job Running again (s)", lambda r: r["node_loss"]["unknown_to_running_seconds"])
     row("jobs that moved after the node loss", lambda r: ", ".join(r["node_loss"]["moved_jobs"]) or "none")
+    row("nodes marked not Ready in the variant (1 = the node killed)", lambda r: r["nodes_marked_not_ready"])
+    row("load average (1 min) at the window's start, end", lambda r: " → ".join(map(str, r["steady"]["load_average"])))
     row(f"{jobs} jobs created → all Running (s)",
         lambda r: r["all_running_seconds"] if r["all_running_seconds"] is not None
         else f"{r['running_jobs']} of {jobs} after {cfg['running_timeout_seconds']:.0f}")
@@ -525,9 +562,11 @@ def parse_args(argv: list[str] | None) -> tuple[ScaleConfig, argparse.Namespace]
     p.add_argument("--settle-seconds", type=float, default=15.0)
     p.add_argument("--steady-seconds", type=float, default=60.0)
     p.add_argument("--node-loss-grace-seconds", type=int, default=5, help="the jobs' recovery.nodeLossGraceSeconds")
-    p.add_argument("--lease-seconds", type=float, default=20.0, help="how often no-process nodes renew their Leases")
-    p.add_argument("--node-monitor-grace-seconds", type=int, default=90,
-                   help="the node lifecycle controller's grace (≥ 2-3 × --lease-seconds)")
+    p.add_argument("--lease-seconds", type=float, default=None,
+                   help="how often no-process nodes renew their Leases; default: every 20 s, or less often so that "
+                        f"all of them make at most {LEASE_RENEWALS_PER_SECOND} renewals/s")
+    p.add_argument("--node-monitor-grace-seconds", type=int, default=None,
+                   help="the node lifecycle controller's grace (≥ 3 × --lease-seconds); default: 5 renewals, ≥ 90 s")
     p.add_argument("--running-timeout-seconds", type=float, default=600.0,
                    help="how long to wait for every job to be Running before measuring with those that are")
     p.add_argument("--timeout-seconds", type=float, default=900.0)

@@ -68,6 +68,10 @@ LEASE_NAMESPACE = "kube-node-lease"
 CRITICAL_PRIORITY = 2_000_000_000
 REMOVED = "Removed"
 REGISTERING = "Registering"
+#: No-process nodes registered at once (each: create the Node, post its status, create its Lease).
+REGISTER_WORKERS = 8
+#: No-process Lease renewals in flight at once.
+LEASE_WORKERS = 8
 
 
 def _micro_now() -> str:
@@ -113,8 +117,8 @@ class NodeAgent:
         self.next_node_index = 0
         self.host_entries: dict[str, tuple[str, list[str]]] = {}
         self.events = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
-        self.registrations = ThreadPoolExecutor(max_workers=4, thread_name_prefix="register")
-        self.lease_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lease")
+        self.registrations = ThreadPoolExecutor(max_workers=REGISTER_WORKERS, thread_name_prefix="register")
+        self.lease_pool = ThreadPoolExecutor(max_workers=LEASE_WORKERS, thread_name_prefix="lease")
         serving = CertificateAuthority(run_dir / "pki").issue("kubelet", "resilax-local-kubelet", server=True,
                                                              hosts=("127.0.0.1",))
         self.kubelet_api = KubeletAPI(run_dir, serving.cert, serving.key, self._container_running)
@@ -281,25 +285,41 @@ class NodeAgent:
                     {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": owner["uid"]}]},
                 "spec": spec})
 
-    def _lease_loop(self, run_pods: bool) -> None:
-        """Renew the Leases of Ready nodes. Nodes that run pods and no-process nodes (scale tests, renewed
-        less often) have a thread each, so hundreds of the latter never delay the former."""
-        interval = self.lease_renew_seconds if run_pods else self.no_process_lease_seconds
+    def _ready_nodes(self, run_pods: bool) -> list[AgentNode]:
+        with self.lock:
+            return [n for n in self.nodes.values() if n.state in (NodeState.READY, NodeState.SHUTTING_DOWN)
+                    and n.spec.run_pods == run_pods]
+
+    def _lease_loop(self) -> None:
+        """Renew the Leases of the Ready nodes that run pods, every `lease_renew_seconds`."""
+        interval = self.lease_renew_seconds
         due = time.monotonic() + interval
         while not self.stopping.wait(max(0.0, due - time.monotonic())):
             due = max(due + interval, time.monotonic())  # every `interval` from the start of each round
-            with self.lock:
-                ready = [n for n in self.nodes.values() if n.state in (NodeState.READY, NodeState.SHUTTING_DOWN)
-                         and n.spec.run_pods == run_pods]
-            if run_pods:
-                for node in ready:
-                    self._renew_if_ready(node)
-            else:  # hundreds: in parallel, or one round outlasts the grace period on a busy machine
-                started = time.monotonic()
-                list(self.lease_pool.map(self._renew_if_ready, ready))
-                took = time.monotonic() - started
-                if took > interval / 2:
-                    log.warning("renewing %d no-process Leases took %.1f s (every %.0f s)", len(ready), took, interval)
+            for node in self._ready_nodes(run_pods=True):
+                self._renew_if_ready(node)
+
+    def _no_process_lease_loop(self) -> None:
+        """Renew the no-process nodes' Leases (scale tests: thousands), each every
+        `no_process_lease_seconds`, spread evenly over that interval: a steady trickle the API server
+        serves beside everything else, not a burst of thousands that queues behind itself (a round of
+        1,617 at once outlasted a 90 s grace on a loaded machine). At most `LEASE_WORKERS` in flight;
+        when the API server cannot keep up, the round stretches and the next starts at once."""
+        interval = self.no_process_lease_seconds
+        slots = threading.Semaphore(LEASE_WORKERS)
+        start = time.monotonic() + interval
+        while not self.stopping.wait(max(0.0, start - time.monotonic())):
+            ready = self._ready_nodes(run_pods=False)
+            for i, node in enumerate(ready):
+                at = start + i * interval / len(ready)
+                if self.stopping.wait(max(0.0, at - time.monotonic())):
+                    return
+                slots.acquire()
+                self.lease_pool.submit(self._renew_if_ready, node).add_done_callback(lambda _: slots.release())
+            took = time.monotonic() - start
+            if ready and took > interval * 1.25:
+                log.warning("renewing %d no-process Leases took %.1f s (every %.0f s)", len(ready), took, interval)
+            start = max(start + interval, time.monotonic())
 
     def _renew_if_ready(self, node: AgentNode) -> None:
         if self.stopping.is_set():
@@ -524,7 +544,7 @@ class NodeAgent:
         return {"node": name, "state": node.state}
 
     def add_nodes(self, specs: list[NodeSpec]) -> dict[str, Any]:
-        """Register more nodes, in the background (4 at a time); wait for them to be Ready in the API."""
+        """Register more nodes, in the background (`REGISTER_WORKERS` at a time)."""
         added = []
         for spec in specs:
             with self.lock:
@@ -691,13 +711,14 @@ class NodeAgent:
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         threading.Thread(target=self._register_all, name="register", daemon=True).start()
-        threading.Thread(target=self._lease_loop, args=(True,), name="leases", daemon=True).start()
-        threading.Thread(target=self._lease_loop, args=(False,), name="leases-no-process", daemon=True).start()
+        threading.Thread(target=self._lease_loop, name="leases", daemon=True).start()
+        threading.Thread(target=self._no_process_lease_loop, name="leases-no-process", daemon=True).start()
         threading.Thread(target=self._node_watch_loop, name="node-watch", daemon=True).start()
         threading.Thread(target=self._watch_loop, name="pod-watch", daemon=True).start()
 
     def _register_all(self) -> None:
-        """Register the configured nodes; no-process ones 4 at a time (thousands take minutes one by one)."""
+        """Register the configured nodes; no-process ones `REGISTER_WORKERS` at a time (thousands take
+        minutes one by one)."""
         with self.lock:
             nodes = list(self.nodes.values())
 
