@@ -237,7 +237,7 @@ class NodeAgent:
         node.uid = created["metadata"]["uid"]
         node.ready_since = now_rfc3339()
         self.post_node_status(node)
-        self.renew_lease(node)
+        self.renew_lease(node, create_first=True)
 
     def post_node_status(self, node: AgentNode) -> None:
         """The node's status; Ready, or NotReady with the kubelet's message during a graceful shutdown."""
@@ -269,21 +269,35 @@ class NodeAgent:
         }
         self.client.patch(f"/api/v1/nodes/{node.name}/status", {"status": status})
 
-    def renew_lease(self, node: AgentNode) -> None:
+    def renew_lease(self, node: AgentNode, create_first: bool = False) -> None:
+        """Renew the node's Lease, creating it when missing; `create_first` (registration: it is usually
+        missing) tries the create before the renewal, one request instead of two."""
         path = f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{node.name}"
         spec = {"holderIdentity": node.name, "leaseDurationSeconds": self.lease_duration_seconds,
                 "renewTime": _micro_now()}
+
+        def create() -> bool:
+            owner = {"uid": node.uid} if node.uid else self.client.get(f"/api/v1/nodes/{node.name}")["metadata"]
+            try:
+                self.client.create(f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases", {
+                    "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": node.name, "namespace": LEASE_NAMESPACE, "ownerReferences": [
+                        {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": owner["uid"]}]},
+                    "spec": spec})
+            except KubeAPIError as e:
+                if e.status != 409:
+                    raise
+                return False
+            return True
+
+        if create_first and create():
+            return
         try:
             self.client.patch(path, {"spec": spec})
         except KubeAPIError as e:
             if e.status != 404:
                 raise
-            owner = {"uid": node.uid} if node.uid else self.client.get(f"/api/v1/nodes/{node.name}")["metadata"]
-            self.client.create(f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases", {
-                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": node.name, "namespace": LEASE_NAMESPACE, "ownerReferences": [
-                    {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": owner["uid"]}]},
-                "spec": spec})
+            create()
 
     def _ready_nodes(self, run_pods: bool) -> list[AgentNode]:
         with self.lock:
