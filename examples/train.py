@@ -89,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     with rc.CheckpointManager.from_env() as mgr:  # 2. policy, storage and generation from the env
         restore_step = mgr.restore_step_from_env(target=state)  # the step all processes can read
         if restore_step is not None:  # 3. restore onto this generation's mesh
+            began = time.time()
             state = mgr.restore(restore_step, target=state)
             print(json.dumps({"restored": restore_step, "from": mgr.restored_from, "generation": generation,
                               "process": jax.process_index(), "node": os.environ.get("RESILAX_NODE_NAME", ""),
-                              "time": time.time()}),
+                              "began": began, "time": time.time()}),
                   flush=True)
         start = int(state["meta"]["step"])
 

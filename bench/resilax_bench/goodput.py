@@ -116,9 +116,9 @@ class GoodputRun(Demo):
                 started = [parse_timestamp(_started_at(p)) for p in ps]
                 seen["running"] = max(s for s in started if s is not None) if all(started) else now
 
-    def restore_lines(self) -> dict[int, float]:
-        """generation -> when process 0 printed its restore line (the trainer's restore done)."""
-        out: dict[int, float] = {}
+    def restore_lines(self) -> dict[int, tuple[float | None, float]]:
+        """generation -> (began, ended) of process 0's restore (its restore line)."""
+        out: dict[int, tuple[float | None, float]] = {}
         pods = self.cluster.run_dir / "pods" / JOB_NAMESPACE
         for path in pods.glob(f"{self.job_name}-g*/logs/{api.TRAINER_CONTAINER}/*.log"):
             with contextlib.suppress(OSError):
@@ -129,26 +129,35 @@ class GoodputRun(Demo):
                         raw = json.loads(line)
                         if int(raw.get("process", 0)) == 0 and "time" in raw:
                             gen = int(raw["generation"])
-                            out[gen] = min(out.get(gen, float(raw["time"])), float(raw["time"]))
+                            began = float(raw["began"]) if raw.get("began") is not None else None
+                            if gen not in out or float(raw["time"]) < out[gen][1]:
+                                out[gen] = (began, float(raw["time"]))
         return out
 
     def marks(self, start: float) -> dict[int, GenerationMarks]:
+        """Per generation seen (pods or steps): its pods' times, its restore, and the operator's reaction
+        that replaced the generation before it."""
         restored = self.restore_lines()
         out = {}
-        gens = sorted({r.generation for r in self.records})
+        gens = sorted({r.generation for r in self.records} | set(self.pods_seen))
         for n, gen in enumerate(gens):
             seen = self.pods_seen.get(gen, {})
             detected = None
             if n:
-                prev_last = max(r.time for r in self.records if r.generation == gens[n - 1])
+                prev = gens[n - 1]
+                prev_steps = [r.time for r in self.records if r.generation == prev]
+                prev_seen = self.pods_seen.get(prev, {})
+                prev_last = max(prev_steps) if prev_steps else (prev_seen.get("running") or prev_seen.get("created")
+                                                                 or start)
                 hard = [f.time for f in self.faults if f.kind in (KILL, PREEMPT) and f.time >= prev_last]
                 since = min(hard) if hard else prev_last
                 reacted = [s.time for s in self.snapshots
-                           if s.time >= since and (s.phase != "Running" or (s.generation or 0) > gens[n - 1])]
+                           if s.time >= since and (s.phase != "Running" or (s.generation or 0) > prev)]
                 reacted += [e.time for e in self.events.values() if e.time >= since]
                 detected = min(reacted, default=None)
+            began, ended = restored.get(gen, (None, None))
             out[gen] = GenerationMarks(detected=detected, pods_created=seen.get("created"),
-                                       pods_running=seen.get("running"), restored=restored.get(gen))
+                                       pods_running=seen.get("running"), restored=ended, restore_began=began)
         return out
 
     def apply_fault(self, planned: PlannedFault, victims: dict[int, str]) -> None:

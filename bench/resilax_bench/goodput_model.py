@@ -10,23 +10,14 @@ Two pure pieces the goodput benchmark (`resilax_bench.goodput`) drives:
   and where the rest of the wall time went. Inputs are process 0's step records (`LossRecord`: step,
   generation, wall time; resilax_local.timeline), the faults injected, and per generation the times the
   harness saw from the API and the trainer: the operator's reaction (detected), the new pods created,
-  running, the trainer's restore done.
+  running, the trainer's restore began and ended.
 
-How wall time is split (every second lands in exactly one bucket; the buckets sum to the wall time):
-* a step's own time is the gap from the previous step of the same generation to its record, capped at
-  the generation's median step gap; the excess is `checkpoint_blocking` (the trainer blocks only on
-  saves between two steps);
-* a step counts toward the final model when no later generation trained that step again (a later
-  generation restored from an earlier step): those steps' own time is `productive`, the others'
-  is `lost_steps_redone`;
-* the gap between generations (from the previous generation's last step, or the fault if that came
-  later, to the new generation's first step) is split at the marks seen, in order:
-  fault -> `detection` -> detected -> `teardown` -> pods created -> `scheduling` -> pods running ->
-  `jax_startup` -> restore done -> `restore` -> the new generation's first step began. A mark not seen
-  extends the segment before it (no restore line: start-up runs to the first step); time between the
-  last step and a fault that came later is `other` (training had stopped for another reason);
-* before the first generation's first step (from the job applied): `scheduling` until its pods run,
-  then `jax_startup`, `restore`; after the last step: `other`.
+The breakdown is the operator's own accounting (`resilax_operator.goodput`: the buckets, how a
+generation's window is split at its marks, checkpoint blocking and lost steps), fed with what the
+harness saw instead of what the operator sees: each step's time from the loss lines (a generation's
+checkpoint blocking = the excess of its step gaps over their median), the injected fault's time (the
+time from the last step to a later fault is `other`, from the fault to the reaction `detection`), pod
+times from the API, the restore from process 0's restore line. See that module for the table.
 """
 
 from __future__ import annotations
@@ -34,14 +25,16 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import pairwise
 
 from resilax_local.timeline import Fault, LossRecord
+from resilax_operator import goodput
+from resilax_operator.goodput import BUCKETS
 
 KILL, PREEMPT, RESTORE = "kill-node", "preempt-node", "restore-node"
-BUCKETS = ("productive", "checkpoint_blocking", "lost_steps_redone", "detection", "teardown", "scheduling",
-           "jax_startup", "restore", "other")
+__all__ = ["BUCKETS", "KILL", "PREEMPT", "RESTORE", "GenerationMarks", "Goodput", "GoodputInputError", "PlannedFault",
+           "build_generation_marks", "build_schedule", "compute_goodput"]
 
 
 class GoodputInputError(ValueError):
@@ -88,10 +81,11 @@ def build_schedule(seed: int, duration: float, kill_every: float = 300.0, restor
 class GenerationMarks:
     """What the harness saw of one generation's start (epoch seconds; None: not seen)."""
 
-    detected: float | None = None  # the operator reacted (a transition/phase change or its event)
+    detected: float | None = None  # the operator reacted to replace the generation BEFORE this one
     pods_created: float | None = None  # the first pod of the generation was created
     pods_running: float | None = None  # every pod of the generation was Running (containers started)
     restored: float | None = None  # the trainer finished its restore (process 0's restore line)
+    restore_began: float | None = None  # the trainer began its restore (the restore line's `began`)
 
 
 @dataclass(frozen=True)
@@ -100,8 +94,8 @@ class Goodput:
     buckets: Mapping[str, float]
     final_step: int
     steps_trained: int  # step records, counting redone ones
-    steps_lost: int  # step records whose step a later generation trained again
-    generations: int
+    steps_lost: int  # steps a later generation trained again (the operator's accounting's count)
+    generations: int  # generations that trained
     faults: int
 
     @property
@@ -109,27 +103,41 @@ class Goodput:
         return self.buckets["productive"] / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
 
-@dataclass
-class _Acc:
-    b: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0.0))
+def _blocking(rs: Sequence[LossRecord]) -> float:
+    """A generation's checkpoint blocking: the excess of its step gaps over their median."""
+    gaps = [b.time - a.time for a, b in pairwise(rs)]
+    if not gaps:
+        return 0.0
+    median = statistics.median(gaps)
+    return sum(max(0.0, g - median) for g in gaps)
 
-    def add(self, bucket: str, seconds: float) -> None:
-        self.b[bucket] += max(0.0, seconds)
 
-
-def _split_gap(acc: _Acc, start: float, end: float, first: str,
-               marks: Sequence[tuple[float | None, str]]) -> None:
-    """Split [start, end]: `first` until the first mark seen, then each mark's bucket until the next
-    mark seen (marks: (time or None, bucket from that time on), in order; a mark not seen extends the
-    segment before it; a mark out of order is clamped into [previous mark, end])."""
-    t, bucket = start, first
-    for when, after in marks:
-        if when is None:
-            continue
-        when = min(max(when, t), end)
-        acc.add(bucket, when - t)
-        t, bucket = when, after
-    acc.add(bucket, end - t)
+def build_generation_marks(records: Sequence[LossRecord], faults: Sequence[Fault], end: float,
+                           marks: Mapping[int, GenerationMarks]) -> list[goodput.GenerationMarks]:
+    """The operator accounting's marks of each generation, from what the harness recorded."""
+    by_gen: dict[int, list[LossRecord]] = {}
+    for r in sorted(records, key=lambda r: (r.time, r.step)):
+        by_gen.setdefault(r.generation, []).append(r)
+    hard = sorted(f.time for f in faults if f.kind in (KILL, PREEMPT))
+    gens = sorted(set(by_gen) | set(marks))
+    out: list[goodput.GenerationMarks] = []
+    for n, g in enumerate(gens):
+        m = marks.get(g, GenerationMarks())
+        nxt = marks.get(gens[n + 1], GenerationMarks()) if n + 1 < len(gens) else None
+        rs = by_gen.get(g, [])
+        began = m.pods_created or m.pods_running or (rs[0].time if rs else None)
+        nxt_rs = by_gen.get(gens[n + 1], []) if nxt is not None else []
+        nxt_begins = (nxt.pods_created or nxt.pods_running or (nxt_rs[0].time if nxt_rs else None)) \
+            if nxt is not None else None
+        window_end = nxt_begins if nxt_begins is not None else end
+        after = rs[-1].time if rs else began
+        fault = max((t for t in hard if after is not None and after <= t <= window_end), default=None)
+        out.append(goodput.GenerationMarks(
+            generation=g, created=m.pods_created, running=m.pods_running, restore_began=m.restore_began,
+            restore_ended=m.restored, first_step=rs[0].step if rs else None, first_step_time=rs[0].time if rs else None,
+            last_step=rs[-1].step if rs else None, last_step_time=rs[-1].time if rs else None,
+            blocking_seconds=_blocking(rs), detected=nxt.detected if nxt is not None else None, fault=fault))
+    return out
 
 
 def compute_goodput(records: Sequence[LossRecord], faults: Sequence[Fault], start: float, end: float,
@@ -137,53 +145,12 @@ def compute_goodput(records: Sequence[LossRecord], faults: Sequence[Fault], star
     """Goodput of the run from `start` (job applied) to `end` (measurement stopped); see the module doc."""
     if end <= start:
         raise GoodputInputError(f"end ({end!r}) must be after start ({start!r})")
-    marks = marks or {}
-    recs = sorted((r for r in records if start <= r.time <= end), key=lambda r: (r.time, r.generation, r.step))
-    acc = _Acc()
-    hard = sorted(f.time for f in faults if f.kind in (KILL, PREEMPT))
+    recs = [r for r in records if start <= r.time <= end]
+    hard = [f for f in faults if f.kind in (KILL, PREEMPT)]
+    gens = build_generation_marks(recs, faults, end, marks or {})
     if not recs:
-        acc.add("other", end - start)
-        return Goodput(end - start, acc.b, 0, 0, 0, 0, len(hard))
-    by_gen: dict[int, list[LossRecord]] = {}
-    for r in recs:
-        by_gen.setdefault(r.generation, []).append(r)
-    gens = sorted(by_gen, key=lambda g: by_gen[g][0].time)
-    first_step = {g: min(r.step for r in by_gen[g]) for g in gens}
-    lost = 0
-    for n, g in enumerate(gens):
-        rs = by_gen[g]
-        gaps = [b.time - a.time for a, b in pairwise(rs)]
-        median = statistics.median(gaps) if gaps else 0.0
-        later_restart = min((first_step[h] for h in gens[n + 1:]), default=None)
-        for i, r in enumerate(rs):
-            counts = later_restart is None or r.step < later_restart
-            lost += 0 if counts else 1
-            if i == 0:
-                own, excess = median, 0.0  # the first step's compute: one typical step of this generation
-            else:
-                gap = r.time - rs[i - 1].time
-                own, excess = min(gap, median), max(0.0, gap - median)
-            acc.add("productive" if counts else "lost_steps_redone", own)
-            acc.add("checkpoint_blocking", excess)
-        m = marks.get(g, GenerationMarks())
-        first_compute = rs[0].time - median
-        if n == 0:
-            _split_gap(acc, start, first_compute, "scheduling",
-                       [(m.pods_running, "jax_startup"), (m.restored, "restore")])
-            continue
-        prev_last = by_gen[gens[n - 1]][-1].time
-        fault = max((t for t in hard if prev_last <= t <= first_compute), default=None)
-        if fault is not None:
-            acc.add("other", fault - prev_last)
-            gap_start = fault
-        else:
-            gap_start = prev_last
-        _split_gap(acc, gap_start, first_compute, "detection",
-                   [(m.detected, "teardown"), (m.pods_created, "scheduling"), (m.pods_running, "jax_startup"),
-                    (m.restored, "restore")])
-    acc.add("other", end - recs[-1].time)
-    # the first step's "own" time was taken from before its record: keep the sum equal to the wall time
-    total = sum(acc.b.values())
-    acc.b["other"] += (end - start) - total
-    final = by_gen[gens[-1]][-1].step
-    return Goodput(end - start, acc.b, final, len(recs), lost, len(gens), len(hard))
+        return Goodput(end - start, {**dict.fromkeys(BUCKETS, 0.0), "other": end - start}, 0, 0, 0, 0, len(hard))
+    result = goodput.account(start, end, gens)
+    final = max(recs, key=lambda r: r.time).step
+    return Goodput(result.wall_seconds, result.buckets, final, len(recs), result.lost_steps,
+                   len({r.generation for r in recs}), len(hard))

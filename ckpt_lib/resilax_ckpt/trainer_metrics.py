@@ -28,6 +28,13 @@ class TrainerFigures:
 
     step: int | None = None
     """The newest step `save` (or `should_save`) was called with: the step the loop reached."""
+    step_time: float | None = None
+    """Wall time (epoch seconds) when the loop first reached `step` (the operator's goodput accounting:
+    productive until the last step reached)."""
+    first_step: int | None = None
+    """The first step this process reached (the one after the step it restored, or 1)."""
+    first_step_time: float | None = None
+    """Wall time when it reached `first_step` (its JAX start-up and first compile were before)."""
     steps_per_second: float = 0.0
     """Steps over seconds between the last two writes that saw the step advance."""
     saves: int = 0
@@ -38,6 +45,8 @@ class TrainerFigures:
     restore_seconds: float = 0.0
     last_restore_seconds: float = 0.0
     restored_step: int | None = None
+    restored_time: float | None = None
+    """Wall time when the last restore ended (it began `last_restore_seconds` earlier)."""
     time: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -48,16 +57,23 @@ class TrainerMetrics:
     """The manager's side: updates the figures and writes the file (when there is a control dir).
     Called on: each process, from the training loop's thread."""
 
-    def __init__(self, control_dir: str | None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, control_dir: str | None, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self._path = os.path.join(control_dir, TRAINER_FILE) if control_dir else None
         self._clock = clock
+        self._wall = wall_clock
         self.figures = TrainerFigures()
         self._last_write = float("-inf")
         self._rate_from: tuple[int, float] | None = None
 
     def step(self, step: int) -> None:
         """The loop reached `step` (called by every save/should_save)."""
-        self.figures.step = step
+        f = self.figures
+        if step != f.step:
+            f.step_time = self._wall()
+            if f.first_step is None:
+                f.first_step, f.first_step_time = step, f.step_time
+        f.step = step
         now = self._clock()
         if now - self._last_write >= WRITE_INTERVAL_SECONDS:
             self._write(now)
@@ -73,6 +89,7 @@ class TrainerMetrics:
         self.figures.restore_seconds += seconds
         self.figures.last_restore_seconds = seconds
         self.figures.restored_step = step
+        self.figures.restored_time = self._wall()
         self._write(self._clock())
 
     def _write(self, now: float) -> None:
@@ -85,7 +102,7 @@ class TrainerMetrics:
         self._last_write = now
         if self._path is None:
             return
-        f.time = time.time()
+        f.time = self._wall()
         tmp = f"{self._path}.{os.getpid()}.tmp"
         try:
             os.makedirs(os.path.dirname(self._path), exist_ok=True)

@@ -31,7 +31,8 @@ from .builders import build_service_name, build_token_secret_name
 from .cache import WorldCache
 from .errors import ResilaxOperatorError
 from .k8s import Kube, KubeError, SidecarError
-from .observe import Logger, World, job_ref, observe
+from .observe import Logger, World, forget_trainer, job_ref, observe
+from .policies import goodput_status
 from .reconcile import decide_cleanup, decide_pod_refused, decide_raw
 from .settings import OperatorSettings
 
@@ -91,6 +92,7 @@ def cleanup_job(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings:
     kube.delete_secret(ref.namespace, build_token_secret_name(ref.name))
     kube.forget_token(ref.uid)
     metrics.forget_job(ref)
+    forget_trainer(ref)
 
 
 def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Action], settings: OperatorSettings,
@@ -119,6 +121,7 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
             kube.create_event(job, action.type, action.reason, action.message, world.observed.now)
         elif isinstance(action, RequeueAfter):
             wait = min(wait, action.seconds)
+    metrics.record_goodput(ref, goodput_status.current(world.observed, status_before))
     return max(0.5, wait)
 
 

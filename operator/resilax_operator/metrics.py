@@ -13,7 +13,12 @@ did, not what a log line says:
   (at least that many: the trainer may have gone on after the operator's last look). Without a
   trainer report, 0 when a final save committed, else not observed;
 - every reconcile → `resilax_operator_checkpoint_age_seconds{namespace,jaxjob}` (now − when the
-  operator first saw the newest checkpoint).
+  operator first saw the newest checkpoint);
+- every reconcile → `resilax_operator_goodput_ratio{namespace,jaxjob}` and
+  `resilax_operator_goodput_seconds{namespace,jaxjob,bucket}` (the job's goodput accounting as of now,
+  goodput.py; the buckets sum to the wall time since its first generation was created; status.goodput
+  holds the same, refreshed less often). Gauges: a bucket can shrink (lost steps move time out of
+  productive once a later generation's restore shows them).
 
 A job's labels are `namespace` and `jaxjob`, never `job`: Prometheus sets `job` on every target, and a
 scraped `job` label would be renamed `exported_job`.
@@ -30,6 +35,7 @@ from typing import Any, Final
 from prometheus_client import Counter, Gauge, Histogram
 
 from . import api
+from . import goodput as gp
 from . import status as st
 from .builders import JobRef
 from .observed import Observed
@@ -43,6 +49,12 @@ STEPS_LOST: Final = Histogram("resilax_operator_steps_lost", "Training steps red
                               ["kind"], buckets=(0, 1, 10, 100, 1000, 10000))
 CHECKPOINT_AGE: Final = Gauge("resilax_operator_checkpoint_age_seconds",
                               "Seconds since the operator first saw the job's newest checkpoint", ["namespace", "jaxjob"])
+GOODPUT_RATIO: Final = Gauge("resilax_operator_goodput_ratio",
+                             "Productive seconds / wall seconds since the job's first generation", ["namespace", "jaxjob"])
+GOODPUT_SECONDS: Final = Gauge("resilax_operator_goodput_seconds",
+                               "The job's wall time by where it went (bucket: productive, checkpoint_blocking, "
+                               "lost_steps_redone, detection, teardown, scheduling, jax_startup, restore, other)",
+                               ["namespace", "jaxjob", "bucket"])
 GENERATIONS: Final = Counter("resilax_operator_generations_total", "Generations (sets of workers) started")
 for _kind in st.TRANSITION_KINDS:  # every kind has its series (at 0) from the start: dashboards and alerts see them
     RECOVERIES.labels(_kind)
@@ -123,6 +135,16 @@ def record_checkpoint(observed: Observed) -> None:
             max(0.0, (observed.now - ck.time).total_seconds()))
 
 
+def record_goodput(job: JobRef, record: st.GoodputRecord | None) -> None:
+    """The job's goodput figures (`goodput_status.current`), every reconcile."""
+    if record is None:
+        return
+    g = record.summary()
+    GOODPUT_RATIO.labels(job.namespace, job.name).set(g.ratio)
+    for bucket in gp.BUCKETS:
+        GOODPUT_SECONDS.labels(job.namespace, job.name, bucket).set(g.buckets[bucket])
+
+
 def forget_job(job: JobRef) -> None:
     with _lock:
         _pending.pop(job.uid, None)
@@ -130,3 +152,8 @@ def forget_job(job: JobRef) -> None:
         _awaiting_restore.pop(job.uid, None)
     with contextlib.suppress(KeyError):
         CHECKPOINT_AGE.remove(job.namespace, job.name)
+    with contextlib.suppress(KeyError):
+        GOODPUT_RATIO.remove(job.namespace, job.name)
+    for bucket in gp.BUCKETS:
+        with contextlib.suppress(KeyError):
+            GOODPUT_SECONDS.remove(job.namespace, job.name, bucket)

@@ -11,6 +11,7 @@ kopf daemon thread runs it, execute.py's `reconcile_job`).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -24,6 +25,7 @@ from .k8s import Kube, KubeError, SidecarError
 from .observed import (
     Observed,
     SaveOutcome,
+    TrainerReport,
     assemble_observed,
     nodes_needing_lease,
     parse_job_ref,
@@ -32,6 +34,7 @@ from .observed import (
     parse_save_outcome,
     parse_sidecar_state,
     with_leases,
+    parse_trainer_report,
 )
 from .settings import OperatorSettings
 
@@ -45,6 +48,17 @@ class World:
     job: Mapping[str, Any]
     pods: tuple[Mapping[str, Any], ...]
     observed: Observed
+
+
+#: job uid -> the last trainer figures pod 0's sidecar gave (kept when pod 0 stops answering: its
+#: node died; the goodput accounting counts the generation's training up to them).
+_trainers: dict[str, TrainerReport] = {}
+_trainers_lock = threading.Lock()
+
+
+def forget_trainer(job: JobRef) -> None:
+    with _trainers_lock:
+        _trainers.pop(job.uid, None)
 
 
 def now_utc() -> datetime:
@@ -82,12 +96,18 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
                 checkpoint = parse_sidecar_state(state, now)
                 restore = parse_restore_report(state)
                 metrics.record_worker_state(ref, status.generation, state)
+                report = parse_trainer_report(state, status.generation)
+                if report is not None:
+                    with _trainers_lock:
+                        _trainers[ref.uid] = report
             except SidecarError as e:
                 logger.debug("no checkpoint state from %s: %s", build_pod_name(ref.name, status.generation, 0, 0), e)
+    with _trainers_lock:
+        trainer = _trainers.get(ref.uid)
     observed = assemble_observed(job, now=now, pods=workers,
                                  generations=cache.service_generations(ref.namespace, ref.name),
                                  nodes=cache.nodes_for(ref.namespace, ref.name), save_outcomes=outcomes,
-                                 checkpoint=checkpoint, restore=restore)
+                                 checkpoint=checkpoint, restore=restore, trainer=trainer)
     needing_lease = nodes_needing_lease(observed)
     if needing_lease:
         observed = with_leases(observed, observe_leases(kube, needing_lease, logger))

@@ -7,6 +7,7 @@ only the resulting `Observed` snapshot (time included: `Observed.now`, never the
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -132,6 +133,8 @@ class ObservedPod:
     #: spec.schedulingGates names: the scheduler leaves the pod alone until they are removed (Kueue's
     #: `kueue.x-k8s.io/admission` until it admits the pod group).
     gates: tuple[str, ...] = ()
+    #: When the trainer container started (its `startedAt`, running or terminated); None before.
+    trainer_started_at: datetime | None = None
 
     @property
     def terminated(self) -> bool:
@@ -163,6 +166,23 @@ class RestoreReport:
 
 
 @dataclass(frozen=True)
+class TrainerReport:
+    """The figures pod 0's trainer last reported for one generation (`trainer` in its sidecar's
+    `/v1/state`, resilax_ckpt.trainer_metrics; epoch seconds). The I/O side keeps the last one it read,
+    so a pod 0 that died leaves what it said last."""
+
+    generation: int
+    step: int | None = None
+    step_time: float | None = None
+    first_step: int | None = None
+    first_step_time: float | None = None
+    save_blocking_seconds: float = 0.0
+    restores: int = 0
+    last_restore_seconds: float = 0.0
+    restored_time: float | None = None
+
+
+@dataclass(frozen=True)
 class Observed:
     """One snapshot of everything a decision needs. Built by the I/O side; never mutated."""
 
@@ -180,6 +200,8 @@ class Observed:
     checkpoint: CheckpointInfo | None = None
     #: What the current generation's restore did, from pod 0's sidecar (None if unknown).
     restore: RestoreReport | None = None
+    #: Pod 0's trainer figures, the last read (its `generation` says of which generation).
+    trainer: TrainerReport | None = None
 
     def node(self, name: str | None) -> ObservedNode | None:
         return self._nodes_by_name.get(name) if name else None
@@ -244,10 +266,13 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
     trainer = api.TRAINER_CONTAINER if api.TRAINER_CONTAINER in containers else (containers[0] if containers else None)
     exit_code = exit_reason = None
     trainer_running = False
+    started_at = None
     for cs in status.get("containerStatuses") or []:
         if cs.get("name") == trainer:
             state = cs.get("state") or {}
             trainer_running = bool(state.get("running"))
+            with contextlib.suppress(ValueError):
+                started_at = st.parse_time((state.get("running") or state.get("terminated") or {}).get("startedAt"))
             terminated = state.get("terminated")
             if terminated:
                 code = terminated.get("exitCode")
@@ -266,7 +291,7 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         pod_ip=status.get("podIP") or None, deletion_timestamp=st.parse_time(meta.get("deletionTimestamp")),
         deletion_grace_seconds=None if grace is None else int(grace),
         exit_code=exit_code, exit_reason=exit_reason, pod_reason=status.get("reason") or None, ready=ready,
-        trainer_running=trainer_running, waiting=waiting, gates=gates)
+        trainer_running=trainer_running, waiting=waiting, gates=gates, trainer_started_at=started_at)
 
 
 def parse_lease(raw: Mapping[str, Any]) -> datetime | None:
@@ -433,7 +458,7 @@ def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapp
                    services: Iterable[Mapping[str, Any]], nodes: Iterable[Mapping[str, Any]],
                    other_pods: Iterable[Mapping[str, Any]] = (), save_outcomes: Iterable[SaveOutcome] = (),
                    checkpoint: CheckpointInfo | None = None, restore: RestoreReport | None = None,
-                   leases: Mapping[str, datetime] | None = None) -> Observed:
+                   leases: Mapping[str, datetime] | None = None, trainer: TrainerReport | None = None) -> Observed:
     """Observed from raw API bodies (the full parse): the JAXJob, its pods and Services (label
     resilax.dev/job=<name>), all Nodes, and the pods of everything else that may hold accelerators
     (`other_pods`, any namespace; this job's pods among them are ignored). `leases`: node name →
@@ -449,14 +474,14 @@ def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapp
         job, now=now, pods=[p for p in (parse_pod(raw) for raw in pods) if p is not None],
         generations=[g for g in (parse_service_generation(s) for s in services) if g is not None],
         nodes=sorted(parsed, key=lambda n: n.name), save_outcomes=save_outcomes, checkpoint=checkpoint,
-        restore=restore)
+        restore=restore, trainer=trainer)
     return with_leases(observed, leases or {})
 
 
 def assemble_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[ObservedPod],
                       generations: Iterable[int], nodes: Sequence[ObservedNode],
                       save_outcomes: Iterable[SaveOutcome] = (), checkpoint: CheckpointInfo | None = None,
-                      restore: RestoreReport | None = None) -> Observed:
+                      restore: RestoreReport | None = None, trainer: TrainerReport | None = None) -> Observed:
     """Observed from parts already parsed: the job's pods, its Services' generations and every node,
     sorted by name, with the devices others hold counted (`in_use_by_others`)."""
     meta = job.get("metadata") or {}
@@ -464,7 +489,8 @@ def assemble_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[O
     return Observed(now=now, job=ref, status=st.parse_status(job.get("status")),
                     spec_generation=int(meta.get("generation") or 0),
                     pods=tuple(sorted(pods, key=lambda p: p.name)), services=tuple(sorted(set(generations))),
-                    nodes=tuple(nodes), save_outcomes=tuple(save_outcomes), checkpoint=checkpoint, restore=restore)
+                    nodes=tuple(nodes), save_outcomes=tuple(save_outcomes), checkpoint=checkpoint, restore=restore,
+                    trainer=trainer)
 
 
 def nodes_needing_lease(observed: Observed) -> list[str]:
@@ -505,3 +531,24 @@ def parse_sidecar_state(body: Mapping[str, Any], now: datetime) -> CheckpointInf
     if local is not None:
         return CheckpointInfo(int(local), st.truncate(now), True, "local")
     return None
+
+
+def parse_trainer_report(body: Mapping[str, Any], generation: int) -> TrainerReport | None:
+    """`trainer` of the sidecar's `GET /v1/state` (pod 0 of `generation`) → TrainerReport (None if
+    absent or malformed)."""
+    raw = body.get("trainer")
+    if not isinstance(raw, Mapping):
+        return None
+
+    def num(key: str) -> float | None:
+        value = raw.get(key)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    def whole(key: str) -> int | None:
+        value = raw.get(key)
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return TrainerReport(generation=generation, step=whole("step"), step_time=num("step_time"),
+                         first_step=whole("first_step"), first_step_time=num("first_step_time"),
+                         save_blocking_seconds=num("save_blocking_seconds") or 0.0, restores=whole("restores") or 0,
+                         last_restore_seconds=num("last_restore_seconds") or 0.0, restored_time=num("restored_time"))

@@ -37,6 +37,7 @@ from .policies import (
     capacity_wait,
     container_waiting,
     generation_start,
+    goodput_status,
     node_loss,
     preemption,
     resize,
@@ -89,7 +90,13 @@ def decide_invalid(error: InvalidSpecError, observed: Observed) -> list[Action]:
 
 
 def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings) -> list[Action]:
-    """The actions that move the cluster toward what `spec` wants, given `observed`."""
+    """The actions that move the cluster toward what `spec` wants, given `observed`; status.goodput
+    brought up to date (policies/goodput_status.py)."""
+    return goodput_status.with_goodput(decide_policies(spec, observed, settings), observed, settings)
+
+
+def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSettings) -> list[Action]:
+    """The policies' decision (the dispatch below)."""
     s, now = observed.status, observed.now
     invalid = s.condition(api.COND_INVALID_SPEC)
     if s.phase == api.PHASE_FAILED and s.generation == 0 and invalid is not None and invalid.status == "True":

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from . import api
+from . import goodput as gp
 from .spec import Shape
 
 # Transition kinds: why the current generation is being replaced.
@@ -69,6 +70,17 @@ class CheckpointInfo:
 
 
 @dataclass(frozen=True)
+class GoodputRecord:
+    """status.goodput: the accounting (goodput.py's ledger) and the time its figures are given for."""
+
+    ledger: gp.Ledger
+    as_of: datetime
+
+    def summary(self) -> gp.Goodput:
+        return gp.summarize(self.ledger, self.as_of.timestamp())
+
+
+@dataclass(frozen=True)
 class Condition:
     type: str
     status: str
@@ -107,6 +119,8 @@ class JobStatus:
     #: When a queue (Kueue) admitted the current generation's workers (their scheduling gates went):
     #: the timeouts on their start count from then (`workers_since`). None: never held by a queue.
     admitted_time: datetime | None = None
+    #: Goodput so far and where the rest of the wall time went (goodput.py; policies/goodput_status.py).
+    goodput: GoodputRecord | None = None
 
     @property
     def workers_since(self) -> datetime | None:
@@ -174,7 +188,8 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
                                   if str(k).isdigit() and v)),
         final_save_seconds=_int_or_none((raw.get("timings") or {}).get("finalSaveSeconds")),
         restart_seconds=_int_or_none((raw.get("timings") or {}).get("restartSeconds")),
-        admitted_time=parse_time(raw.get("admittedTime")))
+        admitted_time=parse_time(raw.get("admittedTime")),
+        goodput=parse_goodput(raw.get("goodput")))
 
 
 def _int_or_none(raw: Any) -> int | None:
@@ -214,6 +229,7 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         if status.final_save_seconds is not None or status.restart_seconds is not None else None,
         "checkpoint": None if ck is None else {
             "step": ck.step, "time": format_time(ck.time), "committed": ck.committed, "tier": ck.tier},
+        "goodput": None if status.goodput is None else build_goodput(status.goodput),
         "conditions": [
             {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
              "lastTransitionTime": format_time(c.last_transition_time)} for c in status.conditions],
@@ -257,3 +273,83 @@ def newer_checkpoint(current: CheckpointInfo | None, seen: CheckpointInfo | None
             current.step, current.committed, current.tier == "persistent"):
         return seen
     return current
+
+
+# ---- status.goodput -------------------------------------------------------------------------------------
+
+#: bucket (goodput.BUCKETS) -> its key in status.goodput.breakdown
+BREAKDOWN_KEYS: Final = {b: b.split("_")[0] + "".join(w.capitalize() for w in b.split("_")[1:]) for b in gp.BUCKETS}
+_MARK_KEYS: Final = (("created", "created"), ("running", "running"), ("restore_began", "restoreBegan"),
+                     ("restore_ended", "restoreEnded"), ("first_step_time", "firstStepTime"),
+                     ("last_step_time", "lastStepTime"), ("detected", "detected"))
+
+
+def _round(x: float) -> float:
+    return round(float(x), 3)
+
+
+def build_goodput(record: GoodputRecord) -> dict[str, Any]:
+    """status.goodput: the figures as of `asOf` (ratio, wall and productive seconds, breakdown) and the
+    ledger they come from (docs/jaxjob-reference.md)."""
+    g = record.summary()
+    led = record.ledger
+    cur = led.current
+    return {
+        "ratio": round(g.ratio, 4),
+        "wallSeconds": round(g.wall_seconds, 1),
+        "productiveSeconds": round(g.buckets[gp.PRODUCTIVE], 1),
+        "lostSteps": g.lost_steps,
+        "breakdown": {BREAKDOWN_KEYS[b]: round(g.buckets[b], 1) for b in gp.BUCKETS},
+        "asOf": format_time(record.as_of),
+        "ledger": {
+            "start": _round(led.start),
+            "closedUntil": _round(led.closed_until),
+            "closed": {BREAKDOWN_KEYS[b]: _round(led.closed.get(b, 0.0)) for b in gp.BUCKETS},
+            "lostSteps": led.lost_steps,
+            "carry": None if led.carry is None else {
+                "step": led.carry.step, "stepSeconds": _round(led.carry.step_seconds),
+                "productiveSeconds": _round(led.carry.productive)},
+            "current": None if cur is None else {
+                "generation": cur.generation, "firstStep": cur.first_step, "lastStep": cur.last_step,
+                "blockingSeconds": _round(cur.blocking_seconds),
+                **{key: None if getattr(cur, attr) is None else _round(getattr(cur, attr)) for attr, key in _MARK_KEYS}},
+        },
+    }
+
+
+def _float(raw: Any) -> float | None:
+    try:
+        return None if raw is None else float(raw)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_goodput(raw: Any) -> GoodputRecord | None:
+    """status.goodput -> GoodputRecord (None when absent or unreadable: the accounting starts again)."""
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("ledger"), Mapping):
+        return None
+    led = raw["ledger"]
+    try:
+        as_of = parse_time(raw.get("asOf"))
+        start = float(led["start"])
+        closed = {b: float((led.get("closed") or {}).get(BREAKDOWN_KEYS[b]) or 0.0) for b in gp.BUCKETS}
+        carry_raw = led.get("carry")
+        carry = None if not isinstance(carry_raw, Mapping) else gp.Carry(
+            int(carry_raw["step"]), float(carry_raw.get("stepSeconds") or 0.0),
+            float(carry_raw.get("productiveSeconds") or 0.0))
+        cur_raw = led.get("current")
+        current = None
+        if isinstance(cur_raw, Mapping):
+            current = gp.GenerationMarks(
+                generation=int(cur_raw["generation"]),
+                first_step=None if cur_raw.get("firstStep") is None else int(cur_raw["firstStep"]),
+                last_step=None if cur_raw.get("lastStep") is None else int(cur_raw["lastStep"]),
+                blocking_seconds=float(cur_raw.get("blockingSeconds") or 0.0),
+                **{attr: _float(cur_raw.get(key)) for attr, key in _MARK_KEYS})
+    except (KeyError, TypeError, ValueError):
+        return None
+    if as_of is None:
+        return None
+    ledger = gp.Ledger(start=start, closed=closed, closed_until=float(led.get("closedUntil") or start),
+                       lost_steps=int(led.get("lostSteps") or 0), carry=carry, current=current)
+    return GoodputRecord(ledger, as_of)

@@ -63,12 +63,12 @@ def test_bad_schedule_input_names_the_field(kwargs: dict[str, float], field: str
 
 def one_loss_run() -> tuple[list[LossRecord], list[Fault], dict[int, GenerationMarks]]:
     """Generation 0 trains steps 1..10 (1 s each; the gap after step 5 is 3 s: a save blocked 2 s); its
-    node dies at 22.5; generation 1 restored step 6 and trains 7..12. Pods, restore marks as seen."""
+    node dies at 22.5; generation 1 restored step 6 (31 -> 33) and trains 7..12. Pods, restore marks as seen."""
     gen0 = [rec(i, 10.0 + i, 0) for i in range(1, 6)] + [rec(i, 12.0 + i, 0) for i in range(6, 11)]
     gen1 = [rec(i, 28.0 + i, 1) for i in range(7, 13)]  # step 7 at 35 ... step 12 at 40
     faults = [Fault(22.5, KILL, "tpu-1-1"), Fault(30.0, RESTORE, "tpu-1-1")]
     marks = {0: GenerationMarks(pods_created=2.0, pods_running=6.0),
-             1: GenerationMarks(detected=25.0, pods_created=27.0, pods_running=30.0, restored=33.0)}
+             1: GenerationMarks(detected=25.0, pods_created=27.0, pods_running=30.0, restore_began=31.0, restored=33.0)}
     return gen0 + gen1, faults, marks
 
 
@@ -82,8 +82,8 @@ def test_breakdown_of_a_hard_loss_with_known_answer() -> None:
         "detection": 2.5,  # fault 22.5 -> the operator reacted 25
         "teardown": 2.0,  # 25 -> new pods 27
         "scheduling": 6.0 + 3.0,  # job applied 0 -> gen 0 running 6; new pods 27 -> running 30
-        "jax_startup": 4.0 + 3.0,  # running 6 -> first step began 10 (from scratch); 30 -> restored 33
-        "restore": 1.0,  # restored 33 -> step 7 began 34
+        "jax_startup": 4.0 + 1.0 + 1.0,  # running 6 -> step 1 began 10; running 30 -> restore 31; 33 -> step 7 began 34
+        "restore": 2.0,  # restore began 31 -> ended 33
         "other": 0.5 + 2.0,  # last step 22 -> fault 22.5; last step 40 -> end 42
     })
     assert sum(g.buckets.values()) == pytest.approx(g.wall_seconds) == 42.0

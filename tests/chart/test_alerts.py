@@ -14,6 +14,7 @@ EXPORTED = {
     # operator/resilax_operator/metrics.py
     "resilax_operator_recoveries_total", "resilax_operator_recovery_seconds_bucket", "resilax_operator_steps_lost_sum",
     "resilax_operator_steps_lost_count", "resilax_operator_checkpoint_age_seconds", "resilax_operator_generations_total",
+    "resilax_operator_goodput_ratio", "resilax_operator_goodput_seconds",
     # sidecar/resilax_sidecar/metrics.py (and the trainer's figures it exports)
     "resilax_sidecar_upload_failures_total", "resilax_sidecar_lag_steps", "resilax_sidecar_http_unauthorized_total",
     "resilax_sidecar_newest_step", "resilax_trainer_step", "resilax_trainer_steps_per_second",

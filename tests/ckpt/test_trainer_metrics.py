@@ -22,3 +22,27 @@ def test_the_manager_writes_its_figures_into_the_control_folder(tmp_path, device
         mgr.restore(5)
         figures = read_trainer_figures(control)
         assert figures["restores"] == 1 and figures["restored_step"] == 5 and figures["last_restore_seconds"] > 0
+
+
+def test_the_figures_carry_the_wall_times_the_goodput_accounting_reads(tmp_path):
+    """When the loop first reached its newest step and its first step, and when the restore ended
+    (the operator's goodput accounting, resilax_operator.goodput, reads them from /v1/state)."""
+    from resilax_ckpt.trainer_metrics import TrainerMetrics
+
+    wall = [0.0]
+    m = TrainerMetrics(str(tmp_path), clock=lambda: wall[0], wall_clock=lambda: wall[0])
+    wall[0] = 100.0
+    m.restored(7, 2.5)
+    wall[0] = 103.0
+    m.step(8)
+    wall[0] = 103.5
+    m.step(8)  # the same step again: its time stays
+    wall[0] = 110.0
+    m.step(9)
+    wall[0] = 110.2
+    m.step(9)  # within the write interval: not written, the file keeps step 9 reached at 110
+    f = read_trainer_figures(str(tmp_path))
+    assert f is not None
+    assert (f["restored_time"], f["last_restore_seconds"], f["restored_step"]) == (100.0, 2.5, 7)
+    assert (f["first_step"], f["first_step_time"]) == (8, 103.0)
+    assert (f["step"], f["step_time"], f["time"]) == (9, 110.0, 110.0)

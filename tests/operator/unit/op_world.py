@@ -25,7 +25,7 @@ from resilax_operator.actions import (
     SetStatus,
 )
 from resilax_operator.builders import JobRef
-from resilax_operator.observed import Observed, ObservedNode, ObservedPod, SaveOutcome, Taint
+from resilax_operator.observed import Observed, ObservedNode, ObservedPod, SaveOutcome, Taint, TrainerReport
 from resilax_operator.reconcile import decide_raw
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.status import CheckpointInfo, JobStatus, build_status, parse_status
@@ -59,6 +59,8 @@ class World:
     events: list[EmitEvent] = field(default_factory=list)
     created: list[int] = field(default_factory=list)
     checkpoint: CheckpointInfo | None = None
+    #: Pod 0's trainer figures as the operator last read them (goodput accounting).
+    trainer: TrainerReport | None = None
     next_ip: int = 1
     pool_of: dict[str, str] = field(default_factory=dict)
     selector_of: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -74,13 +76,19 @@ class World:
         return Observed(now=self.now, job=self.job, status=self.status, spec_generation=1,
                         pods=tuple(sorted(self.pods.values(), key=lambda p: p.name)),
                         services=tuple(sorted(self.services)), nodes=tuple(self.nodes.values()),
-                        save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint)
+                        save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint, trainer=self.trainer)
 
     def decide(self) -> list[Action]:
         observed = self.observed()
         first = decide_raw(self.spec, observed, SETTINGS)
         assert decide_raw(self.spec, observed, SETTINGS) == first, "deciding twice differs"
         return first
+
+    def step_besides_goodput(self) -> list[Action]:
+        """`step()`, less a SetStatus that only refreshes status.goodput (its periodic refresh)."""
+        before = replace(self.status, goodput=None)
+        return [a for a in self.step()
+                if not (isinstance(a, SetStatus) and replace(a.status, goodput=None) == before)]
 
     def step(self, *, only: int | None = None) -> list[Action]:
         """Decide and execute the actions (only the first `only` of them: an operator that dies)."""
@@ -141,7 +149,7 @@ class World:
             node = sorted(free, key=lambda n: n.name)[0]
             used.add(node.name)
             self.pods[name] = replace(p, node_name=node.name, phase="Running", ready=True, pod_ip=f"10.0.0.{self.next_ip}",
-                                      trainer_running=True)
+                                      trainer_running=True, trainer_started_at=self.now)
             self.next_ip += 1
 
     def _pools_for(self, name: str, p: ObservedPod) -> set[str | None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -208,9 +209,18 @@ def test_status_round_trip(kube: Any) -> None:
                         planned_from="x/y", observed_generation=1,
                         transition=st.Transition(st.PREEMPTION, 2, t0, "m", "status-g2-preemption", t0),
                         checkpoint=st.CheckpointInfo(1200, t0))
+    from resilax_operator import goodput as gp
+
+    ledger = gp.advance(gp.advance(None, gp.GenerationMarks(1, created=10.0, running=12.5, first_step=1,
+                                                             first_step_time=20.25, last_step=30, last_step_time=50.0,
+                                                             blocking_seconds=1.5, detected=70.0)),
+                        gp.GenerationMarks(2, created=75.0))
+    full = replace(full, goodput=st.GoodputRecord(ledger, datetime.fromtimestamp(80, UTC)))
     full = st.set_condition(full, api.COND_READY, False, api.PREEMPTION_NOTICE.name, "m", t0)
     got = kube.patch(f"{BASE}/status/status", {"status": st.build_status(full)})
     assert st.parse_status(got["status"]) == full
+    assert got["status"]["goodput"] == st.build_status(full)["goodput"] | {"ledger": got["status"]["goodput"]["ledger"]}
+    assert got["status"]["goodput"]["ledger"]["current"] == {"generation": 2, "created": 75.0, "blockingSeconds": 0.0}
     got = kube.patch(f"{BASE}/status/status", {"status": st.build_status(st.JobStatus(phase=api.PHASE_RUNNING, generation=3))})
     assert "transition" not in got["status"] and "shape" not in got["status"]
     assert st.parse_status(got["status"]) == st.JobStatus(phase=api.PHASE_RUNNING, generation=3)

@@ -92,3 +92,21 @@ def test_the_trainers_figures_tell_the_restored_step_without_a_restore_report() 
     metrics.record_worker_state(job, 2, {"trainer": {"step": 26, "restores": 1, "restored_step": 25}, "restore": None})
     after = _lost(st.WORKER_FAILURE)
     assert (after[0] - before[0], after[1] - before[1]) == (5.0, 1.0)
+
+
+def test_goodput_gauges_per_job_and_bucket_are_set_and_removed_with_the_job() -> None:
+    from resilax_operator import goodput as gp
+
+    job = JobRef("gp", "team-a", "uid-gp")
+    ledger = gp.advance(None, gp.GenerationMarks(1, created=0.0, running=2.0, first_step=1, first_step_time=5.0,
+                                                 last_step=11, last_step_time=15.0), start=0.0)
+    metrics.record_goodput(job, st.GoodputRecord(ledger, datetime.fromtimestamp(20, UTC)))
+    labels = {"namespace": "team-a", "jaxjob": "gp"}
+    assert REGISTRY.get_sample_value("resilax_operator_goodput_ratio", labels) == 11 / 20
+    seconds = {b: REGISTRY.get_sample_value("resilax_operator_goodput_seconds", {**labels, "bucket": b})
+               for b in gp.BUCKETS}
+    assert seconds == {**dict.fromkeys(gp.BUCKETS, 0.0), "productive": 11.0, "scheduling": 2.0, "jax_startup": 2.0,
+                       "other": 5.0}
+    metrics.forget_job(job)
+    assert REGISTRY.get_sample_value("resilax_operator_goodput_ratio", labels) is None
+    assert REGISTRY.get_sample_value("resilax_operator_goodput_seconds", {**labels, "bucket": "productive"}) is None

@@ -1,0 +1,238 @@
+"""Goodput accounting (pure: no I/O, no clock): how much of a job's wall time trained the model that
+comes out of it, and where the rest went.
+
+goodput = productive seconds / wall seconds. Every second of the wall time lands in exactly one bucket
+of `BUCKETS`; the buckets sum to the wall time. One accounting, two users:
+* the operator folds what it observes of each generation into `status.goodput` at every decision
+  (`advance`, then `summarize`; policies/goodput_status.py collects the marks) and exports it as metrics;
+* the goodput benchmark (bench/resilax_bench/goodput_model.py) feeds the same fold the marks its
+  harness recorded (`account`), so the benchmark measures what the product reports.
+
+What is known of one generation (`GenerationMarks`; epoch seconds, None: not seen):
+
+| mark | the operator takes it from |
+|---|---|
+| created | status.generationStartTime (the operator created its pods) |
+| running | the latest `startedAt` of the trainer containers, once all of them started |
+| restore_began, restore_ended | pod 0's trainer figures (`/v1/state` `trainer`: restored_time, last_restore_seconds) |
+| first_step, first_step_time | the first step the trainer reached, and when |
+| last_step, last_step_time | the newest step it reached, and when (as of the operator's last look) |
+| blocking_seconds | seconds its loop was blocked by saves (save_blocking_seconds) |
+| detected | status.transition.since: the operator began replacing the generation |
+| fault | (the benchmark only: when it injected the fault) |
+
+A generation's window runs from its start (`created`; the first generation's from the start of the
+accounting) to the next generation's start (or the end). Within it, time goes, from each mark seen on:
+
+| from | bucket |
+|---|---|
+| the window's start | scheduling (pods created, waiting for nodes and containers) |
+| running | jax_startup (process start, jax.distributed, building the state) |
+| restore_began | restore |
+| restore_ended | jax_startup (the first step: its compile) |
+| the first step began (first_step_time minus one typical step) | productive |
+| the last step reached | detection when the generation was replaced (or a fault came), else other |
+| fault, when after the last step (the trainer stopped before it: other until then) | detection |
+| detected | teardown (final save if any, deleting the pods, waiting for capacity) |
+
+A mark not seen extends the segment before it; a mark earlier than the one before it counts from that
+one (a preemption's final save: the trainer steps on after `detected`, so teardown starts at its last
+step). Then two corrections move time out of productive:
+* checkpoint_blocking: the generation's `blocking_seconds` (at most its productive time);
+* lost_steps_redone: once a later generation's first step shows where it restored (`first_step` - 1),
+  the steps the last generation that trained reached beyond it, times that generation's typical step
+  ((last_step_time - first_step_time - blocking) / (last_step - first_step)), at most its productive time.
+
+The operator's resolution: the trainer writes its figures at most once a second and the operator reads
+pod 0's every reconcile (<= 5 s), so a generation whose pod 0 died counts up to ~6 s of its last
+training as detection; times in the status have whole seconds. Until a generation is replaced, the time
+since its last step seen is `other` (at most a reconcile's worth while it trains).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Final
+
+PRODUCTIVE: Final = "productive"
+BUCKETS: Final = ("productive", "checkpoint_blocking", "lost_steps_redone", "detection", "teardown", "scheduling",
+                  "jax_startup", "restore", "other")
+
+
+def _zero() -> dict[str, float]:
+    return dict.fromkeys(BUCKETS, 0.0)
+
+
+@dataclass(frozen=True)
+class GenerationMarks:
+    """What was seen of one generation (epoch seconds; None: not seen). See the module's table."""
+
+    generation: int
+    created: float | None = None
+    running: float | None = None
+    restore_began: float | None = None
+    restore_ended: float | None = None
+    first_step: int | None = None
+    first_step_time: float | None = None
+    last_step: int | None = None
+    last_step_time: float | None = None
+    blocking_seconds: float = 0.0
+    detected: float | None = None
+    fault: float | None = None
+
+    @property
+    def begins(self) -> float | None:
+        """The window's start: the first mark seen."""
+        return next((t for t in (self.created, self.running, self.restore_began, self.restore_ended,
+                                 self.first_step_time) if t is not None), None)
+
+    @property
+    def trained(self) -> bool:
+        return self.first_step is not None and self.first_step_time is not None
+
+    @property
+    def step_seconds(self) -> float:
+        """The generation's typical step: its stepping time less the saves' blocking, per step (0
+        until it reached two steps)."""
+        if (self.first_step is None or self.last_step is None or self.first_step_time is None
+                or self.last_step_time is None or self.last_step <= self.first_step):
+            return 0.0
+        span = self.last_step_time - self.first_step_time - self.blocking_seconds
+        return max(0.0, span) / (self.last_step - self.first_step)
+
+
+@dataclass(frozen=True)
+class Carry:
+    """The last generation that trained, until a later one shows where it restored (lost steps)."""
+
+    step: int  # the newest step it reached
+    step_seconds: float  # its typical step
+    productive: float  # its productive seconds (the most its lost steps can take back)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """The accounting so far: the closed windows' buckets, and the open generation's marks."""
+
+    start: float
+    closed: Mapping[str, float] = field(default_factory=_zero)
+    closed_until: float = 0.0
+    lost_steps: int = 0
+    carry: Carry | None = None
+    current: GenerationMarks | None = None
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """The breakdown at one time."""
+
+    wall_seconds: float
+    buckets: Mapping[str, float]
+    lost_steps: int
+    generations: int
+
+    @property
+    def ratio(self) -> float:
+        return self.buckets[PRODUCTIVE] / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+
+def begin(start: float) -> Ledger:
+    """An empty ledger whose wall time starts at `start`."""
+    return Ledger(start=start, closed=_zero(), closed_until=start)
+
+
+def _split(acc: dict[str, float], start: float, end: float, first: str,
+           marks: Iterable[tuple[float | None, str]]) -> None:
+    """Add [start, end] to `acc`: `first` until the first mark seen, then each mark's bucket until the
+    next one seen (a mark not seen is skipped; one out of order is moved into [previous mark, end])."""
+    t, bucket = start, first
+    for when, after in marks:
+        if when is None:
+            continue
+        when = min(max(when, t), end)
+        acc[bucket] += max(0.0, when - t)
+        t, bucket = when, after
+    acc[bucket] += max(0.0, end - t)
+
+
+def _window(g: GenerationMarks, carry: Carry | None, start: float, end: float,
+            replaced: bool) -> tuple[dict[str, float], int, Carry | None]:
+    """The buckets of `g`'s window [start, end], the steps its restore lost and the carry after it.
+    `replaced`: a later generation exists (the time after its last step was the fault's)."""
+    acc = _zero()
+    step_s = g.step_seconds
+    first_began = None if g.first_step_time is None else g.first_step_time - step_s
+    fault_after = g.fault if g.fault is not None and (g.last_step_time is None or g.fault >= g.last_step_time) \
+        else None
+    after_last = "other" if fault_after is not None or not (replaced or g.detected is not None) else "detection"
+    _split(acc, start, end, "scheduling", [
+        (g.created, "scheduling"), (g.running, "jax_startup"), (g.restore_began, "restore"),
+        (g.restore_ended, "jax_startup"), (first_began, PRODUCTIVE), (g.last_step_time, after_last),
+        (fault_after, "detection"), (g.detected, "teardown")])
+    blocking = min(max(0.0, g.blocking_seconds), acc[PRODUCTIVE])
+    acc[PRODUCTIVE] -= blocking
+    acc["checkpoint_blocking"] += blocking
+    own = acc[PRODUCTIVE]
+    lost = 0
+    if g.trained and carry is not None:
+        assert g.first_step is not None
+        lost = max(0, carry.step - (g.first_step - 1))
+        # the lost steps' time comes out of the earlier generation's productive time (counted before)
+        redone = min(carry.productive, lost * carry.step_seconds)
+        acc["lost_steps_redone"] += redone
+        acc[PRODUCTIVE] -= redone
+        carry = None
+    if g.trained and g.last_step is not None:
+        carry = Carry(g.last_step, step_s, own)
+    return acc, lost, carry
+
+
+def advance(ledger: Ledger | None, marks: GenerationMarks, start: float | None = None) -> Ledger:
+    """The ledger with `marks` of the current generation: the same generation as the ledger's current
+    one replaces its marks; a newer one closes the current window at the new one's start. `start`: where
+    the wall time starts when `ledger` is None (default: the generation's start)."""
+    if ledger is None:
+        begun = start if start is not None else marks.begins
+        if begun is None:
+            raise ValueError(f"generation {marks.generation}: no start time (created) to account from")
+        return replace(begin(begun), current=marks)
+    cur = ledger.current
+    if cur is None or cur.generation == marks.generation:
+        return replace(ledger, current=marks)
+    if marks.generation < cur.generation:
+        raise ValueError(f"generation {marks.generation} is older than the ledger's current {cur.generation}")
+    until = max(ledger.closed_until, marks.begins if marks.begins is not None else ledger.closed_until)
+    acc, lost, carry = _window(cur, ledger.carry, ledger.closed_until, until, replaced=True)
+    closed = {b: ledger.closed.get(b, 0.0) + acc[b] for b in BUCKETS}
+    return Ledger(start=ledger.start, closed=closed, closed_until=until, lost_steps=ledger.lost_steps + lost,
+                  carry=carry, current=marks)
+
+
+def summarize(ledger: Ledger, end: float) -> Goodput:
+    """The breakdown from the ledger's start to `end` (the open window counted up to `end`)."""
+    buckets = dict(ledger.closed)
+    lost = ledger.lost_steps
+    generations = 0
+    if ledger.current is not None:
+        acc, window_lost, _ = _window(ledger.current, ledger.carry, ledger.closed_until,
+                                      max(end, ledger.closed_until), replaced=False)
+        buckets = {b: buckets.get(b, 0.0) + acc[b] for b in BUCKETS}
+        lost += window_lost
+        generations = 1
+    wall = max(0.0, max(end, ledger.closed_until) - ledger.start)
+    return Goodput(wall, buckets, lost, generations)
+
+
+def account(start: float, end: float, generations: Iterable[GenerationMarks]) -> Goodput:
+    """The breakdown of a whole recorded run: every generation folded in order (as the operator folds
+    them one at a time). Generations without any mark are skipped."""
+    ledger = begin(start)
+    count = 0
+    for g in sorted(generations, key=lambda g: g.generation):
+        if g.begins is None and g.last_step_time is None:
+            continue
+        ledger = advance(ledger, g)
+        count += 1
+    out = summarize(ledger, end)
+    return replace(out, generations=count)
