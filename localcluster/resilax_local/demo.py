@@ -102,6 +102,8 @@ class Demo:
         self.outcome: dict[str, Any] = {"recovered_smaller": False, "grew_back": False, "succeeded": False}
         self._last_line: tuple[Any, ...] | None = None
         self._last_print = 0.0
+        #: The job's last status.goodput seen (the operator's goodput account).
+        self.goodput: dict[str, Any] | None = None
 
     # ---- the story ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -243,6 +245,7 @@ class Demo:
         self.check_operator()
         body = self.client.get(self.job_path())
         snap = parse_snapshot(time.time(), body)
+        self.goodput = (body.get("status") or {}).get("goodput") or self.goodput
         prev = self.snapshots[-1] if self.snapshots else None
         if prev is None or _key(prev) != _key(snap):
             self.snapshots.append(snap)
@@ -376,6 +379,7 @@ class Demo:
     def observe_quietly(self) -> None:
         body = self.client.get(self.job_path())
         snap = parse_snapshot(time.time(), body)
+        self.goodput = (body.get("status") or {}).get("goodput") or self.goodput
         if not self.snapshots or _key(self.snapshots[-1]) != _key(snap):
             self.snapshots.append(snap)
         self.read_events()
@@ -383,7 +387,7 @@ class Demo:
 
     def write_outputs(self) -> None:
         lines = build_timeline(self.start, self.snapshots, self.faults, self.records,
-                               events=list(self.events.values()), notes=self.notes)
+                               events=list(self.events.values()), notes=self.notes, goodput=self.goodput)
         (self.run_dir / "timeline.txt").write_text("\n".join(lines) + "\n")
         with (self.run_dir / "losses.jsonl").open("w") as f:
             for r in self.records:
@@ -414,6 +418,7 @@ class Demo:
                              "restored_step": t.after.restored_step, "devices": [t.before.devices, t.after.devices],
                              "pause_seconds": round(t.pause_seconds, 1)} for t in transitions],
             "phases": [s.phase for s in self.snapshots],
+            "goodput": self.goodput,
         })
         (self.run_dir / "result.json").write_text(json.dumps(self.outcome, indent=1) + "\n")
         say("")

@@ -6,7 +6,8 @@ The demo (`resilax_local.demo`) records three things while it runs, each with wa
   3. the loss lines of the training job (`parse_loss_lines`: process 0's JSON lines
      `{"step", "loss", "generation", "devices", "time"}`), and the job's Kubernetes Events.
 From these this module builds the timeline (`build_timeline`), the move from one generation to the next
-with the steps it lost (`build_transitions`), the loss continuity check (`check_loss_continuity`) and
+with the steps it lost (`build_transitions`), the loss continuity check (`check_loss_continuity`), the
+operator's goodput account of the job (`describe_goodput`, from the last `status.goodput` seen) and
 the data of the plot (`build_plot_data`). Times in the output are seconds since the demo started.
 """
 
@@ -346,11 +347,35 @@ def _rel(t: float, start: float) -> str:
     return f"{t - start:+8.1f}s"
 
 
+#: status.goodput.breakdown keys, in the order the goodput section lists them, with their labels.
+GOODPUT_BUCKETS = (("productive", "productive (steps that count)"), ("checkpointBlocking", "checkpoint blocking"),
+                   ("lostStepsRedone", "lost steps redone"), ("detection", "detection"), ("teardown", "teardown"),
+                   ("scheduling", "scheduling"), ("jaxStartup", "JAX start-up"), ("restore", "restore"),
+                   ("other", "other"))
+
+
+def describe_goodput(goodput: Mapping[str, Any] | None) -> list[str]:
+    """The operator's goodput account of the job (its `status.goodput`) as lines of text."""
+    if not isinstance(goodput, Mapping) or not isinstance(goodput.get("breakdown"), Mapping):
+        return ["  not reported (an operator without goodput accounting, or no generation yet)"]
+    wall = float(goodput.get("wallSeconds") or 0.0)
+    ratio = float(goodput.get("ratio") or 0.0)
+    breakdown = goodput["breakdown"]
+    lines = [f"  goodput {100 * ratio:.1f}% of {wall:.0f} s since the first generation was created "
+             f"(as of {goodput.get('asOf', '?')}; {goodput.get('lostSteps', 0)} steps trained again)"]
+    for key, label in GOODPUT_BUCKETS:
+        seconds = float(breakdown.get(key) or 0.0)
+        share = f"{100 * seconds / wall:5.1f}%" if wall > 0 else "    -"
+        lines.append(f"    {label:<30} {seconds:8.1f} s  {share}")
+    return lines
+
+
 def build_timeline(start: float, snapshots: Sequence[JobSnapshot], faults: Sequence[Fault],
                    records: Sequence[LossRecord], events: Sequence[TimelineEvent] = (),
-                   notes: Sequence[TimelineEvent] = ()) -> list[str]:
+                   notes: Sequence[TimelineEvent] = (), goodput: Mapping[str, Any] | None = None) -> list[str]:
     """The whole story as lines of text: events in time order, then generations, transitions
-    (restored step, steps lost, pause) and the loss continuity check."""
+    (restored step, steps lost, pause), the loss continuity check and the operator's goodput account
+    (`goodput`: the job's last status.goodput)."""
     items = [*plan_events(snapshots), *events, *notes]
     items += [TimelineEvent(f.time, "fault", f"{f.kind} {f.node}") for f in faults]
     generations = build_generations(records)
@@ -395,6 +420,7 @@ def build_timeline(start: float, snapshots: Sequence[JobSnapshot], faults: Seque
             lines.append(f"  step {step}: {a:.6g} then {b:.6g}")
         if c.missing_steps:
             lines.append(f"  missing: {_ranges(c.missing_steps)}")
+    lines += ["", "Goodput (the operator's account: status.goodput)", *describe_goodput(goodput)]
     return lines
 
 
