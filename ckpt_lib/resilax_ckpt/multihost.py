@@ -6,11 +6,16 @@ can run on a background thread while the training loop keeps the devices busy.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import threading
 from collections.abc import Mapping
+from types import TracebackType
 from typing import Any, Protocol
 
 from resilax_ckpt.errors import SaveError
+from resilax_ckpt.options import InvalidOptionsError
 
 
 class Coordinator(Protocol):
@@ -94,17 +99,66 @@ def current_coordinator() -> Coordinator:
     return JaxCoordinator(client, jax.process_index(), jax.process_count())
 
 
+#: Seconds a process that raised an unhandled exception may spend exiting (`arm_exit_watchdog`).
+EXIT_GRACE_SECONDS = 10.0
+#: Its exit code: Python's own for an unhandled exception (the operator counts it as the worker's failure).
+EXIT_CODE_UNHANDLED = 1
+_watchdog_armed = False
+
+
+def arm_exit_watchdog(grace_seconds: float = EXIT_GRACE_SECONDS) -> bool:
+    """After an unhandled exception the process exits with code 1 within `grace_seconds`, whatever its
+    exit waits for. Without it, a trainer that raises while its peers wait for it (in a collective, a
+    barrier) hangs at exit in jax.distributed's shutdown, which waits for every peer up to its shutdown
+    timeout (300 s): its pod stays Running and the operator sees nothing wrong. The traceback is
+    printed first (the previous `sys.excepthook`). Returns whether it armed (once per process; a grace
+    <= 0 disarms). Called on: all processes (`initialize_distributed_from_env` does, after
+    `jax.distributed.initialize`)."""
+    global _watchdog_armed
+    if _watchdog_armed or grace_seconds <= 0:
+        return False
+    _watchdog_armed = True
+    previous = sys.excepthook
+
+    def on_unhandled(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        previous(kind, value, tb)
+        _exit_after(grace_seconds, EXIT_CODE_UNHANDLED, f"unhandled {kind.__name__}")
+
+    sys.excepthook = on_unhandled
+    return True
+
+
+def _exit_after(seconds: float, code: int, why: str) -> None:
+    def fire() -> None:
+        print(f"resilax: {why}: the process did not exit within {seconds:g} s (jax.distributed's shutdown waits "
+              f"for peers that wait for it); exiting with code {code}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True  # runs on while the interpreter's exit (atexit: jax's shutdown) waits
+    timer.start()
+
+
 def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Call `jax.distributed.initialize` from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
-    JAX_PROCESS_ID (set by the operator) when there are several processes. Returns whether it did.
-    RESILAX_INIT_TIMEOUT_SECONDS, when set, is how long to wait for the other processes (the operator
-    sets it when workers may wait for nodes that do not exist yet or for a queue's admission; JAX's
-    default is 300 s). Called on: all processes, before any other JAX call."""
+    JAX_PROCESS_ID (set by the operator) when there are several processes, and arm the exit watchdog
+    (`arm_exit_watchdog`; RESILAX_EXIT_GRACE_SECONDS, default 10, 0: off). Returns whether it
+    initialized. RESILAX_INIT_TIMEOUT_SECONDS, when set, is how long to wait for the other processes
+    (the operator sets it when workers may wait for nodes that do not exist yet or for a queue's
+    admission; JAX's default is 300 s). Called on: all processes, before any other JAX call."""
     env = os.environ if env is None else env
     address = env.get("JAX_COORDINATOR_ADDRESS", "").strip()
     count = env.get("JAX_NUM_PROCESSES", "").strip()
     if not address or not count or int(count) <= 1:
         return False
+    raw = env.get("RESILAX_EXIT_GRACE_SECONDS", "").strip()
+    try:
+        grace = float(raw) if raw else EXIT_GRACE_SECONDS
+    except ValueError:
+        raise InvalidOptionsError(f"RESILAX_EXIT_GRACE_SECONDS={raw!r} is not a number of seconds; allowed: "
+                                  "a number >= 0 (0: no exit watchdog)") from None
     import jax
 
     timeout = env.get("RESILAX_INIT_TIMEOUT_SECONDS", "").strip()
@@ -114,4 +168,5 @@ def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> boo
     else:
         jax.distributed.initialize(coordinator_address=address, num_processes=int(count),
                                    process_id=int(env.get("JAX_PROCESS_ID", "0")))
+    arm_exit_watchdog(grace)
     return True

@@ -1,0 +1,55 @@
+"""The exit watchdog (resilax_ckpt.multihost.arm_exit_watchdog): a trainer that raises while its peers
+wait for it exits with code 1 at once, instead of hanging in jax.distributed's shutdown (which waits
+for every peer, up to 300 s) with its pod Running. Real JAX processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import resilax_ckpt as rc
+from ckpt_fakegcs import free_port
+from resilax_ckpt.multihost import EXIT_CODE_UNHANDLED
+
+WORKER = Path(__file__).with_name("ckpt_exit_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+#: How long process 0 waits for process 1: without the watchdog, process 1 cannot exit before that.
+PEER_WAIT_SECONDS = 240
+
+
+def _start(process_id: int, address: str, grace: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, RESILAX_EXIT_GRACE_SECONDS=grace)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "ckpt_lib"), env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, str(WORKER), str(process_id), address, str(PEER_WAIT_SECONDS * 1000)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def test_a_trainer_that_raises_while_its_peer_waits_exits_with_code_1() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    procs = [_start(0, address, "2"), _start(1, address, "2")]
+    try:
+        try:
+            out, _ = procs[1].communicate(timeout=PEER_WAIT_SECONDS / 2)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("process 1 raised but hangs at exit while process 0 waits for it") from None
+        text = out.decode(errors="replace")
+        assert procs[1].returncode == EXIT_CODE_UNHANDLED == 1, text
+        assert "RuntimeError: the trainer's own bug" in text  # the traceback comes first
+        assert "resilax: unhandled RuntimeError: the process did not exit within 2 s" in text
+        assert procs[0].poll() is None  # its peer still waits: the watchdog ended the hang, not the peer
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()  # reaps it and closes its pipe
+
+
+def test_a_bad_grace_is_refused_naming_the_variable() -> None:
+    env = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0",
+           "RESILAX_EXIT_GRACE_SECONDS": "soon"}
+    with pytest.raises(rc.InvalidOptionsError, match="RESILAX_EXIT_GRACE_SECONDS='soon' is not a number"):
+        rc.initialize_distributed_from_env(env)
