@@ -34,7 +34,7 @@ _LAZY = {
     "PerProcess": "resilax_ckpt.items", "UnsupportedLeafError": "resilax_ckpt.items",
     "EXIT_CODE_STOPPED": "resilax_ckpt.manager", "CheckpointManager": "resilax_ckpt.manager",
     "restore": "resilax_ckpt.manager", "save": "resilax_ckpt.manager",
-    "initialize_distributed_from_env": "resilax_ckpt.multihost",
+    "initialize_distributed_from_env": "resilax_ckpt.multihost", "EXIT_CODE_PEER_LOST": "resilax_ckpt.multihost",
     "InvalidOptionsError": "resilax_ckpt.options", "ManagerOptions": "resilax_ckpt.options",
     "restore_orbax": "resilax_ckpt.orbax_import",
 }
@@ -42,7 +42,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from resilax_ckpt.items import PerProcess, UnsupportedLeafError
     from resilax_ckpt.manager import EXIT_CODE_STOPPED, CheckpointManager, restore, save
-    from resilax_ckpt.multihost import initialize_distributed_from_env
+    from resilax_ckpt.multihost import EXIT_CODE_PEER_LOST, initialize_distributed_from_env
     from resilax_ckpt.options import InvalidOptionsError, ManagerOptions
     from resilax_ckpt.orbax_import import restore_orbax
 
@@ -59,6 +59,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "EXIT_CODE_PEER_LOST",
     "EXIT_CODE_STOPPED",
     "CheckpointManager",
     "ChecksumMismatchError",

@@ -103,16 +103,44 @@ def current_coordinator() -> Coordinator:
 EXIT_GRACE_SECONDS = 10.0
 #: Its exit code: Python's own for an unhandled exception (the operator counts it as the worker's failure).
 EXIT_CODE_UNHANDLED = 1
+#: Exit code of a process whose peer of the same generation is gone (a collective or the coordination
+#: service lost it): not its own failure. The operator does not count it and learns the cause from the
+#: cluster (a node down: NodeLoss at once). sysexits' EX_PROTOCOL ("remote error in protocol").
+EXIT_CODE_PEER_LOST = 76
+#: What JAX's runtime says when a peer process of a collective or the coordination service is gone
+#: (gloo's TCP pairs, gRPC to a dead coordinator, the service's heartbeat verdict); matched in the
+#: messages of an unhandled exception and of its causes.
+PEER_LOST_MARKERS = (
+    "connection closed by peer", "connection reset by peer", "broken pipe",  # gloo's TCP pairs
+    "failed to connect to all addresses", "socket closed", "unavailable:",  # gRPC to the coordinator
+    "heartbeat", "has been set to error", "coordination service has stopped",  # the service's verdict
+)
 _watchdog_armed = False
 
 
+def is_peer_loss(error: BaseException) -> bool:
+    """Whether `error` (or an exception it was raised from) says a peer process is gone."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = f"{type(e).__name__}: {e}".lower()
+        if any(marker in text for marker in PEER_LOST_MARKERS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def arm_exit_watchdog(grace_seconds: float = EXIT_GRACE_SECONDS) -> bool:
-    """After an unhandled exception the process exits with code 1 within `grace_seconds`, whatever its
-    exit waits for. Without it, a trainer that raises while its peers wait for it (in a collective, a
-    barrier) hangs at exit in jax.distributed's shutdown, which waits for every peer up to its shutdown
-    timeout (300 s): its pod stays Running and the operator sees nothing wrong. The traceback is
-    printed first (the previous `sys.excepthook`). Returns whether it armed (once per process; a grace
-    <= 0 disarms). Called on: all processes (`initialize_distributed_from_env` does, after
+    """After an unhandled exception the process exits promptly, whatever its exit waits for:
+    * the exception says a peer process is gone (`is_peer_loss`): at once, with EXIT_CODE_PEER_LOST
+      (76); jax.distributed's shutdown could only wait for the dead peer;
+    * any other: with code 1 within `grace_seconds` (the exit's own clean-up may run meanwhile).
+    Without it, a trainer that raises while its peers wait for it (in a collective, a barrier), or
+    whose peer died, hangs at exit in jax.distributed's shutdown, which waits for every peer up to its
+    shutdown timeout (300 s): its pod stays Running and the operator sees nothing wrong. The traceback
+    is printed first (the previous `sys.excepthook`). Returns whether it armed (once per process; a
+    grace <= 0 disarms). Called on: all processes (`initialize_distributed_from_env` does, after
     `jax.distributed.initialize`)."""
     global _watchdog_armed
     if _watchdog_armed or grace_seconds <= 0:
@@ -122,19 +150,26 @@ def arm_exit_watchdog(grace_seconds: float = EXIT_GRACE_SECONDS) -> bool:
 
     def on_unhandled(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         previous(kind, value, tb)
+        if is_peer_loss(value):
+            _exit_now(EXIT_CODE_PEER_LOST, f"{kind.__name__}: a peer process of this generation is gone")
         _exit_after(grace_seconds, EXIT_CODE_UNHANDLED, f"unhandled {kind.__name__}")
 
     sys.excepthook = on_unhandled
     return True
 
 
+def _exit_now(code: int, why: str) -> None:
+    print(f"resilax: {why}; exiting with code {code} (jax.distributed's shutdown would wait for it)",
+          file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(code)
+
+
 def _exit_after(seconds: float, code: int, why: str) -> None:
     def fire() -> None:
-        print(f"resilax: {why}: the process did not exit within {seconds:g} s (jax.distributed's shutdown waits "
-              f"for peers that wait for it); exiting with code {code}", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-        os._exit(code)
+        _exit_now(code, f"{why}: the process did not exit within {seconds:g} s (jax.distributed's shutdown waits "
+                        "for peers that wait for it)")
 
     timer = threading.Timer(seconds, fire)
     timer.daemon = True  # runs on while the interpreter's exit (atexit: jax's shutdown) waits

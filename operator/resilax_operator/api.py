@@ -82,6 +82,9 @@ RESERVED_VOLUME_NAMES: Final = frozenset({CONTROL_VOLUME, LOCAL_VOLUME, TOKEN_VO
 
 #: The trainer's exit code for "stopped for rescheduling" (resilax_ckpt.EXIT_CODE_STOPPED).
 EXIT_CODE_STOPPED: Final = 75
+#: The trainer's exit code for "a peer process of my generation is gone" (resilax_ckpt.EXIT_CODE_PEER_LOST):
+#: not its own failure; the cause is elsewhere (a node down, a peer that failed).
+EXIT_CODE_PEER_LOST: Final = 76
 
 # --- phases ---
 PHASE_PENDING: Final = "Pending"
@@ -143,6 +146,8 @@ NODE_NOT_READY = Reason("NodeNotReady", "node {node} hosting generation {generat
 UNSCHEDULABLE = Reason("Unschedulable", "worker {pod} of generation {generation} was not scheduled within {seconds}s; replanning")
 POD_LOST = Reason("PodLost", "worker pod {pod} of generation {generation} disappeared or was deleted")
 WORKER_FAILED = Reason("WorkerFailed", "worker {pod} of generation {generation} failed: {detail}")
+PEER_LOST = Reason("PeerLost", "worker {pod} of generation {generation} stopped because a peer process of its "
+                   "generation is gone (exit 76); waiting up to {seconds}s for the cause (a node down, a failed peer)")
 WORKER_STOPPED = Reason("WorkerStopped", "worker {pod} of generation {generation} stopped for rescheduling (exit {code})")
 CONTAINER_WAITING = Reason("ContainerWaiting", "worker {pod} of generation {generation}: container {container} is "
                            "waiting: {reason}{message}; fix: {fix}")

@@ -135,6 +135,8 @@ class ObservedPod:
     gates: tuple[str, ...] = ()
     #: When the trainer container started (its `startedAt`, running or terminated); None before.
     trainer_started_at: datetime | None = None
+    #: When the trainer container terminated (its `finishedAt`); None while it runs.
+    trainer_finished_at: datetime | None = None
 
     @property
     def terminated(self) -> bool:
@@ -266,13 +268,14 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
     trainer = api.TRAINER_CONTAINER if api.TRAINER_CONTAINER in containers else (containers[0] if containers else None)
     exit_code = exit_reason = None
     trainer_running = False
-    started_at = None
+    started_at = finished_at = None
     for cs in status.get("containerStatuses") or []:
         if cs.get("name") == trainer:
             state = cs.get("state") or {}
             trainer_running = bool(state.get("running"))
             with contextlib.suppress(ValueError):
                 started_at = st.parse_time((state.get("running") or state.get("terminated") or {}).get("startedAt"))
+                finished_at = st.parse_time((state.get("terminated") or {}).get("finishedAt"))
             terminated = state.get("terminated")
             if terminated:
                 code = terminated.get("exitCode")
@@ -291,7 +294,8 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         pod_ip=status.get("podIP") or None, deletion_timestamp=st.parse_time(meta.get("deletionTimestamp")),
         deletion_grace_seconds=None if grace is None else int(grace),
         exit_code=exit_code, exit_reason=exit_reason, pod_reason=status.get("reason") or None, ready=ready,
-        trainer_running=trainer_running, waiting=waiting, gates=gates, trainer_started_at=started_at)
+        trainer_running=trainer_running, waiting=waiting, gates=gates, trainer_started_at=started_at,
+        trainer_finished_at=finished_at)
 
 
 def parse_lease(raw: Mapping[str, Any]) -> datetime | None:

@@ -68,6 +68,9 @@ class OperatorSettings:
     force-deleting. 0 turns the guard off."""
     node_loss_guard_min_nodes: int = 2
     """The guard needs at least this many nodes down at once (a single lost node is never a blip)."""
+    peer_lost_timeout_seconds: int = 60
+    """Workers that exited 76 (a peer process is gone) and no cause found this long after the first of
+    them (no worker's node down, no worker failed on its own): the generation is replaced as a PodLost."""
     goodput_status_seconds: int = 60
     """status.goodput is written with every status change and, while nothing else changes, at least
     this often (seconds; 0: only with other changes). The metrics follow every reconcile."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import resilax_ckpt as rc
 from ckpt_fakegcs import free_port
-from resilax_ckpt.multihost import EXIT_CODE_UNHANDLED
+from resilax_ckpt.multihost import EXIT_CODE_PEER_LOST, EXIT_CODE_UNHANDLED
 
 WORKER = Path(__file__).with_name("ckpt_exit_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PEER_WAIT_SECONDS = 240
 
 
-def _start(process_id: int, address: str, grace: str) -> subprocess.Popen[bytes]:
+def _start(process_id: int, address: str, grace: str, mode: str = "barrier") -> subprocess.Popen[bytes]:
     env = dict(os.environ, RESILAX_EXIT_GRACE_SECONDS=grace)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "ckpt_lib"), env.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, str(WORKER), str(process_id), address, str(PEER_WAIT_SECONDS * 1000)],
+    return subprocess.Popen([sys.executable, str(WORKER), str(process_id), address, str(PEER_WAIT_SECONDS * 1000), mode],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -39,7 +39,8 @@ def test_a_trainer_that_raises_while_its_peer_waits_exits_with_code_1() -> None:
         text = out.decode(errors="replace")
         assert procs[1].returncode == EXIT_CODE_UNHANDLED == 1, text
         assert "RuntimeError: the trainer's own bug" in text  # the traceback comes first
-        assert "resilax: unhandled RuntimeError: the process did not exit within 2 s" in text
+        assert ("resilax: unhandled RuntimeError: the process did not exit within 2 s (jax.distributed's shutdown "
+                "waits for peers that wait for it); exiting with code 1") in text
         assert procs[0].poll() is None  # its peer still waits: the watchdog ended the hang, not the peer
     finally:
         for p in procs:
@@ -53,3 +54,52 @@ def test_a_bad_grace_is_refused_naming_the_variable() -> None:
            "RESILAX_EXIT_GRACE_SECONDS": "soon"}
     with pytest.raises(rc.InvalidOptionsError, match="RESILAX_EXIT_GRACE_SECONDS='soon' is not a number"):
         rc.initialize_distributed_from_env(env)
+
+
+def test_a_peer_waiting_in_a_collective_exits_76_once_the_failed_one_is_gone() -> None:
+    """Process 1 raises (exit 1 after its grace); process 0, waiting for it in an all-gather, gets gloo's
+    "connection closed by peer" and exits at once with EXIT_CODE_PEER_LOST: not its own failure."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = [_start(0, address, "2", "collective"), _start(1, address, "2", "collective")]
+    try:
+        outs = []
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=PEER_WAIT_SECONDS / 2)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"process {procs.index(p)} hangs at exit") from None
+            outs.append(out.decode(errors="replace"))
+        assert procs[1].returncode == 1, outs[1]
+        assert procs[0].returncode == EXIT_CODE_PEER_LOST == 76, outs[0]
+        assert "a peer process of this generation is gone; exiting with code 76" in outs[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+
+
+class _GlooError(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize(("error", "lost"), [
+    (_GlooError("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by "
+                "peer [127.0.0.1]:5252"), True),
+    (RuntimeError("UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:8476: "
+                  "Failed to connect to remote host: Connection refused"), True),
+    (RuntimeError("INTERNAL: Task /job:jax_worker/replica:0/task:1 has been set to ERROR in coordination service"), True),
+    (ValueError("shapes (8, 4) and (8, 8) do not match"), False),
+    (KeyError(0), False),
+], ids=["gloo-pair-closed", "coordinator-unreachable", "service-verdict", "own-bug", "key-error"])
+def test_a_peer_loss_is_told_from_the_trainers_own_failure(error: BaseException, lost: bool) -> None:
+    from resilax_ckpt.multihost import is_peer_loss
+
+    assert is_peer_loss(error) is lost
+    try:
+        try:
+            raise error
+        except BaseException as e:
+            raise RuntimeError("save failed") from e  # the library wraps it: the cause still tells
+    except RuntimeError as wrapped:
+        assert is_peer_loss(wrapped) is lost

@@ -20,6 +20,7 @@ the grace; when the nodes come back the generation runs on.
 | NotReady (Ready=False), Lease live | not down: nothing                                    |
 | deleted                            | NodeLoss now                                         |
 | NotReady/Unknown ≥ grace           | NodeLoss                                             |
+| NotReady/Unknown, a worker exited 76 (its peer is gone) | NodeLoss at once: the generation is broken already |
 | NotReady/Unknown < grace           | Degraded NodeNotReady, look again in POLL_SECONDS    |
 | Ready with the unreachable taint   | counts as down since its Ready transition            |
 """
@@ -82,6 +83,9 @@ def check_lost(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operat
     """A node hosting a worker of the current generation is gone, or down for longer than the grace."""
     now, g = observed.now, s.generation
     grace = timedelta(seconds=spec.recovery.node_loss_grace_seconds)
+    # Workers that exited 76 (a peer process is gone): the generation is broken already, so a down node
+    # hosting one of its workers is not waited for (the grace spares a generation a node's blip).
+    broken = sorted(p.name for p in observed.pods_of(g) if p.exit_code == api.EXIT_CODE_PEER_LOST)
     for p in observed.pods_of(g):
         node = observed.node(p.node_name)
         if p.node_name and node is None:
@@ -91,6 +95,11 @@ def check_lost(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operat
             return Finding(st.NODE_LOSS, api.NODE_LOST.name, api.NODE_LOST.format(
                 node=node.name, generation=g, seconds=int((now - since).total_seconds()),
                 grace=spec.recovery.node_loss_grace_seconds))
+        if node is not None and since is not None and broken:
+            return Finding(st.NODE_LOSS, api.NODE_LOST.name, api.NODE_LOST.format(
+                node=node.name, generation=g, seconds=int((now - since).total_seconds()),
+                grace=spec.recovery.node_loss_grace_seconds)
+                + f"; not waiting for the grace: worker {broken[0]} stopped because a peer process is gone")
     return None
 
 

@@ -6,7 +6,9 @@ The first row that matches (pods by name) decides:
 |----------------------------------------------------------|--------------------------------------------|
 | trainer exited 75 (stopped for rescheduling)             | WorkerStopped (not counted)                |
 | Failed by the node or cluster (Evicted, ...; no exit code) | PodLost (not counted)                    |
-| Failed (the worker's own exit code)                      | WorkerFailure: counted; backoff, or Failed past maxRestarts |
+| Failed (the worker's own exit code, not 76)              | WorkerFailure: counted; backoff, or Failed past maxRestarts |
+| trainer exited 76 (a peer process is gone), for less than peerLostTimeoutSeconds | Ready=False PeerLost, wait for the cause: a node down (node_loss.py: NodeLoss at once) or a peer's own failure (the row above) |
+| trainer exited 76, no cause found in that time           | PodLost (not counted)                      |
 | every worker Succeeded                                   | Succeeded (Completed)                      |
 | deleted by someone else, or missing once created         | PodLost                                    |
 """
@@ -14,13 +16,13 @@ The first row that matches (pods by name) decides:
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Final
 
 from .. import api
 from .. import status as st
-from ..actions import Action, EmitEvent, SetStatus, status_change
-from ..observed import Observed
+from ..actions import POLL_SECONDS, Action, EmitEvent, RequeueAfter, SetStatus, status_change
+from ..observed import Observed, ObservedPod
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus
@@ -46,12 +48,15 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
             return Finding(st.POD_LOST, api.POD_LOST.name, api.POD_LOST.format(pod=p.name, generation=g)
                            + f" ({p.pod_reason})")
     for p in pods:
-        if p.phase == "Failed":
+        if p.phase == "Failed" and p.exit_code != api.EXIT_CODE_PEER_LOST:
             detail = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code"
             if p.exit_reason:
                 detail += f" ({p.exit_reason})"
             return counted_failure(spec, observed, s, settings,
                             api.WORKER_FAILED.format(pod=p.name, generation=g, detail=detail))
+    peer_lost = peer_lost_since(pods)
+    if peer_lost is not None:
+        return wait_for_peer_loss_cause(observed, s, settings, peer_lost)
     if s.workers_created and len(pods) == s.hosts and all(p.phase == "Succeeded" for p in pods):
         message = api.COMPLETED.format(generation=g)
         new = replace(s, phase=api.PHASE_SUCCEEDED)
@@ -63,6 +68,29 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     if deleted or (s.workers_created and missing) or (not s.workers_created and names[0] in missing and pods):
         return Finding(st.POD_LOST, api.POD_LOST.name, api.POD_LOST.format(pod=(deleted or missing)[0], generation=g))
     return None
+
+
+def peer_lost_since(pods: list[ObservedPod]) -> tuple[str, datetime] | None:
+    """(the first, when it exited) of the workers that exited 76 (a peer process is gone); None if none."""
+    lost = sorted((p.trainer_finished_at or datetime.max.replace(tzinfo=UTC), p.name) for p in pods
+                   if p.exit_code == api.EXIT_CODE_PEER_LOST)
+    return (lost[0][1], lost[0][0]) if lost else None
+
+
+def wait_for_peer_loss_cause(observed: Observed, s: JobStatus, settings: OperatorSettings,
+                             first: tuple[str, datetime]) -> Verdict:
+    """Workers exited 76: their generation is broken, but not by them. Wait for the cause (the node
+    rules and the failure row decide once it shows); past peerLostTimeoutSeconds, PodLost."""
+    name, since = first
+    seconds = settings.peer_lost_timeout_seconds
+    message = api.PEER_LOST.format(pod=name, generation=s.generation, seconds=seconds)
+    if since.year < 9999 and observed.now - since >= timedelta(seconds=seconds):
+        return Finding(st.POD_LOST, api.PEER_LOST.name, message + "; no cause found: replacing the generation")
+    new = st.set_condition(s, api.COND_READY, False, api.PEER_LOST.name, message, observed.now)
+    old = s.condition(api.COND_READY)
+    events = [] if old is not None and old.reason == api.PEER_LOST.name else [EmitEvent("Warning", api.PEER_LOST.name,
+                                                                                          message)]
+    return [*status_change(observed.status, new, *events), RequeueAfter(POLL_SECONDS)]
 
 
 def counted_failure(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,

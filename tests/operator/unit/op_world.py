@@ -196,7 +196,7 @@ class World:
             if (generation is None or p.generation == generation) and (names is None or name in names):
                 self.pods[name] = replace(p, phase="Succeeded" if code == 0 else "Failed", exit_code=code,
                                           exit_reason=None if code in (0, 75) else "Error", ready=False,
-                                          trainer_running=False)
+                                          trainer_running=False, trainer_finished_at=self.now)
 
     def gen_pods(self, generation: int | None = None) -> list[ObservedPod]:
         g = self.status.generation if generation is None else generation

@@ -232,3 +232,58 @@ def test_a_generation_that_runs_long_enough_clears_the_pod_losses() -> None:
     w.step()
     t = w.status.transition
     assert t is not None and t.not_before is None and w.status.pod_losses == 1  # the first again: at once
+
+
+# ---- exit 76: a peer process is gone (resilax_ckpt's exit watchdog) -----------------------------------
+
+PEERS = ["llama-g1-s0-h0", "llama-g1-s0-h1", "llama-g1-s1-h0"]
+VICTIM = "llama-g1-s1-h1"
+
+
+def test_peers_that_lost_a_peer_are_not_a_failure_and_a_down_node_is_not_waited_for() -> None:
+    """A node dies: the workers on the others lose their collective's peer and exit 76 at once, before
+    the node is even NotReady. The operator waits for the cause; once the node is down it replaces the
+    generation (NodeLoss) without waiting out nodeLossGraceSeconds, and counts no failure."""
+    spec = good_spec()
+    spec["recovery"] = {**spec.get("recovery", {}), "nodeLossGraceSeconds": 120}
+    w = running_world(spec)
+    victim_node = w.pods[VICTIM].node_name
+    assert victim_node is not None
+    w.exit_workers(api.EXIT_CODE_PEER_LOST, names=PEERS)
+    w.step()
+    ready = w.status.condition(api.COND_READY)
+    assert ready is not None and ready.reason == api.PEER_LOST.name and w.status.transition is None
+    assert api.PEER_LOST.name in w.reasons() and w.status.failures == 0
+    w.advance(16)
+    w.set_node(victim_node, ready="Unknown", ready_since=w.now)
+    w.step()
+    t = w.status.transition
+    assert t is not None and t.kind == st.NODE_LOSS and "not waiting for the grace" in t.message
+    assert w.status.failures == 0 and w.status.pod_losses == 0
+
+
+def test_a_peers_own_failure_is_the_cause_and_counted_once() -> None:
+    w = running_world()
+    w.exit_workers(api.EXIT_CODE_PEER_LOST, names=PEERS)
+    w.step()
+    assert w.status.transition is None  # waiting for the cause
+    w.advance(10)
+    w.exit_workers(1, names=[VICTIM])  # its exit watchdog: code 1 after its grace
+    w.step()
+    t = w.status.transition
+    assert t is not None and t.kind == st.WORKER_FAILURE and VICTIM in t.message
+    assert w.status.failures == 1
+
+
+def test_no_cause_found_replaces_the_generation_as_a_pod_loss() -> None:
+    w = running_world()
+    w.exit_workers(api.EXIT_CODE_PEER_LOST, names=PEERS)
+    w.step()
+    w.advance(SETTINGS.peer_lost_timeout_seconds - 1)
+    w.step()
+    assert w.status.transition is None
+    w.advance(1)
+    w.step()
+    t = w.status.transition
+    assert t is not None and t.kind == st.POD_LOST and "no cause found" in t.message
+    assert w.status.failures == 0 and w.status.pod_losses == 1
