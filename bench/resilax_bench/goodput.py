@@ -149,11 +149,13 @@ class GoodputRun(Demo):
                 prev_seen = self.pods_seen.get(prev, {})
                 prev_last = max(prev_steps) if prev_steps else (prev_seen.get("running") or prev_seen.get("created")
                                                                  or start)
-                hard = [f.time for f in self.faults if f.kind in (KILL, PREEMPT) and f.time >= prev_last]
+                until = seen.get("created") or seen.get("running") or float("inf")
+                # the fault that ended the previous generation: after its last step, before this one began
+                hard = [f.time for f in self.faults if f.kind in (KILL, PREEMPT) and prev_last <= f.time <= until]
                 since = min(hard) if hard else prev_last
                 reacted = [s.time for s in self.snapshots
-                           if s.time >= since and (s.phase != "Running" or (s.generation or 0) > prev)]
-                reacted += [e.time for e in self.events.values() if e.time >= since]
+                           if since <= s.time <= until and (s.phase != "Running" or (s.generation or 0) > prev)]
+                reacted += [e.time for e in self.events.values() if since <= e.time <= until]
                 detected = min(reacted, default=None)
             began, ended = restored.get(gen, (None, None))
             out[gen] = GenerationMarks(detected=detected, pods_created=seen.get("created"),

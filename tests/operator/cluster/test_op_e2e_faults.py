@@ -90,6 +90,48 @@ def assert_redone_steps_match(old: dict[int, dict[str, Any]], new: dict[int, dic
     return len(both)
 
 
+def goodput_metrics(operator: OperatorProcess, name: str) -> dict[str, float]:
+    """The operator's resilax_operator_goodput_* samples of job `name`: {"ratio": r, <bucket>: seconds}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(operator.metrics()):
+        for sample in family.samples:
+            if sample.labels.get("jaxjob") != name:
+                continue
+            if sample.name == "resilax_operator_goodput_ratio":
+                out["ratio"] = sample.value
+            elif sample.name == "resilax_operator_goodput_seconds":
+                out[sample.labels["bucket"]] = sample.value
+    return out
+
+
+def assert_goodput_shows_the_fault(operator: OperatorProcess, jobs: Jobs, name: str, fault: float, lost: int) -> None:
+    """Issue 19 item 3: after the hard loss, status.goodput and the metrics show goodput < 1, the pause
+    (from the fault to generation 2's first step) in detection .. restore, the steps trained twice in
+    lostStepsRedone; the buckets sum to the wall time."""
+    def after_restore() -> dict[str, Any] | None:
+        g = jobs.status(name).get("goodput") or {}
+        current = (g.get("ledger") or {}).get("current") or {}
+        return g if current.get("generation") == 2 and current.get("firstStep") is not None else None
+
+    g = wait_for(after_restore, timeout=120, interval=1, message="status.goodput with generation 2's first step")
+    b = g["breakdown"]
+    print(f"goodput after the hard loss: {g}")
+    assert 0 < g["ratio"] < 1 and b["productive"] > 0, g
+    assert sum(b.values()) == pytest.approx(g["wallSeconds"], abs=1.0), g
+    first_step = min(r["time"] for r in jobs.losses(name, 2).values())
+    pause = sum(b[k] for k in ("detection", "teardown", "scheduling", "jaxStartup", "restore"))
+    # the operator's pause runs from the last step it saw (before the fault) to generation 2's first step
+    # (less one step): at least the fault's pause, less that step
+    assert pause >= first_step - fault - 2.0, (pause, first_step - fault, g)
+    assert b["detection"] > 0 and b["restore"] > 0, g
+    assert 0 <= g["lostSteps"] <= lost and (b["lostStepsRedone"] > 0) == (g["lostSteps"] > 0), (g, lost)
+    m = wait_for(lambda: goodput_metrics(operator, name) or None, timeout=60, interval=1,
+                 message="resilax_operator_goodput_* of the job")
+    assert 0 < m["ratio"] < 1 and m["detection"] > 0 and m["productive"] > 0, m
+
+
 def test_hard_node_loss_shrinks_then_grows_back(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
                                                 tmp_path: Path) -> None:
     name, storage = unique_name("loss"), tmp_path / "ckpt"
@@ -119,6 +161,7 @@ def test_hard_node_loss_shrinks_then_grows_back(operator: OperatorProcess, jobs:
     observed = wait_for(lambda: steps_lost_observed(operator) if steps_lost_observed(operator)[0] >= 1 else None,
                         timeout=120, interval=1, message="resilax_operator_steps_lost observed for the recovery")
     assert observed[0] == 1 and 0 <= observed[1] <= lost, (observed, lost)
+    assert_goodput_shows_the_fault(operator, jobs, name, fault, lost)
 
     # The node comes back: growBack resizes up to 2 slices through a final save (0 steps lost).
     cluster.restore_node(victim)
