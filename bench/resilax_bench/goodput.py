@@ -150,9 +150,10 @@ class GoodputRun(Demo):
                 prev_last = max(prev_steps) if prev_steps else (prev_seen.get("running") or prev_seen.get("created")
                                                                  or start)
                 until = seen.get("created") or seen.get("running") or float("inf")
-                # the fault that ended the previous generation: after its last step, before this one began
-                hard = [f.time for f in self.faults if f.kind in (KILL, PREEMPT) and prev_last <= f.time <= until]
-                since = min(hard) if hard else prev_last
+                # the operator's first reaction once the previous generation trained (a preemption's or a
+                # grow-back's comes before its last step: the trainers step on to the final save), before
+                # this one began
+                since = min(prev_steps) if prev_steps else prev_last
                 reacted = [s.time for s in self.snapshots
                            if since <= s.time <= until and (s.phase != "Running" or (s.generation or 0) > prev)]
                 reacted += [e.time for e in self.events.values() if since <= e.time <= until]
