@@ -46,7 +46,6 @@ from resilax_operator import api
 from .goodput_model import (
     BUCKETS,
     KILL,
-    PREEMPT,
     RESTORE,
     GenerationMarks,
     Goodput,
