@@ -15,7 +15,7 @@ How each pod of a generation is deleted (`plan_delete`):
 |----------------------------------------------------------|--------------------------------------------|
 | on a down or gone node, or Terminating far past its grace | force (gracePeriodSeconds=0)              |
 | already Terminating                                      | left alone                                 |
-| NodeLoss: a surviving worker; Shrink (never all ran)     | grace node_loss.SURVIVOR_GRACE_SECONDS     |
+| NodeLoss, WorkerFailure, or a worker exited 76 (a peer process gone): a surviving worker; Shrink (never all ran) | grace node_loss.SURVIVOR_GRACE_SECONDS (its final save cannot finish) |
 | its trainer exited, no local tier                        | grace TRAINER_GONE_GRACE_SECONDS           |
 | planned teardown, its trainer still running              | not before teardownSince + STOPPING_TRAINER_WAIT_SECONDS |
 | otherwise                                                | the pod's own grace (SIGTERM: the workers save) |
@@ -53,6 +53,11 @@ TRAINER_GONE_GRACE_SECONDS: Final = 2
 #: before that gets SIGTERM and its sidecar waits for a save answer that never comes; so a planned
 #: teardown leaves a pod whose trainer still runs alone for up to this long after it began (seconds).
 STOPPING_TRAINER_WAIT_SECONDS: Final = 15
+#: Transitions whose generation lost a worker process for good (its node, its own failure): the
+#: survivors' final save would be a collective with it and cannot finish, so they get
+#: node_loss.SURVIVOR_GRACE_SECONDS, not their full grace (as when a worker exited 76: a peer is gone);
+#: a Shrink's generation never all ran, so it has no save to make either.
+PEER_GONE_KINDS: Final = frozenset({st.NODE_LOSS, st.WORKER_FAILURE, st.SHRINK})
 #: Transitions the operator chose (not forced on it): their workers may stop by themselves.
 PLANNED_KINDS: Final = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK, st.WORKER_STOPPED, st.SUSPEND})
 #: Transitions that are pod-level losses (not the worker's own failure, not a node's): they back off
@@ -141,6 +146,7 @@ def plan_delete(observed: Observed, spec: JobSpec, generation: int, reason: str,
     """Delete `generation`: each pod as the table in this module's docstring says."""
     pods = observed.pods_of(generation)
     forced = set(node_loss.pods_to_force(observed, pods, settings))
+    peer_gone = any(p.exit_code == api.EXIT_CODE_PEER_LOST for p in pods)
     out = []
     for p in pods:
         if p.name in forced:
@@ -149,7 +155,7 @@ def plan_delete(observed: Observed, spec: JobSpec, generation: int, reason: str,
         if p.deletion_timestamp is not None:
             continue  # already going; deleting again changes nothing
         grace = None
-        if reason in (st.NODE_LOSS, st.SHRINK):
+        if reason in PEER_GONE_KINDS or peer_gone:
             grace = node_loss.SURVIVOR_GRACE_SECONDS
         elif spec.checkpoint.local is None and p.trainer_exited:
             grace = TRAINER_GONE_GRACE_SECONDS

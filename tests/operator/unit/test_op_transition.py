@@ -29,8 +29,8 @@ def test_pod_stuck_terminating_on_a_ready_node_is_forced() -> None:
     w = running_world()
     w.exit_workers(1, names=["llama-g1-s0-h0"])
     w.step()
-    # a kubelet that never confirms: keep the pods Terminating
-    w.advance(330 + 59)
+    # a kubelet that never confirms: keep the pods Terminating (the survivors of a failure: grace 5 s)
+    w.advance(5 + 59)
     assert not any(isinstance(a, DeleteGeneration) and a.force_pods for a in w.step())
     w.advance(1)
     actions = w.step()
@@ -54,7 +54,11 @@ DELETE_CASES = {
                                            {"grace_seconds": 2}),
     "trainer-exited-local-tier-own-grace": (st.PREEMPTION, {"trainer_running": False, "exit_code": 75}, False, True,
                                             {}),
-    "failure-trainer-running-at-once": (st.WORKER_FAILURE, {"trainer_running": True}, False, False, {}),
+    # a worker failed: the survivors' final save would need it, so they get the short grace
+    "failure-survivor-short-grace": (st.WORKER_FAILURE, {"trainer_running": True}, False, False, {"grace_seconds": 5}),
+    "peer-lost-survivor-short-grace": (st.POD_LOST, {"trainer_running": False, "exit_code": 76}, False, True,
+                                       {"grace_seconds": 5}),
+    "pod-lost-trainer-running-own-grace": (st.POD_LOST, {"trainer_running": True}, False, True, {}),
     "node-loss-survivor-short-grace": (st.NODE_LOSS, {"trainer_running": True}, False, True, {"grace_seconds": 5}),
     "node-loss-on-the-down-node-forced": (st.NODE_LOSS, {"trainer_running": True}, True, True, {"force": True}),
     "planned-on-a-down-node-forced": (st.PREEMPTION, {"trainer_running": True}, True, False, {"force": True}),
