@@ -43,6 +43,9 @@ step). Then two corrections move time out of productive:
   the steps the last generation that trained reached beyond it, times that generation's typical step
   ((last_step_time - first_step_time - blocking) / (last_step - first_step)), at most its productive time.
 
+A suspended job (spec.suspend: no workers) pays nothing: `pause` leaves the time it was suspended out
+of the wall time.
+
 The operator's resolution: the trainer writes its figures at most once a second and the operator reads
 pod 0's every reconcile (<= 5 s), so a generation whose pod 0 died counts up to ~6 s of its last
 training as detection; times in the status have whole seconds. Until a generation is replaced, the time
@@ -207,6 +210,23 @@ def advance(ledger: Ledger | None, marks: GenerationMarks, start: float | None =
     closed = {b: ledger.closed.get(b, 0.0) + acc[b] for b in BUCKETS}
     return Ledger(start=ledger.start, closed=closed, closed_until=until, lost_steps=ledger.lost_steps + lost,
                   carry=carry, current=marks)
+
+
+def pause(ledger: Ledger, since: float, until: float) -> Ledger:
+    """The ledger with [since, until] left out of the wall time (a suspended job: no workers, nothing
+    paid): the current window closes at `since`, the accounting resumes at `until` with no current
+    generation (the next `advance` opens one; the carry waits for its restore)."""
+    if until <= since:
+        return ledger
+    closed, lost, carry = dict(ledger.closed), ledger.lost_steps, ledger.carry
+    end = max(since, ledger.closed_until)
+    if ledger.current is not None:
+        acc, window_lost, carry = _window(ledger.current, ledger.carry, ledger.closed_until, end, replaced=True)
+        closed = {b: closed.get(b, 0.0) + acc[b] for b in BUCKETS}
+        lost += window_lost
+    gap = max(0.0, until - end)
+    return Ledger(start=ledger.start + gap, closed=closed, closed_until=end + gap, lost_steps=lost, carry=carry,
+                  current=None)
 
 
 def summarize(ledger: Ledger, end: float) -> Goodput:

@@ -14,7 +14,8 @@ writes (or the one observed):
 3. `with_goodput`: status.goodput is refreshed with the decision's own status write; else written on
    its own only when a mark other than the trainer's progress changed, or the status's figures are
    `settings.goodput_status_seconds` old (0: only then). The metrics read `live` at every reconcile.
-   A job that Succeeded or Failed keeps the figures of the moment it ended.
+   A job that Succeeded or Failed keeps the figures of the moment it ended; a Suspended one those of
+   the moment it was suspended, and on resume that time is left out of the wall time.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from ..actions import Action, SetStatus
 from ..observed import Observed
 from ..settings import OperatorSettings
 from ..status import GoodputRecord, JobStatus
+
+
+#: Phases in which the accounting stands still: ended, or suspended (no workers, nothing paid; on resume
+#: the suspended time is left out of the wall time, goodput.pause).
+FROZEN_PHASES = frozenset({*api.TERMINAL_PHASES, api.PHASE_SUSPENDED})
 
 
 def _r(x: float | None) -> float | None:
@@ -69,6 +75,9 @@ def live(observed: Observed, s: JobStatus) -> GoodputRecord | None:
     """The accounting as of `observed.now`, for the status `s` a decision writes (see the module doc)."""
     record = observed.status.goodput
     ledger = record.ledger if record is not None else None
+    if ledger is not None and record is not None and observed.status.phase == api.PHASE_SUSPENDED:
+        # resuming: the time since the suspension's figures is left out (no workers, nothing paid)
+        ledger = gp.pause(ledger, record.as_of.timestamp(), st.truncate(observed.now).timestamp())
     for status in (observed.status, s):
         known = ledger.current if ledger is not None else None
         marks = observed_marks(observed, status, known)
@@ -83,7 +92,7 @@ def live(observed: Observed, s: JobStatus) -> GoodputRecord | None:
 def current(observed: Observed, s: JobStatus) -> GoodputRecord | None:
     """The figures to report now for status `s` (the metrics): `live`, or, once the job ended, what
     its status kept."""
-    if s.phase in api.TERMINAL_PHASES and observed.status.phase in api.TERMINAL_PHASES:
+    if s.phase in FROZEN_PHASES and observed.status.phase == s.phase:
         return s.goodput
     return live(observed, s)
 
@@ -103,8 +112,8 @@ def with_goodput(actions: list[Action], observed: Observed, settings: OperatorSe
     """`actions` with status.goodput brought up to date where due (see the module doc)."""
     index = next((i for i, a in enumerate(actions) if isinstance(a, SetStatus)), None)
     s = actions[index].status if index is not None else observed.status  # type: ignore[union-attr]
-    if s.phase in api.TERMINAL_PHASES and observed.status.phase in api.TERMINAL_PHASES:
-        return actions  # the job ended: its accounting stopped then
+    if s.phase in FROZEN_PHASES and observed.status.phase == s.phase:
+        return actions  # the job ended (or is suspended): its accounting stopped then
     record = live(observed, s)
     if record is None:
         return actions

@@ -254,3 +254,45 @@ def test_the_marks_come_from_the_trainer_containers_and_pod_0s_figures() -> None
     # a trainer of an older library (no wall times) or garbage: what is there, nothing more
     assert parse_trainer_report({"trainer": {"step": "x", "step_time": True}}, 2) == TrainerReport(2)
     assert parse_trainer_report({"trainer": None}, 2) is None
+
+
+def test_a_suspension_is_left_out_of_the_wall_time() -> None:
+    """Generation 1 trains, the job is suspended from 40 to 1040 (no workers), generation 2 resumes:
+    the 1000 s are nobody's time; generation 2's restore of step 11 loses nothing."""
+    ledger = gp.advance(None, lost_gen1(detected=16.0), start=0.0)
+    ledger = gp.pause(ledger, 40.0, 1040.0)
+    assert ledger.current is None and ledger.carry is not None and ledger.carry.step == 11
+    ledger = gp.advance(ledger, gen2(created=1042.0, running=1045.0, restore_began=1046.0, restore_ended=1048.0,
+                                     first_step=12, first_step_time=1050.0, last_step=23, last_step_time=1061.0))
+    g = gp.summarize(ledger, 1062.0)
+    assert g.wall_seconds == pytest.approx(62.0) and sum(g.buckets.values()) == pytest.approx(62.0)
+    assert g.buckets == pytest.approx(buckets(productive=11 + 12, detection=1, teardown=24, scheduling=2 + 2 + 3,
+                                              jax_startup=2 + 1 + 1, restore=2, other=1))
+    assert g.lost_steps == 0
+
+
+def test_the_operator_leaves_a_suspension_out_of_the_jobs_wall_time() -> None:
+    from resilax_operator.observed import SaveOutcome
+
+    w = running_world()
+    created = w.status.generation_start_time
+    assert created is not None
+    w.advance(100)
+    w.spec["suspend"] = True
+    save = next(a for a in w.step() if hasattr(a, "request_id"))
+    w.outcomes.append(SaveOutcome(save.request_id, step=50, committed=True))  # type: ignore[union-attr]
+    w.exit_workers(75)
+    w.settle()
+    assert w.status.phase == api.PHASE_SUSPENDED
+    frozen = w.status.goodput
+    assert frozen is not None and frozen.summary().wall_seconds == pytest.approx(100)
+    w.advance(3600)
+    assert not any(isinstance(a, SetStatus) for a in w.step())  # suspended: nothing is written, nothing counts
+    assert w.status.goodput == frozen and goodput_status.current(w.observed(), w.status) == frozen
+    w.spec["suspend"] = False
+    w.step()
+    w.settle()
+    w.advance(20)
+    w.step_besides_goodput()
+    g = goodput_status.current(w.observed(), w.status)
+    assert g is not None and g.summary().wall_seconds == pytest.approx(100 + 20)  # the hour is nobody's
