@@ -31,7 +31,6 @@ from ..observed import Observed
 from ..settings import OperatorSettings
 from ..status import GoodputRecord, JobStatus
 
-
 #: Phases in which the accounting stands still: ended, or suspended (no workers, nothing paid; on resume
 #: the suspended time is left out of the wall time, goodput.pause).
 FROZEN_PHASES = frozenset({*api.TERMINAL_PHASES, api.PHASE_SUSPENDED})
