@@ -71,9 +71,10 @@ class OperatorSettings:
     peer_lost_timeout_seconds: int = 60
     """Workers that exited 76 (a peer process is gone) and no cause found this long after the first of
     them (no worker's node down, no worker failed on its own): the generation is replaced as a PodLost."""
-    goodput_status_seconds: int = 60
-    """status.goodput is written with every status change and, while nothing else changes, at least
-    this often (seconds; 0: only with other changes). The metrics follow every reconcile."""
+    goodput_status_seconds: int = 300
+    """status.goodput is written with every status change and a generation's new marks; the trainer's
+    progress alone refreshes it at most this often (seconds; 0: never alone), time alone never. The
+    metrics follow every reconcile."""
 
     def __post_init__(self) -> None:
         if self.sidecar_resources:

@@ -12,8 +12,9 @@ writes (or the one observed):
    the one the decision's status names (a new generation closes the old one's window at its creation);
    as of `Observed.now`. The wall time starts when the first generation is created.
 3. `with_goodput`: status.goodput is refreshed with the decision's own status write; else written on
-   its own only when a mark other than the trainer's progress changed, or the status's figures are
-   `settings.goodput_status_seconds` old (0: only then). The metrics read `live` at every reconcile.
+   its own when a mark other than the trainer's progress changed, or when the progress changed and the
+   status's figures are `settings.goodput_status_seconds` old (0: never for progress alone); never for
+   time passing alone (the operator's steady cost stays within one request per job per minute). The metrics read `live` at every reconcile.
    A job that Succeeded or Failed keeps the figures of the moment it ended; a Suspended one those of
    the moment it was suspended, and on resume that time is left out of the wall time.
 """
@@ -121,8 +122,12 @@ def with_goodput(actions: list[Action], observed: Observed, settings: OperatorSe
         out[index] = SetStatus(replace(s, goodput=record))
         return out
     old = observed.status.goodput
-    stale = old is None or (settings.goodput_status_seconds > 0 and (
-        record.as_of - old.as_of).total_seconds() >= settings.goodput_status_seconds)
-    if stale or _without_progress(old) != _without_progress(record):
+    if old is None or _without_progress(old) != _without_progress(record):
+        return [SetStatus(replace(s, goodput=record)), *actions]
+    # only the trainer's progress changed (or nothing but the time): written at most every
+    # goodput_status_seconds, and never for time alone (a job whose trainer reports nothing costs no writes)
+    stale = settings.goodput_status_seconds > 0 and (
+        record.as_of - old.as_of).total_seconds() >= settings.goodput_status_seconds
+    if stale and st.build_goodput(old)["ledger"] != st.build_goodput(record)["ledger"]:
         return [SetStatus(replace(s, goodput=record)), *actions]
     return actions

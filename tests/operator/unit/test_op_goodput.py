@@ -166,7 +166,7 @@ def test_trainer_progress_alone_is_not_written_until_the_refresh_interval() -> N
     w.step()  # the restore and the first step are marks: written
     assert w.status.goodput is not None and w.status.goodput.ledger.current.first_step == 1
     written = w.status
-    for i in range(2, 11):  # progress only, for 50 s < goodput_status_seconds (60)
+    for i in range(2, 60):  # progress only, for 290 s < goodput_status_seconds (300)
         w.advance(5)
         w.trainer = replace(w.trainer, step=i, step_time=w.now.timestamp())
         assert w.step() == [] and w.status == written
@@ -174,7 +174,7 @@ def test_trainer_progress_alone_is_not_written_until_the_refresh_interval() -> N
     actions = w.step()
     assert [type(a) for a in actions] == [SetStatus]
     g = w.status.goodput
-    assert g is not None and g.ledger.current.last_step == 10 and g.as_of == w.now
+    assert g is not None and g.ledger.current.last_step == 59 and g.as_of == w.now
     assert g.summary().buckets["productive"] > 0
 
 
@@ -230,11 +230,21 @@ def test_a_finished_job_keeps_the_figures_of_its_end() -> None:
     assert goodput_status.current(w.observed(), w.status) == ended
 
 
-def test_the_refresh_interval_can_be_turned_off() -> None:
+def test_time_alone_never_writes_and_the_progress_refresh_can_be_turned_off() -> None:
+    """A job whose trainer reports nothing (or nothing new) costs no status writes, however long it
+    runs (the operator's steady cost: at most one request per job per minute, issue 17)."""
     w = running_world()
-    observed = replace(w.observed(), now=w.now + timedelta(hours=1))
-    assert goodput_status.with_goodput([], observed, OperatorSettings(goodput_status_seconds=0)) == []
-    assert goodput_status.with_goodput([], observed, OperatorSettings(goodput_status_seconds=60)) != []
+    later = replace(w.observed(), now=w.now + timedelta(hours=1))
+    for seconds in (0, 60):
+        assert goodput_status.with_goodput([], later, OperatorSettings(goodput_status_seconds=seconds)) == []
+    progress = replace(later, trainer=report(w, first_step=1, first_step_time=5.0, step=1, step_time=5.0))
+    written = goodput_status.with_goodput([], progress, OperatorSettings(goodput_status_seconds=60))
+    assert written != []  # new marks (the first step): written
+    w.status = next(a.status for a in written if isinstance(a, SetStatus))
+    more = replace(w.observed(), now=w.now + timedelta(hours=2),
+                   trainer=report(w, first_step=1, first_step_time=5.0, step=900, step_time=3600.0))
+    assert goodput_status.with_goodput([], more, OperatorSettings(goodput_status_seconds=0)) == []
+    assert goodput_status.with_goodput([], more, OperatorSettings(goodput_status_seconds=60)) != []
 
 
 def test_the_marks_come_from_the_trainer_containers_and_pod_0s_figures() -> None:
