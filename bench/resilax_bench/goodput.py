@@ -52,6 +52,7 @@ from .goodput_model import (
     PlannedFault,
     build_schedule,
     compute_goodput,
+    find_reaction,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,19 +145,11 @@ class GoodputRun(Demo):
             detected = None
             if n:
                 prev = gens[n - 1]
-                prev_steps = [r.time for r in self.records if r.generation == prev]
                 prev_seen = self.pods_seen.get(prev, {})
-                prev_last = max(prev_steps) if prev_steps else (prev_seen.get("running") or prev_seen.get("created")
-                                                                 or start)
-                until = seen.get("created") or seen.get("running") or float("inf")
-                # the operator's first reaction once the previous generation trained (a preemption's or a
-                # grow-back's comes before its last step: the trainers step on to the final save), before
-                # this one began
-                since = min(prev_steps) if prev_steps else prev_last
-                reacted = [s.time for s in self.snapshots
-                           if since <= s.time <= until and (s.phase != "Running" or (s.generation or 0) > prev)]
-                reacted += [e.time for e in self.events.values() if since <= e.time <= until]
-                detected = min(reacted, default=None)
+                detected = find_reaction(prev, [r.time for r in self.records if r.generation == prev],
+                                         prev_seen.get("running") or prev_seen.get("created"),
+                                         seen.get("created") or seen.get("running"), self.snapshots,
+                                         [e.time for e in self.events.values()])
             began, ended = restored.get(gen, (None, None))
             out[gen] = GenerationMarks(detected=detected, pods_created=seen.get("created"),
                                        pods_running=seen.get("running"), restored=ended, restore_began=began)

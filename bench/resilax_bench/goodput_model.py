@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from resilax_local.timeline import Fault, LossRecord
+from resilax_local.timeline import Fault, JobSnapshot, LossRecord
 from resilax_operator import goodput
 from resilax_operator.goodput import BUCKETS
 
 KILL, PREEMPT, RESTORE = "kill-node", "preempt-node", "restore-node"
 __all__ = ["BUCKETS", "KILL", "PREEMPT", "RESTORE", "GenerationMarks", "Goodput", "GoodputInputError", "PlannedFault",
-           "build_generation_marks", "build_schedule", "compute_goodput"]
+           "build_generation_marks", "build_schedule", "compute_goodput", "find_reaction"]
 
 
 class GoodputInputError(ValueError):
@@ -138,6 +138,24 @@ def build_generation_marks(records: Sequence[LossRecord], faults: Sequence[Fault
             last_step=rs[-1].step if rs else None, last_step_time=rs[-1].time if rs else None,
             blocking_seconds=_blocking(rs), detected=nxt.detected if nxt is not None else None, fault=fault))
     return out
+
+
+def find_reaction(previous: int, steps: Sequence[float], started: float | None, until: float | None,
+                  snapshots: Sequence[JobSnapshot], events: Iterable[float]) -> float | None:
+    """When the operator first reacted to replace generation `previous`: the first job snapshot not
+    Running (or on a newer generation), or the first job Event, from `previous`'s first step (`steps`:
+    its step times; without steps, `started`) up to one second after the next generation's pods were
+    created (`until`; the API's times have whole seconds). From the first step, not the last: a
+    preemption's or a grow-back's reaction comes before the last step (the trainers step on to their
+    final save); a later reaction (to the next fault) is not this generation's."""
+    since = min(steps) if steps else started
+    if since is None:
+        return None
+    end = until + 1.0 if until is not None else float("inf")
+    reacted = [s.time for s in snapshots if since <= s.time <= end
+               and (s.phase != "Running" or (s.generation or 0) > previous)]
+    reacted += [t for t in events if since <= t <= end]
+    return min(reacted, default=None)
 
 
 def compute_goodput(records: Sequence[LossRecord], faults: Sequence[Fault], start: float, end: float,

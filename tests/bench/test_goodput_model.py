@@ -13,8 +13,9 @@ from resilax_bench.goodput_model import (
     GoodputInputError,
     build_schedule,
     compute_goodput,
+    find_reaction,
 )
-from resilax_local.timeline import Fault, LossRecord
+from resilax_local.timeline import Fault, JobSnapshot, LossRecord
 
 
 def rec(step: int, time: float, generation: int) -> LossRecord:
@@ -127,6 +128,37 @@ def test_records_outside_the_window_are_not_counted_and_no_records_is_all_other(
     assert set(empty.buckets) == set(BUCKETS)
     with pytest.raises(GoodputInputError, match="end"):
         compute_goodput(records, faults, 5.0, 5.0)
+
+
+# ---- the operator's reaction to a generation (the harness's `detected` mark) ------------------------------
+
+def snap(t: float, phase: str, generation: int) -> JobSnapshot:
+    return JobSnapshot(time=t, phase=phase, generation=generation)
+
+
+# The 20-minute run of 2026-12-04 (08:14 UTC), seconds since its start: generation 2 (steps 284.7-347.6)
+# grew back when the node returned (346.2): GrowBack 347.3, final save, generation 3's pods at 349;
+# the next fault (a preemption notice) came at 641.9, reacted to at 642.2.
+GROW_BACK_SNAPSHOTS = [snap(279.0, "Running", 2), snap(347.5, "Resizing", 2), snap(349.6, "Running", 3),
+                       snap(642.2, "Saving", 3)]
+GROW_BACK_EVENTS = [279.0, 347.3, 349.2, 349.4, 641.9, 642.2]
+
+
+@pytest.mark.parametrize(("previous", "steps", "until", "want"), [
+    pytest.param(2, [284.7, 300.0, 347.6], 349.0, 347.3, id="grow-back-reaction-before-the-last-step"),
+    pytest.param(2, [284.7, 300.0, 347.6], 641.0, 347.3, id="not-the-next-faults-reaction"),
+    pytest.param(3, [366.0, 641.9], 645.0, 641.9, id="preemption-notice"),
+    pytest.param(2, [], 349.0, 347.3, id="a-generation-that-never-stepped-from-its-start"),
+    pytest.param(3, [366.0, 600.0], 340.0, None, id="nothing-in-the-window"),
+])
+def test_the_reaction_to_a_generation_is_the_first_after_it_trained_before_the_next_began(
+        previous: int, steps: list[float], until: float, want: float | None) -> None:
+    assert find_reaction(previous, steps, 279.5, until, GROW_BACK_SNAPSHOTS, GROW_BACK_EVENTS) == want
+
+
+def test_a_hard_loss_reaction_one_second_after_the_pods_timestamp_counts() -> None:
+    """The NodeLost event at 278.1 and generation 2's pods created at 278 (whole seconds): the reaction."""
+    assert find_reaction(1, [12.5, 256.7], 0.2, 278.0, [snap(278.4, "Running", 2)], [278.1, 278.6]) == 278.1
 
 
 # ---- the two variants' jobs -------------------------------------------------------------------------
