@@ -34,7 +34,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -292,6 +292,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir", type=Path, default=None, help="default: a temporary folder, removed afterwards")
     p.add_argument("--json", type=Path, default=None, help="default: bench/results/goodput-<time>.json")
     p.add_argument("--markdown", type=Path, default=None)
+    p.add_argument("--recompute", type=Path, nargs="+", default=None, metavar="RUN_DIR/VARIANT",
+                   help="no run: compute the breakdown of saved variants (a --run-dir's resilax/, restart/) "
+                        "again with this checkout's accounting, the operator's reactions found again")
     args = p.parse_args(argv)
     args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     bad = [v for v in args.variants if v not in VARIANTS]
@@ -300,8 +303,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def recompute(folder: Path) -> dict[str, Any]:
+    """The summary of a variant saved by `GoodputRun.save_variant`, computed again (reactions included)."""
+    from resilax_local.timeline import JobSnapshot, LossRecord
+
+    saved = json.loads((folder / "marks.json").read_text())
+
+    def rows(name: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (folder / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+
+    records = [LossRecord(**r) for r in rows("losses")]
+    faults = [Fault(**f) for f in rows("faults")]
+    snapshots = [JobSnapshot(**s) for s in rows("snapshots")]
+    events = [float(e["time"]) for e in rows("events")]
+    fields = set(GenerationMarks.__dataclass_fields__)
+    marks = {int(g): GenerationMarks(**{k: v for k, v in m.items() if k in fields}) for g, m in saved["marks"].items()}
+    gens = sorted(marks)
+    for n, gen in enumerate(gens[1:], 1):
+        prev = gens[n - 1]
+        marks[gen] = replace(marks[gen], detected=find_reaction(
+            prev, [r.time for r in records if r.generation == prev], marks[prev].pods_running or marks[prev].pods_created,
+            marks[gen].pods_created or marks[gen].pods_running, snapshots, events))
+    result = compute_goodput(records, faults, saved["start"], saved["end"], marks)
+    return summarize(folder.name, result, faults, saved["start"], marks)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.recompute:
+        again: dict[str, Any] = {"benchmark": "goodput", "recomputed": [str(f) for f in args.recompute],
+                                 "variants": [recompute(f) for f in args.recompute]}
+        say(render_table(again))
+        if args.json:
+            args.json.write_text(json.dumps(again, indent=1) + "\n")
+        return 0
     from resilax_local.launch import isolation_problem
 
     problem = isolation_problem()  # the cluster runs pods as `resilax local up` does: ask before starting
