@@ -182,3 +182,25 @@ def test_the_restart_baseline_has_no_local_tier_no_final_save_no_elastic_and_bot
     assert (b.slices.count, b.checkpoint.storage) == (r.slices.count, r.checkpoint.storage) == (2, "/tmp/ckpt")
     with pytest.raises(ValueError, match="variant"):
         build_variant_job("jobset", "x", "/tmp/ckpt", 0.3)
+
+
+def test_a_saved_variant_is_computed_again_with_the_reactions_found_again(tmp_path) -> None:
+    """`--recompute`: the files GoodputRun.save_variant writes, read back; a wrong saved `detected`
+    (as the 20-minute run's grow-back had) is replaced by the reaction found again."""
+    import json
+    from dataclasses import asdict
+
+    from resilax_bench.goodput import recompute
+
+    records, faults, marks = one_loss_run()
+    marks[1] = GenerationMarks(detected=99.0, pods_created=27.0, pods_running=30.0, restore_began=31.0, restored=33.0)
+    folder = tmp_path / "resilax"
+    folder.mkdir()
+    (folder / "marks.json").write_text(json.dumps({"start": 0.0, "end": 42.0,
+                                                   "marks": {g: asdict(m) for g, m in marks.items()}}))
+    for name, items in (("losses", records), ("faults", faults), ("snapshots", [snap(25.0, "Recovering", 0)]),
+                        ("events", [])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(asdict(i)) + "\n" for i in items))
+    out = recompute(folder)
+    assert out["variant"] == "resilax" and out["marks"][1]["detected"] == 25.0
+    assert out["buckets_seconds"]["detection"] == 2.5 and out["buckets_seconds"]["teardown"] == 2.0
