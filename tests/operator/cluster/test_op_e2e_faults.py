@@ -125,11 +125,12 @@ def assert_goodput_shows_the_fault(operator: OperatorProcess, jobs: Jobs, name: 
     # the operator's pause runs from the last step it saw (before the fault) to generation 2's first step
     # (less one step): at least the fault's pause, less that step
     assert pause >= first_step - fault - 2.0, (pause, first_step - fault, g)
-    assert b["detection"] > 0 and b["restore"] > 0, g
+    assert b["detection"] > 0, g
     assert 0 <= g["lostSteps"] <= lost and (b["lostStepsRedone"] > 0) == (g["lostSteps"] > 0), (g, lost)
     m = wait_for(lambda: goodput_metrics(operator, name) or None, timeout=60, interval=1,
                  message="resilax_operator_goodput_* of the job")
     assert 0 < m["ratio"] < 1 and m["detection"] > 0 and m["productive"] > 0, m
+    assert m["restore"] > 0, m  # generation 2's restore, from pod 0's trainer figures (the status rounds to 0.1 s)
 
 
 def test_hard_node_loss_shrinks_then_grows_back(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
