@@ -33,8 +33,8 @@ from .observed import (
     parse_restore_report,
     parse_save_outcome,
     parse_sidecar_state,
-    with_leases,
     parse_trainer_report,
+    with_leases,
 )
 from .settings import OperatorSettings
 
