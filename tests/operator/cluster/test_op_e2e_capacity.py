@@ -65,9 +65,14 @@ def test_autoscaled_capacity_waits_then_runs_suspend_saves_and_resumes_then_shri
                 and "slice 1 each need a node pool of 1 node(s) with 4 google.com/tpu each labelled "
                     "cloud.google.com/gke-tpu-accelerator=tpu-v5-lite-podslice, cloud.google.com/gke-tpu-topology=2x2"
                 in message), message
-        pending = next(p for p in jobs.pods(name, 1) if p["metadata"]["name"] == f"{name}-g1-s1-h0")
-        scheduled = next(c for c in pending["status"].get("conditions") or [] if c["type"] == "PodScheduled")
-        assert not pending["spec"].get("nodeName") and scheduled["reason"] == "Unschedulable", pending["status"]
+        def unschedulable() -> dict[str, Any] | None:
+            pod = next((p for p in jobs.pods(name, 1) if p["metadata"]["name"] == f"{name}-g1-s1-h0"), None)
+            conditions = (pod or {}).get("status", {}).get("conditions") or []
+            return pod if any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
+                              for c in conditions) else None
+
+        pending = wait_for(unschedulable, timeout=120, interval=1, message=f"{name}: slice 1's pod Unschedulable")
+        assert not pending["spec"].get("nodeName") and pending["status"]["phase"] == "Pending", pending
         assert "WaitingForCapacity" in jobs.event_reasons(name, "WaitingForCapacity")
         # The autoscaler adds a node pool: the same generation runs at the declared shape.
         added += cluster.add_tpu_slice(pool_b, topology="2x2")
