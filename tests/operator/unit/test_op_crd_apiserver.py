@@ -105,6 +105,7 @@ def test_good_job_gets_defaults(kube: Any) -> None:
     assert spec["recovery"] == {"maxRestarts": 20, "backoffSeconds": 10, "nodeLossGraceSeconds": 120}
     assert spec["checkpoint"]["finalSave"] == {"onPreemption": True, "onResize": True, "timeoutSeconds": 300}
     assert spec["checkpoint"]["restore"] == {"step": "latest"}
+    assert spec["capacity"] == {"provisioning": "Ready"} and spec["suspend"] is False
     full = kube.create(BASE, _job("full", lambda s: s["checkpoint"]["restore"].update(step=1200)))["spec"]
     assert full["checkpoint"]["restore"]["step"] == 1200 and full["elastic"]["growBack"] is True
 
@@ -222,6 +223,15 @@ def test_status_round_trip(kube: Any) -> None:
     assert st.parse_status(got["status"]) == full
     assert got["status"]["goodput"] == st.build_status(full)["goodput"] | {"ledger": got["status"]["goodput"]["ledger"]}
     assert got["status"]["goodput"]["ledger"]["current"] == {"generation": 2, "created": 75.0, "blockingSeconds": 0.0}
+    # A suspended job that waited for a queue and for nodes: the new phase, kinds, pools "" and times.
+    waiting = replace(full, phase=api.PHASE_SUSPENDED, pools=("a", "", ""), admitted_time=t0,
+                      transition=st.Transition(st.SUSPEND, 2, t0, "m"))
+    waiting = st.set_condition(waiting, api.COND_SUSPENDED, True, api.SUSPENDED.name, "m", t0)
+    got = kube.patch(f"{BASE}/status/status", {"status": st.build_status(waiting)})
+    assert st.parse_status(got["status"]) == waiting
+    got = kube.patch(f"{BASE}/status/status", {"status": st.build_status(
+        replace(waiting, transition=st.Transition(st.SHRINK, 2, t0, "m")))})
+    assert got["status"]["transition"]["kind"] == st.SHRINK
     got = kube.patch(f"{BASE}/status/status", {"status": st.build_status(st.JobStatus(phase=api.PHASE_RUNNING, generation=3))})
     assert "transition" not in got["status"] and "shape" not in got["status"]
     assert st.parse_status(got["status"]) == st.JobStatus(phase=api.PHASE_RUNNING, generation=3)
