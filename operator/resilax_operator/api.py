@@ -188,8 +188,9 @@ CAPACITY_TIMEOUT = Reason(
     "generation {generation}: {waiting} workers found no node within capacity.shrinkAfterSeconds={seconds}; "
     "shrinking from {old} to {new}, which the Ready nodes fit")
 SUSPENDING = Reason("Suspending", "spec.suspend is true: saving and stopping generation {generation}")
-SUSPENDED = Reason("Suspended", "spec.suspend is true: no workers; the newest checkpoint is step {step}")
-RESUMED = Reason("Resumed", "spec.suspend is false: generation {generation} restores step {step}")
+SUSPENDED = Reason("Suspended", "spec.suspend is true: no workers; false again starts a generation that restores "
+                   "the newest committed step (the last the operator saw: {step})")
+RESUMED = Reason("Resumed", "spec.suspend is false: generation {generation} restores {restore}")
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
 SPEC_INVALID = Reason("SpecInvalid", "{problems}")
 NOT_SAVING = Reason("NotSaving", "no final save in progress")

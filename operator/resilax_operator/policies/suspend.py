@@ -56,7 +56,8 @@ def resumed(s: JobStatus, generation: int, restore: str, now: datetime) -> tuple
     old = s.condition(api.COND_SUSPENDED)
     if old is None or old.status != "True":
         return s, []
-    step = s.checkpoint.step if restore == "latest" and s.checkpoint is not None else restore
-    message = api.RESUMED.format(generation=generation, step=step)
+    what = {"latest": "the newest committed step", "none": "nothing (checkpoint.restore.step: none)"}.get(
+        restore, f"step {restore}")
+    message = api.RESUMED.format(generation=generation, restore=what)
     new = st.set_condition(s, api.COND_SUSPENDED, False, api.RESUMED.name, message, now)
     return new, [EmitEvent("Normal", api.RESUMED.name, message)]

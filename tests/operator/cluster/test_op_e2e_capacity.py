@@ -87,7 +87,7 @@ def test_autoscaled_capacity_waits_then_runs_suspend_saves_and_resumes_then_shri
                                   and _condition(s, "Suspended").get("status") == "True", 300, "Suspended")
         wait_for(lambda: not jobs.pods(name), timeout=120, interval=1, message=f"{name}: no workers while suspended")
         gen1 = jobs.losses(name, 1)
-        assert max(gen1) in committed_steps(storage) and status["checkpoint"]["step"] == max(gen1), (status, max(gen1))
+        assert max(gen1) in committed_steps(storage), (max(gen1), committed_steps(storage))  # the final save
         reasons = jobs.event_reasons(name, "Suspending", "FinalSaveDone", "Suspended")
         assert {"Suspending", "FinalSaveDone", "Suspended"} <= set(reasons), reasons
         jobs.patch_spec(name, {"suspend": False})

@@ -41,7 +41,8 @@ def test_suspend_saves_removes_the_workers_and_resume_restores_the_newest_step()
     assert not w.pods and w.services == set() and w.created == [1]
     assert w.status.phase == api.PHASE_SUSPENDED and w.status.generation == 1
     assert condition(w, api.COND_SUSPENDED) == (
-        "True", api.SUSPENDED.name, "spec.suspend is true: no workers; the newest checkpoint is step 4200")
+        "True", api.SUSPENDED.name, "spec.suspend is true: no workers; false again starts a generation that "
+        "restores the newest committed step (the last the operator saw: 4200)")
     assert condition(w, api.COND_READY)[:2] == ("False", api.SUSPENDED.name)
     assert w.reasons() == [api.GENERATION_CREATED.name, api.WORKERS_RUNNING.name, api.SUSPENDING.name,
                            api.FINAL_SAVE_DONE.name, api.SUSPENDED.name]
@@ -56,7 +57,7 @@ def test_suspend_saves_removes_the_workers_and_resume_restores_the_newest_step()
     assert any(isinstance(a, CreateGeneration) and a.generation == 2 for a in actions)
     assert w.status.restore_step == "latest" and w.status.transition is None
     assert condition(w, api.COND_SUSPENDED) == (
-        "False", api.RESUMED.name, "spec.suspend is false: generation 2 restores step 4200")
+        "False", api.RESUMED.name, "spec.suspend is false: generation 2 restores the newest committed step")
     w.settle()
     assert w.status.phase == api.PHASE_RUNNING and w.status.generation == 2 and w.status.failures == 0
     assert w.reasons()[-3:] == [api.GENERATION_CREATED.name, api.RESUMED.name, api.WORKERS_RUNNING.name]
@@ -69,12 +70,13 @@ def test_suspended_from_the_start_creates_nothing_until_resumed() -> None:
     w = World.make(raw, *four_pools())
     w.settle()
     assert not w.pods and w.status.generation == 0 and w.status.phase == api.PHASE_SUSPENDED
-    assert condition(w, api.COND_SUSPENDED)[2] == "spec.suspend is true: no workers; the newest checkpoint is step none"
+    assert condition(w, api.COND_SUSPENDED)[2].endswith("(the last the operator saw: none)")
     w.spec["suspend"] = False
     w.settle()
     assert w.status.phase == api.PHASE_RUNNING and w.status.generation == 1 and w.status.restarts == 0
     assert w.status.restore_step == "1200"  # the first generation restores what the spec says
-    assert condition(w, api.COND_SUSPENDED)[:2] == ("False", api.RESUMED.name)
+    assert condition(w, api.COND_SUSPENDED) == ("False", api.RESUMED.name,
+                                                "spec.suspend is false: generation 1 restores step 1200")
 
 
 def test_without_final_save_on_preemption_suspend_stops_without_a_save() -> None:
