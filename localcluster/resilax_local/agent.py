@@ -17,7 +17,9 @@ Faults are taken at run time through a small HTTP API on 127.0.0.1 (its port is 
   `DisruptionTarget` condition, and are not deleted; then the node powers off (as `kill`);
 - `POST /nodes/<name>/restore`: the node is back (Lease, Ready status, notice removed, pods resynced);
 - `POST /nodes` `{"nodes": [NodeSpec JSON, ...]}`: register more nodes; `POST /nodes/<name>/remove`: delete one.
-- `GET /nodes`, `GET /pods`, `GET /healthz`.
+- `POST /images` `{"images": [{"image": "repo[:tag]", "pullable": false, "error": "...", "user": "0"}, ...]}`:
+  add or replace rows of the image registry table (images.py: what a pull gets, which user an image runs as).
+- `GET /nodes`, `GET /pods`, `GET /images`, `GET /healthz`.
 
 Run as `python -m resilax_local.agent <run_dir>` (reads `<run_dir>/agent-config.json`).
 """
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from . import images
 from .binaries import KUBERNETES_VERSION
 from .errors import KubeAPIError
 from .kubeapi import KubeClient
@@ -122,6 +125,7 @@ class NodeAgent:
         serving = CertificateAuthority(run_dir / "pki").issue("kubelet", "resilax-local-kubelet", server=True,
                                                              hosts=("127.0.0.1",))
         self.kubelet_api = KubeletAPI(run_dir, serving.cert, serving.key, self._container_running)
+        self.registry = images.Registry()
         self.nodes: dict[str, AgentNode] = {}
         for spec in nodes:
             self._add_node_record(spec).state = REGISTERING  # Ready (Lease renewed) once registered
@@ -199,6 +203,22 @@ class NodeAgent:
                 log.debug("event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e)
 
         self.events.submit(send)
+
+    def image_entry(self, ref: images.ImageRef) -> images.ImageEntry:
+        with self.lock:
+            return self.registry.lookup(ref)
+
+    def set_images(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        """Add or replace rows of the image registry table (raises ValueError naming a bad field)."""
+        parsed = [images.ImageEntry.from_json(e) if isinstance(e, dict) else images.ImageEntry.from_json({"image": e})
+                  for e in entries]
+        with self.lock:
+            self.registry.set(parsed)
+            return {"images": [e.to_json() for e in self.registry.entries()]}
+
+    def describe_images(self) -> dict[str, Any]:
+        with self.lock:
+            return {"images": [e.to_json() for e in self.registry.entries()]}
 
     def forget(self, uid: str) -> None:
         with self.lock:
@@ -788,6 +808,8 @@ def _handler(agent: NodeAgent) -> type[BaseHTTPRequestHandler]:
                 self._answer(200, {"nodes": agent.describe_nodes()})
             elif self.path == "/pods":
                 self._answer(200, {"pods": agent.describe_pods()})
+            elif self.path == "/images":
+                self._answer(200, agent.describe_images())
             else:
                 self._answer(404, {"error": {"code": 404, "message": f"no such path {self.path}"}})
 
@@ -798,6 +820,8 @@ def _handler(agent: NodeAgent) -> type[BaseHTTPRequestHandler]:
             try:
                 if parts == ["nodes"]:
                     result = agent.add_nodes([NodeSpec.from_json(n) for n in body.get("nodes", [])])
+                elif parts == ["images"]:
+                    result = agent.set_images(list(body.get("images", [])))
                 elif len(parts) == 3 and parts[0] == "nodes":
                     name, action = parts[1], parts[2]
                     actions = {

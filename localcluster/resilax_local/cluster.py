@@ -286,6 +286,18 @@ class LocalCluster:
         """Kill the node and delete its Node and Lease objects."""
         return self._agent("POST", f"/nodes/{name}/remove")
 
+    # ---- the image registry ---------------------------------------------------------------------
+    def set_images(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Add or replace rows of the node agent's image registry table (resilax_local.images): e.g.
+        `{"image": "example.com/app:1", "pullable": False}` (a pull fails: ErrImagePull, ImagePullBackOff)
+        or `{"image": "example.com/root-app", "user": "0"}` (runs as root: with runAsNonRoot the
+        container waits with CreateContainerConfigError). Returns the whole table."""
+        return list(self._agent("POST", "/images", {"images": entries})["images"])
+
+    def images(self) -> list[dict[str, Any]]:
+        """The image registry table (rows set by `set_images`; every other image is served, non-root)."""
+        return list(self._agent("GET", "/images")["images"])
+
     def wait_nodes_ready(self, names: list[str], timeout: float = 120.0) -> None:
         """Wait until each node is Ready and free of the not-ready/unreachable taints."""
         client = self.client()

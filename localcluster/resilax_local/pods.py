@@ -4,7 +4,8 @@ A `PodWorker` thread owns one pod bound to one of the agent's nodes. It
 1. prepares the pod: a loopback IP (`status.podIP`), its volumes as host folders, its folder of logs;
 2. starts init containers in order (a native sidecar — an init container with `restartPolicy: Always` —
    counts as started once its process runs, and keeps running beside the main containers);
-3. starts the main containers, restarts containers by the pod's `restartPolicy` (with a short backoff),
+3. starts the main containers, restarts containers by the pod's `restartPolicy` (with the kubelet's
+   crash-loop backoff, shortened: `podspec.Backoff`),
    sets the pod's phase, conditions and container statuses through the status subresource;
 4. when the pod completes, stops the sidecars (reverse order);
 5. when the pod is deleted, terminates it like the kubelet: SIGTERM to the main containers, wait up to
@@ -13,6 +14,10 @@ A `PodWorker` thread owns one pod bound to one of the agent's nodes. It
 6. when its node shuts down gracefully (`("shutdown", grace)`), terminates it the same way within the
    shutdown's grace and leaves it as the kubelet's shutdown manager does: phase Failed, reason
    `Terminated`, condition `DisruptionTarget` (`TerminationByKubelet`), not deleted.
+
+Before a container starts, its image goes through the agent's registry table (images.py: ErrImagePull,
+ImagePullBackOff, InvalidImageName, ErrImageNeverPull) and its effective securityContext through the
+kubelet's runAsNonRoot check against the image's user (CreateContainerConfigError).
 
 Each container is `python -m resilax_local.launch <spec>`, which enters a private mount namespace, binds
 the volumes at their `mountPath` and execs the container's command (so the pid is the command's).
@@ -40,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
-from . import podspec
+from . import images, podspec
 from .errors import KubeAPIError
 from .kubeapi import KubeClient
 from .probes import ProbeState, run_probe
@@ -86,6 +91,8 @@ class PodHost(Protocol):
 
     def emit_event(self, pod: Pod, reason: str, message: str, warning: bool = False,
                    container: str | None = None) -> None: ...
+
+    def image_entry(self, ref: images.ImageRef) -> images.ImageEntry: ...
 
     @property
     def hosts_file(self) -> Path: ...
@@ -147,6 +154,14 @@ def now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+CREATE_CONFIG_ERROR = "CreateContainerConfigError"
+CRASH_LOOP_BACK_OFF = "CrashLoopBackOff"
+#: How soon a container that could not be created (config error, image not present) is tried again.
+RETRY_SECONDS = 2.0
+#: How long ErrImagePull shows before ImagePullBackOff (the kubelet's next sync of the pod).
+ERR_IMAGE_PULL_SECONDS = 1.0
+
+
 class PrepareError(Exception):
     """The pod cannot start yet (a ConfigMap, Secret or key is missing); retried like the kubelet does."""
 
@@ -164,6 +179,11 @@ class ContainerRun:
     terminated: dict[str, Any] | None = None
     last_terminated: dict[str, Any] | None = None
     restart_at: float | None = None
+    """When to try starting it again (after a crash-loop backoff, an image pull backoff, a config error)."""
+    finished_at: float | None = None
+    """`time.monotonic()` when its last run exited (the crash-loop backoff counts from it)."""
+    backoff: podspec.Backoff = field(default_factory=lambda: podspec.Backoff(podspec.CRASH_BACKOFF_INITIAL,
+                                                                             podspec.CRASH_BACKOFF_MAX))
     waiting_reason: str = "PodInitializing"
     waiting_message: str = ""
     env: dict[str, str] = field(default_factory=dict)
@@ -244,6 +264,8 @@ class PodWorker:
         self.shutdown_grace: int | None = None
         """Set by a graceful node shutdown: the grace period the shutdown manager gives this pod."""
         self.status_reason: str | None = None
+        self.image_backoff: dict[str, podspec.Backoff] = {}
+        """Pull backoff per image of this pod (the kubelet keys it by pod uid and image)."""
         self.thread = threading.Thread(target=self._run, name=f"pod-{self.namespace}/{self.name}", daemon=True)
 
     # ---- called from the agent's threads -------------------------------------------------------
@@ -536,23 +558,81 @@ class PodWorker:
             "RESILAX_LOCAL_CLUSTER": str(self.host.run_dir),
         }
 
+    def _wait_for(self, c: ContainerRun, reason: str, message: str, retry_at: float, event: bool = True) -> None:
+        """The container cannot start now: it waits with `reason` (a `Failed` event `Error: ...` when the
+        message is new, as the kubelet's startContainer reports it) and is tried again at `retry_at`."""
+        if event and (c.waiting_reason, c.waiting_message) != (reason, message):
+            text = message if reason == CREATE_CONFIG_ERROR else reason
+            self.host.emit_event(self.pod, "Failed", f"Error: {text}", warning=True, container=c.name)
+        c.waiting_reason, c.waiting_message = reason, message
+        c.restart_at = retry_at
+
+    def _ensure_image(self, c: ContainerRun) -> images.ImageEntry | None:
+        """The kubelet's EnsureImageExists against the local registry (images.py): the image's entry when
+        it is present or pulled now; None while the container waits (InvalidImageName, ErrImageNeverPull,
+        ErrImagePull, then ImagePullBackOff until the pull backoff of that image ends)."""
+        image = str(c.spec.get("image") or "")
+        now = time.monotonic()
+        try:
+            ref = images.parse_reference(image)
+        except images.InvalidImageError as e:
+            if c.waiting_reason != "InvalidImageName":
+                self.host.emit_event(self.pod, "InspectFailed", str(e), warning=True, container=c.name)
+            self._wait_for(c, "InvalidImageName", str(e), now + RETRY_SECONDS)
+            return None
+        entry = self.host.image_entry(ref)
+        error = images.pull_error(ref, entry)
+        policy = c.spec.get("imagePullPolicy") or images.default_pull_policy(ref)
+        if error is None and policy != "Always":  # served images are present on every node
+            self.host.emit_event(self.pod, "Pulled", f'Container image "{image}" already present on machine',
+                                 container=c.name)
+            return entry
+        if policy == "Never":
+            message = f'Container image "{image}" is not present with pull policy of Never'
+            if c.waiting_reason != "ErrImageNeverPull":
+                self.host.emit_event(self.pod, "ErrImageNeverPull", message, warning=True, container=c.name)
+            self._wait_for(c, "ErrImageNeverPull", message, now + RETRY_SECONDS)
+            return None
+        backoff = self.image_backoff.setdefault(
+            image, podspec.Backoff(podspec.IMAGE_BACKOFF_INITIAL, podspec.IMAGE_BACKOFF_MAX))
+        if backoff.last_update is not None and backoff.in_backoff_since(backoff.last_update, now):
+            message = f'Back-off pulling image "{image}"'
+            if c.waiting_reason != "ImagePullBackOff":
+                self.host.emit_event(self.pod, "BackOff", message, container=c.name)
+            self._wait_for(c, "ImagePullBackOff", message, backoff.last_update + backoff.delay)
+            return None
+        self.host.emit_event(self.pod, "Pulling", f'Pulling image "{image}"', container=c.name)
+        if error is None:
+            self.host.emit_event(self.pod, "Pulled", f'Successfully pulled image "{image}" in 0s', container=c.name)
+            return entry
+        backoff.next(now)
+        self.host.emit_event(self.pod, "Failed", f'Failed to pull image "{image}": {error}', warning=True,
+                             container=c.name)
+        # ErrImagePull stays in the status until the next sync (a second here), then ImagePullBackOff
+        self._wait_for(c, "ErrImagePull", error, now + min(ERR_IMAGE_PULL_SECONDS, backoff.delay))
+        return None
+
     def _start(self, c: ContainerRun) -> None:
         assert self.volumes is not None
         self._own_status()
+        entry = self._ensure_image(c)
+        if entry is None:
+            return
         try:
             env = podspec.build_env(self.pod, c.spec, self._lookup, self._base_env())
             argv = podspec.command_line(c.spec, env)
         except ValueError as e:
-            if c.waiting_message != str(e):
-                self.host.emit_event(self.pod, "Failed", f"Error: {e}", warning=True, container=c.name)
-            c.waiting_reason, c.waiting_message = "CreateContainerConfigError", str(e)
-            c.restart_at = time.monotonic() + 2.0
+            self._wait_for(c, CREATE_CONFIG_ERROR, str(e), time.monotonic() + RETRY_SECONDS)
+            return
+        refused = podspec.verify_run_as_non_root(self.pod, c.spec, *images.image_user(entry.user))
+        if refused:
+            self._wait_for(c, CREATE_CONFIG_ERROR, refused, time.monotonic() + RETRY_SECONDS)
             return
         mounts = []
         for m in c.spec.get("volumeMounts") or []:
             if m["name"] not in self.volumes:
-                c.waiting_reason, c.waiting_message = "CreateContainerConfigError", f"volume {m['name']!r} not found"
-                c.restart_at = time.monotonic() + 2.0
+                self._wait_for(c, CREATE_CONFIG_ERROR, f"volume {m['name']!r} not found",
+                               time.monotonic() + RETRY_SECONDS)
                 return
             source = self.volumes[m["name"]]
             if m.get("subPath"):
@@ -612,6 +692,7 @@ class PodWorker:
             }
             if code < 0:
                 c.terminated["signal"] = -code
+            c.finished_at = time.monotonic()
             # leftovers of the container (its children) go with it, as with a pid namespace
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(c.proc.pid, signal.SIGKILL)
@@ -622,15 +703,28 @@ class PodWorker:
         return f"resilax://{self.uid}/{c.name}/{c.restart_count}"
 
     def _due(self, c: ContainerRun) -> bool:
-        """Whether an exited container may start again now (arming its backoff the first time)."""
+        """Whether an exited container may start again now: the kubelet's crash-loop backoff (`doBackOff`).
+        The first restart is immediate; a container that exits again within the backoff waits with
+        CrashLoopBackOff (`back-off 2s restarting failed container=NAME pod=NAME_NS(UID)`, a BackOff
+        event) until `finished + delay`; each restart doubles the delay (podspec.Backoff)."""
         now = time.monotonic()
-        if c.restart_at is None:
-            c.restart_at = now + podspec.restart_backoff(c.restart_count + 1)
-            c.waiting_reason = "CrashLoopBackOff"
-            self.host.emit_event(self.pod, "BackOff", f"Back-off restarting failed container {c.name}",
-                                 warning=True, container=c.name)
-            c.waiting_message = f"back-off restarting failed container {c.name}"
-        return now >= c.restart_at
+        if c.waiting_reason != CRASH_LOOP_BACK_OFF and c.restart_at is not None and now < c.restart_at:
+            return False  # an image or config retry is pending
+        finished = c.finished_at if c.finished_at is not None else now
+        if c.backoff.in_backoff_since(finished, now):
+            until = finished + c.backoff.delay
+            if c.restart_at != until:
+                self.host.emit_event(
+                    self.pod, "BackOff",
+                    f"Back-off restarting failed container {c.name} in pod {podspec.format_pod(self.pod)}",
+                    warning=True, container=c.name)
+            c.waiting_reason = CRASH_LOOP_BACK_OFF
+            c.waiting_message = (f"back-off {podspec.go_duration(c.backoff.delay)} restarting failed "
+                                 f"container={c.name} pod={podspec.format_pod(self.pod)}")
+            c.restart_at = until
+            return False
+        c.backoff.next(now)
+        return True
 
     def _advance(self) -> None:
         policy = self.pod["spec"].get("restartPolicy", "Always")

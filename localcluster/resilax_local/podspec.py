@@ -1,5 +1,6 @@
 """Pure helpers that read a pod manifest the way the kubelet does: environment variables (`value`,
-`valueFrom`, `envFrom`, `$(VAR)` expansion), downward-API fields, container ordering and restart rules.
+`valueFrom`, `envFrom`, `$(VAR)` expansion), downward-API fields, container ordering and restart rules,
+the crash-loop and image-pull backoff, and the runAsNonRoot check.
 """
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 import base64
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
 Pod = dict[str, Any]
 Container = dict[str, Any]
@@ -156,6 +158,87 @@ def should_restart(pod_restart_policy: str, exit_code: int) -> bool:
     return False
 
 
-def restart_backoff(restart_count: int) -> float:
-    """Seconds to wait before restart number `restart_count` (1, 2, 4, ... capped at 20; upstream 10 s .. 5 min)."""
-    return float(min(20, 2 ** max(0, restart_count - 1)))
+#: Crash-loop backoff of the local cluster: the kubelet's curve, shortened. Upstream: 10 s doubling to
+#: 300 s (1 s to 60 s with the ReduceDefaultCrashLoopBackOffDecay gate), reset when a container ran
+#: for 2x the maximum; here 1 s doubling to 20 s, reset after 40 s.
+CRASH_BACKOFF_INITIAL: Final = 1.0
+CRASH_BACKOFF_MAX: Final = 20.0
+#: Image pull backoff: upstream 10 s doubling to 300 s; here 2 s doubling to 20 s.
+IMAGE_BACKOFF_INITIAL: Final = 2.0
+IMAGE_BACKOFF_MAX: Final = 20.0
+
+
+@dataclass
+class Backoff:
+    """The kubelet's `flowcontrol.Backoff` for one key (a container, or an image of a pod), times from
+    `time.monotonic()` passed in. The first failure costs nothing; each later one within the window
+    doubles the wait up to `maximum`; an event more than 2x `maximum` after the last update starts over.
+
+    The kubelet's crash loop (`doBackOff`): when a container exited at `finished`, restart it now unless
+    `in_backoff_since(finished, now)`; on a restart call `next(now)`.
+    """
+
+    initial: float
+    maximum: float
+    delay: float = 0.0
+    last_update: float | None = None
+
+    def _expired(self, event: float) -> bool:
+        return self.last_update is None or event - self.last_update > 2 * self.maximum
+
+    def in_backoff_since(self, event: float, now: float) -> bool:
+        """Whether `now` is still within the backoff counted from `event`."""
+        if self._expired(event):
+            return False
+        return now - event < self.delay
+
+    def next(self, now: float) -> None:
+        """Record an attempt: the first (or the first after a long quiet spell) arms `initial`, each
+        later one doubles the delay up to `maximum`."""
+        self.delay = self.initial if self._expired(now) else min(self.delay * 2, self.maximum)
+        self.last_update = now
+
+
+def go_duration(seconds: float) -> str:
+    """A whole number of seconds as Go prints a `time.Duration` (`10s`, `1m20s`, `5m0s`)."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    minutes, rest = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes}m{rest}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes}m{rest}s"
+
+
+def format_pod(pod: Pod) -> str:
+    """The kubelet's name for a pod in messages: `name_namespace(uid)`."""
+    meta = pod.get("metadata") or {}
+    return f"{meta.get('name', '')}_{meta.get('namespace', '')}({meta.get('uid', '')})"
+
+
+def effective_security_context(pod: Pod, container: Container) -> dict[str, Any]:
+    """The container's securityContext over the pod's (runAsUser, runAsGroup, runAsNonRoot, ...), as
+    the kubelet's `DetermineEffectiveSecurityContext` merges them."""
+    pod_context = (pod.get("spec") or {}).get("securityContext") or {}
+    out = {k: pod_context[k] for k in ("runAsUser", "runAsGroup", "runAsNonRoot", "seLinuxOptions",
+                                       "seccompProfile", "appArmorProfile") if k in pod_context}
+    out.update(container.get("securityContext") or {})
+    return out
+
+
+def verify_run_as_non_root(pod: Pod, container: Container, uid: int | None, username: str) -> str | None:
+    """The kubelet's `verifyRunAsNonRoot` for an image whose user is `uid` (or the name `username`):
+    the error message (the container then waits with CreateContainerConfigError), or None."""
+    context = effective_security_context(pod, container)
+    if not context.get("runAsNonRoot"):
+        return None
+    where = f'(pod: "{format_pod(pod)}", container: {container["name"]})'
+    if context.get("runAsUser") is not None:
+        return f"container's runAsUser breaks non-root policy {where}" if int(context["runAsUser"]) == 0 else None
+    if uid is None and username:
+        return (f"container has runAsNonRoot and image has non-numeric user ({username}), cannot verify user "
+                f"is non-root {where}")
+    if uid == 0:
+        return f"container has runAsNonRoot and image will run as root {where}"
+    return None

@@ -1,0 +1,87 @@
+"""Issue 18, item 4 end to end: stuck containers on the local cluster, whose node agent shows them as a
+kubelet does (tests/localcluster/test_waiting_states.py). Three small jobs at once (1 CPU worker each, no
+JAX: the trainer only sleeps), with the operator's containerWaitingTimeoutSeconds at 20 s:
+
+| job   | what is wrong                                         | condition (Ready=False)                  | after the timeout |
+|-------|-------------------------------------------------------|------------------------------------------|-------------------|
+| pull  | the trainer's image is on a registry that never resolves | ContainerWaiting: trainer, ErrImagePull/ImagePullBackOff | Failed, ContainerWaitingTimeout |
+| root  | the trainer's image runs as root; the operator sets runAsNonRoot | ContainerWaiting: trainer, CreateContainerConfigError | Failed, ContainerWaitingTimeout |
+| crash | a native sidecar of the template exits at once, again and again | ContainerWaiting: log-shipper, CrashLoopBackOff | a worker failure: generation 2; past maxRestarts (1) Failed |
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from op_cluster import GROUP, VERSION, Jobs, OperatorProcess, unique_name
+from resilax_local.cluster import LocalCluster
+from resilax_local.testing import wait_for
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(3600)"]
+TIMEOUT = 20
+
+
+def _job(name: str, storage: Path, template: dict[str, Any], max_restarts: int = 0) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "JAXJob", "metadata": {"name": name}, "spec": {
+        "slices": {"accelerator": "cpu", "topology": "1x2", "count": 1},
+        "checkpoint": {"storage": str(storage), "every": {"steps": 10}},
+        "recovery": {"maxRestarts": max_restarts, "backoffSeconds": 2},
+        "template": template}}
+
+
+def _ready(status: dict[str, Any]) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == "Ready"), {})
+
+
+def test_stuck_containers_are_named_then_the_job_fails_or_is_replanned(operator: OperatorProcess, jobs: Jobs,
+                                                                        cluster: LocalCluster, tmp_path: Path) -> None:
+    operator.kill()
+    operator.settings_env["RESILAX_OPERATOR_CONTAINER_WAITING_TIMEOUT_SECONDS"] = str(TIMEOUT)
+    operator.start()
+    root_image = f"example.com/root-trainer-{uuid.uuid4().hex[:6]}:1"
+    cluster.set_images([{"image": root_image, "user": "0"}])
+    pull, root, crash = unique_name("pull"), unique_name("root"), unique_name("crash")
+    trainer = {"name": "trainer", "command": SLEEP}
+    started = time.monotonic()
+    jobs.create(_job(pull, tmp_path / "pull", {"spec": {"containers": [
+        {**trainer, "image": "registry.invalid/team/trainer:1"}]}}))
+    jobs.create(_job(root, tmp_path / "root", {"spec": {"containers": [{**trainer, "image": root_image}]}}))
+    jobs.create(_job(crash, tmp_path / "crash", {"spec": {
+        "containers": [{**trainer, "image": "python:3.11"}],
+        "initContainers": [{"name": "log-shipper", "image": "python:3.11", "restartPolicy": "Always",
+                            "command": [sys.executable, "-c", "import sys; sys.exit(1)"]}]}}, max_restarts=1))
+
+    expected = {pull: ("trainer", ("ErrImagePull", "ImagePullBackOff")),
+                root: ("trainer", ("CreateContainerConfigError",)),
+                crash: ("log-shipper", ("CrashLoopBackOff",))}
+    for name, (container, reasons) in expected.items():
+        def named(s: dict[str, Any], container: str = container, reasons: tuple[str, ...] = reasons) -> bool:
+            ready = _ready(s)
+            return ready.get("reason") == "ContainerWaiting" and f"container {container} " in ready["message"] \
+                and any(f"waiting: {r}" in ready["message"] for r in reasons)
+        status = jobs.wait_status(name, named, 120, f"Ready=False ContainerWaiting naming {container}")
+        print(f"\n{name}: named after {time.monotonic() - started:.0f} s: {_ready(status)['message']}")
+        assert f"{name}-g1-s0-h0" in _ready(status)["message"] and "giving up at" in _ready(status)["message"]
+    root_message = _ready(jobs.status(root))["message"]
+    assert "container has runAsNonRoot and image will run as root" in root_message, root_message
+    assert "runAsUser" in root_message  # the fix
+
+    for name in (pull, root):
+        status = jobs.wait_status(name, lambda s: s.get("phase") == "Failed", 120, "Failed after the timeout")
+        ready = _ready(status)
+        assert ready["reason"] == "ContainerWaitingTimeout" and "container trainer" in ready["message"], ready
+        assert status["generation"] == 1 and status.get("failures", 0) == 0, status
+        assert "ContainerWaitingTimeout" in jobs.event_reasons(name, "ContainerWaiting", "ContainerWaitingTimeout")
+
+    status = jobs.wait_status(crash, lambda s: s.get("generation", 0) >= 2, 120, "a new generation after the timeout")
+    assert status["failures"] == 1, status
+    status = jobs.wait_status(crash, lambda s: s.get("phase") == "Failed", 180, "Failed past maxRestarts")
+    ready = _ready(status)
+    assert ready["reason"] == "MaxRestartsExceeded" and "CrashLoopBackOff" in ready["message"], ready
+    assert "log-shipper" in ready["message"] and status["generation"] == 2 and status["failures"] == 2, status
+    for name in (pull, root, crash):
+        wait_for(lambda name=name: not jobs.pods(name), timeout=120, message=f"{name}: a failed job keeps no workers")
