@@ -6,7 +6,7 @@ from the generation's start (`containerWaitingTimeoutSeconds`, an operator setti
 
 | the container waits with                                       | before the timeout                | after it |
 |----------------------------------------------------------------|-----------------------------------|----------|
-| ImagePullBackOff, ErrImagePull, InvalidImageName, CreateContainerConfigError, CreateContainerError | Ready=False ContainerWaiting naming pod, container, reason and the fix (event once) | Failed, ContainerWaitingTimeout (the spec must change) |
+| ImagePullBackOff, ErrImagePull, InvalidImageName, CreateContainerConfigError, CreateContainerError | Ready=False ContainerWaiting naming pod, container, reason and the fix (an event once per pod and container) | Failed, ContainerWaitingTimeout (the spec must change) |
 | CrashLoopBackOff (any container, the sidecar too)              | the same                          | WorkerFailure: counted, backoff, a new generation; Failed past maxRestarts |
 | any other reason                                               | the same                          | the same as CrashLoopBackOff |
 | nothing stuck                                                  | nothing (the next check runs)     |          |
@@ -65,8 +65,11 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
         text = f"{detail}; giving up at {st.format_time(started + timeout)}"
         old = s.condition(api.COND_READY)
         new = st.set_condition(s, api.COND_READY, False, api.CONTAINER_WAITING.name, text, now)
-        events = [] if old is not None and old.reason == api.CONTAINER_WAITING.name and old.message == text \
-            else [EmitEvent("Warning", api.CONTAINER_WAITING.name, text)]
+        # One event per stuck container: the kubelet's reason and message change while it waits
+        # (ErrImagePull and ImagePullBackOff take turns, the crash-loop delay grows); the condition follows.
+        head = api.CONTAINER_WAITING.message.split("{reason}")[0].format(pod=pod, generation=g, container=container)
+        same = old is not None and old.reason == api.CONTAINER_WAITING.name and old.message.startswith(head)
+        events = [] if same else [EmitEvent("Warning", api.CONTAINER_WAITING.name, text)]
         return [*status_change(observed.status, new, *events), RequeueAfter(POLL_SECONDS)]
     seconds = settings.container_waiting_timeout_seconds
     if reason in PERMANENT_REASONS:

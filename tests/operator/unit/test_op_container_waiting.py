@@ -84,6 +84,24 @@ def test_an_unpullable_image_is_named_once_then_fails_the_job() -> None:
     assert api.CONTAINER_WAITING_TIMEOUT.name in w.reasons()
 
 
+def test_one_event_per_stuck_container_while_the_kubelets_reason_and_message_change() -> None:
+    """ErrImagePull and ImagePullBackOff take turns, a crash loop's delay grows: the condition follows
+    the kubelet, the event is sent once per pod and container (and again for another container)."""
+    w = running_world()
+    pod = w.gen_pods()[0]
+    for reason, message in (("ErrImagePull", "no such host"), ("ImagePullBackOff", 'Back-off pulling image "x"'),
+                            ("ErrImagePull", "no such host")):
+        w.pods[pod.name] = replace(pod, phase="Pending", waiting=(("trainer", reason, message),))
+        w.step()
+        ready = w.status.condition(api.COND_READY)
+        assert ready is not None and reason in ready.message and message in ready.message
+        w.advance(3)
+    assert w.reasons().count(api.CONTAINER_WAITING.name) == 1
+    w.pods[pod.name] = replace(pod, phase="Pending", waiting=((api.SIDECAR_CONTAINER, "CrashLoopBackOff", "back-off"),))
+    w.step()
+    assert w.reasons().count(api.CONTAINER_WAITING.name) == 2
+
+
 def test_parse_pod_reads_waiting_containers_but_not_starting_ones() -> None:
     raw = {"metadata": {"name": "j-g1-s0-h0", "labels": {api.LABEL_GENERATION: "1", api.LABEL_SLICE: "0",
                                                          api.LABEL_HOST: "0"}},
