@@ -8,6 +8,8 @@
     resilax local preempt-node NODE [--delay 30] [--sigterm]
     resilax local shutdown-node NODE [--grace 30] [--critical-grace 15]
     resilax local add-nodes --slice POOL [--accelerator A] [--topology T] | --cpu NAME [--no-processes]
+    resilax local images                        # the registry table
+    resilax local set-image IMAGE [--unpullable [--error TEXT]] [--user USER]
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument("--accelerator", default="tpu-v5-lite-podslice")
     add.add_argument("--topology", default="2x4")
     add.add_argument("--no-processes", action="store_true", help="fake the pods (scale tests)")
+    with_dir(sub.add_parser("images", help="the node agent's image registry table"))
+    image = with_dir(sub.add_parser("set-image", help="add or replace a row of the image registry table "
+                                    "(docs/local-cluster.md, Images and waiting states)"))
+    image.add_argument("image", help="repo[:tag]; a repository without a tag means every tag")
+    image.add_argument("--unpullable", action="store_true", help="the registry does not have it: ErrImagePull")
+    image.add_argument("--error", default="", help="the pull error's text (with --unpullable)")
+    image.add_argument("--user", default="65532", help="the image's USER (0: root)")
     return parser
 
 
@@ -143,6 +152,11 @@ def _run(args: argparse.Namespace) -> int:
         _print(cluster.preempt_node(args.node, args.delay, args.sigterm))
     elif args.command == "shutdown-node":
         _print(cluster.shutdown_node(args.node, args.grace, args.critical_grace))
+    elif args.command == "images":
+        _print(cluster.images())
+    elif args.command == "set-image":
+        _print(cluster.set_images([{"image": args.image, "pullable": not args.unpullable, "error": args.error,
+                                    "user": args.user}]))
     elif args.command == "add-nodes":
         if args.slice:
             added = cluster.add_tpu_slice(args.slice, args.accelerator, args.topology, not args.no_processes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -27,6 +28,16 @@ def test_nodes_and_logs_of_a_running_cluster(cluster, kube, namespace):
     kubectl = subprocess.run(["kubectl", "--kubeconfig", str(cluster.kubeconfig), "-n", namespace, "logs", "hello"],
                              capture_output=True, text=True, timeout=60, check=False)
     assert kubectl.stdout == "hello from a pod\n", kubectl.stderr
+
+
+def test_set_image_adds_a_registry_row_and_refuses_a_bad_one(cluster):
+    out = resilax("set-image", "example.com/cli-root:1", "--user", "0", "--dir", str(cluster.run_dir))
+    assert out.returncode == 0, out.stderr
+    out = resilax("images", "--dir", str(cluster.run_dir))
+    assert out.returncode == 0, out.stderr
+    assert {"image": "example.com/cli-root:1", "pullable": True, "error": "", "user": "0"} in json.loads(out.stdout)
+    out = resilax("set-image", "Example/App", "--unpullable", "--dir", str(cluster.run_dir))
+    assert out.returncode == 1 and "image entry: image: " in out.stderr and "must be lowercase" in out.stderr
 
 
 def test_commands_without_a_cluster_say_how_to_start_one(tmp_path):
