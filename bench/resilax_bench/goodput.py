@@ -149,7 +149,7 @@ class GoodputRun(Demo):
                 detected = find_reaction(prev, [r.time for r in self.records if r.generation == prev],
                                          prev_seen.get("running") or prev_seen.get("created"),
                                          seen.get("created") or seen.get("running"), self.snapshots,
-                                         [e.time for e in self.events.values()])
+                                         list(self.events.values()))
             began, ended = restored.get(gen, (None, None))
             out[gen] = GenerationMarks(detected=detected, pods_created=seen.get("created"),
                                        pods_running=seen.get("running"), restored=ended, restore_began=began)
@@ -305,7 +305,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def recompute(folder: Path) -> dict[str, Any]:
     """The summary of a variant saved by `GoodputRun.save_variant`, computed again (reactions included)."""
-    from resilax_local.timeline import JobSnapshot, LossRecord
+    from resilax_local.timeline import JobSnapshot, LossRecord, TimelineEvent
 
     saved = json.loads((folder / "marks.json").read_text())
 
@@ -315,7 +315,7 @@ def recompute(folder: Path) -> dict[str, Any]:
     records = [LossRecord(**r) for r in rows("losses")]
     faults = [Fault(**f) for f in rows("faults")]
     snapshots = [JobSnapshot(**s) for s in rows("snapshots")]
-    events = [float(e["time"]) for e in rows("events")]
+    events = [TimelineEvent(**e) for e in rows("events")]
     fields = set(GenerationMarks.__dataclass_fields__)
     marks = {int(g): GenerationMarks(**{k: v for k, v in m.items() if k in fields}) for g, m in saved["marks"].items()}
     gens = sorted(marks)

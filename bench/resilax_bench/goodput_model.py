@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from resilax_local.timeline import Fault, JobSnapshot, LossRecord
+from resilax_local.timeline import Fault, JobSnapshot, LossRecord, TimelineEvent
 from resilax_operator import goodput
 from resilax_operator.goodput import BUCKETS
 
@@ -140,21 +140,26 @@ def build_generation_marks(records: Sequence[LossRecord], faults: Sequence[Fault
     return out
 
 
+#: Job Events that announce a wait, not the move to a new generation (the operator's accounting starts
+#: detection's end at the transition too): not a reaction.
+WAITING_REASONS = ("PeerLost", "NodeNotReady", "NodeLossGuard", "MaintenanceScheduled")
+
+
 def find_reaction(previous: int, steps: Sequence[float], started: float | None, until: float | None,
-                  snapshots: Sequence[JobSnapshot], events: Iterable[float]) -> float | None:
-    """When the operator first reacted to replace generation `previous`: the first job snapshot not
-    Running (or on a newer generation), or the first job Event, from `previous`'s first step (`steps`:
-    its step times; without steps, `started`) up to one second after the next generation's pods were
-    created (`until`; the API's times have whole seconds). From the first step, not the last: a
-    preemption's or a grow-back's reaction comes before the last step (the trainers step on to their
-    final save); a later reaction (to the next fault) is not this generation's."""
+                  snapshots: Sequence[JobSnapshot], events: Iterable[TimelineEvent]) -> float | None:
+    """When the operator began replacing generation `previous`: the first job snapshot not Running (or
+    on a newer generation), or the first job Event other than a wait's (`WAITING_REASONS`), from
+    `previous`'s first step (`steps`: its step times; without steps, `started`) up to one second after
+    the next generation's pods were created (`until`; the API's times have whole seconds). From the
+    first step, not the last: a preemption's or a grow-back's reaction comes before the last step (the
+    trainers step on to their final save); a later reaction (to the next fault) is not this one's."""
     since = min(steps) if steps else started
     if since is None:
         return None
     end = until + 1.0 if until is not None else float("inf")
     reacted = [s.time for s in snapshots if since <= s.time <= end
                and (s.phase != "Running" or (s.generation or 0) > previous)]
-    reacted += [t for t in events if since <= t <= end]
+    reacted += [e.time for e in events if since <= e.time <= end and not e.text.startswith(WAITING_REASONS)]
     return min(reacted, default=None)
 
 

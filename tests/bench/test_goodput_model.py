@@ -15,7 +15,7 @@ from resilax_bench.goodput_model import (
     compute_goodput,
     find_reaction,
 )
-from resilax_local.timeline import Fault, JobSnapshot, LossRecord
+from resilax_local.timeline import Fault, JobSnapshot, LossRecord, TimelineEvent
 
 
 def rec(step: int, time: float, generation: int) -> LossRecord:
@@ -141,7 +141,9 @@ def snap(t: float, phase: str, generation: int) -> JobSnapshot:
 # the next fault (a preemption notice) came at 641.9, reacted to at 642.2.
 GROW_BACK_SNAPSHOTS = [snap(279.0, "Running", 2), snap(347.5, "Resizing", 2), snap(349.6, "Running", 3),
                        snap(642.2, "Saving", 3)]
-GROW_BACK_EVENTS = [279.0, 347.3, 349.2, 349.4, 641.9, 642.2]
+GROW_BACK_EVENTS = [TimelineEvent(t, "event", f"{reason}: ...") for t, reason in (
+    (279.0, "WorkersRunning"), (347.3, "GrowBack"), (349.2, "FinalSaveDone"), (349.4, "GenerationCreated"),
+    (641.9, "PreemptionNotice"), (642.2, "FinalSaveDone"))]
 
 
 @pytest.mark.parametrize(("previous", "steps", "until", "want"), [
@@ -156,9 +158,14 @@ def test_the_reaction_to_a_generation_is_the_first_after_it_trained_before_the_n
     assert find_reaction(previous, steps, 279.5, until, GROW_BACK_SNAPSHOTS, GROW_BACK_EVENTS) == want
 
 
-def test_a_hard_loss_reaction_one_second_after_the_pods_timestamp_counts() -> None:
-    """The NodeLost event at 278.1 and generation 2's pods created at 278 (whole seconds): the reaction."""
-    assert find_reaction(1, [12.5, 256.7], 0.2, 278.0, [snap(278.4, "Running", 2)], [278.1, 278.6]) == 278.1
+def test_a_hard_loss_reaction_is_the_transition_not_the_wait_before_it() -> None:
+    """The survivors exit 76 at once (PeerLost at 112.8: the operator waits for the cause); the NodeLost
+    event at 128.3 starts the transition, one second within generation 2's pods created at 128
+    (whole seconds): that is the reaction (a 6-minute run of 2026-12-04 09:37 UTC)."""
+    events = [TimelineEvent(112.8, "warning", "PeerLost: worker g1-s0-h1 stopped because a peer ..."),
+              TimelineEvent(128.3, "warning", "NodeLost: node tpu-slice-1-h1 ..."),
+              TimelineEvent(128.8, "event", "GenerationCreated: generation 2 ...")]
+    assert find_reaction(1, [45.2, 112.1], 3.2, 128.0, [snap(129.0, "Running", 2)], events) == 128.3
 
 
 # ---- the two variants' jobs -------------------------------------------------------------------------
