@@ -47,8 +47,9 @@ A suspended job (spec.suspend: no workers) pays nothing: `pause` leaves the time
 of the wall time.
 
 The operator's resolution: the trainer writes its figures at most once a second and the operator reads
-pod 0's every reconcile (<= 5 s), so a generation whose pod 0 died counts up to ~6 s of its last
-training as detection; times in the status have whole seconds. Until a generation is replaced, the time
+pod 0's every reconcile (<= 5 s) while it runs, so a generation whose pod 0 stopped (its node died, or it
+exited 76 because a peer did) counts up to ~6 s of its last training as detection (and those steps
+are not in lost_steps: a lower bound); times in the status have whole seconds. Until a generation is replaced, the time
 since its last step seen is `other` (at most a reconcile's worth while it trains).
 """
 

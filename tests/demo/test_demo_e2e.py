@@ -62,6 +62,10 @@ def test_demo_recovers_grows_back_and_finishes(tmp_path: Path) -> None:
 
     timeline = (run_dir / "timeline.txt").read_text()
     assert "Running -> Recovering" in timeline and "-> Succeeded" in timeline
+    # The operator's goodput account of the run (status.goodput): the fault cost time, the rest trained.
+    goodput = result["goodput"]
+    assert goodput and 0 < goodput["ratio"] < 1 and goodput["breakdown"]["detection"] > 0, goodput
+    assert "Goodput (the operator's account: status.goodput)" in timeline and "  goodput " in timeline
     png = Path(result["png"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert (run_dir / "operator.log").stat().st_size > 0
