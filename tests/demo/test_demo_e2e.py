@@ -61,7 +61,10 @@ def test_demo_recovers_grows_back_and_finishes(tmp_path: Path) -> None:
     assert grow["steps_lost"] == 0, grow  # growBack saves before it resizes
 
     timeline = (run_dir / "timeline.txt").read_text()
-    assert "Running -> Recovering" in timeline and "-> Succeeded" in timeline
+    # The node loss as the operator's Event names it (Events persist; the Recovering phase may last less
+    # than the demo's one-second status poll now that the operator replaces a generation whose survivors
+    # exited 76 at once, so the phase line is not asserted).
+    assert "NodeLost: node " in timeline and "-> Succeeded" in timeline
     # The operator's goodput account of the run (status.goodput): the fault cost time, the rest trained.
     goodput = result["goodput"]
     assert goodput and 0 < goodput["ratio"] < 1 and goodput["breakdown"]["detection"] > 0, goodput
