@@ -196,12 +196,11 @@ def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> boo
                                   "a number >= 0 (0: no exit watchdog)") from None
     import jax
 
+    kwargs: dict[str, Any] = {"coordinator_address": address, "num_processes": int(count),
+                              "process_id": int(env.get("JAX_PROCESS_ID", "0"))}
     timeout = env.get("RESILAX_INIT_TIMEOUT_SECONDS", "").strip()
     if timeout:
-        jax.distributed.initialize(coordinator_address=address, num_processes=int(count),
-                                   process_id=int(env.get("JAX_PROCESS_ID", "0")), initialization_timeout=int(timeout))
-    else:
-        jax.distributed.initialize(coordinator_address=address, num_processes=int(count),
-                                   process_id=int(env.get("JAX_PROCESS_ID", "0")))
+        kwargs["initialization_timeout"] = int(timeout)
+    jax.distributed.initialize(**kwargs)
     arm_exit_watchdog(grace)
     return True
