@@ -1,0 +1,164 @@
+"""The uploader's cleanup (step 6 of the pass described in resilax_sidecar.uploader): retention on
+both tiers, and (process 0) deleting attempts that a visible step's marker does not name and partial
+or fenced-out steps older than every kept one. Only what Resilax provably wrote is ever deleted
+(`layout.is_attempt_name` entries, `layout.owns_step_folder` folders); a step marked bad is kept."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+
+from resilax_ckpt import fencing, layout
+
+from resilax_sidecar.config import SidecarConfig
+from resilax_sidecar.metrics import SidecarMetrics
+from resilax_sidecar.store import BlobStore
+from resilax_sidecar.upload_scan import TierView, UploadMemory, list_local_steps, named_attempt
+
+log = logging.getLogger(__name__)
+
+
+def plan_retention(
+    steps: list[int], keep_last: int | None, keep_every_steps: int | None, protect: set[int]
+) -> list[int]:
+    """Which of the committed `steps` retention deletes (pure). The newest is always kept, and so is
+    every step in `protect` (an upload in flight)."""
+    if keep_last is None or not steps:
+        return []
+    ordered = sorted(steps)
+    keep = set(ordered[-keep_last:]) | {ordered[-1]} | protect
+    if keep_every_steps:
+        keep |= {s for s in ordered if s % keep_every_steps == 0}
+    return [s for s in ordered if s not in keep]
+
+
+class Cleaner:
+    """Retention on both tiers and the persistent tier's leftovers, for one process's uploader."""
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        store: BlobStore,
+        metrics: SidecarMetrics,
+        view: TierView,
+        memory: UploadMemory,
+        persists: Callable[[int], bool],
+    ) -> None:
+        assert config.local_dir is not None
+        self.config = config
+        self.local_dir = config.local_dir
+        self.store = store
+        self.metrics = metrics
+        self.view = view
+        self.memory = memory
+        self._persists = persists
+        """Whether a local step goes to the persistent tier (resilax_sidecar.uploader.Uploader.persists)."""
+
+    def clean_stale_attempts(self, persisted: list[int]) -> list[str]:
+        """Delete the attempts under visible committed steps that their `_COMMIT` does not name (a
+        stale or losing upload's, never readable), once per step in this sidecar's life; only entries of
+        the attempt form, only in steps whose marker names an attempt. Called on: process 0's
+        sidecar, each pass (the library's primary does the same at each generation's start)."""
+        cleaned = self.memory.cleaned
+        deleted: list[str] = []
+        for step in persisted:
+            if step in cleaned:
+                continue  # a visible commit is never re-pointed: its named attempt stays the same
+            body = self.view.read_commit(step)
+            won = named_attempt(body) if body is not None else None
+            if won is None:
+                cleaned[step] = ""
+                continue
+            for name in self.store.list_dir(str(step)):
+                if layout.is_attempt_name(name) and name != won:
+                    self.store.delete_prefix(f"{step}/{name}")
+                    deleted.append(f"{step}/{name}")
+            cleaned[step] = won
+        if deleted:
+            log.info("deleted attempts no commit marker names in %s: %s", self.store.url, ", ".join(deleted))
+        return deleted
+
+    def apply_retention(self, persisted: list[int], in_flight: int | None) -> bool:
+        """Keep the newest `keep_last` steps on both tiers (`local_keep_last` on the local tier when
+        set). The persistent tier is trimmed by process 0 only (one deleter); each host trims its own
+        local tier. True when something was deleted."""
+        cfg = self.config
+        if cfg.process_id == 0:
+            self.clean_stale_attempts(persisted)
+        local_keep = cfg.local_keep_last if cfg.local_keep_last is not None else cfg.keep_last
+        if cfg.keep_last is None and local_keep is None:
+            return False
+        deleted = False
+        protect = {in_flight} if in_flight is not None else set()
+        if cfg.keep_last is not None and cfg.process_id == 0 and persisted:
+            deleted = self._trim_persistent(persisted, protect)
+        if local_keep is None:
+            return deleted
+        return self._trim_local(persisted, local_keep, protect) or deleted
+
+    def _trim_persistent(self, persisted: list[int], protect: set[int]) -> bool:
+        cfg = self.config
+        known_committed = self.memory.known_committed
+        deleted = False
+        for step in plan_retention(persisted, cfg.keep_last, cfg.keep_every_steps, protect):
+            # _COMMIT first: a half-deleted step must never look committed.
+            self.store.delete(f"{step}/{layout.COMMIT_FILE}")
+            known_committed.pop(step, None)
+            self.memory.cleaned.pop(step, None)
+            self.store.delete_prefix(str(step))
+            self.metrics.retention_deletes.labels(tier="persistent").inc()
+            deleted = True
+            log.info("retention: deleted step %d from %s", step, self.store.url)
+        # Partial uploads older than every kept (visible) step (a save abandoned for a newer one, a
+        # host that died mid-upload) will never be committed, and a commit there that the fences
+        # hide (a stale generation's) will never be read: clear them out too. Not a step marked
+        # bad (kept), never a folder of someone else's.
+        kept = sorted(s for s in persisted if s in known_committed)
+        if kept:
+            all_steps = (layout.parse_step(n) for n in self.store.list_dir(""))
+            hiding: tuple[dict[fencing.Epoch, int | None], set[int]] | None = None
+            for step in sorted(s for s in all_steps if s is not None and s < kept[0]):
+                body = self.view.read_commit(step)
+                if body is None:
+                    if layout.owns_step_folder(self.store.list_dir(str(step))):
+                        self.store.delete_prefix(str(step))
+                        log.info("retention: deleted the abandoned partial upload of step %d", step)
+                    continue
+                if hiding is None:
+                    hiding = self.view.read_fences(), self.view.bad_steps()
+                fences, bad = hiding
+                if step not in bad and not fencing.decide_visible(step, fencing.parse_marker_epoch(body), fences):
+                    self.store.delete(f"{step}/{layout.COMMIT_FILE}")
+                    known_committed.pop(step, None)
+                    self.store.delete_prefix(str(step))
+                    log.info("retention: deleted step %d, committed by a fenced-out generation (never visible)",
+                             step)
+        return deleted
+
+    def _trim_local(self, persisted: list[int], local_keep: int, protect: set[int]) -> bool:
+        # Steps a restore marked bad count like the others (kept until they age out, never uploaded).
+        local_steps = list_local_steps(self.local_dir, self.config.process_id)
+        newest_persisted = max(persisted, default=None)
+        local_protect = set(protect)
+        # A local step newer than everything persisted is still to be uploaded: keep the newest one.
+        waiting = [s for s in self.view.scan_local()
+                   if (newest_persisted is None or s > newest_persisted) and self._persists(s)]
+        if waiting:
+            local_protect.add(waiting[-1])
+        deleted = False
+        for step in plan_retention(local_steps, local_keep, None, local_protect):
+            folder = self.local_dir / str(step)
+            trash = self.local_dir / f"{layout.TRASH_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(folder, trash)
+            except FileNotFoundError:
+                continue  # the trainer's own retention got there first
+            shutil.rmtree(trash, ignore_errors=True)
+            self.memory.marker_done.pop(step, None)
+            self.metrics.retention_deletes.labels(tier="local").inc()
+            deleted = True
+            log.info("retention: deleted local step %d", step)
+        return deleted

@@ -1,0 +1,137 @@
+"""The uploader's commit of a step (step 5 of the pass described in resilax_sidecar.uploader): once
+every process's `_UPLOADED` marker of one save is in the attempt, every listed file is there with its
+size and no newer generation's fence hides the step, `<step>/_COMMIT` naming the attempt is created
+(create-only); a commit that fences or a bad record hide is re-pointed, a visible one never touched."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from resilax_ckpt import fencing, layout
+
+from resilax_sidecar.config import SidecarConfig
+from resilax_sidecar.errors import StoreError
+from resilax_sidecar.metrics import SidecarMetrics
+from resilax_sidecar.store import BlobStore
+from resilax_sidecar.upload_scan import LocalStep, TierView, UploadMemory, named_attempt
+
+log = logging.getLogger(__name__)
+
+
+class StepCommitter:
+    """Commits a save's attempt in the persistent tier when every process's upload is complete."""
+
+    def __init__(
+        self, config: SidecarConfig, store: BlobStore, metrics: SidecarMetrics, view: TierView, memory: UploadMemory
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = metrics
+        self.view = view
+        self.memory = memory
+
+    def try_commit(self, local: LocalStep) -> bool:
+        """Create `<step>/_COMMIT` naming the save's attempt if every process's upload of this save is
+        complete; True when the step is committed (by this save, or visibly by another one)."""
+        step = local.step
+        known_committed = self.memory.known_committed
+        existing = self.view.read_commit(step)
+        if existing is not None:
+            if named_attempt(existing) == local.attempt:
+                known_committed[step] = local.epoch
+                return True
+            if self.view.committed_elsewhere(local):
+                return True
+            # Hidden (a fenced-out older generation's commit, or a step marked bad): a complete
+            # upload of ours re-points it below; the attempt it named is left as it is.
+        base = f"{step}/{local.attempt}"
+        listing = self.store.list_files(base)
+        markers: dict[int, dict[str, Any]] = {}
+        for name in listing:
+            pid = layout.parse_uploaded(name)
+            if pid is None:
+                continue
+            try:
+                raw = json.loads(self.store.read_bytes(f"{base}/{name}"))
+            except (FileNotFoundError, ValueError):
+                continue
+            if isinstance(raw, dict):
+                markers[pid] = raw
+        missing = sorted(set(range(self.config.num_processes)) - set(markers))
+        if missing:
+            log.info("step %d: waiting for the uploads of processes %s", step, missing)
+            return False
+        stale = sorted(p for p, m in markers.items()
+                       if (m.get("era", 0), m.get("generation")) != (local.era, local.generation))
+        if stale:
+            log.info(
+                "step %d: the markers of processes %s are from another save (not generation %d); waiting",
+                step,
+                stale,
+                local.generation,
+            )
+            return False
+        for pid, marker in markers.items():
+            files = marker.get("files")
+            if not isinstance(files, dict):
+                return False
+            for key, size in files.items():
+                info = listing.get(key)
+                # Each host's metadata is valid for the step but carries its own save time, so the
+                # copy in place may be another host's, of another size: only its presence counts.
+                if info is not None and key == layout.METADATA_FILE:
+                    continue
+                if info is None or info.size != size:
+                    log.warning(
+                        "step %d: process %d's file %r is %s in %s/%s; not committing",
+                        step,
+                        pid,
+                        key,
+                        "missing" if info is None else f"{info.size} bytes, not {size}",
+                        self.store.url,
+                        base,
+                    )
+                    if key in local.files:
+                        # Deleted under us (e.g. a cleanup that took the attempt for a leftover):
+                        # withdraw our marker so the next pass copies it again.
+                        self.store.delete(f"{base}/{layout.uploaded_name(self.config.process_id)}")
+                        self.memory.marker_done.pop(step, None)
+                    return False
+        fences = self.view.read_fences()
+        if not fencing.decide_visible(step, local.epoch, fences):
+            raise StoreError(
+                f"step {step} of era {local.era} generation {local.generation} is fenced out by a newer "
+                f"generation or job (fences {sorted(fences)}); not committing it"
+            )
+        commit_key = f"{step}/{layout.COMMIT_FILE}"
+        if existing is None:
+            if self.store.create_bytes(commit_key, local.commit_body):
+                self.metrics.commits.inc()
+                log.info("step %d: committed in %s (all %d processes uploaded into %s)",
+                         step, self.store.url, len(markers), local.attempt)
+                known_committed[step] = local.epoch
+                return True
+            existing = self.view.read_commit(step)
+            if existing is not None and named_attempt(existing) == local.attempt:
+                log.info("step %d: already committed by another sidecar", step)
+                known_committed[step] = local.epoch
+                return True
+            return self.view.committed_elsewhere(local)
+        # Re-point a hidden commit, as resilax_ckpt.commit.commit_object does: only an older epoch's
+        # that the fences hide, or a step marked bad, never a visible one.
+        old_epoch = fencing.parse_marker_epoch(existing)
+        bad = step in self.view.bad_steps()
+        if not bad and old_epoch >= local.epoch:
+            log.warning("step %d: committed by era %d generation %d, which is hidden; not replacing it with "
+                        "era %d generation %d's", step, *old_epoch, *local.epoch)
+            return False
+        self.store.write_bytes(commit_key, local.commit_body)
+        if bad:
+            self.store.delete(f"{layout.BAD_DIR}/{layout.bad_name(step)}")
+        self.metrics.commits.inc()
+        log.info("step %d: committed in %s (all %d processes uploaded into %s), replacing %s's hidden commit",
+                 step, self.store.url, len(markers), local.attempt, named_attempt(existing) or "an in-place")
+        known_committed[step] = local.epoch
+        return True

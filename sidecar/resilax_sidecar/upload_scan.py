@@ -1,0 +1,280 @@
+"""The uploader's view of both tiers: which steps each holds, what a save's local files are, what a
+persistent `_COMMIT` names, and what the fences and bad records hide (step 1 of the pass described in
+resilax_sidecar.uploader). Reads only; the writes are in upload_copy, upload_commit and upload_cleanup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from resilax_ckpt import fencing, layout
+
+from resilax_sidecar.config import SidecarConfig
+from resilax_sidecar.store import BlobStore
+
+log = logging.getLogger(__name__)
+
+
+HIDING_REFRESH_SECONDS = 30.0
+"""How long `scan_persisted` trusts the fences and bad records it read while no step folder appears
+or goes."""
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """One locally committed step of this process, as it will be uploaded."""
+
+    step: int
+    folder: Path
+    files: dict[str, Path]
+    """Persistent key relative to the step folder -> local file."""
+    generation: int
+    digest: str
+    """Identifies this save: SHA-256 of the local metadata (or of the file list if there is none)."""
+    commit_body: bytes
+    era: int = 0
+    """The era of the job that saved it (resilax_ckpt.fencing): with `generation`, its epoch."""
+    attempt: str = ""
+    """The persistent attempt prefix this save is uploaded into (layout.upload_attempt_name)."""
+
+    @property
+    def epoch(self) -> fencing.Epoch:
+        return self.era, self.generation
+
+
+@dataclass
+class UploadMemory:
+    """What the uploader remembers between passes, shared by its parts (one uploader thread writes it)."""
+
+    known_committed: dict[int, fencing.Epoch] = field(default_factory=dict)
+    """Steps with a `_COMMIT` in the persistent tier, visible or not, and its epoch."""
+    marker_done: dict[int, str] = field(default_factory=dict)
+    """Steps whose `_UPLOADED.<process_id>` this sidecar wrote, and for which save (`attempt:digest`)."""
+    cleaned: dict[int, str] = field(default_factory=dict)
+    """Process 0: the committed steps whose unnamed attempts were deleted, and the attempt kept."""
+
+
+def local_commit_marker(folder: Path, process_id: int) -> Path | None:
+    """The marker that makes a local step folder committed for this process, or None."""
+    for name in (layout.commit_name(None), layout.commit_name(process_id)):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def list_local_steps(local_dir: Path, process_id: int) -> list[int]:
+    """The steps committed in a host's local tier for this process, ascending (bad ones included:
+    retention counts them like any other)."""
+    try:
+        names = os.listdir(local_dir)
+    except FileNotFoundError:
+        return []
+    steps = [s for s in map(layout.parse_step, names) if s is not None]
+    return sorted(s for s in steps if local_commit_marker(local_dir / str(s), process_id) is not None)
+
+
+def list_bad_steps(names: list[str]) -> set[int]:
+    """The steps of the `_bad/<step>.json` records among `names` (pure)."""
+    return {s for n in names if n.endswith(".json") and (s := layout.parse_step(n[:-5])) is not None}
+
+
+def commit_body_naming(local_body: bytes, step: int, epoch: fencing.Epoch, attempt: str) -> bytes:
+    """The persistent `_COMMIT` of an upload: the library's local marker (step, generation, era, time,
+    save) plus the attempt that holds the files (pure)."""
+    try:
+        body = json.loads(local_body)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body = {}
+    body.update({"step": step, "era": epoch[0], "generation": epoch[1], "attempt": attempt})
+    body.setdefault("time", time.time())
+    return json.dumps(body).encode()
+
+
+def named_attempt(body: bytes) -> str | None:
+    """The attempt a commit marker names, or None (a step committed in place) (pure)."""
+    try:
+        attempt = json.loads(body).get("attempt")
+    except (ValueError, AttributeError):
+        return None
+    return attempt if isinstance(attempt, str) and layout.is_attempt_name(attempt) else None
+
+
+def _is_local_only(name: str, own_metadata: str) -> bool:
+    if name == layout.COMMIT_FILE or name.startswith(layout.COMMIT_FILE + "."):
+        return True
+    if layout.parse_uploaded(name) is not None or name.startswith(layout.WRITER_PREFIX):
+        return True
+    # Another process's metadata in a shared host folder; ours is mapped to _METADATA.json.
+    return name.startswith("_METADATA.") and name != layout.METADATA_FILE
+
+
+class TierView:
+    """Reads both tiers for one process's uploader; caches what is costly to list on gs://."""
+
+    def __init__(
+        self, config: SidecarConfig, store: BlobStore, memory: UploadMemory, clock: Callable[[], float]
+    ) -> None:
+        assert config.local_dir is not None
+        self.config = config
+        self.local_dir = config.local_dir
+        self.store = store
+        self.memory = memory
+        self._clock = clock
+        self._fences: dict[str, tuple[str, tuple[fencing.Epoch, int | None]]] = {}
+        """gs://: fence records read so far, by name: (their MD5, what they say)."""
+        self._hiding_cache: tuple[set[int], float, dict[fencing.Epoch, int | None], set[int]] | None = None
+
+    # ---- the local tier -------------------------------------------------------------------------
+
+    def scan_local(self) -> list[int]:
+        """This process's locally committed steps that a restore did not mark bad (what is uploaded)."""
+        try:
+            bad = list_bad_steps(os.listdir(self.local_dir / layout.BAD_DIR))
+        except FileNotFoundError:
+            bad = set()
+        return [s for s in list_local_steps(self.local_dir, self.config.process_id) if s not in bad]
+
+    def read_local_step(self, step: int) -> LocalStep:
+        """The files of a local step this process uploads, and what identifies the save."""
+        folder = self.local_dir / str(step)
+        pid = self.config.process_id
+        own_metadata = layout.metadata_name(pid)
+        files: dict[str, Path] = {}
+        for dirpath, dirnames, filenames in os.walk(folder):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            rel_dir = Path(dirpath).relative_to(folder)
+            for name in sorted(filenames):
+                if name.startswith("."):
+                    continue
+                if rel_dir == Path(".") and _is_local_only(name, own_metadata):
+                    continue
+                files[(rel_dir / name).as_posix()] = Path(dirpath) / name
+        # Several processes sharing one host folder (tests) each write _METADATA.<id>.json; the
+        # persistent step has one _METADATA.json.
+        if layout.METADATA_FILE not in files and (folder / own_metadata).is_file():
+            files[layout.METADATA_FILE] = folder / own_metadata
+        commit_path = local_commit_marker(folder, pid)
+        commit_body = commit_path.read_bytes() if commit_path is not None else b""
+        era, generation = self._epoch_of(commit_body, files.get(layout.METADATA_FILE))
+        if layout.METADATA_FILE in files:
+            digest = hashlib.sha256(files[layout.METADATA_FILE].read_bytes()).hexdigest()
+        else:
+            listing = "\n".join(f"{k}\t{p.stat().st_size}" for k, p in sorted(files.items()))
+            digest = hashlib.sha256(listing.encode()).hexdigest()
+        save = ""
+        with contextlib.suppress(ValueError, AttributeError):
+            save = str(json.loads(commit_body).get("save") or "")
+        attempt = layout.upload_attempt_name(era, generation, step, save)
+        return LocalStep(step, folder, files, generation, digest,
+                         commit_body_naming(commit_body, step, (era, generation), attempt), era, attempt)
+
+    def _epoch_of(self, commit_body: bytes, metadata: Path | None) -> fencing.Epoch:
+        """The epoch (era, generation) of the trainer that committed the local step (its marker)."""
+        epoch = fencing.parse_marker_epoch(commit_body)
+        if epoch != (-1, -1):
+            return epoch
+        for raw in (metadata.read_bytes() if metadata is not None else b"",):
+            with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+                return 0, int(json.loads(raw)["generation"])
+        return 0, self.config.generation
+
+    # ---- the persistent tier ----------------------------------------------------------------------
+
+    def scan_persisted(self) -> list[int]:
+        """The persistent tier's visible committed steps: a `_COMMIT` that no newer generation's fence
+        and no `_bad/` record hides (what the library's readers see, resilax_ckpt.commit.list_visible)."""
+        known_committed = self.memory.known_committed
+        steps = [s for s in map(layout.parse_step, self.store.list_dir("")) if s is not None]
+        present = set(steps)
+        for gone in set(known_committed) - present:
+            del known_committed[gone]
+        fences, bad = self._hiding(present)
+        for step in steps:
+            known = known_committed.get(step)
+            if known is not None and fencing.decide_visible(step, known, fences):
+                continue
+            # New, or hidden so far (its marker may since have been re-pointed by a newer save).
+            body = self.read_commit(step)
+            if body is None:
+                known_committed.pop(step, None)
+            else:
+                known_committed[step] = fencing.parse_marker_epoch(body)
+        return sorted(s for s, epoch in known_committed.items()
+                      if s not in bad and fencing.decide_visible(s, epoch, fences))
+
+    def _hiding(self, present: set[int]) -> tuple[dict[fencing.Epoch, int | None], set[int]]:
+        """The fences and the bad records, as `scan_persisted` uses them: read again when the set of
+        step folders changed or `HIDING_REFRESH_SECONDS` passed, not on every pass (two listings
+        less per pass; both change only when a generation starts or a restore marks a step bad).
+        The checks before an upload and a commit always read them fresh (`visible`, `try_commit`)."""
+        now = self._clock()
+        cached = self._hiding_cache
+        if cached is None or cached[0] != present or now - cached[1] >= HIDING_REFRESH_SECONDS:
+            fences, bad = self.read_fences(), self.bad_steps()
+            self._hiding_cache = (present, now, fences, bad)
+            return fences, bad
+        return cached[2], cached[3]
+
+    def bad_steps(self) -> set[int]:
+        """The persistent tier's steps a restore marked bad (`_bad/<step>.json`)."""
+        return list_bad_steps(self.store.list_dir(layout.BAD_DIR))
+
+    def read_commit(self, step: int) -> bytes | None:
+        try:
+            return self.store.read_bytes(f"{step}/{layout.COMMIT_FILE}")
+        except FileNotFoundError:
+            return None
+
+    def visible(self, step: int, epoch: fencing.Epoch) -> bool:
+        """Whether a step committed at `epoch` is visible now (fences, bad records)."""
+        if step in self.bad_steps():
+            return False
+        return fencing.decide_visible(step, epoch, self.read_fences())
+
+    def read_fences(self) -> dict[fencing.Epoch, int | None]:
+        """Every fence record (resilax_ckpt.fencing). On gs:// a record whose MD5 (free in the
+        listing) did not change is not read again."""
+        listing = self.store.list_files(layout.FENCES_DIR)
+        fences: dict[fencing.Epoch, int | None] = {}
+        for name, info in listing.items():
+            if "/" in name or not name.endswith(".json") or name.startswith("era-"):
+                continue
+            cached = self._fences.get(name)
+            if cached is not None and info.md5 is not None and cached[0] == info.md5:
+                parsed = cached[1]
+            else:
+                try:
+                    fresh = fencing.parse_fence(name, self.store.read_bytes(f"{layout.FENCES_DIR}/{name}"))
+                except FileNotFoundError:
+                    continue
+                if fresh is None:
+                    continue  # half-written by a crashed primary: read again next time
+                parsed = fresh
+                if info.md5 is not None:
+                    self._fences[name] = (info.md5, parsed)
+            fences[parsed[0]] = parsed[1]
+        return fences
+
+    def committed_elsewhere(self, local: LocalStep) -> bool:
+        """Whether `_COMMIT` of the step names another attempt and is visible: the step is committed
+        and this upload has nothing to add (it could never be read)."""
+        body = self.read_commit(local.step)
+        if body is None or named_attempt(body) == local.attempt:
+            return False
+        epoch = fencing.parse_marker_epoch(body)
+        if not self.visible(local.step, epoch):
+            return False
+        log.info("step %d: already committed by another save (%s, era %d generation %d); not uploading ours",
+                 local.step, named_attempt(body) or "in place", *epoch)
+        self.memory.known_committed[local.step] = epoch
+        return True
