@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from chart_helpers import ROOT, doc_jaxjobs, operator_rules
 
-DOCS = [ROOT / "README.md", ROOT / "docs" / "user-guide.md", ROOT / "docs" / "operations.md"]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "user-guide.md", ROOT / "docs" / "operations.md",
+        ROOT / "docs" / "benchmarks.md", ROOT / "bench" / "results" / "CHANGELOG.md"]
 
 
 def github_anchor(heading: str) -> str:
@@ -101,3 +102,15 @@ def test_readme_first_screen_points_a_gke_user_to_the_quickstart() -> None:
                  "add-iam-policy-binding", "serviceAccountName", "docker push", "helm install", "kind: JAXJob",
                  "get jaxjobs -w"):
         assert step in quickstart, step
+
+
+def test_benchmark_changelog_and_raw_results_match() -> None:
+    """bench/results/CHANGELOG.md names every raw result file beside it, and only files that exist; every
+    raw file docs/benchmarks.md quotes exists."""
+    results = ROOT / "bench" / "results"
+    raw = {p.name for p in results.glob("*.json")}
+    changelog = (results / "CHANGELOG.md").read_text()
+    named = set(re.findall(r"`([\w.-]+\.json)`", changelog))
+    assert named == raw, (sorted(raw - named), sorted(named - raw))
+    quoted = set(re.findall(r"bench/results/([\w.-]+\.json)", (ROOT / "docs" / "benchmarks.md").read_text()))
+    assert quoted and quoted <= raw, sorted(quoted - raw)
