@@ -262,6 +262,7 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         env += [_var("TPU_WORKER_ID", host), _var("TPU_WORKER_HOSTNAMES", hostnames)]
         if plan.shape.count > 1:
             env += [_var("MEGASCALE_COORDINATOR_ADDRESS", f"{_host(coordinator)}:{settings.megascale_port}"),
+                    _var("MEGASCALE_PORT", settings.megascale_port),
                     _var("MEGASCALE_NUM_SLICES", plan.shape.count),
                     _var("MEGASCALE_SLICE_ID", slice_index)]
     return env

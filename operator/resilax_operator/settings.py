@@ -9,6 +9,14 @@ from dataclasses import dataclass, fields
 from typing import Final
 
 from .errors import InvalidSettingError
+from .ports import (
+    DEFAULT_COORDINATOR_PORT,
+    DEFAULT_MEGASCALE_PORT,
+    DEFAULT_SIDECAR_PORT,
+    MEGASCALE_PORTS,
+    TPU_RESERVED_PORTS,
+    reserved_port_problem,
+)
 
 ENV_PREFIX: Final = "RESILAX_OPERATOR_"
 
@@ -22,12 +30,15 @@ class OperatorSettings:
     sidecar_resources: str = ""
     """Resources of the sidecar container as JSON (`{"requests": {...}, "limits": {...}}`); empty: the
     built-in default (`builders.SIDECAR_RESOURCES`). The chart sets it from `sidecar.resources`."""
-    sidecar_port: int = 8471
-    """The sidecar's HTTP port inside each worker pod (`RESILAX_SIDECAR_PORT`)."""
-    coordinator_port: int = 8476
-    """Port of JAX's coordination service on process 0 (`JAX_COORDINATOR_ADDRESS`)."""
-    megascale_port: int = 8080
-    """Port of the Megascale (multi-slice TPU) coordinator on process 0."""
+    sidecar_port: int = DEFAULT_SIDECAR_PORT
+    """The sidecar's HTTP port inside each worker pod (`RESILAX_SIDECAR_PORT`). Not one of the TPU
+    runtime's ports (ports.py: 8471, 8080-8081, 8431, 8476-8479), which the operator refuses at start."""
+    coordinator_port: int = DEFAULT_COORDINATOR_PORT
+    """Port of JAX's coordination service on process 0 (`JAX_COORDINATOR_ADDRESS`); JAX's own choice on
+    Cloud TPU. Not one of the TPU runtime's ports."""
+    megascale_port: int = DEFAULT_MEGASCALE_PORT
+    """Megascale's port on multislice TPU workers: `MEGASCALE_PORT` and the port of
+    `MEGASCALE_COORDINATOR_ADDRESS` (process 0)."""
     termination_margin_seconds: int = 30
     """Added to `finalSave.timeoutSeconds` for the pods' terminationGracePeriodSeconds."""
     grow_back_settle_seconds: int = 60
@@ -79,6 +90,9 @@ class OperatorSettings:
     def __post_init__(self) -> None:
         if self.sidecar_resources:
             sidecar_resources_from_json(self.sidecar_resources)  # fails at start, not at the first pod
+        problems = check_ports(self)
+        if problems:
+            raise InvalidSettingError("; ".join(problems))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:
@@ -94,6 +108,25 @@ class OperatorSettings:
             else:
                 values[f.name] = int(raw) if f.type in ("int", int) else raw
         return cls(**values)  # type: ignore[arg-type]
+
+
+def check_ports(settings: OperatorSettings) -> list[str]:
+    """The worker pods' ports: the sidecar's and the coordinator's outside the TPU runtime's (ports.py),
+    Megascale's one of Megascale's own, all three different, each 1-65535."""
+    named = {"sidecar_port": settings.sidecar_port, "coordinator_port": settings.coordinator_port,
+             "megascale_port": settings.megascale_port}
+    out = [f"{ENV_PREFIX}{name.upper()}={port} is not a port number; allowed: 1-65535"
+           for name, port in named.items() if not 1 <= port <= 65535]
+    for name in ("sidecar_port", "coordinator_port"):
+        problem = reserved_port_problem(ENV_PREFIX + name.upper(), named[name])
+        if problem:
+            out.append(problem)
+    if settings.megascale_port in TPU_RESERVED_PORTS and settings.megascale_port not in MEGASCALE_PORTS:
+        out.append(reserved_port_problem(ENV_PREFIX + "MEGASCALE_PORT", settings.megascale_port) or "")
+    if len(set(named.values())) < len(named):
+        out.append(f"{ENV_PREFIX}SIDECAR_PORT={settings.sidecar_port}, COORDINATOR_PORT={settings.coordinator_port} "
+                   f"and MEGASCALE_PORT={settings.megascale_port} must differ (one network namespace per pod)")
+    return out
 
 
 def _boolean(name: str, raw: str) -> bool:

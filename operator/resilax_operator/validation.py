@@ -38,12 +38,45 @@ def validate_spec(raw: Mapping[str, Any], *, name: str | None = None,
         problems += validate_name(name)
     spec = parse_spec(raw, problems)
     problems += check_spec(spec, already_found=problems)
+    if settings is not None:
+        problems += check_template_ports(spec.template, settings)
     if settings is not None and not settings.allow_host_access and not any(
             p.path.startswith("spec.template") for p in problems):
         problems += check_host_access(spec.template)
     if problems:
         raise InvalidSpecError(problems)
     return spec
+
+
+def check_template_ports(template: Mapping[str, Any], settings: OperatorSettings) -> list[SpecProblem]:
+    """A template's container port that would collide, in the pod's one network namespace, with the
+    sidecar the operator adds (its port, on any container) or with JAX's coordination service (its
+    port, on a container other than the trainer, which runs it)."""
+    pod = template.get("spec")
+    out: list[SpecProblem] = []
+    if not isinstance(pod, Mapping):
+        return out
+    containers = pod.get("containers")
+    names = [c.get("name") if isinstance(c, Mapping) else None for c in containers] \
+        if isinstance(containers, list) else []
+    trainer_i = names.index(api.TRAINER_CONTAINER) if api.TRAINER_CONTAINER in names else 0
+    for key in ("initContainers", "containers"):
+        items = pod.get(key)
+        for i, c in enumerate(items if isinstance(items, list) else []):
+            if not isinstance(c, Mapping) or not isinstance(c.get("ports"), list):
+                continue
+            trainer = key == "containers" and i == trainer_i
+            for j, port in enumerate(c["ports"]):
+                number = port.get("containerPort") if isinstance(port, Mapping) else None
+                if number == settings.sidecar_port:
+                    out.append(SpecProblem(f"spec.template.spec.{key}[{i}].ports[{j}].containerPort",
+                                           f"{number} is the Resilax sidecar's port in every worker pod "
+                                           "(operator setting RESILAX_OPERATOR_SIDECAR_PORT); use another"))
+                elif number == settings.coordinator_port and not trainer:
+                    out.append(SpecProblem(f"spec.template.spec.{key}[{i}].ports[{j}].containerPort",
+                                           f"{number} is JAX's coordination service's port, which the trainer "
+                                           "binds (operator setting RESILAX_OPERATOR_COORDINATOR_PORT); use another"))
+    return out
 
 
 def validate_name(name: str) -> list[SpecProblem]:

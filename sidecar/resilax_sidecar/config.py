@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from resilax_operator.ports import DEFAULT_SIDECAR_PORT, reserved_port_problem
+
 from resilax_sidecar.errors import ConfigError
 
 T = TypeVar("T")
@@ -41,8 +43,9 @@ class SidecarConfig:
     host: str = "0.0.0.0"
     """`RESILAX_SIDECAR_HOST`: address the HTTP API binds to (default all interfaces, the pod network)."""
 
-    port: int = 8471
-    """`RESILAX_SIDECAR_PORT`: the HTTP API's port, 1-65535 (0 picks a free port; tests only)."""
+    port: int = DEFAULT_SIDECAR_PORT
+    """`RESILAX_SIDECAR_PORT`: the HTTP API's port, 1-65535 (0 picks a free port; tests only), never one of
+    the TPU runtime's (8471, 8080-8081, 8431, 8476-8479: resilax_operator/ports.py)."""
 
     token_file: Path | None = None
     """`RESILAX_SIDECAR_TOKEN_FILE`: file whose stripped contents is the bearer token mutating calls
@@ -183,12 +186,16 @@ class SidecarConfig:
                 f"RESILAX_SIDECAR_RETRY_MAX_SECONDS={retry_max} is below "
                 f"RESILAX_SIDECAR_RETRY_INITIAL_SECONDS={retry_initial}"
             )
+        port = get("RESILAX_SIDECAR_PORT", int_in(0, 65535), DEFAULT_SIDECAR_PORT, "a port number 1-65535")
+        reserved = reserved_port_problem("RESILAX_SIDECAR_PORT", port)
+        if reserved:
+            problems.append(reserved)
         config = cls(
             control_dir=Path(control),
             checkpoint_dir=checkpoint_dir,
             local_dir=Path(local) if local else None,
             host=env.get("RESILAX_SIDECAR_HOST", "").strip() or "0.0.0.0",
-            port=get("RESILAX_SIDECAR_PORT", int_in(0, 65535), 8471, "a port number 1-65535"),
+            port=port,
             token_file=Path(token) if token else None,
             process_id=process_id,
             num_processes=num_processes,

@@ -14,7 +14,7 @@ from resilax_sidecar.errors import ConfigError
 def test_defaults_from_a_minimal_environment():
     config = SidecarConfig.from_env({"RESILAX_CONTROL_DIR": "/ctl"})
     assert config.control_dir == Path("/ctl")
-    assert config.host == "0.0.0.0" and config.port == 8471
+    assert config.host == "0.0.0.0" and config.port == 8490
     assert config.local_dir is None and not config.uploads
     assert config.token_file is None and config.keep_last is None
     assert (config.process_id, config.num_processes, config.generation) == (0, 1, 0)
@@ -48,6 +48,14 @@ def test_every_variable_is_read():
     assert (c.keep_last, c.keep_every_steps, c.grace_seconds) == (2, 1000, 30.0)
     assert (c.upload_concurrency, c.poll_seconds, c.retry_initial_seconds, c.retry_max_seconds) == (16, 0.5, 0.5, 5.0)
     assert (c.verify, c.log_level) == ("md5", "DEBUG")
+
+
+@pytest.mark.parametrize("port", ["8471", "8080", "8081", "8431", "8476"])
+def test_a_tpu_runtime_port_is_refused(port):
+    """Issue 25, item 2: the sidecar shares the worker pod's network with libtpu and Megascale."""
+    with pytest.raises(ConfigError) as info:
+        SidecarConfig.from_env({"RESILAX_CONTROL_DIR": "/ctl", "RESILAX_SIDECAR_PORT": port})
+    assert f"RESILAX_SIDECAR_PORT={port} is the TPU runtime's port" in str(info.value)
 
 
 def test_all_problems_are_reported_at_once_with_variable_value_and_what_is_allowed():

@@ -49,8 +49,8 @@ def test_pod_zero_alone_until_coordinator_ip_known() -> None:
     pods = build_pods(JOB, _spec(), PLAN, SETTINGS, coordinator_ip=None)
     assert [p["metadata"]["name"] for p in pods] == ["llama-g3-s0-h0"]
     env = _env(_trainer(pods[0]))
-    assert env["JAX_COORDINATOR_ADDRESS"] == "$(RESILAX_POD_IP):8476"
-    assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "$(RESILAX_POD_IP):8476"
+    assert env["JAX_COORDINATOR_ADDRESS"] == "$(RESILAX_POD_IP):8482"
+    assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "$(RESILAX_POD_IP):8482"
     assert env["RESILAX_SIDECAR_HOST"] == "$(RESILAX_POD_IP)"
     assert env["RESILAX_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     names = [e["name"] for e in _trainer(pods[0])["env"]]
@@ -64,9 +64,9 @@ def test_all_pods_once_coordinator_known() -> None:
     assert ids == list(range(8))
     for p in pods:
         env = _env(_trainer(p))
-        assert env["JAX_COORDINATOR_ADDRESS"] == "10.0.0.5:8476"
+        assert env["JAX_COORDINATOR_ADDRESS"] == "10.0.0.5:8482"
         assert env["JAX_NUM_PROCESSES"] == "8"
-        assert env["MEGASCALE_COORDINATOR_ADDRESS"] == "10.0.0.5:8080"
+        assert env["MEGASCALE_COORDINATOR_ADDRESS"] == "10.0.0.5:8080" and env["MEGASCALE_PORT"] == "8080"
         assert env["MEGASCALE_NUM_SLICES"] == "2"
         assert env["MEGASCALE_SLICE_ID"] == p["metadata"]["labels"][api.LABEL_SLICE]
         assert env["TPU_WORKER_ID"] == p["metadata"]["labels"][api.LABEL_HOST]
@@ -74,7 +74,7 @@ def test_all_pods_once_coordinator_known() -> None:
 
 def test_ipv6_coordinator_in_brackets() -> None:
     pod = build_pod(JOB, _spec(), PLAN, 0, 1, SETTINGS, coordinator_ip="fd00::5")
-    assert _env(_trainer(pod))["JAX_COORDINATOR_ADDRESS"] == "[fd00::5]:8476"
+    assert _env(_trainer(pod))["JAX_COORDINATOR_ADDRESS"] == "[fd00::5]:8482"
 
 
 def test_non_zero_process_needs_coordinator_ip() -> None:
@@ -154,7 +154,7 @@ def test_resilax_env_matches_architecture_doc() -> None:
     assert env["RESILAX_LOCAL_DIR"] == api.LOCAL_DIR and env["RESILAX_CONTROL_DIR"] == api.CONTROL_DIR
     assert env["RESILAX_SAVE_EVERY_STEPS"] == "1000" and env["RESILAX_SAVE_EVERY_SECONDS"] == "1800"
     assert env["RESILAX_KEEP_LAST"] == "3" and env["RESILAX_KEEP_EVERY_STEPS"] == "10000"
-    assert env["RESILAX_RESTORE_STEP"] == "latest" and env["RESILAX_SIDECAR_PORT"] == "8471"
+    assert env["RESILAX_RESTORE_STEP"] == "latest" and env["RESILAX_SIDECAR_PORT"] == "8490"
     assert env["RESILAX_SIDECAR_TOKEN_FILE"] == f"{api.TOKEN_DIR}/token"
     assert env["RESILAX_SIDECAR_GRACE_SECONDS"] == "300"
     doc = (__import__("pathlib").Path(__file__).resolve().parents[3] / "docs" / "architecture.md").read_text()
@@ -188,7 +188,7 @@ def test_sidecar_is_native_and_restricted() -> None:
     sidecar = pod["spec"]["initContainers"][0]
     assert sidecar["name"] == api.SIDECAR_CONTAINER and sidecar["restartPolicy"] == "Always"
     assert sidecar["image"] == "resilax:test" and sidecar["command"] == ["resilax", "sidecar"]
-    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 8471}
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 8490}
     sc = sidecar["securityContext"]
     assert sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"] == {"drop": ["ALL"]}
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}

@@ -289,8 +289,8 @@ def test_kueue_pod_group_created_at_once_with_the_coordinator_by_dns() -> None:
         assert labels[api.KUEUE_QUEUE_LABEL] == "team-a" and labels[api.KUEUE_POD_GROUP_LABEL] == "llama-g1"
         assert annotations[api.KUEUE_POD_GROUP_COUNT_ANNOTATION] == "8"
     envs = [{e["name"]: e.get("value") for e in m["spec"]["containers"][0]["env"]} for m in create.pods]
-    assert envs[0]["JAX_COORDINATOR_ADDRESS"] == "$(RESILAX_POD_IP):8476"
-    assert {e["JAX_COORDINATOR_ADDRESS"] for e in envs[1:]} == {"llama-g1-s0-h0.llama-g1:8476"}
+    assert envs[0]["JAX_COORDINATOR_ADDRESS"] == "$(RESILAX_POD_IP):8482"
+    assert {e["JAX_COORDINATOR_ADDRESS"] for e in envs[1:]} == {"llama-g1-s0-h0.llama-g1:8482"}
     assert {e["RESILAX_INIT_TIMEOUT_SECONDS"] for e in envs} == {str(WAITING_INIT_TIMEOUT_SECONDS)}
     # Gated: waiting for admission, whatever the schedule timeout; no replan.
     w.settle()

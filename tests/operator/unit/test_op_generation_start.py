@@ -43,7 +43,7 @@ def test_first_generation_coordinator_first_then_the_rest() -> None:
     create = next(a for a in actions if isinstance(a, CreateGeneration))
     assert len(create.pods) == 15 and create.service is None
     env = {e["name"]: e.get("value") for e in create.pods[0]["spec"]["containers"][0]["env"]}
-    assert env["JAX_COORDINATOR_ADDRESS"] == "10.0.0.1:8476"
+    assert env["JAX_COORDINATOR_ADDRESS"] == "10.0.0.1:8482"
     assert w.status.workers_created
     w.schedule()
     w.step()
