@@ -31,6 +31,13 @@ LABEL_ROLE: Final = "resilax.dev/role"
 ROLE_WORKER: Final = "worker"
 ANNOTATION_SHAPE: Final = "resilax.dev/shape"
 ANNOTATION_RESTORE_STEP: Final = "resilax.dev/restore-step"
+#: On a worker pod: "1" when its trainer runs under `resilax run` (the supervisor), so an in-place restart
+#: may replace the trainer process and keep the pod (spec.recovery.inPlace: Auto).
+ANNOTATION_SUPERVISED: Final = "resilax.dev/supervised"
+#: The sidecar's doorbell for a supervised trainer: 200 while its current incarnation runs, else 503.
+TRAINER_READY_PATH: Final = "/v1/trainer/ready"
+#: The supervisor that runs a supervised trainer as its child (`resilax run -- <command> <args>`).
+SUPERVISOR_COMMAND: Final = ("resilax", "run", "--")
 #: On a worker pod, set by the I/O side after it posted a final save request to that pod's sidecar:
 #: `<operator request id>=<sidecar request id>`, so that a repeated RequestFinalSave posts nothing.
 ANNOTATION_SAVE_REQUEST: Final = "resilax.dev/save-request"

@@ -12,70 +12,33 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 from . import api
+from .generation import (
+    GenerationPlan,
+    JobRef,
+    build_pod_group_name,
+    build_token_secret_name,
+    build_workers_service_name,
+    creates_all_at_once,
+    kueue_queue,
+)
 from .settings import OperatorSettings, sidecar_resources_from_json
-from .spec import LOCAL_SCOPE_NODE, JobSpec, Shape
+from .spec import LOCAL_SCOPE_NODE, JobSpec
 from .topology import SliceGeometry, plan_geometry
+from .worker_env import STORAGE_MOUNT, build_env, merge_env
 
 Manifest = dict[str, Any]
 
-#: `RESILAX_INIT_TIMEOUT_SECONDS` of workers that may wait for the others' nodes or admission (capacity
-#: Autoscaled, Kueue): the operator, not JAX's 5-minute default, decides how long a generation waits.
-WAITING_INIT_TIMEOUT_SECONDS: Final = 86400
-STORAGE_MOUNT: Final = "/var/run/resilax/storage"
 STORAGE_VOLUME: Final = "resilax-storage"
 SIDECAR_RESOURCES: Final = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 LOCAL_INIT_RESOURCES: Final = {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}}
 
 
-@dataclass(frozen=True)
-class JobRef:
-    """The JAXJob object that owns what the builders make."""
-
-    name: str
-    namespace: str
-    uid: str
-    #: The JAXJob's `kueue.x-k8s.io/queue-name` label ("" without one).
-    queue: str = ""
-
-
-@dataclass(frozen=True)
-class GenerationPlan:
-    """One generation: its number, shape, the node pool each slice runs on, and the step to restore."""
-
-    generation: int
-    shape: Shape
-    #: pools[i] is the node pool (value of cloud.google.com/gke-nodepool) of slice i; len == shape.count.
-    #: "" (capacity.provisioning Autoscaled): no Ready pool hosts slice i yet; its pods go to whichever
-    #: node pool the cluster provides, all on one pool and none on another slice's (`_slice_placement`).
-    pools: tuple[str, ...]
-    restore_step: str = "latest"
-    #: Worker process index → the node it last ran on (status.workerNodes): a preferred node affinity.
-    worker_nodes: tuple[tuple[int, str], ...] = ()
-
-    def __post_init__(self) -> None:
-        if len(self.pools) != self.shape.count:
-            raise ValueError(f"generation {self.generation}: {len(self.pools)} pools for {self.shape.count} slices")
-
-
 def geometry_of(spec: JobSpec, topology: str) -> SliceGeometry:
     return plan_geometry(spec.slices.accelerator, topology, chips_per_host=spec.slices.chips_per_host,
                          machine_type=spec.slices.machine_type)
-
-
-def build_service_name(job: str, generation: int) -> str:
-    return f"{job}-g{generation}"
-
-
-def build_pod_name(job: str, generation: int, slice_index: int, host: int) -> str:
-    return f"{job}-g{generation}-s{slice_index}-h{host}"
-
-
-def build_token_secret_name(job: str) -> str:
-    return f"{job}-resilax-token"
 
 
 def build_labels(job: str, generation: int) -> dict[str, str]:
@@ -96,37 +59,59 @@ def build_token_secret(job: JobRef, token: str) -> Manifest:
             "type": "Opaque", "stringData": {api.TOKEN_KEY: token}}
 
 
-def build_service(job: JobRef, plan: GenerationPlan, settings: OperatorSettings) -> Manifest:
-    """The generation's headless Service (pod DNS names on clusters that have DNS)."""
+def build_service(job: JobRef, settings: OperatorSettings) -> Manifest:
+    """The job-wide headless Service `<job>-workers` (pod DNS names on clusters that have DNS): every
+    worker pod names it as its `subdomain`. It carries no generation label: it serves them all."""
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": build_service_name(job.name, plan.generation), "namespace": job.namespace,
-                     "labels": build_labels(job.name, plan.generation),
+        "metadata": {"name": build_workers_service_name(job.name), "namespace": job.namespace,
+                     "labels": {api.LABEL_JOB: job.name, api.LABEL_ROLE: api.ROLE_WORKER},
                      "ownerReferences": [build_owner_reference(job)]},
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                 "selector": {api.LABEL_JOB: job.name, api.LABEL_GENERATION: str(plan.generation)},
+                 "selector": {api.LABEL_JOB: job.name, api.LABEL_ROLE: api.ROLE_WORKER},
                  "ports": [{"name": "coordinator", "port": settings.coordinator_port},
                            {"name": "sidecar", "port": settings.sidecar_port}]},
     }
 
 
-def kueue_queue(job: JobRef, spec: JobSpec) -> str:
-    """The Kueue LocalQueue of the job's workers: the JAXJob's `kueue.x-k8s.io/queue-name` label, else the
-    template's; "" for none."""
-    labels = (spec.template.get("metadata") or {}).get("labels") or {}
-    return job.queue or str(labels.get(api.KUEUE_QUEUE_LABEL) or "")
+def build_coordinator_host(job: JobRef, plan: GenerationPlan) -> str:
+    """Pod 0's DNS name through the job's headless Service (clusters with DNS, e.g. GKE)."""
+    return f"{plan.pod_name(job.name, 0, 1)}.{build_workers_service_name(job.name)}"
 
 
-def creates_all_at_once(job: JobRef, spec: JobSpec) -> bool:
-    """Whether a generation's pods are all created together, the coordinator named by DNS
-    (`<pod 0>.<service>`), instead of pod 0 first and the others with its IP. For a Kueue queue: Kueue
-    creates the pod group's Workload only once it sees all of its pods, and gates each until then."""
-    return bool(kueue_queue(job, spec))
+def in_place_unavailable(job: JobRef, spec: JobSpec) -> str:
+    """Why an in-place restart cannot apply to this job's pods ("" when it can, or when
+    `spec.recovery.inPlace` is Never: nothing to explain)."""
+    if not spec.recovery.in_place_auto:
+        return ""
+    if kueue_queue(job, spec):
+        return "the job has a Kueue queue (its pod group cannot be re-labelled into a new one)"
+    trainer = _trainer(spec.template.get("spec") or {})
+    if not trainer.get("command"):
+        return (f"the trainer container {trainer.get('name', '')!r} has no command (the supervisor `resilax run` "
+                "wraps it; set command)")
+    if trainer.get("readinessProbe"):
+        return (f"the trainer container {trainer.get('name', '')!r} sets its own readinessProbe (the operator's "
+                f"probe on the sidecar's {api.TRAINER_READY_PATH} is how it learns of a trainer's exit)")
+    return ""
 
 
-def build_coordinator_host(job: JobRef, generation: int) -> str:
-    """Pod 0's DNS name through the generation's headless Service (clusters with DNS, e.g. GKE)."""
-    return f"{build_pod_name(job.name, generation, 0, 0)}.{build_service_name(job.name, generation)}"
+def supervised(job: JobRef, spec: JobSpec) -> bool:
+    """Whether the trainer runs under the supervisor (`resilax run`): inPlace Auto and nothing against it."""
+    return spec.recovery.in_place_auto and not in_place_unavailable(job, spec)
+
+
+def _trainer(pod_spec: Mapping[str, Any]) -> Mapping[str, Any]:
+    containers = pod_spec.get("containers") or []
+    return next((c for c in containers if c.get("name") == api.TRAINER_CONTAINER), containers[0] if containers else {})
+
+
+def _supervise(trainer: dict[str, Any], settings: OperatorSettings) -> None:
+    """The trainer's command run by the supervisor, and the doorbell: a readinessProbe on the sidecar's
+    `/v1/trainer/ready`, so a trainer's exit (which no longer ends the container) wakes the operator."""
+    trainer["command"] = [*api.SUPERVISOR_COMMAND, *(trainer.get("command") or []), *(trainer.pop("args", None) or [])]
+    trainer["readinessProbe"] = {"httpGet": {"path": api.TRAINER_READY_PATH, "port": settings.sidecar_port},
+                                 "periodSeconds": 1, "failureThreshold": 1}
 
 
 def build_pods(job: JobRef, spec: JobSpec, plan: GenerationPlan, settings: OperatorSettings, *,
@@ -135,7 +120,7 @@ def build_pods(job: JobRef, spec: JobSpec, plan: GenerationPlan, settings: Opera
     When `creates_all_at_once`: every pod at once, pod 0 with its own IP and the others with its DNS name."""
     geometry = geometry_of(spec, plan.shape.topology)
     if coordinator_ip is None and creates_all_at_once(job, spec):
-        host = build_coordinator_host(job, plan.generation)
+        host = build_coordinator_host(job, plan)
         return [build_pod(job, spec, plan, s, h, settings, coordinator_ip=None if s == h == 0 else host)
                 for s in range(plan.shape.count) for h in range(geometry.hosts)]
     if coordinator_ip is None:
@@ -151,8 +136,7 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
     process_id = slice_index * geometry.hosts + host
     if coordinator_ip is None and process_id != 0:
         raise ValueError("only process 0 can be built before the coordinator's IP is known")
-    name = build_pod_name(job.name, plan.generation, slice_index, host)
-    service = build_service_name(job.name, plan.generation)
+    name = plan.pod_name(job.name, process_id, geometry.hosts)
     template = copy.deepcopy(dict(spec.template))
     meta = template.get("metadata") or {}
     pod: dict[str, Any] = copy.deepcopy(dict(template.get("spec") or {}))
@@ -164,9 +148,12 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
                    api.ANNOTATION_RESTORE_STEP: plan.restore_step}
     queue = kueue_queue(job, spec)
     if queue:  # Kueue's plain Pod integration admits the generation's workers as one pod group
-        labels = {**labels, api.KUEUE_QUEUE_LABEL: queue, api.KUEUE_POD_GROUP_LABEL: service}
+        labels = {**labels, api.KUEUE_QUEUE_LABEL: queue,
+                  api.KUEUE_POD_GROUP_LABEL: build_pod_group_name(job.name, plan.generation)}
         annotations[api.KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(plan.shape.count * geometry.hosts)
 
+    if supervised(job, spec):
+        annotations[api.ANNOTATION_SUPERVISED] = "1"
     env = build_env(job, spec, plan, geometry, slice_index, host, settings, coordinator_ip=coordinator_ip)
     mounts = _resilax_mounts(spec)
     containers = [dict(c) for c in pod.get("containers") or []]
@@ -175,9 +162,11 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
     for i, c in enumerate(containers):
         c["securityContext"] = _restricted(c.get("securityContext"))
         if i == trainer_i:
-            c["env"] = _merge_env(env, c.get("env") or [], geometry)
+            c["env"] = merge_env(env, c.get("env") or [], geometry)
             c["volumeMounts"] = [*(c.get("volumeMounts") or []), *mounts]
             c["resources"] = _with_accelerator(c.get("resources") or {}, geometry)
+            if supervised(job, spec):
+                _supervise(c, settings)
     pod["containers"] = containers
     node_scope = node_scoped(spec)
     sidecar = build_sidecar(spec, settings, env)
@@ -190,7 +179,7 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
     pod["volumes"] = [*(pod.get("volumes") or []), *_resilax_volumes(job, spec, settings)]
     pod["restartPolicy"] = "Never"
     pod["hostname"] = name
-    pod["subdomain"] = service
+    pod["subdomain"] = build_workers_service_name(job.name)
     pool = plan.pools[slice_index]
     pod["nodeSelector"] = {**(pod.get("nodeSelector") or {}), **dict(geometry.node_selector),
                            **({api.NODE_POOL_LABEL: pool} if pool else {})}
@@ -210,70 +199,6 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
             "metadata": {"name": name, "namespace": job.namespace, "labels": labels,
                          "annotations": annotations, "ownerReferences": [build_owner_reference(job)]},
             "spec": pod}
-
-
-def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceGeometry, slice_index: int,
-              host: int, settings: OperatorSettings, *, coordinator_ip: str | None) -> list[dict[str, Any]]:
-    """The worker environment of docs/architecture.md, in dependency order ($(VAR) refers upwards)."""
-    process_id = slice_index * geometry.hosts + host
-    coordinator = "$(RESILAX_POD_IP)" if coordinator_ip is None else coordinator_ip
-    c = spec.checkpoint
-    every_seconds = "" if c.every.minutes is None else str(max(1, round(c.every.minutes * 60)))
-    env: list[dict[str, Any]] = [
-        {"name": "RESILAX_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "RESILAX_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "RESILAX_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        _var("JAX_COORDINATOR_ADDRESS", f"{_host(coordinator)}:{settings.coordinator_port}"),
-        # Bind to the pod's own IP, not all interfaces: on the local cluster every pod is a process on
-        # one host with its own loopback address, so two coordinators (or sidecars) must not share a port.
-        _var("JAX_COORDINATOR_BIND_ADDRESS", f"$(RESILAX_POD_IP):{settings.coordinator_port}"),
-        _var("JAX_NUM_PROCESSES", plan.shape.count * geometry.hosts),
-        _var("JAX_PROCESS_ID", process_id),
-        _var("RESILAX_NUM_SLICES", plan.shape.count),
-        _var("RESILAX_SLICE_ID", slice_index),
-        _var("RESILAX_HOSTS_PER_SLICE", geometry.hosts),
-        _var("RESILAX_DEVICES_PER_HOST", geometry.chips_per_host),
-        _var("RESILAX_JOB_NAME", job.name),
-        _var("RESILAX_NAMESPACE", job.namespace),
-        _var("RESILAX_GENERATION", plan.generation),
-        _var("RESILAX_JOB_UID", job.uid),
-        _var("RESILAX_CHECKPOINT_DIR", storage_dir(c.storage)),
-        _var("RESILAX_LOCAL_DIR", api.LOCAL_DIR if c.local is not None else ""),
-        _var("RESILAX_CONTROL_DIR", api.CONTROL_DIR),
-        _var("RESILAX_SAVE_EVERY_STEPS", "" if c.every.steps is None else c.every.steps),
-        _var("RESILAX_SAVE_EVERY_SECONDS", every_seconds),
-        _var("RESILAX_KEEP_LAST", "" if c.keep.last is None else c.keep.last),
-        _var("RESILAX_KEEP_EVERY_STEPS", "" if c.keep.every_steps is None else c.keep.every_steps),
-        _var("RESILAX_LOCAL_KEEP_LAST", "" if c.local is None else c.local.keep_last),
-        _var("RESILAX_PERSIST_EVERY_STEPS",
-             "" if c.local is None or c.local.persist_every_steps is None else c.local.persist_every_steps),
-        _var("RESILAX_RESTORE_STEP", plan.restore_step),
-        _var("RESILAX_SIDECAR_PORT", settings.sidecar_port),
-        _var("RESILAX_SIDECAR_HOST", "$(RESILAX_POD_IP)"),
-        _var("RESILAX_SIDECAR_TOKEN_FILE", f"{api.TOKEN_DIR}/{api.TOKEN_KEY}"),
-        _var("RESILAX_SIDECAR_GRACE_SECONDS", c.final_save.timeout_seconds),
-    ]
-    if spec.capacity.autoscaled or kueue_queue(job, spec):
-        env.append(_var("RESILAX_INIT_TIMEOUT_SECONDS", WAITING_INIT_TIMEOUT_SECONDS))
-    if geometry.is_tpu:
-        service = build_service_name(job.name, plan.generation)
-        hostnames = ",".join(f"{build_pod_name(job.name, plan.generation, slice_index, h)}.{service}"
-                             for h in range(geometry.hosts))
-        env += [_var("TPU_WORKER_ID", host), _var("TPU_WORKER_HOSTNAMES", hostnames)]
-        if plan.shape.count > 1:
-            env += [_var("MEGASCALE_COORDINATOR_ADDRESS", f"{_host(coordinator)}:{settings.megascale_port}"),
-                    _var("MEGASCALE_PORT", settings.megascale_port),
-                    _var("MEGASCALE_NUM_SLICES", plan.shape.count),
-                    _var("MEGASCALE_SLICE_ID", slice_index)]
-    return env
-
-
-def storage_dir(storage: str) -> str:
-    """`RESILAX_CHECKPOINT_DIR` for a `spec.checkpoint.storage`: pvc:// becomes the mounted path."""
-    if storage.startswith("pvc://"):
-        _, _, sub = storage[len("pvc://"):].partition("/")
-        return f"{STORAGE_MOUNT}/{sub}".rstrip("/")
-    return storage
 
 
 def build_sidecar(spec: JobSpec, settings: OperatorSettings, env: Sequence[Mapping[str, Any]]) -> Manifest:
@@ -347,31 +272,6 @@ def _prefer_node(affinity: Mapping[str, Any], node: str) -> dict[str, Any]:
     terms.append({"weight": 100, "preference": {"matchFields": [
         {"key": "metadata.name", "operator": "In", "values": [node]}]}})
     return out
-
-
-def _host(ip: str) -> str:
-    """An IP for `host:port`: IPv6 literals in brackets."""
-    return f"[{ip}]" if ":" in ip else ip
-
-
-def _var(name: str, value: object) -> dict[str, Any]:
-    return {"name": name, "value": str(value)}
-
-
-def _merge_env(ours: list[dict[str, Any]], theirs: Sequence[Mapping[str, Any]],
-               geometry: SliceGeometry) -> list[dict[str, Any]]:
-    """Ours first (so theirs may refer to $(RESILAX_...)) and ours win; on CPU the XLA_FLAGS and
-    JAX_CPU_COLLECTIVES_IMPLEMENTATION defaults only when the user sets none."""
-    names = {e["name"] for e in ours}
-    user_names = {e.get("name") for e in theirs}
-    extra: list[dict[str, Any]] = []
-    if geometry.family == "cpu":
-        if "XLA_FLAGS" not in user_names:
-            extra.append(_var("XLA_FLAGS", f"--xla_force_host_platform_device_count={geometry.chips_per_host}"))
-        if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in user_names:
-            extra.append(_var("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo"))
-    kept = [dict(e) for e in theirs if e.get("name") not in names]
-    return copy.deepcopy([*ours, *extra, *kept])
 
 
 def _restricted(context: Mapping[str, Any] | None) -> dict[str, Any]:

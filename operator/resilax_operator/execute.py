@@ -27,9 +27,9 @@ from .actions import (
     SetStatus,
     status_body,
 )
-from .builders import build_service_name, build_token_secret_name
 from .cache import WorldCache
 from .errors import ResilaxOperatorError
+from .generation import build_generation_service_name, build_token_secret_name
 from .k8s import Kube, KubeError, SidecarError
 from .observe import Logger, World, forget_trainer, job_ref, observe
 from .policies import goodput_status
@@ -158,7 +158,7 @@ def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger
             continue  # its trainer may still stop by itself; the decision looks again
         kube.delete_pod(ref.namespace, d.name, force=d.force, grace_seconds=d.grace_seconds)
         gone.append(d.name + (" (force)" if d.force else ""))
-    kube.delete_service(ref.namespace, build_service_name(ref.name, action.generation))
+    kube.delete_service(ref.namespace, build_generation_service_name(ref.name, action.generation))
     if gone:
         logger.info("generation %d (%s): deleting %s", action.generation, action.reason, ", ".join(gone))
 

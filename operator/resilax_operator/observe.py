@@ -19,7 +19,7 @@ from typing import Any
 
 from . import api, metrics
 from . import status as st
-from .builders import JobRef, build_pod_name
+from .builders import JobRef
 from .cache import WorldCache
 from .k8s import Kube, KubeError, SidecarError
 from .observed import (
@@ -88,8 +88,8 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
     outcomes = observe_save_outcomes(kube, status, pods, settings, logger)
     checkpoint = restore = None
     if status.generation > 0:
-        pod0 = next((p for p in pods if (p.get("metadata") or {}).get("name")
-                     == build_pod_name(ref.name, status.generation, 0, 0)), None)
+        pod0_name = status.pod_names(ref.name)[0]
+        pod0 = next((p for p in pods if (p.get("metadata") or {}).get("name") == pod0_name), None)
         if pod0 is not None and _pod_ip(pod0) and (pod0.get("status") or {}).get("phase") == "Running":
             try:
                 state = kube.sidecar("GET", str(_pod_ip(pod0)), settings.sidecar_port, "/v1/state")
@@ -101,7 +101,7 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
                     with _trainers_lock:
                         _trainers[ref.uid] = report
             except SidecarError as e:
-                logger.debug("no checkpoint state from %s: %s", build_pod_name(ref.name, status.generation, 0, 0), e)
+                logger.debug("no checkpoint state from %s: %s", pod0_name, e)
     with _trainers_lock:
         trainer = _trainers.get(ref.uid)
     observed = assemble_observed(job, now=now, pods=workers,

@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from . import api
 from . import goodput as gp
+from .generation import worker_pod_names
 from .spec import Shape
 
 # Transition kinds: why the current generation is being replaced.
@@ -57,6 +58,38 @@ class Transition:
     @property
     def saving(self) -> bool:
         return self.save_request_id is not None and not self.save_done
+
+
+#: status.inPlace.phase: the kept pods' old trainers are being stopped (and the lost pods deleted).
+IN_PLACE_STOPPING: Final = "Stopping"
+#: status.inPlace.phase: every kept pod is proven stopped; missing pods are created, kept ones started.
+IN_PLACE_STARTING: Final = "Starting"
+
+
+@dataclass(frozen=True)
+class KeptPod:
+    """A pod an in-place restart keeps: its trainer is stopped, then started as the new generation's."""
+
+    pod: str
+    uid: str
+    #: Its process id in the new generation.
+    process: int
+    #: Its old trainer is proven gone (the sidecar's `trainer_process`).
+    stopped: bool = False
+    #: Its sidecar accepted the new generation's start (`/v1/trainer/start` answered 200 or 202).
+    started: bool = False
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """status.inPlace: the in-place restart in progress (docs/architecture.md, its state machine)."""
+
+    generation: int
+    from_generation: int
+    phase: str
+    since: datetime
+    deadline: datetime
+    kept: tuple[KeptPod, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +154,13 @@ class JobStatus:
     admitted_time: datetime | None = None
     #: Goodput so far and where the rest of the wall time went (goodput.py; policies/goodput_status.py).
     goodput: GoodputRecord | None = None
+    #: The current generation's pod names by process id (written at every generation start); () from an
+    #: operator that predates it: the names `builders.build_pod_name` gives the generation.
+    worker_pods: tuple[str, ...] = ()
+    #: The in-place restart in progress; None: none.
+    in_place: InPlace | None = None
+    #: Restarts done in place (counted in `restarts` as well).
+    in_place_restarts: int = 0
 
     @property
     def workers_since(self) -> datetime | None:
@@ -130,6 +170,11 @@ class JobStatus:
 
     def condition(self, type_: str) -> Condition | None:
         return next((c for c in self.conditions if c.type == type_), None)
+
+    def pod_names(self, job: str) -> list[str]:
+        """The current generation's pod names by process id (status.workerPods, else the built names)."""
+        return worker_pod_names(job, self.worker_pods, self.generation,
+                                self.shape.count if self.shape is not None else 1, self.hosts)
 
 
 def format_time(t: datetime | None) -> str | None:
@@ -189,7 +234,31 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         final_save_seconds=_int_or_none((raw.get("timings") or {}).get("finalSaveSeconds")),
         restart_seconds=_int_or_none((raw.get("timings") or {}).get("restartSeconds")),
         admitted_time=parse_time(raw.get("admittedTime")),
-        goodput=parse_goodput(raw.get("goodput")))
+        goodput=parse_goodput(raw.get("goodput")),
+        worker_pods=tuple(str(n) for n in raw.get("workerPods") or () if n),
+        in_place=parse_in_place(raw.get("inPlace")),
+        in_place_restarts=int(raw.get("inPlaceRestarts") or 0))
+
+
+def parse_in_place(raw: Any) -> InPlace | None:
+    """status.inPlace → InPlace (None when absent or unreadable)."""
+    if not isinstance(raw, Mapping) or not raw.get("phase"):
+        return None
+    try:
+        since = parse_time(raw.get("since")) or datetime.fromtimestamp(0, UTC)
+        kept = tuple(KeptPod(str(k["pod"]), str(k.get("uid") or ""), int(k["process"]), bool(k.get("stopped")),
+                             bool(k.get("started"))) for k in raw.get("kept") or () if isinstance(k, Mapping))
+        return InPlace(int(raw["generation"]), int(raw.get("from") or 0), str(raw["phase"]), since,
+                       parse_time(raw.get("deadline")) or since, kept)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def build_in_place(p: InPlace) -> dict[str, Any]:
+    return {"generation": p.generation, "from": p.from_generation, "phase": p.phase, "since": format_time(p.since),
+            "deadline": format_time(p.deadline),
+            "kept": [{"pod": k.pod, "uid": k.uid, "process": k.process, "stopped": k.stopped, "started": k.started}
+                     for k in p.kept]}
 
 
 def _int_or_none(raw: Any) -> int | None:
@@ -211,6 +280,9 @@ def build_status(status: JobStatus) -> dict[str, Any]:
             "topology": status.shape.topology, "count": status.shape.count, "hosts": status.hosts},
         "pools": list(status.pools),
         "workerNodes": {str(i): node for i, node in status.worker_nodes} or None,
+        "workerPods": list(status.worker_pods) or None,
+        "inPlace": None if status.in_place is None else build_in_place(status.in_place),
+        "inPlaceRestarts": status.in_place_restarts or None,
         "restoreStep": status.restore_step or None,
         "generationStartTime": format_time(status.generation_start_time),
         "admittedTime": format_time(status.admitted_time),

@@ -17,7 +17,15 @@ from . import api, topology
 from .errors import InvalidSpecError, SpecProblem, UnknownTopologyError
 from .podtemplate import check_host_access, check_template_schema
 from .settings import OperatorSettings
-from .spec import LOCAL_MEDIA, LOCAL_SCOPE_POD, LOCAL_SCOPES, PROVISIONING_MODES, JobSpec, parse_spec
+from .spec import (
+    IN_PLACE_MODES,
+    LOCAL_MEDIA,
+    LOCAL_SCOPE_POD,
+    LOCAL_SCOPES,
+    PROVISIONING_MODES,
+    JobSpec,
+    parse_spec,
+)
 
 STORAGE_SCHEMES: Final = ("gs://", "pvc://", "/")
 #: Longest JAXJob name: pod names are `<job>-g<generation>-s<slice>-h<host>` and must stay DNS labels.
@@ -94,6 +102,7 @@ def check_spec(spec: JobSpec, *, already_found: Sequence[SpecProblem] = ()) -> l
     out += _check_elastic(spec, found)
     out += _check_checkpoint(spec, found)
     out += _check_capacity(spec, found)
+    out += _check_recovery(spec, found)
     out += _check_template(spec.template, found)
     return out
 
@@ -193,6 +202,16 @@ def _check_capacity(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
                             f"{c.shrink_after_seconds} with provisioning {c.provisioning}: shrinkAfterSeconds applies "
                             "to provisioning: Autoscaled only (with Ready the job never waits for nodes that do not "
                             "exist)")]
+    return []
+
+
+def _check_recovery(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
+    r = spec.recovery
+    if "spec.recovery.inPlace" not in found and r.in_place not in IN_PLACE_MODES:
+        return [SpecProblem("spec.recovery.inPlace",
+                            f"{r.in_place!r} is not an in-place mode; valid: Auto (keep the surviving pods after a "
+                            "worker failure, node loss or shrink and restart only their trainer), Never (replace "
+                            "every pod)")]
     return []
 
 

@@ -25,8 +25,8 @@ from datetime import timedelta
 
 from .. import api
 from .. import status as st
-from ..builders import build_service_name
 from ..capacity import describe_slice_need, plan_shape, shape_chips
+from ..generation import build_pod_group_name
 from ..observed import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
@@ -69,7 +69,7 @@ def waiting(spec: JobSpec, observed: Observed, s: JobStatus) -> tuple[str, str] 
     if held:
         return api.WAITING_FOR_ADMISSION.name, api.WAITING_FOR_ADMISSION.format(
             generation=s.generation, waiting=held, hosts=s.hosts, gates=", ".join(gates),
-            group=build_service_name(observed.job.name, s.generation))
+            group=build_pod_group_name(observed.job.name, s.generation))
     missing = waiting_workers(observed, s)
     if not missing or s.shape is None:
         return None

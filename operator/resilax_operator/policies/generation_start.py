@@ -38,11 +38,10 @@ from ..actions import (
 )
 from ..builders import (
     GenerationPlan,
-    JobRef,
-    build_pod_name,
     build_pods,
     build_service,
     creates_all_at_once,
+    geometry_of,
     node_scoped,
 )
 from ..capacity import explain_shortfall, fingerprint, plan_shape, plan_target, record_pools, shape_chips
@@ -94,6 +93,8 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     generation = s.generation + 1
     restore = spec.checkpoint.restore_step if generation == 1 else RESTORE_LATEST
     plan = GenerationPlan(generation, planned.shape, planned.pools, restore, s.worker_nodes)
+    hosts = geometry_of(spec, planned.shape.topology).hosts
+    workers = tuple(plan.pod_name(observed.job.name, i, hosts) for i in range(planned.hosts))
     if t is None:
         phase = api.PHASE_PENDING if first else api.PHASE_RECOVERING
     elif t.kind == st.SUSPEND:
@@ -103,7 +104,8 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     new = replace(s, phase=phase, generation=generation, shape=planned.shape, hosts=planned.hosts, pools=planned.pools,
                   restore_step=restore, generation_start_time=st.truncate(now), admitted_time=None,
                   workers_created=planned.hosts == 1,
-                  restarts=s.restarts + (0 if first else 1), planned_from=fingerprint(spec), transition=None)
+                  restarts=s.restarts + (0 if first else 1), planned_from=fingerprint(spec), transition=None,
+                  worker_pods=workers)
     message = api.GENERATION_CREATED.format(generation=generation, count=planned.shape.count,
                                             topology=planned.shape.topology, hosts=planned.hosts, restore=restore)
     new = st.set_condition(new, api.COND_READY, False, api.WORKERS_STARTING.name, message, now)
@@ -112,7 +114,7 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     new, resumed = suspend.resumed(new, generation, restore, now)
     pods = build_pods(observed.job, spec, plan, settings, coordinator_ip=None)
     return [*actions, SetStatus(new), EmitEvent("Normal", api.GENERATION_CREATED.name, message), *resumed,
-            CreateGeneration(generation, build_service(observed.job, plan, settings), tuple(pods))]
+            CreateGeneration(generation, build_service(observed.job, settings), tuple(pods))]
 
 
 def check_unscheduled(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings) -> Finding | None:
@@ -137,8 +139,9 @@ def bring_up(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
     others once its IP is known), then report Running or Starting."""
     now, g = observed.now, s.generation
     pods = observed.pods_of(g)
-    names = expected_pod_names(observed.job, s)
-    plan = GenerationPlan(g, s.shape or spec.spec_shape, s.pools, s.restore_step or RESTORE_LATEST, s.worker_nodes)
+    names = s.pod_names(observed.job.name)
+    plan = GenerationPlan(g, s.shape or spec.spec_shape, s.pools, s.restore_step or RESTORE_LATEST, s.worker_nodes,
+                          tuple(names))
     create: list[Action] = []
     if not s.workers_created:
         have = {p.name for p in pods}
@@ -147,10 +150,10 @@ def bring_up(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
             missing = [m for m in build_pods(observed.job, spec, plan, settings, coordinator_ip=None)
                        if m["metadata"]["name"] not in have]
             if missing:
-                create = [CreateGeneration(g, build_service(observed.job, plan, settings), tuple(missing))]
+                create = [CreateGeneration(g, build_service(observed.job, settings), tuple(missing))]
             s = replace(s, workers_created=True)
         elif pod0 is None:
-            return [CreateGeneration(g, build_service(observed.job, plan, settings),
+            return [CreateGeneration(g, build_service(observed.job, settings),
                                      tuple(build_pods(observed.job, spec, plan, settings, coordinator_ip=None))),
                     RequeueAfter(POLL_SECONDS)]
         elif pod0.pod_ip is not None:
@@ -211,13 +214,6 @@ def decide_restore_fallback(s: JobStatus, report: RestoreReport | None, now: dat
         return s, []
     new = st.set_condition(s, api.COND_CHECKPOINT_FALLBACK, True, api.STEPS_SKIPPED.name, message, now)
     return new, [EmitEvent("Warning", api.STEPS_SKIPPED.name, message)]
-
-
-def expected_pod_names(job: JobRef, s: JobStatus) -> list[str]:
-    """The current generation's pod names, from the status alone (the spec may have changed since)."""
-    count = s.shape.count if s.shape is not None else 1
-    hosts = max(1, s.hosts // max(1, count))
-    return [build_pod_name(job.name, s.generation, i, h) for i in range(count) for h in range(hosts)]
 
 
 def with_degraded(spec: JobSpec, s: JobStatus, now: datetime) -> JobStatus:

@@ -27,7 +27,6 @@ from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus
 from . import Finding, Verdict
-from .generation_start import expected_pod_names
 from .transition import plan_delete
 
 #: Pod status reasons that mean the node or the cluster ended the pod, not the worker: not counted
@@ -63,7 +62,7 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
         new = st.set_condition(new, api.COND_READY, False, api.COMPLETED.name, message, observed.now)
         return status_change(observed.status, new, EmitEvent("Normal", api.COMPLETED.name, message))
     deleted = [p.name for p in pods if p.deletion_timestamp is not None]
-    names = expected_pod_names(observed.job, s)
+    names = s.pod_names(observed.job.name)
     missing = sorted(set(names) - {p.name for p in pods})
     if deleted or (s.workers_created and missing) or (not s.workers_created and names[0] in missing and pods):
         return Finding(st.POD_LOST, api.POD_LOST.name, api.POD_LOST.format(pod=(deleted or missing)[0], generation=g))

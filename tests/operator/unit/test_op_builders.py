@@ -15,11 +15,13 @@ from resilax_operator.builders import (
     build_pods,
     build_service,
     build_token_secret,
-    storage_dir,
+    geometry_of,
+    in_place_unavailable,
 )
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.spec import JobSpec, Shape
 from resilax_operator.validation import validate_spec
+from resilax_operator.worker_env import build_generation_env, build_generation_overlay, storage_dir
 
 JOB = JobRef("llama", "ml", "uid-1")
 SETTINGS = OperatorSettings(sidecar_image="resilax:test")
@@ -91,7 +93,7 @@ def test_labels_owner_and_names() -> None:
     (owner,) = meta["ownerReferences"]
     assert owner == {"apiVersion": "resilax.dev/v1alpha1", "kind": "JAXJob", "name": "llama", "uid": "uid-1",
                      "controller": True, "blockOwnerDeletion": True}
-    assert pod["spec"]["hostname"] == "llama-g3-s1-h2" and pod["spec"]["subdomain"] == "llama-g3"
+    assert pod["spec"]["hostname"] == "llama-g3-s1-h2" and pod["spec"]["subdomain"] == "llama-workers"
     assert pod["spec"]["restartPolicy"] == "Never"
 
 
@@ -106,7 +108,7 @@ def test_tpu_scheduling() -> None:
     term = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert term["topologyKey"] == "kubernetes.io/hostname"
     env = _env(_trainer(pod))
-    assert env["TPU_WORKER_HOSTNAMES"] == ",".join(f"llama-g3-s1-h{h}.llama-g3" for h in range(4))
+    assert env["TPU_WORKER_HOSTNAMES"] == ",".join(f"llama-g3-s1-h{h}.llama-workers" for h in range(4))
 
 
 def test_single_slice_has_no_megascale() -> None:
@@ -241,11 +243,88 @@ def test_trainer_found_by_name() -> None:
     assert "env" not in pod["spec"]["containers"][0] and "env" in pod["spec"]["containers"][1]
 
 
-def test_service_is_headless() -> None:
-    svc = build_service(JOB, PLAN, SETTINGS)
-    assert svc["metadata"]["name"] == "llama-g3"
+def test_service_is_headless_and_job_wide() -> None:
+    svc = build_service(JOB, SETTINGS)
+    assert svc["metadata"]["name"] == "llama-workers"
+    assert api.LABEL_GENERATION not in svc["metadata"]["labels"]  # it serves every generation
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
-    assert svc["spec"]["selector"] == {api.LABEL_JOB: "llama", api.LABEL_GENERATION: "3"}
+    assert svc["spec"]["selector"] == {api.LABEL_JOB: "llama", api.LABEL_ROLE: api.ROLE_WORKER}
+
+
+def _in_place_spec(trainer: dict[str, Any] | None = None, in_place: str = "Auto", **template: Any) -> JobSpec:
+    raw = good_spec()
+    raw.setdefault("recovery", {})["inPlace"] = in_place
+    raw["template"]["spec"]["containers"][0].update(trainer or {})
+    raw["template"].update(template)
+    return validate_spec(raw)
+
+
+def test_never_leaves_the_trainer_as_the_template_has_it() -> None:
+    raw = good_spec()
+    pod = build_pod(JOB, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    trainer = _trainer(pod)
+    assert trainer["command"] == raw["template"]["spec"]["containers"][0]["command"]
+    assert "readinessProbe" not in trainer and api.ANNOTATION_SUPERVISED not in pod["metadata"]["annotations"]
+
+
+def test_auto_runs_the_trainer_under_the_supervisor_with_the_doorbell() -> None:
+    spec = _in_place_spec({"command": ["python", "-m", "train"], "args": ["--steps", "10"]})
+    pod = build_pod(JOB, spec, PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    trainer = _trainer(pod)
+    assert trainer["command"] == ["resilax", "run", "--", "python", "-m", "train", "--steps", "10"]
+    assert "args" not in trainer
+    assert trainer["readinessProbe"] == {"httpGet": {"path": "/v1/trainer/ready", "port": SETTINGS.sidecar_port},
+                                         "periodSeconds": 1, "failureThreshold": 1}
+    assert pod["metadata"]["annotations"][api.ANNOTATION_SUPERVISED] == "1"
+    assert in_place_unavailable(JOB, spec) == ""
+
+
+def _without_command() -> JobSpec:
+    raw = good_spec()
+    raw["recovery"]["inPlace"] = "Auto"
+    del raw["template"]["spec"]["containers"][0]["command"]
+    return validate_spec(raw)
+
+
+@pytest.mark.parametrize(("spec", "job", "why"), [
+    pytest.param(_without_command(), JOB, "has no command", id="no-command"),
+    pytest.param(_in_place_spec({"readinessProbe": {"exec": {"command": ["true"]}}}), JOB, "its own readinessProbe",
+                 id="own-probe"),
+    pytest.param(_in_place_spec(), JobRef("llama", "ml", "uid-1", queue="team-a"), "Kueue queue", id="kueue"),
+])
+def test_auto_falls_back_when_the_trainer_cannot_be_supervised(spec: JobSpec, job: JobRef, why: str) -> None:
+    assert why in in_place_unavailable(job, spec)
+    pod = build_pod(job, spec, PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    assert api.ANNOTATION_SUPERVISED not in pod["metadata"]["annotations"]
+    trainer = _trainer(pod)
+    assert (trainer.get("command") or [""])[0] != "resilax"
+    assert (trainer.get("readinessProbe") or {}).get("httpGet") is None  # no doorbell: nothing supervises
+
+
+def test_generation_env_is_the_pods_and_the_overlay_has_literal_values() -> None:
+    spec = _spec(accelerator="tpu-v5-lite-podslice", topology="4x4", count=2)
+    geometry = geometry_of(spec, "4x4")
+    pod = build_pod(JOB, spec, PLAN, 1, 2, SETTINGS, coordinator_ip="10.0.0.5")
+    env = _env(_trainer(pod))
+    generation = build_generation_env(JOB, spec, PLAN, geometry, 1, 2, SETTINGS, coordinator_ip="10.0.0.5")
+    assert {k: env[k] for k in generation} == generation
+    assert set(generation) == {"JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "RESILAX_NUM_SLICES",
+                               "RESILAX_SLICE_ID", "RESILAX_HOSTS_PER_SLICE", "RESILAX_GENERATION",
+                               "RESILAX_RESTORE_STEP", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
+                               "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_PORT", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID"}
+    overlay = build_generation_overlay(JOB, spec, PLAN, geometry, 6, SETTINGS, coordinator_ip="10.0.0.5")
+    assert overlay == generation and not any("$(" in v for v in overlay.values())
+
+
+def test_a_kept_pod_keeps_its_name_and_its_slice_names_it() -> None:
+    spec = _spec(accelerator="tpu-v5-lite-podslice", topology="4x4", count=2)
+    kept = tuple(f"llama-g2-s{p // 4}-h{p % 4}" if p != 5 else "llama-g3-s1-h1" for p in range(8))
+    plan = GenerationPlan(3, Shape("4x4", 2), ("pool-a", "pool-b"), worker_pods=kept)
+    pod = build_pod(JOB, spec, plan, 1, 2, SETTINGS, coordinator_ip="10.0.0.5")
+    assert pod["metadata"]["name"] == "llama-g2-s1-h2" and pod["metadata"]["labels"][api.LABEL_GENERATION] == "3"
+    assert _env(_trainer(pod))["TPU_WORKER_HOSTNAMES"] == (
+        "llama-g2-s1-h0.llama-workers,llama-g3-s1-h1.llama-workers,llama-g2-s1-h2.llama-workers,"
+        "llama-g2-s1-h3.llama-workers")
 
 
 def test_pvc_storage_is_mounted() -> None:
@@ -299,7 +378,7 @@ def test_manifests_use_only_known_kubernetes_fields(variant: str) -> None:
     topology = spec.slices.topology
     plan = GenerationPlan(2, Shape(topology, 2), ("a", "b"))
     objects = [(p, "V1Pod") for p in build_pods(JOB, spec, plan, SETTINGS, coordinator_ip="10.0.0.1")]
-    objects += [(build_service(JOB, plan, SETTINGS), "V1Service"), (build_token_secret(JOB, "t"), "V1Secret")]
+    objects += [(build_service(JOB, SETTINGS), "V1Service"), (build_token_secret(JOB, "t"), "V1Secret")]
     for obj, kind in objects:
         model = client._ApiClient__deserialize(obj, kind)  # type: ignore[attr-defined]
         back = client.sanitize_for_serialization(model)

@@ -21,13 +21,14 @@ from op_world import SETTINGS, T0, World, tpu_pool
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import CreateGeneration, DeleteGeneration
-from resilax_operator.builders import WAITING_INIT_TIMEOUT_SECONDS, GenerationPlan, JobRef, build_pods
+from resilax_operator.builders import GenerationPlan, JobRef, build_pods
 from resilax_operator.capacity import plan_target, record_pools
 from resilax_operator.observed import Observed, ObservedNode, ObservedPod
 from resilax_operator.policies import capacity_wait, node_loss
 from resilax_operator.spec import Shape
 from resilax_operator.status import JobStatus
 from resilax_operator.validation import validate_spec
+from resilax_operator.worker_env import WAITING_INIT_TIMEOUT_SECONDS
 
 SHRINK_AFTER = 600
 
@@ -290,7 +291,7 @@ def test_kueue_pod_group_created_at_once_with_the_coordinator_by_dns() -> None:
         assert annotations[api.KUEUE_POD_GROUP_COUNT_ANNOTATION] == "8"
     envs = [{e["name"]: e.get("value") for e in m["spec"]["containers"][0]["env"]} for m in create.pods]
     assert envs[0]["JAX_COORDINATOR_ADDRESS"] == "$(RESILAX_POD_IP):8482"
-    assert {e["JAX_COORDINATOR_ADDRESS"] for e in envs[1:]} == {"llama-g1-s0-h0.llama-g1:8482"}
+    assert {e["JAX_COORDINATOR_ADDRESS"] for e in envs[1:]} == {"llama-g1-s0-h0.llama-workers:8482"}
     assert {e["RESILAX_INIT_TIMEOUT_SECONDS"] for e in envs} == {str(WAITING_INIT_TIMEOUT_SECONDS)}
     # Gated: waiting for admission, whatever the schedule timeout; no replan.
     w.settle()

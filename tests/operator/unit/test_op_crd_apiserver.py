@@ -102,7 +102,8 @@ def test_good_job_gets_defaults(kube: Any) -> None:
         "template": {"spec": {"containers": [{"name": "trainer", "image": "x"}]}}}}
     spec = kube.create(BASE, minimal)["spec"]
     assert spec["slices"]["count"] == 1
-    assert spec["recovery"] == {"maxRestarts": 20, "backoffSeconds": 10, "nodeLossGraceSeconds": 120}
+    assert spec["recovery"] == {"maxRestarts": 20, "backoffSeconds": 10, "nodeLossGraceSeconds": 120,
+                                "inPlace": "Never", "inPlaceStopTimeoutSeconds": 30}
     assert spec["checkpoint"]["finalSave"] == {"onPreemption": True, "onResize": True, "timeoutSeconds": 300}
     assert spec["checkpoint"]["restore"] == {"step": "latest"}
     assert spec["capacity"] == {"provisioning": "Ready"} and spec["suspend"] is False
@@ -145,6 +146,9 @@ BAD = [
     ("shrink-without-autoscaled", lambda s: s.update(capacity={"shrinkAfterSeconds": 60}),
      "spec.capacity.shrinkAfterSeconds"),
     ("suspend-not-bool", lambda s: s.update(suspend="yes"), "spec.suspend"),
+    ("in-place-unknown", lambda s: s["recovery"].update(inPlace="Always"), "spec.recovery.inPlace"),
+    ("in-place-stop-timeout-zero", lambda s: s["recovery"].update(inPlaceStopTimeoutSeconds=0),
+     "spec.recovery.inPlaceStopTimeoutSeconds"),
 ]
 
 
@@ -277,7 +281,7 @@ def test_worker_manifests_pass_the_api_server_and_restricted_pod_security(kube: 
     settings = OperatorSettings(sidecar_image="resilax:test")
     dry = "?dryRun=All"
     kube.create(f"/api/v1/namespaces/{ns}/secrets{dry}", build_token_secret(job, "t"))
-    kube.create(f"/api/v1/namespaces/{ns}/services{dry}", build_service(job, plan, settings))
+    kube.create(f"/api/v1/namespaces/{ns}/services{dry}", build_service(job, settings))
     pods = [*build_pods(job, spec, plan, settings, coordinator_ip=None),
             *build_pods(job, spec, plan, settings, coordinator_ip="10.0.0.1")]
     for pod in pods:

@@ -56,7 +56,7 @@ def _build(slices: dict[str, Any], elastic: dict[str, Any] | None, checkpoint: d
     plan = GenerationPlan(2, Shape(slices["topology"], slices["count"]), ("pool",) * slices["count"])
     pods = [*build_pods(job, spec, plan, SETTINGS, coordinator_ip=None),
             *build_pods(job, spec, plan, SETTINGS, coordinator_ip="10.0.0.9")]
-    return pods, build_service(job, plan, SETTINGS)
+    return pods, build_service(job, SETTINGS)
 
 
 def _ports(pods: list[dict[str, Any]], service: dict[str, Any]) -> Iterator[tuple[str, str, int]]:

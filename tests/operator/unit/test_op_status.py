@@ -8,7 +8,7 @@ from op_world import T0
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.spec import Shape
-from resilax_operator.status import CheckpointInfo, JobStatus, Transition
+from resilax_operator.status import CheckpointInfo, InPlace, JobStatus, KeptPod, Transition
 
 
 def test_round_trip_through_the_wire_format() -> None:
@@ -16,9 +16,19 @@ def test_round_trip_through_the_wire_format() -> None:
                   restore_step="latest", generation_start_time=T0, workers_created=True, restarts=2, failures=1,
                   planned_from="x/y", observed_generation=4,
                   transition=Transition(st.PREEMPTION, 3, T0, "m", "llama-g3-preemption", T0 + timedelta(seconds=300)),
-                  checkpoint=CheckpointInfo(1200, T0, True, "persistent"))
+                  checkpoint=CheckpointInfo(1200, T0, True, "persistent"),
+                  worker_pods=("llama-g2-s0-h0", "llama-g3-s0-h1"), in_place_restarts=2,
+                  in_place=InPlace(3, 2, st.IN_PLACE_STOPPING, T0, T0 + timedelta(seconds=30),
+                                   (KeptPod("llama-g2-s0-h0", "u1", 0, stopped=True),)))
     s = st.set_condition(s, api.COND_SAVING, True, "R", "m", T0)
     assert st.parse_status(st.build_status(s)) == s
+
+
+def test_pod_names_from_the_status_else_built_for_an_older_status() -> None:
+    kept = JobStatus(generation=3, shape=Shape("2x4", 2), hosts=4, worker_pods=("j-g2-s0-h0", "j-g3-s0-h1", "a", "b"))
+    assert kept.pod_names("j") == ["j-g2-s0-h0", "j-g3-s0-h1", "a", "b"]
+    older = JobStatus(generation=3, shape=Shape("2x4", 2), hosts=4)
+    assert older.pod_names("j") == ["j-g3-s0-h0", "j-g3-s0-h1", "j-g3-s1-h0", "j-g3-s1-h1"]
 
 
 def test_empty_status_parses_to_defaults() -> None:

@@ -106,6 +106,10 @@ BAD = [
      "spec.capacity.shrinkAfterSeconds", "must be an integer, found '10m'"),
     ("shrink-without-autoscaled", _set("capacity", {"shrinkAfterSeconds": 60}), "spec.capacity.shrinkAfterSeconds",
      "60 with provisioning Ready: shrinkAfterSeconds applies to provisioning: Autoscaled only"),
+    ("in-place-unknown", _set("recovery.inPlace", "Always"), "spec.recovery.inPlace",
+     "'Always' is not an in-place mode; valid: Auto (keep the surviving pods"),
+    ("in-place-stop-timeout-zero", _set("recovery.inPlaceStopTimeoutSeconds", 0),
+     "spec.recovery.inPlaceStopTimeoutSeconds", "must be >= 1, found 0"),
     ("capacity-not-object", _set("capacity", "Autoscaled"), "spec.capacity", "must be an object, found str"),
     ("suspend-not-bool", _set("suspend", "yes"), "spec.suspend", "must be true or false, found 'yes'"),
 ]

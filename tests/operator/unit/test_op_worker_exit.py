@@ -136,6 +136,18 @@ def test_a_missing_pod_is_lost() -> None:
     assert isinstance(verdict, Finding) and verdict.kind == st.POD_LOST and "llama-g1-s2-h0" in verdict.message
 
 
+def test_the_workers_are_the_pods_the_status_names_not_names_built_from_the_generation() -> None:
+    w = running_world()
+    assert list(w.status.worker_pods) == sorted(w.pods)  # written at the generation's start
+    # An in-place restart kept llama-g1-s2-h0 for generation 2: its name keeps the generation it was made in.
+    w.status = replace(w.status, generation=2, worker_pods=tuple(sorted(w.pods)))
+    w.pods = {n: replace(p, generation=2) for n, p in w.pods.items()}
+    assert worker_exit.check(validate_spec(w.spec), w.observed(), w.status, SETTINGS) is None
+    del w.pods["llama-g1-s2-h0"]
+    verdict = worker_exit.check(validate_spec(w.spec), w.observed(), w.status, SETTINGS)
+    assert isinstance(verdict, Finding) and verdict.kind == st.POD_LOST and "llama-g1-s2-h0" in verdict.message
+
+
 def test_all_succeeded_completes_and_the_failure_past_max_restarts_fails_the_job() -> None:
     w = running_world()
     w.exit_workers(0)
