@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 from resilax_operator import cli
 
 
@@ -75,3 +76,35 @@ def test_isolation_probe_passes_where_the_cluster_tests_run():
     from resilax_local.launch import isolation_problem
 
     assert isolation_problem() is None
+
+
+def test_a_subcommand_without_its_extra_names_the_extra_to_install():
+    """As in a bare `pip install resilax`: the sidecar's aiohttp is missing (blocked here), so `resilax
+    sidecar` says which extra brings it and exits 3, with no traceback."""
+    code = ("import sys; sys.modules['aiohttp'] = None; from resilax_operator import cli; "
+            "sys.exit(cli.main(['sidecar']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == cli.MISSING_EXTRA_EXIT == 3
+    assert proc.stderr.strip() == ("resilax sidecar: this install lacks 'aiohttp', which the 'sidecar' extra "
+                                   "brings; install it with: pip install 'resilax[sidecar]'")
+
+
+REQUIRES = ['numpy>=2.0; extra == "train"', 'crc32c>=2.4; extra == "train"', 'kopf>=1.38; extra == "operator"',
+            'crc32c>=2.4; extra == "sidecar"', 'resilax[operator,train]; extra == "local"',
+            'jax[cpu]>=0.10; extra == "local"', 'pytest>=8; extra == "test"']
+
+
+@pytest.mark.parametrize(("extra", "want"), [
+    ("train", ["numpy", "crc32c"]),
+    ("operator", ["kopf"]),
+    ("local", ["jax", "kopf", "numpy", "crc32c"]),
+    ("nothing", []),
+], ids=["plain", "one", "nested-extras", "unknown"])
+def test_plan_extra_distributions(extra, want):
+    assert sorted(cli.plan_extra_distributions(REQUIRES, extra)) == sorted(want)
+
+
+def test_every_subcommand_extra_is_installed_here():
+    """The dev install has every extra: no subcommand would refuse to start."""
+    assert {extra: cli.missing_distributions(extra) for _, _, extra in cli.SUBCOMMANDS.values()} == {
+        "local": [], "operator": [], "sidecar": []}

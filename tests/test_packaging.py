@@ -1,13 +1,27 @@
-"""The built wheel, installed as its users install it: `resilax[train]` alone in a fresh venv trains and
-checkpoints with examples/train.py (no operator dependencies), and the operator/sidecar side resolves
-without JAX. Installs go through pip's own cache, so only a cold machine downloads the wheels."""
+"""The built wheel, installed as its users install it, each in a fresh venv: `resilax[train]` alone
+trains and checkpoints with examples/train.py (no operator dependencies); `resilax[operator,sidecar]`
+alone (the default image's install, read from the Dockerfile) imports every module of the operator and
+the sidecar and runs a real `resilax sidecar` that uploads a step and answers `/v1/state`, without JAX;
+a bare `resilax` says which extra a subcommand needs instead of a traceback.
+
+Installs are offline from a wheelhouse under ~/.cache/resilax (`--no-index --find-links`); only when
+it lacks something (a cold machine, a changed dependency) does `pip download` fill it, through pip's
+own cache, so a warm run downloads nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 import venv
 from pathlib import Path
 
@@ -16,6 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # (aiohttp comes with gcsfs, which a trainer writing to gs:// needs.)
 OPERATOR_ONLY = ("kopf", "kubernetes", "prometheus-client", "pyyaml", "matplotlib")
+WHEELHOUSE = Path(os.environ.get("RESILAX_CACHE", Path.home() / ".cache" / "resilax")) / "wheelhouse"
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +53,22 @@ def fresh_venv(path: Path) -> Path:
     return path / "bin" / "python"
 
 
+def pip_install(python: Path, wheel: Path, *requirements: str) -> None:
+    """Install `requirements` (the wheel's extras as `resilax[...]`) into the venv of `python`, offline
+    from the wheelhouse; fill the wheelhouse first if that fails for want of a distribution."""
+    reqs = [f"{r} @ {wheel.as_uri()}" if r.startswith("resilax") else r for r in requirements]
+    offline = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index",
+               "--find-links", str(WHEELHOUSE), *reqs]
+    WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(offline, capture_output=True, text=True, timeout=1200).returncode == 0:
+        return
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+                    "--only-binary", ":all:", "--dest", str(WHEELHOUSE), *reqs],
+                   check=True, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(offline, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def installed(python: Path) -> set[str]:
     out = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], check=True, capture_output=True,
                          text=True).stdout
@@ -48,8 +79,7 @@ def installed(python: Path) -> set[str]:
 def test_train_install_alone_runs_the_example(wheel: Path, tmp_path: Path) -> None:
     python = fresh_venv(tmp_path / "venv")
     # The example's own optimizer (optax) beside the training install; nothing else.
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"resilax[train] @ {wheel.as_uri()}", "optax"],
-                   check=True, capture_output=True, text=True, timeout=1200)
+    pip_install(python, wheel, "resilax[train]", "optax")
     have = installed(python)
     assert {"resilax", "jax", "numpy", "tensorstore", "gcsfs"} <= have
     assert not have & set(OPERATOR_ONLY), have & set(OPERATOR_ONLY)
@@ -66,6 +96,106 @@ def test_train_install_alone_runs_the_example(wheel: Path, tmp_path: Path) -> No
     version = subprocess.run([str(python.parent / "resilax"), "--version"], capture_output=True, text=True,
                              check=True).stdout
     assert version.strip() == "resilax 0.1.0"
+    # The operator's side is not in this install: its subcommand says which extra brings it.
+    proc = subprocess.run([str(python.parent / "resilax"), "operator"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3 and "pip install 'resilax[operator]'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def default_image_extras() -> str:
+    """The extras the Dockerfile's default target (`resilax`: the operator and the sidecar) installs."""
+    stage = (ROOT / "Dockerfile").read_text().split(" AS resilax", 1)[1]
+    match = re.search(r'"resilax\[([a-z,]+)\] @', stage)
+    assert match, "the Dockerfile's resilax stage installs no resilax[...] extras"
+    return match.group(1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.slow
+def test_operator_and_sidecar_extras_alone_start_a_real_sidecar(wheel: Path, tmp_path: Path) -> None:
+    """The default image's install (`resilax[operator,sidecar]`, from the Dockerfile) in a fresh venv:
+    every module of resilax_operator and resilax_sidecar imports (no JAX loaded), and a real `resilax
+    sidecar` with a local tier uploads a committed step to its persistent folder and answers `/v1/state`."""
+    extras = default_image_extras()
+    assert extras == "operator,sidecar", extras
+    python = fresh_venv(tmp_path / "venv")
+    pip_install(python, wheel, f"resilax[{extras}]")
+    have = installed(python)
+    assert not have & {"jax", "jaxlib"}, have & {"jax", "jaxlib"}
+    code = ("import importlib, pkgutil, sys\n"
+            "names = []\n"
+            "for pkg in ('resilax_operator', 'resilax_sidecar'):\n"
+            "    mod = importlib.import_module(pkg)\n"
+            "    for info in pkgutil.walk_packages(mod.__path__, pkg + '.'):\n"
+            "        importlib.import_module(info.name)\n"
+            "        names.append(info.name)\n"
+            "print(len(names), 'jax' in sys.modules)\n")
+    proc = subprocess.run([str(python), "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    count, jax_loaded = proc.stdout.split()
+    assert int(count) >= 30 and jax_loaded == "False", proc.stdout
+
+    local, persistent, control = tmp_path / "local", tmp_path / "persistent", tmp_path / "control"
+    step = local / "7"
+    (step / "state" / "w").mkdir(parents=True)
+    (step / "state" / "w" / "0").write_bytes(os.urandom(4096))
+    (step / "_METADATA.json").write_text(json.dumps({"version": 1, "step": 7, "generation": 0}))
+    (step / "_COMMIT").write_text(json.dumps({"generation": 0, "time": time.time()}))
+    (tmp_path / "token").write_text("packaging-test-token\n")
+    port = free_port()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RESILAX_CONTROL_DIR": str(control),
+           "RESILAX_LOCAL_DIR": str(local), "RESILAX_CHECKPOINT_DIR": str(persistent),
+           "RESILAX_SIDECAR_TOKEN_FILE": str(tmp_path / "token"), "RESILAX_SIDECAR_HOST": "127.0.0.1",
+           "RESILAX_SIDECAR_PORT": str(port), "RESILAX_SIDECAR_POLL_SECONDS": "0.2"}
+    log_path = tmp_path / "sidecar.log"
+    with open(log_path, "wb") as log:
+        sidecar = subprocess.Popen([str(python.parent / "resilax"), "sidecar"], env=env, cwd=tmp_path,
+                                   stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        state: dict = {}
+        while state.get("newest_persisted_step") != 7:
+            assert sidecar.poll() is None, f"the sidecar exited with {sidecar.returncode}:\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, f"no upload of step 7; last state {state}\n{log_path.read_text()}"
+            with contextlib.suppress(urllib.error.URLError, ConnectionError):
+                state = get_json(f"http://127.0.0.1:{port}/v1/state")
+            time.sleep(0.2)
+        assert (persistent / "7" / "_COMMIT").is_file()
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        try:
+            sidecar.wait(30)
+        except subprocess.TimeoutExpired:
+            sidecar.kill()
+            sidecar.wait(10)
+
+
+@pytest.mark.slow
+def test_bare_install_names_the_extra_each_command_needs(wheel: Path, tmp_path: Path) -> None:
+    """`pip install resilax` alone: the console script answers --version, and each subcommand says
+    which extra to install (exit 3), not an import traceback."""
+    python = fresh_venv(tmp_path / "venv")
+    pip_install(python, wheel, "resilax")
+    resilax = str(python.parent / "resilax")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    out = subprocess.run([resilax, "--version"], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "resilax 0.1.0"
+    for command, extra in [("sidecar", "sidecar"), ("operator", "operator"), ("local", "local"), ("demo", "local")]:
+        proc = subprocess.run([resilax, command], env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 3, (command, proc.returncode, proc.stderr)
+        assert f"pip install 'resilax[{extra}]'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
