@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from resilax_ckpt import chunk_format, chunk_writer, file_reader
 from resilax_ckpt import tensorstore_io as tsio
-from resilax_ckpt.reader import ChunkReader, LeafRead, ScratchPool
+from resilax_ckpt.reader import ChunkBackendReads, ChunkReader, LeafRead, ScratchPool
 
 if TYPE_CHECKING:
     from resilax_ckpt.items import SnapshotPlan
@@ -31,19 +31,19 @@ if TYPE_CHECKING:
     from resilax_ckpt.storage import Storage
 
 
-class ChunkBackend(Protocol):
-    """Writes a process's chunks of a save and reads the chunks of a restore, on one storage."""
+class ChunkBackend(ChunkBackendReads, Protocol):
+    """Writes a process's chunks of a save and reads the chunks of a restore, on one storage. Its read
+    half, `open_reader`, is declared once, in reader.py (`ChunkBackendReads`: the chunk modules may
+    import that one, not this module).
+
+    Call order: 1. `write` (every writing process, in a save's background thread); 2. `open_reader`
+    (every process, in a restore), which reader.read_leaves drives."""
 
     def write(self, plan: SnapshotPlan, step_path: str, create_metadata: bool,
               on_progress: Callable[[int], None] | None = None) -> None:
         """Write this process's boxes of `plan` under `step_path` (and, when `create_metadata`, every
         array's zarr.json); return once they are written (durable when the options ask for fsync).
         `on_progress(i)` is called before the i-th write (test hook). Called on: every writing process."""
-        ...
-
-    def open_reader(self, reads: list[LeafRead], step_path: str, memory_limit: int) -> ChunkReader:
-        """The reader of `reads`' chunks under `step_path` (reader.read_leaves drives it); it keeps at
-        most `memory_limit` bytes of scratch buffers."""
         ...
 
 

@@ -10,7 +10,7 @@ encoding: `c/<i>/<j>...`, and `c` itself for a 0-d array. With shard files (`Arr
 Why not tensorstore's `file` kvstore: it writes a temporary file and renames it over the chunk, so
 every save creates new files. `write_chunk_file` rewrites an existing file in place (`O_CREAT`
 without `O_TRUNC`, `pwrite`, `ftruncate` to the exact size), which is what makes the recycled step
-folders of a retention (manager.py, docs/checkpointing.md §8) fast: the disk rewrites existing
+folders of a retention (retention.py, docs/checkpointing.md §8) fast: the disk rewrites existing
 blocks several times faster than it allocates new ones.
 
 Durability (`fsync=True`) is one flush per save, not one per file: each file's writeback is started

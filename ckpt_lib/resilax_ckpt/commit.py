@@ -36,7 +36,7 @@ CRASH_ENV = "RESILAX_CKPT_TEST_CRASH_AT"
 
 KILL_POINTS = ("before_writes", "mid_writes", "after_writes", "before_commit", "before_rename", "after_commit",
                "retention_marker_deleted", "retention_moved_aside", "recycle_taken", "mid_cleanup")
-"""The named phases of a save (manager.py) and of the commit steps here, in the order they occur:
+"""The named phases of a save (saver.py) and of the commit steps here, in the order they occur:
 before_rename (local folders: `_COMMIT` is in the temporary folder, not renamed yet),
 retention_marker_deleted (gs://: a retired step's marker is gone, its objects not yet),
 retention_moved_aside (local, no recycling: a retired step was renamed to trash, not deleted yet), recycle_taken

@@ -93,7 +93,7 @@ def parse_tmp_generation(name: str) -> int | None:
 
 
 def recycle_name(step: int) -> str:
-    """The folder a retired step is renamed to, to be reused by a later save (manager.py)."""
+    """The folder a retired step is renamed to, to be reused by a later save (saver.py)."""
     return f"{RECYCLE_PREFIX}{step_name(step)}"
 
 

@@ -242,9 +242,12 @@ class ChunkReader(Protocol):
 
 
 class ChunkBackendReads(Protocol):
-    """The part of a chunk backend (backends.ChunkBackend) that restore uses."""
+    """The read half of a chunk backend (backends.ChunkBackend extends it with `write`): what restore uses."""
 
-    def open_reader(self, reads: list[LeafRead], step_path: str, memory_limit: int) -> ChunkReader: ...
+    def open_reader(self, reads: list[LeafRead], step_path: str, memory_limit: int) -> ChunkReader:
+        """The reader of `reads`' chunks under `step_path` (read_leaves drives it); it keeps at most
+        `memory_limit` bytes of scratch buffers."""
+        ...
 
 
 def read_leaves(reads: list[LeafRead], step_path: str, backend: ChunkBackendReads, max_inflight_bytes: int,

@@ -1,0 +1,35 @@
+"""Retention: which committed steps a manager deletes after each commit (the rule is
+policy.plan_retention; this applies it). Retired steps of a local shared folder are kept for
+recycling (commit.retire_step); on object stores the marker goes first, so a half-deleted step never
+looks committed. The local tier's retention is the sidecar's (this manager keeps every local step);
+its start-up and rollback rules are in tiers.py."""
+
+from __future__ import annotations
+
+import logging
+
+from resilax_ckpt import commit, layout, policy
+from resilax_ckpt.tiers import Tiers
+
+log = logging.getLogger(__name__)
+
+
+def apply_retention(tiers: Tiers) -> None:
+    """Delete (or retire for recycling) the steps retention does not keep; never the step the last
+    restore read. Called on: the primary, after a commit."""
+    opts = tiers.options
+    if opts.keep_last is None:
+        return
+    storage, root = tiers.local.storage, tiers.local.root
+    doomed = policy.plan_retention(tiers.steps(), opts.keep_last, opts.keep_every_steps,
+                                   protected=tiers.protected_steps)
+    for step in doomed:
+        if tiers.recycles and commit.retire_step(root, step, opts.recycle_pool):
+            log.info("retention retired step %d in %s for recycling", step, root)
+            continue
+        folder = storage.join(root, layout.step_name(step))
+        if not storage.is_local:  # the marker first: a half-deleted step never looks committed
+            storage.delete_tree(storage.join(folder, layout.COMMIT_FILE))
+            commit.kill_point("retention_marker_deleted")
+        storage.delete_tree(folder)
+        log.info("retention deleted step %d in %s", step, root)
