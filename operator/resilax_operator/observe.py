@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -37,6 +37,7 @@ from .observed import (
     with_leases,
 )
 from .settings import OperatorSettings
+from .trainer_process import TrainerProcess, parse_trainer_process, pods_to_poll, with_trainer_processes
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -86,32 +87,47 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
     pods, workers = cache.pods_of(ref.namespace, ref.name)
     status = st.parse_status(job.get("status"))
     outcomes = observe_save_outcomes(kube, status, pods, settings, logger)
-    checkpoint = restore = None
-    if status.generation > 0:
-        pod0_name = status.pod_names(ref.name)[0]
-        pod0 = next((p for p in pods if (p.get("metadata") or {}).get("name") == pod0_name), None)
-        if pod0 is not None and _pod_ip(pod0) and (pod0.get("status") or {}).get("phase") == "Running":
-            try:
-                state = kube.sidecar("GET", str(_pod_ip(pod0)), settings.sidecar_port, "/v1/state")
-                checkpoint = parse_sidecar_state(state, now)
-                restore = parse_restore_report(state)
-                metrics.record_worker_state(ref, status.generation, state)
-                report = parse_trainer_report(state, status.generation)
-                if report is not None:
-                    with _trainers_lock:
-                        _trainers[ref.uid] = report
-            except SidecarError as e:
-                logger.debug("no checkpoint state from %s: %s", pod0_name, e)
-    with _trainers_lock:
-        trainer = _trainers.get(ref.uid)
     observed = assemble_observed(job, now=now, pods=workers,
                                  generations=cache.service_generations(ref.namespace, ref.name),
-                                 nodes=cache.nodes_for(ref.namespace, ref.name), save_outcomes=outcomes,
-                                 checkpoint=checkpoint, restore=restore, trainer=trainer)
+                                 nodes=cache.nodes_for(ref.namespace, ref.name), save_outcomes=outcomes)
     needing_lease = nodes_needing_lease(observed)
     if needing_lease:
         observed = with_leases(observed, observe_leases(kube, needing_lease, logger))
+    observed = observe_sidecars(kube, observed, settings, logger)
     return World(job, tuple(pods), observed)
+
+
+def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings, logger: Logger) -> Observed:
+    """The sidecars' `/v1/state` of the pods `trainer_process.pods_to_poll` names (pod 0 always: newest
+    checkpoint, restore report, trainer figures; the others for their trainer's incarnation)."""
+    ref, status = observed.job, observed.status
+    checkpoint = restore = None
+    processes: dict[str, TrainerProcess] = {}
+    pod0_name = status.pod_names(ref.name)[0] if status.generation > 0 else ""
+    by_name = {p.name: p for p in observed.pods}
+    for name in pods_to_poll(observed):
+        pod = by_name[name]
+        try:
+            state = kube.sidecar("GET", str(pod.pod_ip), settings.sidecar_port, "/v1/state")
+        except SidecarError as e:
+            logger.debug("no sidecar state from %s: %s", name, e)
+            continue
+        process = parse_trainer_process(state)
+        if process is not None:
+            processes[name] = process
+        if name != pod0_name:
+            continue
+        checkpoint = parse_sidecar_state(state, observed.now)
+        restore = parse_restore_report(state)
+        metrics.record_worker_state(ref, status.generation, state)
+        report = parse_trainer_report(state, status.generation)
+        if report is not None:
+            with _trainers_lock:
+                _trainers[ref.uid] = report
+    with _trainers_lock:
+        trainer = _trainers.get(ref.uid)
+    observed = replace(observed, checkpoint=checkpoint, restore=restore, trainer=trainer)
+    return with_trainer_processes(observed, processes)
 
 
 def observe_leases(kube: Kube, names: Sequence[str], logger: Logger) -> dict[str, datetime]:

@@ -18,6 +18,7 @@ from . import api
 from . import status as st
 from .builders import JobRef
 from .status import CheckpointInfo, JobStatus
+from .trainer_process import TrainerProcess
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,22 @@ class ObservedPod:
     trainer_started_at: datetime | None = None
     #: When the trainer container terminated (its `finishedAt`); None while it runs.
     trainer_finished_at: datetime | None = None
+    uid: str = ""
+    #: Its trainer runs under the supervisor (annotation resilax.dev/supervised): its exits come from the
+    #: sidecar's `trainer_process` (trainer_process.py), not the kubelet.
+    supervised: bool = False
+    #: The trainer container's readiness (for a supervised trainer: its incarnation runs).
+    trainer_ready: bool = False
 
     @property
     def terminated(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def failed(self) -> bool:
+        """The pod failed, or (supervised: the supervisor stays, the pod keeps Running) its trainer
+        exited with a non-zero code."""
+        return self.phase == "Failed" or (self.supervised and self.exit_code not in (None, 0))
 
     @property
     def trainer_exited(self) -> bool:
@@ -204,6 +217,8 @@ class Observed:
     restore: RestoreReport | None = None
     #: Pod 0's trainer figures, the last read (its `generation` says of which generation).
     trainer: TrainerReport | None = None
+    #: Pod name → its supervised trainer's incarnation, from the sidecars asked (trainer_process.py).
+    trainer_processes: Mapping[str, TrainerProcess] = field(default_factory=dict, hash=False)
 
     def node(self, name: str | None) -> ObservedNode | None:
         return self._nodes_by_name.get(name) if name else None
@@ -267,12 +282,13 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
     containers = [c.get("name") for c in spec.get("containers") or []]
     trainer = api.TRAINER_CONTAINER if api.TRAINER_CONTAINER in containers else (containers[0] if containers else None)
     exit_code = exit_reason = None
-    trainer_running = False
+    trainer_running = trainer_ready = False
     started_at = finished_at = None
     for cs in status.get("containerStatuses") or []:
         if cs.get("name") == trainer:
             state = cs.get("state") or {}
             trainer_running = bool(state.get("running"))
+            trainer_ready = bool(cs.get("ready"))
             with contextlib.suppress(ValueError):
                 started_at = st.parse_time((state.get("running") or state.get("terminated") or {}).get("startedAt"))
                 finished_at = st.parse_time((state.get("terminated") or {}).get("finishedAt"))
@@ -295,7 +311,8 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         deletion_grace_seconds=None if grace is None else int(grace),
         exit_code=exit_code, exit_reason=exit_reason, pod_reason=status.get("reason") or None, ready=ready,
         trainer_running=trainer_running, waiting=waiting, gates=gates, trainer_started_at=started_at,
-        trainer_finished_at=finished_at)
+        trainer_finished_at=finished_at, uid=str(meta.get("uid") or ""),
+        supervised=(meta.get("annotations") or {}).get(api.ANNOTATION_SUPERVISED) == "1", trainer_ready=trainer_ready)
 
 
 def parse_lease(raw: Mapping[str, Any]) -> datetime | None:

@@ -47,7 +47,7 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
             return Finding(st.POD_LOST, api.POD_LOST.name, api.POD_LOST.format(pod=p.name, generation=g)
                            + f" ({p.pod_reason})")
     for p in pods:
-        if p.phase == "Failed" and p.exit_code != api.EXIT_CODE_PEER_LOST:
+        if p.failed and p.exit_code != api.EXIT_CODE_PEER_LOST:
             detail = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code"
             if p.exit_reason:
                 detail += f" ({p.exit_reason})"

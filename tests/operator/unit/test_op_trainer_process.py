@@ -1,0 +1,132 @@
+"""trainer_process.py: a supervised trainer's incarnation from its sidecar, which sidecars observe.py
+asks (the doorbell, pod 0, every pod while a fault is in view), and the exit codes it gives the pods."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from op_world import SETTINGS, T0, running_world
+from resilax_operator import api
+from resilax_operator import status as st
+from resilax_operator.observed import parse_pod
+from resilax_operator.policies import Finding, worker_exit
+from resilax_operator.status import InPlace
+from resilax_operator.trainer_process import (
+    EXITED,
+    RUNNING,
+    TrainerProcess,
+    parse_trainer_process,
+    pods_to_poll,
+    with_trainer_processes,
+)
+from resilax_operator.validation import validate_spec
+
+
+@pytest.mark.parametrize(("state", "expected"), [
+    pytest.param({}, None, id="no-supervisor"),
+    pytest.param({"trainer_process": None}, None, id="null"),
+    pytest.param({"trainer_process": {"incarnation": 1, "generation": 2, "state": "running", "pid": 7,
+                                      "started_at": 1767268800.0}},
+                 TrainerProcess(1, 2, RUNNING, started_at=datetime(2026, 1, 1, 12, tzinfo=UTC)), id="running"),
+    pytest.param({"trainer_process": {"incarnation": 2, "generation": 3, "state": "exited", "exit_code": 1,
+                                      "signal": None, "finished_at": 1767268801.5, "reason": "exit"},
+                  "assignment": {"generation": 4}},
+                 TrainerProcess(2, 3, EXITED, exit_code=1, finished_at=datetime(2026, 1, 1, 12, 0, 1, 500000, UTC),
+                                reason="exit", assigned=4), id="exited-with-an-assignment"),
+    pytest.param({"trainer_process": {"incarnation": 1, "generation": "2", "state": "running"}}, None,
+                 id="generation-not-an-integer"),
+    pytest.param({"trainer_process": {"incarnation": 1, "generation": 2, "state": "dancing"}}, None,
+                 id="unknown-state"),
+])
+def test_parse_trainer_process(state: dict[str, Any], expected: TrainerProcess | None) -> None:
+    assert parse_trainer_process(state) == expected
+
+
+def test_proof_of_stop_table() -> None:
+    assert TrainerProcess(1, 3, EXITED).proven_stopped_before(4)
+    assert not TrainerProcess(1, 3, RUNNING).proven_stopped_before(4)
+    assert not TrainerProcess(1, 3, "stopping").proven_stopped_before(4)
+    assert TrainerProcess(2, 4, RUNNING).proven_stopped_before(4)  # started only once the old one was gone
+
+
+def test_parse_pod_reads_the_supervised_annotation_the_trainers_readiness_and_the_uid() -> None:
+    raw = {"metadata": {"name": "a", "uid": "u-1", "annotations": {api.ANNOTATION_SUPERVISED: "1"},
+                        "labels": {api.LABEL_GENERATION: "1", api.LABEL_SLICE: "0", api.LABEL_HOST: "0"}},
+           "spec": {"containers": [{"name": "trainer"}]},
+           "status": {"phase": "Running", "containerStatuses": [
+               {"name": "trainer", "ready": False, "state": {"running": {"startedAt": "2026-01-01T12:00:00Z"}}}]}}
+    p = parse_pod(raw)
+    assert p is not None and p.supervised and not p.trainer_ready and p.trainer_running and p.uid == "u-1"
+    raw["status"]["containerStatuses"][0]["ready"] = True
+    del raw["metadata"]["annotations"]
+    p = parse_pod(raw)
+    assert p is not None and not p.supervised and p.trainer_ready
+
+
+def _supervised_world() -> Any:
+    w = running_world()
+    w.pods = {n: replace(p, supervised=True, trainer_ready=True) for n, p in w.pods.items()}
+    return w
+
+
+def test_a_steady_job_asks_pod_0_only() -> None:
+    w = _supervised_world()
+    assert pods_to_poll(w.observed()) == ["llama-g1-s0-h0"]
+
+
+def test_the_doorbell_a_trainer_not_ready_is_asked_and_then_every_pod() -> None:
+    w = _supervised_world()
+    w.pods["llama-g1-s2-h0"] = replace(w.pods["llama-g1-s2-h0"], trainer_ready=False)
+    # a fault is in view: every sidecar answers, so the decision knows which survivors qualify
+    assert pods_to_poll(w.observed()) == sorted(w.pods)
+
+
+def test_an_unsupervised_trainer_not_ready_rings_no_bell() -> None:
+    w = running_world()
+    w.pods["llama-g1-s2-h0"] = replace(w.pods["llama-g1-s2-h0"], trainer_ready=False)
+    assert pods_to_poll(w.observed()) == ["llama-g1-s0-h0"]
+
+
+def test_a_node_down_puts_the_others_in_view_and_its_own_pod_is_not_asked() -> None:
+    w = _supervised_world()
+    lost = w.pods["llama-g1-s1-h0"]
+    w.nodes[str(lost.node_name)] = replace(w.nodes[str(lost.node_name)], ready="Unknown", ready_since=T0)
+    assert pods_to_poll(w.observed()) == sorted(n for n in w.pods if n != lost.name)
+
+
+def test_an_in_place_restart_asks_every_pod() -> None:
+    w = _supervised_world()
+    w.status = replace(w.status, in_place=InPlace(2, 1, st.IN_PLACE_STOPPING, T0, T0 + timedelta(seconds=30)))
+    assert pods_to_poll(w.observed()) == sorted(w.pods)
+
+
+def test_exit_codes_come_from_the_incarnation_of_the_pods_own_generation() -> None:
+    w = _supervised_world()
+    spec = validate_spec(w.spec)
+    name = "llama-g1-s3-h0"
+    failed = with_trainer_processes(w.observed(), {name: TrainerProcess(1, 1, EXITED, exit_code=1, reason="exit")})
+    pod = next(p for p in failed.pods if p.name == name)
+    assert pod.exit_code == 1 and not pod.trainer_running
+    verdict = worker_exit.check(spec, failed, w.status, SETTINGS)
+    assert isinstance(verdict, Finding) and verdict.kind == st.WORKER_FAILURE and name in verdict.message
+    assert worker_exit.check(spec, w.observed(), w.status, SETTINGS) is None  # the kubelet saw nothing
+    killed = with_trainer_processes(w.observed(), {name: TrainerProcess(1, 1, EXITED, signal=9)})
+    assert next(p for p in killed.pods if p.name == name).exit_code == 137
+    # A kept pod (generation 2 by its labels) whose generation 1 trainer was stopped: not a failure.
+    w.pods[name] = replace(w.pods[name], generation=2)
+    old = with_trainer_processes(w.observed(), {name: TrainerProcess(1, 1, EXITED, exit_code=143)})
+    assert next(p for p in old.pods if p.name == name).exit_code is None
+
+
+def test_the_kubelets_code_stays_and_unsupervised_pods_are_untouched() -> None:
+    w = running_world()
+    name = "llama-g1-s3-h0"
+    untouched = with_trainer_processes(w.observed(), {name: TrainerProcess(1, 1, EXITED, exit_code=1)})
+    assert next(p for p in untouched.pods if p.name == name).exit_code is None
+    w.pods = {n: replace(p, supervised=True) for n, p in w.pods.items()}
+    w.pods[name] = replace(w.pods[name], exit_code=70, phase="Failed")  # the supervisor itself died
+    kept = with_trainer_processes(w.observed(), {name: TrainerProcess(1, 1, EXITED, exit_code=1)})
+    assert next(p for p in kept.pods if p.name == name).exit_code == 70
