@@ -96,6 +96,15 @@ def test_train_install_alone_runs_the_example(wheel: Path, tmp_path: Path) -> No
     version = subprocess.run([str(python.parent / "resilax"), "--version"], capture_output=True, text=True,
                              check=True).stdout
     assert version.strip() == "resilax 0.1.0"
+    # Its supervisor too: the same example continues to step 6 as `resilax run`'s child, exit code passed on.
+    control = tmp_path / "control"
+    proc = subprocess.run([str(python.parent / "resilax"), "run", "--", str(python), str(ROOT / "examples" / "train.py"),
+                           "--steps", "6"], env=dict(env, RESILAX_CONTROL_DIR=str(control)), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in proc.stdout.splitlines() if '"loss"' in line] == [5, 6]
+    record = json.loads((control / "incarnation.json").read_text())
+    assert (record["incarnation"], record["state"], record["exit_code"]) == (1, "exited", 0)
     # The operator's side is not in this install: its subcommand says which extra brings it.
     proc = subprocess.run([str(python.parent / "resilax"), "operator"], env=env, capture_output=True, text=True,
                           timeout=120)
@@ -191,6 +200,10 @@ def test_bare_install_names_the_extra_each_command_needs(wheel: Path, tmp_path: 
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run([resilax, "--version"], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "resilax 0.1.0"
+    # the trainer's supervisor needs no extra
+    proc = subprocess.run([resilax, "run", "--", "sh", "-c", "exit 7"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 7, proc.stderr
     for command, extra in [("sidecar", "sidecar"), ("operator", "operator"), ("local", "local"), ("demo", "local")]:
         proc = subprocess.run([resilax, command], env=env, cwd=tmp_path, capture_output=True, text=True,
                               timeout=120)

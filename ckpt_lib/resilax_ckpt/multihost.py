@@ -7,7 +7,9 @@ can run on a background thread while the training loop keeps the devices busy.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
 import sys
 import threading
 from collections.abc import Mapping
@@ -176,14 +178,24 @@ def _exit_after(seconds: float, code: int, why: str) -> None:
     timer.start()
 
 
+def bind_stack_dumps() -> None:
+    """SIGUSR1 writes every thread's Python stack to stderr (the pod log), unless the program has a
+    SIGUSR1 handler of its own. Called on: each process."""
+    if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Call `jax.distributed.initialize` from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
     JAX_PROCESS_ID (set by the operator) when there are several processes, and arm the exit watchdog
     (`arm_exit_watchdog`; RESILAX_EXIT_GRACE_SECONDS, default 10, 0: off). Returns whether it
     initialized. RESILAX_INIT_TIMEOUT_SECONDS, when set, is how long to wait for the other processes
     (the operator sets it when workers may wait for nodes that do not exist yet or for a queue's
-    admission; JAX's default is 300 s). Called on: all processes, before any other JAX call."""
+    admission; JAX's default is 300 s). SIGUSR1 then writes every thread's stack to stderr (faulthandler),
+    which `resilax run` asks for before it stops a hung trainer. Called on: all processes, before any
+    other JAX call."""
     env = os.environ if env is None else env
+    bind_stack_dumps()
     address = env.get("JAX_COORDINATOR_ADDRESS", "").strip()
     count = env.get("JAX_NUM_PROCESSES", "").strip()
     if not address or not count or int(count) <= 1:

@@ -1,7 +1,8 @@
 """The `resilax` console script: one entry point, each subcommand imported only when it runs.
 
 Each subcommand is a `module:function` that takes the remaining arguments and returns an exit code, so
-`resilax sidecar` never imports kopf and `resilax local` never imports JAX. Each also names the extra
+`resilax sidecar` never imports kopf, `resilax local` never imports JAX, and `resilax run` (the
+trainer's supervisor) imports only `resilax_ckpt.supervisor`, standard library only. Each also names the extra
 of pyproject.toml that carries its dependencies: a subcommand whose dependencies this install lacks
 (a bare `pip install resilax`, or `resilax[train]` asked for `resilax operator`) says which extra to
 install and exits with `MISSING_EXTRA_EXIT`, instead of an import traceback. It checks the extra's
@@ -24,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "operator": ("resilax_operator.main:main", "run the JAXJob operator", "operator"),
     "sidecar": ("resilax_sidecar.app:main", "run the checkpoint sidecar of a worker pod", "sidecar"),
     "demo": ("resilax_local.demo:main", "the end-to-end demo on the local cluster", "local"),
+    # "": the standard library is enough (a trainer image with resilax[train], or no extra at all)
+    "run": ("resilax_ckpt.supervisor:main", "run a trainer under the in-place restart supervisor", ""),
 }
 
 MISSING_EXTRA_EXIT = 3

@@ -1,0 +1,460 @@
+"""`resilax run -- CMD...`: run the training program as a child that can be replaced in place.
+
+docs/architecture.md, "In-place restart of the survivors". The container's command is the supervisor;
+it runs CMD as its child (incarnation 1 with the pod's environment) and never exits for a restart:
+1. Each child gets `RESILAX_INCARNATION=<n>` and its own process group (same session); the supervisor
+   is a child subreaper (`PR_SET_CHILD_SUBREAPER`), so whatever a child leaves behind is re-parented
+   to it, killed and reaped.
+2. Every change is written to `$RESILAX_CONTROL_DIR/incarnation.json` (`trainer_control`); `exited`
+   only once the child is reaped and `waitpid(-1)` finds no descendant left (ECHILD).
+3. The child exits 0 (and was not being stopped): the supervisor exits 0. Any other end: it stays.
+4. `trainer-stop.json` naming a newer generation than the child's: stacks if asked (`py-spy dump` when
+   on PATH, else SIGCONT + SIGUSR1, which `initialize_distributed_from_env` binds to faulthandler),
+   SIGTERM to the child's group, `RESILAX_RESTART_GRACE_SECONDS` (default 5), SIGKILL, reap.
+5. `assignment.json` naming a generation newer than any run: the next child, only once none lives.
+6. SIGTERM or SIGINT to the supervisor: forwarded to the child; it exits with the child's code once
+   the child is gone (128+n for a signal n). Usage errors exit 2, internal ones 70.
+Without `RESILAX_CONTROL_DIR` it only forwards signals and exits with the child's code.
+
+JAX-free (shipped with `resilax[train]`): the decisions (`decide`, `due_stop_steps`) are pure; the
+`Supervisor` class does the process handling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from resilax_ckpt import trainer_control as tc
+
+log = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+EXIT_INTERNAL = 70
+EXIT_SPAWN_FAILED = 127
+"""Recorded as the exit code of a child that could not be started (the command is missing), as a shell does."""
+PR_SET_CHILD_SUBREAPER = 36
+USAGE = "usage: resilax run [--] COMMAND [ARGS...]"
+
+
+@dataclasses.dataclass(frozen=True)
+class SupervisorSettings:
+    control_dir: str | None
+    """`RESILAX_CONTROL_DIR`: where the control files live; None: no in-place control (plain init)."""
+    base_generation: int = 0
+    """`RESILAX_GENERATION` of the pod's environment: the generation of the first child."""
+    restart_grace_seconds: float = 5.0
+    """`RESILAX_RESTART_GRACE_SECONDS`: between a stop's SIGTERM and its SIGKILL."""
+    stacks_seconds: float = 2.0
+    """How long a stop with stacks waits for them before its SIGTERM."""
+    poll_seconds: float = 0.1
+    """How often the control files are read (signals wake the loop at once)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SupervisorSettings:
+        def number(name: str, default: float) -> float:
+            raw = env.get(name, "").strip()
+            try:
+                value = float(raw) if raw else default
+            except ValueError:
+                value = -1.0
+            if value < 0:
+                raise ValueError(f"{name}: {raw!r} is not allowed; allowed: a number of seconds >= 0")
+            return value
+
+        raw_gen = env.get("RESILAX_GENERATION", "").strip() or "0"
+        if not raw_gen.isdigit():
+            raise ValueError(f"RESILAX_GENERATION: {raw_gen!r} is not allowed; allowed: an integer >= 0")
+        return cls(control_dir=env.get("RESILAX_CONTROL_DIR", "").strip() or None, base_generation=int(raw_gen),
+                   restart_grace_seconds=number("RESILAX_RESTART_GRACE_SECONDS", 5.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One incarnation, as written to `incarnation.json`."""
+
+    incarnation: int
+    generation: int
+    pid: int | None
+    state: str
+    started_at: float | None
+    finished_at: float | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str | None = None
+    """Why it was stopped (the stop request's reason), or why it could not run; None: it ended by itself."""
+
+    @property
+    def live(self) -> bool:
+        return self.state != tc.EXITED
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+# --- pure decisions ---
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    assignment: tc.Assignment
+    from_file: bool
+    """False: the pod's own environment (no overlay, RESILAX_GENERATION left as the pod has it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    request: tc.StopRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    code: int
+
+
+Action = Start | Stop | Exit | None
+
+
+def decide(record: Record | None, newest_generation_run: int, terminating: bool,
+           stop: tc.StopRequest | None, assignment: tc.Assignment | None, from_file: bool) -> Action:
+    """What to do next. `record`: the current or last incarnation (None: none yet); `assignment`: the
+    newest of the pod's environment and `assignment.json`. Never a start while a child lives."""
+    if terminating:
+        if record is not None and record.live:
+            return None  # the signal was forwarded; wait for the child
+        return Exit(record.exit_code if record is not None and record.exit_code is not None
+                    else 128 + signal.SIGTERM)
+    if record is not None and record.live:
+        if record.state == tc.RUNNING and stop is not None and stop.generation > record.generation:
+            return Stop(stop)
+        return None
+    if record is not None and record.exit_code == 0 and record.reason is None:
+        return Exit(0)
+    if (assignment is not None and assignment.generation > newest_generation_run
+            and (stop is None or stop.generation <= assignment.generation)):
+        return Start(assignment, from_file)
+    return None
+
+
+STACKS, TERM, KILL = "stacks", "term", "kill"
+
+
+def due_stop_steps(elapsed: float, stacks: bool, stacks_seconds: float, grace_seconds: float) -> list[str]:
+    """The steps of a stop due `elapsed` seconds after it began, in order: stacks at once (if asked),
+    SIGTERM after the stacks' window, SIGKILL a grace later."""
+    due = [STACKS] if stacks else []
+    term_at = stacks_seconds if stacks else 0.0
+    if elapsed >= term_at:
+        due.append(TERM)
+    if elapsed >= term_at + grace_seconds:
+        due.append(KILL)
+    return due
+
+
+def child_env(base: Mapping[str, str], start: Start, incarnation: int) -> dict[str, str]:
+    """The pod's environment, overlaid by the assignment's, plus the incarnation (and its generation)."""
+    env = dict(base)
+    if start.from_file:
+        env.update(start.assignment.env)
+        env["RESILAX_GENERATION"] = str(start.assignment.generation)
+    env["RESILAX_INCARNATION"] = str(incarnation)
+    return env
+
+
+def exit_code_of(status: int) -> tuple[int, int | None]:
+    """A `waitpid` status to (exit code, signal): a signal n is 128+n, as a shell and the kubelet say."""
+    code = os.waitstatus_to_exitcode(status)
+    return (128 - code, -code) if code < 0 else (code, None)
+
+
+# --- process handling ---
+
+def set_child_subreaper() -> bool:
+    """Become the reaper of orphaned descendants (Linux); False where the kernel refuses."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def own_children() -> list[int]:
+    """Pids whose parent is this process (orphans re-parented to the subreaper included)."""
+    me, found = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and int(fields[1]) == me:
+            found.append(int(name))
+    return found
+
+
+def _signal_quietly(send: Callable[[int, int], None], target: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        send(target, sig)
+
+
+class Supervisor:
+    """Runs the command as successive incarnations. `run()` returns the supervisor's exit code."""
+
+    def __init__(self, command: Sequence[str], settings: SupervisorSettings,
+                 env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.command = list(command)
+        self.settings = settings
+        self.env = dict(os.environ if env is None else env)
+        self.clock = clock
+        self.record: Record | None = None
+        self.newest_generation_run = -1
+        self.terminating = 0  # the signal received (SIGTERM or SIGINT), 0: none
+        self._forwarded = False
+        self._child_status: int | None = None  # the child's waitpid status once reaped
+        self._waiting_logged = False
+        self._stop: tc.StopRequest | None = None
+        self._stop_began = 0.0
+        self._stop_done: set[str] = set()
+        self._last_incarnation = 0
+        self._explained: tuple[int, str] | None = None
+        self._wake_r, self._wake_w = os.pipe()
+
+    # signals wake the loop through a pipe; the handlers only record
+    def _install_signals(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_terminate)
+
+    def _on_terminate(self, signum: int, _frame: object) -> None:
+        if not self.terminating:
+            self.terminating = signum
+
+    def run(self) -> int:
+        if not set_child_subreaper():
+            log.warning("resilax run: could not become a child subreaper; orphans of the trainer are not reaped")
+        self._install_signals()
+        self._recover_previous_record()
+        while True:
+            self._reap()
+            self._forward_termination()
+            self._advance_stop()
+            action = self._decide()
+            if isinstance(action, Exit):
+                log.info("resilax run: exiting %d", action.code)
+                return action.code
+            if isinstance(action, Start):
+                self._start(action)
+                continue
+            if isinstance(action, Stop):
+                self._begin_stop(action.request)
+                continue
+            with contextlib.suppress(InterruptedError):
+                select.select([self._wake_r], [], [], self.settings.poll_seconds)
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 512)
+
+    def _decide(self) -> Action:
+        stop = assignment = None
+        from_file = False
+        base = tc.Assignment(self.settings.base_generation)
+        if self.settings.control_dir is not None:
+            stop = tc.read_stop(self.settings.control_dir)
+            assignment = tc.read_assignment(self.settings.control_dir)
+        if assignment is not None and assignment.generation > base.generation:
+            from_file = True
+        else:
+            assignment = base
+        if self.settings.control_dir is None and self.record is not None and not self.record.live:
+            return Exit(self.record.exit_code if self.record.exit_code is not None else EXIT_INTERNAL)
+        action = decide(self.record, self.newest_generation_run, bool(self.terminating), stop, assignment, from_file)
+        if action is None and not self.terminating:
+            self._explain_hold(stop, tc.read_assignment(self.settings.control_dir) if self.settings.control_dir else None)
+        return action
+
+    def _explain_hold(self, stop: tc.StopRequest | None, assignment: tc.Assignment | None) -> None:
+        """Say once per assignment why it does not start (the operator's and the tests' evidence)."""
+        if assignment is None:
+            return
+        record = self.record
+        if assignment.generation <= self.newest_generation_run:
+            why = f"is not newer than generation {self.newest_generation_run} already run; ignored"
+        elif record is not None and record.live:
+            why = f"waits: incarnation {record.incarnation} (generation {record.generation}) still lives"
+        elif stop is not None and stop.generation > assignment.generation:
+            why = f"waits: a stop for generation {stop.generation} is newer"
+        else:
+            return
+        if self._explained != (assignment.generation, why):
+            self._explained = (assignment.generation, why)
+            log.info("resilax run: assignment for generation %d %s", assignment.generation, why)
+
+    def _recover_previous_record(self) -> None:
+        """A supervisor starting again (its container restarted) continues the incarnation count; a record
+        left `running` is history now: the container's processes died with it."""
+        if self.settings.control_dir is None:
+            return
+        previous = tc.read_incarnation(self.settings.control_dir)
+        if previous is None:
+            return
+        number = previous.get("incarnation")
+        self._last_incarnation = number if isinstance(number, int) else 0
+        if previous.get("state") != tc.EXITED:
+            previous.update(state=tc.EXITED, pid=None, finished_at=self.clock(), reason="supervisor_restarted")
+            tc.write_json(self.settings.control_dir, tc.INCARNATION_FILE, previous)
+
+    def _write(self, record: Record) -> None:
+        self.record = record
+        if self.settings.control_dir is not None:
+            tc.write_json(self.settings.control_dir, tc.INCARNATION_FILE, record.to_json())
+
+    def _start(self, start: Start) -> None:
+        number = self._last_incarnation + 1
+        self._last_incarnation = number
+        generation = start.assignment.generation
+        self.newest_generation_run = generation
+        self._child_status = None
+        self._waiting_logged = False
+        self._stop, self._stop_done = None, set()
+        env = child_env(self.env, start, number)
+        try:
+            pid = os.posix_spawnp(self.command[0], self.command, env, setpgroup=0)
+        except OSError as e:
+            log.error("resilax run: incarnation %d (generation %d) could not start %r: %s",
+                      number, generation, self.command[0], e)
+            now = self.clock()
+            self._write(Record(number, generation, None, tc.EXITED, now, now, EXIT_SPAWN_FAILED, None,
+                               f"spawn_failed: {e.strerror or e}"))
+            return
+        log.info("resilax run: incarnation %d (generation %d) started, pid %d", number, generation, pid)
+        self._write(Record(number, generation, pid, tc.RUNNING, self.clock()))
+
+    def _begin_stop(self, request: tc.StopRequest) -> None:
+        assert self.record is not None
+        log.info("resilax run: stopping incarnation %d (generation %d) for generation %d: %s",
+                 self.record.incarnation, self.record.generation, request.generation, request.reason or "-")
+        self._stop, self._stop_began, self._stop_done = request, self.clock(), set()
+        self._write(dataclasses.replace(self.record, state=tc.STOPPING, reason=request.reason or "stopped"))
+        self._advance_stop()
+
+    def _advance_stop(self) -> None:
+        if self._stop is None or self.record is None or not self.record.live:
+            return
+        due = due_stop_steps(self.clock() - self._stop_began, self._stop.stacks, self.settings.stacks_seconds,
+                             self.settings.restart_grace_seconds)
+        for step in due:
+            if step in self._stop_done:
+                continue
+            self._stop_done.add(step)
+            if self._child_status is not None and step != KILL:
+                continue  # the child is gone; only its leftovers are left to kill
+            if step == STACKS:
+                self._dump_stacks()
+            elif step == TERM:
+                self._signal_child_group(signal.SIGTERM)
+            else:
+                self.kill_leftovers()
+
+    def _dump_stacks(self) -> None:
+        assert self.record is not None and self.record.pid is not None
+        pid = self.record.pid
+        spy = shutil.which("py-spy")
+        if spy is not None:
+            try:
+                subprocess.run([spy, "dump", "--pid", str(pid)], stdout=sys.stderr, stderr=sys.stderr,
+                               timeout=self.settings.stacks_seconds, check=False)
+                return
+            except (OSError, subprocess.TimeoutExpired) as e:
+                log.warning("resilax run: py-spy dump of pid %d failed (%s); asking faulthandler", pid, e)
+        _signal_quietly(os.kill, pid, signal.SIGCONT)
+        _signal_quietly(os.kill, pid, signal.SIGUSR1)
+
+    def _signal_child_group(self, sig: int) -> None:
+        assert self.record is not None and self.record.pid is not None
+        _signal_quietly(os.kill, self.record.pid, signal.SIGCONT)
+        _signal_quietly(os.killpg, self.record.pid, sig)
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL the child's group and every process re-parented to the supervisor."""
+        if self.record is not None and self.record.pid is not None:
+            _signal_quietly(os.killpg, self.record.pid, signal.SIGKILL)
+        for pid in own_children():
+            _signal_quietly(os.kill, pid, signal.SIGKILL)
+
+    def _forward_termination(self) -> None:
+        if not self.terminating or self._forwarded:
+            return
+        self._forwarded = True
+        if self.record is not None and self.record.live and self._child_status is None and self.record.pid:
+            log.info("resilax run: forwarding signal %d to pid %d", self.terminating, self.record.pid)
+            _signal_quietly(os.kill, self.record.pid, self.terminating)
+
+    def _reap(self) -> None:
+        """Reap whatever ended; once the child is reaped, kill its leftovers; `exited` once none is left."""
+        none_left = False
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                none_left = True
+                break
+            if pid == 0:
+                break
+            if self.record is not None and pid == self.record.pid:
+                self._child_status = status
+                self.kill_leftovers()
+        record = self.record
+        if record is None or not record.live or self._child_status is None:
+            return
+        if not none_left:
+            if record.state == tc.RUNNING or not self._waiting_logged:
+                self._waiting_logged = True
+                log.info("resilax run: incarnation %d's pid %d is reaped; waiting for its leftover processes",
+                         record.incarnation, record.pid)
+                self._write(dataclasses.replace(record, state=tc.STOPPING))
+            return
+        code, sig = exit_code_of(self._child_status)
+        log.info("resilax run: incarnation %d (generation %d) exited %d%s", record.incarnation, record.generation,
+                 code, f" (signal {sig})" if sig else "")
+        self._write(dataclasses.replace(record, state=tc.EXITED, finished_at=self.clock(), exit_code=code,
+                                        signal=sig))
+
+
+def main(argv: Sequence[str]) -> int:
+    """`resilax run [--] COMMAND [ARGS...]` (the console script's `run` subcommand)."""
+    args = list(argv)
+    if args and args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if args and args[0] == "--":
+        args = args[1:]
+    if not args:
+        print(f"resilax run: no command given\n{USAGE}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        settings = SupervisorSettings.from_env(os.environ)
+    except ValueError as e:
+        print(f"resilax run: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    supervisor = Supervisor(args, settings)
+    try:
+        return supervisor.run()
+    except Exception:
+        log.exception("resilax run: internal error; killing the trainer")
+        supervisor.kill_leftovers()
+        return EXIT_INTERNAL
+
