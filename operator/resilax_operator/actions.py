@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final
+from typing import Final
 
 from . import status as st
 from .builders import Manifest
@@ -24,7 +24,8 @@ POLL_SECONDS: Final = 5.0
 
 @dataclass(frozen=True)
 class SetStatus:
-    """Replace the status subresource with `status_body(action)` (a JSON merge patch: None removes)."""
+    """Make the status subresource `status` (the full status): the I/O side sends a JSON merge patch of
+    what differs from the status it observed (`status.build_status_patch`)."""
 
     status: JobStatus
 
@@ -103,10 +104,6 @@ class RequeueAfter:
 
 
 Action = SetStatus | CreateGeneration | DeleteGeneration | RequestFinalSave | EmitEvent | RequeueAfter
-
-
-def status_body(action: SetStatus) -> dict[str, Any]:
-    return st.build_status(action.status)
 
 
 def status_change(old: JobStatus, new: JobStatus, *events: EmitEvent) -> list[Action]:

@@ -200,5 +200,8 @@ SUSPENDED = Reason("Suspended", "spec.suspend is true: no workers; false again s
 RESUMED = Reason("Resumed", "spec.suspend is false: generation {generation} restores {restore}")
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
 SPEC_INVALID = Reason("SpecInvalid", "{problems}")
+#: An invalid edit of a job that has run: it keeps running under status.lastValidSpec until fixed.
+SPEC_INVALID_KEPT = Reason("LastValidSpecKept", "{problems} -- the job runs on under its last valid spec "
+                           "(metadata.generation {generation}) until the spec is fixed")
 NOT_SAVING = Reason("NotSaving", "no final save in progress")
 SAVING = Reason("FinalSaveInProgress", "final save ({reason}) of generation {generation} in progress until {deadline}")

@@ -25,7 +25,6 @@ from .actions import (
     RequestFinalSave,
     RequeueAfter,
     SetStatus,
-    status_body,
 )
 from .cache import WorldCache
 from .errors import ResilaxOperatorError
@@ -104,9 +103,9 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
     status_before = world.observed.status
     for action in actions:
         if isinstance(action, SetStatus):
-            body = status_body(action)
-            if body != st.build_status(status_before):  # written only when it changes
-                cache.remember(kube.patch_job_status(ref.namespace, ref.name, body))
+            patch = st.build_status_patch(status_before, action.status)
+            if patch:  # written only when it changes, and only what changed
+                cache.remember(kube.patch_job_status(ref.namespace, ref.name, patch))
             metrics.record_status(ref, status_before, action.status, world.observed.now)
             status_before = action.status
         elif isinstance(action, CreateGeneration):

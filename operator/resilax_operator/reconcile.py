@@ -38,6 +38,7 @@ from .policies import (
     container_waiting,
     generation_start,
     goodput_status,
+    invalid_edit,
     node_loss,
     preemption,
     resize,
@@ -47,7 +48,7 @@ from .policies import (
 )
 from .settings import OperatorSettings
 from .spec import JobSpec
-from .status import JobStatus
+from .status import JobStatus, SpecRecord
 from .validation import validate_spec
 
 Check = Callable[[JobSpec, Observed, JobStatus, OperatorSettings], Verdict]
@@ -69,43 +70,47 @@ WATCH: Final[tuple[Check, ...]] = (
 
 
 def decide_raw(raw_spec: Mapping[str, Any], observed: Observed, settings: OperatorSettings) -> list[Action]:
-    """Validate the spec, then `decide`. An invalid spec sets InvalidSpec (and fails a job that has not
-    started); a running generation is left alone."""
+    """Validate the spec, then `decide` (policies/invalid_edit.py): a valid spec is recorded in
+    status.lastValidSpec; an invalid one sets InvalidSpec and the job runs on under the last valid spec
+    (a job that never ran is Failed until the spec is fixed)."""
     try:
         spec = validate_spec(raw_spec, name=observed.job.name, settings=settings)
     except InvalidSpecError as e:
-        return decide_invalid(e, observed)
-    return decide(spec, observed, settings)
+        last = invalid_edit.last_valid(observed, settings)
+        if last is None:
+            return invalid_edit.decide_without_spec(e, observed)
+        return decide(last, observed, settings, invalid=e)
+    return decide(spec, observed, settings, record=invalid_edit.record(raw_spec, observed))
 
 
-def decide_invalid(error: InvalidSpecError, observed: Observed) -> list[Action]:
-    s, now = observed.status, observed.now
-    message = "; ".join(str(p) for p in error.problems)
-    new = st.set_condition(s, api.COND_INVALID_SPEC, True, api.SPEC_INVALID.name, message, now)
-    new = replace(new, observed_generation=observed.spec_generation)
-    if s.generation == 0 and s.phase not in api.TERMINAL_PHASES:
-        new = replace(new, phase=api.PHASE_FAILED)
-        new = st.set_condition(new, api.COND_READY, False, api.SPEC_INVALID.name, message, now)
-    return status_change(s, new, EmitEvent("Warning", api.SPEC_INVALID.name, message))
-
-
-def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings) -> list[Action]:
+def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings, *, record: SpecRecord | None = None,
+           invalid: InvalidSpecError | None = None) -> list[Action]:
     """The actions that move the cluster toward what `spec` wants, given `observed`; status.goodput
-    brought up to date (policies/goodput_status.py)."""
-    return goodput_status.with_goodput(decide_policies(spec, observed, settings), observed, settings)
+    brought up to date (policies/goodput_status.py). `record`: `spec` as status.lastValidSpec keeps it;
+    `invalid`: the problems of the job's own spec, when `spec` is the last valid one."""
+    return goodput_status.with_goodput(decide_policies(spec, observed, settings, record=record, invalid=invalid),
+                                       observed, settings)
 
 
-def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSettings) -> list[Action]:
+def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSettings, *,
+                    record: SpecRecord | None = None, invalid: InvalidSpecError | None = None) -> list[Action]:
     """The policies' decision (the dispatch below)."""
     s, now = observed.status, observed.now
-    invalid = s.condition(api.COND_INVALID_SPEC)
-    if s.phase == api.PHASE_FAILED and s.generation == 0 and invalid is not None and invalid.status == "True":
+    flagged = s.condition(api.COND_INVALID_SPEC)
+    if invalid is None and s.phase == api.PHASE_FAILED and s.generation == 0 and flagged is not None \
+            and flagged.status == "True":
         s = replace(s, phase=api.PHASE_PENDING)  # failed only for its spec, which is now fixed: start
     s = replace(s, observed_generation=observed.spec_generation,
                 checkpoint=st.newer_checkpoint(s.checkpoint, observed.checkpoint))
-    s = st.set_condition(s, api.COND_INVALID_SPEC, False, api.SPEC_VALID.name, api.SPEC_VALID.message, now)
+    if record is not None:
+        s = replace(s, last_valid_spec=record)
+    announced: list[EmitEvent] = []
+    if invalid is None:
+        s = invalid_edit.mark_valid(s, now)
+    else:
+        s, announced = invalid_edit.mark_kept(s, invalid, now)
     if s.phase in api.TERMINAL_PHASES:
-        out = status_change(observed.status, s)
+        out = status_change(observed.status, s, *announced)
         if s.phase == api.PHASE_FAILED:  # a failed job keeps no workers
             for g in sorted({p.generation for p in observed.pods}):
                 delete = transition.plan_delete(observed, spec, g, "job failed", settings)
@@ -113,7 +118,7 @@ def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSetting
                     out.append(delete)
         return out
 
-    actions: list[Action] = []
+    actions: list[Action] = [SetStatus(s), *announced] if announced else []
     fallback, events = generation_start.decide_restore_fallback(s, observed.restore, now)
     if events:
         s = fallback
@@ -154,9 +159,9 @@ def decide_pod_refused(raw_spec: Mapping[str, Any], observed: Observed, generati
     """The API server refused to create `pod` (execute.py reports it with the API's message):
     `generation_start.decide_pod_refused`, on the status as the decision left it."""
     try:
-        spec: JobSpec | None = validate_spec(raw_spec, name=observed.job.name)
+        spec: JobSpec | None = validate_spec(raw_spec, name=observed.job.name, settings=settings)
     except InvalidSpecError:
-        spec = None
+        spec = invalid_edit.last_valid(observed, settings)
     return generation_start.decide_pod_refused(spec, observed.status, generation, pod, detail, observed.now, settings)
 
 

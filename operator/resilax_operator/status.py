@@ -8,7 +8,7 @@ Everything `reconcile.decide` needs to resume after an operator restart is here 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -114,6 +114,15 @@ class GoodputRecord:
 
 
 @dataclass(frozen=True)
+class SpecRecord:
+    """status.lastValidSpec: the newest spec that validated, nulls dropped (`without_nulls`), and its
+    metadata.generation. An invalid edit leaves the job running under it (policies/invalid_edit.py)."""
+
+    generation: int
+    spec: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
 class Condition:
     type: str
     status: str
@@ -161,6 +170,8 @@ class JobStatus:
     in_place: InPlace | None = None
     #: Restarts done in place (counted in `restarts` as well).
     in_place_restarts: int = 0
+    #: The newest spec that validated: what the job runs under while an edit is invalid.
+    last_valid_spec: SpecRecord | None = None
 
     @property
     def workers_since(self) -> datetime | None:
@@ -237,7 +248,8 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         goodput=parse_goodput(raw.get("goodput")),
         worker_pods=tuple(str(n) for n in raw.get("workerPods") or () if n),
         in_place=parse_in_place(raw.get("inPlace")),
-        in_place_restarts=int(raw.get("inPlaceRestarts") or 0))
+        in_place_restarts=int(raw.get("inPlaceRestarts") or 0),
+        last_valid_spec=parse_spec_record(raw.get("lastValidSpec")))
 
 
 def parse_in_place(raw: Any) -> InPlace | None:
@@ -259,6 +271,25 @@ def build_in_place(p: InPlace) -> dict[str, Any]:
             "deadline": format_time(p.deadline),
             "kept": [{"pod": k.pod, "uid": k.uid, "process": k.process, "stopped": k.stopped, "started": k.started}
                      for k in p.kept]}
+
+
+def parse_spec_record(raw: Any) -> SpecRecord | None:
+    """status.lastValidSpec -> SpecRecord (None when absent or not an object with a `spec` object)."""
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("spec"), Mapping):
+        return None
+    generation = _int_or_none(raw.get("generation"))
+    return SpecRecord(generation or 0, without_nulls(raw["spec"]))
+
+
+def without_nulls(value: Any) -> Any:
+    """A deep copy of `value` without the null members of its objects. A null means "absent" in a spec,
+    and "remove" in the JSON merge patch that writes the status: stored without them, the copy in the
+    status reads back equal to what was written (so it is not written again)."""
+    if isinstance(value, Mapping):
+        return {str(k): without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [without_nulls(v) for v in value]
+    return value
 
 
 def _int_or_none(raw: Any) -> int | None:
@@ -302,10 +333,35 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "checkpoint": None if ck is None else {
             "step": ck.step, "time": format_time(ck.time), "committed": ck.committed, "tier": ck.tier},
         "goodput": None if status.goodput is None else build_goodput(status.goodput),
+        "lastValidSpec": None if status.last_valid_spec is None else {
+            "generation": status.last_valid_spec.generation, "spec": without_nulls(status.last_valid_spec.spec)},
         "conditions": [
             {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
              "lastTransitionTime": format_time(c.last_transition_time)} for c in status.conditions],
     }
+
+
+def build_status_patch(old: JobStatus, new: JobStatus) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns the status body of `old` into that of `new`: only the
+    members that changed (None for those that go). Empty when nothing changed. A write then carries
+    what changed, not the whole status (lastValidSpec, a copy of the spec, only when the spec changes)."""
+    return merge_patch(build_status(old), build_status(new))
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch from `old` to `new` (objects merged member by member, arrays replaced)."""
+    out: dict[str, Any] = {}
+    for key in [*new, *(k for k in old if k not in new)]:
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            inner = merge_patch(a, b)
+            if inner:
+                out[key] = inner
+        else:
+            out[key] = b
+    return out
 
 
 def set_condition(status: JobStatus, type_: str, true: bool, reason: str, message: str,

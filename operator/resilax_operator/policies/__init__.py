@@ -17,6 +17,9 @@ On a running generation the checks run in this order and the first that finds so
 | container_waiting  | a container stuck waiting (image, config, crash loop)   | ContainerWaiting; past the timeout Failed or WorkerFailure |
 | resize             | a spec edit to a larger shape; capacity came back       | Resize / GrowBack: final save |
 
+Which spec they all decide on is invalid_edit.py's: the job's own when it validates, else the last
+valid one the status kept (status.lastValidSpec), with InvalidSpec naming the problems.
+
 A finding starts a transition (transition.py: record it, final_save.py, tear the generation down);
 once no pod of it is left, generation_start.py plans and creates the next one.
 """

@@ -28,10 +28,23 @@ from resilax_operator.builders import JobRef
 from resilax_operator.observed import Observed, ObservedNode, ObservedPod, SaveOutcome, Taint, TrainerReport
 from resilax_operator.reconcile import decide_raw
 from resilax_operator.settings import OperatorSettings
-from resilax_operator.status import CheckpointInfo, JobStatus, build_status, parse_status
+from resilax_operator.status import CheckpointInfo, JobStatus, build_status, build_status_patch, parse_status
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 SETTINGS = OperatorSettings(sidecar_image="resilax:test", grow_back_settle_seconds=60)
+
+
+def apply_merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies a status patch: objects merged member by member, null removes."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = apply_merge_patch(out.get(key), value)
+    return out
 
 
 def tpu_pool(pool: str, hosts: int, *, accelerator: str = "tpu-v5-lite-podslice", topology: str = "4x4",
@@ -66,6 +79,8 @@ class World:
     selector_of: dict[str, dict[str, str]] = field(default_factory=dict)
     #: Scheduling gates new pods get (a queue's admission webhook, e.g. Kueue's).
     gates: tuple[str, ...] = ()
+    #: metadata.generation of the JAXJob (bump it with an edit of `spec`).
+    spec_generation: int = 1
 
     @classmethod
     def make(cls, spec: dict[str, Any], *pools: list[ObservedNode]) -> World:
@@ -73,7 +88,7 @@ class World:
 
     # ---- the operator
     def observed(self) -> Observed:
-        return Observed(now=self.now, job=self.job, status=self.status, spec_generation=1,
+        return Observed(now=self.now, job=self.job, status=self.status, spec_generation=self.spec_generation,
                         pods=tuple(sorted(self.pods.values(), key=lambda p: p.name)),
                         services=tuple(sorted(self.services)), nodes=tuple(self.nodes.values()),
                         save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint, trainer=self.trainer)
@@ -99,7 +114,11 @@ class World:
 
     def apply(self, a: Action) -> None:
         if isinstance(a, SetStatus):
-            self.status = parse_status(build_status(a.status))  # through the wire format
+            # through the wire: the I/O side's merge patch of what changed, applied as the API server does
+            stored = apply_merge_patch(apply_merge_patch({}, build_status(self.status)),
+                                       build_status_patch(self.status, a.status))
+            self.status = parse_status(stored)
+            assert self.status == parse_status(build_status(a.status)), "the status patch lost a change"
         elif isinstance(a, CreateGeneration):
             others = [p.name for p in self.pods.values() if p.generation != a.generation]
             assert not others, f"generation {a.generation} created while {others} exist"

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
+from op_world import apply_merge_patch
 from resilax_operator import api, execute
 from resilax_operator.cache import Informer, WatchGone, WorldCache, trim_live_pod
 from resilax_operator.k8s import Kube
@@ -73,7 +74,7 @@ class FakeAPI(Kube):
             return self.put(target, obj)
         if method == "PATCH" and path.endswith("/status"):
             obj = copy.deepcopy(self.objects[path[: -len("/status")]])
-            obj["status"] = {k: v for k, v in {**(obj.get("status") or {}), **body["status"]}.items() if v is not None}
+            obj["status"] = apply_merge_patch(obj.get("status") or {}, body["status"])
             return self.put(path[: -len("/status")], obj)
         if method == "PATCH":
             obj = copy.deepcopy(self.objects[path])

@@ -241,6 +241,27 @@ def test_status_round_trip(kube: Any) -> None:
     assert st.parse_status(got["status"]) == st.JobStatus(phase=api.PHASE_RUNNING, generation=3)
 
 
+def test_status_patches_of_what_changed_apply_as_decided(kube: Any) -> None:
+    """The operator writes a merge patch of what changed (status.build_status_patch): applied by the API
+    server, it gives the decided status, the copy of the spec in lastValidSpec included (a member gone
+    from the spec goes from the copy: arbitrary fields survive the schema, x-kubernetes-preserve-unknown-fields)."""
+    spec = kube.create(BASE, _job("patches"))["spec"]
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    first = st.set_condition(st.JobStatus(phase=api.PHASE_RUNNING, generation=1, observed_generation=1,
+                                          last_valid_spec=st.SpecRecord(1, spec)),
+                             api.COND_INVALID_SPEC, False, api.SPEC_VALID.name, api.SPEC_VALID.message, t0)
+    got = kube.patch(f"{BASE}/patches/status", {"status": st.build_status_patch(st.JobStatus(), first)})
+    assert st.parse_status(got["status"]) == first
+    trimmed = {k: v for k, v in spec.items() if k != "elastic"} | {"suspend": True}
+    second = st.set_condition(replace(first, observed_generation=2, last_valid_spec=st.SpecRecord(2, trimmed)),
+                              api.COND_INVALID_SPEC, True, api.SPEC_INVALID_KEPT.name, "m", t0)
+    patch = st.build_status_patch(first, second)
+    assert set(patch) == {"observedGeneration", "lastValidSpec", "conditions"}
+    got = kube.patch(f"{BASE}/patches/status", {"status": patch})
+    assert st.parse_status(got["status"]) == second and "elastic" not in got["status"]["lastValidSpec"]["spec"]
+    assert st.build_status_patch(st.parse_status(got["status"]), second) == {}
+
+
 @pytest.mark.parametrize("variant", ["tpu", "cpu", "gpu", "pvc"])
 def test_worker_manifests_pass_the_api_server_and_restricted_pod_security(kube: Any, variant: str) -> None:
     """The builders' Service, Secret and Pods, created with dryRun in a namespace that enforces the
