@@ -379,9 +379,16 @@ def test_a_trainer_exiting_75_in_a_loop_backs_off_then_fails(operator: OperatorP
 
 def test_operator_restart_mid_recovery_and_fenced_old_generation(operator: OperatorProcess, jobs: Jobs,
                                                                  cluster: LocalCluster, tmp_path: Path) -> None:
+    """Also issue 25, item 7: the node loss comes while the job's spec is invalid (an edit asking for the
+    host's network, which the API server accepts and the operator's policy refuses): the job recovers
+    under its last valid spec, across the operator's restart, and reports InvalidSpec until fixed."""
     name, storage = unique_name("restart"), tmp_path / "ckpt"
     start_training(jobs, name, storage, elastic={"minCount": 1, "maxCount": 2, "growBack": False},
                    final_save_timeout=20)
+    jobs.patch_spec(name, {"template": {"spec": {"hostNetwork": True}}})
+    kept = _condition(jobs.wait_status(name, lambda s: _condition(s, "InvalidSpec").get("reason") == "LastValidSpecKept",
+                                       120, "InvalidSpec LastValidSpecKept"), "InvalidSpec")
+    assert kept["status"] == "True" and "spec.template.spec.hostNetwork" in kept["message"], kept
     victim = node_of(jobs, f"{name}-g1-s1-h0")
     fault = time.time()
     cluster.partition_node(victim)  # its worker keeps running, unseen: a zombie of generation 1
@@ -399,6 +406,12 @@ def test_operator_restart_mid_recovery_and_fenced_old_generation(operator: Opera
     assert restored in committed_steps(storage)
     assert max(gen1) - restored <= EVERY + 1
     assert_redone_steps_match(gen1, gen2)
+    # generation 2 is the last valid spec's (no host network); the edit is still reported, announced once
+    assert not any(p["spec"].get("hostNetwork") for p in jobs.pods(name, 2))
+    assert _condition(jobs.status(name), "InvalidSpec") == kept
+    assert jobs.event_reasons(name, "LastValidSpecKept").count("LastValidSpecKept") == 1
+    jobs.patch_spec(name, {"template": {"spec": {"hostNetwork": None}}})
+    jobs.wait_status(name, lambda s: _condition(s, "InvalidSpec").get("status") == "False", 120, "the spec fixed")
     breakdown = recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "NodeNotReady", "PodLost", "WorkerFailed"))
     _record("operator_restart_partition", breakdown, lost=max(gen1) - restored, restored=restored)
     # generation 2's fence (named e<era>-g2.json: the operator passes the job's uid, which claims an era)
