@@ -24,6 +24,7 @@ from .generation import (
     creates_all_at_once,
     kueue_queue,
 )
+from .podsecurity import RESTRICTED_POD, merge_security_context, restricted_context
 from .settings import OperatorSettings, sidecar_resources_from_json
 from .spec import LOCAL_SCOPE_NODE, JobSpec
 from .topology import SliceGeometry, plan_geometry
@@ -160,7 +161,7 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
     trainer_i = next((i for i, c in enumerate(containers) if c.get("name") == api.TRAINER_CONTAINER), 0)
     owner = worker_owner(pod, containers[trainer_i] if containers else {}, settings)
     for i, c in enumerate(containers):
-        c["securityContext"] = _restricted(c.get("securityContext"))
+        c["securityContext"] = restricted_context(c.get("securityContext"))
         if i == trainer_i:
             c["env"] = merge_env(env, c.get("env") or [], geometry)
             c["volumeMounts"] = [*(c.get("volumeMounts") or []), *mounts]
@@ -175,7 +176,9 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
         # The sidecar trims and uploads the worker's files in a 0700 folder: same user as the worker.
         sidecar["securityContext"] = {**sidecar["securityContext"], "runAsUser": owner[0], "runAsGroup": owner[1]}
         inits = [build_local_init(settings, owner), sidecar]
-    pod["initContainers"] = [*inits, *(pod.get("initContainers") or [])]
+    users_inits = [{**c, "securityContext": restricted_context(c.get("securityContext"))}
+                   for c in pod.get("initContainers") or []]
+    pod["initContainers"] = [*inits, *users_inits]
     pod["volumes"] = [*(pod.get("volumes") or []), *_resilax_volumes(job, spec, settings)]
     pod["restartPolicy"] = "Never"
     pod["hostname"] = name
@@ -193,8 +196,7 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
         pod["affinity"] = _prefer_node(pod["affinity"], previous)
     grace = spec.checkpoint.final_save.timeout_seconds + settings.termination_margin_seconds
     pod["terminationGracePeriodSeconds"] = max(int(pod.get("terminationGracePeriodSeconds") or 0), grace)
-    pod["securityContext"] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
-                              **(pod.get("securityContext") or {})}
+    pod["securityContext"] = merge_security_context(RESTRICTED_POD, pod.get("securityContext") or {})
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": job.namespace, "labels": labels,
                          "annotations": annotations, "ownerReferences": [build_owner_reference(job)]},
@@ -216,7 +218,7 @@ def build_sidecar(spec: JobSpec, settings: OperatorSettings, env: Sequence[Mappi
         "volumeMounts": _resilax_mounts(spec),
         "resources": (sidecar_resources_from_json(settings.sidecar_resources) if settings.sidecar_resources
                       else copy.deepcopy(SIDECAR_RESOURCES)),
-        "securityContext": _restricted(None),
+        "securityContext": restricted_context(None),
     }
 
 
@@ -274,12 +276,6 @@ def _prefer_node(affinity: Mapping[str, Any], node: str) -> dict[str, Any]:
     return out
 
 
-def _restricted(context: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Restricted Pod Security defaults for a container, keeping what the user set."""
-    out: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-                           "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
-    out.update(context or {})
-    return out
 
 
 def _with_accelerator(resources: Mapping[str, Any], geometry: SliceGeometry) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The worker pod template against Kubernetes' own PodTemplateSpec schema, and the host-access policy.
+"""The worker pod template against Kubernetes' own PodTemplateSpec schema; nulls in it are absent.
 
 The CRD embeds the schema (scripts/gen-template-schema writes it into the chart's CRD and, without
 descriptions, into `podtemplate_schema.json` here), so the API server refuses a malformed template at
@@ -21,8 +21,6 @@ from .errors import SpecProblem
 SCHEMA_FILE: Final = "podtemplate_schema.json"
 #: At most this many schema problems are reported for one template (the first ones, in field order).
 MAX_PROBLEMS: Final = 20
-HOST_ACCESS_SETTING: Final = ("the operator does not allow host access (chart value operator.allowHostAccess: true, "
-                              "environment RESILAX_OPERATOR_ALLOW_HOST_ACCESS=true)")
 
 
 @functools.cache
@@ -129,25 +127,14 @@ def _check(value: Any, schema: Mapping[str, Any], path: str) -> Iterator[SpecPro
                 yield SpecProblem(where, f"unknown field {key!r}; valid fields here: {near}")
 
 
-def check_host_access(template: Mapping[str, Any], path: str = "spec.template") -> list[SpecProblem]:
-    """What a template asks for beyond its pod: privileged containers, the node's network, PID or IPC
-    namespace, or hostPath volumes. Refused unless the operator allows host access (its setting); the
-    operator's own hostPath (a `checkpoint.local.scope: Node` tier) is not the template's."""
-    pod = template.get("spec")
-    if not isinstance(pod, Mapping):
-        return []
-    p = f"{path}.spec"
-    out = [SpecProblem(f"{p}.{key}", f"true is refused: {HOST_ACCESS_SETTING}")
-           for key in ("hostNetwork", "hostPID", "hostIPC") if pod.get(key) is True]
-    for key in ("initContainers", "containers", "ephemeralContainers"):
-        items = pod.get(key)
-        for i, c in enumerate(items if isinstance(items, list) else []):
-            context = c.get("securityContext") if isinstance(c, Mapping) else None
-            if isinstance(context, Mapping) and context.get("privileged") is True:
-                out.append(SpecProblem(f"{p}.{key}[{i}].securityContext.privileged",
-                                       f"true is refused: {HOST_ACCESS_SETTING}"))
-    volumes = pod.get("volumes")
-    for i, v in enumerate(volumes if isinstance(volumes, list) else []):
-        if isinstance(v, Mapping) and v.get("hostPath") is not None:
-            out.append(SpecProblem(f"{p}.volumes[{i}].hostPath", f"a hostPath volume is refused: {HOST_ACCESS_SETTING}"))
-    return out
+def drop_nulls(value: Any) -> Any:
+    """`value` without nulls anywhere: a key whose value is null and a null list item are absent, as the
+    API server treats them (it prunes nulls of non-nullable fields; the PodTemplateSpec has no nullable
+    one). An object stored before the CRD had its schema may still carry them, and the builders must
+    never trip over one (issue 25: `podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution: null`
+    crashed every reconcile)."""
+    if isinstance(value, Mapping):
+        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [drop_nulls(v) for v in value if v is not None]
+    return value

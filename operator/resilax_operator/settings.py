@@ -56,9 +56,10 @@ class OperatorSettings:
     refused_retry_seconds: int = 30
     """How soon to try again after the API server refused a worker pod (PodCreationRefused)."""
     allow_host_access: bool = False
-    """Let worker templates ask for the node itself: privileged containers, hostNetwork, hostPID,
-    hostIPC, hostPath volumes. Off: such a JAXJob gets `InvalidSpec` naming the field. (The chart's
-    `operator.allowHostAccess`; `RESILAX_OPERATOR_ALLOW_HOST_ACCESS=true`.)"""
+    """Let worker templates go beyond the restricted Pod Security profile (podsecurity.py): privileged
+    containers, added capabilities, root, hostNetwork/PID/IPC, hostPath and other volume types, host
+    ports, shareProcessNamespace, tolerations of every taint. Off: such a JAXJob gets `InvalidSpec`
+    naming each field. (The chart's `operator.allowHostAccess`; `RESILAX_OPERATOR_ALLOW_HOST_ACCESS=true`.)"""
     container_waiting_timeout_seconds: int = 300
     """A worker container still waiting for a reason that is not start-up (ImagePullBackOff,
     CreateContainerConfigError, CrashLoopBackOff, ...) this long after its generation started: the job

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
 from .errors import SpecProblem
+from .podtemplate import drop_nulls
 
 DEFAULT_FINAL_SAVE_TIMEOUT_SECONDS: Final = 300
 DEFAULT_MAX_RESTARTS: Final = 20
@@ -347,7 +348,8 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
     capacity = CapacitySpec(
         provisioning=r.string(cap, "provisioning", f"{p}.capacity", default=PROVISIONING_READY) or PROVISIONING_READY,
         shrink_after_seconds=r.integer(cap, "shrinkAfterSeconds", f"{p}.capacity", minimum=0))
-    template = r.obj(raw, "template", p, required=True) or {}
+    # Nulls anywhere in the template are absent (as the API server treats them): no reader trips on one.
+    template = drop_nulls(r.obj(raw, "template", p, required=True) or {})
     return JobSpec(slices=slices, checkpoint=checkpoint, recovery=recovery, elastic=elastic, capacity=capacity,
                    suspend=r.boolean(raw, "suspend", p, default=False), template=template)
 

@@ -3,7 +3,8 @@
 The CRD schema and its CEL rules reject what they can at admission; this module repeats those checks
 (an operator may meet objects written before a schema change) and adds what a schema cannot express
 (topology tables, machine types, the pod template's contents: Kubernetes' PodTemplateSpec schema in
-podtemplate.py). With the operator's settings it also applies the operator's policies (host access).
+podtemplate.py). With the operator's settings it also applies the operator's policies (the restricted Pod
+Security profile unless host access is allowed: podsecurity.py).
 Modelled on jobset's webhook `allErrs`.
 """
 
@@ -15,7 +16,8 @@ from typing import Any, Final
 
 from . import api, topology
 from .errors import InvalidSpecError, SpecProblem, UnknownTopologyError
-from .podtemplate import check_host_access, check_template_schema
+from .podsecurity import check_pod_security
+from .podtemplate import check_template_schema
 from .settings import OperatorSettings
 from .spec import (
     IN_PLACE_MODES,
@@ -48,9 +50,9 @@ def validate_spec(raw: Mapping[str, Any], *, name: str | None = None,
     problems += check_spec(spec, already_found=problems)
     if settings is not None:
         problems += check_template_ports(spec.template, settings)
-    if settings is not None and not settings.allow_host_access and not any(
-            p.path.startswith("spec.template") for p in problems):
-        problems += check_host_access(spec.template)
+    if settings is not None and not settings.allow_host_access:
+        found = {p.path for p in problems}  # a malformed field's own problem wins
+        problems += [p for p in check_pod_security(spec.template) if p.path not in found]
     if problems:
         raise InvalidSpecError(problems)
     return spec
@@ -252,6 +254,12 @@ def _check_template(template: Mapping[str, Any], found: set[str]) -> list[SpecPr
     for i, v in enumerate(pod.get("volumes") or []):
         if isinstance(v, Mapping) and v.get("name") in api.RESERVED_VOLUME_NAMES:
             out.append(SpecProblem(f"{p}.volumes[{i}].name", f"{v.get('name')!r} is reserved for the operator"))
+    if pod.get("nodeName"):
+        out.append(SpecProblem(f"{p}.nodeName", f"{pod.get('nodeName')!r}: the operator places the workers (one per "
+                               "node, each slice on its node pool); leave it unset, use nodeSelector or affinity"))
+    if pod.get("ephemeralContainers"):
+        out.append(SpecProblem(f"{p}.ephemeralContainers", "cannot be set when a pod is created (the API server "
+                               "refuses them); `kubectl debug` adds them to a running worker"))
     restart = pod.get("restartPolicy")
     if restart not in (None, "Never"):
         out.append(SpecProblem(f"{p}.restartPolicy", f"{restart!r}: workers run with Never (the operator "

@@ -14,7 +14,13 @@ from typing import Any
 
 import pytest
 import yaml
-from op_samples import MALFORMED_TEMPLATES, TEMPLATE_TYPOS, good_spec
+from op_samples import (
+    MALFORMED_TEMPLATES,
+    RESTRICTED_ALLOWED_TEMPLATES,
+    RESTRICTED_TEMPLATES,
+    TEMPLATE_TYPOS,
+    good_spec,
+)
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.spec import Shape
@@ -262,11 +268,27 @@ def test_status_patches_of_what_changed_apply_as_decided(kube: Any) -> None:
     assert st.build_status_patch(st.parse_status(got["status"]), second) == {}
 
 
+def _restricted_namespace(kube: Any, ns: str = "restricted") -> str:
+    """A namespace whose Pod Security admission enforces `restricted` (latest), with its default
+    ServiceAccount (no controller-manager here makes one)."""
+    from resilax_local.errors import KubeAPIError
+
+    try:
+        kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+            "name": ns, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
+                                   "pod-security.kubernetes.io/enforce-version": "latest"}}})
+        kube.create(f"/api/v1/namespaces/{ns}/serviceaccounts",
+                    {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}})
+    except KubeAPIError as e:
+        if e.status != 409:
+            raise
+    return ns
+
+
 @pytest.mark.parametrize("variant", ["tpu", "cpu", "gpu", "pvc"])
 def test_worker_manifests_pass_the_api_server_and_restricted_pod_security(kube: Any, variant: str) -> None:
     """The builders' Service, Secret and Pods, created with dryRun in a namespace that enforces the
     restricted Pod Security Standard (the API server's own admission)."""
-    from resilax_local.errors import KubeAPIError
     from resilax_operator.builders import (
         GenerationPlan,
         JobRef,
@@ -277,16 +299,7 @@ def test_worker_manifests_pass_the_api_server_and_restricted_pod_security(kube: 
     from resilax_operator.settings import OperatorSettings
     from resilax_operator.validation import validate_spec
 
-    ns = "restricted"
-    try:
-        kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
-            "name": ns, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
-                                   "pod-security.kubernetes.io/enforce-version": "latest"}}})
-        kube.create(f"/api/v1/namespaces/{ns}/serviceaccounts",
-                    {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}})
-    except KubeAPIError as e:
-        if e.status != 409:
-            raise
+    ns = _restricted_namespace(kube)
     raw = good_spec()
     raw["slices"], raw["elastic"] = {
         "tpu": (raw["slices"], raw["elastic"]),
@@ -308,3 +321,64 @@ def test_worker_manifests_pass_the_api_server_and_restricted_pod_security(kube: 
     for pod in pods:
         created = kube.create(f"/api/v1/namespaces/{ns}/pods{dry}", pod)
         assert created["spec"]["initContainers"][0]["restartPolicy"] == "Always"
+
+
+
+def _generation_pods(raw: Raw, ns: str, *, queue: str = "", policy: bool = True) -> list[Raw]:
+    """Every pod the builders make for the job's spec shape and its smallest elastic one (pod 0 alone,
+    then all; with a Kueue queue, all at once). `policy=False` skips the operator's template policy."""
+    from resilax_operator.builders import GenerationPlan, JobRef, build_pods
+    from resilax_operator.settings import OperatorSettings
+    from resilax_operator.validation import validate_spec
+
+    settings = OperatorSettings(sidecar_image="resilax:test")
+    spec = validate_spec(raw, settings=settings if policy else None)
+    job = JobRef("job", ns, "00000000-0000-0000-0000-000000000002", queue)
+    pods = []
+    for count in sorted({spec.slices.count, spec.count_bounds[0]}):
+        for g, pools in ((1, ("a",) * count), (2, ("",) * count)):
+            plan = GenerationPlan(g, Shape(spec.slices.topology, count), pools)
+            pods += build_pods(job, spec, plan, settings, coordinator_ip=None)
+            pods += build_pods(job, spec, plan, settings, coordinator_ip="10.0.0.1")
+    return pods
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))
+def test_every_pod_of_the_examples_passes_restricted_pod_security(kube: Any, example: str) -> None:
+    """Issue 25, item 5: the API server enforcing `restricted` takes every pod the builders make for the
+    examples/ jobs (dry run: admission runs, nothing is stored)."""
+    job = yaml.safe_load((ROOT / "examples" / example).read_text())
+    ns = _restricted_namespace(kube)
+    queue = ((job["metadata"].get("labels") or {}).get(api.KUEUE_QUEUE_LABEL)) or ""
+    pods = _generation_pods(job["spec"], ns, queue=queue)
+    assert len(pods) >= 4
+    for pod in pods:
+        kube.create(f"/api/v1/namespaces/{ns}/pods?dryRun=All", pod)
+
+
+@pytest.mark.parametrize("change", [r[1] for r in RESTRICTED_ALLOWED_TEMPLATES],
+                         ids=[r[0] for r in RESTRICTED_ALLOWED_TEMPLATES])
+def test_what_the_operator_allows_the_restricted_api_server_takes(kube: Any, change: Any) -> None:
+    raw = good_spec()
+    change(raw["template"])
+    ns = _restricted_namespace(kube)
+    for pod in _generation_pods(raw, ns)[:2]:
+        kube.create(f"/api/v1/namespaces/{ns}/pods?dryRun=All", pod)
+
+
+REFUSED_BY_THE_PROFILE = [r for r in RESTRICTED_TEMPLATES if r[3]]
+
+
+@pytest.mark.parametrize("change", [r[1] for r in REFUSED_BY_THE_PROFILE], ids=[r[0] for r in REFUSED_BY_THE_PROFILE])
+def test_what_the_operator_refuses_as_restricted_the_api_server_refuses_too(kube: Any, change: Any) -> None:
+    """The operator's table is the profile the API server enforces: each row, built into a pod without
+    the operator's policy, is refused by the API server's Pod Security admission."""
+    from resilax_local.errors import KubeAPIError
+
+    raw = good_spec()
+    change(raw["template"])
+    ns = _restricted_namespace(kube)
+    pod = _generation_pods(raw, ns, policy=False)[0]
+    with pytest.raises(KubeAPIError) as info:
+        kube.create(f"/api/v1/namespaces/{ns}/pods?dryRun=All", pod)
+    assert info.value.status in (403, 422), info.value

@@ -1,6 +1,8 @@
-"""The worker template against Kubernetes' PodTemplateSpec schema and the host-access policy (issue 18,
-item 6): malformed templates become InvalidSpec naming the field, never an exception in a reconcile;
-privileged, hostNetwork, hostPID and hostPath are refused unless the operator allows host access."""
+"""The worker template against Kubernetes' PodTemplateSpec schema and the restricted Pod Security profile
+(issue 18, item 6; issue 25, item 5): malformed templates become InvalidSpec naming the field, never an
+exception in a reconcile; every field the restricted profile refuses (and nodeName, hostPort,
+shareProcessNamespace, tolerations of every taint) is refused unless the operator allows host access;
+nulls anywhere are absent; a user's securityContext is merged deeply, `drop: [ALL]` always kept."""
 
 from __future__ import annotations
 
@@ -11,7 +13,15 @@ from typing import Any
 
 import pytest
 import yaml
-from op_samples import HOST_ACCESS_TEMPLATES, MALFORMED_TEMPLATES, TEMPLATE_TYPOS, good_spec
+from op_samples import (
+    ALWAYS_REFUSED_TEMPLATES,
+    HOST_ACCESS_TEMPLATES,
+    MALFORMED_TEMPLATES,
+    RESTRICTED_ALLOWED_TEMPLATES,
+    RESTRICTED_TEMPLATES,
+    TEMPLATE_TYPOS,
+    good_spec,
+)
 from op_world import SETTINGS, World, tpu_pool
 from resilax_operator import api
 from resilax_operator.actions import CreateGeneration
@@ -171,3 +181,202 @@ def test_real_templates_pass() -> None:
             "lifecycle": {"preStop": {"sleep": {"seconds": 5}}}}]}}
     assert check_template_schema(copy.deepcopy(rich)) == []
     validate_spec({**good_spec(), "template": rich}, settings=SETTINGS)
+
+
+# ---- the restricted Pod Security profile (issue 25, item 5) -------------------------------------------
+
+def _pods(raw: dict[str, Any], settings: OperatorSettings = SETTINGS, *, count: int = 2) -> list[dict[str, Any]]:
+    """Every pod of a generation the builders make from a validated spec (pod 0 alone, then all)."""
+    spec = validate_spec(raw, settings=settings)
+    plan = GenerationPlan(1, Shape("4x4", count), tuple("ab"[:count]), "latest")
+    job = JobRef("llama", "ml", "uid-1")
+    return [*build_pods(job, spec, plan, settings, coordinator_ip=None),
+            *build_pods(job, spec, plan, settings, coordinator_ip="10.0.0.1")]
+
+
+@pytest.mark.parametrize(("change", "path"), [r[1:3] for r in RESTRICTED_TEMPLATES], ids=[r[0] for r in RESTRICTED_TEMPLATES])
+def test_restricted_profile_refuses_the_field_naming_it(change: Any, path: str) -> None:
+    """Each refusal is InvalidSpec naming the field path, the value found, what is allowed and the
+    setting that lifts it; the same template is valid when the operator allows host access."""
+    raw = _spec_with(change)
+    with pytest.raises(InvalidSpecError) as info:
+        validate_spec(raw, settings=SETTINGS)
+    problems = {p.path: p.message for p in info.value.problems}
+    assert path in problems, info.value
+    message = problems[path]
+    assert " is refused; allowed: " in message and "operator.allowHostAccess" in message, message
+    assert "pod-security-standards" in message, message
+    validate_spec(raw, settings=ALLOW)
+    world = World.make(raw, tpu_pool("a", 4), tpu_pool("b", 4))
+    world.step()
+    invalid = world.status.condition(api.COND_INVALID_SPEC)
+    assert invalid is not None and invalid.status == "True" and path in invalid.message
+
+
+@pytest.mark.parametrize(("change", "path"), [r[1:] for r in ALWAYS_REFUSED_TEMPLATES],
+                         ids=[r[0] for r in ALWAYS_REFUSED_TEMPLATES])
+def test_node_name_and_ephemeral_containers_are_refused_whatever_the_setting(change: Any, path: str) -> None:
+    for settings in (SETTINGS, ALLOW, None):
+        with pytest.raises(InvalidSpecError) as info:
+            validate_spec(_spec_with(change), settings=settings)
+        assert path in {p.path for p in info.value.problems}, info.value
+
+
+def test_every_restricted_refusal_is_reported_at_once() -> None:
+    """All the rows in one template (those that set the same list or field as another row are left out
+    and added together at the end): one InvalidSpec names every field."""
+    shared = ("host-path", "nfs-volume", "init-privileged", "cap-add-sys-ptrace-init",
+              "init-allow-privilege-escalation", "cap-add-net-admin-beside-allowed")
+    raw = good_spec()
+    expected = set()
+    for name, change, path, _ in RESTRICTED_TEMPLATES:
+        if name not in shared:
+            change(raw["template"])
+            expected.add(path)
+    raw["template"]["spec"]["volumes"] = [{"name": "h", "hostPath": {"path": "/x"}},
+                                          {"name": "n", "nfs": {"server": "s", "path": "/x"}}]
+    raw["template"]["spec"]["initContainers"] = [{"name": "prepare", "image": "x", "securityContext": {
+        "privileged": True, "allowPrivilegeEscalation": True, "capabilities": {"add": ["SYS_PTRACE", "CHOWN"]}}}]
+    init = "spec.template.spec.initContainers[0].securityContext"
+    expected |= {"spec.template.spec.volumes[0].hostPath", "spec.template.spec.volumes[1].nfs", f"{init}.privileged",
+                 f"{init}.allowPrivilegeEscalation", f"{init}.capabilities.add[0]", f"{init}.capabilities.add[1]"}
+    with pytest.raises(InvalidSpecError) as info:
+        validate_spec(raw, settings=SETTINGS)
+    paths = {p.path for p in info.value.problems}
+    assert expected <= paths, (expected - paths, sorted(paths))
+
+
+@pytest.mark.parametrize("change", [r[1] for r in RESTRICTED_ALLOWED_TEMPLATES], ids=[r[0] for r in RESTRICTED_ALLOWED_TEMPLATES])
+def test_what_the_restricted_profile_allows_is_valid(change: Any) -> None:
+    _pods(_spec_with(change))
+
+
+@pytest.mark.parametrize("user", [
+    {"capabilities": {"add": ["NET_BIND_SERVICE"]}},
+    {"capabilities": {"drop": ["NET_RAW"], "add": ["NET_BIND_SERVICE"]}},
+    {"capabilities": {"drop": []}},
+    {"capabilities": {"drop": ["ALL"]}},
+    {"capabilities": {}, "runAsUser": 1000},
+], ids=["add-only", "drop-and-add", "empty-drop", "drop-all", "empty"])
+def test_a_users_capabilities_merge_deeply_keeping_drop_all(user: dict[str, Any]) -> None:
+    """Merged, not replaced: every container and init container of every pod keeps `drop: [ALL]` (once,
+    first), the user's own drops and adds, and the user's other fields."""
+    def change(t: dict[str, Any]) -> None:
+        t["spec"]["containers"][0]["securityContext"] = copy.deepcopy(user)
+        t["spec"]["containers"].append({"name": "helper", "image": "x", "securityContext": copy.deepcopy(user)})
+        t["spec"]["initContainers"] = [{"name": "prepare", "image": "x", "securityContext": copy.deepcopy(user)}]
+
+    for pod in _pods(_spec_with(change)):
+        spec = pod["spec"]
+        for c in [*spec["containers"], *spec["initContainers"]]:
+            ctx = c["securityContext"]
+            assert ctx["capabilities"]["drop"][0] == "ALL" and ctx["capabilities"]["drop"].count("ALL") == 1, c
+            if c["name"] in ("trainer", "helper", "prepare"):
+                assert set(user["capabilities"].get("drop", [])) <= set(ctx["capabilities"]["drop"])
+                assert ctx["capabilities"].get("add") == user["capabilities"].get("add")
+                assert ctx.get("runAsUser") == user.get("runAsUser")
+                assert ctx["allowPrivilegeEscalation"] is False and ctx["runAsNonRoot"] is True
+                assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_a_users_security_context_fields_win_inside_objects() -> None:
+    def change(t: dict[str, Any]) -> None:
+        t["spec"]["containers"][0]["securityContext"] = {
+            "seccompProfile": {"type": "Localhost", "localhostProfile": "p.json"}, "readOnlyRootFilesystem": True}
+        t["spec"]["securityContext"] = {"fsGroup": 2000, "seccompProfile": {"type": "Localhost", "localhostProfile": "q"}}
+
+    pod = _pods(_spec_with(change))[0]["spec"]
+    trainer = pod["containers"][0]["securityContext"]
+    assert trainer["seccompProfile"] == {"type": "Localhost", "localhostProfile": "p.json"}
+    assert trainer["readOnlyRootFilesystem"] is True and trainer["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"] == {"runAsNonRoot": True, "fsGroup": 2000,
+                                      "seccompProfile": {"type": "Localhost", "localhostProfile": "q"}}
+
+
+#: Nulls the issue found crashing the builder, and their neighbours: id, change to `spec.template`.
+NULL_TEMPLATES: list[tuple[str, Any]] = [
+    ("anti-affinity-required-null", lambda t: t["spec"].update(affinity={"podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": None}})),
+    ("affinity-null", lambda t: t["spec"].update(affinity=None)),
+    ("node-affinity-required-null", lambda t: t["spec"].update(affinity={"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": None, "preferredDuringSchedulingIgnoredDuringExecution": None}})),
+    ("security-context-null", lambda t: (t["spec"].update(securityContext=None),
+                                         t["spec"]["containers"][0].update(securityContext=None))),
+    ("capabilities-null", lambda t: t["spec"]["containers"][0].update(securityContext={"capabilities": None,
+                                                                                       "runAsUser": None})),
+    ("drop-null", lambda t: t["spec"]["containers"][0].update(securityContext={"capabilities": {"drop": None}})),
+    ("lists-null", lambda t: (t["spec"].update(tolerations=None, volumes=None, initContainers=None, nodeSelector=None),
+                              t["spec"]["containers"][0].update(env=None, volumeMounts=None, resources=None, ports=None))),
+    ("list-items-null", lambda t: (t["spec"].update(tolerations=[None], volumes=[None], initContainers=[None]),
+                                   t["spec"]["containers"][0].update(env=[None], volumeMounts=[None]))),
+    ("resources-limits-null", lambda t: t["spec"]["containers"][0].update(resources={"limits": None, "requests": None})),
+    ("metadata-null", lambda t: t.update(metadata={"labels": None, "annotations": None})),
+    ("grace-null", lambda t: t["spec"].update(terminationGracePeriodSeconds=None, restartPolicy=None)),
+]
+
+
+@pytest.mark.parametrize("change", [n[1] for n in NULL_TEMPLATES], ids=[n[0] for n in NULL_TEMPLATES])
+def test_nulls_are_absent_and_never_crash_the_builder(change: Any) -> None:
+    """The job validates, the builders make every pod (with the operator's anti-affinity and drop ALL),
+    and the decisions create the generation."""
+    raw = _spec_with(change)
+    for pod in _pods(raw):
+        terms = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms and terms[-1]["topologyKey"] == api.HOSTNAME_LABEL
+        assert pod["spec"]["containers"][0]["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    world = World.make(raw, tpu_pool("a", 4), tpu_pool("b", 4))
+    assert any(isinstance(a, CreateGeneration) for a in world.step())
+
+
+def _paths(node: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [at] if at else []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += _paths(v, (*at, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _paths(v, (*at, i))
+    return out
+
+
+def _rich_spec() -> dict[str, Any]:
+    raw = good_spec()
+    raw["template"] = {"metadata": {"labels": {"team": "a"}, "annotations": {"x": "y"}}, "spec": {
+        "nodeSelector": {"pool": "a"}, "tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule"}],
+        "securityContext": {"runAsUser": 1000, "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+        "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"labelSelector": {"matchLabels": {"app": "x"}}, "topologyKey": "zone"}]},
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "k", "operator": "In", "values": ["v"]}]}]}}},
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "d"}}],
+        "initContainers": [{"name": "prep", "image": "x", "securityContext": {"capabilities": {"drop": ["NET_RAW"]}}}],
+        "containers": [{"name": "trainer", "image": "x:1", "command": ["python"], "env": [{"name": "A", "value": "1"}],
+                        "resources": {"requests": {"cpu": "1"}, "limits": {"memory": "1Gi"}},
+                        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                        "securityContext": {"runAsNonRoot": True, "capabilities": {"add": ["NET_BIND_SERVICE"]}}}]}}
+    raw["slices"]["machineType"] = None
+    raw["capacity"] = {"provisioning": "Ready"}
+    return raw
+
+
+def test_a_null_anywhere_in_the_spec_never_crashes_validation_building_or_deciding() -> None:
+    """Every field of a rich spec set to null, one at a time: validation answers (valid, or InvalidSpec),
+    and a valid one is built and decided on without an exception."""
+    tried = built = 0
+    for path in _paths(_rich_spec()):
+        raw = _rich_spec()
+        node: Any = raw
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = None
+        tried += 1
+        try:
+            validate_spec(raw, settings=SETTINGS)
+        except InvalidSpecError:
+            continue
+        _pods(raw)
+        world = World.make(raw, tpu_pool("a", 4), tpu_pool("b", 4))
+        for _ in range(2):
+            world.step()
+        built += 1
+    assert tried > 60 and built > 40, (tried, built)
