@@ -90,16 +90,20 @@ def check_step_free(storage: Storage, root: str, step: int) -> None:
 
 
 def build_marker(step: int, generation: int | fencing.Epoch, attempt: str | None = None,
-                 save: str | None = None) -> bytes:
+                 save: str | None = None, process: tuple[int, int] | None = None) -> bytes:
     """A commit marker's body. `attempt`: the attempt prefix holding the step's files (object
     stores). `save`: the save's identity, the same on every process (local tier: the sidecars derive
-    their upload attempt from it, layout.upload_attempt_name)."""
+    their upload attempt from it, layout.upload_attempt_name). `process`: (process id, process count)
+    of the saving process (local tier: the sidecar uploads the step as that process of that many,
+    whatever its own settings say after an in-place restart)."""
     era, gen = fencing.epoch_of(generation)
     body: dict[str, object] = {"step": step, "generation": gen, "era": era, "time": time.time()}
     if attempt is not None:
         body["attempt"] = attempt
     if save is not None:
         body["save"] = save
+    if process is not None:
+        body["process"], body["process_count"] = process
     return json.dumps(body).encode()
 
 

@@ -317,7 +317,8 @@ class Saver:
                 commit.kill_point("before_commit", pid)
                 # The local tier's marker carries the save's identity (`key`, the same on every
                 # process): every host's sidecar uploads this save into one attempt (layout.py).
-                marker = commit.build_marker(step, self._epoch, attempt, key if self._local_tier else None)
+                marker = commit.build_marker(step, self._epoch, attempt, key if self._local_tier else None,
+                                             (pid, self._coord.process_count) if self._local_tier else None)
                 if self._own_suffix is not None:
                     storage.write_bytes(storage.join(final, layout.commit_name(self._own_suffix)), marker)
                     commit.clear_bad(storage, root, step)  # a new save of a step marked bad

@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 from resilax_ckpt import layout
+from resilax_ckpt import trainer_control as tc
 from resilax_ckpt.requests import read_restore_report
 from resilax_ckpt.trainer_metrics import read_trainer_figures
 
@@ -66,6 +67,7 @@ class Sidecar:
         self._persisted_cache: tuple[float, int | None] = (0.0, None)
         self._uploader_stop = threading.Event()
         self._uploader_thread: threading.Thread | None = None
+        self._config_lock = threading.Lock()
 
     # ---- token -------------------------------------------------------------------------------------
 
@@ -141,6 +143,23 @@ class Sidecar:
                 else:
                     log.warning("save %s (%s) failed after %.2f s: %s", request_id, reason, seconds, result.error)
 
+    # ---- in-place restarts (trainer_control.py) ----------------------------------------------------
+
+    def apply_assignment(self, assignment: tc.Assignment | None = None) -> None:
+        """Take the generation-dependent settings of the newest assignment (given, or `assignment.json`)
+        when it is newer than the settings' generation: `/v1/state`, the uploader's duties and the peer
+        calls then speak for the new generation. Raises ConfigError for bad values (checked first)."""
+        if assignment is None:
+            assignment = tc.read_assignment(str(self.config.control_dir))
+        if assignment is None or assignment.generation <= self.config.generation:
+            return
+        config = self.config.with_generation_env({**assignment.env, "RESILAX_GENERATION": str(assignment.generation)})
+        with self._config_lock:  # against the uploader being created meanwhile (open_storage)
+            self.config = config
+            if self.uploader is not None:
+                self.uploader.set_config(config)
+        log.info("assignment of generation %d: now %s", assignment.generation, config.describe())
+
     # ---- state ---------------------------------------------------------------------------------
 
     def _newest_persisted(self) -> int | None:
@@ -172,6 +191,9 @@ class Sidecar:
             # Peer replicas this host keeps: origin process -> step, and the last replication error.
             "peer_replicas": {str(p): s for p, s in sorted(self.replicator.held.items())} if self.replicator else {},
             "peer_last_error": self.replicator.last_error if self.replicator else None,
+            # The supervisor's incarnation.json (None: no supervisor) and the newest start asked.
+            "trainer_process": tc.read_incarnation(str(cfg.control_dir)),
+            "assignment": {"generation": a.generation} if (a := tc.read_assignment(str(cfg.control_dir))) else None,
         }
         if self.uploader is not None:
             state.update(self.uploader.state.to_json())
@@ -230,7 +252,8 @@ class Sidecar:
             return
         self.storage_error = None
         if cfg.uploads:
-            self.uploader = Uploader(cfg, self.store, self.metrics)
+            with self._config_lock:
+                self.uploader = Uploader(self.config, self.store, self.metrics)  # an assignment's, if one came
             if self._urgent:
                 self.uploader.urgent.set()
             self._uploader_thread = threading.Thread(
@@ -336,6 +359,10 @@ async def serve(config: SidecarConfig, ready: asyncio.Event | None = None) -> in
     """Run the sidecar until SIGTERM (final save) or SIGINT (at once); the exit code."""
     sidecar = Sidecar(config)
     config.control_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        sidecar.apply_assignment()  # a restarted sidecar of a pod kept by an in-place restart
+    except ConfigError as e:
+        log.error("ignoring assignment.json: %s", e)
     app = build_app(sidecar)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -225,6 +225,31 @@ class SidecarConfig:
         if problems:
             raise ConfigError(problems)
         return config
+
+    def with_generation_env(self, env: Mapping[str, str]) -> SidecarConfig:
+        """These settings with the generation-dependent ones (`JAX_PROCESS_ID`, `JAX_NUM_PROCESSES`,
+        `RESILAX_GENERATION`) taken from an in-place restart's assignment where it sets them; raise
+        `ConfigError` listing every bad value (each as `env.<NAME>`)."""
+        problems: list[str] = []
+
+        def number(name: str, lowest: int, default: int) -> int:
+            raw = env.get(name, "").strip()
+            if not raw:
+                return default
+            if not raw.isdigit() or int(raw) < lowest:
+                problems.append(f"env.{name}={raw!r}: an integer >= {lowest}")
+                return default
+            return int(raw)
+
+        process_id = number("JAX_PROCESS_ID", 0, self.process_id)
+        num_processes = number("JAX_NUM_PROCESSES", 1, self.num_processes)
+        generation = number("RESILAX_GENERATION", 0, self.generation)
+        if not problems and process_id >= num_processes:
+            problems.append(f"env.JAX_PROCESS_ID={process_id} with JAX_NUM_PROCESSES={num_processes}: the id must "
+                            "be below the count")
+        if problems:
+            raise ConfigError(problems)
+        return replace(self, process_id=process_id, num_processes=num_processes, generation=generation)
 
     def describe(self) -> str:
         """One line for the start-up log (no secrets: the token file's path only)."""

@@ -11,6 +11,9 @@
 | GET | /v1/peer/{origin}/{step}/manifest | token | the files of a local step or a held replica, with crc32c |
 | GET | /v1/peer/{origin}/{step}/files/{path} | token | one file of it, streamed |
 | POST | /v1/peer/fetch | token | `{"origin", "step", "sources"}`: fetch this process's step from peers into the local tier |
+| POST | /v1/trainer/stop | token | `{"generation", "reason", "stacks"}`: stop an older trainer (trainer_control.py) |
+| POST | /v1/trainer/start | token | `{"generation", "env"}`: start the generation's trainer once none lives |
+| GET | /v1/trainer/ready | - | 200 while the current incarnation runs, else 503 (the trainer's readinessProbe) |
 Errors: `{"error": {"code": "<slug>", "message": "..."}}` with the HTTP status; never a traceback.
 """
 
@@ -24,9 +27,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from resilax_ckpt import trainer_control as tc
 
 from resilax_sidecar import control, peers
-from resilax_sidecar.errors import SidecarError
+from resilax_sidecar import trainer_control as trainer
+from resilax_sidecar.errors import ConfigError, SidecarError
 from resilax_sidecar.metrics import CONTENT_TYPE, SAVE_REASONS
 
 if TYPE_CHECKING:
@@ -267,6 +272,70 @@ async def post_peer_fetch(request: web.Request) -> web.Response:
                               "bytes": sum(int(f["size"]) for f in manifest["files"])})
 
 
+async def _trainer_call(request: web.Request) -> tuple[Sidecar, dict[str, Any], str]:
+    """Token, body, and 409 `not_supervised` when no supervisor runs the trainer."""
+    _require_token(request)
+    sidecar = request.app[SIDECAR_KEY]
+    body = await _json_body(request)
+    control_dir = str(sidecar.config.control_dir)
+    if await asyncio.to_thread(tc.read_incarnation, control_dir) is None:
+        raise ApiError(409, "not_supervised", "this pod's trainer does not run under `resilax run` "
+                       f"(no {tc.INCARNATION_FILE} in RESILAX_CONTROL_DIR): it cannot be stopped or started in place")
+    return sidecar, body, control_dir
+
+
+def _parsed(parse: Callable[[object, str], Any], body: dict[str, Any], allowed: set[str]) -> Any:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(400, "bad_request", f"unknown fields {unknown}; allowed: {', '.join(sorted(allowed))}")
+    try:
+        return parse(body, "body")
+    except tc.InvalidControlFileError as e:
+        raise ApiError(400, "bad_request", str(e)) from e
+
+
+def _answer(verdict: trainer.Verdict, body: dict[str, Any]) -> web.Response:
+    if verdict.code is not None:
+        raise ApiError(verdict.status, verdict.code, verdict.message)
+    return web.json_response(body, status=verdict.status)
+
+
+async def post_trainer_stop(request: web.Request) -> web.Response:
+    _sidecar, body, control_dir = await _trainer_call(request)
+    stop: tc.StopRequest = _parsed(tc.parse_stop, body, {"generation", "reason", "stacks"})
+    verdict = trainer.decide_stop(await asyncio.to_thread(tc.read_stop, control_dir), stop)
+    if verdict.write:
+        await asyncio.to_thread(tc.write_json, control_dir, tc.STOP_FILE, stop.to_json())
+        log.info("trainer stop asked for generation %d (%s, stacks %s)", stop.generation, stop.reason, stop.stacks)
+    return _answer(verdict, {"generation": stop.generation, "status": "stopping",
+                             "trainer_process": await asyncio.to_thread(tc.read_incarnation, control_dir)})
+
+
+async def post_trainer_start(request: web.Request) -> web.Response:
+    sidecar, body, control_dir = await _trainer_call(request)
+    assignment: tc.Assignment = _parsed(tc.parse_assignment, body, {"generation", "env"})
+    verdict = trainer.decide_start(await asyncio.to_thread(tc.read_assignment, control_dir), assignment)
+    if verdict.write:
+        try:
+            sidecar.config.with_generation_env(assignment.env)  # refuse bad values before the trainer sees them
+        except ConfigError as e:
+            raise ApiError(400, "bad_request", "; ".join(e.problems)) from e
+        await asyncio.to_thread(tc.write_json, control_dir, tc.ASSIGNMENT_FILE, assignment.to_json())
+        sidecar.apply_assignment(assignment)
+        log.info("trainer start asked for generation %d", assignment.generation)
+    return _answer(verdict, {"generation": assignment.generation, "status": "starting",
+                             "trainer_process": await asyncio.to_thread(tc.read_incarnation, control_dir)})
+
+
+async def get_trainer_ready(request: web.Request) -> web.Response:
+    control_dir = str(request.app[SIDECAR_KEY].config.control_dir)
+    incarnation = await asyncio.to_thread(tc.read_incarnation, control_dir)
+    ready, why = trainer.trainer_ready(incarnation, await asyncio.to_thread(tc.read_stop, control_dir))
+    if not ready:
+        raise ApiError(503, "unavailable", why)
+    return web.json_response({"status": "ready", "trainer_process": incarnation})
+
+
 def build_app(sidecar: Sidecar) -> web.Application:
     """The aiohttp application for one sidecar."""
     app = web.Application(middlewares=[json_errors], client_max_size=64 * 1024)
@@ -281,4 +350,7 @@ def build_app(sidecar: Sidecar) -> web.Application:
     app.router.add_get("/v1/peer/{origin}/{step}/manifest", get_peer_manifest)
     app.router.add_get("/v1/peer/{origin}/{step}/files/{path:.+}", get_peer_file)
     app.router.add_post("/v1/peer/fetch", post_peer_fetch)
+    app.router.add_post("/v1/trainer/stop", post_trainer_stop)
+    app.router.add_post("/v1/trainer/start", post_trainer_start)
+    app.router.add_get("/v1/trainer/ready", get_trainer_ready)
     return app

@@ -59,7 +59,7 @@ class StepCommitter:
                 continue
             if isinstance(raw, dict):
                 markers[pid] = raw
-        missing = sorted(set(range(self.config.num_processes)) - set(markers))
+        missing = sorted(set(range(local.process_count)) - set(markers))
         if missing:
             log.info("step %d: waiting for the uploads of processes %s", step, missing)
             return False
@@ -96,7 +96,7 @@ class StepCommitter:
                     if key in local.files:
                         # Deleted under us (e.g. a cleanup that took the attempt for a leftover):
                         # withdraw our marker so the next pass copies it again.
-                        self.store.delete(f"{base}/{layout.uploaded_name(self.config.process_id)}")
+                        self.store.delete(f"{base}/{layout.uploaded_name(local.process)}")
                         self.memory.marker_done.pop(step, None)
                     return False
         fences = self.view.read_fences()

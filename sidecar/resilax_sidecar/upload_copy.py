@@ -63,16 +63,16 @@ class StepCopier:
         step = local.step
         self.check_step_folder(step)
         base = f"{step}/{local.attempt}"
-        marker_key = f"{base}/{layout.uploaded_name(self.config.process_id)}"
+        marker_key = f"{base}/{layout.uploaded_name(local.process)}"
         done = f"{local.attempt}:{local.digest}"
         if self.memory.marker_done.get(step) != done and not self._marker_current(marker_key, local):
             started = self._clock()
             # Before the first file: the attempt is provably Resilax's (layout.owns_step_folder).
-            self.store.write_bytes(f"{base}/{layout.writer_name(self.config.process_id)}", b"")
+            self.store.write_bytes(f"{base}/{layout.writer_name(local.process)}", b"")
             copied_bytes = self._copy_files(local)
             sizes = {key: path.stat().st_size for key, path in local.files.items()}
             marker = {
-                "process_id": self.config.process_id,
+                "process_id": local.process,
                 "generation": local.generation,
                 "era": local.era,
                 "digest": local.digest,

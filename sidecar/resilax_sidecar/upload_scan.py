@@ -44,6 +44,10 @@ class LocalStep:
     """The era of the job that saved it (resilax_ckpt.fencing): with `generation`, its epoch."""
     attempt: str = ""
     """The persistent attempt prefix this save is uploaded into (layout.upload_attempt_name)."""
+    process: int = 0
+    """The process that saved it, of `process_count` (its local `_COMMIT`; after an in-place restart
+    this sidecar's own settings may name another generation's)."""
+    process_count: int = 1
 
     @property
     def epoch(self) -> fencing.Epoch:
@@ -96,8 +100,21 @@ def commit_body_naming(local_body: bytes, step: int, epoch: fencing.Epoch, attem
     if not isinstance(body, dict):
         body = {}
     body.update({"step": step, "era": epoch[0], "generation": epoch[1], "attempt": attempt})
+    for local_only in ("process", "process_count"):  # one process's identity; the step is everyone's
+        body.pop(local_only, None)
     body.setdefault("time", time.time())
     return json.dumps(body).encode()
+
+
+def saving_process(local_body: bytes, process_id: int, num_processes: int) -> tuple[int, int]:
+    """(process id, process count) of the trainer that committed a local step: its marker's `process`
+    and `process_count`, else (a marker of an older library) this sidecar's settings (pure)."""
+    with contextlib.suppress(ValueError, AttributeError):
+        body = json.loads(local_body)
+        process, count = body.get("process"), body.get("process_count")
+        if isinstance(process, int) and isinstance(count, int) and 0 <= process < count:
+            return process, count
+    return process_id, num_processes
 
 
 def named_attempt(body: bytes) -> str | None:
@@ -175,8 +192,10 @@ class TierView:
         with contextlib.suppress(ValueError, AttributeError):
             save = str(json.loads(commit_body).get("save") or "")
         attempt = layout.upload_attempt_name(era, generation, step, save)
+        process, count = saving_process(commit_body, pid, self.config.num_processes)
         return LocalStep(step, folder, files, generation, digest,
-                         commit_body_naming(commit_body, step, (era, generation), attempt), era, attempt)
+                         commit_body_naming(commit_body, step, (era, generation), attempt), era, attempt,
+                         process, count)
 
     def _epoch_of(self, commit_body: bytes, metadata: Path | None) -> fencing.Epoch:
         """The epoch (era, generation) of the trainer that committed the local step (its marker)."""

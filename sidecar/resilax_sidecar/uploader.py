@@ -132,6 +132,13 @@ class Uploader:
         self.cleaner = Cleaner(config, store, metrics, self.view, self.memory, self.persists)
         self._changed = threading.Condition()
 
+    def set_config(self, config: SidecarConfig) -> None:
+        """New generation-dependent settings (an in-place restart's assignment): each part reads them
+        at its next use. A step keeps the identity its own local `_COMMIT` records."""
+        self.config = config
+        for part in (self.view, self.copier, self.committer, self.cleaner):
+            part.config = config
+
     # ---- the loop -------------------------------------------------------------------------------
 
     def wake(self) -> None:

@@ -4,6 +4,7 @@ uploader builds)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -26,6 +27,8 @@ def test_single_process_local_tier_writes_all_replicas_and_restores(tmp_path, de
         assert mgr.steps() == [1]
         names = sorted(os.listdir(tmp_path / "1"))
         assert names == ["_COMMIT", "_METADATA.json", "meta.json", "params"]
+        marker = json.loads((tmp_path / "1" / "_COMMIT").read_text())
+        assert (marker["process"], marker["process_count"]) == (0, 1), "the sidecar uploads it as this process"
         out = mgr.restore(1)
         for name, value in expected(1).items():
             np.testing.assert_array_equal(out["params"][name], value)
@@ -68,6 +71,8 @@ def test_two_hosts_local_tier_then_merged_to_persistent(tmp_path, devices):
     for pid in (0, 1):
         names = set(os.listdir(tmp_path / f"local{pid}" / "2"))
         assert {f"_COMMIT.{pid}", f"_METADATA.{pid}.json", "meta.json", "params", "data"} <= names
+        marker = json.loads((tmp_path / f"local{pid}" / "2" / f"_COMMIT.{pid}").read_text())
+        assert (marker["process"], marker["process_count"]) == (pid, 2)
     # each host restores its own shards from its own folder
     restored = run_processes({"scenario": "restore", "root": local, "mesh": [4, 2], "options": opts},
                              num_processes=2)
