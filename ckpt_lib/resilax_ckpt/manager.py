@@ -71,7 +71,7 @@ class CheckpointManager:
         key = tiers.next_manager_key(self._options.generation)
         control_dir = self._options.control_dir
         watcher = RequestWatcher(control_dir) if control_dir else None
-        self._trainer = TrainerMetrics(control_dir)
+        self._trainer = TrainerMetrics(control_dir, generation=self._options.generation)
         if watcher is not None:
             watcher.hold_trainer_lock()
             clear_stop_record(control_dir or "")

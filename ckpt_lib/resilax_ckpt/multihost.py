@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from resilax_ckpt.errors import SaveError
 from resilax_ckpt.options import InvalidOptionsError
+from resilax_ckpt.trainer_metrics import count_jax_event
 
 
 class Coordinator(Protocol):
@@ -185,6 +186,21 @@ def bind_stack_dumps() -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
+_counting_cache = False
+
+
+def count_compilation_cache() -> None:
+    """Count JAX's persistent compilation cache requests and hits (`trainer_metrics.COMPILATION_CACHE`,
+    written into trainer.json); once per process. Called on: each process."""
+    global _counting_cache
+    if _counting_cache:
+        return
+    import jax.monitoring
+
+    jax.monitoring.register_event_listener(count_jax_event)
+    _counting_cache = True
+
+
 def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Call `jax.distributed.initialize` from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
     JAX_PROCESS_ID (set by the operator) when there are several processes, and arm the exit watchdog
@@ -192,10 +208,11 @@ def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> boo
     initialized. RESILAX_INIT_TIMEOUT_SECONDS, when set, is how long to wait for the other processes
     (the operator sets it when workers may wait for nodes that do not exist yet or for a queue's
     admission; JAX's default is 300 s). SIGUSR1 then writes every thread's stack to stderr (faulthandler),
-    which `resilax run` asks for before it stops a hung trainer. Called on: all processes, before any
-    other JAX call."""
+    which `resilax run` asks for before it stops a hung trainer, and the persistent compilation cache's
+    requests and hits are counted into trainer.json. Called on: all processes, before any other JAX call."""
     env = os.environ if env is None else env
     bind_stack_dumps()
+    count_compilation_cache()
     address = env.get("JAX_COORDINATOR_ADDRESS", "").strip()
     count = env.get("JAX_NUM_PROCESSES", "").strip()
     if not address or not count or int(count) <= 1:

@@ -1,7 +1,8 @@
 """The trainer's figures, shared with the sidecar through `$RESILAX_CONTROL_DIR/trainer.json`.
 
 The manager keeps running totals (saves, seconds the loop was blocked by them, restores and their
-seconds, the newest step it was called with and the step rate) and rewrites the file atomically at most
+seconds, the newest step it was called with and the step rate, and the persistent compilation cache's
+requests and hits, counted from JAX's events) and rewrites the file atomically at most
 once per `WRITE_INTERVAL_SECONDS` of the loop and after every save and restore. The sidecar reads it at
 each scrape and exports it as `resilax_trainer_*` (docs/operations.md, "Metrics"), and reports the step
 in `/v1/state` as `trainer`, from which the operator measures the steps a recovery lost.
@@ -47,10 +48,41 @@ class TrainerFigures:
     restored_step: int | None = None
     restored_time: float | None = None
     """Wall time when the last restore ended (it began `last_restore_seconds` earlier)."""
+    generation: int | None = None
+    """The generation this process belongs to (`RESILAX_GENERATION`; labels the cache counts)."""
+    compilation_cache_requests: int = 0
+    """Compilations that asked JAX's persistent compilation cache (`compile_requests_use_cache` events)."""
+    compilation_cache_hits: int = 0
+    """Of those, the ones the cache served (`cache_hits` events); misses are the difference."""
     time: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+CACHE_REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+"""JAX's events (jax 0.10, `_src/compiler.py`); its own `cache_misses` fires only when an entry is written."""
+
+
+@dataclasses.dataclass
+class CompilationCacheCounts:
+    """This process's persistent-cache lookups, counted by `count_jax_event` (JAX's event listener)."""
+
+    requests: int = 0
+    hits: int = 0
+
+
+COMPILATION_CACHE = CompilationCacheCounts()
+
+
+def count_jax_event(event: str, **_kwargs: str | int) -> None:
+    """A `jax.monitoring` event listener: counts the compilation cache's requests and hits
+    (registered by `initialize_distributed_from_env`). Called on: any thread of the process."""
+    if event == CACHE_REQUEST_EVENT:
+        COMPILATION_CACHE.requests += 1
+    elif event == CACHE_HIT_EVENT:
+        COMPILATION_CACHE.hits += 1
 
 
 class TrainerMetrics:
@@ -58,11 +90,11 @@ class TrainerMetrics:
     Called on: each process, from the training loop's thread."""
 
     def __init__(self, control_dir: str | None, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, generation: int | None = None) -> None:
         self._path = os.path.join(control_dir, TRAINER_FILE) if control_dir else None
         self._clock = clock
         self._wall = wall_clock
-        self.figures = TrainerFigures()
+        self.figures = TrainerFigures(generation=generation)
         self._last_write = float("-inf")
         self._rate_from: tuple[int, float] | None = None
 
@@ -100,6 +132,7 @@ class TrainerMetrics:
             if self._rate_from is None or f.step != self._rate_from[0]:
                 self._rate_from = (f.step, now)
         self._last_write = now
+        f.compilation_cache_requests, f.compilation_cache_hits = COMPILATION_CACHE.requests, COMPILATION_CACHE.hits
         if self._path is None:
             return
         f.time = self._wall()

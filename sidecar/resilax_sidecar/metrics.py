@@ -130,5 +130,14 @@ class TrainerCollector(Collector):
                                       value=float(f.get("restores", 0)))
             yield GaugeMetricFamily("resilax_trainer_restore_seconds", "Seconds the last restore took.",
                                     value=float(f.get("last_restore_seconds", 0.0)))
+            requests, hits = int(f.get("compilation_cache_requests", 0)), int(f.get("compilation_cache_hits", 0))
+            generation = [str(f.get("generation") if f.get("generation") is not None else "")]
+            for name, what, value in (("hits", "served by", hits), ("misses", "not found in", requests - hits)):
+                family = CounterMetricFamily(
+                    f"resilax_trainer_compilation_cache_{name}",
+                    f"Compilations {what} JAX's persistent compilation cache (this trainer process).",
+                    labels=["generation"])
+                family.add_metric(generation, float(value))
+                yield family
         except (TypeError, ValueError):
             return  # a malformed file: no trainer series this scrape
