@@ -14,11 +14,17 @@ did, not what a log line says:
   trainer report, 0 when a final save committed, else not observed;
 - every reconcile → `resilax_operator_checkpoint_age_seconds{namespace,jaxjob}` (now − when the
   operator first saw the newest checkpoint);
+- every reconcile and every status written → `resilax_operator_job_phase{namespace,jaxjob,phase}` (1 for
+  the job's phase, 0 for the others: every phase has its series) and
+  `resilax_operator_job_generation{namespace,jaxjob}`;
 - every reconcile → `resilax_operator_goodput_ratio{namespace,jaxjob}` and
   `resilax_operator_goodput_seconds{namespace,jaxjob,bucket}` (the job's goodput accounting as of now,
   goodput.py; the buckets sum to the wall time since its first generation was created; status.goodput
   holds the same, refreshed less often). Gauges: a bucket can shrink (lost steps move time out of
   productive once a later generation's restore shows them).
+
+`resilax_build_info{version,component="operator"}` is 1 from import on (the sidecar has its own, with
+`component="sidecar"`). A job's series go with the job (`forget_job`).
 
 A job's labels are `namespace` and `jaxjob`, never `job`: Prometheus sets `job` on every target, and a
 scraped `job` label would be renamed `exported_job`.
@@ -27,6 +33,7 @@ scraped `job` label would be renamed `exported_job`.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import threading
 from collections.abc import Mapping
 from datetime import datetime
@@ -56,6 +63,23 @@ GOODPUT_SECONDS: Final = Gauge("resilax_operator_goodput_seconds",
                                "lost_steps_redone, detection, teardown, scheduling, jax_startup, restore, other)",
                                ["namespace", "jaxjob", "bucket"])
 GENERATIONS: Final = Counter("resilax_operator_generations_total", "Generations (sets of workers) started")
+JOB_PHASE: Final = Gauge("resilax_operator_job_phase", "1 for the job's current phase, 0 for the other phases",
+                         ["namespace", "jaxjob", "phase"])
+JOB_GENERATION: Final = Gauge("resilax_operator_job_generation", "The job's current generation (status.generation)",
+                              ["namespace", "jaxjob"])
+BUILD_INFO: Final = Gauge("resilax_build_info", "Always 1: the running component and its version",
+                          ["version", "component"])
+
+
+def package_version() -> str:
+    """The installed `resilax` distribution's version ("unknown" when run from a bare checkout)."""
+    try:
+        return importlib.metadata.version("resilax")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+BUILD_INFO.labels(package_version(), "operator").set(1)
 for _kind in st.TRANSITION_KINDS:  # every kind has its series (at 0) from the start: dashboards and alerts see them
     RECOVERIES.labels(_kind)
     RECOVERY_SECONDS.labels(_kind)
@@ -72,6 +96,7 @@ _awaiting_restore: dict[str, tuple[int, str, bool]] = {}
 
 def record_status(job: JobRef, before: st.JobStatus, after: st.JobStatus, now: datetime) -> None:
     """Called with every status the operator writes (and the one it replaces)."""
+    record_job_status(job, after)
     with _lock:
         t = after.transition
         if t is not None and (before.transition is None or before.transition.since != t.since
@@ -128,7 +153,16 @@ def record_worker_state(job: JobRef, generation: int, state: Mapping[str, Any]) 
         _reached[job.uid] = {g: s for g, s in _reached.get(job.uid, {}).items() if g >= generation}
 
 
+def record_job_status(job: JobRef, status: st.JobStatus) -> None:
+    """The job's phase and generation gauges (every phase has its series: 1 for the current one)."""
+    for phase in api.PHASES:
+        JOB_PHASE.labels(job.namespace, job.name, phase).set(1 if status.phase == phase else 0)
+    JOB_GENERATION.labels(job.namespace, job.name).set(status.generation)
+
+
 def record_checkpoint(observed: Observed) -> None:
+    """Every reconcile: the checkpoint's age, and the job's phase and generation as observed."""
+    record_job_status(observed.job, observed.status)
     ck = observed.status.checkpoint
     if ck is not None and ck.time is not None:
         CHECKPOINT_AGE.labels(observed.job.namespace, observed.job.name).set(
@@ -157,3 +191,8 @@ def forget_job(job: JobRef) -> None:
     for bucket in gp.BUCKETS:
         with contextlib.suppress(KeyError):
             GOODPUT_SECONDS.remove(job.namespace, job.name, bucket)
+    for phase in api.PHASES:
+        with contextlib.suppress(KeyError):
+            JOB_PHASE.remove(job.namespace, job.name, phase)
+    with contextlib.suppress(KeyError):
+        JOB_GENERATION.remove(job.namespace, job.name)

@@ -4,11 +4,13 @@ Names follow `resilax_sidecar_<what>_<unit>`; labels are bounded (a reason from 
 never a step or a path. The trainer's figures (`resilax_trainer_*`, from the control folder's
 trainer.json: resilax_ckpt.trainer_metrics) are exported here too, read at each scrape. Which job and
 pod a series belongs to comes from the scrape's target labels (`jaxjob`, `namespace`, `pod`: the
-chart's PodMonitor), not from labels of the sidecar's own.
+chart's PodMonitor), not from labels of the sidecar's own. `resilax_build_info{version,component}` is
+the sidecar's own series of the build-info metric the operator also exports (`component="operator"`).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -81,11 +83,16 @@ class SidecarMetrics:
             ["tier"],
             registry=r,
         )
+        self.build_info = Gauge(
+            "resilax_build_info", "Always 1: the running component and its version.", ["version", "component"],
+            registry=r,
+        )
         self.http_unauthorized = Counter(
             "resilax_sidecar_http_unauthorized_total",
             "Mutating HTTP calls refused (missing or wrong token).",
             registry=r,
         )
+        self.build_info.labels(version=package_version(), component="sidecar").set(1)
         for reason in SAVE_REASONS:
             self.save_requests.labels(reason=reason)
         for tier in TIERS:
@@ -99,6 +106,23 @@ class SidecarMetrics:
     def render(self) -> bytes:
         """The text exposition format, for /metrics."""
         return generate_latest(self.registry)
+
+
+def package_version() -> str:
+    """The installed `resilax` distribution's version ("unknown" when run from a bare checkout)."""
+    try:
+        return importlib.metadata.version("resilax")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def steps_done(figures: dict[str, object]) -> int:
+    """Steps the trainer process made since it started: from the first step it reached to the newest
+    (0 before its first step). A counter: a new trainer process starts again from 0."""
+    step, first = figures.get("step"), figures.get("first_step")
+    if not isinstance(step, int) or not isinstance(first, int):
+        return 0
+    return max(0, step - first + 1)
 
 
 class TrainerCollector(Collector):
@@ -115,8 +139,10 @@ class TrainerCollector(Collector):
             if f.get("step") is not None:
                 yield GaugeMetricFamily("resilax_trainer_step", "The step the training loop reached.",
                                         value=float(f["step"]))
-            yield GaugeMetricFamily("resilax_trainer_steps_per_second", "Training steps per second (recent).",
-                                    value=float(f.get("steps_per_second", 0.0)))
+            yield CounterMetricFamily(
+                "resilax_trainer_steps",
+                "Training steps the trainer process made since it started (rate(...[5m]): steps per second).",
+                value=float(steps_done(f)))
             yield CounterMetricFamily("resilax_trainer_saves", "Saves the trainer started.",
                                       value=float(f.get("saves", 0)))
             yield CounterMetricFamily(

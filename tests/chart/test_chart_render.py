@@ -1,5 +1,5 @@
 """The chart, statically: `helm lint --strict`, and the objects `helm template` renders with the default
-values, in namespaced mode, with a ServiceMonitor, and with features off; values.schema.json rejects bad
+values, in namespaced mode, with a ServiceMonitor, with GKE's managed Prometheus, and with features off; values.schema.json rejects bad
 values with a message that names the field."""
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def rbac_rules(objects: list[dict[str, Any]], kind: str) -> list[list[dict[str, 
 # ---- helm lint ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values", [{}, NAMESPACED_VALUES, {"metrics": {"serviceMonitor": {"enabled": True}}}],
-                         ids=["default", "namespaced", "servicemonitor"])
+@pytest.mark.parametrize("values", [{}, NAMESPACED_VALUES, {"metrics": {"serviceMonitor": {"enabled": True}}},
+                                    {**NAMESPACED_VALUES, "metrics": {"managedPrometheus": {"enabled": True}}}],
+                         ids=["default", "namespaced", "servicemonitor", "managed-prometheus"])
 def test_helm_lint_strict(helm, tmp_path: Path, values: dict[str, Any]) -> None:
     proc = helm("lint", "--strict", str(CHART), "-f", str(write_values(tmp_path / "v.yaml", values)))
     assert proc.returncode == 0, f"helm lint --strict:\n{proc.stdout}{proc.stderr}"
@@ -284,6 +285,59 @@ def test_sidecar_pod_monitor(render, values: dict[str, Any]) -> None:
     assert monitor["spec"]["podTargetLabels"] == [api.LABEL_GENERATION, api.LABEL_SLICE, api.LABEL_PROCESS]
     expected = {"matchNames": ["team-a", "team-b"]} if values else {"any": True}
     assert monitor["spec"]["namespaceSelector"] == expected
+
+
+GMP = "monitoring.googleapis.com/v1"
+
+
+@pytest.mark.parametrize("values", [{}, NAMESPACED_VALUES], ids=["cluster-wide", "namespaced"])
+def test_managed_prometheus_pod_monitorings(render, values: dict[str, Any]) -> None:
+    """GKE's managed Prometheus scrapes what the ServiceMonitor and the PodMonitor scrape, with the same
+    series labels: the operator without a `namespace` target label (its series keep the job's), the
+    sidecars with `jaxjob`, `namespace`, `pod` and the PodMonitor's `resilax_dev_*` names."""
+    import re
+
+    from resilax_operator import api
+
+    assert [o for o in render(values) if o["apiVersion"] == GMP] == []
+    objects = render({**values, "metrics": {"managedPrometheus": {"enabled": True, "interval": "15s",
+                                                                  "labels": {"team": "ml"}}}})
+    gmp = [o for o in objects if o["apiVersion"].startswith("monitoring.googleapis.com/")]
+    assert all(o["apiVersion"] == GMP and o["metadata"]["labels"]["team"] == "ml" for o in gmp)
+
+    (operator,) = [o for o in gmp if o["metadata"]["name"] == "resilax-operator"]
+    assert operator["kind"] == "ClusterPodMonitoring" and "namespace" not in operator["metadata"]
+    pod_labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert operator["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert "metrics" in {p["name"] for p in deployment_container(objects)["ports"]}
+    assert operator["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    assert "namespace" not in operator["spec"]["targetLabels"]["metadata"]
+
+    sidecars = [o for o in gmp if o["metadata"]["name"] == "resilax-sidecars"]
+    assert len(gmp) == 1 + len(sidecars)
+    pod_monitor = one(render({**values, "metrics": {"sidecarPodMonitor": {"enabled": True}}}), "PodMonitor")
+    sanitized = [re.sub(r"[^a-zA-Z0-9_]", "_", label) for label in pod_monitor["spec"]["podTargetLabels"]]
+    expected_from_pod = [{"from": api.LABEL_JOB, "to": "jaxjob"}] + [
+        {"from": label, "to": name} for label, name in zip(pod_monitor["spec"]["podTargetLabels"], sanitized,
+                                                          strict=True)]
+    for monitor in sidecars:
+        spec = monitor["spec"]
+        assert spec["selector"] == {"matchLabels": {api.LABEL_ROLE: api.ROLE_WORKER}}
+        assert spec["endpoints"] == [{"port": "sidecar", "path": "/metrics", "interval": "15s"}]
+        assert spec["targetLabels"]["fromPod"] == expected_from_pod
+    if values:
+        assert {(m["kind"], m["metadata"]["namespace"]) for m in sidecars} == {
+            ("PodMonitoring", "team-a"), ("PodMonitoring", "team-b")}
+        # A PodMonitoring always sets `namespace` (its own: the worker's); `metadata` may not name it.
+        assert all(m["spec"]["targetLabels"]["metadata"] == ["pod", "container"] for m in sidecars)
+    else:
+        (monitor,) = sidecars
+        assert monitor["kind"] == "ClusterPodMonitoring" and "namespace" not in monitor["metadata"]
+        assert monitor["spec"]["targetLabels"]["metadata"] == ["namespace", "pod", "container"]
+
+    # Without the operator's metrics endpoint, only the sidecars are scraped.
+    objects = render({**values, "metrics": {"enabled": False, "managedPrometheus": {"enabled": True}}})
+    assert {o["metadata"]["name"] for o in objects if o["apiVersion"] == GMP} == {"resilax-sidecars"}
 
 
 def test_service_monitor_needs_metrics(helm, tmp_path: Path) -> None:

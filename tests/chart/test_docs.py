@@ -64,7 +64,7 @@ def test_operations_guide_lists_exactly_the_sidecar_metrics() -> None:
     defined = {metric.name for metric in SidecarMetrics().registry.collect()}
     text = (ROOT / "docs" / "operations.md").read_text()
     section = text[text.index("### Sidecar"):text.index("### Operator")]
-    documented = set(re.findall(r"^\| `(resilax_sidecar_\w+)", section, flags=re.M))
+    documented = set(re.findall(r"^\| `(resilax_(?:sidecar_\w+|build_info))", section, flags=re.M))
     # prometheus_client reports counters without their `_total` suffix.
     assert {name.removesuffix("_total") for name in documented} == defined
 
@@ -86,10 +86,11 @@ def test_operations_guide_lists_exactly_the_operator_metrics() -> None:
     import prometheus_client
     import resilax_operator.metrics  # noqa: F401  (defines its metrics on the default registry)
 
-    defined = {m.name for m in prometheus_client.REGISTRY.collect() if m.name.startswith("resilax_operator_")}
+    defined = {m.name for m in prometheus_client.REGISTRY.collect()
+               if m.name.startswith("resilax_operator_") or m.name == "resilax_build_info"}
     text = (ROOT / "docs" / "operations.md").read_text()
     section = text[text.index("### Operator"):text.index("### Alerts and dashboard")]
-    documented = set(re.findall(r"^\| `(resilax_operator_\w+)", section, flags=re.M))
+    documented = set(re.findall(r"^\| `(resilax_(?:operator_\w+|build_info))", section, flags=re.M))
     assert {name.removesuffix("_total") for name in documented} == defined
 
 

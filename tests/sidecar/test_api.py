@@ -55,6 +55,10 @@ def test_health_ready_and_metrics(shared):
         "resilax_sidecar_save_request_seconds_bucket",
     ):
         assert name in text, name
+    import importlib.metadata
+
+    version = importlib.metadata.version("resilax")
+    assert f'resilax_build_info{{component="sidecar",version="{version}"}} 1.0' in text
 
 
 def test_state_without_tiers(shared):
@@ -237,7 +241,8 @@ def test_the_trainers_figures_are_exported_and_reported(shared):
     samples = {s.name: s.value for family in text_string_to_metric_families(sidecar.get("/metrics").body)
                for s in family.samples if s.name.startswith("resilax_trainer_")}
     assert samples["resilax_trainer_step"] == 23
-    assert samples["resilax_trainer_steps_per_second"] == 2.0  # a step per 0.5 s of the loop's clock
+    assert samples["resilax_trainer_steps_total"] == 11  # steps 13 to 23 (rate by PromQL)
+    assert "resilax_trainer_steps_per_second" not in samples
     assert samples["resilax_trainer_saves_total"] == 1
     assert samples["resilax_trainer_save_blocking_seconds_total"] == 0.25
     assert samples["resilax_trainer_restore_seconds"] == 2.5

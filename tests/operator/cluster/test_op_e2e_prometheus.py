@@ -127,6 +127,12 @@ def test_prometheus_scrapes_operator_and_sidecars_rules_load_and_dashboard_queri
         assert not _query(port, '{__name__=~"resilax_.+", exported_job!=""}')
         assert not _query(port, '{__name__=~"resilax_.+", exported_namespace!=""}')
         assert float(_query(port, f'max(resilax_trainer_step{{jaxjob="{name}"}})')[0]["value"][1]) > 0
+        # The build info of both components; the job's phase and generation; the step rate from the counter.
+        assert {s["metric"]["component"] for s in _query(port, "resilax_build_info")} == {"operator", "sidecar"}
+        phase = _query(port, f'resilax_operator_job_phase{{jaxjob="{name}"}} == 1')
+        assert [(s["metric"]["namespace"], s["metric"]["phase"]) for s in phase] == [(namespace, "Running")]
+        assert float(_query(port, f'resilax_operator_job_generation{{jaxjob="{name}"}}')[0]["value"][1]) == 1
+        assert float(_query(port, f'max(rate(resilax_trainer_steps_total{{jaxjob="{name}"}}[1m]))')[0]["value"][1]) > 0
     finally:
         proc.terminate()
         try:

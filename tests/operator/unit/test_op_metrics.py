@@ -110,3 +110,32 @@ def test_goodput_gauges_per_job_and_bucket_are_set_and_removed_with_the_job() ->
     metrics.forget_job(job)
     assert REGISTRY.get_sample_value("resilax_operator_goodput_ratio", labels) is None
     assert REGISTRY.get_sample_value("resilax_operator_goodput_seconds", {**labels, "bucket": "productive"}) is None
+
+
+def test_phase_and_generation_gauges_follow_the_status_and_go_with_the_job() -> None:
+    job = JobRef("ph", "team-b", "uid-ph")
+    labels = {"namespace": "team-b", "jaxjob": "ph"}
+
+    def phases() -> dict[str, float | None]:
+        return {p: REGISTRY.get_sample_value("resilax_operator_job_phase", {**labels, "phase": p})
+                for p in api.PHASES}
+
+    running1 = st.JobStatus(phase=api.PHASE_RUNNING, generation=1)
+    metrics.record_status(job, st.JobStatus(), running1, T0)
+    assert phases() == {**dict.fromkeys(api.PHASES, 0.0), api.PHASE_RUNNING: 1.0}
+    assert REGISTRY.get_sample_value("resilax_operator_job_generation", labels) == 1
+    moving = st.JobStatus(phase=api.PHASE_RECOVERING, generation=2,
+                          transition=st.Transition(kind=st.NODE_LOSS, generation=1, since=T0))
+    metrics.record_status(job, running1, moving, T0)
+    assert phases() == {**dict.fromkeys(api.PHASES, 0.0), api.PHASE_RECOVERING: 1.0}
+    assert REGISTRY.get_sample_value("resilax_operator_job_generation", labels) == 2
+    metrics.forget_job(job)
+    assert set(phases().values()) == {None}
+    assert REGISTRY.get_sample_value("resilax_operator_job_generation", labels) is None
+
+
+def test_build_info_names_the_operator_and_the_installed_version() -> None:
+    import importlib.metadata
+
+    version = importlib.metadata.version("resilax")
+    assert REGISTRY.get_sample_value("resilax_build_info", {"version": version, "component": "operator"}) == 1

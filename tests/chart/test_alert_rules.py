@@ -1,0 +1,48 @@
+"""`promtool test rules` over the chart's alerts: a unit test file per alert group
+(tests/chart/alert_tests/<group>.test.yaml) in which every alert fires under its condition, with its
+labels and rendered annotations, and stays silent otherwise. promtool is Debian's (scripts/setup-prometheus),
+found on PATH like prometheus; a missing one fails the test."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_tool import ALERT_TESTS, ALERTS, binary
+
+GROUPS: list[dict[str, Any]] = yaml.safe_load(ALERTS.read_text())["groups"]
+
+
+def _test_file(group: str) -> Path:
+    return ALERT_TESTS / f"{group}.test.yaml"
+
+
+@pytest.mark.parametrize("group", [g["name"] for g in GROUPS])
+def test_promtool_unit_tests_of_each_alert_group_pass(group: str) -> None:
+    path = _test_file(group)
+    assert path.exists(), f"alert group {group!r} has no promtool unit tests ({path.name})"
+    proc = subprocess.run([binary("promtool"), "test", "rules", path.name], capture_output=True, text=True,
+                          timeout=120, cwd=path.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout
+
+
+@pytest.mark.parametrize("group", GROUPS, ids=lambda g: g["name"])
+def test_every_alert_is_tested_firing_and_silent(group: dict[str, Any]) -> None:
+    tests = yaml.safe_load(_test_file(group["name"]).read_text())
+    assert [(ALERT_TESTS / f).resolve() for f in tests["rule_files"]] == [ALERTS.resolve()]
+    cases = [case for test in tests["tests"] for case in test.get("alert_rule_test", [])]
+    for rule in group["rules"]:
+        name = rule["alert"]
+        mine = [case for case in cases if case["alertname"] == name]
+        assert any(case["exp_alerts"] for case in mine), f"{name}: no case in which it fires"
+        assert any(not case["exp_alerts"] for case in mine), f"{name}: no case in which it stays silent"
+        # A firing case names the rule's own labels (severity) and renders both annotations.
+        for case in mine:
+            for alert in case["exp_alerts"]:
+                assert rule["labels"].items() <= alert["exp_labels"].items(), (name, alert)
+                assert set(alert["exp_annotations"]) == set(rule["annotations"]), (name, alert)
+    assert {case["alertname"] for case in cases} <= {r["alert"] for r in group["rules"]}
