@@ -1,0 +1,91 @@
+"""`kubectl resilax` against the local cluster: the `kubectl-resilax` executable the install puts on
+PATH, with the admin kubeconfig, on a JAXJob the real operator runs (examples/train.py workers):
+`status` shows the operator's view (phase, generation, shape, the step reached, the saved step,
+goodput), `goodput` its breakdown, `suspend` makes the operator save and stop the workers (Suspended),
+`resume` starts a new generation that restores the saved step; a missing job is an error naming it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
+from resilax_local.cluster import LocalCluster
+from resilax_local.testing import wait_for
+
+pytestmark = pytest.mark.cluster
+
+
+def _plugin() -> str:
+    """The installed `kubectl-resilax` (next to this interpreter, as pip installs console scripts)."""
+    path = Path(sys.executable).parent / "kubectl-resilax"
+    found = str(path) if path.exists() else shutil.which("kubectl-resilax")
+    assert found, "kubectl-resilax is not installed: reinstall the project (scripts/setup)"
+    return found
+
+
+def _run(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    return subprocess.run([_plugin(), *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def _fields(screen: str) -> dict[str, str]:
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in screen.splitlines())}
+
+
+def test_status_goodput_suspend_and_resume(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
+                                           namespace: str, tmp_path: Path) -> None:
+    name, storage = unique_name("plug"), tmp_path / "ckpt"
+    jobs.create(job_manifest(name, storage, count=1, every_steps=4, steps=100000, step_seconds=0.3))
+    jobs.wait_status(name, lambda s: s.get("phase") == "Running" and (s.get("checkpoint") or {}).get("step")
+                     and ((s.get("goodput") or {}).get("ledger") or {}).get("current", {}).get("lastStep"),
+                     300, "Running with a checkpoint and a step reached")
+
+    proc = _run(cluster, "status", name, "-n", namespace)
+    assert proc.returncode == 0, proc.stderr
+    fields = _fields(proc.stdout)
+    status: dict[str, Any] = jobs.status(name)
+    assert fields["JAXJob"] == f"{namespace}/{name}"
+    assert fields["Phase"] == "Running"
+    assert fields["Generation"].startswith("1 (started ")
+    assert fields["Shape"] == "1 x 2x4 (2 hosts)"
+    assert int(fields["Step"].split()[0]) >= 1
+    saved = int(fields["Saved step"].split()[0])
+    assert saved in committed_steps(storage), (saved, committed_steps(storage))
+    assert fields["Goodput"].endswith(" s") and "%" in fields["Goodput"]
+    assert fields["Last fault"] == "none", fields
+    assert status["phase"] == "Running"
+
+    proc = _run(cluster, "goodput", name, "-n", namespace)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{namespace}/{name}: goodput ")
+    assert "productive" in proc.stdout and "jaxStartup" in proc.stdout
+
+    # suspend: the operator saves, stops the workers and says Suspended.
+    proc = _run(cluster, "suspend", name, "-n", namespace)
+    assert proc.returncode == 0, proc.stderr
+    assert jobs.get(name)["spec"]["suspend"] is True
+    jobs.wait_status(name, lambda s: s.get("phase") == "Suspended", 300, "Suspended")
+    wait_for(lambda: not jobs.pods(name), timeout=120, interval=1, message=f"{name}: no workers while suspended")
+    final = max(jobs.losses(name, 1))
+    assert final in committed_steps(storage), (final, committed_steps(storage))
+    assert _fields(_run(cluster, "status", name, "-n", namespace).stdout)["Phase"] == "Suspended"
+
+    # resume: a new generation restores the final save.
+    proc = _run(cluster, "resume", name, "-n", namespace)
+    assert proc.returncode == 0, proc.stderr
+    assert jobs.get(name)["spec"]["suspend"] is False
+    jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 2, 300,
+                     "generation 2 Running")
+    wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
+    assert min(jobs.losses(name, 2)) - 1 == final
+    assert _fields(_run(cluster, "status", name, "-n", namespace).stdout)["Generation"].startswith("2 ")
+
+    missing = _run(cluster, "status", "no-such-job", "-n", namespace)
+    assert missing.returncode == 1
+    assert f"jaxjob {namespace}/no-such-job: 404" in missing.stderr

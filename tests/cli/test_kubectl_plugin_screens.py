@@ -1,0 +1,87 @@
+"""The kubectl plugin's screens, from JAXJob bodies as the operator writes them (no cluster)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from resilax_operator import api, kubectl_plugin
+from resilax_operator import goodput as gp
+from resilax_operator import status as st
+
+NOW = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
+
+
+def _job(**status: object) -> dict[str, object]:
+    return {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
+            "metadata": {"name": "llama", "namespace": "team-a"}, "spec": {}, "status": status}
+
+
+def _goodput() -> dict[str, object]:
+    ledger = gp.advance(None, gp.GenerationMarks(1, created=0.0, running=2.0, first_step=1, first_step_time=5.0,
+                                                 last_step=11, last_step_time=15.0), start=0.0)
+    return st.build_goodput(st.GoodputRecord(ledger, datetime.fromtimestamp(20, UTC)))
+
+
+def test_status_screen_shows_phase_generation_shape_steps_goodput_and_last_fault() -> None:
+    job = _job(phase="Running", generation=3, shape={"topology": "2x4", "count": 2, "hosts": 4},
+               generationStartTime=st.format_time(NOW - timedelta(minutes=7, seconds=3)),
+               checkpoint={"step": 10, "time": st.format_time(NOW - timedelta(seconds=42)), "committed": True,
+                           "tier": "persistent"},
+               goodput=_goodput(), restarts=2,
+               conditions=[{"type": "Ready", "status": "True", "reason": "Running", "message": ""}])
+    events = [
+        {"type": "Normal", "reason": "GenerationCreated", "message": "generation 3",
+         "lastTimestamp": "2026-12-04T11:55:00Z"},
+        {"type": "Warning", "reason": "NodeLost", "message": "node tpu-1 is Unknown",
+         "lastTimestamp": "2026-12-04T11:50:00Z"},
+        {"type": "Warning", "reason": "PreemptionNotice", "message": "older", "lastTimestamp": "2026-12-04T10:00:00Z"},
+    ]
+    screen = kubectl_plugin.build_status_screen(job, events, NOW)
+    lines = dict(line.split(":", 1) for line in screen.splitlines())
+    assert lines["JAXJob"].strip() == "team-a/llama"
+    assert lines["Phase"].strip() == "Running"
+    assert lines["Generation"].strip() == "3 (started 7m3s ago)"
+    assert lines["Shape"].strip() == "2 x 2x4 (4 hosts)"
+    # The step the trainer reached (the goodput ledger's last step), as of the goodput's asOf.
+    assert lines["Step"].strip() == f"11 (as of {kubectl_plugin._age(datetime.fromtimestamp(20, UTC), NOW)} ago)"
+    assert lines["Saved step"].strip() == "10 (persistent, 42s ago)"
+    assert lines["Goodput"].strip() == "55.0% of 20 s"
+    assert lines["Restarts"].strip() == "2"
+    assert lines["Last fault"].strip().startswith("NodeLost at 2026-12-04T11:50:00Z")
+    assert lines["Conditions"].strip() == "Ready (Running)"
+
+
+def test_a_transition_in_progress_is_the_last_fault_and_a_new_job_shows_dashes() -> None:
+    moving = _job(phase="Recovering", generation=1,
+                  transition={"kind": "NodeLoss", "generation": 1, "message": "node tpu-1 lost"})
+    assert kubectl_plugin.last_fault(moving["status"], []) == "NodeLoss (in progress, generation 1): node tpu-1 lost"  # type: ignore[arg-type]
+    screen = kubectl_plugin.build_status_screen(_job(), [], NOW)
+    assert "Phase:      Pending" in screen and "Saved step: none" in screen and "Last fault: none" in screen
+    suspended = _job(phase="Running", generation=1)
+    suspended["spec"] = {"suspend": True}
+    assert "Running (suspend requested)" in kubectl_plugin.build_status_screen(suspended, [], NOW)
+
+
+def test_goodput_screen_lists_every_bucket_with_its_share() -> None:
+    screen = kubectl_plugin.build_goodput_screen(_job(goodput=_goodput()))
+    assert screen.splitlines()[0].startswith("team-a/llama: goodput 55.0% of 20 s wall time")
+    rows = {line.split()[0]: line.split()[1:] for line in screen.splitlines()[2:]}
+    assert set(rows) == set(st.BREAKDOWN_KEYS.values())
+    assert rows["productive"] == ["11.0", "55.0%"]
+    assert rows["scheduling"] == ["2.0", "10.0%"]
+    assert "no goodput yet" in kubectl_plugin.build_goodput_screen(_job())
+
+
+@pytest.mark.parametrize(("suspend", "value"), [(True, True), (False, False)], ids=["suspend", "resume"])
+def test_suspend_and_resume_patch_spec_suspend_only(suspend: bool, value: bool) -> None:
+    assert kubectl_plugin.build_suspend_patch(suspend) == {"spec": {"suspend": value}}
+
+
+def test_resilax_job_dispatches_to_the_plugin() -> None:
+    from resilax_operator import cli
+
+    assert cli.SUBCOMMANDS["job"][0] == "resilax_operator.kubectl_plugin:main"
+    with pytest.raises(SystemExit) as e:
+        kubectl_plugin.parse_args(["frobnicate", "llama"])
+    assert e.value.code == 2
