@@ -11,6 +11,11 @@ Call order of one step's upload (uploader.py): 1. `list_files` of the step, 2. `
 missing or different file, 3. `stat` (and `md5`) to verify, 4. `write_bytes` of the `_UPLOADED.<id>`
 marker, 5. `list_files` and `read_bytes` of every marker, 6. `create_bytes` of `_COMMIT`.
 All methods block; the uploader calls them from worker threads. Failures raise `StoreError`.
+
+Memory: `upload_file` never holds more than `UPLOAD_PIECE_BYTES` of a file at once, whatever its size
+(the uploader runs `upload_concurrency` of them): a folder copies in the kernel (`copy_file_range` /
+`sendfile`, nothing in the process), gs:// sends a file of at most one piece whole and streams a bigger
+one through a resumable upload, piece by piece; MD5s are computed over `_CHUNK` reads.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ from typing import Any, Protocol
 from resilax_sidecar.errors import StoreError
 
 _CHUNK = 4 << 20
+
+UPLOAD_PIECE_BYTES = 16 << 20
+"""The most bytes of one file an upload reads into memory at a time (a multiple of 256 KiB, as GCS's
+resumable uploads require of every piece but the last). gcsfs and aiohttp copy a piece about twice
+more on its way out, so one upload of a big file to gs:// peaks at ~3.3 pieces above idle
+(bench/sidecar_memory.py: 52 MiB with 16 MiB pieces, 29 with 8, 97 with 32). Smaller pieces cost
+more requests: against fake-gcs-server 8 MiB pieces took 3x as long as 16 MiB for a 256 MiB file."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,11 @@ class BlobStore(Protocol):
 
     def upload_file(self, local_path: Path, key: str) -> None:
         """Copy a local file to `key`, atomically replacing any object there."""
+        ...
+
+    def upload_buffer_bytes(self, size: int) -> int:
+        """The most bytes of a file of `size` bytes that `upload_file` holds in memory at once (the
+        uploader's byte budget counts it)."""
         ...
 
     def delete(self, key: str) -> None:
@@ -209,6 +226,9 @@ class LocalFolderStore:
             self._sync_dir(path.parent)
             return True
 
+    def upload_buffer_bytes(self, size: int) -> int:
+        return 0  # copyfile() copies in the kernel (copy_file_range / sendfile): nothing in the process
+
     def upload_file(self, local_path: Path, key: str) -> None:
         path = self._path(key)
         with _wrapping(self.url, "upload", key):
@@ -254,22 +274,25 @@ def _gcs_md5(info: dict[str, Any]) -> str | None:
         return None
 
 
-_TENSORSTORE_MAX_BYTES = 64 << 20
-
-
 class GcsStore:
     """A gs://bucket/prefix through gcsfs (which honours STORAGE_EMULATOR_HOST for fake-gcs-server).
 
-    gcsfs's listing cache is off: the uploader must see other sidecars' markers at once. File uploads
-    up to 64 MiB go through tensorstore's GCS key-value store when it is installed (it honours
-    TENSORSTORE_GCS_HTTP_URL): 3-4x the throughput of gcsfs's Python HTTP path against the emulator
-    here (docs/sidecar.md); bigger files stream through gcsfs's resumable upload, so memory stays
-    bounded by concurrency x 64 MiB.
+    gcsfs's listing cache is off: the uploader must see other sidecars' markers at once. A file of at
+    most one piece (`piece_bytes`) goes whole through tensorstore's GCS key-value store when it is
+    installed (it honours TENSORSTORE_GCS_HTTP_URL): 3-4x the throughput of gcsfs's Python HTTP path
+    against the emulator here (docs/sidecar.md); a bigger one streams through gcsfs's resumable upload
+    one piece at a time (tensorstore writes an object only whole), so an upload holds at most one piece
+    of its file in memory (docs/sidecar.md, "Memory").
     """
 
-    def __init__(self, url: str, fs: Any | None = None, use_tensorstore: bool = True) -> None:
+    def __init__(
+        self, url: str, fs: Any | None = None, use_tensorstore: bool = True, piece_bytes: int = UPLOAD_PIECE_BYTES
+    ) -> None:
         if not url.startswith("gs://"):
             raise ValueError(f"{url!r} is not a gs:// URL")
+        if piece_bytes <= 0 or piece_bytes % (256 << 10):
+            raise ValueError(f"piece_bytes: {piece_bytes} is not a positive multiple of 256 KiB")
+        self.piece_bytes = piece_bytes
         self.url = url.rstrip("/")
         self._root = self.url[len("gs://") :]
         if fs is None:
@@ -359,12 +382,16 @@ class GcsStore:
                 return False
             return True
 
+    def upload_buffer_bytes(self, size: int) -> int:
+        return min(size, self.piece_bytes)
+
     def upload_file(self, local_path: Path, key: str) -> None:
         with _wrapping(self.url, "upload", key):
-            if self._kv is not None and local_path.stat().st_size <= _TENSORSTORE_MAX_BYTES:
+            if self._kv is not None and local_path.stat().st_size <= self.piece_bytes:
                 self._kv.write(key.strip("/"), local_path.read_bytes()).result()
             else:
-                self._fs.put_file(str(local_path), self._full(key))
+                # Resumable upload, one piece read and sent at a time (gcsfs reads `chunksize` per request).
+                self._fs.put_file(str(local_path), self._full(key), chunksize=self.piece_bytes)
 
     def delete(self, key: str) -> None:
         with _wrapping(self.url, "delete", key), contextlib.suppress(FileNotFoundError):

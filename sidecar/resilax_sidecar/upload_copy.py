@@ -1,6 +1,10 @@
 """The uploader's copy of one save into its attempt prefix (steps 3 and 4 of the pass described in
 resilax_sidecar.uploader): each file copied with bounded concurrency, skipped when the same bytes are
-already there, verified, then this process's `_UPLOADED.<process_id>` marker written."""
+already there, verified, then this process's `_UPLOADED.<process_id>` marker written.
+
+Memory: each upload holds at most one piece of its file (resilax_sidecar.store), and the copies in
+flight together hold at most `UPLOAD_BUFFER_BYTES` of pieces (`ByteBudget`): many small files still
+go `upload_concurrency` at a time, big ones a few at a time, whatever the files' sizes."""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from resilax_ckpt import layout
@@ -21,6 +26,36 @@ from resilax_sidecar.store import BlobInfo, BlobStore, md5_file
 from resilax_sidecar.upload_scan import LocalStep, UploadMemory
 
 log = logging.getLogger(__name__)
+
+
+UPLOAD_BUFFER_BYTES = 64 << 20
+"""The most bytes of file pieces the copies in flight hold together (four 16 MiB pieces)."""
+
+
+class ByteBudget:
+    """At most `limit` bytes reserved at once across threads; a reservation above the limit is
+    capped to it (it then runs alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.reserved = 0
+        self.peak = 0
+        """The most bytes ever reserved at once (for tests and the benchmark)."""
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def reserve(self, nbytes: int) -> Iterator[None]:
+        n = min(max(nbytes, 0), self.limit)
+        with self._changed:
+            self._changed.wait_for(lambda: self.reserved + n <= self.limit)
+            self.reserved += n
+            self.peak = max(self.peak, self.reserved)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.reserved -= n
+                self._changed.notify_all()
 
 
 class Superseded(Exception):
@@ -56,6 +91,7 @@ class StepCopier:
         """The newest local step to be persisted if it is newer than the one given, else None."""
         self._on_uploaded = on_uploaded
         """Told of each finished copy: step, seconds, bytes, files (what `/v1/state` shows)."""
+        self.budget = ByteBudget(UPLOAD_BUFFER_BYTES)
 
     def copy_and_mark(self, local: LocalStep) -> None:
         """Copy and verify every file of this process's save, then write its `_UPLOADED` marker; done
@@ -186,7 +222,8 @@ class StepCopier:
             remote_md5 = remote.md5 or self.store.md5(full_key)
             if remote_md5 == md5_file(path):
                 return 0
-        self.store.upload_file(path, full_key)
+        with self.budget.reserve(self.store.upload_buffer_bytes(size)):
+            self.store.upload_file(path, full_key)
         self.metrics.upload_bytes.inc(size)
         info = self.store.stat(full_key)
         if info is None or info.size != size:
