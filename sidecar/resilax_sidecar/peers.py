@@ -55,6 +55,15 @@ class PeerError(SidecarError, OSError):
     """A peer transfer failed: the source is unreachable, refused, or sent bytes that do not match."""
 
 
+class FetchCancelled(PeerError):
+    """A fetch whose caller gave up (`cancel` set): stopped between two pieces, nothing installed."""
+
+
+def _check_cancel(cancel: threading.Event | None, what: str) -> None:
+    if cancel is not None and cancel.is_set():
+        raise FetchCancelled(f"{what}: cancelled, its caller gave up")
+
+
 # ---- the files a sidecar serves -----------------------------------------------------------------
 
 
@@ -151,7 +160,7 @@ def served_file(folder: Path, path: str) -> Path | None:
 class Pacer:
     """Paces a transfer to `bytes_per_second` (None: unpaced); `sleep` injectable for tests."""
 
-    def __init__(self, bytes_per_second: float | None, sleep: Callable[[float], None] = time.sleep,
+    def __init__(self, bytes_per_second: float | None, sleep: Callable[[float], object] = time.sleep,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._rate = bytes_per_second
         self._sleep = sleep
@@ -212,17 +221,20 @@ def fetch_newest(source: str, origin: int, token: str | None) -> tuple[int, str]
     return None if body.get("step") is None else (int(body["step"]), str(body.get("save", "")))
 
 
-def fetch_step(source: str, origin: int, step: int, token: str | None, dest: Path, pacer: Pacer) -> dict[str, Any]:
+def fetch_step(source: str, origin: int, step: int, token: str | None, dest: Path, pacer: Pacer,
+               cancel: threading.Event | None = None) -> dict[str, Any]:
     """Copy (origin, step) from `source` into the new folder `dest`, checking every file's size and
-    crc32c against the source's manifest; the manifest. On any failure `dest` is removed."""
+    crc32c against the source's manifest; the manifest. On any failure `dest` is removed; `cancel`
+    set stops it between two pieces (FetchCancelled)."""
     connection = _Connection(source, token)
     try:
-        return _fetch_step(connection, origin, step, dest, pacer)
+        return _fetch_step(connection, origin, step, dest, pacer, cancel)
     finally:
         connection.close()
 
 
-def _fetch_step(connection: _Connection, origin: int, step: int, dest: Path, pacer: Pacer) -> dict[str, Any]:
+def _fetch_step(connection: _Connection, origin: int, step: int, dest: Path, pacer: Pacer,
+                cancel: threading.Event | None) -> dict[str, Any]:
     source = connection.source
     manifest = connection.get_json(f"/v1/peer/{origin}/{step}/manifest")
     if manifest.get("origin") != origin or manifest.get("step") != step:
@@ -241,6 +253,7 @@ def _fetch_step(connection: _Connection, origin: int, step: int, dest: Path, pac
             response = connection.get(f"/v1/peer/{origin}/{step}/files/{quoted}")
             with open(target, "wb") as out:
                 while piece := response.read(CHUNK_BYTES):
+                    _check_cancel(cancel, f"{source}: step {step} of process {origin}")
                     out.write(piece)
                     value = checksums.crc32c(piece, value)
                     size += len(piece)
@@ -289,19 +302,28 @@ def replicate_once(local_dir: Path, source: str, origin: int, token: str | None,
 
 
 def fetch_for_restore(local_dir: Path, process_id: int, step: int, sources: Sequence[str], token: str | None,
-                      pacer: Pacer) -> tuple[str, dict[str, Any]]:
+                      pacer: Pacer, cancel: threading.Event | None = None) -> tuple[str, dict[str, Any]]:
     """Copy this process's replica of `step` from the first source that serves it whole into the
     local tier `<local>/<step>/` (committed: the marker is moved last). (source, manifest); raises
-    PeerError naming every source's failure."""
+    PeerError naming every source's failure. `cancel` set (the caller gave up) stops the fetch between
+    two pieces and before it installs anything: FetchCancelled, the partial copy removed."""
     failures = []
     for source in sources:
+        _check_cancel(cancel, f"fetch of step {step} of process {process_id}")
         tmp = _tmp(local_dir, step)
         try:
-            manifest = fetch_step(source, process_id, step, token, tmp, pacer)
+            manifest = fetch_step(source, process_id, step, token, tmp, pacer, cancel)
+        except FetchCancelled:
+            raise
         except PeerError as e:
             log.warning("peer %s refused for step %d: %s", source, step, e)
             failures.append(str(e))
             continue
+        try:
+            _check_cancel(cancel, f"fetch of step {step} of process {process_id} from {source}")
+        except FetchCancelled:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         final = local_dir / layout.step_name(step)
         if not final.exists():
             os.replace(tmp, final)

@@ -10,7 +10,7 @@
 | GET | /v1/peer/{origin}/newest | token | `{"step", "save"}` of this host's newest local step (peers.py) |
 | GET | /v1/peer/{origin}/{step}/manifest | token | the files of a local step or a held replica, with crc32c |
 | GET | /v1/peer/{origin}/{step}/files/{path} | token | one file of it, streamed |
-| POST | /v1/peer/fetch | token | `{"origin", "step", "sources"}`: fetch this process's step from peers into the local tier |
+| POST | /v1/peer/fetch | token | `{"origin", "step", "sources"}`: fetch this process's step from peers into the local tier (cancelled when the caller disconnects) |
 | POST | /v1/trainer/stop | token | `{"generation", "reason", "stacks"}`: stop an older trainer (trainer_control.py) |
 | POST | /v1/trainer/start | token | `{"generation", "env"}`: start the generation's trainer once none lives |
 | GET | /v1/trainer/ready | - | 200 while the current incarnation runs, else 503 (the trainer's readinessProbe) |
@@ -20,9 +20,12 @@ Errors: `{"error": {"code": "<slug>", "message": "..."}}` with the HTTP status; 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import hmac
 import json
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -261,10 +264,28 @@ async def post_peer_fetch(request: web.Request) -> web.Response:
     if problems:
         raise ApiError(400, "bad_request", "; ".join(problems))
     assert isinstance(step, int) and isinstance(sources, list)
+    cancel = threading.Event()
+    # A thread of its own, not the loop's default executor: a slow fetch never delays the threads
+    # that /v1/save and /v1/state wait in (the uploader's wait_persisted).
+    own_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"peer-fetch-{step}")
+    fetch = asyncio.get_running_loop().run_in_executor(own_thread, functools.partial(
+        peers.fetch_for_restore, cfg.local_dir, cfg.process_id, step, sources, sidecar.read_token(),
+        peers.Pacer(cfg.peer_bytes_per_second, sleep=cancel.wait), cancel))  # a paced wait ends at cancel
+    own_thread.shutdown(wait=False)
     try:
-        source, manifest = await asyncio.to_thread(
-            peers.fetch_for_restore, cfg.local_dir, cfg.process_id, step, sources, sidecar.read_token(),
-            peers.Pacer(cfg.peer_bytes_per_second))
+        # The caller gone (it timed out and closed the connection): stop the fetch, install nothing.
+        while not (await asyncio.wait({fetch}, timeout=CALLER_CHECK_SECONDS))[0]:
+            if caller_gone(request) and not cancel.is_set():
+                cancel.set()
+                log.warning("peer fetch of step %d: its caller went away; cancelling it", step)
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
+    try:
+        source, manifest = fetch.result()
+    except peers.FetchCancelled as e:
+        log.info("peer fetch of step %d cancelled, nothing installed: %s", step, e)
+        raise ApiError(499, "cancelled", str(e)) from e
     except peers.PeerError as e:
         raise ApiError(409, "peer_failed", str(e)) from e
     return web.json_response({"origin": cfg.process_id, "step": step, "source": source,
@@ -334,6 +355,16 @@ async def get_trainer_ready(request: web.Request) -> web.Response:
     if not ready:
         raise ApiError(503, "unavailable", why)
     return web.json_response({"status": "ready", "trainer_process": incarnation})
+
+
+CALLER_CHECK_SECONDS = 0.2
+"""How often a long request (a peer fetch) checks that its caller is still connected."""
+
+
+def caller_gone(request: web.Request) -> bool:
+    """Whether the client of `request` closed its connection (aiohttp drops the transport)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def build_app(sidecar: Sidecar) -> web.Application:

@@ -1,15 +1,19 @@
 """Peer replicas between real `resilax sidecar` processes (sidecar/resilax_sidecar/peers.py): the
 holder pulls its origin's newest local step, a replica with a flipped byte is refused on fetch (the
-origin's crc32c) and the next source is used, and the peer endpoints refuse calls without the token.
+origin's crc32c) and the next source is used, a fetch whose caller gave up is cancelled, and the peer
+endpoints refuse calls without the token.
 
 The trainers' side is played by writing what resilax_ckpt writes: local steps and `peers.json`."""
 
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from resilax_ckpt.peers import PEERS_FILE, REPLICA_FILE
 from sidecar_harness import TOKEN, build_sidecar_env, http, step_files, wait_until, write_local_step
 
@@ -156,3 +160,30 @@ def test_a_transfer_is_paced_to_its_byte_rate() -> None:
     count = len(sleeps)
     unpaced.account(100 * CHUNK_BYTES)
     assert len(sleeps) == count
+
+
+def test_a_fetch_whose_caller_gave_up_is_cancelled_and_installs_nothing(tmp_path: Path, start_sidecar: Any) -> None:
+    """The trainer's request times out and closes the connection: the sidecar stops the fetch between
+    two pieces, removes the partial copy and never installs the step later; its uploads go on."""
+    origin_env = peer_env(tmp_path, 0, 1)
+    write_local_step(Path(origin_env["RESILAX_LOCAL_DIR"]), 20, FILES)
+    origin = start_sidecar(origin_env)
+    fresh = tmp_path / "replacement"
+    fresh.mkdir()
+    env = peer_env(fresh, 0, 1)
+    env["RESILAX_PEER_BYTES_PER_SECOND"] = "100000"  # 900 KB of files: ~9 s, far longer than the caller waits
+    replacement = start_sidecar(env)
+    local = Path(env["RESILAX_LOCAL_DIR"])
+    body = json.dumps({"origin": 0, "step": 20, "sources": [f"127.0.0.1:{origin.port}"]}).encode()
+    request = urllib.request.Request(f"{replacement.url}/v1/peer/fetch", data=body, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    with pytest.raises((TimeoutError, urllib.error.URLError)):
+        urllib.request.urlopen(request, timeout=1.0)  # gives up, closing its connection
+    wait_until(lambda: "cancelled, nothing installed" in replacement.log(), 60, "the fetch to be cancelled")
+    assert not (local / "20").exists()
+    assert not [p for p in local.iterdir() if p.name.startswith(".tmp-")]
+    assert replacement.proc.poll() is None
+    # The uploader was never held up: a new local step reaches the persistent tier.
+    write_local_step(local, 21, FILES)
+    wait_until(lambda: replacement.get("/v1/state").body["newest_persisted_step"] == 21, 60, "step 21 uploaded")
+    assert not (local / "20").exists()
