@@ -29,7 +29,7 @@ from resilax_ckpt.restorer import Restorer
 from resilax_ckpt.saver import Saver
 from resilax_ckpt.step_reader import UNREADABLE_STEP_ERRORS, read_metadata, restore_step
 from resilax_ckpt.storage import Storage
-from resilax_ckpt.trainer_metrics import TrainerMetrics
+from resilax_ckpt.trainer_metrics import HEARTBEAT_SECONDS, RESTORE, TrainerMetrics
 
 __all__ = [
     "CRASH_ENV",
@@ -71,7 +71,8 @@ class CheckpointManager:
         key = tiers.next_manager_key(self._options.generation)
         control_dir = self._options.control_dir
         watcher = RequestWatcher(control_dir) if control_dir else None
-        self._trainer = TrainerMetrics(control_dir, generation=self._options.generation)
+        self._trainer = TrainerMetrics(control_dir, generation=self._options.generation,
+                                       heartbeat_seconds=HEARTBEAT_SECONDS)
         if watcher is not None:
             watcher.hold_trainer_lock()
             clear_stop_record(control_dir or "")
@@ -198,6 +199,7 @@ class CheckpointManager:
         Called on: all processes."""
         self._check_open()
         started = time.perf_counter()
+        self._trainer.phase(RESTORE)
         named, unwrap = pytrees.as_target(target)
         out = self._restorer.restore(step, named, [pytrees.STATE_ITEM] if unwrap else items)
         protected = self._tiers.protected_steps
@@ -226,6 +228,7 @@ class CheckpointManager:
             self._saver.close()
         finally:
             self._closed = True
+            self._trainer.close()
             if self._watcher is not None:
                 self._watcher.release()
 

@@ -33,7 +33,7 @@ from resilax_ckpt.errors import ResilaxCkptError, SaveError
 from resilax_ckpt.requests import RequestWatcher, SaveRequest, write_stop_record
 from resilax_ckpt.storage import Storage
 from resilax_ckpt.tiers import Tiers
-from resilax_ckpt.trainer_metrics import TrainerMetrics
+from resilax_ckpt.trainer_metrics import SAVE, TrainerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class Saver:
         if not self._decide(step, force):
             self.prepare_first_save(items)
             return False
+        self._trainer.phase(SAVE)
         requests, self._pending_requests = self._pending_requests, []
         stop = self._stop_requested_locally
         self._wait_pending()

@@ -15,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 TRAINER_FILE = "trainer.json"
 WRITE_INTERVAL_SECONDS = 1.0
+HEARTBEAT_SECONDS = 1.0
+"""How often the manager's heartbeat thread rewrites the file (also while the loop is blocked)."""
 
 
 @dataclasses.dataclass
@@ -50,6 +53,15 @@ class TrainerFigures:
     """Wall time when the last restore ended (it began `last_restore_seconds` earlier)."""
     generation: int | None = None
     """The generation this process belongs to (`RESILAX_GENERATION`; labels the cache counts)."""
+    phase: str = "init"
+    """What the process is doing: `init` (start-up, compiling, waiting for its first step), `restore`,
+    `train` (between steps) or `save` (a save blocking the loop)."""
+    phase_since: float | None = None
+    """Wall time the phase began."""
+    heartbeat: float | None = None
+    """Wall time of the last write, by the heartbeat thread (every second, also while the loop is
+    blocked) or the loop: a stale heartbeat means a stopped process, a fresh one with a stale step a
+    loop stuck in a collective or its input."""
     compilation_cache_requests: int = 0
     """Compilations that asked JAX's persistent compilation cache (`compile_requests_use_cache` events)."""
     compilation_cache_hits: int = 0
@@ -85,46 +97,83 @@ def count_jax_event(event: str, **_kwargs: str | int) -> None:
         COMPILATION_CACHE.hits += 1
 
 
+INIT, RESTORE, TRAIN, SAVE = "init", "restore", "train", "save"
+
+
 class TrainerMetrics:
     """The manager's side: updates the figures and writes the file (when there is a control dir).
-    Called on: each process, from the training loop's thread."""
+    Called on: each process, from the training loop's thread (and the heartbeat thread, which only writes)."""
 
     def __init__(self, control_dir: str | None, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, generation: int | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.time, generation: int | None = None,
+                 heartbeat_seconds: float | None = None) -> None:
         self._path = os.path.join(control_dir, TRAINER_FILE) if control_dir else None
         self._clock = clock
         self._wall = wall_clock
-        self.figures = TrainerFigures(generation=generation)
+        self.figures = TrainerFigures(generation=generation, phase_since=wall_clock())
         self._last_write = float("-inf")
         self._rate_from: tuple[int, float] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        if self._path is not None and heartbeat_seconds:
+            threading.Thread(target=self._beat, args=(heartbeat_seconds,), name="resilax-heartbeat",
+                             daemon=True).start()
+
+    def _beat(self, seconds: float) -> None:
+        while not self._stop.wait(seconds):
+            self._write(self._clock())
+
+    def close(self) -> None:
+        """Stop the heartbeat thread (the manager is closed)."""
+        self._stop.set()
+
+    def phase(self, name: str) -> None:
+        """The process enters phase `name` (INIT, RESTORE, TRAIN, SAVE); written at once."""
+        with self._lock:
+            if self.figures.phase == name:
+                return
+            self.figures.phase, self.figures.phase_since = name, self._wall()
+        self._write(self._clock())
 
     def step(self, step: int) -> None:
         """The loop reached `step` (called by every save/should_save)."""
-        f = self.figures
-        if step != f.step:
-            f.step_time = self._wall()
-            if f.first_step is None:
-                f.first_step, f.first_step_time = step, f.step_time
-        f.step = step
+        if self.figures.phase != TRAIN:
+            self.phase(TRAIN)
+        with self._lock:
+            f = self.figures
+            if step != f.step:
+                f.step_time = self._wall()
+                if f.first_step is None:
+                    f.first_step, f.first_step_time = step, f.step_time
+            f.step = step
         now = self._clock()
         if now - self._last_write >= WRITE_INTERVAL_SECONDS:
             self._write(now)
 
     def saved(self, blocking_seconds: float) -> None:
-        self.figures.saves += 1
-        self.figures.save_blocking_seconds += blocking_seconds
-        self.figures.last_save_blocking_seconds = blocking_seconds
+        with self._lock:
+            self.figures.saves += 1
+            self.figures.save_blocking_seconds += blocking_seconds
+            self.figures.last_save_blocking_seconds = blocking_seconds
+            self.figures.phase, self.figures.phase_since = TRAIN, self._wall()
         self._write(self._clock())
 
     def restored(self, step: int | None, seconds: float) -> None:
-        self.figures.restores += 1
-        self.figures.restore_seconds += seconds
-        self.figures.last_restore_seconds = seconds
-        self.figures.restored_step = step
-        self.figures.restored_time = self._wall()
+        with self._lock:
+            self.figures.restores += 1
+            self.figures.restore_seconds += seconds
+            self.figures.last_restore_seconds = seconds
+            self.figures.restored_step = step
+            self.figures.restored_time = self._wall()
+            # compiling and waiting for the first step again
+            self.figures.phase, self.figures.phase_since = INIT, self.figures.restored_time
         self._write(self._clock())
 
     def _write(self, now: float) -> None:
+        with self._lock:
+            self._write_locked(now)
+
+    def _write_locked(self, now: float) -> None:
         f = self.figures
         if f.step is not None:
             if self._rate_from is not None and f.step > self._rate_from[0] and now > self._rate_from[1]:
@@ -135,7 +184,7 @@ class TrainerMetrics:
         f.compilation_cache_requests, f.compilation_cache_hits = COMPILATION_CACHE.requests, COMPILATION_CACHE.hits
         if self._path is None:
             return
-        f.time = self._wall()
+        f.time = f.heartbeat = self._wall()
         tmp = f"{self._path}.{os.getpid()}.tmp"
         try:
             os.makedirs(os.path.dirname(self._path), exist_ok=True)

@@ -46,3 +46,42 @@ def test_the_figures_carry_the_wall_times_the_goodput_accounting_reads(tmp_path)
     assert (f["restored_time"], f["last_restore_seconds"], f["restored_step"]) == (100.0, 2.5, 7)
     assert (f["first_step"], f["first_step_time"]) == (8, 103.0)
     assert (f["step"], f["step_time"], f["time"]) == (9, 110.0, 110.0)
+
+
+def test_the_phase_follows_the_manager_and_a_heartbeat_thread_rewrites_the_file_while_the_loop_is_blocked(
+        tmp_path, devices):
+    """init until the first step, restore while restoring (then init until the loop steps again), train,
+    save while a save blocks; the heartbeat keeps moving with no call from the loop (hang detection:
+    a stopped process's heartbeat stops, a loop stuck in a collective keeps one)."""
+    import time
+
+    control = str(tmp_path / "control")
+    options = rc.ManagerOptions(save_every_steps=2, control_dir=control, async_save=False)
+    phases = []
+    with rc.CheckpointManager(str(tmp_path / "ckpt"), options) as mgr:
+        trainer = mgr._trainer
+        written = trainer._write_locked
+
+        def spy(now: float) -> None:  # every phase the file was written with, in order
+            if not phases or phases[-1] != trainer.figures.phase:
+                phases.append(trainer.figures.phase)
+            written(now)
+
+        trainer._write_locked = spy
+        first = read_trainer_figures(control)
+        for step in range(1, 3):
+            mgr.save(step, {"w": np.full((64,), step, np.float32)})
+        mgr.restore(2)
+        figures = read_trainer_figures(control)
+        assert figures["phase"] == "init" and figures["phase_since"] == figures["restored_time"]
+        mgr.save(3, {"w": np.full((64,), 3, np.float32)})
+        beat = read_trainer_figures(control)["heartbeat"]
+        deadline = time.monotonic() + 30
+        while read_trainer_figures(control)["heartbeat"] == beat:  # no loop call: the thread writes
+            assert time.monotonic() < deadline, "no heartbeat within 30 s"
+            time.sleep(0.05)
+        assert read_trainer_figures(control)["step"] == 3
+    assert first is None or first["phase"] == "init"
+    if phases[:1] == ["init"]:  # the heartbeat wrote before the first step (a slow start)
+        phases = phases[1:]
+    assert phases == ["train", "save", "train", "restore", "init", "train"], phases
