@@ -87,6 +87,39 @@ class RequestFinalSave:
 
 
 @dataclass(frozen=True)
+class PatchWorkerPods:
+    """Re-label and re-annotate pods an in-place restart keeps for `generation` (a JSON merge patch of
+    each pod's labels and annotations). A pod that is gone (404) is skipped: the next decision drops it."""
+
+    generation: int
+    #: (pod, labels, annotations), each as sorted (key, value) pairs.
+    pods: tuple[tuple[str, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]], ...]
+
+
+@dataclass(frozen=True)
+class StopTrainers:
+    """POST `/v1/trainer/stop` {"generation", "reason", "stacks"} (bearer token) to each pod's sidecar:
+    its supervisor stops a trainer older than `generation` and reports it `exited` once it and every
+    descendant are reaped. An unreachable sidecar is logged and left to the restart's deadline."""
+
+    generation: int
+    pods: tuple[str, ...]
+    reason: str
+    stacks: bool = False
+
+
+@dataclass(frozen=True)
+class StartTrainers:
+    """POST `/v1/trainer/start` {"generation", "env"} (bearer token) to each pod's sidecar: its supervisor
+    starts the trainer of `generation` with the pod's environment overlaid by `env`, once none lives.
+    Errors are logged; the decision sends it again until the sidecar reports the assignment."""
+
+    generation: int
+    #: (pod, env as sorted (name, value) pairs)
+    pods: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+
+
+@dataclass(frozen=True)
 class EmitEvent:
     """A Kubernetes Event on the JAXJob. Emitted once per transition (decisions emit it together with
     the status change that records the transition)."""
@@ -103,7 +136,8 @@ class RequeueAfter:
     seconds: float
 
 
-Action = SetStatus | CreateGeneration | DeleteGeneration | RequestFinalSave | EmitEvent | RequeueAfter
+Action = (SetStatus | CreateGeneration | DeleteGeneration | RequestFinalSave | PatchWorkerPods | StopTrainers
+          | StartTrainers | EmitEvent | RequeueAfter)
 
 
 def status_change(old: JobStatus, new: JobStatus, *events: EmitEvent) -> list[Action]:

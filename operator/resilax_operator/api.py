@@ -197,6 +197,12 @@ CAPACITY_TIMEOUT = Reason(
 SUSPENDING = Reason("Suspending", "spec.suspend is true: saving and stopping generation {generation}")
 SUSPENDED = Reason("Suspended", "spec.suspend is true: no workers; false again starts a generation that restores "
                    "the newest committed step (the last the operator saw: {step})")
+RESTARTING_IN_PLACE = Reason(
+    "RestartingInPlace", "generation {generation}: restarting in place after {cause}: keeping {kept} of {hosts} "
+    "pods ({pods}), their trainers restarted; {replaced} pods new")
+IN_PLACE_UNAVAILABLE = Reason("InPlaceUnavailable", "generation {generation}: every pod replaced, not in place: {why}")
+IN_PLACE_STOP_TIMEOUT = Reason("InPlaceStopTimeout", "generation {generation}: the old trainer of {pods} was not "
+                               "proven gone within {seconds}s (recovery.inPlaceStopTimeoutSeconds); replacing those pods")
 RESUMED = Reason("Resumed", "spec.suspend is false: generation {generation} restores {restore}")
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
 SPEC_INVALID = Reason("SpecInvalid", "{problems}")

@@ -22,9 +22,12 @@ from .actions import (
     CreateGeneration,
     DeleteGeneration,
     EmitEvent,
+    PatchWorkerPods,
     RequestFinalSave,
     RequeueAfter,
     SetStatus,
+    StartTrainers,
+    StopTrainers,
 )
 from .cache import WorldCache
 from .errors import ResilaxOperatorError
@@ -114,6 +117,10 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
             delete_generation(kube, world, action, logger)
         elif isinstance(action, RequestFinalSave):
             request_final_save(kube, world, action, settings, logger)
+        elif isinstance(action, PatchWorkerPods):
+            patch_worker_pods(kube, cache, world, action, logger)
+        elif isinstance(action, StopTrainers | StartTrainers):
+            call_trainers(kube, world, action, settings, logger)
         elif isinstance(action, EmitEvent):
             log = logger.warning if action.type == "Warning" else logger.info
             log("%s: %s", action.reason, action.message)
@@ -194,3 +201,40 @@ def request_final_save(kube: Kube, world: World, action: RequestFinalSave, setti
         logger.info("final save (%s) requested from %s: sidecar request %s", action.reason, name, answer.get("id"))
     if asked == 0 and errors:
         raise SidecarError(f"no sidecar of generation {action.generation} took the final save request")
+
+
+def patch_worker_pods(kube: Kube, cache: WorldCache, world: World, action: PatchWorkerPods, logger: Logger) -> None:
+    """Re-label and re-annotate the kept pods (a pod gone is skipped: the next decision drops it)."""
+    ref = job_ref(world.job)
+    for name, labels, notes in action.pods:
+        made = kube.patch_pod_metadata(ref.namespace, name, dict(labels), dict(notes))
+        if made is not None:
+            cache.remember(made)
+    logger.info("generation %d: kept %s", action.generation, ", ".join(name for name, _, _ in action.pods))
+
+
+def call_trainers(kube: Kube, world: World, action: StopTrainers | StartTrainers, settings: OperatorSettings,
+                  logger: Logger) -> None:
+    """POST /v1/trainer/stop or /v1/trainer/start to each named pod's sidecar, with the job's token. An
+    error is logged and left to the decision (it asks again, or its deadline drops the pod)."""
+    ref = job_ref(world.job)
+    if isinstance(action, StopTrainers):
+        path = "/v1/trainer/stop"
+        bodies = {p: {"generation": action.generation, "reason": action.reason, "stacks": action.stacks}
+                  for p in action.pods}
+    else:
+        path = "/v1/trainer/start"
+        bodies = {p: {"generation": action.generation, "env": dict(env)} for p, env in action.pods}
+    ips = {str((p.get("metadata") or {}).get("name")): (p.get("status") or {}).get("podIP") for p in world.pods}
+    token = kube.ensure_token_secret(ref)
+    for name, body in bodies.items():
+        ip = ips.get(name)
+        if not ip:
+            logger.warning("%s to %s: the pod has no IP", path, name)
+            continue
+        try:
+            kube.sidecar("POST", ip, settings.sidecar_port, path, body, token=token)
+        except SidecarError as e:
+            logger.warning("%s (generation %d) to %s failed: %s", path, action.generation, name, e)
+            continue
+        logger.info("%s (generation %d) sent to %s", path, action.generation, name)

@@ -167,6 +167,13 @@ class Kube:
     def delete_secret(self, namespace: str, name: str) -> None:
         self.request("DELETE", f"/api/v1/namespaces/{namespace}/secrets/{name}", ok=(404,))
 
+    def patch_pod_metadata(self, namespace: str, name: str, labels: Mapping[str, str],
+                           annotations: Mapping[str, str]) -> dict[str, Any] | None:
+        """Merge labels and annotations into a pod's; None when the pod is gone."""
+        return self.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}",
+                            {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}},
+                            content_type=MERGE_PATCH, ok=(404,))
+
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
         self.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}",
                      {"metadata": {"annotations": dict(annotations)}}, content_type=MERGE_PATCH)

@@ -38,6 +38,7 @@ from .policies import (
     container_waiting,
     generation_start,
     goodput_status,
+    inplace,
     invalid_edit,
     node_loss,
     preemption,
@@ -123,6 +124,8 @@ def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSetting
     if events:
         s = fallback
         actions += [SetStatus(s), *events]
+    if s.in_place is not None:  # it deletes what it does not keep itself
+        return collapse(inplace.proceed(spec, observed, s, settings, actions))
     # Stray pods: any generation other than the current one must go before anything else happens.
     stray = sorted({p.generation for p in observed.pods if p.generation != s.generation}
                    | {g for g in observed.services if g != s.generation and not observed.pods_of(g)})
@@ -148,7 +151,7 @@ def watch(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     for check in WATCH:
         verdict = check(spec, observed, s, settings)
         if isinstance(verdict, Finding):
-            return transition.begin(spec, observed, s, settings, actions, verdict)
+            return inplace.begin_transition(spec, observed, s, settings, actions, verdict)
         if verdict is not None:
             return [*actions, *verdict]
     return [*actions, *generation_start.bring_up(spec, observed, s, settings)]

@@ -90,6 +90,10 @@ class InPlace:
     since: datetime
     deadline: datetime
     kept: tuple[KeptPod, ...] = ()
+    #: The transition kind that started it (NodeLoss, WorkerFailure, PodLost, Shrink).
+    kind: str = ""
+    #: No trainer of the new generation starts before this (a worker failure's backoff).
+    not_before: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -261,14 +265,15 @@ def parse_in_place(raw: Any) -> InPlace | None:
         kept = tuple(KeptPod(str(k["pod"]), str(k.get("uid") or ""), int(k["process"]), bool(k.get("stopped")),
                              bool(k.get("started"))) for k in raw.get("kept") or () if isinstance(k, Mapping))
         return InPlace(int(raw["generation"]), int(raw.get("from") or 0), str(raw["phase"]), since,
-                       parse_time(raw.get("deadline")) or since, kept)
+                       parse_time(raw.get("deadline")) or since, kept, str(raw.get("kind") or ""),
+                       parse_time(raw.get("notBefore")))
     except (KeyError, TypeError, ValueError):
         return None
 
 
 def build_in_place(p: InPlace) -> dict[str, Any]:
     return {"generation": p.generation, "from": p.from_generation, "phase": p.phase, "since": format_time(p.since),
-            "deadline": format_time(p.deadline),
+            "deadline": format_time(p.deadline), "kind": p.kind, "notBefore": format_time(p.not_before),
             "kept": [{"pod": k.pod, "uid": k.uid, "process": k.process, "stopped": k.stopped, "started": k.started}
                      for k in p.kept]}
 

@@ -68,6 +68,29 @@ POD_LOSS_KINDS: Final = frozenset({st.POD_LOST, st.WORKER_STOPPED})
 def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings, actions: list[Action],
           finding: Finding) -> list[Action]:
     """Record a transition away from the current generation, then act on it."""
+    counted = account(spec, observed, s, settings, actions, finding)
+    if isinstance(counted, list):
+        return counted
+    s, finding = counted
+    now, g = observed.now, s.generation
+    save = final_save.wanted(spec, finding.kind) and any(p.phase == "Running" for p in observed.pods_of(g))
+    since = st.truncate(now)
+    t = Transition(kind=finding.kind, generation=g, since=since, message=finding.message,
+                   save_request_id=f"{observed.job.name}-g{g}-{finding.kind.lower()}" if save else None,
+                   save_deadline=since + timedelta(seconds=spec.checkpoint.final_save.timeout_seconds) if save else None,
+                   not_before=finding.not_before, teardown_since=None if save else since)
+    new = replace(s, transition=t, phase=st.phase_for(t, first=False))
+    new = st.set_condition(new, api.COND_READY, False, finding.reason, finding.message, now)
+    head: list[Action] = [*actions, SetStatus(new), EmitEvent(finding.event_type, finding.reason, finding.message),
+                          *finding.events]
+    # Act on the recorded transition right away, as the next decision would.
+    return head + proceed(spec, replace(observed, status=new), new, settings, [], announce=False)
+
+
+def account(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings, actions: list[Action],
+            finding: Finding) -> tuple[JobStatus, Finding] | list[Action]:
+    """Count a finding (a failure against maxRestarts; a pod-level loss in a row, with its backoff):
+    the status and finding to go on with, or the actions that fail the job (too many pod losses)."""
     now, g = observed.now, s.generation
     if finding.failure:
         s = replace(s, failures=s.failures + 1)
@@ -87,18 +110,7 @@ def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
             event = EmitEvent("Warning", api.POD_LOSS_BACKOFF.name, api.POD_LOSS_BACKOFF.format(
                 losses=losses, max_losses=settings.max_pod_losses, until=st.format_time(until)))
             finding = replace(finding, not_before=until, events=(*finding.events, event))
-    save = final_save.wanted(spec, finding.kind) and any(p.phase == "Running" for p in observed.pods_of(g))
-    since = st.truncate(now)
-    t = Transition(kind=finding.kind, generation=g, since=since, message=finding.message,
-                   save_request_id=f"{observed.job.name}-g{g}-{finding.kind.lower()}" if save else None,
-                   save_deadline=since + timedelta(seconds=spec.checkpoint.final_save.timeout_seconds) if save else None,
-                   not_before=finding.not_before, teardown_since=None if save else since)
-    new = replace(s, transition=t, phase=st.phase_for(t, first=False))
-    new = st.set_condition(new, api.COND_READY, False, finding.reason, finding.message, now)
-    head: list[Action] = [*actions, SetStatus(new), EmitEvent(finding.event_type, finding.reason, finding.message),
-                          *finding.events]
-    # Act on the recorded transition right away, as the next decision would.
-    return head + proceed(spec, replace(observed, status=new), new, settings, [], announce=False)
+    return s, finding
 
 
 def pod_loss_backoff(losses: int, settings: OperatorSettings) -> int:

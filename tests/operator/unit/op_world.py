@@ -21,14 +21,24 @@ from resilax_operator.actions import (
     CreateGeneration,
     DeleteGeneration,
     EmitEvent,
+    PatchWorkerPods,
     RequestFinalSave,
     SetStatus,
+    StartTrainers,
+    StopTrainers,
 )
 from resilax_operator.builders import JobRef
 from resilax_operator.observed import Observed, ObservedNode, ObservedPod, SaveOutcome, Taint, TrainerReport
 from resilax_operator.reconcile import decide_raw
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.status import CheckpointInfo, JobStatus, build_status, build_status_patch, parse_status
+from resilax_operator.trainer_process import (
+    EXITED,
+    RUNNING,
+    TrainerProcess,
+    pods_to_poll,
+    with_trainer_processes,
+)
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 SETTINGS = OperatorSettings(sidecar_image="resilax:test", grow_back_settle_seconds=60)
@@ -81,6 +91,16 @@ class World:
     gates: tuple[str, ...] = ()
     #: metadata.generation of the JAXJob (bump it with an edit of `spec`).
     spec_generation: int = 1
+    #: The supervisors of supervised pods (spec.recovery.inPlace: Auto): each pod's trainer incarnation,
+    #: the newest stop and start its sidecar was asked for, pods whose trainer ignores a stop (hung in D
+    #: state) and pods whose sidecar does not answer.
+    processes: dict[str, TrainerProcess] = field(default_factory=dict)
+    stop_asked: dict[str, int] = field(default_factory=dict)
+    assigned: dict[str, int] = field(default_factory=dict)
+    hung: set[str] = field(default_factory=set)
+    unreachable: set[str] = field(default_factory=set)
+    #: Every StopTrainers/StartTrainers executed, in order: (kind, generation, pods).
+    trainer_calls: list[tuple[str, int, tuple[str, ...]]] = field(default_factory=list)
 
     @classmethod
     def make(cls, spec: dict[str, Any], *pools: list[ObservedNode]) -> World:
@@ -88,10 +108,14 @@ class World:
 
     # ---- the operator
     def observed(self) -> Observed:
-        return Observed(now=self.now, job=self.job, status=self.status, spec_generation=self.spec_generation,
-                        pods=tuple(sorted(self.pods.values(), key=lambda p: p.name)),
-                        services=tuple(sorted(self.services)), nodes=tuple(self.nodes.values()),
-                        save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint, trainer=self.trainer)
+        observed = Observed(now=self.now, job=self.job, status=self.status, spec_generation=self.spec_generation,
+                            pods=tuple(sorted(self.pods.values(), key=lambda p: p.name)),
+                            services=tuple(sorted(self.services)), nodes=tuple(self.nodes.values()),
+                            save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint, trainer=self.trainer)
+        # As observe.py: the sidecars asked (pods_to_poll) that answer report their trainer.
+        asked = [n for n in pods_to_poll(observed) if n not in self.unreachable and n in self.processes]
+        return with_trainer_processes(observed, {n: replace(self.processes[n], assigned=self.assigned.get(n))
+                                                 for n in asked})
 
     def decide(self) -> list[Action]:
         observed = self.observed()
@@ -128,8 +152,10 @@ class World:
                 name = m["metadata"]["name"]
                 labels = m["metadata"]["labels"]
                 if name not in self.pods:
+                    supervised = m["metadata"]["annotations"].get(api.ANNOTATION_SUPERVISED) == "1"
                     self.pods[name] = ObservedPod(name, int(labels[api.LABEL_GENERATION]), int(labels[api.LABEL_SLICE]),
-                                                  int(labels[api.LABEL_HOST]), gates=self.gates)
+                                                  int(labels[api.LABEL_HOST]), gates=self.gates, uid=f"uid-{name}",
+                                                  supervised=supervised)
                     self.pool_of[name] = labels[api.LABEL_NODE_POOL]
                     self.selector_of[name] = dict(m["spec"].get("nodeSelector") or {})
             if a.generation not in self.created:
@@ -148,6 +174,24 @@ class World:
                     self.pods[p.name] = replace(p, deletion_timestamp=self.now, deletion_grace_seconds=grace)
         elif isinstance(a, RequestFinalSave):
             self.save_requests.append(a)
+        elif isinstance(a, PatchWorkerPods):
+            for name, labels, _ in a.pods:
+                p = self.pods.get(name)
+                if p is not None:
+                    got = dict(labels)
+                    self.pods[name] = replace(p, generation=int(got[api.LABEL_GENERATION]),
+                                              slice_index=int(got[api.LABEL_SLICE]), host=int(got[api.LABEL_HOST]))
+        elif isinstance(a, StopTrainers):
+            self.trainer_calls.append(("stop", a.generation, a.pods))
+            for name in a.pods:
+                if name in self.pods and name not in self.unreachable:
+                    self.stop_asked[name] = max(self.stop_asked.get(name, 0), a.generation)
+        elif isinstance(a, StartTrainers):
+            self.trainer_calls.append(("start", a.generation, tuple(n for n, _ in a.pods)))
+            for name, env in a.pods:
+                assert dict(env)["RESILAX_GENERATION"] == str(a.generation)
+                if name in self.pods and name not in self.unreachable:
+                    self.assigned[name] = max(self.assigned.get(name, 0), a.generation)
         elif isinstance(a, EmitEvent):
             self.events.append(a)
 
@@ -168,8 +212,10 @@ class World:
             node = sorted(free, key=lambda n: n.name)[0]
             used.add(node.name)
             self.pods[name] = replace(p, node_name=node.name, phase="Running", ready=True, pod_ip=f"10.0.0.{self.next_ip}",
-                                      trainer_running=True, trainer_started_at=self.now)
+                                      trainer_running=True, trainer_started_at=self.now, trainer_ready=True)
             self.next_ip += 1
+            if p.supervised:
+                self.processes[name] = TrainerProcess(1, p.generation, RUNNING)
 
     def _pools_for(self, name: str, p: ObservedPod) -> set[str | None]:
         if self.pool_of[name]:
@@ -196,6 +242,34 @@ class World:
             up = p.node_name is None or (node is not None and node.down_since(self.now) is None)
             if p.deletion_timestamp is not None and up:
                 del self.pods[name]
+        for name in list(self.processes):
+            if name not in self.pods:
+                del self.processes[name]
+        self.supervise()
+
+    def supervise(self) -> None:
+        """The supervisors: a stop for a newer generation ends the trainer (unless hung); a start of a
+        newer generation runs once no trainer lives in the pod. Checks the invariant: never two
+        generations' trainers alive in the job at once (a dead node's pod counts until it is gone)."""
+        for name, t in list(self.processes.items()):
+            p = self.pods[name]
+            node = self.nodes.get(p.node_name or "")
+            if node is not None and node.down_since(self.now) is not None:
+                continue  # no kubelet, no supervisor that answers: frozen as it was
+            if t.state == RUNNING and self.stop_asked.get(name, 0) > t.generation and name not in self.hung:
+                t = replace(t, state=EXITED, exit_code=143, finished_at=self.now)
+            if t.state == EXITED and self.assigned.get(name, 0) > t.generation:
+                t = TrainerProcess(t.incarnation + 1, self.assigned[name], RUNNING, started_at=self.now)
+            self.processes[name] = t
+            self.pods[name] = replace(p, trainer_ready=t.state == RUNNING)
+        live = {t.generation for t in self.processes.values() if t.state != EXITED}
+        assert len(live) <= 1, f"trainers of generations {sorted(live)} alive at once"
+
+    def fail_trainer(self, name: str, code: int) -> None:
+        """A supervised trainer exits by itself (the pod stays Running: the supervisor waits)."""
+        t = self.processes[name]
+        self.processes[name] = replace(t, state=EXITED, exit_code=code, finished_at=self.now)
+        self.pods[name] = replace(self.pods[name], trainer_ready=False)
 
     def settle(self, steps: int = 10) -> None:
         for _ in range(steps):

@@ -1,0 +1,278 @@
+"""policies/inplace.py: in-place restart of the survivors.
+
+Driven through the in-memory world (op_world), which plays the supervisors too: a stop ends a trainer
+(unless it is hung), a start runs once no trainer lives in the pod, and at every step it asserts that
+no two generations' trainers are alive at once, that deciding twice gives the same actions and that no
+pod of another generation exists when one is created. `decide_mode` has its own table."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from op_restart import KEEP
+from op_samples import good_spec
+from op_world import SETTINGS, World, cpu_pool
+from resilax_operator import api
+from resilax_operator import status as st
+from resilax_operator.actions import CreateGeneration, DeleteGeneration, StartTrainers
+from resilax_operator.builders import JobRef
+from resilax_operator.policies import Finding
+from resilax_operator.policies.inplace import decide_mode
+from resilax_operator.validation import validate_spec
+
+NODE_LOST = Finding(st.NODE_LOSS, api.NODE_LOST.name, "node gone")
+
+
+def _spec(in_place: str = "Auto", **recovery: Any) -> dict[str, Any]:
+    spec = good_spec()
+    spec["slices"] = {"accelerator": "cpu", "topology": "2x4", "chipsPerHost": 4, "count": 2}
+    spec["elastic"] = {"minCount": 1, "maxCount": 2}
+    spec["recovery"].update(inPlace=in_place, **recovery)
+    return spec
+
+
+def _world(in_place: str = "Auto", spare: int = 1, **recovery: Any) -> World:
+    """2 slices x 2 hosts on CPU pools a and b, `spare` free nodes in each; running generation 1."""
+    w = World.make(_spec(in_place, **recovery), cpu_pool("pool-a", 2 + spare), cpu_pool("pool-b", 2 + spare))
+    settle(w)
+    assert w.status.phase == api.PHASE_RUNNING and w.status.generation == 1
+    return w
+
+
+def tick(w: World, only: int | None = None) -> list[Any]:
+    actions = w.step(only=only)
+    w.schedule()
+    w.kubelets()
+    return actions
+
+
+def settle(w: World, steps: int = 12) -> None:
+    for _ in range(steps):
+        tick(w)
+
+
+def _node_of(w: World, pod: str) -> str:
+    node = w.pods[pod].node_name
+    assert node is not None
+    return node
+
+
+def _lose_node(w: World, pod: str) -> str:
+    """The node of `pod` goes down, past nodeLossGraceSeconds (30 s in the sample spec)."""
+    node = _node_of(w, pod)
+    w.set_node(node, ready="Unknown", ready_since=w.now)
+    w.advance(31)
+    return node
+
+
+def _identity(w: World) -> dict[str, tuple[str, str | None]]:
+    return {n: (p.uid, p.node_name) for n, p in w.pods.items()}
+
+
+# ---- decide_mode ---------------------------------------------------------------------------------
+
+
+def _mode_case(case: str) -> tuple[Any, Finding, JobRef | None]:
+    w = _world("Never" if case == "never" else "Auto")
+    finding = NODE_LOST
+    job = None
+    if case == "preemption":
+        finding = Finding(st.PREEMPTION, api.PREEMPTION_NOTICE.name, "notice")
+    elif case == "kueue":
+        job = JobRef("llama", "ml", "uid-1", queue="team-a")
+    elif case == "no-command":
+        del w.spec["template"]["spec"]["containers"][0]["command"]
+    elif case == "unsupervised-pod":
+        w.pods["llama-g1-s1-h0"] = replace(w.pods["llama-g1-s1-h0"], supervised=False)
+    elif case == "no-sidecar-answers":
+        w.unreachable = set(w.pods)
+    elif case in ("node-loss", "worker-failure", "shrink"):
+        _lose_node(w, "llama-g1-s1-h1")
+    if case == "worker-failure":
+        finding = Finding(st.WORKER_FAILURE, api.WORKER_FAILED.name, "exit 1", failure=True)
+    if case == "shrink":
+        finding = Finding(st.SHRINK, api.CAPACITY_TIMEOUT.name, "shrink")
+    return w, finding, job
+
+
+@pytest.mark.parametrize(("case", "kept", "why"), [
+    pytest.param("never", None, "", id="inPlace-Never"),
+    pytest.param("preemption", None, "", id="planned-move-stays-full-replacement"),
+    pytest.param("kueue", None, "Kueue queue", id="kueue"),
+    pytest.param("no-command", None, "has no command", id="trainer-without-command"),
+    pytest.param("unsupervised-pod", None, "runs no supervisor", id="a-pod-from-before-Auto"),
+    pytest.param("no-sidecar-answers", None, "no surviving pod qualifies", id="no-survivor-heard"),
+    pytest.param("node-loss", ["llama-g1-s0-h0", "llama-g1-s0-h1", "llama-g1-s1-h0", "llama-g2-s1-h1"], "",
+                 id="node-loss-same-shape"),
+    pytest.param("worker-failure", ["llama-g1-s0-h0", "llama-g1-s0-h1", "llama-g1-s1-h0", "llama-g2-s1-h1"], "",
+                 id="worker-failure"),
+])
+def test_decide_mode(case: str, kept: list[str] | None, why: str) -> None:
+    w, finding, job = _mode_case(case)
+    observed = w.observed() if job is None else replace(w.observed(), job=job)
+    mode = decide_mode(validate_spec(w.spec), observed, w.status, finding)
+    if kept is None:
+        assert mode.plan is None and why in mode.why and bool(mode.why) == bool(why)
+        return
+    assert mode.plan is not None and mode.why == ""
+    assert list(mode.plan.worker_pods) == kept
+    assert [k.process for k in mode.kept] == [i for i, n in enumerate(kept) if n.startswith("llama-g1")]
+
+
+def test_a_shrink_keeps_the_whole_surviving_slices_renumbered() -> None:
+    w = _world(spare=0)
+    _lose_node(w, "llama-g1-s0-h1")  # slice 0 is broken, pool-a has no spare: one slice, slice 1's pods
+    mode = decide_mode(validate_spec(w.spec), w.observed(), w.status, NODE_LOST)
+    assert mode.plan is not None and mode.plan.shape.count == 1 and mode.plan.pools == ("pool-b",)
+    assert list(mode.plan.worker_pods) == ["llama-g1-s1-h0", "llama-g1-s1-h1"]
+    assert [(k.pod, k.process) for k in mode.kept] == [("llama-g1-s1-h0", 0), ("llama-g1-s1-h1", 1)]
+
+
+# ---- the flow ------------------------------------------------------------------------------------
+
+
+def test_hard_loss_keeps_the_survivors_and_replaces_only_the_lost_pod() -> None:
+    w = _world()
+    before = _identity(w)
+    lost = "llama-g1-s1-h1"
+    _lose_node(w, lost)
+    actions = tick(w)
+    assert [e.reason for e in w.events][-1] == api.RESTARTING_IN_PLACE.name
+    assert w.status.generation == 2 and w.status.in_place is not None
+    assert w.status.in_place.phase in (st.IN_PLACE_STOPPING, st.IN_PLACE_STARTING)
+    deleted = [d.name for a in actions if isinstance(a, DeleteGeneration) for d in a.pods]
+    assert deleted == [lost]  # forced: its node is down
+    settle(w)
+    s = w.status
+    assert s.phase == api.PHASE_RUNNING and s.generation == 2 and s.in_place is None
+    assert s.restarts == 1 and s.in_place_restarts == 1 and s.failures == 0
+    survivors = [n for n in before if n != lost]
+    assert {n: _identity(w)[n] for n in survivors} == {n: before[n] for n in survivors}  # same UIDs, same nodes
+    assert list(s.worker_pods) == [*survivors, "llama-g2-s1-h1"]
+    assert all(p.generation == 2 for p in w.pods.values()) and len(w.pods) == 4
+    assert all(w.processes[n].generation == 2 and w.processes[n].state == "running" for n in w.pods)
+    assert w.created == [1, 2]
+
+
+def test_no_start_before_every_kept_trainer_is_stopped() -> None:
+    w = _world()
+    slow = "llama-g1-s0-h1"
+    w.hung.add(slow)  # its trainer ignores the stop for a while
+    _lose_node(w, "llama-g1-s1-h1")
+    for _ in range(4):
+        tick(w)
+        w.advance(2)
+    assert not [c for c in w.trainer_calls if c[0] == "start"]
+    assert not any(p.name.startswith("llama-g2") for p in w.pods.values())  # nothing created either
+    assert w.status.in_place is not None and w.status.in_place.phase == st.IN_PLACE_STOPPING
+    w.hung.discard(slow)
+    settle(w)
+    assert w.status.phase == api.PHASE_RUNNING and slow in w.pods and w.status.in_place is None
+
+
+def test_the_deadline_drops_a_kept_pod_whose_trainer_never_stops() -> None:
+    w = _world(inPlaceStopTimeoutSeconds=10)
+    stuck = "llama-g1-s0-h1"
+    w.hung.add(stuck)  # in D state: SIGKILL does not end it
+    _lose_node(w, "llama-g1-s1-h1")
+    tick(w)
+    w.advance(11)
+    tick(w)
+    assert api.IN_PLACE_STOP_TIMEOUT.name in w.reasons()
+    settle(w)
+    s = w.status
+    assert s.phase == api.PHASE_RUNNING and s.in_place is None and stuck not in w.pods
+    assert list(s.worker_pods) == ["llama-g1-s0-h0", "llama-g2-s0-h1", "llama-g1-s1-h0", "llama-g2-s1-h1"]
+
+
+def test_a_node_down_mid_restart_starts_again_from_the_new_generation() -> None:
+    w = _world(spare=2)
+    w.hung.add("llama-g1-s0-h0")  # keeps the restart in Stopping
+    _lose_node(w, "llama-g1-s1-h1")
+    tick(w)
+    assert w.status.generation == 2 and w.status.in_place is not None
+    _lose_node(w, "llama-g1-s1-h0")  # a kept pod's node dies too
+    w.hung.clear()
+    tick(w)
+    assert w.status.generation == 3
+    settle(w)
+    s = w.status
+    assert s.phase == api.PHASE_RUNNING and s.generation == 3 and s.in_place is None
+    assert "llama-g1-s0-h0" in w.pods and "llama-g1-s0-h1" in w.pods and len(w.pods) == 4
+    assert s.in_place_restarts == 2
+
+
+def test_a_worker_failure_restarts_every_trainer_in_place_after_the_backoff() -> None:
+    w = _world()
+    before = _identity(w)
+    w.fail_trainer("llama-g1-s0-h1", 1)
+    actions = tick(w)
+    assert not [d for a in actions if isinstance(a, DeleteGeneration) for d in a.pods]  # every pod is kept
+    assert w.status.failures == 1 and w.status.in_place is not None
+    assert w.status.in_place.not_before == st.truncate(w.now) + timedelta(seconds=10)  # backoffSeconds
+    settle(w, 4)
+    assert not [c for c in w.trainer_calls if c[0] == "start"]  # backoffSeconds: 10
+    w.advance(11)
+    settle(w)
+    assert w.status.phase == api.PHASE_RUNNING and w.status.generation == 2 and _identity(w) == before
+    assert all(t.generation == 2 and t.state == "running" for t in w.processes.values())
+
+
+def test_inplace_never_replaces_every_pod_as_before() -> None:
+    w = _world("Never")
+    before = set(w.pods)
+    _lose_node(w, "llama-g1-s1-h1")
+    settle(w)
+    assert w.status.generation == 2 and w.status.in_place_restarts == 0 and not before & set(w.pods)
+
+
+def test_unavailable_is_said_once_and_replaces_every_pod() -> None:
+    w = _world()
+    w.unreachable = set(w.pods)  # no sidecar answers: no survivor is proven
+    _lose_node(w, "llama-g1-s1-h1")
+    settle(w)
+    assert w.reasons().count(api.IN_PLACE_UNAVAILABLE.name) == 1
+    assert w.status.generation == 2 and not any(n.startswith("llama-g1") for n in w.pods)
+
+
+def _flow(w: World, crash_at: int | None, keep: int) -> None:
+    _lose_node(w, "llama-g1-s1-h1")
+    for n in range(16):
+        w.step(only=keep if n == crash_at else None)
+        w.schedule()
+        w.kubelets()
+
+
+@pytest.mark.parametrize("keep", KEEP.values(), ids=KEEP.keys())
+def test_operator_dies_at_every_step_of_an_in_place_restart(keep: int) -> None:
+    """The status alone (and the cluster, the sidecars) lets a new operator finish the restart."""
+    clean = _world()
+    _flow(clean, None, 0)
+    expected = (clean.status.phase, clean.status.generation, clean.status.worker_pods, _identity(clean),
+                clean.status.in_place)
+    assert expected[0] == api.PHASE_RUNNING and expected[1] == 2 and expected[4] is None
+    for crash_at in range(8):
+        w = _world()
+        _flow(w, crash_at, keep)
+        got = (w.status.phase, w.status.generation, w.status.worker_pods, _identity(w), w.status.in_place)
+        assert got == expected, f"crash at decision {crash_at}"
+
+
+def test_pod_0_lost_is_created_first_and_the_kept_trainers_start_with_its_address() -> None:
+    w = _world()
+    _lose_node(w, "llama-g1-s0-h0")
+    starts: list[StartTrainers] = []
+    creates: list[CreateGeneration] = []
+    for _ in range(12):
+        actions = tick(w)
+        starts += [a for a in actions if isinstance(a, StartTrainers)]
+        creates += [a for a in actions if isinstance(a, CreateGeneration)]
+    assert [m["metadata"]["name"] for m in creates[0].pods] == ["llama-g2-s0-h0"]
+    pod0_ip = w.pods["llama-g2-s0-h0"].pod_ip
+    env = dict(dict(starts[0].pods)["llama-g1-s1-h1"])
+    assert env["JAX_COORDINATOR_ADDRESS"] == f"{pod0_ip}:{SETTINGS.coordinator_port}"
+    assert (env["JAX_PROCESS_ID"], env["RESILAX_GENERATION"], env["RESILAX_RESTORE_STEP"]) == ("3", "2", "latest")
+    assert w.status.phase == api.PHASE_RUNNING
