@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
-from resilax_ckpt.errors import SaveError
+from resilax_ckpt.errors import SaveError, StorageError
 from resilax_ckpt.options import InvalidOptionsError
 from resilax_ckpt.trainer_metrics import count_jax_event
 
@@ -112,26 +112,62 @@ EXIT_CODE_UNHANDLED = 1
 EXIT_CODE_PEER_LOST = 76
 #: What JAX's runtime says when a peer process of a collective or the coordination service is gone
 #: (gloo's TCP pairs, gRPC to a dead coordinator, the service's heartbeat verdict); matched in the
-#: messages of an unhandled exception and of its causes.
+#: messages of an unhandled exception and of its causes, unless the error is a storage one (below).
 PEER_LOST_MARKERS = (
     "connection closed by peer", "connection reset by peer", "broken pipe",  # gloo's TCP pairs
     "failed to connect to all addresses", "socket closed", "unavailable:",  # gRPC to the coordinator
     "heartbeat", "has been set to error", "coordination service has stopped",  # the service's verdict
 )
+#: Modules whose exceptions are storage (or HTTP client) errors, never JAX's peer loss: gcsfs over
+#: aiohttp says "[Errno 104] Connection reset by peer" and "[Errno 32] Broken pipe" when GCS drops a
+#: connection; google-api-core's 503 is `ServiceUnavailable: 503 failed to connect to all addresses`.
+STORAGE_ERROR_MODULES = ("aiohttp", "gcsfs", "fsspec", "google.api_core", "google.cloud", "google.resumable_media",
+                         "google.auth", "requests", "urllib3", "tensorstore")
+#: What tensorstore's storage errors (plain ValueErrors) carry: its HTTP and curl annotations, the
+#: kvstore's "Error reading/writing" with the key, the spec it prints.
+STORAGE_ERROR_SIGNS = ("http_response_code", "curl error", "curl_code", "error reading", "error writing",
+                       "error opening", "tensorstore_spec", "local file", "gs://", "storage.googleapis.com")
 _watchdog_armed = False
 
 
-def is_peer_loss(error: BaseException) -> bool:
-    """Whether `error` (or an exception it was raised from) says a peer process is gone."""
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and the exceptions it was raised from or while handling, outermost first."""
+    chain: list[BaseException] = []
     seen: set[int] = set()
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        text = f"{type(e).__name__}: {e}".lower()
-        if any(marker in text for marker in PEER_LOST_MARKERS):
-            return True
+        chain.append(e)
         e = e.__cause__ or e.__context__
-    return False
+    return chain
+
+
+def _text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".lower()
+
+
+def is_storage_error(e: BaseException) -> bool:
+    """Whether one exception comes from storage: the library's StorageError, an exception of a
+    storage or HTTP client library (STORAGE_ERROR_MODULES), or a message with tensorstore's storage
+    annotations (STORAGE_ERROR_SIGNS) (pure)."""
+    module = type(e).__module__ or ""
+    if isinstance(e, StorageError) or any(module == m or module.startswith(m + ".") for m in STORAGE_ERROR_MODULES):
+        return True
+    text = _text(e)
+    return any(sign in text for sign in STORAGE_ERROR_SIGNS)
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    """Whether `error` (or an exception it was raised from) says a peer process is gone: one of
+    PEER_LOST_MARKERS in a message of the chain, and no exception of the chain a storage error
+    (`is_storage_error`: a GCS 503, a connection GCS reset, a tensorstore read), which is the trainer's
+    own failure whatever its words. A plain OSError (the trainer's own socket or file) is never JAX's
+    peer loss either: JAX reports those as runtime errors (pure)."""
+    chain = _chain(error)
+    if any(is_storage_error(e) for e in chain):
+        return False
+    return any(not isinstance(e, OSError) and any(marker in _text(e) for marker in PEER_LOST_MARKERS)
+               for e in chain)
 
 
 def arm_exit_watchdog(grace_seconds: float = EXIT_GRACE_SECONDS) -> bool:
