@@ -1,0 +1,242 @@
+"""In-place restart of the survivors end to end (issue 26): real JAX workers (examples/train.py) under
+the supervisor `resilax run`, the real sidecars and the operator on the local cluster.
+
+Job: 2 slices of tpu-v5-lite-podslice 2x4 (2 hosts each) = 4 processes x 2 fake CPU devices,
+`recovery.inPlace: Auto`, a checkpoint every 4 steps, 0.5 s per step; a spare host in slice 1's node pool,
+so a hard loss of one host keeps the shape. A sampler (every 0.5 s, in a thread) reads every worker
+pod's sidecar `/v1/state` (`trainer_process`) and the process table (the trainers' RESILAX_GENERATION)
+and records any moment at which trainers of two generations are alive at once."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from op_cluster import Jobs, OperatorProcess, committed_steps, event_time, job_manifest, unique_name
+from resilax_local.cluster import LocalCluster
+from resilax_local.profiles import build_tpu_slice
+from resilax_local.testing import wait_for
+
+EVERY = 4
+SIDECAR_PORT = 8490  # OperatorSettings.sidecar_port
+RESULTS = Path(os.environ.get("RESILAX_E2E_RESULTS", "/tmp/resilax-e2e-recovery.jsonl"))
+
+
+class Sampler(threading.Thread):
+    """Every 0.5 s: the generations whose trainers are alive (sidecars' `trainer_process` not `exited`,
+    and `train.py` processes of the job in the process table); any sample with two is a violation."""
+
+    def __init__(self, jobs: Jobs, name: str) -> None:
+        super().__init__(daemon=True)
+        self.jobs, self.name = jobs, name
+        self.stop = threading.Event()
+        self.samples = 0
+        self.violations: list[dict[str, Any]] = []
+
+    def run(self) -> None:
+        while not self.stop.wait(0.5):
+            with contextlib.suppress(Exception):
+                self.sample()
+
+    def sample(self) -> None:
+        alive: dict[str, set[int]] = {}
+        for pod in self.jobs.pods(self.name):
+            ip = (pod.get("status") or {}).get("podIP")
+            if not ip or pod["metadata"].get("deletionTimestamp"):
+                continue
+            try:
+                with urllib.request.urlopen(f"http://{ip}:{SIDECAR_PORT}/v1/state", timeout=1) as r:
+                    tp = json.loads(r.read()).get("trainer_process") or {}
+            except OSError:
+                continue
+            if tp and tp.get("state") != "exited":
+                alive.setdefault(f"sidecar:{pod['metadata']['name']}", set()).add(int(tp["generation"]))
+        for pid, generation in trainer_processes(self.name):
+            alive.setdefault(f"pid:{pid}", set()).add(generation)
+        generations = set().union(*alive.values()) if alive else set()
+        self.samples += 1
+        if len(generations) > 1:
+            self.violations.append({"time": time.time(), "alive": {k: sorted(v) for k, v in alive.items()}})
+
+
+def trainer_processes(job: str) -> list[tuple[int, int]]:
+    """(pid, RESILAX_GENERATION) of every live `train.py` process of `job` on this machine."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            if b"train.py" not in cmdline or b"resilax" in cmdline.split(b"\0")[0]:
+                continue
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{entry}/environ").read_bytes().decode(
+                errors="replace").split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if env.get("RESILAX_JOB_NAME") == job and env.get("RESILAX_GENERATION", "").isdigit():
+            out.append((int(entry), int(env["RESILAX_GENERATION"])))
+    return out
+
+
+def losses(jobs: Jobs, pod: str) -> dict[int, dict[int, dict[str, Any]]]:
+    """generation → step → record, from the loss lines of `pod`'s trainer log (process 0; a kept pod's
+    log has every incarnation's lines)."""
+    try:
+        text = jobs.cluster.logs(jobs.namespace, pod, "trainer")
+    except (FileNotFoundError, ValueError):
+        return {}
+    out: dict[int, dict[int, dict[str, Any]]] = {}
+    for line in text.splitlines():
+        if line.startswith("{") and '"loss"' in line:
+            with contextlib.suppress(json.JSONDecodeError, KeyError):
+                record = json.loads(line)
+                out.setdefault(int(record["generation"]), {})[int(record["step"])] = record
+    return out
+
+
+def add_spare(cluster: LocalCluster, pool: str, name: str) -> str:
+    spec = replace(build_tpu_slice(pool, "tpu-v5-lite-podslice", "2x4")[0], name=name)
+    spec = replace(spec, labels={**spec.labels, "kubernetes.io/hostname": name})
+    if not any(n["name"] == name for n in cluster.nodes()):
+        cluster.add_nodes([spec])
+    cluster.wait_nodes_ready([name], timeout=120)
+    return name
+
+
+def pod_ids(jobs: Jobs, name: str) -> dict[str, tuple[str, str]]:
+    return {p["metadata"]["name"]: (p["metadata"]["uid"], p["spec"].get("nodeName", ""))
+            for p in jobs.pods(name) if not p["metadata"].get("deletionTimestamp")}
+
+
+def start(jobs: Jobs, name: str, storage: Path) -> None:
+    manifest = job_manifest(name, storage, count=2, every_steps=EVERY, steps=5000, step_seconds=0.5,
+                            recovery={"inPlace": "Auto", "inPlaceStopTimeoutSeconds": 60}, final_save_timeout=20)
+    jobs.create(manifest)
+    jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1, 600,
+                     "generation 1 Running")
+    pod0 = f"{name}-g1-s0-h0"
+    wait_for(lambda: max(losses(jobs, pod0).get(1, {}), default=0) >= 10 and committed_steps(storage), timeout=600,
+             interval=1, message=f"{name}: generation 1 past step 10 with a checkpoint")
+    supervised = [p["metadata"]["annotations"].get("resilax.dev/supervised") for p in jobs.pods(name)]
+    assert supervised == ["1"] * 4, supervised
+
+
+def finish(jobs: Jobs, name: str, pod0: str, generation: int) -> dict[str, Any]:
+    status = jobs.wait_status(
+        name, lambda s: s.get("generation") == generation and s.get("phase") == "Running" and not s.get("inPlace")
+        and (s.get("shape") or {}).get("count") == 2, 600, f"generation {generation} Running in place")
+    wait_for(lambda: losses(jobs, pod0).get(generation), timeout=600, interval=1,
+             message=f"{name}: a training step of generation {generation}")
+    return status
+
+
+def print_timeline(jobs: Jobs, name: str, operator: OperatorProcess, fault: float) -> None:
+    """The job's events and the operator's in-place lines, in seconds after the fault."""
+    for e in jobs.events(name):
+        if event_time(e) >= int(fault):
+            print(f"  +{event_time(e) - fault:6.1f}s event {e.get('reason')}: {str(e.get('message'))[:160]}")
+    for line in operator.logs().splitlines():
+        if any(w in line for w in ("/v1/trainer", "kept ", "created", "deleting")):
+            print(f"  operator: {line[:200]}")
+
+
+def assert_redone_steps_match(records: dict[int, dict[int, dict[str, Any]]], old: int, new: int) -> int:
+    both = sorted(set(records[old]) & set(records[new]))
+    for step in both:
+        assert records[new][step]["loss"] == pytest.approx(records[old][step]["loss"], rel=1e-4), step
+    return len(both)
+
+
+@pytest.fixture
+def spare(cluster: LocalCluster) -> Any:
+    name = add_spare(cluster, "tpu-slice-1", f"tpu-slice-1-spare-{os.getpid() % 1000}")
+    yield name
+    with contextlib.suppress(Exception):
+        cluster.remove_node(name)
+
+
+def test_hard_loss_keeps_the_survivors_pods_and_restarts_their_trainers(
+        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, spare: str, tmp_path: Path) -> None:
+    name, storage = unique_name("inplace"), tmp_path / "ckpt"
+    start(jobs, name, storage)
+    pod0 = f"{name}-g1-s0-h0"
+    sampler = Sampler(jobs, name)
+    sampler.start()
+    before = pod_ids(jobs, name)
+    lost = f"{name}-g1-s1-h1"
+    victim = before[lost][1]
+    fault = time.time()
+    cluster.kill_node(victim)
+    try:
+        status = finish(jobs, name, pod0, 2)
+    finally:
+        sampler.stop.set()
+        sampler.join(timeout=10)
+    after = pod_ids(jobs, name)
+    survivors = {n: v for n, v in before.items() if n != lost}
+    assert {n: after.get(n) for n in survivors} == survivors  # same UIDs, same nodes
+    new = sorted(set(after) - set(before))
+    assert new == [f"{name}-g2-s1-h1"] and after[new[0]][1] != victim, after
+    assert status["workerPods"] == [f"{name}-g1-s0-h0", f"{name}-g1-s0-h1", f"{name}-g1-s1-h0", new[0]], status
+    assert status["inPlaceRestarts"] == 1 and status["restarts"] == 1, status
+    records = losses(jobs, pod0)
+    restored = min(records[2]) - 1
+    assert restored in committed_steps(storage)
+    redone = assert_redone_steps_match(records, 1, 2)
+    assert all(r["devices"] == 8 for r in records[2].values())
+    assert sampler.samples >= 10 and not sampler.violations, sampler.violations[:3]
+    reasons = jobs.event_reasons(name, "NodeLost", "RestartingInPlace")
+    assert "RestartingInPlace" in reasons and "GenerationCreated" not in reasons[reasons.index("NodeLost"):], reasons
+    detected = next(event_time(e) for e in jobs.events(name) if e.get("reason") == "NodeLost")
+    first_step = min(r["time"] for r in records[2].values())
+    figures = {"detection": round(detected - fault, 1), "restart": round(first_step - detected, 1),
+               "total": round(first_step - fault, 1)}
+    print_timeline(jobs, name, operator, fault)
+    print(f"\nin-place recovery of {name}: {figures}; {len(records[1])} steps of generation 1, restored {restored}, "
+          f"{redone} redone steps match; {sampler.samples} samples, no two generations alive")
+    with RESULTS.open("a") as f:
+        f.write(json.dumps({"test": "hard_node_loss_in_place", "time": time.time(), **figures,
+                            "lost": max(records[1]) - restored, "restored": restored}) + "\n")
+
+
+def test_operator_killed_mid_inplace_restart_resumes_from_status(
+        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, spare: str, tmp_path: Path) -> None:
+    name, storage = unique_name("inplace-op"), tmp_path / "ckpt"
+    start(jobs, name, storage)
+    pod0 = f"{name}-g1-s0-h0"
+    sampler = Sampler(jobs, name)
+    sampler.start()
+    before = pod_ids(jobs, name)
+    lost = f"{name}-g1-s1-h1"
+    fault = time.time()
+    cluster.kill_node(before[lost][1])
+    try:
+        seen = jobs.wait_status(name, lambda s: bool(s.get("inPlace")), 300, "an in-place restart under way")
+        operator.kill(signal.SIGKILL)  # mid-restart: the status is all the next operator has
+        time.sleep(3)
+        operator.start()
+        status = finish(jobs, name, pod0, 2)
+    finally:
+        sampler.stop.set()
+        sampler.join(timeout=10)
+    print_timeline(jobs, name, operator, fault)
+    print(f"\noperator killed in phase {seen['inPlace']['phase']}; restart finished: {status.get('workerPods')}")
+    after = pod_ids(jobs, name)
+    assert {n: after.get(n) for n in before if n != lost} == {n: v for n, v in before.items() if n != lost}
+    assert sorted(set(after) - set(before)) == [f"{name}-g2-s1-h1"], after
+    assert status["inPlaceRestarts"] == 1 and status["generation"] == 2, status
+    records = losses(jobs, pod0)
+    assert_redone_steps_match(records, 1, 2)
+    assert sampler.samples >= 10 and not sampler.violations, sampler.violations[:3]
