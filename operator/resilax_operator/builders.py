@@ -130,6 +130,19 @@ def build_pods(job: JobRef, spec: JobSpec, plan: GenerationPlan, settings: Opera
             for s in range(plan.shape.count) for h in range(geometry.hosts)]
 
 
+def build_lead_pods(job: JobRef, spec: JobSpec, plan: GenerationPlan, settings: OperatorSettings) -> list[Manifest]:
+    """What a new generation is created with, under the operator's planning lock (execute.py): pod 0, the
+    coordinator; when `creates_all_at_once`, the first pod of every other slice too, so that the next
+    job's plan sees each slice's node pool taken. The other pods come with the next decision, outside
+    the lock (generation_start.bring_up): a large Kueue job no longer holds every other job's planning
+    while thousands of its pods are built and created."""
+    if not creates_all_at_once(job, spec):
+        return build_pods(job, spec, plan, settings, coordinator_ip=None)
+    host = build_coordinator_host(job, plan)
+    return [build_pod(job, spec, plan, s, 0, settings, coordinator_ip=None if s == 0 else host)
+            for s in range(plan.shape.count)]
+
+
 def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int, host: int,
               settings: OperatorSettings, *, coordinator_ip: str | None) -> Manifest:
     """The worker pod of `host` in `slice_index`. Process 0 may pass coordinator_ip=None (its own IP)."""

@@ -12,9 +12,12 @@ reconcile); anything else is a `KubeError` with the API's message.
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.client
 import json
 import logging
 import secrets
+import socket
 import threading
 from collections.abc import Iterator, Mapping
 from datetime import datetime
@@ -34,8 +37,12 @@ log = logging.getLogger(__name__)
 MERGE_PATCH: Final = "application/merge-patch+json"
 #: Seconds for one API request.
 API_TIMEOUT: Final = 20.0
-#: Seconds for one sidecar request (connect, read).
-SIDECAR_TIMEOUT: Final = urllib3.Timeout(connect=2.0, read=5.0)
+#: Seconds to connect to a sidecar.
+SIDECAR_CONNECT_SECONDS: Final = 2.0
+#: Seconds for one whole sidecar request: connect, send, the answer's headers and body.
+SIDECAR_DEADLINE_SECONDS: Final = 10.0
+#: The most bytes of a sidecar's answer the operator reads (`/v1/state` is a few KiB).
+SIDECAR_MAX_ANSWER_BYTES: Final = 1 << 20
 TRANSIENT_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 
 
@@ -69,7 +76,9 @@ class Kube:
 
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self.client = client
-        self._http = urllib3.PoolManager(num_pools=8, maxsize=8, retries=False)
+        #: A sidecar call's whole time and the most bytes of its answer read (`request_bounded`).
+        self.sidecar_deadline_seconds = SIDECAR_DEADLINE_SECONDS
+        self.sidecar_max_answer_bytes = SIDECAR_MAX_ANSWER_BYTES
         self._tokens: dict[str, str] = {}  # job uid -> sidecar bearer token
 
     # ---- raw requests ----------------------------------------------------------------------
@@ -223,26 +232,72 @@ class Kube:
     # ---- the sidecars' HTTP API (docs/sidecar.md) ------------------------------------------
     def sidecar(self, method: str, ip: str, port: int, path: str, body: Mapping[str, Any] | None = None,
                 token: str | None = None) -> dict[str, Any]:
+        """One call to a worker's sidecar: its JSON answer. The whole call (connect, send, headers,
+        body) ends within `sidecar_deadline_seconds` and reads at most `sidecar_max_answer_bytes`: a
+        sidecar that trickles or answers too much costs one reconcile a bounded wait, never the operator."""
         host = f"[{ip}]" if ":" in ip else ip
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = "application/json"
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
+        where = f"sidecar {host}:{port} {method} {path}"
+        status, data = request_bounded(where, method, ip, port, path, None if body is None else json.dumps(body).encode(),
+                                       headers, deadline_seconds=self.sidecar_deadline_seconds,
+                                       max_bytes=self.sidecar_max_answer_bytes)
         try:
-            response = self._http.request(method, f"http://{host}:{port}{path}", headers=headers,
-                                          body=None if body is None else json.dumps(body).encode(),
-                                          timeout=SIDECAR_TIMEOUT)
-        except (urllib3.exceptions.HTTPError, OSError) as e:
-            raise SidecarError(f"sidecar {host}:{port} {method} {path}: {e}") from e
-        try:
-            answer = json.loads(response.data or b"{}")
-        except json.JSONDecodeError:
-            answer = {"error": {"message": response.data[:200].decode(errors="replace")}}
-        if response.status >= 400:
+            answer = json.loads(data or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            answer = {"error": {"message": data[:200].decode(errors="replace")}}
+        if status >= 400:
             error = (answer.get("error") or {}).get("message") if isinstance(answer, dict) else answer
-            raise SidecarError(f"sidecar {host}:{port} {method} {path}: {response.status} {error}")
+            raise SidecarError(f"{where}: {status} {error}")
         return answer if isinstance(answer, dict) else {}
+
+
+def request_bounded(where: str, method: str, ip: str, port: int, path: str, body: bytes | None,
+                    headers: Mapping[str, str], *, deadline_seconds: float, max_bytes: int) -> tuple[int, bytes]:
+    """One plain HTTP request bounded in time and size: (status, body). A watchdog shuts the socket down
+    when `deadline_seconds` have passed since the start, whatever stage the request is at (a per-read
+    timeout alone lets a peer that sends a byte now and then hold the caller forever); an answer longer
+    than `max_bytes` (by its Content-Length, or once that many bytes came) is refused unread.
+    Raises SidecarError."""
+    conn = http.client.HTTPConnection(ip, port, timeout=min(SIDECAR_CONNECT_SECONDS, deadline_seconds))
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        sock = conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    watchdog = threading.Timer(deadline_seconds, expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        conn.connect()
+        if expired.is_set():
+            raise TimeoutError("connect")
+        conn.sock.settimeout(deadline_seconds)
+        conn.request(method, path, body=body, headers=dict(headers))
+        response = conn.getresponse()
+        length = response.getheader("Content-Length")
+        if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+            raise SidecarError(f"{where}: the answer is {int(length):,} bytes; at most {max_bytes:,} are read")
+        data = response.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise SidecarError(f"{where}: the answer is longer than {max_bytes:,} bytes; at most that many are read")
+        if expired.is_set():
+            raise TimeoutError("read")
+        return int(response.status), data
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        if expired.is_set():
+            raise SidecarError(f"{where}: no complete answer within {deadline_seconds:g} s") from e
+        raise SidecarError(f"{where}: {e}") from e
+    finally:
+        watchdog.cancel()
+        conn.close()
 
 
 def _job_path(namespace: str, name: str) -> str:

@@ -17,8 +17,12 @@ from .ports import (
     TPU_RESERVED_PORTS,
     reserved_port_problem,
 )
+from .topology import largest_tpu_slice_hosts
 
 ENV_PREFIX: Final = "RESILAX_OPERATOR_"
+#: Slices of the largest TPU slice the default `max_hosts_per_job` allows.
+MAX_SLICES_SIZED: Final = 32
+MAX_HOSTS_PER_JOB: Final = largest_tpu_slice_hosts() * MAX_SLICES_SIZED
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,12 @@ class OperatorSettings:
     peer_lost_timeout_seconds: int = 60
     """Workers that exited 76 (a peer process is gone) and no cause found this long after the first of
     them (no worker's node down, no worker failed on its own): the generation is replaced as a PodLost."""
+    max_hosts_per_job: int = MAX_HOSTS_PER_JOB
+    """The most worker pods (hosts) one JAXJob may ask for: slices × hosts per slice of the largest shape
+    its spec allows (`slices`, or `elastic.maxCount` with its largest topology). Default: the largest
+    TPU slice in the topology table (tpu-v5p-slice, 8960 chips: 2240 hosts) × 32 slices = 71,680. A
+    larger job gets `InvalidSpec` instead of a generation the operator would spend minutes and
+    gigabytes building (every pod is built in memory; docs/operations.md has the figures)."""
     goodput_status_seconds: int = 300
     """status.goodput is written with every status change and a generation's new marks; the trainer's
     progress alone refreshes it at most this often (seconds; 0: never alone), time alone never. The
@@ -92,6 +102,8 @@ class OperatorSettings:
         if self.sidecar_resources:
             sidecar_resources_from_json(self.sidecar_resources)  # fails at start, not at the first pod
         problems = check_ports(self)
+        if self.max_hosts_per_job < 1:
+            problems.append(f"{ENV_PREFIX}MAX_HOSTS_PER_JOB={self.max_hosts_per_job}: allowed: an integer >= 1")
         if problems:
             raise InvalidSettingError("; ".join(problems))
 

@@ -144,6 +144,14 @@ def allowed_chips_per_host(accelerator: str, topology: str) -> tuple[int, ...]:
     return (chips, *(d for d in range(1, chips) if chips % d == 0))
 
 
+def largest_tpu_slice_hosts() -> int:
+    """Hosts of the largest TPU slice the table allows (tpu-v5p-slice: 8960 chips, 4 per host: 2240)."""
+    three_d = max(chips // min(allowed_chips_per_host(a, "4x4x4")) for a, chips in MAX_CHIPS_3D.items())
+    two_d = max(math.prod(parse_dims(t) or (1,)) // min(allowed_chips_per_host(a, t))
+                for a in TPU_2D for t in TOPOLOGIES_2D)
+    return max(three_d, two_d)
+
+
 def chips_per_host_for_machine_type(accelerator: str, machine_type: str) -> int | None:
     return MACHINE_TYPES.get(accelerator, {}).get(machine_type)
 

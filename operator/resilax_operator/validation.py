@@ -50,12 +50,39 @@ def validate_spec(raw: Mapping[str, Any], *, name: str | None = None,
     problems += check_spec(spec, already_found=problems)
     if settings is not None:
         problems += check_template_ports(spec.template, settings)
+        if not any(p.path.startswith(("spec.slices", "spec.elastic")) for p in problems):
+            problems += check_job_size(spec, settings.max_hosts_per_job)
     if settings is not None and not settings.allow_host_access:
         found = {p.path for p in problems}  # a malformed field's own problem wins
         problems += [p for p in check_pod_security(spec.template) if p.path not in found]
     if problems:
         raise InvalidSpecError(problems)
     return spec
+
+
+def check_job_size(spec: JobSpec, max_hosts: int) -> list[SpecProblem]:
+    """The most worker pods the spec may ask for (its largest allowed topology at its largest count)
+    against the operator's `max_hosts_per_job`."""
+    high = spec.count_bounds[1]
+    sizes = []
+    for t in spec.allowed_topologies:
+        try:
+            sizes.append((topology.plan_geometry(spec.slices.accelerator, t, chips_per_host=spec.slices.chips_per_host,
+                                                 machine_type=spec.slices.machine_type).hosts, t))
+        except UnknownTopologyError:
+            continue  # reported by check_spec
+    if not sizes:
+        return []
+    hosts, t = max(sizes)
+    if hosts * high <= max_hosts:
+        return []
+    setting = f"at most {max_hosts:,} per job (operator setting RESILAX_OPERATOR_MAX_HOSTS_PER_JOB)"
+    if hosts > max_hosts:
+        return [SpecProblem("spec.slices.topology", f"one slice of {t} is {hosts:,} hosts (worker pods); this operator "
+                                                    f"allows {setting}")]
+    path = "spec.elastic.maxCount" if spec.elastic is not None else "spec.slices.count"
+    return [SpecProblem(path, f"{high:,} slices of {t} ({hosts:,} hosts each) make {hosts * high:,} worker pods; "
+                              f"this operator allows {setting}: {max_hosts // hosts:,} such slices at most")]
 
 
 def check_template_ports(template: Mapping[str, Any], settings: OperatorSettings) -> list[SpecProblem]:

@@ -42,15 +42,31 @@ def build_generation_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geome
     if geometry.is_tpu:
         service = build_workers_service_name(job.name)
         env["TPU_WORKER_ID"] = str(host)
-        env["TPU_WORKER_HOSTNAMES"] = ",".join(
-            f"{plan.pod_name(job.name, slice_index * geometry.hosts + h, geometry.hosts)}.{service}"
-            for h in range(geometry.hosts))
+        env["TPU_WORKER_HOSTNAMES"] = slice_hostnames(job, plan, slice_index, geometry.hosts, service)
         if plan.shape.count > 1:
             env["MEGASCALE_COORDINATOR_ADDRESS"] = f"{_host(coordinator)}:{settings.megascale_port}"
             env["MEGASCALE_PORT"] = str(settings.megascale_port)
             env["MEGASCALE_NUM_SLICES"] = str(plan.shape.count)
             env["MEGASCALE_SLICE_ID"] = str(slice_index)
     return env
+
+
+#: The last slice's TPU_WORKER_HOSTNAMES: (plan, job, slice, hosts, value). The builders make a slice's
+#: pods one after another, so one entry serves them all (a race between threads only recomputes).
+_last_hostnames: tuple[GenerationPlan, str, int, int, str] | None = None
+
+
+def slice_hostnames(job: JobRef, plan: GenerationPlan, slice_index: int, hosts: int, service: str) -> str:
+    """`TPU_WORKER_HOSTNAMES` of a slice: `<pod>.<service>` of each of its hosts. Built once per slice and
+    the same string shared by its pods: built per pod, a slice's names cost O(hosts²) time and memory
+    (the largest slice has 2240 hosts: 5 million names, issue 25, item 6)."""
+    global _last_hostnames
+    last = _last_hostnames
+    if last is not None and last[0] is plan and last[1:4] == (job.name, slice_index, hosts):
+        return last[4]
+    value = ",".join(f"{plan.pod_name(job.name, slice_index * hosts + h, hosts)}.{service}" for h in range(hosts))
+    _last_hostnames = (plan, job.name, slice_index, hosts, value)
+    return value
 
 
 def build_generation_overlay(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceGeometry,

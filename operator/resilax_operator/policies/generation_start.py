@@ -6,7 +6,9 @@ watch it come to Running.
 | pods of another generation still exist            | wait (never two generations at once)              |
 | a failure's backoff (`transition.notBefore`) runs | Ready=False Backoff, look again at notBefore      |
 | no shape fits the schedulable node pools          | InsufficientCapacity (event once), look again     |
-| a shape fits                                      | status first (generation N+1), then Service + pods |
+| a shape fits                                      | status first (generation N+1), then Service + pod 0 |
+|                                                   | (with a Kueue queue: the first pod of each slice) |
+| Kueue queue, lead pods created                    | the other pods (DNS coordinator), workersCreated  |
 | pod 0 has no IP yet                               | wait                                              |
 | pod 0 has an IP                                   | the other pods (coordinator address), workersCreated |
 | the API server refuses a pod (admission)          | PodCreationRefused with its answer (and the fix)  |
@@ -38,6 +40,7 @@ from ..actions import (
 )
 from ..builders import (
     GenerationPlan,
+    build_lead_pods,
     build_pods,
     build_service,
     creates_all_at_once,
@@ -101,9 +104,10 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
         phase = api.PHASE_PENDING
     else:
         phase = api.PHASE_RESIZING if t.kind in st.RESHAPE_KINDS else api.PHASE_RECOVERING
+    pods = build_lead_pods(observed.job, spec, plan, settings)  # the rest in bring_up, outside the planning lock
     new = replace(s, phase=phase, generation=generation, shape=planned.shape, hosts=planned.hosts, pools=planned.pools,
                   restore_step=restore, generation_start_time=st.truncate(now), admitted_time=None,
-                  workers_created=planned.hosts == 1,
+                  workers_created=len(pods) == planned.hosts,
                   restarts=s.restarts + (0 if first else 1), planned_from=fingerprint(spec), transition=None,
                   worker_pods=workers)
     message = api.GENERATION_CREATED.format(generation=generation, count=planned.shape.count,
@@ -112,7 +116,6 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     new = with_degraded(spec, new, now)
     new = st.set_condition(new, api.COND_SAVING, False, api.NOT_SAVING.name, api.NOT_SAVING.message, now)
     new, resumed = suspend.resumed(new, generation, restore, now)
-    pods = build_pods(observed.job, spec, plan, settings, coordinator_ip=None)
     return [*actions, SetStatus(new), EmitEvent("Normal", api.GENERATION_CREATED.name, message), *resumed,
             CreateGeneration(generation, build_service(observed.job, settings), tuple(pods))]
 

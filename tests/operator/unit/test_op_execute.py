@@ -68,3 +68,40 @@ def test_a_pod_is_not_deleted_before_its_time(seconds: int, deleted: bool) -> No
     pod_deletes = [r for r in fake.requests if r[0] == "DELETE" and "/pods/" in r[1]]
     assert pod_deletes == ([("DELETE", f"/api/v1/namespaces/{NS}/pods/{pod}")] if deleted else [])
     assert ("DELETE", f"/api/v1/namespaces/{NS}/services/llama-g1") in fake.requests
+
+
+class LockWatchingAPI(FakeAPI):
+    """Records, for each worker pod created, whether the planning lock was held meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: list[tuple[str, bool]] = []
+
+    def create(self, manifest: Any) -> dict[str, Any] | None:
+        if manifest["kind"] == "Pod":
+            assert self.cache is not None
+            self.created.append((manifest["metadata"]["name"], self.cache.planning.locked()))
+        return super().create(manifest)
+
+
+def test_a_kueue_job_holds_the_planning_lock_only_while_creating_its_lead_pods() -> None:
+    """Issue 25, item 6: a job with a Kueue queue creates all its pods at once, but under the planning
+    lock (which every other job's new generation waits for) only the first pod of each slice; the rest
+    come with the next reconcile, the lock free."""
+    fake = LockWatchingAPI()
+    job = _job()
+    job["metadata"]["labels"] = {api.KUEUE_QUEUE_LABEL: "team-a"}
+    job["spec"]["slices"]["count"] = 2
+    fake.put(f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}/llama", job)
+    for i, pool in enumerate(["pool-a", "pool-a", "pool-b", "pool-b"]):
+        node = _node(f"node-{i}")
+        node["metadata"]["labels"][api.NODE_POOL_LABEL] = pool
+        fake.put(f"/api/v1/nodes/node-{i}", node)
+    fake.cache = WorldCache(fake, [NS])
+    for informer in fake.cache.informers():
+        informer._relist()
+    execute.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)
+    assert fake.created == [("llama-g1-s0-h0", True), ("llama-g1-s1-h0", True)]
+    execute.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)
+    assert fake.created[2:] == [("llama-g1-s0-h1", False), ("llama-g1-s1-h1", False)]
+    assert not fake.cache.planning.locked()
