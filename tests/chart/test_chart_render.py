@@ -67,7 +67,7 @@ def rbac_rules(objects: list[dict[str, Any]], kind: str) -> list[list[dict[str, 
 
 
 @pytest.mark.parametrize("values", [{}, NAMESPACED_VALUES, {"metrics": {"serviceMonitor": {"enabled": True}}},
-                                    {**NAMESPACED_VALUES, "metrics": {"managedPrometheus": {"enabled": True}}}],
+                                    {**NAMESPACED_VALUES, "metrics": {"managedPrometheus": {"enabled": True, "rules": True}}}],
                          ids=["default", "namespaced", "servicemonitor", "managed-prometheus"])
 def test_helm_lint_strict(helm, tmp_path: Path, values: dict[str, Any]) -> None:
     proc = helm("lint", "--strict", str(CHART), "-f", str(write_values(tmp_path / "v.yaml", values)))
@@ -294,7 +294,8 @@ GMP = "monitoring.googleapis.com/v1"
 def test_managed_prometheus_pod_monitorings(render, values: dict[str, Any]) -> None:
     """GKE's managed Prometheus scrapes what the ServiceMonitor and the PodMonitor scrape, with the same
     series labels: the operator without a `namespace` target label (its series keep the job's), the
-    sidecars with `jaxjob`, `namespace`, `pod` and the PodMonitor's `resilax_dev_*` names."""
+    sidecars with `jaxjob`, `namespace`, `pod` and the PodMonitor's `resilax_dev_*` names; with `rules`,
+    the alerts as a ClusterRules."""
     import re
 
     from resilax_operator import api
@@ -338,6 +339,12 @@ def test_managed_prometheus_pod_monitorings(render, values: dict[str, Any]) -> N
     # Without the operator's metrics endpoint, only the sidecars are scraped.
     objects = render({**values, "metrics": {"enabled": False, "managedPrometheus": {"enabled": True}}})
     assert {o["metadata"]["name"] for o in objects if o["apiVersion"] == GMP} == {"resilax-sidecars"}
+
+    # With rules: the alerts as a ClusterRules for GMP's rule evaluator, the file's groups as they are.
+    objects = render({**values, "metrics": {"managedPrometheus": {"enabled": True, "rules": True}}})
+    rules = [o for o in objects if o["apiVersion"] == GMP and o["kind"] == "ClusterRules"]
+    assert [r["metadata"]["name"] for r in rules] == ["resilax-alerts"] and "namespace" not in rules[0]["metadata"]
+    assert rules[0]["spec"] == {"groups": yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())["groups"]}
 
 
 def test_service_monitor_needs_metrics(helm, tmp_path: Path) -> None:
