@@ -5,6 +5,10 @@
     kubectl resilax suspend NAME [-n NAMESPACE]   spec.suspend=true: final save, then no workers
     kubectl resilax resume NAME [-n NAMESPACE]    spec.suspend=false: a new generation restores the newest step
 
+Shell completion (kubectl 1.26+): kubectl asks the `kubectl_complete-resilax` executable, installed beside
+`kubectl-resilax`, for the words that may follow (Cobra's `__complete` protocol: one per line, then
+`:<directive>`): the commands, then the namespace's JAXJobs, or its namespaces after `-n`.
+
 Everything comes from the JAXJob itself (its status, which the operator keeps) and its Events; suspend
 and resume patch `spec.suspend` (a JSON merge patch), as Kueue does. The kubeconfig is kubectl's
 (`--kubeconfig`, else `$KUBECONFIG`, else `~/.kube/config`; `--context`); the namespace is `-n`, else the
@@ -33,6 +37,10 @@ from .status import BREAKDOWN_KEYS
 EXIT_ERROR = 1
 
 COMMANDS = ("status", "goodput", "suspend", "resume")
+#: Flags that take a value (`-n NS` or `--namespace=NS`).
+VALUE_FLAGS = ("-n", "--namespace", "--kubeconfig", "--context")
+#: Cobra's ShellCompDirectiveNoFileComp: no file names when nothing matches.
+NO_FILE_COMPLETION = 4
 
 
 class PluginError(Exception):
@@ -148,6 +156,32 @@ def build_suspend_patch(suspend: bool) -> dict[str, Any]:
     return {"spec": {"suspend": suspend}}
 
 
+def plan_completion(words: Sequence[str]) -> tuple[str, str, dict[str, str]]:
+    """What to complete for `kubectl resilax <words>` (the last word is the one being typed, maybe ""):
+    ("command" | "job" | "namespace" | "none", the typed prefix, the flags given so far)."""
+    *before, current = list(words) or [""]
+    flags: dict[str, str] = {}
+    positionals: list[str] = []
+    i = 0
+    while i < len(before):
+        word = before[i]
+        name, eq, value = word.partition("=")
+        if name in VALUE_FLAGS and eq:
+            flags[name] = value
+        elif word in VALUE_FLAGS:
+            if i + 1 == len(before):
+                return ("namespace" if word in ("-n", "--namespace") else "none", current, flags)
+            flags[word] = before[i + 1]
+            i += 1
+        elif not word.startswith("-"):
+            positionals.append(word)
+        i += 1
+    if current.startswith("-"):
+        return "none", current, flags
+    kind = {0: "command", 1: "job"}.get(len(positionals), "none")
+    return kind, current, flags
+
+
 # ---- I/O: the API ---------------------------------------------------------------------------------
 
 
@@ -189,6 +223,17 @@ class JobAPI:
         items: list[dict[str, Any]] = json.loads(answer.data).get("items") or []
         return items
 
+    def job_names(self, namespace: str) -> list[str]:
+        objects = self._kubernetes.client.CustomObjectsApi(self.client)
+        listed = self._call(f"jaxjobs of {namespace}", objects.list_namespaced_custom_object,
+                            api.GROUP, api.VERSION, namespace, api.PLURAL)
+        return sorted(item["metadata"]["name"] for item in listed.get("items") or [])
+
+    def namespace_names(self) -> list[str]:
+        core = self._kubernetes.client.CoreV1Api(self.client)
+        listed = self._call("namespaces", core.list_namespace)
+        return sorted(item.metadata.name for item in listed.items)
+
     def patch_job(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         objects = self._kubernetes.client.CustomObjectsApi(self.client)
         job: dict[str, Any] = self._call(f"patching jaxjob {namespace}/{name}",
@@ -226,3 +271,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PluginError as e:
         print(f"kubectl resilax {args.command}: {e}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def complete_main(argv: Sequence[str] | None = None) -> int:
+    """`kubectl_complete-resilax WORDS...`: the completions, one per line, then `:4`. Names come from the
+    API at best: an unreachable cluster completes nothing rather than failing the shell."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    kind, prefix, flags = plan_completion(words)
+    choices: list[str] = []
+    if kind == "command":
+        choices = list(COMMANDS)
+    elif kind in ("job", "namespace"):
+        with contextlib.suppress(Exception):  # completion must never break the shell
+            kube = JobAPI(flags.get("--kubeconfig"), flags.get("--context"))
+            if kind == "job":
+                namespace = flags.get("-n") or flags.get("--namespace") or kube.default_namespace
+                choices = kube.job_names(namespace)
+            else:
+                choices = kube.namespace_names()
+    for choice in choices:
+        if choice.startswith(prefix):
+            print(choice)
+    print(f":{NO_FILE_COMPLETION}")
+    return 0

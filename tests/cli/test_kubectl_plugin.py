@@ -2,7 +2,8 @@
 PATH, with the admin kubeconfig, on a JAXJob the real operator runs (examples/train.py workers):
 `status` shows the operator's view (phase, generation, shape, the step reached, the saved step,
 goodput), `goodput` its breakdown, `suspend` makes the operator save and stop the workers (Suspended),
-`resume` starts a new generation that restores the saved step; a missing job is an error naming it."""
+`resume` starts a new generation that restores the saved step; `kubectl_complete-resilax` completes the
+namespace's jobs and the namespaces; a missing job is an error naming it."""
 
 from __future__ import annotations
 
@@ -21,17 +22,17 @@ from resilax_local.testing import wait_for
 pytestmark = pytest.mark.cluster
 
 
-def _plugin() -> str:
-    """The installed `kubectl-resilax` (next to this interpreter, as pip installs console scripts)."""
-    path = Path(sys.executable).parent / "kubectl-resilax"
-    found = str(path) if path.exists() else shutil.which("kubectl-resilax")
-    assert found, "kubectl-resilax is not installed: reinstall the project (scripts/setup)"
+def _plugin(name: str = "kubectl-resilax") -> str:
+    """An installed console script (next to this interpreter, as pip installs them)."""
+    path = Path(sys.executable).parent / name
+    found = str(path) if path.exists() else shutil.which(name)
+    assert found, f"{name} is not installed: reinstall the project (scripts/setup)"
     return found
 
 
-def _run(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(cluster: LocalCluster, *args: str, executable: str = "kubectl-resilax") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
-    return subprocess.run([_plugin(), *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([_plugin(executable), *args], capture_output=True, text=True, timeout=120, env=env)
 
 
 def _fields(screen: str) -> dict[str, str]:
@@ -85,6 +86,12 @@ def test_status_goodput_suspend_and_resume(operator: OperatorProcess, jobs: Jobs
     wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
     assert min(jobs.losses(name, 2)) - 1 == final
     assert _fields(_run(cluster, "status", name, "-n", namespace).stdout)["Generation"].startswith("2 ")
+
+    # Shell completion (what kubectl 1.26+ asks kubectl_complete-resilax): the namespace's jobs, its namespaces.
+    completion = _run(cluster, "status", "-n", namespace, name[:4], executable="kubectl_complete-resilax")
+    assert completion.returncode == 0 and completion.stdout.splitlines() == [name, ":4"], completion
+    completion = _run(cluster, "status", "-n", namespace[:-1], executable="kubectl_complete-resilax")
+    assert namespace in completion.stdout.splitlines(), completion
 
     missing = _run(cluster, "status", "no-such-job", "-n", namespace)
     assert missing.returncode == 1

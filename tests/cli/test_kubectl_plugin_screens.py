@@ -85,3 +85,23 @@ def test_resilax_job_dispatches_to_the_plugin() -> None:
     with pytest.raises(SystemExit) as e:
         kubectl_plugin.parse_args(["frobnicate", "llama"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize(("words", "expected"), [
+    ([""], ("command", "", {})),
+    (["st"], ("command", "st", {})),
+    (["status", ""], ("job", "", {})),
+    (["status", "-n", "team-a", "ll"], ("job", "ll", {"-n": "team-a"})),
+    (["--namespace=team-a", "goodput", ""], ("job", "", {"--namespace": "team-a"})),
+    (["status", "-n", ""], ("namespace", "", {})),
+    (["status", "--context", ""], ("none", "", {})),
+    (["status", "llama", ""], ("none", "", {})),
+    (["status", "--"], ("none", "--", {})),
+], ids=["nothing", "a-command", "a-job", "a-job-in-ns", "ns-first", "a-namespace", "a-context", "done", "a-flag"])
+def test_completion_plans_what_follows(words: list[str], expected: tuple[str, str, dict[str, str]]) -> None:
+    assert kubectl_plugin.plan_completion(words) == expected
+
+
+def test_completion_of_commands_prints_cobras_protocol(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kubectl_plugin.complete_main(["s"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["status", "suspend", ":4"]
