@@ -25,7 +25,7 @@ POLL_SECONDS: Final = 5.0
 @dataclass(frozen=True)
 class SetStatus:
     """Make the status subresource `status` (the full status): the I/O side sends a JSON merge patch of
-    what differs from the status it observed (`status.build_status_patch`)."""
+    what differs from the status as stored (`status.build_status_patch`)."""
 
     status: JobStatus
 

@@ -104,11 +104,16 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
     job, ref = world.job, job_ref(world.job)
     wait = MAX_REQUEUE_SECONDS
     status_before = world.observed.status
+    # the status as stored: the cache holds the operator's own last write (a decision made after an
+    # earlier one of this reconcile, decide_pod_refused's, comes after a write world.job predates)
+    stored = (cache.job(ref.namespace, ref.name) or job).get("status") or {}
     for action in actions:
         if isinstance(action, SetStatus):
-            patch = st.build_status_patch(status_before, action.status)
+            patch = st.build_status_patch(stored, action.status)
             if patch:  # written only when it changes, and only what changed
-                cache.remember(kube.patch_job_status(ref.namespace, ref.name, patch))
+                written = kube.patch_job_status(ref.namespace, ref.name, patch)
+                cache.remember(written)
+                stored = (written or {}).get("status") or st.merge_patch({}, st.build_status(action.status))
             metrics.record_status(ref, status_before, action.status, world.observed.now)
             status_before = action.status
         elif isinstance(action, CreateGeneration):

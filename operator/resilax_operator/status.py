@@ -346,11 +346,13 @@ def build_status(status: JobStatus) -> dict[str, Any]:
     }
 
 
-def build_status_patch(old: JobStatus, new: JobStatus) -> dict[str, Any]:
-    """The JSON merge patch (RFC 7386) that turns the status body of `old` into that of `new`: only the
-    members that changed (None for those that go). Empty when nothing changed. A write then carries
-    what changed, not the whole status (lastValidSpec, a copy of the spec, only when the spec changes)."""
-    return merge_patch(build_status(old), build_status(new))
+def build_status_patch(stored: Mapping[str, Any] | None, new: JobStatus) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns the status subresource as stored (the raw body, as the
+    API server returned it) into the body of `new`: only the members that differ (None for those that
+    go). Empty when nothing differs. A write then carries what changed, not the whole status
+    (lastValidSpec, a copy of the spec, only when the spec changes). Against what is stored, not its
+    parse: a member the parse defaults (phase Pending, generation 0) is written all the same."""
+    return merge_patch(stored or {}, build_status(new))
 
 
 def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:

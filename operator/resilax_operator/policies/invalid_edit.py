@@ -3,7 +3,7 @@
 The status keeps the newest spec that validated (`status.lastValidSpec`: the spec without its nulls,
 and its metadata.generation). It is recorded with the status change that records that generation as
 `observedGeneration`, so it costs no write of its own, and a write carries it only when it changed
-(`status.build_status_patch`). An operator restart reads it back: the status is the memory.
+(`status.build_status_patch`: a merge patch of what differs from the stored status). An operator restart reads it back: the status is the memory.
 
 | the spec | the job                                                         | decision |
 |----------|-----------------------------------------------------------------|----------|

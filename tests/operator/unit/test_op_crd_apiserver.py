@@ -256,16 +256,20 @@ def test_status_patches_of_what_changed_apply_as_decided(kube: Any) -> None:
     first = st.set_condition(st.JobStatus(phase=api.PHASE_RUNNING, generation=1, observed_generation=1,
                                           last_valid_spec=st.SpecRecord(1, spec)),
                              api.COND_INVALID_SPEC, False, api.SPEC_VALID.name, api.SPEC_VALID.message, t0)
-    got = kube.patch(f"{BASE}/patches/status", {"status": st.build_status_patch(st.JobStatus(), first)})
+    got = kube.patch(f"{BASE}/patches/status", {"status": st.build_status_patch({}, first)})
     assert st.parse_status(got["status"]) == first
     trimmed = {k: v for k, v in spec.items() if k != "elastic"} | {"suspend": True}
     second = st.set_condition(replace(first, observed_generation=2, last_valid_spec=st.SpecRecord(2, trimmed)),
                               api.COND_INVALID_SPEC, True, api.SPEC_INVALID_KEPT.name, "m", t0)
-    patch = st.build_status_patch(first, second)
+    patch = st.build_status_patch(got["status"], second)
     assert set(patch) == {"observedGeneration", "lastValidSpec", "conditions"}
     got = kube.patch(f"{BASE}/patches/status", {"status": patch})
     assert st.parse_status(got["status"]) == second and "elastic" not in got["status"]["lastValidSpec"]["spec"]
-    assert st.build_status_patch(st.parse_status(got["status"]), second) == {}
+    assert st.build_status_patch(got["status"], second) == {}
+    # a new job's first status: what the parse would default (phase Pending, generation 0) is written too
+    kube.create(BASE, _job("fresh"))
+    got = kube.patch(f"{BASE}/fresh/status", {"status": st.build_status_patch({}, st.JobStatus())})
+    assert got["status"]["phase"] == api.PHASE_PENDING and got["status"]["generation"] == 0, got["status"]
 
 
 def _restricted_namespace(kube: Any, ns: str = "restricted") -> str:
