@@ -90,7 +90,7 @@ class OperatorSettings:
     max_hosts_per_job: int = MAX_HOSTS_PER_JOB
     """The most worker pods (hosts) one JAXJob may ask for: slices × hosts per slice of the largest shape
     its spec allows (`slices`, or `elastic.maxCount` with its largest topology). Default: the largest
-    TPU slice in the topology table (tpu-v5p-slice, 8960 chips: 2240 hosts) × 32 slices = 71,680. A
+    TPU slice in the topology table (tpu7x, 9216 chips: 2304 hosts) × 32 slices = 73,728. A
     larger job gets `InvalidSpec` instead of a generation the operator would spend minutes and
     gigabytes building (every pod is built in memory; docs/operations.md has the figures)."""
     goodput_status_seconds: int = 300

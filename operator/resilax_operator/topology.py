@@ -5,7 +5,14 @@ The TPU table follows GKE (DESIGN §7):
 | accelerator | chips/host | topology | hosts per slice |
 |---|---|---|---|
 | tpu-v4-podslice, tpu-v5p-slice | 4 | 3-D `AxBxC`: 2x2x1, 2x2x2, 2x2x4, 2x4x4, then A≤B≤C all multiples of 4 | chips / 4 |
+| tpu7x (Ironwood) | 1 (1x1x1, tpu7x-standard-1t), 4 (tpu7x-standard-4t) | 3-D `AxBxC`: 1x1x1, 2x2x1, 2x2x2, 2x2x4, 2x4x4, then A≤B≤C multiples of 4, each ≤ 256, at most 144 cubes of 4x4x4 (9,216 chips) | chips / chips per host |
 | tpu-v5-lite-podslice, tpu-v6e-slice | 1 (1x1), 4 (2x2, multi-host), 8 (2x4) | 2-D `AxB` | chips / chips per host |
+
+tpu7x's rows come from AI-Hypercomputer/xpk `src/xpk/core/system_characteristics.py` (gke_accelerator
+`tpu7x`, machine types `tpu7x-standard-1t` with topology 1x1x1 and `tpu7x-standard-4t` with
+`generate_tpu_topologies(max_cubes=144)`; chips per VM 1 for one chip, else 4) and GKE's "About
+Ironwood (TPU7x) in GKE" (https://docs.cloud.google.com/kubernetes-engine/docs/concepts/tpu-ironwood:
+four chips per VM; multi-host node pools are placed by a workload policy instead of `--tpu-topology`).
 
 GPU (`nvidia-*`) and `cpu` slices use a 2-D `AxB` device grid per slice; `chipsPerHost` (default: the
 whole slice on one host) spreads it over several hosts. GPU pods request `nvidia.com/gpu`; CPU pods
@@ -22,20 +29,25 @@ from typing import Final
 from . import api
 from .errors import UnknownTopologyError
 
-TPU_3D: Final = ("tpu-v4-podslice", "tpu-v5p-slice")
+TPU_3D: Final = ("tpu-v4-podslice", "tpu-v5p-slice", "tpu7x")
 TPU_2D: Final = ("tpu-v5-lite-podslice", "tpu-v6e-slice")
 TPU_ACCELERATORS: Final = TPU_3D + TPU_2D
 CPU: Final = "cpu"
 GPU_PATTERN: Final = re.compile(r"^nvidia-[a-z0-9]+(-[a-z0-9]+)*$")
 
 #: Largest slice (chips) per 3-D family.
-MAX_CHIPS_3D: Final = {"tpu-v4-podslice": 4096, "tpu-v5p-slice": 8960}
+MAX_CHIPS_3D: Final = {"tpu-v4-podslice": 4096, "tpu-v5p-slice": 8960, "tpu7x": 144 * 64}
+#: Largest dimension of a 3-D topology, where bounded (xpk's generate_tpu_topologies: 4..256).
+MAX_DIM_3D: Final = {"tpu7x": 256}
 SMALL_3D: Final = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
+#: 3-D single-chip topologies (one host of one chip).
+ONE_CHIP_3D: Final = {"tpu7x": "1x1x1"}
 TOPOLOGIES_2D: Final = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 #: GKE machine types → chips per host.
 MACHINE_TYPES: Final = {
     "tpu-v4-podslice": {"ct4p-hightpu-4t": 4},
     "tpu-v5p-slice": {"ct5p-hightpu-4t": 4},
+    "tpu7x": {"tpu7x-standard-1t": 1, "tpu7x-standard-4t": 4},
     "tpu-v5-lite-podslice": {"ct5lp-hightpu-1t": 1, "ct5lp-hightpu-4t": 4, "ct5lp-hightpu-8t": 8},
     "tpu-v6e-slice": {"ct6e-standard-1t": 1, "ct6e-standard-4t": 4, "ct6e-standard-8t": 8},
 }
@@ -75,8 +87,10 @@ def describe_valid_topologies(accelerator: str) -> str:
     """The valid topologies of an accelerator, for error messages."""
     family = accelerator_family(accelerator)
     if family == "tpu-3d":
-        return (", ".join(SMALL_3D) + ", then AxBxC with A<=B<=C all multiples of 4 "
-                f"(4x4x4, 4x4x8, 4x8x8, 8x8x8, ...; at most {MAX_CHIPS_3D[accelerator]} chips)")
+        one = [ONE_CHIP_3D[accelerator]] if accelerator in ONE_CHIP_3D else []
+        dim = f", each at most {MAX_DIM_3D[accelerator]}" if accelerator in MAX_DIM_3D else ""
+        return (", ".join([*one, *SMALL_3D]) + ", then AxBxC with A<=B<=C all multiples of 4 "
+                f"(4x4x4, 4x4x8, 4x8x8, 8x8x8, ...{dim}; at most {MAX_CHIPS_3D[accelerator]} chips)")
     if family == "tpu-2d":
         return ", ".join(TOPOLOGIES_2D)
     if family in ("gpu", "cpu"):
@@ -92,9 +106,10 @@ def is_valid_topology(accelerator: str, topology: str) -> bool:
     if family == "tpu-3d":
         if len(dims) != 3:
             return False
-        if topology in SMALL_3D:
+        if topology in SMALL_3D or topology == ONE_CHIP_3D.get(accelerator):
             return True
         return (list(dims) == sorted(dims) and all(d % 4 == 0 for d in dims)
+                and all(d <= MAX_DIM_3D.get(accelerator, d) for d in dims)
                 and math.prod(dims) <= MAX_CHIPS_3D[accelerator])
     if family == "tpu-2d":
         return topology in TOPOLOGIES_2D
@@ -137,7 +152,7 @@ def allowed_chips_per_host(accelerator: str, topology: str) -> tuple[int, ...]:
     family = accelerator_family(accelerator)
     chips = math.prod(parse_dims(topology) or (1,))
     if family == "tpu-3d":
-        return (4,)
+        return (1,) if topology == ONE_CHIP_3D.get(accelerator) else (4,)
     if family == "tpu-2d":
         return CHIPS_PER_HOST_2D.get(topology, (4,))
     # gpu/cpu: any divisor of the slice, default the whole slice on one host
@@ -145,7 +160,7 @@ def allowed_chips_per_host(accelerator: str, topology: str) -> tuple[int, ...]:
 
 
 def largest_tpu_slice_hosts() -> int:
-    """Hosts of the largest TPU slice the table allows (tpu-v5p-slice: 8960 chips, 4 per host: 2240)."""
+    """Hosts of the largest TPU slice the table allows (tpu7x: 9216 chips, 4 per host: 2304)."""
     three_d = max(chips // min(allowed_chips_per_host(a, "4x4x4")) for a, chips in MAX_CHIPS_3D.items())
     two_d = max(math.prod(parse_dims(t) or (1,)) // min(allowed_chips_per_host(a, t))
                 for a in TPU_2D for t in TOPOLOGIES_2D)

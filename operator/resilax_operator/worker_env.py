@@ -59,7 +59,7 @@ _last_hostnames: tuple[GenerationPlan, str, int, int, str] | None = None
 def slice_hostnames(job: JobRef, plan: GenerationPlan, slice_index: int, hosts: int, service: str) -> str:
     """`TPU_WORKER_HOSTNAMES` of a slice: `<pod>.<service>` of each of its hosts. Built once per slice and
     the same string shared by its pods: built per pod, a slice's names cost O(hosts²) time and memory
-    (the largest slice has 2240 hosts: 5 million names, issue 25, item 6)."""
+    (the largest slice has 2304 hosts: 5 million names, issue 25, item 6)."""
     global _last_hostnames
     last = _last_hostnames
     if last is not None and last[0] is plan and last[1:4] == (job.name, slice_index, hosts):

@@ -29,8 +29,8 @@ def _spec(slices: dict[str, Any], elastic: dict[str, Any] | None = None) -> dict
 
 
 def test_the_default_is_the_largest_tpu_slice_times_32() -> None:
-    assert largest_tpu_slice_hosts() == 2240  # tpu-v5p-slice: 8960 chips, 4 per host
-    assert OperatorSettings().max_hosts_per_job == MAX_HOSTS_PER_JOB == 2240 * 32 == 71_680
+    assert largest_tpu_slice_hosts() == 2304  # tpu7x: 144 cubes of 64 chips, 4 per host
+    assert OperatorSettings().max_hosts_per_job == MAX_HOSTS_PER_JOB == 2304 * 32 == 73_728
 
 
 V5P_LARGEST = {"accelerator": "tpu-v5p-slice", "topology": "16x20x28"}
@@ -39,7 +39,7 @@ V5P_LARGEST = {"accelerator": "tpu-v5p-slice", "topology": "16x20x28"}
 ROWS: list[tuple[str, dict[str, Any], str | None, tuple[str, ...]]] = [
     ("four-million-cpu-workers", _spec({"accelerator": "cpu", "topology": "64x64", "chipsPerHost": 1, "count": 1024}),
      "spec.slices.count", ("1,024 slices of 64x64 (4,096 hosts each) make 4,194,304 worker pods",
-                           "at most 71,680 per job", "RESILAX_OPERATOR_MAX_HOSTS_PER_JOB", "17 such slices at most")),
+                           "at most 73,728 per job", "RESILAX_OPERATOR_MAX_HOSTS_PER_JOB", "18 such slices at most")),
     ("largest-tpu-slice-x32", _spec({**V5P_LARGEST, "count": 32}), None, ()),
     ("largest-tpu-slice-x33", _spec({**V5P_LARGEST, "count": 33}), "spec.slices.count",
      ("33 slices of 16x20x28 (2,240 hosts each) make 73,920 worker pods", "32 such slices at most")),
@@ -47,7 +47,7 @@ ROWS: list[tuple[str, dict[str, Any], str | None, tuple[str, ...]]] = [
      ("40 slices of 16x20x28",)),
     ("elastic-largest-topology", _spec({"accelerator": "tpu-v4-podslice", "topology": "4x4x4", "count": 100},
                                        {"minCount": 1, "maxCount": 200, "topologies": ["4x4x4", "8x16x16"]}),
-     "spec.elastic.maxCount", ("200 slices of 8x16x16 (512 hosts each) make 102,400 worker pods", "140 such slices at most")),
+     "spec.elastic.maxCount", ("200 slices of 8x16x16 (512 hosts each) make 102,400 worker pods", "144 such slices at most")),
 ]
 
 

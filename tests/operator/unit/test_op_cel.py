@@ -74,6 +74,9 @@ def test_good_job_passes(programs: list[tuple[str, str, Any]]) -> None:
 GOOD = [
     ("v4-3d", lambda s: (s["slices"].update(accelerator="tpu-v4-podslice", topology="2x2x4"),
                          s["elastic"].update(topologies=["2x2x2"]))),
+    ("tpu7x-3d-machine-type", lambda s: (s["slices"].update(accelerator="tpu7x", topology="4x4x8",
+                                                            machineType="tpu7x-standard-4t"),
+                                         s["elastic"].update(topologies=["2x2x1", "1x1x1"]))),
     ("restore-int", lambda s: s["checkpoint"]["restore"].update(step=12)),
     ("cpu-grid", lambda s: (s["slices"].update(accelerator="cpu", topology="2x4"), s["elastic"].update(topologies=["1x4"]))),
     ("no-elastic", lambda s: s.pop("elastic")),
