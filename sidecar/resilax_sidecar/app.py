@@ -30,7 +30,7 @@ from resilax_ckpt import trainer_control as tc
 from resilax_ckpt.requests import read_restore_report
 from resilax_ckpt.trainer_metrics import read_trainer_figures
 
-from resilax_sidecar import control
+from resilax_sidecar import control, node_sweep
 from resilax_sidecar.config import SidecarConfig, log_level_number
 from resilax_sidecar.errors import ConfigError
 from resilax_sidecar.metrics import SidecarMetrics
@@ -266,6 +266,13 @@ class Sidecar:
     def start_uploader(self) -> None:
         threading.Thread(target=self.open_storage, name="open-storage", daemon=True).start()
         cfg = self.config
+        if cfg.local_dir is not None and cfg.job is not None:
+            # Marks the node folder as this job's, for the node sweep once the job is deleted.
+            try:
+                node_sweep.write_owner_marker(cfg.local_dir, *cfg.job)
+            except OSError as e:
+                log.warning("local tier %s: cannot write its ownership marker (%s); the node sweep will "
+                            "keep the folder after the job is deleted", cfg.local_dir, e)
         if cfg.local_dir is not None:
             self.replicator = Replicator(cfg.local_dir, cfg.control_dir, self.read_token,
                                          cfg.peer_bytes_per_second, cfg.poll_seconds)

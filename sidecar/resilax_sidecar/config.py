@@ -62,6 +62,10 @@ class SidecarConfig:
     """`RESILAX_GENERATION`: the generation this pod belongs to; reported by `/v1/state`, written
     into upload markers."""
 
+    job: tuple[str, str, str] | None = None
+    """`RESILAX_NAMESPACE`, `RESILAX_JOB_NAME`, `RESILAX_JOB_UID`: the JAXJob this pod belongs to (all
+    three set, else None); named in the local tier's ownership marker (node_sweep.py)."""
+
     keep_last: int | None = None
     """`RESILAX_KEEP_LAST`: keep this many newest committed steps on each tier (empty: keep all)."""
 
@@ -200,6 +204,7 @@ class SidecarConfig:
             process_id=process_id,
             num_processes=num_processes,
             generation=get("RESILAX_GENERATION", int_in(0), 0, "an integer >= 0"),
+            job=job_identity(env),
             keep_last=get("RESILAX_KEEP_LAST", int_in(1), None, "an integer >= 1, or empty to keep all"),
             keep_every_steps=get(
                 "RESILAX_KEEP_EVERY_STEPS", int_in(1), None, "an integer >= 1, or empty for none"
@@ -258,6 +263,13 @@ class SidecarConfig:
             f"control={self.control_dir} local={self.local_dir} persistent={self.checkpoint_dir} "
             f"listen={self.host}:{self.port} token_file={self.token_file} keep_last={self.keep_last}"
         )
+
+
+def job_identity(env: Mapping[str, str]) -> tuple[str, str, str] | None:
+    """(namespace, job, uid) from the operator's variables, or None unless all three are set (pure)."""
+    names = ("RESILAX_NAMESPACE", "RESILAX_JOB_NAME", "RESILAX_JOB_UID")
+    values = tuple(env.get(n, "").strip() for n in names)
+    return (values[0], values[1], values[2]) if all(values) else None
 
 
 def log_level_number(name: str) -> int:

@@ -38,6 +38,11 @@ def operator_rules() -> list[dict[str, Any]]:
     return rules
 
 
+def is_node_sweeper(obj: dict[str, Any]) -> bool:
+    """An object of the node sweeper (its DaemonSet, ServiceAccount, ClusterRole and binding)."""
+    return (obj["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "node-sweeper"
+
+
 def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] == kind]
 

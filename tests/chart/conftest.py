@@ -22,6 +22,7 @@ from chart_helpers import (
     RELEASE,
     RELEASE_NAMESPACE,
     ensure_helm,
+    is_node_sweeper,
     write_values,
 )
 from resilax_local.errors import BinaryError
@@ -71,11 +72,15 @@ def render(helm: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path
     """Render the chart (`helm template --include-crds`) with the given values; returns the objects."""
     counter = iter(range(1000))
 
-    def run(values: dict[str, Any] | None = None, chart: Path = CHART) -> list[dict[str, Any]]:
+    def run(values: dict[str, Any] | None = None, chart: Path = CHART,
+            node_sweeper: bool = False) -> list[dict[str, Any]]:
+        """The objects; the node sweeper's (its own DaemonSet, ServiceAccount and RBAC, checked by
+        test_chart_render.py's node-sweeper tests) only with `node_sweeper`."""
         values_file = write_values(tmp_path / f"values-{next(counter)}.yaml", values or {})
         proc = helm("template", RELEASE, str(chart), "--namespace", RELEASE_NAMESPACE, "--include-crds",
                     "--kube-version", KUBE_VERSION, "-f", str(values_file))
         assert proc.returncode == 0, f"helm template failed:\n{proc.stderr}"
-        return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+        docs = [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+        return docs if node_sweeper else [d for d in docs if not is_node_sweeper(d)]
 
     yield run

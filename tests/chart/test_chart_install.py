@@ -165,3 +165,58 @@ def test_cluster_wide_mode_grants_the_rules_in_one_cluster_role(helm, cluster, k
         assert not can(as_operator, "list", "", "secrets", None)
     finally:
         helm("uninstall", name, "--namespace", namespace, "--kubeconfig", kubeconfig)
+
+
+def test_node_sweeper_may_only_get_jaxjobs_and_sweeps_with_that_against_the_api_server(
+        cluster, kube: KubeClient, namespace: str, release: str, tmp_path: Path) -> None:
+    """The node sweeper's ServiceAccount (issue 25, item 10): its token may `get` JAXJobs in any
+    namespace and nothing else; with that token alone `sweep_root` asks the real API server and
+    removes the folders of a deleted job and of a job of the same name but another uid, keeping the
+    live job's folder and the unmarked one."""
+    from resilax_sidecar.node_sweep import OWNER_MARKER, ApiJobLookup, sweep_root, write_owner_marker
+
+    sweeper = f"{release}-resilax-node-sweeper"
+    role = kube.get(f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{sweeper}")
+    assert role["rules"] == [{"apiGroups": ["resilax.dev"], "resources": ["jaxjobs"], "verbs": ["get"]}]
+    kube.get(f"/apis/apps/v1/namespaces/{namespace}/daemonsets/{sweeper}")
+    as_sweeper = KubeClient.from_kubeconfig(cluster.service_account_kubeconfig(namespace, sweeper))
+    assert can(as_sweeper, "get", "resilax.dev", "jaxjobs", "any-namespace")
+    for verb, group, resource, ns in [
+        ("list", "resilax.dev", "jaxjobs", "any-namespace"), ("watch", "resilax.dev", "jaxjobs", None),
+        ("delete", "resilax.dev", "jaxjobs", namespace), ("patch", "resilax.dev", "jaxjobs", namespace),
+        ("get", "", "secrets", namespace), ("get", "", "pods", namespace), ("list", "", "nodes", None),
+    ]:
+        assert not can(as_sweeper, verb, group, resource, ns), f"{verb} {group}/{resource} in {ns}"
+
+    # A JAXJob in a namespace this release's operator does not watch (it stays as created).
+    other = f"sweep-{uuid.uuid4().hex[:6]}"
+    kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": other}})
+    try:
+        job = doc_jaxjobs(ROOT / "README.md")[0]
+        job["metadata"] = {"name": "live", "namespace": other}
+        uid = kube.create(f"/apis/resilax.dev/v1alpha1/namespaces/{other}/jaxjobs", job)["metadata"]["uid"]
+        root = tmp_path / "root"
+        folders = {"live": (other, "live", uid), "recreated": (other, "live", str(uuid.uuid4())),
+                   "deleted": (other, "gone", str(uuid.uuid4()))}
+        for ns, name, job_uid in folders.values():
+            folder = root / f"{ns}_{name}_{job_uid}"
+            (folder / "7").mkdir(parents=True)
+            write_owner_marker(folder, ns, name, job_uid)
+        unmarked = root / f"{other}_gone_{uuid.uuid4()}"
+        (unmarked / "7").mkdir(parents=True)
+
+        token = tmp_path / "token"
+        token.write_text(cluster.service_account_token(namespace, sweeper))
+        removed = sweep_root(root, ApiJobLookup(cluster.server, token, Path(cluster.ca_file)))
+        assert sorted(removed) == sorted("{}_{}_{}".format(*folders[k]) for k in ("recreated", "deleted"))
+        assert (root / "{}_{}_{}".format(*folders["live"]) / OWNER_MARKER).is_file()
+        assert (unmarked / "7").is_dir()
+
+        # A token that may not read JAXJobs (the namespace's default ServiceAccount): 403, nothing removed.
+        token.write_text(cluster.service_account_token(namespace, "default"))
+        (root / "{}_{}_{}".format(*folders["deleted"])).mkdir()
+        write_owner_marker(root / "{}_{}_{}".format(*folders["deleted"]), *folders["deleted"])
+        assert sweep_root(root, ApiJobLookup(cluster.server, token, Path(cluster.ca_file))) == []
+        assert (root / "{}_{}_{}".format(*folders["deleted"]) / OWNER_MARKER).is_file()
+    finally:
+        kube.delete(f"/api/v1/namespaces/{other}")

@@ -10,7 +10,16 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_helpers import CHART, RELEASE, RELEASE_NAMESPACE, by_kind, one, operator_rules, write_values
+from chart_helpers import (
+    CHART,
+    RELEASE,
+    RELEASE_NAMESPACE,
+    by_kind,
+    is_node_sweeper,
+    one,
+    operator_rules,
+    write_values,
+)
 
 CLUSTER_SCOPED = {"nodes", "leases", "namespaces", "customresourcedefinitions", "clusterkopfpeerings"}
 RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
@@ -502,3 +511,42 @@ def test_notes_name_no_repository_path(helm, tmp_path: Path) -> None:
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "helm show crds" in notes and "kubectl apply --server-side" in notes
     assert "charts/resilax" not in notes and "docs/" not in notes.replace("/blob/main/docs/", "")
+
+
+# ---- the node sweeper (issue 25, item 10) -----------------------------------------------------------
+
+
+def test_node_sweeper_is_one_daemonset_with_get_on_jaxjobs_only(render) -> None:
+    """Default: a DaemonSet on every node (every taint tolerated) mounting the operator's two local-tier
+    roots, its own ServiceAccount, and a ClusterRole that may only `get` JAXJobs."""
+    objects = [o for o in render(node_sweeper=True) if is_node_sweeper(o)]
+    assert sorted(o["kind"] for o in objects) == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "ServiceAccount"]
+    name = one(objects, "ServiceAccount")["metadata"]["name"]
+    assert name == "resilax-node-sweeper" and all(o["metadata"]["name"] == name for o in objects)
+    assert one(objects, "ClusterRole")["rules"] == [{"apiGroups": ["resilax.dev"], "resources": ["jaxjobs"],
+                                                      "verbs": ["get"]}]
+    binding = one(objects, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": RELEASE_NAMESPACE}]
+    pod = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == name and pod["tolerations"] == [{"operator": "Exists"}]
+    (container,) = pod["containers"]
+    assert container["args"] == ["node-sweep", "--root", "/roots/disk", "--root", "/roots/memory", "--every", "600"]
+    assert {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]} == {
+        "disk-root": "/var/lib/resilax/local", "memory-root": "/dev/shm/resilax"}
+    sc = container["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+
+
+def test_node_sweeper_follows_the_local_tier_roots_and_can_be_turned_off(render) -> None:
+    objects = render({"operator": {"localTier": {"root": "/mnt/ssd/rx", "memoryRoot": "/dev/shm/rx"}},
+                      "nodeSweeper": {"intervalSeconds": 60}}, node_sweeper=True)
+    pod = one([o for o in objects if is_node_sweeper(o)], "DaemonSet")["spec"]["template"]["spec"]
+    assert [v["hostPath"]["path"] for v in pod["volumes"]] == ["/mnt/ssd/rx", "/dev/shm/rx"]
+    assert pod["containers"][0]["args"][-1] == "60"
+    assert not [o for o in render({"nodeSweeper": {"enabled": False}}, node_sweeper=True) if is_node_sweeper(o)]
+    # Its own namespace (the operator's may enforce `restricted`, which refuses hostPath).
+    moved = [o for o in render({"nodeSweeper": {"namespace": "rx-nodes"}}, node_sweeper=True) if is_node_sweeper(o)]
+    assert {o["metadata"].get("namespace") for o in moved if o["kind"] in ("ServiceAccount", "DaemonSet")} == {
+        "rx-nodes"}
+    assert one(moved, "ClusterRoleBinding")["subjects"][0]["namespace"] == "rx-nodes"
