@@ -33,6 +33,8 @@ from .worker_env import STORAGE_MOUNT, build_env, merge_env
 Manifest = dict[str, Any]
 
 STORAGE_VOLUME: Final = "resilax-storage"
+#: Worker variables the sidecar container does not get (it reads none of them).
+SIDECAR_ENV_LEFT_OUT: Final = frozenset({"TPU_WORKER_HOSTNAMES"})
 SIDECAR_RESOURCES: Final = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 LOCAL_INIT_RESOURCES: Final = {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}}
 
@@ -224,7 +226,9 @@ def build_sidecar(spec: JobSpec, settings: OperatorSettings, env: Sequence[Mappi
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["resilax", "sidecar"],
         "restartPolicy": "Always",
-        "env": copy.deepcopy([dict(e) for e in env]),
+        # The worker environment but the slice's host list, which only TPU runtimes read: it grows with the
+        # slice (2304 names on the largest) and every cached pod would carry it twice (issue 25, item 6).
+        "env": copy.deepcopy([dict(e) for e in env if e.get("name") not in SIDECAR_ENV_LEFT_OUT]),
         "ports": [{"name": "sidecar", "containerPort": settings.sidecar_port}],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": settings.sidecar_port},
                            "periodSeconds": 5, "failureThreshold": 3},

@@ -107,3 +107,18 @@ def test_a_slices_hostnames_are_built_once_and_shared_by_its_pods() -> None:
         assert all(v is values[0] for v in values)  # one string per slice
         assert values[0].split(",") == [f"llama-g3-s{s}-h{h}.llama-workers" for h in range(32)]
     assert by_slice["0"][0] != by_slice["1"][0]
+
+
+def test_the_sidecar_gets_the_worker_environment_but_the_slices_host_list() -> None:
+    """The host list grows with the slice and only TPU runtimes read it: a cached pod carries it once
+    (the largest tpu7x slice's pods: 161 KiB each parsed with it twice, 99 KiB once)."""
+    from resilax_operator.builders import GenerationPlan, JobRef, build_pods
+    from resilax_operator.spec import Shape
+
+    spec = validate_spec(_spec({"accelerator": "tpu7x", "topology": "4x4x4", "count": 2}), settings=SETTINGS)
+    for pod in build_pods(JobRef("llama", "ml", "u"), spec, GenerationPlan(1, Shape("4x4x4", 2), ("a", "b")), SETTINGS,
+                          coordinator_ip="10.0.0.1"):
+        trainer = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+        sidecar = {e["name"] for e in pod["spec"]["initContainers"][0]["env"]}
+        assert "TPU_WORKER_HOSTNAMES" in trainer and "TPU_WORKER_HOSTNAMES" not in sidecar
+        assert trainer - sidecar == {"TPU_WORKER_HOSTNAMES"}
