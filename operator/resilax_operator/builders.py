@@ -28,7 +28,7 @@ from .podsecurity import RESTRICTED_POD, merge_security_context, restricted_cont
 from .settings import OperatorSettings, sidecar_resources_from_json
 from .spec import LOCAL_SCOPE_NODE, JobSpec
 from .topology import SliceGeometry, plan_geometry
-from .worker_env import STORAGE_MOUNT, build_env, merge_env
+from .worker_env import STORAGE_MOUNT, build_env, compilation_cache_env, merge_env
 
 Manifest = dict[str, Any]
 
@@ -178,7 +178,7 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
     for i, c in enumerate(containers):
         c["securityContext"] = restricted_context(c.get("securityContext"))
         if i == trainer_i:
-            c["env"] = merge_env(env, c.get("env") or [], geometry)
+            c["env"] = merge_env(env, c.get("env") or [], geometry, compilation_cache_env(spec))
             c["volumeMounts"] = [*(c.get("volumeMounts") or []), *mounts]
             c["resources"] = _with_accelerator(c.get("resources") or {}, geometry)
             if supervised(job, spec):

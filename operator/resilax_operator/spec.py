@@ -158,6 +158,16 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class CompilationCacheSpec:
+    """`spec.compilationCache`: JAX's persistent compilation cache for the workers."""
+
+    enabled: bool = True
+    #: Where ("" = the default: `<local tier>/_jax_cache` with `checkpoint.local.scope: Node`, else
+    #: `<checkpoint storage>/_jax_cache` for a folder or pvc:// storage; none for gs:// storage).
+    path: str = ""
+
+
+@dataclass(frozen=True)
 class JobSpec:
     slices: SlicesSpec
     checkpoint: CheckpointSpec
@@ -168,6 +178,7 @@ class JobSpec:
     suspend: bool = False
     #: The worker pod template (a PodTemplateSpec as a plain dict; treat as read-only).
     template: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    compilation_cache: CompilationCacheSpec = CompilationCacheSpec()
 
     @property
     def spec_shape(self) -> Shape:
@@ -350,8 +361,13 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
         shrink_after_seconds=r.integer(cap, "shrinkAfterSeconds", f"{p}.capacity", minimum=0))
     # Nulls anywhere in the template are absent (as the API server treats them): no reader trips on one.
     template = drop_nulls(r.obj(raw, "template", p, required=True) or {})
+    cc = r.obj(raw, "compilationCache", p) or {}
+    compilation_cache = CompilationCacheSpec(
+        enabled=r.boolean(cc, "enabled", f"{p}.compilationCache", default=True),
+        path=r.string(cc, "path", f"{p}.compilationCache", default="") or "")
     return JobSpec(slices=slices, checkpoint=checkpoint, recovery=recovery, elastic=elastic, capacity=capacity,
-                   suspend=r.boolean(raw, "suspend", p, default=False), template=template)
+                   suspend=r.boolean(raw, "suspend", p, default=False), template=template,
+                   compilation_cache=compilation_cache)
 
 
 def _int_or(value: int | None, default: int) -> int:

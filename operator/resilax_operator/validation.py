@@ -132,6 +132,7 @@ def check_spec(spec: JobSpec, *, already_found: Sequence[SpecProblem] = ()) -> l
     out += _check_checkpoint(spec, found)
     out += _check_capacity(spec, found)
     out += _check_recovery(spec, found)
+    out += _check_compilation_cache(spec, found)
     out += _check_template(spec.template, found)
     return out
 
@@ -242,6 +243,15 @@ def _check_recovery(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
                             "worker failure, node loss or shrink and restart only their trainer), Never (replace "
                             "every pod)")]
     return []
+
+
+def _check_compilation_cache(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
+    path = spec.compilation_cache.path
+    if "spec.compilationCache.path" in found or not path or path.startswith(("/", "gs://")):
+        return []
+    return [SpecProblem("spec.compilationCache.path",
+                        f"{path!r} is not allowed; allowed: an absolute path (a folder every worker can reach) or "
+                        "gs://bucket/prefix")]
 
 
 def _check_template(template: Mapping[str, Any], found: set[str]) -> list[SpecProblem]:

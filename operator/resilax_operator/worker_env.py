@@ -11,7 +11,7 @@ from typing import Any, Final
 from . import api
 from .generation import GenerationPlan, JobRef, build_workers_service_name, kueue_queue
 from .settings import OperatorSettings
-from .spec import JobSpec
+from .spec import LOCAL_SCOPE_NODE, JobSpec
 from .topology import SliceGeometry
 
 #: `RESILAX_INIT_TIMEOUT_SECONDS` of workers that may wait for the others' nodes or admission (capacity
@@ -124,6 +124,31 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
     return env
 
 
+#: The compilation cache's folder name under the local tier or the checkpoint storage: ours by name,
+#: never a step (readers and the sidecar's retention skip it, as any name that is not a step).
+COMPILATION_CACHE_FOLDER: Final = "_jax_cache"
+
+
+def compilation_cache_env(spec: JobSpec) -> dict[str, str]:
+    """JAX's persistent compilation cache for the workers (`spec.compilationCache`): its folder and
+    `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0` (JAX's default of 1 s would skip small programs).
+    Default folder: `<local tier>/_jax_cache` with a scope Node local tier (outlives the pods, fast),
+    else `<checkpoint storage>/_jax_cache` for a folder or pvc:// storage; gs:// storage only through an
+    explicit `path` (JAX needs `etils[epath]` and gcsfs for it in the worker image). {} for none."""
+    cc = spec.compilation_cache
+    if not cc.enabled:
+        return {}
+    local = spec.checkpoint.local
+    folder = cc.path
+    if not folder and local is not None and local.scope == LOCAL_SCOPE_NODE:
+        folder = f"{api.LOCAL_DIR}/{COMPILATION_CACHE_FOLDER}"
+    if not folder and not spec.checkpoint.storage.startswith("gs://"):
+        folder = f"{storage_dir(spec.checkpoint.storage).rstrip('/')}/{COMPILATION_CACHE_FOLDER}"
+    if not folder:
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": folder, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
 def storage_dir(storage: str) -> str:
     """`RESILAX_CHECKPOINT_DIR` for a `spec.checkpoint.storage`: pvc:// becomes the mounted path."""
     if storage.startswith("pvc://"):
@@ -133,12 +158,13 @@ def storage_dir(storage: str) -> str:
 
 
 def merge_env(ours: list[dict[str, Any]], theirs: Sequence[Mapping[str, Any]],
-              geometry: SliceGeometry) -> list[dict[str, Any]]:
-    """Ours first (so theirs may refer to $(RESILAX_...)) and ours win; on CPU the XLA_FLAGS and
-    JAX_CPU_COLLECTIVES_IMPLEMENTATION defaults only when the user sets none."""
+              geometry: SliceGeometry, defaults: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """Ours first (so theirs may refer to $(RESILAX_...)) and ours win; `defaults` (the compilation
+    cache's) and, on CPU, the XLA_FLAGS and JAX_CPU_COLLECTIVES_IMPLEMENTATION defaults only when the
+    user sets none."""
     names = {e["name"] for e in ours}
     user_names = {e.get("name") for e in theirs}
-    extra: list[dict[str, Any]] = []
+    extra: list[dict[str, Any]] = [_var(k, v) for k, v in (defaults or {}).items() if k not in user_names]
     if geometry.family == "cpu":
         if "XLA_FLAGS" not in user_names:
             extra.append(_var("XLA_FLAGS", f"--xla_force_host_platform_device_count={geometry.chips_per_host}"))

@@ -206,6 +206,8 @@ def test_hard_loss_keeps_the_survivors_pods_and_restarts_their_trainers(
     print_timeline(jobs, name, operator, fault)
     print(f"\nin-place recovery of {name}: {figures}; {len(records[1])} steps of generation 1, restored {restored}, "
           f"{redone} redone steps match; {sampler.samples} samples, no two generations alive")
+    cache = storage / "_jax_cache"  # spec.compilationCache's default for folder storage
+    print(f"compilation cache: {len(list(cache.iterdir())) if cache.exists() else 0} entries in {cache}")
     with RESULTS.open("a") as f:
         f.write(json.dumps({"test": "hard_node_loss_in_place", "time": time.time(), **figures,
                             "lost": max(records[1]) - restored, "restored": restored}) + "\n")

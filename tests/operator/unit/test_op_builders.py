@@ -493,3 +493,33 @@ def test_sidecar_resources_come_from_the_settings() -> None:
     for bad in ("{", '{"request": {}}', '{"limits": {"memory": ["1Gi"]}}', "[]"):
         with pytest.raises(InvalidSettingError, match=r"RESILAX_OPERATOR_SIDECAR_RESOURCES.*allowed"):
             OperatorSettings.from_env({"RESILAX_OPERATOR_SIDECAR_RESOURCES": bad})
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    pytest.param({}, None, id="gs-storage-no-path-none"),
+    pytest.param({"checkpoint.storage": "/ckpt/llama"}, "/ckpt/llama/_jax_cache", id="folder-storage"),
+    pytest.param({"checkpoint.storage": "pvc://claim/runs"}, "/var/run/resilax/storage/runs/_jax_cache", id="pvc"),
+    pytest.param({"checkpoint.local": {"scope": "Node"}}, f"{api.LOCAL_DIR}/_jax_cache", id="node-local-tier"),
+    pytest.param({"compilationCache": {"path": "gs://b/cache"}}, "gs://b/cache", id="explicit-path"),
+    pytest.param({"checkpoint.storage": "/ckpt", "compilationCache": {"enabled": False}}, None, id="disabled"),
+])
+def test_compilation_cache_folder(change: dict[str, Any], expected: str | None) -> None:
+    raw = good_spec()
+    for key, value in change.items():
+        where, _, leaf = key.rpartition(".")
+        (raw[where] if where else raw)[leaf] = value
+    pod = build_pod(JOB, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    env = _env(_trainer(pod))
+    assert env.get("JAX_COMPILATION_CACHE_DIR") == expected
+    assert env.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS") == (None if expected is None else "0")
+    sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == api.SIDECAR_CONTAINER)
+    assert "JAX_COMPILATION_CACHE_DIR" not in _env(sidecar)  # the trainer's only
+
+
+def test_the_templates_own_compilation_cache_setting_wins() -> None:
+    raw = good_spec()
+    raw["checkpoint"]["storage"] = "/ckpt"
+    raw["template"]["spec"]["containers"][0]["env"] = [{"name": "JAX_COMPILATION_CACHE_DIR", "value": "/mine"}]
+    env = [e for e in _trainer(build_pod(JOB, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None))["env"]
+           if e["name"] == "JAX_COMPILATION_CACHE_DIR"]
+    assert env == [{"name": "JAX_COMPILATION_CACHE_DIR", "value": "/mine"}]

@@ -110,6 +110,10 @@ BAD = [
      "'Always' is not an in-place mode; valid: Auto (keep the surviving pods"),
     ("in-place-stop-timeout-zero", _set("recovery.inPlaceStopTimeoutSeconds", 0),
      "spec.recovery.inPlaceStopTimeoutSeconds", "must be >= 1, found 0"),
+    ("compilation-cache-relative", _set("compilationCache", {"path": "cache"}), "spec.compilationCache.path",
+     "'cache' is not allowed; allowed: an absolute path"),
+    ("compilation-cache-not-bool", _set("compilationCache", {"enabled": "yes"}), "spec.compilationCache.enabled",
+     "must be true or false"),
     ("capacity-not-object", _set("capacity", "Autoscaled"), "spec.capacity", "must be an object, found str"),
     ("suspend-not-bool", _set("suspend", "yes"), "spec.suspend", "must be true or false, found 'yes'"),
 ]
