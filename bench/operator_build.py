@@ -6,7 +6,9 @@ against the operator's memory limit.
     python bench/operator_build.py cpu 2x4 --chips-per-host 1 --count 1024     # 8,192 CPU pods
     python bench/operator_build.py tpu-v5p-slice 16x20x28 --count 1             # the largest TPU slice
 
-Prints one JSON line: pods, seconds, ms per pod, peak RSS growth (MiB), KiB per pod, validation ms.
+Prints one JSON line: pods, seconds, ms per pod, peak RSS growth (MiB), KiB per pod, validation ms,
+and what the watch cache holds per pod (each pod's JSON, and that JSON parsed on its own, as a watch
+event delivers it: the API's answer adds status and defaults on top).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import resource
 import time
+import tracemalloc
 
 from resilax_operator.builders import GenerationPlan, JobRef, build_pods
 from resilax_operator.settings import OperatorSettings
@@ -45,10 +48,19 @@ def main() -> None:
     pods = build_pods(JobRef("job", "ns", "uid"), spec, plan, settings, coordinator_ip="10.0.0.1")
     seconds = time.perf_counter() - started
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB → MiB
-    print(json.dumps({"shape": f"{args.count}x[{args.accelerator} {args.topology}]", "pods": len(pods),
-                      "seconds": round(seconds, 2), "ms_per_pod": round(1000 * seconds / len(pods), 2),
-                      "peak_rss_growth_mib": round(grown), "kib_per_pod": round(1024 * grown / len(pods), 1),
-                      "validate_ms": round(1000 * validated, 1)}))
+    texts = [json.dumps(p) for p in pods]
+    del pods
+    tracemalloc.start()
+    cached = [json.loads(t) for t in texts]
+    parsed = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    print(json.dumps({"shape": f"{args.count}x[{args.accelerator} {args.topology}]", "pods": len(cached),
+                      "seconds": round(seconds, 2), "ms_per_pod": round(1000 * seconds / len(cached), 2),
+                      "peak_rss_growth_mib": round(grown), "kib_per_pod": round(1024 * grown / len(cached), 1),
+                      "validate_ms": round(1000 * validated, 1),
+                      "cached_json_kib_per_pod": round(sum(map(len, texts)) / len(texts) / 1024, 1),
+                      "cached_parsed_kib_per_pod": round(parsed / len(cached) / 1024, 1),
+                      "cached_parsed_mib": round(parsed / 2**20)}))
 
 
 if __name__ == "__main__":
