@@ -206,6 +206,11 @@ def test_hard_loss_keeps_the_survivors_pods_and_restarts_their_trainers(
     print_timeline(jobs, name, operator, fault)
     print(f"\nin-place recovery of {name}: {figures}; {len(records[1])} steps of generation 1, restored {restored}, "
           f"{redone} redone steps match; {sampler.samples} samples, no two generations alive")
+    for line in jobs.cluster.logs(jobs.namespace, pod0, "trainer").splitlines():
+        if line.startswith("{") and '"restored"' in line:
+            r = json.loads(line)
+            print(f"  process 0 restore of generation {r.get('generation')}: began +{r['began'] - fault:.1f}s, "
+                  f"done +{r['time'] - fault:.1f}s")
     cache = storage / "_jax_cache"  # spec.compilationCache's default for folder storage
     print(f"compilation cache: {len(list(cache.iterdir())) if cache.exists() else 0} entries in {cache}")
     with RESULTS.open("a") as f:
