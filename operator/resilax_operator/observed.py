@@ -95,6 +95,10 @@ class ObservedNode:
             return self.ready_since or now
         if any(t.key == api.UNREACHABLE_TAINT for t in self.taints):
             return self.ready_since or now
+        if self.lease_live_until is not None and now >= self.lease_live_until:
+            # Still Ready for the node lifecycle controller, but its kubelet's Lease expired (read only
+            # when a worker exited 76: `nodes_needing_lease`): the same evidence, without its grace.
+            return self.lease_live_until
         return None
 
     def schedulable(self, now: datetime, lead: timedelta = timedelta(0)) -> bool:
@@ -516,9 +520,15 @@ def assemble_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[O
 
 def nodes_needing_lease(observed: Observed) -> list[str]:
     """The nodes whose Lease a decision reads: NotReady (Ready=False, the kubelet's own report) and
-    hosting one of the job's pods. Sorted."""
+    hosting one of the job's pods; and, once a worker of the current generation exited 76 (a peer
+    process is gone), the Ready nodes of the workers that did not: an expired Lease there proves that
+    kubelet dead before the node lifecycle controller says so (`ObservedNode.down_since`). Sorted."""
     out = {p.node_name for p in observed.pods
            if p.node_name and (node := observed.node(p.node_name)) is not None and node.ready == "False"}
+    current = observed.pods_of(observed.status.generation)
+    if any(p.exit_code == api.EXIT_CODE_PEER_LOST for p in current):
+        out |= {p.node_name for p in current if p.node_name and p.exit_code != api.EXIT_CODE_PEER_LOST
+                and (node := observed.node(p.node_name)) is not None and node.ready == "True"}
     return sorted(out)
 
 

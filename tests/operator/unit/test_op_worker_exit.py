@@ -299,3 +299,31 @@ def test_no_cause_found_replaces_the_generation_as_a_pod_loss() -> None:
     t = w.status.transition
     assert t is not None and t.kind == st.POD_LOST and "no cause found" in t.message
     assert w.status.failures == 0 and w.status.pod_losses == 1
+
+
+@pytest.mark.parametrize(("expired", "lost"), [pytest.param(True, True, id="lease-expired-NodeLoss-at-once"),
+                                               pytest.param(False, False, id="lease-live-wait")])
+def test_peers_lost_and_the_nodes_lease_expired_is_a_node_loss_before_it_turns_notready(expired: bool,
+                                                                                      lost: bool) -> None:
+    """Issue 26 item 6: the peers exited 76 and the victim's node is still Ready (the node lifecycle
+    controller has not noticed yet), but its Lease (read because of the exit 76) expired: NodeLoss now."""
+    spec = good_spec()
+    spec["recovery"] = {**spec.get("recovery", {}), "nodeLossGraceSeconds": 120}
+    w = running_world(spec)
+    victim_node = w.pods[VICTIM].node_name
+    assert victim_node is not None
+    w.exit_workers(api.EXIT_CODE_PEER_LOST, names=PEERS)
+    w.step()
+    w.advance(5)
+    lease = w.now - timedelta(seconds=1) if expired else w.now + timedelta(seconds=30)
+    w.set_node(victim_node, lease_live_until=lease)
+    assert w.nodes[victim_node].ready == "True"
+    w.step()
+    t = w.status.transition
+    if lost:
+        assert t is not None and t.kind == st.NODE_LOSS and "not waiting for the grace" in t.message
+        assert any(d.force and d.name == VICTIM for a in w.step() if isinstance(a, DeleteGeneration) for d in a.pods) \
+            or VICTIM not in w.pods
+    else:
+        assert t is None and (w.status.condition(api.COND_READY) or st.Condition("", "", "", "")).reason == \
+            api.PEER_LOST.name
