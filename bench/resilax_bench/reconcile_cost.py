@@ -5,7 +5,7 @@ No cluster: the nodes of the scale benchmark (`scale.build_nodes`: one CPU node 
 a `WorldCache` as watch events. For every job, in turn, the CPU time of
 1. the full parse (`observed.build_observed` over every Node and every live pod, what each reconcile
    did before the indexes), and
-2. the indexed view (`WorldCache.pods_of` / `service_generations` / `nodes_for` + `assemble_observed`,
+2. the indexed view (`WorldCache.pods_of` / `services_of` / `nodes_for` + `assemble_observed`,
    what `observe.observe` does now),
 asserting that both give the same `Observed`. Prints mean, p50 and p99 in milliseconds.
 """
@@ -89,7 +89,7 @@ def full_parse(cache: WorldCache, job: Mapping[str, Any], now: datetime) -> Obse
 def indexed(cache: WorldCache, job: Mapping[str, Any], now: datetime) -> Observed:
     name = job["metadata"]["name"]
     _, workers = cache.pods_of(NAMESPACE, name)
-    return assemble_observed(job, now=now, pods=workers, generations=cache.service_generations(NAMESPACE, name),
+    return assemble_observed(job, now=now, pods=workers, services=cache.services_of(NAMESPACE, name),
                              nodes=cache.nodes_for(NAMESPACE, name))
 
 

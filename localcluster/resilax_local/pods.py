@@ -421,8 +421,11 @@ class PodWorker:
                 self.host.emit_event(self.pod, "FailedMount", str(e), warning=True)
             self.prepare_error = str(e)
             self.next_prepare = time.monotonic() + 2.0
+            # As the kubelet: a volume it cannot mount keeps every container in its start-up state (the
+            # reason is only in the FailedMount event), retried until the object appears; no timeout.
+            starting = "PodInitializing" if self.pod["spec"].get("initContainers") else "ContainerCreating"
             for c in self.containers:
-                c.waiting_reason, c.waiting_message = "CreateContainerConfigError", str(e)
+                c.waiting_reason, c.waiting_message = starting, ""
 
     def _build_volumes(self) -> dict[str, Path]:
         self._own_status()
@@ -454,7 +457,10 @@ class PodWorker:
                 path = self.host.run_dir / "pvcs" / self.namespace / vol["persistentVolumeClaim"]["claimName"]
                 path.mkdir(parents=True, exist_ok=True)
             elif "configMap" in vol or "secret" in vol or "downwardAPI" in vol or "projected" in vol:
-                files = self._projected_files(vol)
+                try:
+                    files = self._projected_files(vol)
+                except PrepareError as e:
+                    raise PrepareError(f'MountVolume.SetUp failed for volume "{name}" : {e}') from e
                 path.mkdir(parents=True, exist_ok=True)
                 mode = self._default_mode(vol)
                 for rel, (content, file_mode) in files.items():

@@ -32,9 +32,11 @@ class SetStatus:
 
 @dataclass(frozen=True)
 class CreateGeneration:
-    """Create `service` (if given) and each pod, skipping those that already exist (409 is success).
-    Before the first generation the job's token Secret must exist. When the API server refuses a pod
-    (admission: 400, 403, 422), the I/O side stops and asks `reconcile.decide_pod_refused`."""
+    """Create `service` (if given) and each pod, skipping those that already exist and are the job's (a
+    409 on an object owned by this JAXJob's uid is success). Before anything, the job's token Secret must
+    exist and be the job's (`EnsureTokenSecret`). When the API server refuses a pod (admission: 400, 403,
+    422), the I/O side stops and asks `reconcile.decide_pod_refused`; when an object of the name exists
+    and is not the job's, it stops and asks `reconcile.decide_name_conflict` (never adopted)."""
 
     generation: int
     service: Manifest | None
@@ -120,6 +122,14 @@ class StartTrainers:
 
 
 @dataclass(frozen=True)
+class EnsureTokenSecret:
+    """Make sure the job's token Secret exists and is the job's: read it, re-create it when it is gone
+    (with the token the sidecars know, when the operator still has it). One that is not the job's is a
+    `NameConflictError` (the I/O side then asks `reconcile.decide_name_conflict`). CreateGeneration does
+    the same before creating anything."""
+
+
+@dataclass(frozen=True)
 class EmitEvent:
     """A Kubernetes Event on the JAXJob. Emitted once per transition (decisions emit it together with
     the status change that records the transition)."""
@@ -137,7 +147,7 @@ class RequeueAfter:
 
 
 Action = (SetStatus | CreateGeneration | DeleteGeneration | RequestFinalSave | PatchWorkerPods | StopTrainers
-          | StartTrainers | EmitEvent | RequeueAfter)
+          | StartTrainers | EnsureTokenSecret | EmitEvent | RequeueAfter)
 
 
 def status_change(old: JobStatus, new: JobStatus, *events: EmitEvent) -> list[Action]:

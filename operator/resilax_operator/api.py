@@ -117,8 +117,11 @@ COND_CHECKPOINT_FALLBACK: Final = "CheckpointFallback"
 COND_MAINTENANCE: Final = "MaintenanceScheduled"
 #: True while spec.suspend holds and no worker is left (JobSet's condition of the same name).
 COND_SUSPENDED: Final = "Suspended"
+#: True while an object the job needs (a worker pod, its Service, its token Secret) has a name another
+#: owner's object holds (never adopted).
+COND_NAME_CONFLICT: Final = "NameConflict"
 CONDITION_TYPES: Final = (COND_READY, COND_SAVING, COND_DEGRADED, COND_INVALID_SPEC, COND_CHECKPOINT_FALLBACK,
-                          COND_MAINTENANCE, COND_SUSPENDED)
+                          COND_MAINTENANCE, COND_SUSPENDED, COND_NAME_CONFLICT)
 
 
 @dataclass(frozen=True)
@@ -209,5 +212,8 @@ SPEC_INVALID = Reason("SpecInvalid", "{problems}")
 #: An invalid edit of a job that has run: it keeps running under status.lastValidSpec until fixed.
 SPEC_INVALID_KEPT = Reason("LastValidSpecKept", "{problems} -- the job runs on under its last valid spec "
                            "(metadata.generation {generation}) until the spec is fixed")
+NAME_CONFLICT = Reason("NameConflict", "generation {generation}: {kind} {name} exists and is not this job's "
+                       "({owner}); the job does not adopt it and waits (delete or rename it)")
+NO_NAME_CONFLICT = Reason("NoNameConflict", "every worker of generation {generation} is this job's own and runs")
 NOT_SAVING = Reason("NotSaving", "no final save in progress")
 SAVING = Reason("FinalSaveInProgress", "final save ({reason}) of generation {generation} in progress until {deadline}")

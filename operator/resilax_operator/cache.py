@@ -36,7 +36,7 @@ from typing import Any, Final, Protocol
 
 from . import api
 from .indexes import FleetIndex, JobIndex
-from .observed import ObservedNode, ObservedPod, parse_pod, parse_service_generation
+from .observed import ObservedNode, ObservedPod, parse_pod, parse_service
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def _newer_or_equal(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> bo
 
 
 def trim_live_pod(body: Mapping[str, Any]) -> Body:
-    """What capacity accounting reads of a pod that is not ours (observed.count_devices_in_use): its
+    """What capacity accounting reads of a pod that is not ours (devices.count_devices_in_use): its
     node, or the node pool a pending one is pinned to, and its device requests."""
     meta, spec = body.get("metadata") or {}, body.get("spec") or {}
 
@@ -242,7 +242,7 @@ class WorldCache:
 
         #: The parsed forms (indexes.py): each job's pods and Services; the nodes and the devices in use.
         self.pod_index: JobIndex[ObservedPod] = JobIndex(parse_pod)
-        self.service_index: JobIndex[int] = JobIndex(parse_service_generation)
+        self.service_index: JobIndex[tuple[int, str]] = JobIndex(parse_service)
         self.fleet = FleetIndex()
         self.jobs = [Informer(source, "jaxjobs", path(job_path, ns, api.PLURAL), on_change=on_change)
                      for ns in scopes]
@@ -288,11 +288,20 @@ class WorldCache:
         return None
 
     def pods_of(self, namespace: str, job: str) -> tuple[list[Mapping[str, Any]], list[ObservedPod]]:
-        """The job's pods (any generation, by name): as stored, and parsed (the workers among them)."""
+        """The pods labelled with the job's name (any generation, by name): as stored, and parsed (the
+        workers among them). Which are the job's own is the owner's uid's to say (`observed.owner_uid`)."""
         return self.pod_index.of(namespace, job)
 
-    def service_generations(self, namespace: str, job: str) -> list[int]:
-        """The generations whose headless Service of the job exists."""
+    def service(self, namespace: str, name: str) -> Body | None:
+        """A Service labelled `resilax.dev/job` (any job's), as stored; None when the cache has none."""
+        for informer in self._scoped(self.services, namespace):
+            found = informer.get(f"{namespace}/{name}")
+            if found is not None:
+                return found
+        return None
+
+    def services_of(self, namespace: str, job: str) -> list[tuple[int, str]]:
+        """(generation, owner uid) of each headless Service labelled with the job's name."""
         return self.service_index.of(namespace, job)[1]
 
     def nodes_for(self, namespace: str, job: str) -> tuple[ObservedNode, ...]:

@@ -29,6 +29,15 @@ class InvalidSpecError(ResilaxOperatorError, ValueError):
         super().__init__("; ".join(str(p) for p in self.problems) or "invalid spec")
 
 
+class NameConflictError(ResilaxOperatorError, FileExistsError):
+    """An object the job needs (a worker pod, its Service, its token Secret) exists under its name but is
+    not the job's: another owner, or none (`observed.owner_uid`). Never adopted."""
+
+    def __init__(self, kind: str, name: str, owner: str) -> None:
+        self.kind, self.name, self.owner = kind, name, owner
+        super().__init__(f"{kind} {name} exists and is not this job's ({owner})")
+
+
 class UnknownTopologyError(ResilaxOperatorError, ValueError):
     """An accelerator/topology pair that the topology table does not know; the message lists valid ones."""
 

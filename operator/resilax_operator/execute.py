@@ -22,6 +22,7 @@ from .actions import (
     CreateGeneration,
     DeleteGeneration,
     EmitEvent,
+    EnsureTokenSecret,
     PatchWorkerPods,
     RequestFinalSave,
     RequeueAfter,
@@ -30,12 +31,13 @@ from .actions import (
     StopTrainers,
 )
 from .cache import WorldCache
-from .errors import ResilaxOperatorError
+from .errors import NameConflictError, ResilaxOperatorError
 from .generation import build_generation_service_name, build_token_secret_name
 from .k8s import Kube, KubeError, SidecarError
 from .observe import Logger, World, forget_trainer, job_ref, observe
+from .ownership import owner_uid
 from .policies import goodput_status
-from .reconcile import decide_cleanup, decide_pod_refused, decide_raw
+from .reconcile import decide_cleanup, decide_name_conflict, decide_pod_refused, decide_raw
 from .settings import OperatorSettings
 
 #: Longest wait between two reconciles of one job, whatever the actions say (seconds).
@@ -52,6 +54,18 @@ class PodRefusedError(ResilaxOperatorError, PermissionError):
         #: The job's status as the actions executed so far left it.
         self.status = status
         super().__init__(f"generation {generation}: creating {pod} refused: {detail}")
+
+
+class NameTakenError(ResilaxOperatorError, FileExistsError):
+    """Creating (or checking) an object of the job found one of its name that the job does not own."""
+
+    def __init__(self, conflict: NameConflictError, status: st.JobStatus, *, creating: bool) -> None:
+        self.conflict = conflict
+        #: The job's status as the actions executed so far left it.
+        self.status = status
+        #: Found while creating the generation's workers (they are not all created), not while checking.
+        self.creating = creating
+        super().__init__(str(conflict))
 
 
 def reconcile_job(kube: Kube, cache: WorldCache, namespace: str, name: str, settings: OperatorSettings,
@@ -82,6 +96,10 @@ def reconcile_job(kube: Kube, cache: WorldCache, namespace: str, name: str, sett
         world = replace(world, observed=replace(world.observed, status=e.status))
         refused = decide_pod_refused(spec, world.observed, e.generation, e.pod, e.detail, settings)
         return execute(kube, cache, world, refused, settings, logger)
+    except NameTakenError as e:
+        world = replace(world, observed=replace(world.observed, status=e.status))
+        taken = decide_name_conflict(world.observed, e.conflict, settings, creating=e.creating)
+        return execute(kube, cache, world, taken, settings, logger)
 
 
 def cleanup_job(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: OperatorSettings,
@@ -91,7 +109,7 @@ def cleanup_job(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings:
     world = observe(kube, cache, job, settings, logger)
     execute(kube, cache, world, decide_cleanup(world.observed), settings, logger)
     ref = job_ref(job)
-    kube.delete_secret(ref.namespace, build_token_secret_name(ref.name))
+    kube.delete_owned_secret(ref.namespace, build_token_secret_name(ref.name), ref.uid)
     kube.forget_token(ref.uid)
     metrics.forget_job(ref)
     forget_trainer(ref)
@@ -118,14 +136,15 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
             status_before = action.status
         elif isinstance(action, CreateGeneration):
             create_generation(kube, cache, world, action, status_before, logger)
+        elif isinstance(action, EnsureTokenSecret | RequestFinalSave | StopTrainers | StartTrainers):
+            try:  # these read the token Secret: one the job does not own is a conflict, its token unused
+                call_sidecars(kube, world, action, settings, logger)
+            except NameConflictError as e:
+                raise NameTakenError(e, status_before, creating=False) from e
         elif isinstance(action, DeleteGeneration):
             delete_generation(kube, world, action, logger)
-        elif isinstance(action, RequestFinalSave):
-            request_final_save(kube, world, action, settings, logger)
         elif isinstance(action, PatchWorkerPods):
             patch_worker_pods(kube, cache, world, action, logger)
-        elif isinstance(action, StopTrainers | StartTrainers):
-            call_trainers(kube, world, action, settings, logger)
         elif isinstance(action, EmitEvent):
             log = logger.warning if action.type == "Warning" else logger.info
             log("%s: %s", action.reason, action.message)
@@ -136,32 +155,49 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
     return max(0.5, wait)
 
 
+def call_sidecars(kube: Kube, world: World, action: EnsureTokenSecret | RequestFinalSave | StopTrainers | StartTrainers,
+                  settings: OperatorSettings, logger: Logger) -> None:
+    """The actions that need the job's token Secret (EnsureTokenSecret only checks it)."""
+    if isinstance(action, EnsureTokenSecret):
+        kube.ensure_token_secret(job_ref(world.job), check=True)
+    elif isinstance(action, RequestFinalSave):
+        request_final_save(kube, world, action, settings, logger)
+    else:
+        call_trainers(kube, world, action, settings, logger)
+
+
 def create_generation(kube: Kube, cache: WorldCache, world: World, action: CreateGeneration,
                       status: st.JobStatus, logger: Logger) -> None:
-    """The token Secret, the Service (if given) and each pod; an existing object is success."""
-    kube.ensure_token_secret(job_ref(world.job))
-    if action.service is not None:
-        cache.remember(kube.create(action.service))
+    """The token Secret (read, re-created if gone), the Service (if given) and each pod; an existing
+    object the job owns is success, one it does not own stops everything (`NameTakenError`)."""
+    ref = job_ref(world.job)
     created = []
     try:
+        kube.ensure_token_secret(ref, check=True)
+        known = None if action.service is None else cache.service(ref.namespace, action.service["metadata"]["name"])
+        if action.service is not None and (known is None or owner_uid(known) != ref.uid):  # else: it is there
+            cache.remember(kube.create_owned(action.service, ref.uid)[0])
         for manifest in action.pods:
             name = str(manifest["metadata"]["name"])
             try:
-                made = kube.create(manifest)
+                made, fresh = kube.create_owned(manifest, ref.uid)
             except KubeError as e:
                 if e.status in REFUSED_STATUSES:
                     raise PodRefusedError(action.generation, name, e.api_message, status) from e
                 raise
-            if made is not None:
-                cache.remember(made)
+            cache.remember(made)
+            if fresh:
                 created.append(name)
+    except NameConflictError as e:
+        raise NameTakenError(e, status, creating=True) from e
     finally:
         if created:
             logger.info("generation %d: created %s", action.generation, ", ".join(created))
 
 
 def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger: Logger) -> None:
-    """Each pod as its `PodDeletion` says (one whose `not_before` is still ahead stays), then the Service."""
+    """Each pod as its `PodDeletion` says (one whose `not_before` is still ahead stays), then the Service
+    if the job owns it."""
     ref = job_ref(world.job)
     gone = []
     for d in action.pods:
@@ -169,7 +205,8 @@ def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger
             continue  # its trainer may still stop by itself; the decision looks again
         kube.delete_pod(ref.namespace, d.name, force=d.force, grace_seconds=d.grace_seconds)
         gone.append(d.name + (" (force)" if d.force else ""))
-    kube.delete_service(ref.namespace, build_generation_service_name(ref.name, action.generation))
+    if action.generation in world.observed.services:  # its own (observed.assemble_observed): never another's
+        kube.delete_service(ref.namespace, build_generation_service_name(ref.name, action.generation))
     if gone:
         logger.info("generation %d (%s): deleting %s", action.generation, action.reason, ", ".join(gone))
 

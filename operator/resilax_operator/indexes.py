@@ -7,7 +7,7 @@ relist's difference, the operator's own write) with the stored bodies before and
 the indexes hold:
 
 1. `JobIndex`: the objects labelled `resilax.dev/job` (the job's pods, its Services) grouped by
-   (namespace, job), each with its parsed form (`observed.parse_pod`, `observed.parse_service_generation`);
+   (namespace, job), each with its parsed form (`observed.parse_pod`, `observed.parse_service`);
 2. `FleetIndex`: every Node parsed (`observed.parse_node`), kept sorted by name, each with the devices
    the live pods bound to it hold; the devices per node of each job's own pods; the pending pods pinned
    to a node pool.
@@ -30,14 +30,8 @@ from dataclasses import replace
 from typing import Any, Generic, TypeVar
 
 from . import api
-from .observed import (
-    DeviceUse,
-    ObservedNode,
-    add_devices,
-    parse_device_use,
-    parse_node,
-    place_pending,
-)
+from .devices import DeviceUse, add_devices, parse_device_use, place_pending
+from .observed import ObservedNode, parse_node
 
 Body = Mapping[str, Any]
 T = TypeVar("T")
@@ -164,7 +158,7 @@ class FleetIndex:
     # ---- reads (from the reconciles) -----------------------------------------------------------
     def nodes_for(self, namespace: str, job: str) -> tuple[ObservedNode, ...]:
         """Every node, sorted by name, with `in_use_by_others` = the devices held by the live pods that
-        are not this job's (pending pods pinned to a pool counted as `observed.count_devices_in_use`)."""
+        are not this job's (pending pods pinned to a pool counted as `devices.count_devices_in_use`)."""
         with self._lock:
             self._order()
             nodes = list(self._view)

@@ -30,7 +30,8 @@ from kubernetes.client.exceptions import ApiException
 
 from . import api
 from .builders import Manifest, build_token_secret, build_token_secret_name
-from .errors import ResilaxOperatorError
+from .errors import NameConflictError, ResilaxOperatorError
+from .ownership import describe_owner, owner_uid
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,22 @@ class Kube:
         namespace = manifest["metadata"]["namespace"]
         return self.request("POST", f"/api/v1/namespaces/{namespace}/{kind}", manifest, ok=(409,))
 
+    def create_owned(self, manifest: Manifest, uid: str) -> tuple[dict[str, Any], bool]:
+        """Create an object the JAXJob of `uid` owns: (the object as created, True); when one of its name
+        exists (409) and is that job's, (the existing one, False). One that is not the job's is a
+        NameConflictError: it is never adopted."""
+        made = self.create(manifest)
+        if made is not None:
+            return made, True
+        kind, meta = str(manifest["kind"]), manifest["metadata"]
+        existing = self.request("GET", f"/api/v1/namespaces/{meta['namespace']}/{kind.lower()}s/{meta['name']}",
+                                ok=(404,))
+        if existing is None:  # gone since the 409: the next reconcile creates it
+            raise kopf.TemporaryError(f"{kind} {meta['name']}: already exists, then gone; retrying", delay=1)
+        if not uid or owner_uid(existing) != uid:
+            raise NameConflictError(kind, str(meta["name"]), describe_owner(existing))
+        return existing, False
+
     def delete_pod(self, namespace: str, name: str, *, force: bool = False, grace_seconds: int | None = None) -> None:
         """Delete a pod: with its own grace period, `grace_seconds`, or at once (`force`: no kubelet
         will confirm it)."""
@@ -173,8 +190,18 @@ class Kube:
     def delete_service(self, namespace: str, name: str) -> None:
         self.request("DELETE", f"/api/v1/namespaces/{namespace}/services/{name}", ok=(404,))
 
-    def delete_secret(self, namespace: str, name: str) -> None:
-        self.request("DELETE", f"/api/v1/namespaces/{namespace}/secrets/{name}", ok=(404,))
+    def delete_owned_secret(self, namespace: str, name: str, uid: str) -> None:
+        """Delete a Secret only if the JAXJob of `uid` owns it (read, then delete with the uid of what was
+        read as the precondition: what was checked is what goes)."""
+        path = f"/api/v1/namespaces/{namespace}/secrets/{name}"
+        existing = self.request("GET", path, ok=(404,))
+        if existing is None:
+            return
+        if not uid or owner_uid(existing) != uid:
+            log.info("secret %s/%s is not this job's (%s): left alone", namespace, name, describe_owner(existing))
+            return
+        self.request("DELETE", path, {"preconditions": {"uid": (existing.get("metadata") or {}).get("uid")}},
+                     ok=(404, 409))
 
     def patch_pod_metadata(self, namespace: str, name: str, labels: Mapping[str, str],
                            annotations: Mapping[str, str]) -> dict[str, Any] | None:
@@ -207,18 +234,24 @@ class Kube:
         self.request("POST", f"/api/v1/namespaces/{namespace}/events", event)
 
     # ---- the sidecars' token ---------------------------------------------------------------
-    def ensure_token_secret(self, job: Any) -> str:
-        """The job's sidecar token: read from its Secret, which is created (random token) if missing.
+    def ensure_token_secret(self, job: Any, *, check: bool = False) -> str:
+        """The job's sidecar token, from its Secret: created when missing (re-created with the token the
+        operator knows, so running sidecars keep accepting it; else a new random one, which the kubelet
+        passes on to their mounted file). A Secret of that name that the job does not own is a
+        NameConflictError: its token is never used. `check`: read the Secret even when the token is known
+        (before creating pods that mount it: a deleted Secret would leave them starting forever).
         `job` is a builders.JobRef."""
         cached = self._tokens.get(job.uid)
-        if cached:
+        if cached and not check:
             return cached
         name = build_token_secret_name(job.name)
-        path = f"/api/v1/namespaces/{job.namespace}/secrets/{name}"
-        secret = self.request("GET", path, ok=(404,))
+        secret = self.request("GET", f"/api/v1/namespaces/{job.namespace}/secrets/{name}", ok=(404,))
         if secret is None:
-            self.create(build_token_secret(job, secrets.token_urlsafe(32)))
-            secret = self.request("GET", path) or {}
+            secret, _ = self.create_owned(build_token_secret(job, cached or secrets.token_urlsafe(32)), job.uid)
+            log.info("token secret %s/%s created", job.namespace, name)
+        elif not job.uid or owner_uid(secret) != job.uid:
+            self._tokens.pop(job.uid, None)
+            raise NameConflictError("Secret", name, describe_owner(secret))
         raw = (secret.get("data") or {}).get(api.TOKEN_KEY)
         if not raw:
             raise KubeError(422, f"secret {job.namespace}/{name} has no key {api.TOKEN_KEY!r}")

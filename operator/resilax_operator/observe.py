@@ -36,6 +36,7 @@ from .observed import (
     parse_trainer_report,
     with_leases,
 )
+from .ownership import owner_uid
 from .settings import OperatorSettings
 from .trainer_process import TrainerProcess, parse_trainer_process, pods_to_poll, with_trainer_processes
 
@@ -44,7 +45,8 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 @dataclass(frozen=True)
 class World:
-    """What one reconcile read: the raw bodies (execute.py acts on them) and the parsed snapshot."""
+    """What one reconcile read: the raw bodies of the job's own pods (execute.py acts on them) and the
+    parsed snapshot."""
 
     job: Mapping[str, Any]
     pods: tuple[Mapping[str, Any], ...]
@@ -84,11 +86,12 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
     """The world of one JAXJob now: the cache's objects, the sidecars' answers, the time."""
     now = now_utc()
     ref = job_ref(job)
-    pods, workers = cache.pods_of(ref.namespace, ref.name)
+    labelled, workers = cache.pods_of(ref.namespace, ref.name)
+    pods = [p for p in labelled if ref.uid and owner_uid(p) == ref.uid]  # its own: asked for state and saves, acted on
     status = st.parse_status(job.get("status"))
     outcomes = observe_save_outcomes(kube, status, pods, settings, logger)
     observed = assemble_observed(job, now=now, pods=workers,
-                                 generations=cache.service_generations(ref.namespace, ref.name),
+                                 services=cache.services_of(ref.namespace, ref.name),
                                  nodes=cache.nodes_for(ref.namespace, ref.name), save_outcomes=outcomes)
     needing_lease = nodes_needing_lease(observed)
     if needing_lease:

@@ -17,6 +17,8 @@ from typing import Any, Final
 from . import api
 from . import status as st
 from .builders import JobRef
+from .devices import DEVICE_RESOURCES, count_devices_in_use
+from .ownership import owner_uid
 from .status import CheckpointInfo, JobStatus
 from .trainer_process import TrainerProcess
 
@@ -148,6 +150,12 @@ class ObservedPod:
     supervised: bool = False
     #: The trainer container's readiness (for a supervised trainer: its incarnation runs).
     trainer_ready: bool = False
+    #: uid of the JAXJob that controls the pod (its controller ownerReference); "" for none.
+    owner_uid: str = ""
+    #: (container, reason) of each container still in a start-up state (ContainerCreating, PodInitializing).
+    starting: tuple[tuple[str, str], ...] = ()
+    #: When the pod was bound to its node (the PodScheduled condition's lastTransitionTime).
+    scheduled_at: datetime | None = None
 
     @property
     def terminated(self) -> bool:
@@ -238,10 +246,6 @@ class Observed:
 
 # ---------------------------------------------------------------- parsers (raw API bodies → Observed)
 
-#: Extended resources the planner counts per node.
-DEVICE_RESOURCES: Final = (api.TPU_RESOURCE, api.GPU_RESOURCE)
-
-
 #: The kubelet's Ready=False message during a graceful node shutdown.
 SHUTTING_DOWN_MESSAGE: Final = "node is shutting down"
 #: Waiting reasons of a container that is simply starting (not stuck).
@@ -302,10 +306,15 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
                 exit_code = None if code is None else int(code)
                 exit_reason = terminated.get("reason")
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    statuses = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
     waiting = tuple(
         (str(cs.get("name", "")), str(w.get("reason")), str(w.get("message") or ""))
-        for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+        for cs in statuses
         if (w := (cs.get("state") or {}).get("waiting")) and w.get("reason") and w.get("reason") not in STARTING_REASONS)
+    starting = tuple((str(cs.get("name", "")), str(w.get("reason"))) for cs in statuses
+                     if (w := (cs.get("state") or {}).get("waiting")) and w.get("reason") in STARTING_REASONS)
+    scheduled: Mapping[str, Any] = next((c for c in status.get("conditions") or []
+                      if c.get("type") == "PodScheduled" and c.get("status") == "True"), {})
     grace = meta.get("deletionGracePeriodSeconds")
     gates = tuple(str(g.get("name", "")) for g in spec.get("schedulingGates") or [] if isinstance(g, Mapping))
     return ObservedPod(
@@ -316,7 +325,15 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         exit_code=exit_code, exit_reason=exit_reason, pod_reason=status.get("reason") or None, ready=ready,
         trainer_running=trainer_running, waiting=waiting, gates=gates, trainer_started_at=started_at,
         trainer_finished_at=finished_at, uid=str(meta.get("uid") or ""),
-        supervised=(meta.get("annotations") or {}).get(api.ANNOTATION_SUPERVISED) == "1", trainer_ready=trainer_ready)
+        supervised=(meta.get("annotations") or {}).get(api.ANNOTATION_SUPERVISED) == "1", trainer_ready=trainer_ready,
+        owner_uid=owner_uid(raw), starting=starting, scheduled_at=_time_or_none(scheduled.get("lastTransitionTime")))
+
+
+def _time_or_none(raw: Any) -> datetime | None:
+    try:
+        return st.parse_time(raw)
+    except ValueError:
+        return None
 
 
 def parse_lease(raw: Mapping[str, Any]) -> datetime | None:
@@ -334,7 +351,7 @@ def parse_lease(raw: Mapping[str, Any]) -> datetime | None:
 
 def parse_node(raw: Mapping[str, Any], in_use_by_others: Mapping[str, int] | None = None,
                lease_live_until: datetime | None = None) -> ObservedNode:
-    """A Node as the API returns it → ObservedNode. `in_use_by_others`: see `count_devices_in_use`;
+    """A Node as the API returns it → ObservedNode. `in_use_by_others`: see `devices.count_devices_in_use`;
     `lease_live_until`: see `parse_lease`."""
     meta = raw.get("metadata") or {}
     spec = raw.get("spec") or {}
@@ -355,113 +372,6 @@ def parse_node(raw: Mapping[str, Any], in_use_by_others: Mapping[str, int] | Non
         in_use_by_others=dict(in_use_by_others or {}), lease_live_until=lease_live_until)
 
 
-@dataclass(frozen=True)
-class DeviceUse:
-    """What one live pod holds of the accelerators (capacity accounting): on its node once bound; while
-    pending but pinned to a node pool (a new generation's pod), on one node of that pool."""
-
-    namespace: str
-    name: str
-    #: The `resilax.dev/job` label (None for a pod that is not a Resilax worker).
-    job: str | None
-    #: Device resource → amount requested (limits or requests of every container), never empty.
-    asked: Mapping[str, int]
-    node: str | None = None
-    #: The node pool a pending pod is pinned to; None once bound, or when it holds nothing (going away).
-    pool: str | None = None
-
-
-def parse_device_use(raw: Mapping[str, Any]) -> DeviceUse | None:
-    """A pod (full or `cache.trim_live_pod`'s form) → what it holds of the devices; None when it asks for
-    none, has finished (Succeeded/Failed), or is pending, unpinned or being deleted."""
-    meta, spec = raw.get("metadata") or {}, raw.get("spec") or {}
-    if (raw.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-        return None
-    asked = _devices_asked(spec)
-    if not asked:
-        return None
-    node = spec.get("nodeName") or None
-    pool = None if node else (spec.get("nodeSelector") or {}).get(api.NODE_POOL_LABEL)
-    if node is None and (not pool or meta.get("deletionTimestamp")):
-        return None
-    job = (meta.get("labels") or {}).get(api.LABEL_JOB)
-    return DeviceUse(str(meta.get("namespace") or ""), str(meta.get("name", "")), None if job is None else str(job),
-                     asked, node, None if pool is None else str(pool))
-
-
-def count_devices_in_use(raw_pods: Iterable[Mapping[str, Any]], job: str,
-                         raw_nodes: Iterable[Mapping[str, Any]] = (), namespace: str = "") -> dict[str, dict[str, int]]:
-    """node name → device resource → amount requested by live pods that are not this job's workers
-    (the job `job` of `namespace`).
-
-    A pod not yet bound to a node but pinned to a node pool (another job's new generation, still
-    pending) holds its devices too: it is counted on the node of its pool with the most free devices
-    (`raw_nodes`), so that two jobs starting at once never plan the same free pool. The full parse;
-    cache.py keeps the same figures per watch event (`indexes.FleetIndex`)."""
-    out: dict[str, dict[str, int]] = {}
-    pending: list[DeviceUse] = []
-    for pod in raw_pods:
-        use = parse_device_use(pod)
-        if use is None or (use.namespace == namespace and use.job == job):
-            continue
-        if use.node is not None:
-            add_devices(out, use.node, use.asked)
-        else:
-            pending.append(use)
-    if pending:
-        by_pool: dict[str, list[tuple[str, Mapping[str, int]]]] = {}
-        for n in raw_nodes:
-            meta, status = n.get("metadata") or {}, n.get("status") or {}
-            pool = (meta.get("labels") or {}).get(api.NODE_POOL_LABEL)
-            if pool:
-                allocatable = {r: int(str(v)) for r, v in (status.get("allocatable") or {}).items()
-                               if r in DEVICE_RESOURCES}
-                by_pool.setdefault(str(pool), []).append((str(meta.get("name", "")), allocatable))
-        place_pending(out, pending, by_pool)
-    return out
-
-
-def place_pending(in_use: dict[str, dict[str, int]], pending: Iterable[DeviceUse],
-                  by_pool: Mapping[str, Sequence[tuple[str, Mapping[str, int]]]]) -> list[str]:
-    """Count each pending pod (by name) on the node of its pool with the most free devices, in `in_use`
-    (node → resource → amount, updated). `by_pool`: pool → (node, allocatable) of its nodes. Returns
-    the nodes whose count changed."""
-    touched = []
-    for use in sorted(pending, key=lambda u: (u.name, u.pool or "", u.namespace)):
-        candidates = by_pool.get(use.pool or "") or []
-        if not candidates:
-            continue
-        r = next(iter(use.asked))
-        name = min(candidates, key=lambda c: (in_use.get(c[0], {}).get(r, 0) - c[1].get(r, 0), c[0]))[0]
-        add_devices(in_use, name, use.asked)
-        touched.append(name)
-    return touched
-
-
-def add_devices(in_use: dict[str, dict[str, int]], node: str, asked: Mapping[str, int], sign: int = 1) -> None:
-    """Add (or with `sign=-1` take away) `asked` to `node`'s counts; a count that reaches 0 goes."""
-    counts = in_use.setdefault(node, {})
-    for r, amount in asked.items():
-        value = counts.get(r, 0) + sign * amount
-        if value:
-            counts[r] = value
-        else:
-            counts.pop(r, None)
-    if not counts:
-        del in_use[node]
-
-
-def _devices_asked(spec: Mapping[str, Any]) -> dict[str, int]:
-    asked: dict[str, int] = {}
-    for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
-        resources = c.get("resources") or {}
-        wanted = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
-        for r in DEVICE_RESOURCES:
-            if r in wanted:
-                asked[r] = asked.get(r, 0) + int(str(wanted[r]))
-    return {r: amount for r, amount in asked.items() if amount}
-
-
 def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome | None:
     """The sidecar's `GET /v1/save/{id}` answer → SaveOutcome for the operator's `request_id`
     (None while it is pending)."""
@@ -473,10 +383,11 @@ def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome 
                        body.get("error") or (None if state == "committed" else f"save {state}"))
 
 
-def parse_service_generation(raw: Mapping[str, Any]) -> int | None:
-    """A job's headless Service → the generation it serves (its `resilax.dev/generation` label)."""
+def parse_service(raw: Mapping[str, Any]) -> tuple[int, str] | None:
+    """A job's headless Service → (the generation it serves: its `resilax.dev/generation` label, the uid
+    of the JAXJob owning it: `ownership.owner_uid`)."""
     label = ((raw.get("metadata") or {}).get("labels") or {}).get(api.LABEL_GENERATION)
-    return int(label) if label is not None and str(label).isdigit() else None
+    return (int(label), owner_uid(raw)) if label is not None and str(label).isdigit() else None
 
 
 def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapping[str, Any]],
@@ -497,23 +408,28 @@ def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapp
     parsed = [parse_node(n, in_use.get(str((n.get("metadata") or {}).get("name", "")), {})) for n in nodes]
     observed = assemble_observed(
         job, now=now, pods=[p for p in (parse_pod(raw) for raw in pods) if p is not None],
-        generations=[g for g in (parse_service_generation(s) for s in services) if g is not None],
+        services=[g for g in (parse_service(s) for s in services) if g is not None],
         nodes=sorted(parsed, key=lambda n: n.name), save_outcomes=save_outcomes, checkpoint=checkpoint,
         restore=restore, trainer=trainer)
     return with_leases(observed, leases or {})
 
 
 def assemble_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[ObservedPod],
-                      generations: Iterable[int], nodes: Sequence[ObservedNode],
+                      services: Iterable[tuple[int, str]], nodes: Sequence[ObservedNode],
                       save_outcomes: Iterable[SaveOutcome] = (), checkpoint: CheckpointInfo | None = None,
                       restore: RestoreReport | None = None, trainer: TrainerReport | None = None) -> Observed:
-    """Observed from parts already parsed: the job's pods, its Services' generations and every node,
-    sorted by name, with the devices others hold counted (`in_use_by_others`)."""
+    """Observed from parts already parsed: the pods and Services (generation, owner uid) labelled with
+    the job's name and every node, sorted by name, with the devices others hold counted
+    (`in_use_by_others`). Only what the job owns (`owner_uid` = its uid) is its own: a pod or Service
+    carrying its label but owned by another object (a JAXJob of the same name deleted and created
+    again, anybody's) is never a worker, never deleted, never asked anything."""
     meta = job.get("metadata") or {}
     ref = parse_job_ref(job)
+    mine = [p for p in pods if p.owner_uid and p.owner_uid == ref.uid]
+    generations = {g for g, owner in services if owner and owner == ref.uid}
     return Observed(now=now, job=ref, status=st.parse_status(job.get("status")),
                     spec_generation=int(meta.get("generation") or 0),
-                    pods=tuple(sorted(pods, key=lambda p: p.name)), services=tuple(sorted(set(generations))),
+                    pods=tuple(sorted(mine, key=lambda p: p.name)), services=tuple(sorted(generations)),
                     nodes=tuple(nodes), save_outcomes=tuple(save_outcomes), checkpoint=checkpoint, restore=restore,
                     trainer=trainer)
 

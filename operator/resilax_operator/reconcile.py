@@ -29,7 +29,7 @@ from . import api
 from . import status as st
 from .actions import Action, DeleteGeneration, EmitEvent, PodDeletion, SetStatus, collapse, status_change
 from .capacity import plan_worker_nodes
-from .errors import InvalidSpecError
+from .errors import InvalidSpecError, NameConflictError
 from .observed import Observed
 from .policies import (
     Finding,
@@ -40,6 +40,7 @@ from .policies import (
     goodput_status,
     inplace,
     invalid_edit,
+    name_conflict,
     node_loss,
     preemption,
     resize,
@@ -105,6 +106,7 @@ def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSetting
                 checkpoint=st.newer_checkpoint(s.checkpoint, observed.checkpoint))
     if record is not None:
         s = replace(s, last_valid_spec=record)
+    s = name_conflict.settle(s, observed, now)
     announced: list[EmitEvent] = []
     if invalid is None:
         s = invalid_edit.mark_valid(s, now)
@@ -166,6 +168,13 @@ def decide_pod_refused(raw_spec: Mapping[str, Any], observed: Observed, generati
     except InvalidSpecError:
         spec = invalid_edit.last_valid(observed, settings)
     return generation_start.decide_pod_refused(spec, observed.status, generation, pod, detail, observed.now, settings)
+
+
+def decide_name_conflict(observed: Observed, conflict: NameConflictError, settings: OperatorSettings, *,
+                         creating: bool) -> list[Action]:
+    """Creating (or checking) an object of the job found one of its name the job does not own
+    (execute.py reports it): `name_conflict.decide`, on the status as the decision left it."""
+    return name_conflict.decide(observed, conflict, settings, creating=creating)
 
 
 def decide_cleanup(observed: Observed) -> list[Action]:

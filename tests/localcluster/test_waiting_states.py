@@ -1,7 +1,8 @@
 """The node agent's waiting states, as a kubelet shows them (docs/local-cluster.md, "Images" and
 "Restarts"): an image the registry cannot serve (ErrImagePull, then ImagePullBackOff), a root image
-under runAsNonRoot (CreateContainerConfigError), and containers that keep exiting (CrashLoopBackOff,
-restartCount, lastState). Every wait polls for a state; none asserts a duration."""
+under runAsNonRoot (CreateContainerConfigError), a Secret volume that does not exist (the start-up
+state, with FailedMount events), and containers that keep exiting (CrashLoopBackOff, restartCount,
+lastState). Every wait polls for a state; none asserts a duration."""
 
 from __future__ import annotations
 
@@ -97,6 +98,33 @@ def test_a_root_image_under_run_as_non_root_cannot_be_created(cluster, kube, nam
     events = wait_for(lambda: (e := _events(kube, namespace, "rooted")) and any(r == "Failed" for r, _, _ in e) and e,
                       30, message="Failed event")
     assert ("Failed", "spec.containers{trainer}", f"Error: {expected}") in events
+
+
+def test_a_missing_secret_volume_keeps_the_pod_starting_until_the_secret_exists(cluster, kube, namespace):
+    """As the kubelet: no container starts, each stays in its start-up state (PodInitializing with init
+    containers, else ContainerCreating; no error reason, no timeout), a FailedMount event names the
+    volume and the Secret; once the Secret is created, the pod starts."""
+    volumes = [{"name": "token", "secret": {"secretName": "later"}}]
+    mounts = [{"name": "token", "mountPath": "/var/run/token"}]
+    create_pod(kube, namespace, _pod("mounts", [{"name": "main", "image": "x", "command": SLEEP,
+                                                 "volumeMounts": mounts}], volumes=volumes))
+    create_pod(kube, namespace, _pod("mounts-init", [{"name": "main", "image": "x", "command": SLEEP}],
+                                     initContainers=[{"name": "side", "image": "x", "command": SLEEP,
+                                                      "restartPolicy": "Always", "volumeMounts": mounts}],
+                                     volumes=volumes))
+    wait_for(lambda: any(r == "FailedMount" for r, _, _ in _events(kube, namespace, "mounts")), 60,
+             message="a FailedMount event")
+    (_, _, message), = [e for e in _events(kube, namespace, "mounts") if e[0] == "FailedMount"]
+    assert 'volume "token"' in message and "later" in message and "not found" in message, message
+    for pod, container, reason in (("mounts", "main", "ContainerCreating"), ("mounts-init", "side", "PodInitializing"),
+                                   ("mounts-init", "main", "PodInitializing")):
+        _watch_states(kube, namespace, pod, container, lambda s, r=reason: s["state"].get("waiting") == {"reason": r})
+        obj = get_pod(kube, namespace, pod)
+        assert obj is not None and obj["status"]["phase"] == "Pending", obj
+    kube.create(f"/api/v1/namespaces/{namespace}/secrets",
+                {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "later"}, "stringData": {"k": "v"}})
+    for pod in ("mounts", "mounts-init"):
+        _watch_states(kube, namespace, pod, "main", lambda s: "running" in s["state"])
 
 
 def test_containers_that_keep_exiting_crash_loop_with_backoff(cluster, kube, namespace):

@@ -7,6 +7,9 @@ JAX: the trainer only sleeps), with the operator's containerWaitingTimeoutSecond
 | pull  | the trainer's image is on a registry that never resolves | ContainerWaiting: trainer, ErrImagePull/ImagePullBackOff | Failed, ContainerWaitingTimeout |
 | root  | the trainer's image runs as root; the operator sets runAsNonRoot | ContainerWaiting: trainer, CreateContainerConfigError | Failed, ContainerWaitingTimeout |
 | crash | a native sidecar of the template exits at once, again and again | ContainerWaiting: log-shipper, CrashLoopBackOff | a worker failure: generation 2; past maxRestarts (1) Failed |
+
+And issue 25, item 8 (`test_ownership_by_uid_...`): what the job creates is its own by owner uid, not by
+name or label; a pod in a start-up state past the timeout is named too.
 """
 
 from __future__ import annotations
@@ -90,3 +93,73 @@ def test_stuck_containers_are_named_then_the_job_fails_or_is_replanned(operator:
     print(f"{crash}: events {jobs.event_reasons(crash, 'MaxRestartsExceeded')}")
     for name in (pull, root, crash):
         wait_for(lambda name=name: not jobs.pods(name), timeout=120, message=f"{name}: a failed job keeps no workers")
+
+
+def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+
+def test_ownership_by_uid_a_squatter_pod_a_deleted_token_secret_a_missing_volume(
+        operator: OperatorProcess, jobs: Jobs, tmp_path: Path) -> None:
+    """1. A pod created beforehand with the first worker's name and labels (no owner) is not adopted:
+    NameConflict names it, nothing touches it; once it is gone the job runs with a pod of its own.
+    2. The token Secret deleted while the job runs: the next generation (a worker pod deleted) re-creates
+    it before its pods, which start (without, they would wait in PodInitializing: the node agent keeps a
+    pod with a missing Secret volume there, as a kubelet does), so no ContainerWaiting report comes.
+    3. A template mounting a Secret that does not exist: past the timeout (20 s here) Ready=False
+    ContainerWaiting names the start-up state; nothing is torn down; the Secret created, the job runs."""
+    operator.kill()
+    operator.settings_env["RESILAX_OPERATOR_CONTAINER_WAITING_TIMEOUT_SECONDS"] = str(TIMEOUT)
+    operator.start()
+    kube, ns = jobs.kube, jobs.namespace
+    name, mounts = unique_name("own"), unique_name("mount")
+    squatter = f"{name}-g1-s0-h0"
+    kube.create(f"/api/v1/namespaces/{ns}/pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": squatter, "labels": {"resilax.dev/job": name, "resilax.dev/generation": "1",
+                                     "resilax.dev/slice": "0", "resilax.dev/host": "0", "resilax.dev/role": "worker"}},
+        "spec": {"terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "trainer", "image": "python:3.11", "command": SLEEP}]}})
+    squatter_uid = kube.get(f"/api/v1/namespaces/{ns}/pods/{squatter}")["metadata"]["uid"]
+    trainer = {"name": "trainer", "image": "python:3.11", "command": SLEEP}
+    jobs.create(_job(name, tmp_path / "own", {"spec": {"containers": [trainer]}}, max_restarts=3))
+    status = jobs.wait_status(name, lambda s: _condition(s, "NameConflict").get("status") == "True", 120,
+                              "NameConflict")
+    conflict = _condition(status, "NameConflict")
+    assert f"Pod {squatter} exists and is not this job's (no owner)" in conflict["message"], conflict
+    time.sleep(10)  # several reconciles: the squatter is still not adopted, touched or asked anything
+    pod = kube.get(f"/api/v1/namespaces/{ns}/pods/{squatter}")
+    assert pod["metadata"]["uid"] == squatter_uid and not pod["metadata"].get("ownerReferences"), pod["metadata"]
+    assert not pod["metadata"].get("annotations") and not pod["metadata"].get("deletionTimestamp")
+    assert jobs.status(name).get("phase") != "Running"
+    assert jobs.event_reasons(name, "NameConflict").count("NameConflict") == 1
+    kube.delete(f"/api/v1/namespaces/{ns}/pods/{squatter}")
+    status = jobs.wait_status(name, lambda s: s.get("phase") == "Running", 120, "Running with its own worker")
+    assert _condition(status, "NameConflict")["status"] == "False"
+    (worker,) = jobs.pods(name, 1)
+    uid = jobs.get(name)["metadata"]["uid"]
+    assert worker["metadata"]["uid"] != squatter_uid and worker["metadata"]["ownerReferences"][0]["uid"] == uid
+
+    secret = f"/api/v1/namespaces/{ns}/secrets/{name}-resilax-token"
+    token = kube.get(secret)["data"]["token"]
+    kube.delete(secret)
+    kube.delete(f"/api/v1/namespaces/{ns}/pods/{name}-g1-s0-h0")
+    status = jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 180,
+                              "generation 2 Running")
+    recreated = kube.get(secret)
+    assert recreated["data"]["token"] == token and recreated["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert "ContainerWaiting" not in jobs.event_reasons(name), jobs.event_reasons(name)
+
+    volume = unique_name("later")
+    jobs.create(_job(mounts, tmp_path / "mounts", {"spec": {
+        "containers": [{**trainer, "volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}]}],
+        "volumes": [{"name": "cfg", "secret": {"secretName": volume}}]}}))
+    status = jobs.wait_status(mounts, lambda s: _ready(s).get("reason") == "ContainerWaiting", 120,
+                              "Ready=False ContainerWaiting for the start-up state")
+    message = _ready(status)["message"]
+    assert f"{mounts}-g1-s0-h0" in message and "PodInitializing" in message and "FailedMount" in message, message
+    assert status["generation"] == 1 and status.get("failures", 0) == 0 and status["phase"] != "Failed", status
+    kube.create(f"/api/v1/namespaces/{ns}/secrets", {"apiVersion": "v1", "kind": "Secret",
+                                                     "metadata": {"name": volume}, "stringData": {"k": "v"}})
+    status = jobs.wait_status(mounts, lambda s: s.get("phase") == "Running", 120, "Running once the Secret exists")
+    assert status["generation"] == 1, status
+

@@ -16,7 +16,7 @@ from typing import Any
 
 from resilax_operator import api, execute
 from resilax_operator.cache import WorldCache, trim_live_pod
-from resilax_operator.observed import count_devices_in_use
+from resilax_operator.devices import count_devices_in_use
 from resilax_operator.settings import OperatorSettings
 from test_op_cache import NS, FakeAPI, _job
 

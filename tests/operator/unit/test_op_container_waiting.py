@@ -115,3 +115,47 @@ def test_parse_pod_reads_waiting_containers_but_not_starting_ones() -> None:
     pod = parse_pod(raw)
     assert pod is not None
     assert pod.waiting == ((api.SIDECAR_CONTAINER, "CrashLoopBackOff", "back-off 10s restarting"),)
+
+
+STARTING_CASES = {
+    # id: (reason, seconds since the pod was scheduled, since the generation started, on a node, reported)
+    "pulling-or-mounting-within-the-timeout": ("PodInitializing", TIMEOUT - 1, TIMEOUT + 600, True, False),
+    "stuck-past-the-timeout": ("PodInitializing", TIMEOUT, TIMEOUT, True, True),
+    "container-creating-past-the-timeout": ("ContainerCreating", TIMEOUT + 5, TIMEOUT + 5, True, True),
+    "scheduled-late-counts-from-its-scheduling": ("ContainerCreating", 10, TIMEOUT + 600, True, False),
+    "not-scheduled-is-not-starting": ("PodInitializing", TIMEOUT + 60, TIMEOUT + 60, False, False),
+}
+
+
+@pytest.mark.parametrize(("reason", "scheduled", "started", "bound", "reported"), list(STARTING_CASES.values()),
+                         ids=list(STARTING_CASES))
+def test_start_up_states_past_the_timeout_are_reported(reason: str, scheduled: int, started: int, bound: bool,
+                                                       reported: bool) -> None:
+    """ContainerCreating/PodInitializing (no timeout of the kubelet's: a volume it cannot mount keeps a pod
+    there for ever) past the timeout from the pod's scheduling: Ready=False ContainerWaiting naming it and
+    the likely causes, the token Secret ensured; never a teardown (a large image may take that long)."""
+    from resilax_operator.actions import EnsureTokenSecret
+
+    w = running_world()
+    pod = w.gen_pods()[3]
+    assert w.status.generation_start_time is not None
+    w.now = w.status.generation_start_time + timedelta(seconds=started)
+    w.pods[pod.name] = replace(pod, phase="Pending", node_name=pod.node_name if bound else None,
+                               starting=((api.SIDECAR_CONTAINER, reason), ("trainer", reason)),
+                               scheduled_at=w.now - timedelta(seconds=scheduled))
+    verdict = container_waiting.check(validate_spec(w.spec), w.observed(), w.status, SETTINGS)
+    if not reported:
+        assert verdict is None
+        return
+    assert isinstance(verdict, list) and isinstance(verdict[-1], EnsureTokenSecret)
+    assert not any(isinstance(a, DeleteGeneration) for a in verdict)
+    status = next(a for a in verdict if isinstance(a, SetStatus)).status
+    ready = status.condition(api.COND_READY)
+    assert ready is not None and ready.reason == api.CONTAINER_WAITING.name and status.phase == api.PHASE_RUNNING
+    assert pod.name in ready.message and reason in ready.message and "FailedMount" in ready.message
+    assert [a.reason for a in verdict if isinstance(a, EmitEvent)] == [api.CONTAINER_WAITING.name]
+    # the message does not change while it waits (no status write per reconcile), nor is it announced again
+    w.status = status
+    w.now += timedelta(seconds=30)
+    again = container_waiting.check(validate_spec(w.spec), w.observed(), w.status, SETTINGS)
+    assert isinstance(again, list) and not any(isinstance(a, SetStatus | EmitEvent) for a in again)

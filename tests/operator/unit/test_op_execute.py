@@ -67,7 +67,8 @@ def test_a_pod_is_not_deleted_before_its_time(seconds: int, deleted: bool) -> No
     execute.execute(fake, fake.cache, world, [action], SETTINGS, LOG)  # type: ignore[arg-type]
     pod_deletes = [r for r in fake.requests if r[0] == "DELETE" and "/pods/" in r[1]]
     assert pod_deletes == ([("DELETE", f"/api/v1/namespaces/{NS}/pods/{pod}")] if deleted else [])
-    assert ("DELETE", f"/api/v1/namespaces/{NS}/services/llama-g1") in fake.requests
+    # no per-generation Service of the job's exists (the job-wide one serves every generation): none deleted
+    assert not [p for m, p in fake.requests if m == "DELETE" and "/services/" in p]
 
 
 class LockWatchingAPI(FakeAPI):

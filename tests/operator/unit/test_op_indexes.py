@@ -208,7 +208,7 @@ def _from_indexes(cache: WorldCache, namespace: str, job: str) -> Any:
     assert sorted(object_key(p) for p in raw) == sorted(
         object_key(p) for i in cache.job_pods for p in i.items()
         if p["metadata"]["namespace"] == namespace and p["metadata"]["labels"].get(api.LABEL_JOB) == job)
-    return assemble_observed(body, now=NOW, pods=workers, generations=cache.service_generations(namespace, job),
+    return assemble_observed(body, now=NOW, pods=workers, services=cache.services_of(namespace, job),
                              nodes=cache.nodes_for(namespace, job))
 
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 from resilax_operator import api
+from resilax_operator.devices import count_devices_in_use
 from resilax_operator.observed import (
     SaveOutcome,
     Taint,
-    count_devices_in_use,
     nodes_needing_lease,
     parse_lease,
     parse_maintenance_time,
@@ -19,9 +19,12 @@ from resilax_operator.observed import (
     parse_save_outcome,
 )
 
+OWNER = {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": "llama", "uid": "u1", "controller": True,
+         "blockOwnerDeletion": True}
 POD = {
     "metadata": {"name": "llama-g2-s1-h0", "labels": {api.LABEL_JOB: "llama", api.LABEL_GENERATION: "2",
                                                      api.LABEL_SLICE: "1", api.LABEL_HOST: "0"},
+                 "ownerReferences": [OWNER],
                  "deletionTimestamp": "2026-01-01T12:00:00Z", "deletionGracePeriodSeconds": 330},
     "spec": {"nodeName": "n1", "containers": [{"name": "logs"}, {"name": "trainer"}]},
     "status": {"phase": "Failed", "podIP": "10.0.0.7", "reason": "Evicted",
@@ -95,7 +98,7 @@ def test_build_observed_from_raw_bodies() -> None:
     now = datetime(2026, 1, 1, 12, tzinfo=UTC)
     job = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u1", "generation": 3},
            "status": {"phase": "Running", "generation": 2}}
-    svc = {"metadata": {"labels": {api.LABEL_JOB: "llama", api.LABEL_GENERATION: "2"}}}
+    svc = {"metadata": {"labels": {api.LABEL_JOB: "llama", api.LABEL_GENERATION: "2"}, "ownerReferences": [OWNER]}}
     node = {"metadata": {"name": "n1", "labels": {api.NODE_POOL_LABEL: "a"}},
             "status": {"allocatable": {"google.com/tpu": "4"}, "conditions": [{"type": "Ready", "status": "True"}]}}
     other = {"metadata": {"labels": {}}, "status": {"phase": "Running"},
@@ -131,10 +134,11 @@ def test_leases_are_read_only_for_notready_nodes_hosting_a_worker() -> None:
 
     def pod(host: int, node: str) -> dict[str, Any]:
         return {"metadata": {"name": f"w{host}", "labels": {api.LABEL_GENERATION: "1", api.LABEL_SLICE: "0",
-                                                             api.LABEL_HOST: str(host)}}, "spec": {"nodeName": node}}
+                                                             api.LABEL_HOST: str(host)}, "ownerReferences": [OWNER]},
+                "spec": {"nodeName": node}}
 
     nodes = [node("a", "False"), node("b", "False"), node("c", "Unknown"), node("d", "True")]
-    observed = build_observed({"metadata": {"name": "j"}}, now=datetime(2026, 1, 1, tzinfo=UTC),
+    observed = build_observed({"metadata": {"name": "j", "uid": "u1"}}, now=datetime(2026, 1, 1, tzinfo=UTC),
                               pods=[pod(0, "a"), pod(1, "c"), pod(2, "d"), pod(3, "a")], services=[], nodes=nodes)
     assert nodes_needing_lease(observed) == ["a"]
     # A worker exited 76 (a peer process is gone): the Ready nodes of the others are asked too.
@@ -159,3 +163,59 @@ MAINTENANCE_TIMES = {
 @pytest.mark.parametrize(("raw", "when"), list(MAINTENANCE_TIMES.values()), ids=list(MAINTENANCE_TIMES))
 def test_parse_maintenance_time(raw: str, when: datetime | None) -> None:
     assert parse_maintenance_time(raw) == when
+
+
+# ---------------------------------------------------------------- ownership (issue 25, item 8)
+
+def _ref(**changes: Any) -> dict[str, Any]:
+    return {**OWNER, **changes}
+
+
+OWNERSHIP_CASES = {
+    # id: (the object's ownerReferences, whether it is the job's own)
+    "controlled-by-the-job": ([OWNER], True),
+    "among-other-references": ([{"apiVersion": "v1", "kind": "ConfigMap", "name": "c", "uid": "c1"}, OWNER], True),
+    "another-jaxjob-of-the-same-name": ([_ref(uid="u0")], False),
+    "no-owner": ([], False),
+    "the-job-but-not-as-controller": ([_ref(controller=False)], False),
+    "the-jobs-uid-another-kind": ([_ref(kind="Deployment", apiVersion="apps/v1")], False),
+    "the-jobs-uid-another-group": ([_ref(apiVersion="example.com/v1alpha1")], False),
+}
+
+
+@pytest.mark.parametrize(("refs", "own"), list(OWNERSHIP_CASES.values()), ids=list(OWNERSHIP_CASES))
+def test_only_what_the_job_owns_is_its_own(refs: list[dict[str, Any]], own: bool) -> None:
+    """A pod or Service carrying the job's label (and a worker's name) is the job's only when the job's
+    uid controls it: anything else is never a worker, never deleted, never asked anything."""
+    from resilax_operator.observed import build_observed
+    from resilax_operator.ownership import owner_uid
+
+    pod = {**POD, "metadata": {**POD["metadata"], "ownerReferences": refs}}  # type: ignore[dict-item]
+    svc = {"metadata": {"labels": {api.LABEL_JOB: "llama", api.LABEL_GENERATION: "2"}, "ownerReferences": refs}}
+    job = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u1"}, "status": {"generation": 2}}
+    observed = build_observed(job, now=datetime(2026, 1, 1, tzinfo=UTC), pods=[pod], services=[svc], nodes=[])
+    assert (owner_uid(pod) == "u1") is own
+    assert [p.name for p in observed.pods] == (["llama-g2-s1-h0"] if own else [])
+    assert observed.services == ((2,) if own else ())
+
+
+def test_a_job_without_a_uid_owns_nothing() -> None:
+    from resilax_operator.observed import build_observed
+
+    orphan = {**POD, "metadata": {**POD["metadata"], "ownerReferences": []}}  # type: ignore[dict-item]
+    observed = build_observed({"metadata": {"name": "llama"}}, now=datetime(2026, 1, 1, tzinfo=UTC),
+                              pods=[orphan], services=[], nodes=[])
+    assert observed.pods == ()
+
+
+def test_parse_pod_start_up_states_and_scheduling_time() -> None:
+    raw = {"metadata": {"name": "a", "labels": {api.LABEL_GENERATION: "1", api.LABEL_SLICE: "0", api.LABEL_HOST: "0"}},
+           "spec": {"nodeName": "n1"},
+           "status": {"phase": "Pending",
+                      "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": "2026-01-01T12:00:00Z"}],
+                      "initContainerStatuses": [{"name": "resilax-sidecar", "state": {"waiting": {"reason": "PodInitializing"}}}],
+                      "containerStatuses": [{"name": "trainer", "state": {"waiting": {"reason": "PodInitializing"}}}]}}
+    p = parse_pod(raw)
+    assert p is not None and p.waiting == ()
+    assert p.starting == (("resilax-sidecar", "PodInitializing"), ("trainer", "PodInitializing"))
+    assert p.scheduled_at == datetime(2026, 1, 1, 12, tzinfo=UTC)
