@@ -23,9 +23,10 @@ from resilax_sidecar.store import BlobStore
 log = logging.getLogger(__name__)
 
 
-HIDING_REFRESH_SECONDS = 30.0
+HIDING_REFRESH_SECONDS = 600.0
 """How long `scan_persisted` trusts the fences and bad records it read while no step folder appears
-or goes."""
+or goes (a fence comes with a new generation's steps; the checks before an upload and a commit read
+them fresh anyway)."""
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,25 @@ class UploadState:
         }
 
 
+IDLE_SCAN_SECONDS = 90.0
+"""How often an idle uploader looks at the persistent tier: one LIST of the root on gs://, plus the
+fences' and bad records' (3 LISTs with gcsfs) every `upload_scan.HIDING_REFRESH_SECONDS` (600): 19
+LISTs in 20 idle minutes (tests/sidecar/test_scan_cost.py), against one or more per poll second before."""
+
+
+def plan_full_pass(local_steps: list[int], last_local_steps: list[int] | None, woken: bool, pending: bool,
+                   since_last: float | None, idle_seconds: float) -> bool:
+    """Whether `run_forever`'s next turn is a full pass (both tiers, uploads, commits, retention) or
+    an idle one that reads only the local tier (pure): full on the first turn and after a failure,
+    when the local steps changed (a save committed or retention ran), when woken (`wake()`: a save
+    request, a stop; `urgent`), while a local step waits for its upload, and every `idle_seconds`
+    (other hosts' commits, another generation's fences). An idle job so lists the persistent tier's
+    root once per `idle_seconds`, not once per poll."""
+    if last_local_steps is None or since_last is None:
+        return True
+    return local_steps != last_local_steps or woken or pending or since_last >= idle_seconds
+
+
 class Uploader:
     """Copies this host's local steps to the persistent tier. Thread-safe to read `state`."""
 
@@ -131,6 +150,11 @@ class Uploader:
         self.committer = StepCommitter(config, store, metrics, self.view, self.memory)
         self.cleaner = Cleaner(config, store, metrics, self.view, self.memory, self.persists)
         self._changed = threading.Condition()
+        self._woken = False
+        self._last_full: tuple[list[int], float] | None = None
+        """The local steps and the time of the last full pass of `run_forever` (None: none yet, or it failed)."""
+        self._retry_delay = config.retry_initial_seconds
+        self._retention_seen: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def set_config(self, config: SidecarConfig) -> None:
         """New generation-dependent settings (an in-place restart's assignment): each part reads them
@@ -147,19 +171,38 @@ class Uploader:
 
     def run_forever(self, stop: threading.Event) -> None:
         """Passes until `stop` is set; errors back off exponentially and never escape."""
-        delay = self.config.retry_initial_seconds
         while not stop.is_set():
-            try:
-                self.run_once()
-            except Exception as e:  # every failure is recorded and retried; nothing may kill the loop
-                self._record_failure(e)
-                wait = delay
-                delay = min(delay * 2, self.config.retry_max_seconds)
-            else:
-                delay = self.config.retry_initial_seconds
-                wait = self.config.poll_seconds
-            self._wake.wait(wait)
+            self._wake.wait(self.tick())
+            self._woken = self._wake.is_set()
             self._wake.clear()
+
+    def tick(self) -> float:
+        """One turn of `run_forever`: a full pass when `plan_full_pass` says so, else only the local
+        tier published; the seconds to wait before the next turn."""
+        try:
+            local_steps = self.scan_local()
+            if self._needs_full_pass(local_steps):
+                self._woken = False
+                self._last_full = (local_steps, self._clock())
+                self.run_once()
+            else:
+                self._publish(local_steps, self.state.committed_steps)
+        except Exception as e:  # every failure is recorded and retried; nothing may kill the loop
+            self._last_full = None  # the next turn is a full pass
+            self._record_failure(e)
+            wait = self._retry_delay
+            self._retry_delay = min(self._retry_delay * 2, self.config.retry_max_seconds)
+            return wait
+        self._retry_delay = self.config.retry_initial_seconds
+        return self.config.poll_seconds
+
+    def _needs_full_pass(self, local_steps: list[int]) -> bool:
+        persisted = self.state.committed_steps
+        newest = max(persisted, default=None)
+        pending = any((newest is None or s > newest) and self.persists(s) for s in local_steps)
+        last = self._last_full
+        return plan_full_pass(local_steps, None if last is None else last[0], self._woken or self.urgent.is_set(),
+                              pending, None if last is None else self._clock() - last[1], IDLE_SCAN_SECONDS)
 
     def _record_failure(self, e: BaseException) -> None:
         message = f"{type(e).__name__}: {e}" if not isinstance(e, StoreError) else str(e)
@@ -231,8 +274,11 @@ class Uploader:
             finally:
                 self.state.in_flight = None
             self._publish(self.scan_local(), persisted)
-        if self.apply_retention(persisted):
+        # Retention again only when a tier changed since it last ran (on gs:// it lists the root).
+        seen = (tuple(self.scan_local()), tuple(persisted))
+        if seen != self._retention_seen and self.apply_retention(persisted):
             self._publish(self.scan_local(), self.scan_persisted())
+        self._retention_seen = seen
         self.state.consecutive_failures = 0
         self.state.passes += 1
 
