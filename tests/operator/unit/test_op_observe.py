@@ -145,7 +145,7 @@ def test_leases_are_read_only_for_notready_nodes_hosting_a_worker() -> None:
     exited = {**pod(0, "a"), "status": {"containerStatuses": [
         {"name": "trainer", "state": {"terminated": {"exitCode": 76}}}]}, "spec": {"nodeName": "a",
                                                                                  "containers": [{"name": "trainer"}]}}
-    observed = build_observed({"metadata": {"name": "j"}, "status": {"generation": 1}},
+    observed = build_observed({"metadata": {"name": "j", "uid": "u1"}, "status": {"generation": 1}},
                               now=datetime(2026, 1, 1, tzinfo=UTC),
                               pods=[exited, pod(1, "c"), pod(2, "d"), pod(3, "b")], services=[], nodes=nodes)
     assert nodes_needing_lease(observed) == ["a", "b", "d"]
