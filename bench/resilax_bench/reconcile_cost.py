@@ -58,11 +58,12 @@ def build_world(jobs: int, hosts: int) -> tuple[WorldCache, list[dict[str, Any]]
         job["metadata"].update(namespace=NAMESPACE, uid=f"uid-{i}", generation=1)
         job["status"] = {"phase": api.PHASE_RUNNING, "generation": 1, "hosts": hosts}
         bodies.append(job)
+        owner = [{"apiVersion": api.API_VERSION, "kind": api.KIND, "name": name, "uid": f"uid-{i}", "controller": True}]
         for h in range(hosts):
             version += 1
             pod = {"kind": "Pod", "metadata": {
                 "name": f"{name}-g1-s0-h{h}", "namespace": NAMESPACE, "resourceVersion": str(version),
-                "labels": {api.LABEL_JOB: name, api.LABEL_GENERATION: "1", api.LABEL_SLICE: "0", api.LABEL_HOST: str(h)}},
+                "ownerReferences": owner, "labels": {api.LABEL_JOB: name, api.LABEL_GENERATION: "1", api.LABEL_SLICE: "0", api.LABEL_HOST: str(h)}},
                 "spec": {"nodeName": f"{pool_name(i)}-h{h}", "nodeSelector": {api.NODE_POOL_LABEL: pool_name(i)},
                          "containers": [{"name": "trainer", "resources": {"limits": {api.TPU_RESOURCE: "4"}}}]},
                 "status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}],
@@ -71,7 +72,7 @@ def build_world(jobs: int, hosts: int) -> tuple[WorldCache, list[dict[str, Any]]
                 informer._apply("ADDED", pod, notify=False)
         version += 1
         service = {"kind": "Service", "metadata": {"name": f"{name}-g1", "namespace": NAMESPACE,
-                                                   "resourceVersion": str(version),
+                                                   "resourceVersion": str(version), "ownerReferences": owner,
                                                    "labels": {api.LABEL_JOB: name, api.LABEL_GENERATION: "1"}}}
         for informer in cache.services:
             informer._apply("ADDED", service, notify=False)
@@ -114,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label:20s} mean {statistics.fmean(times):7.2f}  p50 {times[len(times) // 2]:7.2f}  "
               f"p99 {times[int(0.99 * (len(times) - 1))]:7.2f}")
     for job in jobs[:: max(1, len(jobs) // 10)]:
-        if full_parse(cache, job, now) != indexed(cache, job, now):
+        view = indexed(cache, job, now)
+        if full_parse(cache, job, now) != view:
             raise SystemExit(f"{job['metadata']['name']}: the indexed view differs from the full parse")
+        if len(view.pods) != a.hosts:  # the job's own (by owner uid): a view without them measures nothing
+            raise SystemExit(f"{job['metadata']['name']}: {len(view.pods)} of its {a.hosts} pods in its view")
     print("  the two views are equal")
     return 0
 
