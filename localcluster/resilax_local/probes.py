@@ -1,17 +1,30 @@
 """Container probes (startup, readiness, liveness) as the kubelet runs them: exec in the container's
 mount namespace (`nsenter`), httpGet and tcpSocket against the pod IP.
 
-`ProbeState` keeps one probe's schedule and consecutive counts; `run_probe` runs one check.
+`ProbeState` keeps one probe's schedule and consecutive counts; `run_probe` runs one check;
+`probe_due` runs a pod's due probes and `kill_for_probe` stops a container whose startup or liveness
+probe failed (then the pod's restart rules apply).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .containers import ContainerRun
+    from .podhost import Pod, PodHost
+
+log = logging.getLogger(__name__)
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -84,3 +97,48 @@ class ProbeState:
     @property
     def failed(self) -> bool:
         return self.failures >= int(self.probe.get("failureThreshold", 3))
+
+
+def probe_due(host: PodHost, pod: Pod, containers: list[ContainerRun], pod_ip: str | None, label: str) -> None:
+    """Run the due probes; a failed startup or liveness probe stops the container (then restart rules)."""
+    now = time.monotonic()
+    for c in containers:
+        if c.proc is None or not c.running() or pod_ip is None:
+            continue
+        pid = c.proc.pid
+        if c.startup is not None and not c.startup.passed:
+            if c.startup.due(now):
+                c.startup.record(run_probe(c.startup.probe, c.spec, pod_ip, pid, c.env), now)
+                if c.startup.passed:
+                    c.startup_passed_once = True
+                elif c.startup.failed:
+                    kill_for_probe(host, pod, c, "startup", label)
+            continue
+        if c.readiness is not None and c.readiness.due(now):
+            c.readiness.record(run_probe(c.readiness.probe, c.spec, pod_ip, pid, c.env), now)
+        if c.liveness is not None and c.liveness.due(now):
+            c.liveness.record(run_probe(c.liveness.probe, c.spec, pod_ip, pid, c.env), now)
+            if c.liveness.failed:
+                kill_for_probe(host, pod, c, "liveness", label)
+
+
+def kill_for_probe(host: PodHost, pod: Pod, c: ContainerRun, kind: str, label: str) -> None:
+    """SIGTERM, then SIGKILL after the grace period, as the kubelet does for a failed probe."""
+    log.info("pod %s: container %s failed its %s probe, restarting", label, c.name, kind)
+    host.emit_event(pod, "Unhealthy", f"{kind.capitalize()} probe failed", warning=True, container=c.name)
+    host.emit_event(pod, "Killing", f"Container {c.name} failed {kind} probe, will be restarted",
+                    container=c.name)
+    assert c.proc is not None
+    proc = c.proc
+    c.startup = c.readiness = c.liveness = None
+    c.signal(signal.SIGTERM)
+    grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
+
+    def kill_late() -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(grace, kill_late)
+    timer.daemon = True
+    timer.start()
