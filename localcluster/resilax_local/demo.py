@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -28,7 +27,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -36,18 +34,15 @@ from typing import Any
 import yaml
 from resilax_operator import api
 
+from .demo_outputs import render_plot, say, write_run_outputs
+from .processes import stop_process_group
 from .rbac import build_operator_rbac
 from .timeline import (
     Fault,
     JobSnapshot,
     LossRecord,
-    PlotData,
     TimelineEvent,
     build_generations,
-    build_plot_data,
-    build_timeline,
-    build_transitions,
-    check_loss_continuity,
     merge_loss_records,
     parse_event,
     parse_loss_lines,
@@ -55,6 +50,8 @@ from .timeline import (
 )
 
 log = logging.getLogger(__name__)
+
+__all__ = ["Demo", "DemoError", "main", "render_plot", "say", "stop_process_group"]
 
 # The files the demo needs ship inside the package (links to examples/ and charts/resilax/ in a checkout,
 # copies in a wheel), so `resilax demo` runs from an installed wheel as from the repository.
@@ -74,10 +71,6 @@ GROW_BACK_SETTLE_SECONDS = 30
 
 class DemoError(RuntimeError):
     """A step of the demo did not happen in time, or something it needs is missing."""
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
 
 
 class Demo:
@@ -386,99 +379,11 @@ class Demo:
         self.read_losses()
 
     def write_outputs(self) -> None:
-        lines = build_timeline(self.start, self.snapshots, self.faults, self.records,
-                               events=list(self.events.values()), notes=self.notes, goodput=self.goodput)
-        (self.run_dir / "timeline.txt").write_text("\n".join(lines) + "\n")
-        with (self.run_dir / "losses.jsonl").open("w") as f:
-            for r in self.records:
-                f.write(json.dumps(asdict(r)) + "\n")
-        for name, items in (("snapshots", self.snapshots), ("faults", self.faults),
-                            ("events", sorted(self.events.values(), key=lambda e: e.time)), ("notes", self.notes)):
-            with (self.run_dir / f"{name}.jsonl").open("w") as f:
-                for item in items:
-                    f.write(json.dumps(asdict(item)) + "\n")
-        png = self.run_dir / "loss.png"
-        plotted = False
-        if self.records:
-            try:
-                render_plot(build_plot_data(self.records, self.faults, self.start), png,
-                            title=f"JAXJob {self.job_name}: loss across generations")
-                plotted = True
-            except ImportError as e:
-                say(f"    no plot: {e} (pip install matplotlib)")
-        transitions = build_transitions(build_generations(self.records), self.faults)
-        continuity = check_loss_continuity(self.records)
-        self.outcome.update({
-            "png": str(png) if plotted else None,
-            "continuous": continuity.ok and continuity.max_step > 0,
-            "max_step": continuity.max_step,
-            "generations": [asdict(g) for g in build_generations(self.records)],
-            "transitions": [{"from": t.before.generation, "to": t.after.generation,
-                             "cause": t.cause.kind if t.cause else None, "steps_lost": t.steps_lost,
-                             "restored_step": t.after.restored_step, "devices": [t.before.devices, t.after.devices],
-                             "pause_seconds": round(t.pause_seconds, 1)} for t in transitions],
-            "phases": [s.phase for s in self.snapshots],
-            "goodput": self.goodput,
-        })
-        (self.run_dir / "result.json").write_text(json.dumps(self.outcome, indent=1) + "\n")
+        lines = write_run_outputs(self.run_dir, self.job_name, self.start, self.snapshots, self.faults, self.records,
+                                  self.events, self.notes, self.goodput, self.outcome)
         say("")
         for line in lines:
             say(line)
-
-
-def render_plot(data: PlotData, path: Path, title: str) -> None:
-    """Loss against step (log scale) per generation, and step against time; faults as dashed lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(14, 5.5), constrained_layout=True)
-    colours = plt.get_cmap("tab10")
-    for i, s in enumerate(data.series):
-        colour = colours(i % 10)
-        label = f"generation {s.generation} ({s.devices} devices)"
-        ax_loss.plot(s.steps, s.losses, ".-", ms=3, lw=0.8, color=colour, label=label)
-        ax_time.plot(s.times, s.steps, ".", ms=3, color=colour, label=label)
-        if i:  # where the restore put this generation: the first step after the restored one
-            ax_loss.plot(s.steps[:1], s.losses[:1], "o", ms=9, mfc="none", mew=1.5, color=colour)
-            ax_loss.annotate(f"restored step {s.steps[0] - 1}\non {s.devices} devices", (s.steps[0], s.losses[0]),
-                             xytext=(s.steps[0] + 6, 0.62 - 0.14 * (i % 2)), textcoords=("data", "axes fraction"),
-                             fontsize=8, color=colour, bbox={"fc": "white", "ec": colour, "lw": 0.5, "alpha": 0.9},
-                             arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.8})
-    for n, m in enumerate(data.markers):
-        mark = "red" if m.label.startswith("kill") else "green"
-        for ax, x in ((ax_loss, m.step), (ax_time, m.time)):
-            ax.axvline(x, ls="--", lw=1, color=mark)
-            ax.annotate(m.label, (x, 0.99 - 0.12 * (n % 2)), xycoords=("data", "axes fraction"), rotation=90,
-                        va="top", ha="right", fontsize=8, color=mark)
-    for span in data.spans:
-        ax_time.axvspan(span.start, span.end, color="grey", alpha=0.15, lw=0)
-        ax_time.annotate(span.label, ((span.start + span.end) / 2, 0.5), xycoords=("data", "axes fraction"),
-                         rotation=90, va="center", ha="center", fontsize=8, color="dimgrey")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss (per batch)")
-    ax_loss.set_title("loss against step: one curve across generations")
-    ax_loss.legend(loc="upper right", fontsize=8)
-    ax_time.set_xlabel("seconds since the demo started")
-    ax_time.set_ylabel("step")
-    ax_time.set_title("progress: grey = fault or resize until the next generation's first step")
-    ax_time.legend(loc="lower right", fontsize=8)
-    fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def stop_process_group(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
-    """SIGTERM the process group of `proc`, then SIGKILL what is left after `timeout`."""
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def describe(s: JobSnapshot) -> str:

@@ -74,3 +74,15 @@ def stop_group(pgid: int, timeout: float = 10.0, proc: subprocess.Popen[bytes] |
     if proc is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=1)
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """SIGTERM the process group of `proc`, then SIGKILL what is left after `timeout`."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
