@@ -9,6 +9,14 @@ import pytest
 # The local cluster's fixtures (local_cluster, cluster, kube, namespace, fake_gcs, gcs_bucket) for every area.
 pytest_plugins = ["resilax_local.pytest_plugin"]
 
+#: The other fixtures that need something the fast tier (`scripts/test --fast`) does not start: each
+#: marks the tests that use it (added to the plugin's FIXTURE_MARKS, which its hooks apply).
+FIXTURE_MARKS = {
+    "gcs_server": "gcs", "gcs_root": "gcs", "gcs_env": "gcs",  # fake-gcs-server (tests/ckpt, tests/sidecar)
+    "helm": "helm", "helm_env": "helm", "render": "helm",  # helm, built from its Go module (tests/chart)
+    "promtool": "prometheus",  # Debian's prometheus (scripts/setup-prometheus)
+}
+
 #: The test process's JAX: 8 fake CPU devices (the checkpoint tests save on a 4x2 mesh and restore on
 #: others). Set once for the whole process, before any test imports JAX, whichever folders run.
 TEST_PROCESS_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
@@ -19,3 +27,6 @@ def pytest_configure(config: pytest.Config) -> None:
     a value the caller set wins."""
     for key, value in TEST_PROCESS_ENV.items():
         os.environ.setdefault(key, value)
+    from resilax_local import pytest_plugin
+
+    pytest_plugin.FIXTURE_MARKS.update(FIXTURE_MARKS)

@@ -9,7 +9,11 @@ Fixtures:
 - `kube` (session): a dict-based admin REST client (`resilax_local.kubeapi.KubeClient`).
 - `namespace` (function): a fresh namespace (its `default` ServiceAccount ready), deleted afterwards.
 - `fake_gcs` (session): a `FakeGCS` server; `gcs_bucket` (function): a fresh bucket, yields `gs://<name>`.
-Tests that use `local_cluster`/`cluster` are marked `cluster`, those that use `fake_gcs` `gcs`.
+Tests that use `local_cluster`/`cluster` (or `kube`, `namespace`) are marked `cluster`, those that use
+`fake_gcs`/`gcs_bucket` `gcs`: the fixtures mark their tests (`FIXTURE_MARKS`; a conftest adds its own
+fixtures there), and a test that reaches such a fixture without its marker (through
+`request.getfixturevalue`, e.g. in a parametrised `[gcs]` case) fails with the fix in the message, so
+`-m "not cluster and not gcs"` never starts a cluster or fake-gcs-server.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,14 +35,31 @@ from .kubeapi import KubeClient
 from .pods import NodeState
 from .testing import wait_for
 
+#: fixture -> the marker of every test that uses it (what it needs: a local cluster, fake-gcs-server, ...).
+FIXTURE_MARKS: dict[str, str] = {
+    "local_cluster": "cluster", "cluster": "cluster", "kube": "cluster", "namespace": "cluster",
+    "fake_gcs": "gcs", "gcs_bucket": "gcs",
+}
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        names = getattr(item, "fixturenames", ())
-        if "local_cluster" in names or "cluster" in names:
-            item.add_marker(pytest.mark.cluster)
-        if "fake_gcs" in names or "gcs_bucket" in names:
-            item.add_marker(pytest.mark.gcs)
+        for name in getattr(item, "fixturenames", ()):
+            mark = FIXTURE_MARKS.get(name)
+            if mark is not None and item.get_closest_marker(mark) is None:
+                item.add_marker(getattr(pytest.mark, mark))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> None:
+    """A test that reaches a marked fixture at run time (`request.getfixturevalue`) must carry the
+    fixture's marker, or `-m "not <marker>"` would still start what the fixture needs."""
+    mark = FIXTURE_MARKS.get(fixturedef.argname)
+    item = getattr(request, "_pyfuncitem", None)
+    if mark is None or item is None or item.get_closest_marker(mark) is not None:
+        return
+    pytest.fail(f"{item.nodeid} uses the fixture {fixturedef.argname!r} without the {mark!r} marker: mark the "
+                f"test, or the parameter that needs it (pytest.param(..., marks=pytest.mark.{mark}))", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -84,3 +84,11 @@ def render(helm: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path
         return docs if node_sweeper else [d for d in docs if not is_node_sweeper(d)]
 
     yield run
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    """promtool's path (Debian's prometheus package, scripts/setup-prometheus); marks its tests `prometheus`."""
+    from prometheus_tool import binary
+
+    return binary("promtool")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_tool import ALERT_TESTS, ALERTS, binary
+from prometheus_tool import ALERT_TESTS, ALERTS
 
 GROUPS: list[dict[str, Any]] = yaml.safe_load(ALERTS.read_text())["groups"]
 
@@ -21,10 +21,10 @@ def _test_file(group: str) -> Path:
 
 
 @pytest.mark.parametrize("group", [g["name"] for g in GROUPS])
-def test_promtool_unit_tests_of_each_alert_group_pass(group: str) -> None:
+def test_promtool_unit_tests_of_each_alert_group_pass(group: str, promtool: str) -> None:
     path = _test_file(group)
     assert path.exists(), f"alert group {group!r} has no promtool unit tests ({path.name})"
-    proc = subprocess.run([binary("promtool"), "test", "rules", path.name], capture_output=True, text=True,
+    proc = subprocess.run([promtool, "test", "rules", path.name], capture_output=True, text=True,
                           timeout=120, cwd=path.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout

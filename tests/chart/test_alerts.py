@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from prometheus_tool import ALERTS, binary, dashboard_queries, dashboard_variables
+from prometheus_tool import ALERTS, dashboard_queries, dashboard_variables
 
 EXPORTED = {
     # operator/resilax_operator/metrics.py
@@ -26,8 +26,8 @@ EXPORTED = {
 }
 
 
-def test_promtool_accepts_the_rules() -> None:
-    proc = subprocess.run([binary("promtool"), "check", "rules", str(ALERTS)], capture_output=True, text=True,
+def test_promtool_accepts_the_rules(promtool: str) -> None:
+    proc = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS: 7 rules found" in proc.stdout
@@ -56,7 +56,7 @@ SIDECAR_SERIES = ['resilax_trainer_step{namespace="team-a", jaxjob="llama", pod=
                   'resilax_sidecar_lag_steps{namespace="team-a", jaxjob="llama", pod="llama-g1-0"}']
 
 
-def test_dashboard_variables_list_the_job_without_the_sidecar_monitor(tmp_path: Path) -> None:
+def test_dashboard_variables_list_the_job_without_the_sidecar_monitor(tmp_path: Path, promtool: str) -> None:
     """Each `label_values(selector, label)` variable, as `group by (label) (selector)`, evaluated by
     promtool over the series of the operator alone, then of the sidecars alone: both list the job."""
     variables = dashboard_variables()
@@ -72,6 +72,6 @@ def test_dashboard_variables_list_the_job_without_the_sidecar_monitor(tmp_path: 
     } for side, series in (("operator", OPERATOR_SERIES), ("sidecar", SIDECAR_SERIES))]
     path = tmp_path / "dashboard-variables.test.yaml"
     path.write_text(yaml.safe_dump({"tests": tests}))
-    proc = subprocess.run([binary("promtool"), "test", "rules", str(path)], capture_output=True, text=True,
+    proc = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -101,7 +101,7 @@ def test_foreign_entries_survive_the_local_tier_cleanup(tmp_path: Path, devices)
     _assert_foreign_intact(local)
 
 
-@pytest.mark.parametrize("where", ["local", "gcs"])
+@pytest.mark.parametrize("where", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
 def test_a_step_folder_taken_by_foreign_data_is_refused_and_left_alone(where: str, tmp_path: Path, request,
                                                                         devices) -> None:
     root = str(tmp_path / "shared") if where == "local" else request.getfixturevalue("gcs_root")
@@ -122,7 +122,7 @@ def _manager(root: str, uid: str, generation: int, **kw) -> rc.CheckpointManager
     return rc.CheckpointManager(root, rc.ManagerOptions(job_uid=uid, generation=generation, async_save=False, **kw))
 
 
-@pytest.mark.parametrize("where", ["local", "gcs"])
+@pytest.mark.parametrize("where", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
 def test_a_recreated_job_resumes_and_commits_and_the_old_job_is_fenced(where: str, tmp_path: Path, request,
                                                                         devices) -> None:
     root = str(tmp_path / "run") if where == "local" else request.getfixturevalue("gcs_root")
@@ -439,7 +439,7 @@ def test_checkpoints_without_checksums_still_restore(tmp_path: Path, devices, mo
     np.testing.assert_array_equal(read.result, np.asarray(want["big"]["b"]))
 
 
-@pytest.mark.parametrize("where", ["local", "gcs"])
+@pytest.mark.parametrize("where", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
 @pytest.mark.parametrize("damage", ["deleted", "garbled"])
 def test_a_damaged_json_item_in_the_newest_step_falls_back(damage: str, where: str, tmp_path: Path, request,
                                                            devices) -> None:

@@ -73,7 +73,7 @@ class FailingStore:
         self._inner.upload_file(local_path, key)
 
 
-@pytest.fixture(params=["folder", "gcs"])
+@pytest.fixture(params=["folder", pytest.param("gcs", marks=pytest.mark.gcs)])
 def store(request, tmp_path) -> BlobStore:
     if request.param == "folder":
         return LocalFolderStore(tmp_path / "persistent")

@@ -23,7 +23,7 @@ from resilax_sidecar.uploader import Uploader
 from sidecar_harness import build_sidecar_env, committed_attempt, step_files, wait_until, write_local_step
 
 
-@pytest.fixture(params=["folder", "gcs"])
+@pytest.fixture(params=["folder", pytest.param("gcs", marks=pytest.mark.gcs)])
 def store(request, tmp_path) -> BlobStore:
     if request.param == "folder":
         return LocalFolderStore(tmp_path / "persistent")
