@@ -207,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     while True:
         for root in args.root:
-            sweep_root(Path(root), lookup)
+            removed = sweep_root(Path(root), lookup)
+            log.info("node sweep of %s: %d folder(s) of deleted jobs removed", root, len(removed))
         if args.every <= 0 or stop.wait(args.every):
             return 0

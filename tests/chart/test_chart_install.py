@@ -188,6 +188,36 @@ def test_node_sweeper_may_only_get_jaxjobs_and_sweeps_with_that_against_the_api_
     ]:
         assert not can(as_sweeper, verb, group, resource, ns), f"{verb} {group}/{resource} in {ns}"
 
+    # The DaemonSet's pods run `resilax node-sweep` in-cluster (its token, the API server's CA) and pass.
+    def swept() -> str | None:
+        pods = kube.get(f"/api/v1/namespaces/{namespace}/pods",
+                        labelSelector=f"app.kubernetes.io/instance={release},app.kubernetes.io/component=node-sweeper")
+        for pod in pods["items"]:
+            if pod["spec"].get("nodeName") and pod.get("status", {}).get("containerStatuses"):
+                try:
+                    text = str(cluster.logs(namespace, pod["metadata"]["name"], "node-sweep"))
+                except Exception:  # not started yet
+                    continue
+                if "node sweep of /roots/memory" in text:
+                    return text
+        return None
+
+    try:
+        log_text = wait_for(swept, timeout=120, message="a node-sweep pod's first pass in its log")
+    except TimeoutError as e:
+        ds = kube.get(f"/apis/apps/v1/namespaces/{namespace}/daemonsets/{sweeper}").get("status")
+        pods = kube.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector="app.kubernetes.io/component=node-sweeper")
+        events = kube.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+        logs = []
+        for pod in pods["items"][:2]:
+            try:
+                logs.append(str(cluster.logs(namespace, pod["metadata"]["name"], "node-sweep"))[-1500:])
+            except Exception as err:
+                logs.append(f"(no log: {err})")
+        raise AssertionError(f"{e}\ndaemonset: {ds}\npods: {[(p['metadata']['name'], p['spec'].get('nodeName'), p.get('status')) for p in pods['items']][:2]}\n"
+                             f"events: {[ev.get('message') for ev in events if 'sweep' in str(ev)][-5:]}\nlogs: {logs}") from e
+    assert "Traceback" not in log_text and "keeping its folder" not in log_text, log_text
+
     # A JAXJob in a namespace this release's operator does not watch (it stays as created).
     other = f"sweep-{uuid.uuid4().hex[:6]}"
     kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": other}})

@@ -530,6 +530,7 @@ def test_node_sweeper_is_one_daemonset_with_get_on_jaxjobs_only(render) -> None:
     pod = one(objects, "DaemonSet")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == name and pod["tolerations"] == [{"operator": "Exists"}]
     (container,) = pod["containers"]
+    assert container["command"] == ["resilax"]
     assert container["args"] == ["node-sweep", "--root", "/roots/disk", "--root", "/roots/memory", "--every", "600"]
     assert {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]} == {
         "disk-root": "/var/lib/resilax/local", "memory-root": "/dev/shm/resilax"}
