@@ -19,6 +19,7 @@ from typing import Any
 from . import podspec
 from .podhost import now_rfc3339
 from .probes import ProbeState
+from .processes import kill_session
 
 
 @dataclass
@@ -77,6 +78,8 @@ class ContainerRun:
                 self.proc.send_signal(sig)
         except (ProcessLookupError, PermissionError):
             pass
+        if group and sig == signal.SIGKILL:
+            kill_session(self.proc.pid)  # also the process groups a supervisor started
 
 
 def image_paths() -> list[str]:
@@ -157,5 +160,6 @@ def reap(c: ContainerRun, uid: str) -> int | None:
     c.finished_at = time.monotonic()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(c.proc.pid, signal.SIGKILL)
+    kill_session(c.proc.pid)  # the container's end takes its whole session, as a cgroup kill does
     c.proc = None
     return exit_code

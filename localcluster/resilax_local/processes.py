@@ -38,6 +38,26 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def kill_session(sid: int, sig: int = signal.SIGKILL) -> list[int]:
+    """Send `sig` to every live process of the session `sid` (a container's: its process was started
+    with `start_new_session`, so the session is its pid), as a cgroup kill reaches every process of a
+    container, also those in process groups of their own (a supervisor's children, `resilax run`).
+    Returns the pids signalled."""
+    hit = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            if os.getsid(pid) != sid or not alive(pid):
+                continue
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+        hit.append(pid)
+    return hit
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
