@@ -199,11 +199,16 @@ def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger
     """Each pod as its `PodDeletion` says (one whose `not_before` is still ahead stays), then the Service
     if the job owns it."""
     ref = job_ref(world.job)
+    uids = {p.name: p.uid for p in world.observed.pods}  # the job's own, as observed
     gone = []
     for d in action.pods:
         if d.not_before is not None and world.observed.now < d.not_before:
             continue  # its trainer may still stop by itself; the decision looks again
-        kube.delete_pod(ref.namespace, d.name, force=d.force, grace_seconds=d.grace_seconds)
+        if d.name not in uids:
+            logger.warning("generation %d: not deleting %s: not a pod of this job's", action.generation, d.name)
+            continue
+        # the pod observed, not another created under its name since (a precondition on its uid)
+        kube.delete_pod(ref.namespace, d.name, force=d.force, grace_seconds=d.grace_seconds, uid=uids[d.name])
         gone.append(d.name + (" (force)" if d.force else ""))
     if action.generation in world.observed.services:  # its own (observed.assemble_observed): never another's
         kube.delete_service(ref.namespace, build_generation_service_name(ref.name, action.generation))

@@ -180,12 +180,16 @@ class Kube:
             raise NameConflictError(kind, str(meta["name"]), describe_owner(existing))
         return existing, False
 
-    def delete_pod(self, namespace: str, name: str, *, force: bool = False, grace_seconds: int | None = None) -> None:
+    def delete_pod(self, namespace: str, name: str, *, force: bool = False, grace_seconds: int | None = None,
+                   uid: str = "") -> None:
         """Delete a pod: with its own grace period, `grace_seconds`, or at once (`force`: no kubelet
-        will confirm it)."""
-        body = {"gracePeriodSeconds": 0} if force else (
-            None if grace_seconds is None else {"gracePeriodSeconds": grace_seconds})
-        self.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body, ok=(404,))
+        will confirm it). `uid`: only the pod of that uid (a precondition; another pod of the name since,
+        409, stays)."""
+        body: dict[str, Any] = {"gracePeriodSeconds": 0} if force else (
+            {} if grace_seconds is None else {"gracePeriodSeconds": grace_seconds})
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        self.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body or None, ok=(404, 409))
 
     def delete_service(self, namespace: str, name: str) -> None:
         self.request("DELETE", f"/api/v1/namespaces/{namespace}/services/{name}", ok=(404,))

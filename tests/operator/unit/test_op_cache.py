@@ -72,6 +72,7 @@ class FakeAPI(Kube):
             target = f"{path}/{meta['name']}"
             if target in self.objects:
                 return None if 409 in ok else {}
+            meta.setdefault("uid", f"uid-{meta['name']}-{self.version}")
             if "stringData" in obj:  # as the API server stores a Secret
                 obj["data"] = {k: base64.b64encode(v.encode()).decode() for k, v in obj.pop("stringData").items()}
             return self.put(target, obj)
@@ -84,6 +85,9 @@ class FakeAPI(Kube):
             obj["metadata"].setdefault("annotations", {}).update(body["metadata"]["annotations"])
             return self.put(path, obj)
         if method == "DELETE":
+            wanted = ((body or {}).get("preconditions") or {}).get("uid")
+            if wanted and path in self.objects and self.objects[path]["metadata"].get("uid") != wanted:
+                return None if 409 in ok else {}
             gone = self.objects.pop(path, None)
             if gone is not None:
                 self._feed("DELETED", gone)

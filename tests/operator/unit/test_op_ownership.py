@@ -222,3 +222,24 @@ def test_pods_stuck_starting_get_their_token_secret_back() -> None:
     assert SECRET in fake.objects
     ready = _condition(fake, api.COND_READY)
     assert ready["reason"] == api.CONTAINER_WAITING.name and "PodInitializing" in ready["message"], ready
+
+
+def test_a_pod_recreated_under_a_workers_name_since_it_was_observed_is_not_deleted() -> None:
+    """Deletes carry the observed pod's uid as a precondition: a pod of another owner created under the
+    name between the observation and the delete stays."""
+    from resilax_operator.actions import DeleteGeneration, PodDeletion
+    from resilax_operator.observe import observe
+
+    fake = _fake()
+    for _ in range(6):
+        _reconcile(fake)
+        fake.run_pods()
+    world = observe(fake, fake.cache, fake.cache.job(NS, "llama") or {}, SETTINGS, LOG)  # type: ignore[arg-type]
+    path = f"/api/v1/namespaces/{NS}/pods/llama-g1-s0-h0"
+    assert world.observed.pods[0].uid == fake.objects[path]["metadata"]["uid"]
+    fake.objects[path] = {**_foreign_pod(True, STRANGER), "metadata": {  # behind the cache's back
+        **_foreign_pod(True, STRANGER)["metadata"], "uid": "uid-squatter"}}
+    action = DeleteGeneration(1, "Preemption", (PodDeletion("llama-g1-s0-h0", force=True), PodDeletion("other")))
+    execute.execute(fake, fake.cache, world, [action], SETTINGS, LOG)  # type: ignore[arg-type]
+    assert fake.objects[path]["metadata"]["uid"] == "uid-squatter"
+    assert ("DELETE", f"/api/v1/namespaces/{NS}/pods/other") not in fake.requests  # not a pod of the job's
