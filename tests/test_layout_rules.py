@@ -19,9 +19,7 @@ MAX_LINES = 500
 
 #: Product files still over MAX_LINES, until issue 29 splits them. Shrink only: a file split below the
 #: limit must leave this list (the test says so), and no file may join it.
-OVER_THE_LIMIT_FOR_NOW = {
-    "operator/resilax_operator/observed.py",
-}
+OVER_THE_LIMIT_FOR_NOW: set[str] = set()
 
 
 def product_files() -> dict[str, int]:

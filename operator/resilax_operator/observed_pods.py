@@ -1,0 +1,141 @@
+"""The worker pods a decision sees (pure): `ObservedPod` (phase, node, the trainer's state and exit,
+waiting and start-up reasons, gates, owner) and its parser from a Pod."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
+
+from . import api
+from . import status as st
+from .ownership import owner_uid
+
+#: Waiting reasons of a container that is simply starting (not stuck).
+STARTING_REASONS: Final = frozenset({"ContainerCreating", "PodInitializing"})
+
+
+@dataclass(frozen=True)
+class ObservedPod:
+    """A worker pod of this job (any generation), from its labels and status."""
+
+    name: str
+    generation: int
+    slice_index: int
+    host: int
+    #: Pending, Running, Succeeded, Failed or Unknown.
+    phase: str = "Pending"
+    node_name: str | None = None
+    pod_ip: str | None = None
+    deletion_timestamp: datetime | None = None
+    #: metadata.deletionGracePeriodSeconds once deletion started.
+    deletion_grace_seconds: int | None = None
+    #: The trainer container's exit code once terminated (None while running or never started).
+    exit_code: int | None = None
+    #: The trainer container's termination reason (Error, OOMKilled, ...).
+    exit_reason: str | None = None
+    #: The pod's status.reason (Evicted, NodeShutdown, ...): set when the pod, not the worker, failed.
+    pod_reason: str | None = None
+    ready: bool = False
+    #: The trainer container is running (its state is `running`).
+    trainer_running: bool = False
+    #: (container, reason, message) of each container (init, trainer, sidecar, ...) waiting for a reason
+    #: other than the normal start-up ones (ImagePullBackOff, CreateContainerConfigError, CrashLoopBackOff).
+    waiting: tuple[tuple[str, str, str], ...] = ()
+    #: spec.schedulingGates names: the scheduler leaves the pod alone until they are removed (Kueue's
+    #: `kueue.x-k8s.io/admission` until it admits the pod group).
+    gates: tuple[str, ...] = ()
+    #: When the trainer container started (its `startedAt`, running or terminated); None before.
+    trainer_started_at: datetime | None = None
+    #: When the trainer container terminated (its `finishedAt`); None while it runs.
+    trainer_finished_at: datetime | None = None
+    uid: str = ""
+    #: Its trainer runs under the supervisor (annotation resilax.dev/supervised): its exits come from the
+    #: sidecar's `trainer_process` (trainer_process.py), not the kubelet.
+    supervised: bool = False
+    #: The trainer container's readiness (for a supervised trainer: its incarnation runs).
+    trainer_ready: bool = False
+    #: uid of the JAXJob that controls the pod (its controller ownerReference); "" for none.
+    owner_uid: str = ""
+    #: (container, reason) of each container still in a start-up state (ContainerCreating, PodInitializing).
+    starting: tuple[tuple[str, str], ...] = ()
+    #: When the pod was bound to its node (the PodScheduled condition's lastTransitionTime).
+    scheduled_at: datetime | None = None
+
+    @property
+    def terminated(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def failed(self) -> bool:
+        """The pod failed, or (supervised: the supervisor stays, the pod keeps Running) its trainer
+        exited with a non-zero code."""
+        return self.phase == "Failed" or (self.supervised and self.exit_code not in (None, 0))
+
+    @property
+    def trainer_exited(self) -> bool:
+        """The trainer container has terminated (whatever the pod's phase)."""
+        return self.exit_code is not None
+
+
+def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
+    """A worker pod as the API returns it → ObservedPod (None if it lacks the worker labels)."""
+    meta = raw.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    try:
+        generation = int(labels[api.LABEL_GENERATION])
+        slice_index = int(labels[api.LABEL_SLICE])
+        host = int(labels[api.LABEL_HOST])
+    except (KeyError, ValueError):
+        return None
+    spec = raw.get("spec") or {}
+    status = raw.get("status") or {}
+    containers = [c.get("name") for c in spec.get("containers") or []]
+    trainer = api.TRAINER_CONTAINER if api.TRAINER_CONTAINER in containers else (containers[0] if containers else None)
+    exit_code = exit_reason = None
+    trainer_running = trainer_ready = False
+    started_at = finished_at = None
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") == trainer:
+            state = cs.get("state") or {}
+            trainer_running = bool(state.get("running"))
+            trainer_ready = bool(cs.get("ready"))
+            with contextlib.suppress(ValueError):
+                started_at = st.parse_time((state.get("running") or state.get("terminated") or {}).get("startedAt"))
+                finished_at = st.parse_time((state.get("terminated") or {}).get("finishedAt"))
+            terminated = state.get("terminated")
+            if terminated:
+                code = terminated.get("exitCode")
+                exit_code = None if code is None else int(code)
+                exit_reason = terminated.get("reason")
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    statuses = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    waiting = tuple(
+        (str(cs.get("name", "")), str(w.get("reason")), str(w.get("message") or ""))
+        for cs in statuses
+        if (w := (cs.get("state") or {}).get("waiting")) and w.get("reason") and w.get("reason") not in STARTING_REASONS)
+    starting = tuple((str(cs.get("name", "")), str(w.get("reason"))) for cs in statuses
+                     if (w := (cs.get("state") or {}).get("waiting")) and w.get("reason") in STARTING_REASONS)
+    scheduled: Mapping[str, Any] = next((c for c in status.get("conditions") or []
+                      if c.get("type") == "PodScheduled" and c.get("status") == "True"), {})
+    grace = meta.get("deletionGracePeriodSeconds")
+    gates = tuple(str(g.get("name", "")) for g in spec.get("schedulingGates") or [] if isinstance(g, Mapping))
+    return ObservedPod(
+        name=str(meta.get("name", "")), generation=generation, slice_index=slice_index, host=host,
+        phase=str(status.get("phase") or "Pending"), node_name=spec.get("nodeName") or None,
+        pod_ip=status.get("podIP") or None, deletion_timestamp=st.parse_time(meta.get("deletionTimestamp")),
+        deletion_grace_seconds=None if grace is None else int(grace),
+        exit_code=exit_code, exit_reason=exit_reason, pod_reason=status.get("reason") or None, ready=ready,
+        trainer_running=trainer_running, waiting=waiting, gates=gates, trainer_started_at=started_at,
+        trainer_finished_at=finished_at, uid=str(meta.get("uid") or ""),
+        supervised=(meta.get("annotations") or {}).get(api.ANNOTATION_SUPERVISED) == "1", trainer_ready=trainer_ready,
+        owner_uid=owner_uid(raw), starting=starting, scheduled_at=_time_or_none(scheduled.get("lastTransitionTime")))
+
+
+def _time_or_none(raw: Any) -> datetime | None:
+    try:
+        return st.parse_time(raw)
+    except ValueError:
+        return None
