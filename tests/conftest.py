@@ -19,7 +19,10 @@ FIXTURE_MARKS = {
 
 #: The test process's JAX: 8 fake CPU devices (the checkpoint tests save on a 4x2 mesh and restore on
 #: others). Set once for the whole process, before any test imports JAX, whichever folders run.
-TEST_PROCESS_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+#: gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT once, when first imported (a test may import it before any
+#: fake-GCS fixture runs); its experimental path probes Google's API, which nothing here answers.
+TEST_PROCESS_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+                    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -108,9 +108,11 @@ class GcsStorage:
     is_local = False
 
     def __init__(self) -> None:
+        # gcsfs reads this when it is first imported, so it is set before the import (its experimental
+        # HNS path probes Google's storage control API, which an emulator or an offline host never answers)
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         import gcsfs  # imported lazily: local-only users never pay for it
 
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         emulator = os.environ.get("STORAGE_EMULATOR_HOST") or None
         self._fs = gcsfs.GCSFileSystem(token="anon" if emulator else None, endpoint_url=emulator,
                                        cache_timeout=0, skip_instance_cache=True)
