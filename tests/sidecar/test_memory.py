@@ -36,7 +36,7 @@ def peak_python_bytes_during(fn) -> int:  # type: ignore[no-untyped-def]
         tracemalloc.stop()
 
 
-@pytest.fixture(params=["folder", "gcs"])
+@pytest.fixture(params=["folder", pytest.param("gcs", marks=pytest.mark.gcs)])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> BlobStore:
     if request.param == "folder":
         return LocalFolderStore(tmp_path / "persistent")
@@ -58,6 +58,7 @@ def test_an_upload_holds_at_most_a_few_pieces_of_its_file(store: BlobStore, tmp_
     assert store.md5("1/a-e0-g0-x/state/w/0") == want
 
 
+@pytest.mark.gcs
 def test_gcs_sends_only_files_of_at_most_one_piece_whole(tmp_path: Path, gcs_env: dict[str, str],
                                                          gcs_bucket: str) -> None:
     """The piece is what the default upload holds; one piece and one byte more is streamed."""

@@ -106,6 +106,7 @@ def test_plan_full_pass(local: list[int], last: list[int] | None, woken: bool, p
     assert plan_full_pass(local, last, woken, pending, since, IDLE_SCAN_SECONDS) is full
 
 
+@pytest.mark.gcs
 def test_an_idle_job_lists_the_bucket_at_most_once_a_minute(tmp_path: Path, gcs_bucket: str,
                                                              proxy: CountingProxy) -> None:
     config = make_config(tmp_path, checkpoint_dir=f"{gcs_bucket}/runs/job", poll_seconds=1.0, keep_last=2)
