@@ -23,10 +23,21 @@ import shutil
 import signal
 import time
 
-from resilax_ckpt import chunk_format, fencing, layout
+from resilax_ckpt import chunk_format, fencing, layout, timelines
 from resilax_ckpt.errors import ForeignDataError, StepExistsError, StorageError
 from resilax_ckpt.metadata import StepMetadata
 from resilax_ckpt.storage import Storage
+from resilax_ckpt.visibility import (  # noqa: F401  (re-exported: commit.* is where callers find them)
+    StepsView,
+    clear_bad,
+    list_committed,
+    list_superseded,
+    list_visible,
+    mark_bad,
+    read_bad,
+    read_marker_epoch,
+    scan_steps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,86 +136,48 @@ def data_path(storage: Storage, path: str, marker: str = layout.COMMIT_FILE) -> 
 def clean_stale_attempts(storage: Storage, root: str, steps: list[int]) -> list[str]:
     """Delete the attempt prefixes of committed steps that their marker does not name (a stale or
     losing writer's or uploader's, never readable). Only steps whose marker names an attempt are
-    looked at, and only entries of the attempt form are deleted. Called on: primary only, at manager
+    looked at, and only entries of the attempt form are deleted, never one a kept record names (a
+    bad or superseded step's copy, timelines.py). Called on: primary only, at manager
     start (object stores; and on the persistent tier behind a local tier, where the sidecars upload)."""
     deleted = []
+    kept = timelines.read_kept(storage, root)
     for step in steps:
         folder = storage.join(root, layout.step_name(step))
         won = step_data_path(storage, root, step)
         if won == folder:
             continue  # the step's files are the folder itself (a rename-committed step): no attempts
+        keep = timelines.kept_attempts(kept, step)
         for name in storage.list_dir(folder):
             path = storage.join(folder, name.rstrip("/"))
-            if layout.is_attempt_name(name) and path != won:
+            if layout.is_attempt_name(name) and path != won and name.rstrip("/") not in keep:
                 storage.delete_tree(path)
                 deleted.append(f"{step}/{name.rstrip('/')}")
     return deleted
 
 
-def read_marker_epoch(storage: Storage, step_path: str, marker: str = layout.COMMIT_FILE) -> fencing.Epoch:
-    return fencing.parse_marker_epoch(storage.read_bytes(storage.join(step_path, marker)))
-
-
-def list_committed(storage: Storage, root: str, marker: str = layout.COMMIT_FILE) -> list[int]:
-    """Steps with a commit marker, ignoring fences."""
-    steps = []
-    for name in storage.list_dir(root):
-        step = layout.parse_step(name)
-        if step is not None and storage.exists(storage.join(root, name, marker)):
-            steps.append(step)
-    return sorted(steps)
-
-
-def read_bad(storage: Storage, root: str) -> dict[int, str]:
-    """Steps marked bad (a restore found them corrupt): step to the reason."""
-    out: dict[int, str] = {}
-    folder = storage.join(root, layout.BAD_DIR)
-    for name in storage.list_dir(folder):
-        step = layout.parse_step(name[:-5]) if name.endswith(".json") else None
-        if step is None:
-            continue
-        try:
-            out[step] = str(json.loads(storage.read_bytes(storage.join(folder, name))).get("reason", ""))
-        except (FileNotFoundError, ValueError, AttributeError):
-            out[step] = "marked bad"
-    return out
-
-
-def mark_bad(storage: Storage, root: str, step: int, reason: str) -> None:
-    """Record that `step` failed to restore; its files stay as they are (never deleted).
-    Called on: primary only."""
-    body = json.dumps({"step": step, "reason": reason[:2000], "time": time.time()}).encode()
-    storage.write_bytes(storage.join(root, layout.BAD_DIR, layout.bad_name(step)), body)
-
-
-def clear_bad(storage: Storage, root: str, step: int) -> None:
-    """A new save of `step` committed: its old bad record no longer applies. Called on: primary only."""
-    path = storage.join(root, layout.BAD_DIR, layout.bad_name(step))
-    if storage.exists(path):
-        storage.delete_tree(path)
-
-
-def list_visible(storage: Storage, root: str, marker: str = layout.COMMIT_FILE,
-                 use_fences: bool = True) -> list[int]:
-    """Committed steps the fences leave visible and no bad record hides: what steps() and restore()
-    see."""
-    bad = read_bad(storage, root)
-    committed = [s for s in list_committed(storage, root, marker) if s not in bad]
-    if not use_fences:
-        return committed
-    fences = fencing.read_fences(storage, root)
-    lowest = fencing.min_fenceable_step(fences)
-    if lowest is None:
-        return committed
-    visible = []
-    for step in committed:
-        if step <= lowest:
-            visible.append(step)
-            continue
-        epoch = read_marker_epoch(storage, storage.join(root, layout.step_name(step)), marker)
-        if fencing.decide_visible(step, epoch, fences):
-            visible.append(step)
-    return visible
+def _keep_aside(storage: Storage, root: str, step: int, view: StepsView, final_path: str, marker_name: str) -> None:
+    """Before a hidden step's number is committed again: record its copy (timelines.py, step 4) and,
+    on a local folder, move the folder aside; a fenced-out stale commit is not kept."""
+    why = view.kept(step)
+    old_marker = b""
+    with contextlib.suppress(FileNotFoundError):
+        old_marker = storage.read_bytes(storage.join(final_path, marker_name))
+    reason = view.bad.get(step, "")
+    if why is None:
+        if storage.is_local:
+            trash = storage.join(root, f"{layout.TRASH_PREFIX}{step}-{time.time_ns()}")
+            storage.rename_dir(final_path, trash)
+            storage.delete_tree(trash)
+        return
+    if storage.is_local:
+        prefix = layout.BAD_PREFIX if why == timelines.BAD else layout.SUPERSEDED_PREFIX
+        aside = f"{prefix}{step}-{time.time_ns()}"
+        timelines.write_kept(storage, root, step, why, old_marker, folder=aside, reason=reason)
+        storage.rename_dir(final_path, storage.join(root, aside))
+    else:
+        attempt = data_path(storage, final_path, marker_name)
+        timelines.write_kept(storage, root, step, why, old_marker, reason=reason,
+                             attempt=attempt.rsplit("/", 1)[-1] if attempt != final_path else None)
 
 
 def commit_local(storage: Storage, root: str, tmp_path: str, final_path: str, step: int,
@@ -221,16 +194,13 @@ def commit_local(storage: Storage, root: str, tmp_path: str, final_path: str, st
     if storage.exists(final_path):
         if not owns_step(storage, final_path):
             check_step_free(storage, root, step)  # raises ForeignDataError naming the folder
-        if generation is not None and step in list_visible(storage, root, marker_name):
+        view = scan_steps(storage, root, marker_name)
+        if generation is not None and step in view.visible:
             raise StepExistsError(f"step {step}: a committed checkpoint already exists at {final_path}")
-        was_bad = step in read_bad(storage, root)
-        if was_bad:
-            # A step that failed to restore: moved aside and kept (never deleted), its number reused.
-            storage.rename_dir(final_path, storage.join(root, f"{layout.BAD_PREFIX}{step}-{time.time_ns()}"))
-        else:
-            trash = storage.join(root, f"{layout.TRASH_PREFIX}{step}-{time.time_ns()}")
-            storage.rename_dir(final_path, trash)
-            storage.delete_tree(trash)
+        was_bad = step in view.bad
+        # A step that failed to restore, or one of an abandoned timeline: moved aside and kept (never
+        # deleted), its number reused; a fenced-out stale commit is deleted.
+        _keep_aside(storage, root, step, view, final_path, marker_name)
     storage.rename_dir(tmp_path, final_path)
     storage.sync_dir(root)
     if generation is not None or was_bad:  # the local tier (no generation) marks bad steps too
@@ -245,9 +215,12 @@ def commit_object(storage: Storage, root: str, final_path: str, step: int, marke
     try:
         storage.write_bytes(path, marker, create_only=True)
     except FileExistsError:
-        if step in list_visible(storage, root):
+        view = scan_steps(storage, root)
+        if step in view.visible:
             raise StepExistsError(f"step {step}: a committed checkpoint already exists at {final_path}") from None
-        # A fenced-out commit of an older generation, or a step marked bad: ours replaces it.
+        # A fenced-out commit of an older generation, a step marked bad or superseded: ours replaces
+        # the marker; the attempt a bad or superseded one named is recorded as kept first.
+        _keep_aside(storage, root, step, view, final_path, layout.COMMIT_FILE)
         storage.write_bytes(path, marker)
     clear_bad(storage, root, step)
 
@@ -267,24 +240,36 @@ def clean_leftovers(storage: Storage, root: str, generation: int) -> list[str]:
     # only the generation: a re-created job (a new era, generation from 1) leaves the old job's
     # higher-numbered ones for a later start; they are never steps.
     """Delete what interrupted or fenced-out saves left: temporary folders of this or older
-    generations, trash, Resilax's step folders without a marker, steps the fences hide. Folders
-    Resilax did not write are never touched (layout.owns_step_folder).
+    generations, trash, Resilax's step folders without a marker, steps the fences hide. Never a step
+    marked bad or superseded (timelines.py), never an attempt a kept record names, never a folder
+    Resilax did not write (layout.owns_step_folder).
     Called on: primary only, at manager start (before any save of this generation)."""
     deleted = []
     try:
-        visible = set(list_visible(storage, root))
+        view = scan_steps(storage, root)
+        spared = set(view.visible) | set(view.bad) | set(view.superseded)
+        kept = timelines.read_kept(storage, root)
         for name in storage.list_dir(root):
             tmp_gen = layout.parse_tmp_generation(name)
             step = layout.parse_step(name)
+            path = storage.join(root, name)
+            keep = timelines.kept_attempts(kept, step) if step is not None and step not in spared else set()
+            if keep:  # a kept copy's attempt lives here: only the rest of the folder is a leftover
+                if not _upload_in_progress(storage, path):
+                    for entry in storage.list_dir(path):
+                        if entry.rstrip("/") not in keep:
+                            storage.delete_tree(storage.join(path, entry.rstrip("/")))
+                            deleted.append(f"{name}/{entry.rstrip('/')}")
+                continue
             doomed = (
                 (tmp_gen is not None and tmp_gen <= generation)
                 or name.startswith(layout.TRASH_PREFIX)
-                or (step is not None and step not in visible
-                    and owns_step(storage, storage.join(root, name))
-                    and not _upload_in_progress(storage, storage.join(root, name)))
+                or (step is not None and step not in spared
+                    and owns_step(storage, path)
+                    and not _upload_in_progress(storage, path))
             )
             if doomed:
-                storage.delete_tree(storage.join(root, name))
+                storage.delete_tree(path)
                 deleted.append(name)
                 kill_point("mid_cleanup")
     except StorageError:
@@ -294,6 +279,23 @@ def clean_leftovers(storage: Storage, root: str, generation: int) -> list[str]:
     if deleted:
         log.info("deleted leftovers of interrupted saves in %s: %s", root, ", ".join(sorted(deleted)))
     return deleted
+
+
+def delete_step(storage: Storage, root: str, step: int) -> None:
+    """Retention of a committed step: the marker first on object stores (a half-deleted step never
+    looks committed), then the step's files, except the attempts kept records name (a bad or
+    superseded copy of the same number, timelines.py). Called on: primary only."""
+    folder = storage.join(root, layout.step_name(step))
+    if not storage.is_local:
+        storage.delete_tree(storage.join(folder, layout.COMMIT_FILE))
+        kill_point("retention_marker_deleted")
+    keep = timelines.kept_attempts(timelines.read_kept(storage, root), step)
+    if not keep:
+        storage.delete_tree(folder)
+        return
+    for entry in storage.list_dir(folder):
+        if entry.rstrip("/") not in keep:
+            storage.delete_tree(storage.join(folder, entry.rstrip("/")))
 
 
 # ---------------------------------------------------------------- recycling (local folders only)

@@ -26,7 +26,14 @@
                                         or missing file, bad metadata): `{"step", "reason", "time"}`;
                                         hidden from steps() and never deleted (commit.mark_bad)
 <root>/.bad-<step>-<ns>/                a bad step's folder on local disk, moved aside (kept) when the
-                                        step number is saved again
+                                        step number is saved again (`.superseded-<step>-<ns>/`: the same
+                                        for a step of an abandoned timeline, timelines.py)
+<root>/_kept/<step>-<ns>.json           a hidden step (bad or superseded) whose number was saved again:
+                                        the attempt (object stores) or moved-aside folder that keeps its
+                                        files, never deleted (timelines.py)
+<root>/_branches/e<E>-g<G>-s<S>.json    a rollback: generation (E, G) restored step S while newer steps
+                                        were visible; older epochs' steps above S are superseded
+                                        (hidden, kept) from then on (timelines.py)
 <root>/<step>/<attempt>/_WRITER.<i>     written by each process before its first file of an attempt on
                                         an object store (and by each sidecar before an upload), so
                                         that an interrupted save is provably Resilax's to clean up
@@ -60,6 +67,9 @@ UPLOADED_PREFIX = "_UPLOADED."
 ROOT_MARKER = "_RESILAX.json"
 BAD_DIR = "_bad"
 BAD_PREFIX = ".bad-"
+SUPERSEDED_PREFIX = ".superseded-"
+KEPT_DIR = "_kept"
+BRANCHES_DIR = "_branches"
 WRITER_PREFIX = "_WRITER."
 #: File names only Resilax writes into a step folder: one of them makes the folder Resilax's.
 _OWNED_PREFIXES = (COMMIT_FILE, "_METADATA.", UPLOADED_PREFIX, WRITER_PREFIX)

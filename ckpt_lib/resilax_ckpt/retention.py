@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from resilax_ckpt import commit, layout, policy
+from resilax_ckpt import commit, policy
 from resilax_ckpt.tiers import Tiers
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,6 @@ def apply_retention(tiers: Tiers) -> None:
         if tiers.recycles and commit.retire_step(root, step, opts.recycle_pool):
             log.info("retention retired step %d in %s for recycling", step, root)
             continue
-        folder = storage.join(root, layout.step_name(step))
-        if not storage.is_local:  # the marker first: a half-deleted step never looks committed
-            storage.delete_tree(storage.join(folder, layout.COMMIT_FILE))
-            commit.kill_point("retention_marker_deleted")
-        storage.delete_tree(folder)
+        # The marker first on object stores; never an attempt a `_kept/` record names (timelines.py).
+        commit.delete_step(storage, root, step)
         log.info("retention deleted step %d in %s", step, root)

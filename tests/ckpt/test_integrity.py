@@ -479,3 +479,60 @@ def test_a_step_tensorstore_writes_on_a_local_folder_is_verified_by_our_reader(t
         out = mgr.restore()
         assert mgr.restore_report is not None and [s["step"] for s in mgr.restore_report["skipped"]] == [2]
     np.testing.assert_array_equal(np.asarray(out["params"]["c"]), np.asarray(c + 1))
+
+
+# ---------------------------------------------------------------- bad steps are kept (issue 25, item 4)
+
+
+def _snapshot(root: str, path: str) -> dict[str, bytes]:
+    """Every file under `path` (a local folder or a gs:// prefix): relative name -> bytes."""
+    if not root.startswith("gs://"):
+        base = Path(path)
+        return {str(p.relative_to(base)): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}
+    from resilax_ckpt.storage import GcsStorage
+
+    fs = GcsStorage()._fs
+    fs.invalidate_cache()
+    prefix = path.removeprefix("gs://").rstrip("/") + "/"
+    return {name[len(prefix):]: bytes(fs.cat_file(name)) for name in sorted(fs.find(prefix))}
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
+def test_bad_steps_are_never_deleted(where: str, tmp_path: Path, request, devices) -> None:
+    """A step a restore marked bad survives the next starts' cleanup, a re-save of its number (moved
+    aside on a folder; on gs:// its attempt stays, recorded in `_kept/`), retention of the re-saved
+    step, and the starts after that: every one of its files keeps its bytes."""
+    root = str(tmp_path / "run") if where == "local" else request.getfixturevalue("gcs_root")
+    storage = open_storage(root)
+    with _manager(root, "uid-a", 1, keep_last=3) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    damaged = commit.step_data_path(storage, root, 3)
+    storage.write_bytes(storage.join(damaged, layout.METADATA_FILE), b"{not json")
+    before = _snapshot(root, damaged)
+    assert any(name.startswith("params/") for name in before)
+    with _manager(root, "uid-a", 2, keep_last=3) as mgr:
+        assert mgr.restore()["meta"] == {"step": 2}
+        assert mgr.steps() == [1, 2]
+    with _manager(root, "uid-a", 3, keep_last=3) as mgr:  # the start's cleanup runs first
+        assert mgr.steps() == [1, 2]
+        assert _snapshot(root, damaged) == before, "the start's cleanup changed or deleted the bad step"
+        mgr.save(3, _state(33))  # the number saved again on the current timeline
+        assert mgr.steps() == [1, 2, 3]
+        assert rc.restore(storage.join(root, "3"))["meta"] == {"step": 33}
+        for step in (4, 5, 6):  # retention (keep 3) deletes steps 1..3, the re-saved 3 among them
+            mgr.save(step, _state(step))
+        assert mgr.steps() == [4, 5, 6]
+    with _manager(root, "uid-a", 4, keep_last=3) as mgr:  # cleanup and stale-attempt cleanup again
+        assert mgr.steps() == [4, 5, 6]
+    kept = [json.loads(storage.read_bytes(storage.join(root, layout.KEPT_DIR, n)))
+            for n in storage.list_dir(storage.join(root, layout.KEPT_DIR))]
+    assert [(k["step"], k["why"]) for k in kept] == [(3, "bad")], kept
+    assert "not json" in kept[0]["reason"] or "_METADATA" in kept[0]["reason"], kept[0]
+    if where == "local":
+        aside = [n for n in storage.list_dir(root) if n.startswith(layout.BAD_PREFIX + "3-")]
+        assert aside == [kept[0]["folder"]]
+        assert _snapshot(root, storage.join(root, aside[0])) == before
+    else:
+        assert kept[0]["attempt"] and damaged.endswith("/" + kept[0]["attempt"])
+        assert _snapshot(root, damaged) == before, "the bad step's attempt was changed or deleted"
