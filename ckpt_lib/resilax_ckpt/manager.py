@@ -124,6 +124,11 @@ class CheckpointManager:
         restore found unreadable)."""
         return self._tiers.steps()
 
+    def superseded_steps(self) -> list[int]:
+        """The steps of timelines a rollback abandoned (docs/checkpointing.md, "Timelines"): hidden
+        from `steps()` and restore, kept on storage, never deleted."""
+        return self._tiers.superseded_steps()
+
     def persistent_steps(self) -> list[int]:
         """Committed steps of the persistent tier behind a local tier (empty without one)."""
         return self._tiers.persistent_steps()
@@ -167,7 +172,8 @@ class CheckpointManager:
             return None
         if raw == "latest":
             return self._restorer.resolve_latest(target, items)
-        return int(raw)
+        self._restorer.asked_from_env = int(raw)  # restoring it starts the job's timeline there
+        return self._restorer.asked_from_env
 
     # ------------------------------------------------------------------ save
 

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from resilax_ckpt import commit, layout, peer_client, peers, pytrees, restore_choice
+from resilax_ckpt import commit, layout, peer_client, peers, pytrees, restore_choice, timelines
 from resilax_ckpt.errors import (
     CorruptCheckpointError,
     MetadataError,
@@ -41,6 +41,9 @@ class Restorer:
         """Two tiers: "local", "peer" or "persistent" (CheckpointManager.restored_from)."""
         self.latest_from_env: int | None = None
         """The step `resolve_latest` resolved "latest" to: restoring it may fall back."""
+        self.asked_from_env: int | None = None
+        """The step RESILAX_RESTORE_STEP named: restoring it starts the generation's timeline there (a
+        rollback when newer steps are visible: timelines.py)."""
         self._count = 0
         self._local_misses: dict[int, str] = {}
         """This process's local steps (of the last two-tier agreement) it could not read whole locally, and why."""
@@ -74,14 +77,21 @@ class Restorer:
             return self.newest_good(target, items)
         t.protected_steps = (step,)
         step_path = t.local.step_path(step)
-        committed = t.steps()
+        view = commit.scan_steps(t.local.storage, t.local.root)
+        committed = view.visible
         if step not in committed:
+            if step in view.superseded:
+                raise StepNotCommittedError(f"{step_path}: {timelines.describe_superseded(step, view.superseded[step])}; "
+                                            f"committed steps: {committed}")
             if t.local.storage.exists(step_path):
                 raise StepNotCommittedError(
                     f"{step_path}: step {step} is not committed (interrupted or fenced-out save); "
                     f"committed steps: {committed}")
             raise StepNotFoundError(f"{step_path}: step {step} does not exist; committed steps: {committed}")
-        return self._read(t.local, t.local.data_path(step), step, target, items)
+        out = self._read(t.local, t.local.data_path(step), step, target, items)
+        if step == self.asked_from_env and t.is_primary:
+            timelines.record_rollback(t.local.storage, t.local.root, t.epoch, step, committed[-1])
+        return out
 
     def newest_good(self, target: Mapping[str, Any] | None, items: Iterable[str] | None) -> dict[str, Any]:
         """The newest committed step every process can read. A step that fails (a corrupt, truncated or
@@ -105,6 +115,8 @@ class Restorer:
             failures = sorted(v for v in t.exchange(f"{t.key}/restore/{self._count}/{step}", error) if v != "ok")
             if not failures:
                 assert out is not None
+                if t.is_primary:  # a fallback to an older step starts a branch (timelines.py)
+                    timelines.record_rollback(storage, root, t.epoch, step, candidates[0])
                 self._report(step, skipped)
                 return out
             reason = "; ".join(failures)
@@ -163,6 +175,10 @@ class Restorer:
                 # Local steps after the restored one belong to a timeline this generation abandons; it
                 # may save the same step numbers into the same folders: withdraw them first.
                 withdraw_local_steps_after(t, cand)
+                if t.coord.process_index == 0 and (fallback or step == self.asked_from_env):
+                    # Before any process saves on: the old timeline above `cand` is superseded.
+                    timelines.record_rollback(t.persistent.storage, t.persistent.root, t.epoch, cand,
+                                              max([cand, *agreed, *persistent]))
                 self.restored_from = source
                 self._report(cand, skipped, [
                     {"step": m, "reason": why} for m, why in sorted(self._local_misses.items()) if m >= cand])

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 
-from resilax_ckpt import backends, commit, fencing, layout, peer_client, peers
+from resilax_ckpt import backends, commit, fencing, layout, peer_client, peers, timelines
 from resilax_ckpt.multihost import Coordinator
 from resilax_ckpt.options import ManagerOptions
 from resilax_ckpt.storage import Storage, open_storage
@@ -96,14 +96,31 @@ class Tiers:
         self._ordinal += 1
         return self._ordinal
 
+    @property
+    def fence_tier(self) -> Tier:
+        """Where the fences and branch records live: the persistent tier behind a local tier."""
+        return self.persistent if self.persistent is not None else self.local
+
     def steps(self) -> list[int]:
-        """Committed (and not fenced-out) steps of the tier saves go to, ascending."""
+        """Committed steps of the current branch (not fenced out, not superseded: timelines.py) of
+        the tier saves go to, ascending."""
         storage, root = self.local.storage, self.local.root
-        if self.local_tier:  # without the steps a restore found unreadable (`<local>/_bad/`)
-            bad = commit.read_bad(storage, root)
-            return [s for s in commit.list_committed(storage, root, layout.commit_name(self.own_suffix))
-                    if s not in bad]
-        return commit.list_visible(storage, root)
+        if not self.local_tier:
+            return commit.list_visible(storage, root)
+        # Without the steps a restore found unreadable (`<local>/_bad/`) and those of a timeline a
+        # rollback abandoned (the persistent tier's branch records: a host that missed the rollback).
+        bad = commit.read_bad(storage, root)
+        marker = layout.commit_name(self.own_suffix)
+        committed = [s for s in commit.list_committed(storage, root, marker) if s not in bad]
+        if self.persistent is None:
+            return committed
+        return timelines.current_steps(
+            committed, lambda s: commit.read_marker_epoch(storage, storage.join(root, layout.step_name(s)), marker),
+            timelines.read_branches(self.persistent.storage, self.persistent.root))
+
+    def superseded_steps(self) -> list[int]:
+        """The steps of timelines a rollback abandoned, kept on storage (timelines.py)."""
+        return commit.list_superseded(self.fence_tier.storage, self.fence_tier.root)
 
     def persistent_steps(self) -> list[int]:
         """Committed steps of the persistent tier behind a local tier (empty without one)."""

@@ -94,7 +94,10 @@ def scan_steps(storage: Storage, root: str, marker: str = layout.COMMIT_FILE, us
             if step not in bad:
                 view.visible.append(step)
             continue
-        epoch = read_marker_epoch(storage, storage.join(root, layout.step_name(step)), marker)
+        try:
+            epoch = read_marker_epoch(storage, storage.join(root, layout.step_name(step)), marker)
+        except FileNotFoundError:
+            continue  # deleted since the listing (retention, a sidecar's): no longer committed
         branch = timelines.decide_superseded(step, epoch, branches)
         if branch is not None:  # also when bad: both hide it, both keep it
             view.superseded[step] = branch

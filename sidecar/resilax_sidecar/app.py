@@ -120,8 +120,7 @@ class Sidecar:
             return False
         if not self.config.uploads:
             return True
-        newest = self.uploader.state.newest_persisted if self.uploader is not None else None
-        return newest is not None and newest >= result.step
+        return self.uploader is not None and self.uploader.is_persisted(result.step)
 
     async def watch_requests(self) -> None:
         """Time each pending request until its result appears; wake the uploader when one commits."""

@@ -1,7 +1,8 @@
 """The uploader's cleanup (step 6 of the pass described in resilax_sidecar.uploader): retention on
 both tiers, and (process 0) deleting attempts that a visible step's marker does not name and partial
 or fenced-out steps older than every kept one. Only what Resilax provably wrote is ever deleted
-(`layout.is_attempt_name` entries, `layout.owns_step_folder` folders); a step marked bad is kept."""
+(`layout.is_attempt_name` entries, `layout.owns_step_folder` folders); a step marked bad or superseded
+by a rollback, and an attempt a kept record names, is kept (resilax_ckpt.timelines)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 
-from resilax_ckpt import fencing, layout
+from resilax_ckpt import fencing, layout, timelines
 
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.metrics import SidecarMetrics
@@ -72,8 +73,10 @@ class Cleaner:
             if won is None:
                 cleaned[step] = ""
                 continue
-            for name in self.store.list_dir(str(step)):
-                if layout.is_attempt_name(name) and name != won:
+            others = [n for n in self.store.list_dir(str(step)) if layout.is_attempt_name(n) and n != won]
+            keep = self.view.kept_attempts(step) if others else set()
+            for name in others:
+                if name not in keep:
                     self.store.delete_prefix(f"{step}/{name}")
                     deleted.append(f"{step}/{name}")
             cleaned[step] = won
@@ -93,7 +96,7 @@ class Cleaner:
             return False
         deleted = False
         protect = {in_flight} if in_flight is not None else set()
-        if cfg.keep_last is not None and cfg.process_id == 0 and persisted:
+        if cfg.keep_last is not None and cfg.process_id == 0 and persisted and self.memory.committed_own:
             deleted = self._trim_persistent(persisted, protect)
         if local_keep is None:
             return deleted
@@ -108,7 +111,7 @@ class Cleaner:
             self.store.delete(f"{step}/{layout.COMMIT_FILE}")
             known_committed.pop(step, None)
             self.memory.cleaned.pop(step, None)
-            self.store.delete_prefix(str(step))
+            self._delete_step_files(step)
             self.metrics.retention_deletes.labels(tier="persistent").inc()
             deleted = True
             log.info("retention: deleted step %d from %s", step, self.store.url)
@@ -119,24 +122,38 @@ class Cleaner:
         kept = sorted(s for s in persisted if s in known_committed)
         if kept:
             all_steps = (layout.parse_step(n) for n in self.store.list_dir(""))
-            hiding: tuple[dict[fencing.Epoch, int | None], set[int]] | None = None
+            hiding: tuple[dict[fencing.Epoch, int | None], set[int], list[timelines.Branch]] | None = None
             for step in sorted(s for s in all_steps if s is not None and s < kept[0]):
                 body = self.view.read_commit(step)
                 if body is None:
-                    if layout.owns_step_folder(self.store.list_dir(str(step))):
-                        self.store.delete_prefix(str(step))
+                    if layout.owns_step_folder(self.store.list_dir(str(step))) and self._delete_step_files(step):
                         log.info("retention: deleted the abandoned partial upload of step %d", step)
                     continue
                 if hiding is None:
-                    hiding = self.view.read_fences(), self.view.bad_steps()
-                fences, bad = hiding
-                if step not in bad and not fencing.decide_visible(step, fencing.parse_marker_epoch(body), fences):
+                    hiding = self.view.read_fences(), self.view.bad_steps(), self.view.branches()
+                fences, bad, branches = hiding
+                epoch = fencing.parse_marker_epoch(body)
+                # A step marked bad or superseded by a rollback is a real save: kept, never deleted.
+                if (step not in bad and timelines.decide_superseded(step, epoch, branches) is None
+                        and not fencing.decide_visible(step, epoch, fences)):
                     self.store.delete(f"{step}/{layout.COMMIT_FILE}")
                     known_committed.pop(step, None)
-                    self.store.delete_prefix(str(step))
+                    self._delete_step_files(step)
                     log.info("retention: deleted step %d, committed by a fenced-out generation (never visible)",
                              step)
         return deleted
+
+    def _delete_step_files(self, step: int) -> bool:
+        """Delete a persistent step's files, except the attempts kept records protect (a bad or
+        superseded copy of the same number); whether anything was deleted."""
+        keep = self.view.kept_attempts(step)
+        if not keep:
+            self.store.delete_prefix(str(step))
+            return True
+        doomed = [k for k in self.store.list_files(str(step)) if k.split("/", 1)[0] not in keep]
+        for key in doomed:
+            self.store.delete(f"{step}/{key}")
+        return bool(doomed)
 
     def _trim_local(self, persisted: list[int], local_keep: int, protect: set[int]) -> bool:
         # Steps a restore marked bad count like the others (kept until they age out, never uploaded).

@@ -1,7 +1,8 @@
 """The uploader's commit of a step (step 5 of the pass described in resilax_sidecar.uploader): once
 every process's `_UPLOADED` marker of one save is in the attempt, every listed file is there with its
 size and no newer generation's fence hides the step, `<step>/_COMMIT` naming the attempt is created
-(create-only); a commit that fences or a bad record hide is re-pointed, a visible one never touched."""
+(create-only); a commit that fences, a bad record or a rollback hide is re-pointed (a bad or superseded
+one recorded in `_kept/` first, resilax_ckpt.timelines), a visible one never touched."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import logging
 from typing import Any
 
-from resilax_ckpt import fencing, layout
+from resilax_ckpt import fencing, layout, timelines
 
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import StoreError
@@ -41,6 +42,7 @@ class StepCommitter:
         if existing is not None:
             if named_attempt(existing) == local.attempt:
                 known_committed[step] = local.epoch
+                self.memory.committed_own = True
                 return True
             if self.view.committed_elsewhere(local):
                 return True
@@ -112,21 +114,30 @@ class StepCommitter:
                 log.info("step %d: committed in %s (all %d processes uploaded into %s)",
                          step, self.store.url, len(markers), local.attempt)
                 known_committed[step] = local.epoch
+                self.memory.committed_own = True
                 return True
             existing = self.view.read_commit(step)
             if existing is not None and named_attempt(existing) == local.attempt:
                 log.info("step %d: already committed by another sidecar", step)
                 known_committed[step] = local.epoch
+                self.memory.committed_own = True
                 return True
             return self.view.committed_elsewhere(local)
         # Re-point a hidden commit, as resilax_ckpt.commit.commit_object does: only an older epoch's
         # that the fences hide, or a step marked bad, never a visible one.
         old_epoch = fencing.parse_marker_epoch(existing)
         bad = step in self.view.bad_steps()
-        if not bad and old_epoch >= local.epoch:
+        superseded = timelines.decide_superseded(step, old_epoch, self.view.branches()) is not None
+        if not bad and not superseded and old_epoch >= local.epoch:
             log.warning("step %d: committed by era %d generation %d, which is hidden; not replacing it with "
                         "era %d generation %d's", step, *old_epoch, *local.epoch)
             return False
+        if bad or superseded:
+            # A real save (marked bad, or of an abandoned timeline): recorded as kept before the
+            # marker moves on, so no cleanup ever deletes its attempt (resilax_ckpt.timelines).
+            why = timelines.BAD if bad else timelines.SUPERSEDED
+            self.store.create_bytes(f"{layout.KEPT_DIR}/{timelines.kept_name(step)}",
+                                    timelines.build_kept(step, why, existing, attempt=named_attempt(existing)))
         self.store.write_bytes(commit_key, local.commit_body)
         if bad:
             self.store.delete(f"{layout.BAD_DIR}/{layout.bad_name(step)}")
@@ -134,4 +145,5 @@ class StepCommitter:
         log.info("step %d: committed in %s (all %d processes uploaded into %s), replacing %s's hidden commit",
                  step, self.store.url, len(markers), local.attempt, named_attempt(existing) or "an in-place")
         known_committed[step] = local.epoch
+        self.memory.committed_own = True
         return True

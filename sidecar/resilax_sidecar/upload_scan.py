@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from resilax_ckpt import fencing, layout
+from resilax_ckpt import fencing, layout, timelines
 
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.store import BlobStore
@@ -65,6 +65,10 @@ class UploadMemory:
     """Steps whose `_UPLOADED.<process_id>` this sidecar wrote, and for which save (`attempt:digest`)."""
     cleaned: dict[int, str] = field(default_factory=dict)
     """Process 0: the committed steps whose unnamed attempts were deleted, and the attempt kept."""
+    committed_own: bool = False
+    """A save of this sidecar's trainer is committed in the persistent tier. Persistent retention
+    waits for it: the trainer restores before it saves, so by then a rollback's branch record exists
+    (resilax_ckpt.timelines) and the steps it supersedes are no longer counted (or deleted)."""
 
 
 def local_commit_marker(folder: Path, process_id: int) -> Path | None:
@@ -151,16 +155,46 @@ class TierView:
         self._fences: dict[str, tuple[str, tuple[fencing.Epoch, int | None]]] = {}
         """gs://: fence records read so far, by name: (their MD5, what they say)."""
         self._hiding_cache: tuple[set[int], float, dict[fencing.Epoch, int | None], set[int]] | None = None
+        self._records: dict[str, dict[str, object]] = {layout.BRANCHES_DIR: {}, layout.KEPT_DIR: {}}
+        """Branch and kept records read so far, by folder and name (create-only: each is read once)."""
 
     # ---- the local tier -------------------------------------------------------------------------
 
     def scan_local(self) -> list[int]:
-        """This process's locally committed steps that a restore did not mark bad (what is uploaded)."""
+        """This process's locally committed steps that a restore did not mark bad and that are on the
+        current branch (resilax_ckpt.timelines; e.g. a node that missed a rollback keeps the old
+        timeline's steps in its local tier): what is uploaded."""
         try:
             bad = list_bad_steps(os.listdir(self.local_dir / layout.BAD_DIR))
         except FileNotFoundError:
             bad = set()
-        return [s for s in list_local_steps(self.local_dir, self.config.process_id) if s not in bad]
+        steps = [s for s in list_local_steps(self.local_dir, self.config.process_id) if s not in bad]
+        # Read after listing: a local step saved after a rollback was saved after its branch record.
+        return timelines.current_steps(steps, self.local_epoch, self._branches or [])
+
+    def local_epoch(self, step: int) -> fencing.Epoch:
+        """The epoch in this process's local commit marker of `step` ((-1, -1) when unreadable)."""
+        marker = local_commit_marker(self.local_dir / str(step), self.config.process_id)
+        try:
+            return fencing.parse_marker_epoch(marker.read_bytes()) if marker is not None else (-1, -1)
+        except FileNotFoundError:
+            return (-1, -1)
+
+    def local_attempt(self, step: int) -> str | None:
+        """The persistent attempt this process's local save of `step` is uploaded into (its identity),
+        or None when the local step is gone."""
+        marker = local_commit_marker(self.local_dir / str(step), self.config.process_id)
+        try:
+            body = marker.read_bytes() if marker is not None else None
+        except FileNotFoundError:
+            body = None
+        if body is None:
+            return None
+        era, generation = self._epoch_of(body, None)
+        save = ""
+        with contextlib.suppress(ValueError, AttributeError):
+            save = str(json.loads(body).get("save") or "")
+        return layout.upload_attempt_name(era, generation, step, save)
 
     def read_local_step(self, step: int) -> LocalStep:
         """The files of a local step this process uploads, and what identifies the save."""
@@ -229,8 +263,17 @@ class TierView:
                 known_committed.pop(step, None)
             else:
                 known_committed[step] = fencing.parse_marker_epoch(body)
+        # A rollback's branch record is written by a new generation's restore, before its first save:
+        # listed again when a local save appears until this generation's first commit (an idle turn
+        # lists nothing; a new generation resets committed_own: Uploader.set_config).
+        local = tuple(list_local_steps(self.local_dir, self.config.process_id))
+        if self._branches is None or (not self.memory.committed_own and local != self._branches_local):
+            self._branches_local = local
+            self.branches()
+        branches = self._branches or []
         return sorted(s for s, epoch in known_committed.items()
-                      if s not in bad and fencing.decide_visible(s, epoch, fences))
+                      if s not in bad and fencing.decide_visible(s, epoch, fences)
+                      and timelines.decide_superseded(s, epoch, branches) is None)
 
     def _hiding(self, present: set[int]) -> tuple[dict[fencing.Epoch, int | None], set[int]]:
         """The fences and the bad records, as `scan_persisted` uses them: read again when the set of
@@ -256,10 +299,40 @@ class TierView:
             return None
 
     def visible(self, step: int, epoch: fencing.Epoch) -> bool:
-        """Whether a step committed at `epoch` is visible now (fences, bad records)."""
-        if step in self.bad_steps():
+        """Whether a step committed at `epoch` is visible now (fences, bad records, branches)."""
+        if step in self.bad_steps() or timelines.decide_superseded(step, epoch, self.branches()) is not None:
             return False
         return fencing.decide_visible(step, epoch, self.read_fences())
+
+    def branches(self) -> list[timelines.Branch]:
+        """The rollbacks recorded in the persistent tier (`_branches/`; one listing, new records read;
+        `scan_local` uses the last list, so an idle turn lists nothing on the persistent tier)."""
+        self._branches = [r for r in self._read_records(layout.BRANCHES_DIR, timelines.parse_branch)
+                          if isinstance(r, timelines.Branch)]
+        return self._branches
+
+    _branches: list[timelines.Branch] | None = None
+    _branches_local: tuple[int, ...] = ()
+
+    def kept_attempts(self, step: int) -> set[str]:
+        """The attempts under `<step>/` that kept records protect (a bad or superseded copy whose
+        number was saved again): never deleted."""
+        kept = [r for r in self._read_records(layout.KEPT_DIR, timelines.parse_kept) if isinstance(r, timelines.Kept)]
+        return timelines.kept_attempts(kept, step)
+
+    def _read_records(self, folder: str, parse: Callable[[str, bytes], object | None]) -> list[object]:
+        names = self.store.list_dir(folder)
+        cache = self._records[folder]
+        for name in names:
+            if name in cache:
+                continue
+            try:
+                parsed = parse(name, self.store.read_bytes(f"{folder}/{name}"))
+            except FileNotFoundError:
+                continue
+            if parsed is not None:
+                cache[name] = parsed
+        return [cache[n] for n in names if n in cache]
 
     def read_fences(self) -> dict[fencing.Epoch, int | None]:
         """Every fence record (resilax_ckpt.fencing). On gs:// a record whose MD5 (free in the

@@ -159,6 +159,10 @@ class Uploader:
     def set_config(self, config: SidecarConfig) -> None:
         """New generation-dependent settings (an in-place restart's assignment): each part reads them
         at its next use. A step keeps the identity its own local `_COMMIT` records."""
+        if config.generation != self.config.generation:
+            # A new generation's trainer restores first (maybe a rollback): persistent retention waits
+            # for its first commit again, and the branch records are listed until then.
+            self.memory.committed_own = False
         self.config = config
         for part in (self.view, self.copier, self.committer, self.cleaner):
             part.config = config
@@ -218,13 +222,29 @@ class Uploader:
         with self._changed:
             self._changed.notify_all()
 
+    def is_persisted(self, step: int) -> bool:
+        """Whether this host's save of `step` is in the persistent tier: that very save (its commit
+        marker names the attempt of this save's identity, resilax_ckpt.layout.upload_attempt_name) is
+        committed and visible, or a newer step of the current branch saved by this save's epoch or a
+        later one is (an urgent upload moved on to it). A step of an abandoned timeline with the same
+        number or a higher one never counts (resilax_ckpt.timelines)."""
+        committed = self.state.committed_steps
+        attempt = self.view.local_attempt(step)
+        if attempt is None:  # gone from the local tier: only the current branch's numbers are left
+            return any(s >= step for s in committed)
+        if step in committed:
+            body = self.view.read_commit(step)
+            if body is not None and named_attempt(body) == attempt:
+                return True
+        epoch = self.view.local_epoch(step)
+        return any(s > step and self.memory.known_committed.get(s, (-1, -1)) >= epoch for s in committed)
+
     def wait_persisted(self, step: int, timeout: float) -> bool:
-        """Block until `step` (or a newer one) is committed in the persistent tier, or `timeout`."""
+        """Block until this host's save of `step` is persisted (`is_persisted`), or `timeout`."""
         deadline = self._clock() + timeout
         with self._changed:
             while True:
-                newest = self.state.newest_persisted
-                if newest is not None and newest >= step:
+                if self.is_persisted(step):
                     return True
                 left = deadline - self._clock()
                 if left <= 0:

@@ -105,7 +105,7 @@ def scenario_restore(args):
         step_arg = mgr.restore_step_from_env({"RESILAX_RESTORE_STEP": "latest"}, target=target)
     out = mgr.restore(step_arg, target=target)
     step = out["meta"]["step"]
-    want = expected(step)
+    want = expected(step + out["meta"].get("offset", 0))  # offset: which timeline saved it (test_timelines)
     for name, value in want.items():
         arr = out["params"][name]
         assert arr.sharding == target["params"][name].sharding, (name, arr.sharding)
@@ -175,7 +175,62 @@ def scenario_orbax_restore(args):
     return {"process": jax.process_index(), "shards": len(w.addressable_shards)}
 
 
-SCENARIOS = {"save": scenario_save, "restore": scenario_restore, "requests": scenario_requests,
+def scenario_timeline(args):
+    """One generation of a job (test_timelines.py): restore per `restore_step` (RESILAX_RESTORE_STEP:
+    `latest`, `none` or a number; checking every shard against the values its timeline saved), then
+    save `steps` with values `step + offset`. With `persistent` (two tiers, the sidecars upload) and
+    `wait_persisted`, wait after each save until the persistent tier holds that very save (its marker
+    names the attempt of this save's identity)."""
+    import jax
+    import numpy as np
+    import resilax_ckpt as rc
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from resilax_ckpt import commit, layout
+    from resilax_ckpt.storage import open_storage
+
+    mesh = global_mesh(args["mesh"])
+    pid = jax.process_index()
+    persistent = args.get("persistent")
+    mgr = rc.CheckpointManager(args["root"].format(pid=pid), options(args), persistent_directory=persistent)
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P(*SPECS[k])))
+                         for k, v in expected(0).items()}}
+    restored = None
+    asked = mgr.restore_step_from_env({"RESILAX_RESTORE_STEP": str(args.get("restore_step", "latest"))},
+                                      target=target)
+    if asked is not None:
+        out = mgr.restore(asked, target=target)
+        restored = dict(out["meta"])
+        want = expected(restored["step"] + restored.get("offset", 0))
+        for name, value in want.items():
+            for shard in out["params"][name].addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
+    storage = open_storage(persistent) if persistent else None
+    for step in args.get("steps", []):
+        mgr.save(step, {"params": make_state(step + args.get("offset", 0), mesh),
+                        "meta": {"step": step, "offset": args.get("offset", 0)}}, force=True)
+        mgr.wait()
+        if storage is not None and args.get("wait_persisted"):
+            folder = os.path.join(args["root"].format(pid=pid), str(step))
+            marker = next(os.path.join(folder, n) for n in (layout.COMMIT_FILE, layout.commit_name(pid))
+                          if os.path.exists(os.path.join(folder, n)))
+            with open(marker) as f:
+                body = json.load(f)
+            want_attempt = layout.upload_attempt_name(body["era"], body["generation"], step, body["save"])
+            deadline = time.monotonic() + 120
+            while True:
+                if step in commit.list_visible(storage, persistent) and commit.step_data_path(
+                        storage, persistent, step).endswith("/" + want_attempt):
+                    break
+                assert time.monotonic() < deadline, f"step {step} was not uploaded within 120 s"
+                time.sleep(0.1)
+    mgr.close()
+    return {"process": pid, "restored": restored, "steps": mgr.steps(), "superseded": mgr.superseded_steps(),
+            "persistent_steps": mgr.persistent_steps(), "restored_from": mgr.restored_from,
+            "report": mgr.restore_report}
+
+
+SCENARIOS = {"save": scenario_save, "timeline": scenario_timeline, "restore": scenario_restore, "requests": scenario_requests,
              "orbax_restore": scenario_orbax_restore}
 
 if __name__ == "__main__":
