@@ -25,6 +25,7 @@ from resilax_ckpt.errors import (
     StepNotCommittedError,
     StepNotFoundError,
     StorageError,
+    StorageInUseError,
     TreeMismatchError,
 )
 
@@ -35,6 +36,7 @@ _LAZY = {
     "EXIT_CODE_STOPPED": "resilax_ckpt.manager", "CheckpointManager": "resilax_ckpt.manager",
     "restore": "resilax_ckpt.manager", "save": "resilax_ckpt.manager",
     "initialize_distributed_from_env": "resilax_ckpt.multihost", "EXIT_CODE_PEER_LOST": "resilax_ckpt.multihost",
+    "EXIT_CODE_STORAGE_IN_USE": "resilax_ckpt.multihost",
     "InvalidOptionsError": "resilax_ckpt.options", "ManagerOptions": "resilax_ckpt.options",
     "restore_orbax": "resilax_ckpt.orbax_import",
 }
@@ -42,7 +44,11 @@ _LAZY = {
 if TYPE_CHECKING:
     from resilax_ckpt.items import PerProcess, UnsupportedLeafError
     from resilax_ckpt.manager import EXIT_CODE_STOPPED, CheckpointManager, restore, save
-    from resilax_ckpt.multihost import EXIT_CODE_PEER_LOST, initialize_distributed_from_env
+    from resilax_ckpt.multihost import (
+        EXIT_CODE_PEER_LOST,
+        EXIT_CODE_STORAGE_IN_USE,
+        initialize_distributed_from_env,
+    )
     from resilax_ckpt.options import InvalidOptionsError, ManagerOptions
     from resilax_ckpt.orbax_import import restore_orbax
 
@@ -61,6 +67,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "EXIT_CODE_PEER_LOST",
     "EXIT_CODE_STOPPED",
+    "EXIT_CODE_STORAGE_IN_USE",
     "CheckpointManager",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
@@ -79,6 +86,7 @@ __all__ = [
     "StepNotCommittedError",
     "StepNotFoundError",
     "StorageError",
+    "StorageInUseError",
     "TreeMismatchError",
     "UnsupportedLeafError",
     "initialize_distributed_from_env",

@@ -62,3 +62,16 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class MissingChunkError(IncompleteStepError):
     """A chunk file a restore needs does not exist; the message names the file."""
+
+
+class StorageInUseError(ResilaxCkptError, RuntimeError):
+    """A live JAXJob of another uid holds the checkpoint storage (fencing.decide_claim): this job neither
+    takes it over (unless told to: spec.checkpoint.takeOver) nor runs on it. The worker exits with
+    EXIT_CODE_STORAGE_IN_USE (78) and this message as its termination message."""
+
+    def __init__(self, message: str, holder_uid: str | None = None, holder_job: str | None = None,
+                 taken_over: bool = False) -> None:
+        super().__init__(message)
+        self.holder_uid = holder_uid
+        self.holder_job = holder_job
+        self.taken_over = taken_over

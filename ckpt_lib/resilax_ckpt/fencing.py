@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 
 from resilax_ckpt import layout
-from resilax_ckpt.errors import FencedError
+from resilax_ckpt.errors import FencedError, StorageInUseError
 from resilax_ckpt.storage import Storage
 
 #: (era, generation): what orders the sets of workers that ever wrote to one storage.
@@ -69,43 +70,117 @@ def parse_fence(name: str, data: bytes) -> tuple[Epoch, int | None] | None:
         return None  # half-written by a crashed primary: its generation is gone anyway
 
 
-def claim_era(storage: Storage, root: str, job_uid: str | None) -> int:
-    """The era of `job_uid` on this storage, claimed on first use (see the module docstring).
-    Called on: any process that writes a fence or a commit marker; idempotent."""
+@dataclass(frozen=True)
+class EraClaim:
+    """`<root>/_fences/era-<era>.json`: which JAXJob claimed an era of this storage."""
+
+    era: int
+    job_uid: str | None
+    job: str | None = None
+    """`<namespace>/<name>` of the JAXJob, when the claim recorded it."""
+
+    def describe(self) -> str:
+        return f"JAXJob {self.job} (uid {self.job_uid})" if self.job else f"the job with uid {self.job_uid}"
+
+
+@dataclass(frozen=True)
+class ClaimDecision:
+    """What a job does at start with the era claims of its storage (`decide_claim`)."""
+
+    era: int | None
+    """The era to use (claimed already, or to claim now); None when refused."""
+    holder: EraClaim | None = None
+    """Refused: the live job of another uid that holds the storage."""
+    taken_over: bool = False
+    """Refused, and this job had claimed the storage before the holder took it over."""
+
+
+def decide_claim(claims: Iterable[EraClaim], job_uid: str, live_uids: Collection[str], take_over: bool) -> ClaimDecision:
+    """Which era a job of `job_uid` works in, or that it must not (pure). The newest claim holds the
+    storage. A job that holds it keeps its era. The newest claim being another job's that is live
+    (`live_uids`: the other non-finished JAXJobs the operator knows with the same storage) refuses this
+    one unless `take_over`: its commits would fence the live job out, and their retentions would delete
+    each other's steps. Otherwise a job that claimed before keeps its older era (a job replaced on this
+    storage stays fenced out), and a new one, or one taking over, claims the era above the newest."""
+    claims = sorted(claims, key=lambda c: c.era)
+    if not claims:
+        return ClaimDecision(1)
+    top = claims[-1]
+    own = max((c.era for c in claims if c.job_uid == job_uid), default=None)
+    if own == top.era:
+        return ClaimDecision(own)
+    if top.job_uid in live_uids and not take_over:
+        return ClaimDecision(None, top, taken_over=own is not None)
+    if own is not None and not take_over:
+        return ClaimDecision(own)
+    return ClaimDecision(top.era + 1)
+
+
+def claim_era(storage: Storage, root: str, job_uid: str | None, *, job: str | None = None,
+              live_uids: Collection[str] = (), take_over: bool = False) -> int:
+    """The era of `job_uid` on this storage, claimed on first use (see the module docstring and
+    `decide_claim`); raises StorageInUseError when a live job of another uid holds the storage and
+    `take_over` is false. Called on: any process that writes a fence or a commit marker; idempotent."""
     if not job_uid:
         return 0
     folder = storage.join(root, layout.FENCES_DIR)
-    claimed: dict[int, str | None] = {}
-    for name in storage.list_dir(folder):
-        era = _parse_era_name(name)
-        if era is not None:
-            claimed[era] = _claim_owner(storage, storage.join(folder, name))
-            if claimed[era] == job_uid:
-                return era
-    era = max(claimed, default=0) + 1
-    body = json.dumps({"job_uid": job_uid, "time": time.time()}).encode()
+    claims = read_claims(storage, root)
+    decision = decide_claim(claims, job_uid, live_uids, take_over)
+    if decision.era is None:
+        assert decision.holder is not None
+        raise _in_use(root, decision.holder, decision.taken_over)
+    era = decision.era
+    if any(c.era == era and c.job_uid == job_uid for c in claims):
+        return era
+    body = json.dumps({"job_uid": job_uid, "job": job, "time": time.time()}).encode()
     while True:
         path = storage.join(folder, f"era-{era}.json")
         try:
             storage.write_bytes(path, body, create_only=True)
             return era
         except FileExistsError:
-            if _claim_owner(storage, path) == job_uid:
+            other = _read_claim(storage, folder, f"era-{era}.json")
+            if other is None or other.job_uid == job_uid:
                 return era  # another process of this job claimed it first
+            if other.job_uid in live_uids and not take_over:
+                raise _in_use(root, other, False) from None  # a live job claimed it just before us
             era += 1
+
+
+def read_claims(storage: Storage, root: str) -> list[EraClaim]:
+    """Every era claim of the storage (`<root>/_fences/era-<E>.json`)."""
+    folder = storage.join(root, layout.FENCES_DIR)
+    return [c for c in (_read_claim(storage, folder, name) for name in storage.list_dir(folder)) if c is not None]
+
+
+def _in_use(root: str, holder: EraClaim, taken_over: bool) -> StorageInUseError:
+    if taken_over:
+        what = (f"{root}: the checkpoint storage was taken over by {holder.describe()} (era {holder.era}), a live "
+                "job: this job can no longer commit there")
+    else:
+        what = (f"{root}: the checkpoint storage is in use by {holder.describe()} (era {holder.era}), a live job; "
+                "this job does not take it over (its commits would fence that job out and their retentions would "
+                "delete each other's steps)")
+    return StorageInUseError(f"{what}; give this job a storage of its own, or set spec.checkpoint.takeOver: "
+                             "true to take the storage over", holder.job_uid, holder.job, taken_over)
+
+
+def _read_claim(storage: Storage, folder: str, name: str) -> EraClaim | None:
+    era = _parse_era_name(name)
+    if era is None:
+        return None
+    try:
+        raw = json.loads(storage.read_bytes(storage.join(folder, name)))
+        job = raw.get("job")
+        return EraClaim(era, str(raw.get("job_uid")), str(job) if job else None)
+    except (FileNotFoundError, ValueError, AttributeError):
+        return EraClaim(era, None)
 
 
 def _parse_era_name(name: str) -> int | None:
     if name.startswith("era-") and name.endswith(".json") and name[4:-5].isdigit():
         return int(name[4:-5])
     return None
-
-
-def _claim_owner(storage: Storage, path: str) -> str | None:
-    try:
-        return str(json.loads(storage.read_bytes(path)).get("job_uid"))
-    except (FileNotFoundError, ValueError, AttributeError):
-        return None
 
 
 def write_fence(storage: Storage, root: str, generation: int | Epoch, latest_step: int | None) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
-from resilax_ckpt.errors import SaveError, StorageError
+from resilax_ckpt.errors import SaveError, StorageError, StorageInUseError
 from resilax_ckpt.options import InvalidOptionsError
 from resilax_ckpt.trainer_metrics import count_jax_event
 
@@ -127,6 +127,10 @@ STORAGE_ERROR_MODULES = ("aiohttp", "gcsfs", "fsspec", "google.api_core", "googl
 #: kvstore's "Error reading/writing" with the key, the spec it prints.
 STORAGE_ERROR_SIGNS = ("http_response_code", "curl error", "curl_code", "error reading", "error writing",
                        "error opening", "tensorstore_spec", "local file", "gs://", "storage.googleapis.com")
+#: Exit code of a process whose job may not use its checkpoint storage: a live JAXJob of another uid
+#: holds it (errors.StorageInUseError). The operator reports StorageInUse and does not restart it.
+#: sysexits' EX_CONFIG ("configuration error").
+EXIT_CODE_STORAGE_IN_USE = 78
 _watchdog_armed = False
 
 
@@ -174,6 +178,8 @@ def arm_exit_watchdog(grace_seconds: float = EXIT_GRACE_SECONDS) -> bool:
     """After an unhandled exception the process exits promptly, whatever its exit waits for:
     * the exception says a peer process is gone (`is_peer_loss`): at once, with EXIT_CODE_PEER_LOST
       (76); jax.distributed's shutdown could only wait for the dead peer;
+    * the job may not use its checkpoint storage (`StorageInUseError`): at once, with
+      EXIT_CODE_STORAGE_IN_USE (78);
     * any other: with code 1 within `grace_seconds` (the exit's own clean-up may run meanwhile).
     Without it, a trainer that raises while its peers wait for it (in a collective, a barrier), or
     whose peer died, hangs at exit in jax.distributed's shutdown, which waits for every peer up to its
@@ -191,6 +197,8 @@ def arm_exit_watchdog(grace_seconds: float = EXIT_GRACE_SECONDS) -> bool:
         previous(kind, value, tb)
         if is_peer_loss(value):
             _exit_now(EXIT_CODE_PEER_LOST, f"{kind.__name__}: a peer process of this generation is gone")
+        if isinstance(value, StorageInUseError):
+            _exit_now(EXIT_CODE_STORAGE_IN_USE, f"{kind.__name__}: {value}")
         _exit_after(grace_seconds, EXIT_CODE_UNHANDLED, f"unhandled {kind.__name__}")
 
     sys.excepthook = on_unhandled
@@ -240,7 +248,8 @@ def count_compilation_cache() -> None:
 def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Call `jax.distributed.initialize` from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
     JAX_PROCESS_ID (set by the operator) when there are several processes, and arm the exit watchdog
-    (`arm_exit_watchdog`; RESILAX_EXIT_GRACE_SECONDS, default 10, 0: off). Returns whether it
+    (`arm_exit_watchdog`; RESILAX_EXIT_GRACE_SECONDS, default 10, 0: off; in a one-process worker of a
+    JAXJob, RESILAX_JOB_UID set, too: StorageInUseError exits 78 there as well). Returns whether it
     initialized. RESILAX_INIT_TIMEOUT_SECONDS, when set, is how long to wait for the other processes
     (the operator sets it when workers may wait for nodes that do not exist yet or for a queue's
     admission; JAX's default is 300 s). SIGUSR1 then writes every thread's stack to stderr (faulthandler),
@@ -251,14 +260,16 @@ def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> boo
     count_compilation_cache()
     address = env.get("JAX_COORDINATOR_ADDRESS", "").strip()
     count = env.get("JAX_NUM_PROCESSES", "").strip()
-    if not address or not count or int(count) <= 1:
-        return False
     raw = env.get("RESILAX_EXIT_GRACE_SECONDS", "").strip()
     try:
         grace = float(raw) if raw else EXIT_GRACE_SECONDS
     except ValueError:
         raise InvalidOptionsError(f"RESILAX_EXIT_GRACE_SECONDS={raw!r} is not a number of seconds; allowed: "
                                   "a number >= 0 (0: no exit watchdog)") from None
+    if not address or not count or int(count) <= 1:
+        if env.get("RESILAX_JOB_UID"):  # a one-process worker of a JAXJob: its exit codes tell the operator
+            arm_exit_watchdog(grace)
+        return False
     import jax
 
     kwargs: dict[str, Any] = {"coordinator_address": address, "num_processes": int(count),

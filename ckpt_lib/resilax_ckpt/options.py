@@ -40,6 +40,19 @@ class ManagerOptions:
     """The JAXJob's uid (RESILAX_JOB_UID): a job re-created on storage an earlier job used gets a
     newer era (fencing.py), so its generations, which restart at 1, outrank the old job's."""
 
+    job_name: str | None = None
+    """`<namespace>/<name>` of the JAXJob (RESILAX_NAMESPACE, RESILAX_JOB_NAME), recorded with its era
+    claim so that another job refused the storage is told which job holds it."""
+
+    live_job_uids: tuple[str, ...] = ()
+    """The uids of the other live JAXJobs with the same storage (RESILAX_LIVE_JOB_UIDS, comma-separated,
+    set by the operator): when one of them holds the storage (the newest era claim), this job does not
+    take it over but raises StorageInUseError (fencing.decide_claim), unless `take_over`."""
+
+    take_over: bool = False
+    """Take the storage over from a live job that holds it (RESILAX_TAKE_OVER=true, from
+    spec.checkpoint.takeOver): that job's workers can no longer commit there."""
+
     local_tier: bool = False
     """The directory is per host (the local fast tier): every process writes every shard it holds,
     its own metadata and its own `_COMMIT`; no cross-process barrier is needed."""
@@ -155,6 +168,10 @@ class ManagerOptions:
             "generation": number("RESILAX_GENERATION", int) or 0,
             "control_dir": env.get("RESILAX_CONTROL_DIR") or None,
             "job_uid": env.get("RESILAX_JOB_UID") or None,
+            "job_name": (f"{env.get('RESILAX_NAMESPACE', '').strip()}/{env['RESILAX_JOB_NAME'].strip()}"
+                         if env.get("RESILAX_JOB_NAME", "").strip() else None),
+            "live_job_uids": tuple(u.strip() for u in env.get("RESILAX_LIVE_JOB_UIDS", "").split(",") if u.strip()),
+            "take_over": env.get("RESILAX_TAKE_OVER", "").strip().lower() in ("1", "true", "yes"),
             "slice_id": number("RESILAX_SLICE_ID", int) or 0,
             "node_name": env.get("RESILAX_NODE_NAME", "").strip(),
             "sidecar_token_file": env.get("RESILAX_SIDECAR_TOKEN_FILE", "").strip() or None,

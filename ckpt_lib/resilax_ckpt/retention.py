@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from resilax_ckpt import commit, policy
+from resilax_ckpt import commit, fencing, layout, policy
 from resilax_ckpt.tiers import Tiers
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,10 @@ def apply_retention(tiers: Tiers) -> None:
     storage, root = tiers.local.storage, tiers.local.root
     doomed = policy.plan_retention(tiers.steps(), opts.keep_last, opts.keep_every_steps,
                                    protected=tiers.protected_steps)
+    if doomed and opts.live_job_uids:  # never a step another live job committed (a taken-over storage)
+        live = {c.era for c in fencing.read_claims(storage, root) if c.job_uid in opts.live_job_uids}
+        doomed = [s for s in doomed if not live or commit.read_marker_epoch(
+            storage, storage.join(root, layout.step_name(s)))[0] not in live]
     for step in doomed:
         if tiers.recycles and commit.retire_step(root, step, opts.recycle_pool):
             log.info("retention retired step %d in %s for recycling", step, root)

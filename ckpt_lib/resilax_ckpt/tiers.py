@@ -156,7 +156,9 @@ def open_tiers(directory: str, options: ManagerOptions, coord: Coordinator, key:
     # The epoch of this generation (fencing.py): the era is claimed where the fences live.
     if tiers.is_primary:
         fences = persistent if persistent is not None else tiers.local
-        tiers.epoch = (fencing.claim_era(fences.storage, fences.root, options.job_uid), options.generation)
+        tiers.epoch = (fencing.claim_era(fences.storage, fences.root, options.job_uid, job=options.job_name,
+                                         live_uids=options.live_job_uids, take_over=options.take_over),
+                       options.generation)
     if tiers.is_primary and not tiers.local_tier:
         commit.claim_root(storage, root)
         commit.clean_leftovers(storage, root, options.generation)

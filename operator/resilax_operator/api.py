@@ -92,6 +92,9 @@ EXIT_CODE_STOPPED: Final = 75
 #: The trainer's exit code for "a peer process of my generation is gone" (resilax_ckpt.EXIT_CODE_PEER_LOST):
 #: not its own failure; the cause is elsewhere (a node down, a peer that failed).
 EXIT_CODE_PEER_LOST: Final = 76
+#: The trainer's exit code for "a live JAXJob of another uid holds the checkpoint storage"
+#: (resilax_ckpt.EXIT_CODE_STORAGE_IN_USE): the job fails with StorageInUse instead of fencing it out.
+EXIT_CODE_STORAGE_IN_USE: Final = 78
 
 # --- phases ---
 PHASE_PENDING: Final = "Pending"
@@ -167,6 +170,9 @@ POD_LOSS_BACKOFF = Reason("PodLossBackoff", "pod-level loss {losses} in a row (f
 POD_LOSSES_EXCEEDED = Reason("PodLossesExceeded", "{losses} pod-level losses in a row, none after a generation that "
                              "ran {reset}s (operator setting max_pod_losses={max_losses}); last: {detail}")
 BACKOFF = Reason("Backoff", "restart {failures} of {max_restarts} after a worker failure; waiting until {until}")
+STORAGE_IN_USE = Reason("StorageInUse", "spec.checkpoint.storage {storage} is in use by {holders}, live on the same "
+                        "storage; worker {pod} refused to take it over (exit 78), which would stop that job's "
+                        "commits; give this job a storage of its own, or set spec.checkpoint.takeOver: true")
 MAX_RESTARTS_EXCEEDED = Reason("MaxRestartsExceeded", "worker failures exceeded recovery.maxRestarts={max_restarts}; last: {detail}")
 SPEC_RESIZED = Reason("SpecResized", "spec changed: resizing from {old} to {new}")
 GROW_BACK = Reason("GrowBack", "capacity returned: growing from {old} to {new}")

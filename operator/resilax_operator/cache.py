@@ -287,6 +287,10 @@ class WorldCache:
                 return found
         return None
 
+    def all_jobs(self) -> list[Body]:
+        """Every JAXJob the operator watches (for the jobs sharing a storage: observed.decide_storage_sharers)."""
+        return [body for informer in self.jobs for body in informer.items()]
+
     def pods_of(self, namespace: str, job: str) -> tuple[list[Mapping[str, Any]], list[ObservedPod]]:
         """The pods labelled with the job's name (any generation, by name): as stored, and parsed (the
         workers among them). Which are the job's own is the owner's uid's to say (`observed.owner_uid`)."""

@@ -37,6 +37,9 @@ class GenerationPlan:
     #: The pod of each process id (status.workerPods); () or "" for a process: the name `build_pod_name`
     #: gives this generation. A pod kept by an in-place restart keeps the name it was created with.
     worker_pods: tuple[str, ...] = ()
+    #: The uids of the other live JAXJobs with the same spec.checkpoint.storage (Observed.storage_sharers):
+    #: the workers refuse to take the storage over from one of them (RESILAX_LIVE_JOB_UIDS).
+    live_job_uids: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.pools) != self.shape.count:

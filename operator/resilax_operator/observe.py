@@ -27,6 +27,7 @@ from .observed import (
     SaveOutcome,
     TrainerReport,
     assemble_observed,
+    decide_storage_sharers,
     nodes_needing_lease,
     parse_job_ref,
     parse_lease,
@@ -92,7 +93,8 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
     outcomes = observe_save_outcomes(kube, status, pods, settings, logger)
     observed = assemble_observed(job, now=now, pods=workers,
                                  services=cache.services_of(ref.namespace, ref.name),
-                                 nodes=cache.nodes_for(ref.namespace, ref.name), save_outcomes=outcomes)
+                                 nodes=cache.nodes_for(ref.namespace, ref.name), save_outcomes=outcomes,
+                                 storage_sharers=decide_storage_sharers(job, cache.all_jobs()))
     needing_lease = nodes_needing_lease(observed)
     if needing_lease:
         observed = with_leases(observed, observe_leases(kube, needing_lease, logger))

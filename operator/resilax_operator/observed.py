@@ -72,6 +72,9 @@ class Observed:
     trainer: TrainerReport | None = None
     #: Pod name → its supervised trainer's incarnation, from the sidecars asked (trainer_process.py).
     trainer_processes: Mapping[str, TrainerProcess] = field(default_factory=dict, hash=False)
+    #: (uid, "namespace/name") of the other live JAXJobs with the same spec.checkpoint.storage
+    #: (`decide_storage_sharers`): the workers do not take the storage over from them.
+    storage_sharers: tuple[tuple[str, str], ...] = ()
 
     def node(self, name: str | None) -> ObservedNode | None:
         return self._nodes_by_name.get(name) if name else None
@@ -129,7 +132,8 @@ def build_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[Mapp
 def assemble_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[ObservedPod],
                       services: Iterable[tuple[int, str]], nodes: Sequence[ObservedNode],
                       save_outcomes: Iterable[SaveOutcome] = (), checkpoint: CheckpointInfo | None = None,
-                      restore: RestoreReport | None = None, trainer: TrainerReport | None = None) -> Observed:
+                      restore: RestoreReport | None = None, trainer: TrainerReport | None = None,
+                      storage_sharers: Iterable[tuple[str, str]] = ()) -> Observed:
     """Observed from parts already parsed: the pods and Services (generation, owner uid) labelled with
     the job's name and every node, sorted by name, with the devices others hold counted
     (`in_use_by_others`). Only what the job owns (`owner_uid` = its uid) is its own: a pod or Service
@@ -143,7 +147,28 @@ def assemble_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[O
                     spec_generation=int(meta.get("generation") or 0),
                     pods=tuple(sorted(mine, key=lambda p: p.name)), services=tuple(sorted(generations)),
                     nodes=tuple(nodes), save_outcomes=tuple(save_outcomes), checkpoint=checkpoint, restore=restore,
-                    trainer=trainer)
+                    trainer=trainer, storage_sharers=tuple(storage_sharers))
+
+
+def decide_storage_sharers(job: Mapping[str, Any], jobs: Iterable[Mapping[str, Any]]) -> tuple[tuple[str, str], ...]:
+    """(uid, "namespace/name") of the other JAXJobs among `jobs` (any namespace the operator sees) that
+    are live — not Succeeded or Failed, not being deleted — with the same `spec.checkpoint.storage`,
+    sorted. The workers refuse to take the storage over from one of them; only the storage's own era
+    records say whether one holds it (the same path on two volumes is two storages)."""
+    def storage(body: Mapping[str, Any]) -> str:
+        checkpoint = (body.get("spec") or {}).get("checkpoint") or {}
+        value = checkpoint.get("storage") if isinstance(checkpoint, Mapping) else None
+        return value.rstrip("/") if isinstance(value, str) else ""
+
+    mine, uid = storage(job), str((job.get("metadata") or {}).get("uid", ""))
+    out = set()
+    for other in jobs:
+        meta = other.get("metadata") or {}
+        phase = (other.get("status") or {}).get("phase")
+        if (mine and storage(other) == mine and str(meta.get("uid", "")) not in ("", uid)
+                and phase not in api.TERMINAL_PHASES and not meta.get("deletionTimestamp")):
+            out.add((str(meta["uid"]), f"{meta.get('namespace', '')}/{meta.get('name', '')}"))
+    return tuple(sorted(out))
 
 
 def nodes_needing_lease(observed: Observed) -> list[str]:

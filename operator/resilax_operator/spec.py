@@ -108,6 +108,8 @@ class CheckpointSpec:
     final_save: FinalSaveSpec = FinalSaveSpec()
     #: `latest`, `none` or a step number (decimal string); used by the first generation only.
     restore_step: str = RESTORE_LATEST
+    #: Take the storage over from another live JAXJob holding it (its workers can no longer commit there).
+    take_over: bool = False
 
 
 @dataclass(frozen=True)
@@ -341,6 +343,7 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
                                       default=DEFAULT_FINAL_SAVE_TIMEOUT_SECONDS, minimum=1)
             or DEFAULT_FINAL_SAVE_TIMEOUT_SECONDS),
         restore_step=_restore_step(r, rs, f"{cp}.restore"),
+        take_over=r.boolean(c, "takeOver", cp, default=False),
     )
 
     rc = r.obj(raw, "recovery", p) or {}

@@ -38,6 +38,7 @@ def build_generation_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geome
         "RESILAX_HOSTS_PER_SLICE": str(geometry.hosts),
         "RESILAX_GENERATION": str(plan.generation),
         "RESILAX_RESTORE_STEP": plan.restore_step,
+        "RESILAX_LIVE_JOB_UIDS": ",".join(plan.live_job_uids),
     }
     if geometry.is_tpu:
         service = build_workers_service_name(job.name)
@@ -112,6 +113,8 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         _var("RESILAX_PERSIST_EVERY_STEPS",
              "" if c.local is None or c.local.persist_every_steps is None else c.local.persist_every_steps),
         _var("RESILAX_RESTORE_STEP", g["RESILAX_RESTORE_STEP"]),
+        _var("RESILAX_LIVE_JOB_UIDS", g["RESILAX_LIVE_JOB_UIDS"]),
+        _var("RESILAX_TAKE_OVER", "true" if c.take_over else ""),
         _var("RESILAX_SIDECAR_PORT", settings.sidecar_port),
         _var("RESILAX_SIDECAR_HOST", OWN_IP),
         _var("RESILAX_SIDECAR_TOKEN_FILE", f"{api.TOKEN_DIR}/{api.TOKEN_KEY}"),

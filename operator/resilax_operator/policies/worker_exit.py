@@ -5,6 +5,7 @@ The first row that matches (pods by name) decides:
 | the pod                                                  | decision                                   |
 |----------------------------------------------------------|--------------------------------------------|
 | trainer exited 75 (stopped for rescheduling)             | WorkerStopped (not counted)                |
+| trainer exited 78 (a live job of another uid holds the storage) | Failed, StorageInUse naming that job (not retried: it would take the storage over) |
 | Failed by the node or cluster (Evicted, ...; no exit code) | PodLost (not counted)                    |
 | Failed (the worker's own exit code, not 76)              | WorkerFailure: counted; backoff, or Failed past maxRestarts |
 | trainer exited 76 (a peer process is gone), for less than peerLostTimeoutSeconds | Ready=False PeerLost, wait for the cause: a node down (node_loss.py: NodeLoss at once) or a peer's own failure (the row above) |
@@ -43,6 +44,9 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
             return Finding(st.WORKER_STOPPED, api.WORKER_STOPPED.name,
                            api.WORKER_STOPPED.format(pod=p.name, generation=g, code=p.exit_code))
     for p in pods:
+        if p.exit_code == api.EXIT_CODE_STORAGE_IN_USE:
+            return storage_in_use(spec, observed, s, settings, p.name)
+    for p in pods:
         if p.phase == "Failed" and p.pod_reason in POD_FAILURE_REASONS and p.exit_code is None:
             return Finding(st.POD_LOST, api.POD_LOST.name, api.POD_LOST.format(pod=p.name, generation=g)
                            + f" ({p.pod_reason})")
@@ -67,6 +71,19 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     if deleted or (s.workers_created and missing) or (not s.workers_created and names[0] in missing and pods):
         return Finding(st.POD_LOST, api.POD_LOST.name, api.POD_LOST.format(pod=(deleted or missing)[0], generation=g))
     return None
+
+
+def storage_in_use(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
+                   pod: str) -> list[Action]:
+    """A worker refused the storage: another live JAXJob holds it. The job fails (a retry would only be
+    refused again, or fence that job out if it finished meanwhile), naming the jobs it shares the
+    storage with; the user gives it its own storage or sets spec.checkpoint.takeOver."""
+    holders = ", ".join(f"JAXJob {name} (uid {uid})" for uid, name in observed.storage_sharers) or "another JAXJob"
+    text = api.STORAGE_IN_USE.format(storage=spec.checkpoint.storage, holders=holders, pod=pod)
+    new = replace(s, phase=api.PHASE_FAILED)
+    new = st.set_condition(new, api.COND_READY, False, api.STORAGE_IN_USE.name, text, observed.now)
+    return [SetStatus(new), EmitEvent("Warning", api.STORAGE_IN_USE.name, text),
+            plan_delete(observed, spec, s.generation, "storage in use", settings)]
 
 
 def peer_lost_since(pods: list[ObservedPod]) -> tuple[str, datetime] | None:

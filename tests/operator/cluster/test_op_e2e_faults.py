@@ -1,6 +1,7 @@
 """The recovery flows end to end with real JAX workers (examples/train.py) on the local cluster:
 hard node loss and grow-back, a scheduled host maintenance, half the nodes Unknown at once (the
-disruption guard), a user resize, a worker that keeps failing, and the
+disruption guard), a user resize (then a re-created job, and a second job refused its storage), a
+worker that keeps failing, and the
 operator killed mid-recovery with a partitioned old generation that must not commit.
 
 Jobs: 2 slices of tpu-v5-lite-podslice 2x4 (2 hosts each) = 4 processes x 2 fake CPU devices, a
@@ -308,6 +309,22 @@ def test_user_resize_saves_and_moves_to_the_new_shape(operator: OperatorProcess,
         storage.glob(f".bad-{last_before}-*"))
     assert len(kept) == 1, (last_before, new_commits(), sorted(p.name for p in storage.iterdir()))
     assert (kept[0] / victim[0]).read_bytes() == victim[1]
+
+    # A second JAXJob on the same storage while this one runs (issue 25, item 9): it fails with
+    # StorageInUse naming this job, and does not fence it: this job keeps committing in its era.
+    other = unique_name("second")
+    manifest = job_manifest(other, storage, count=1, every_steps=EVERY, steps=5000, step_seconds=0.5)
+    manifest["spec"]["slices"] = {"accelerator": "cpu", "topology": "1x2", "count": 1}  # on the CPU node
+    jobs.create(manifest)
+    status = jobs.wait_status(other, lambda s: s.get("phase") == "Failed", 600, "the second job Failed")
+    ready = _condition(status, "Ready")
+    holder = f"JAXJob {jobs.get(name)['metadata']['namespace']}/{name} (uid {jobs.get(name)['metadata']['uid']})"
+    assert ready.get("reason") == "StorageInUse" and holder in ready.get("message", ""), ready
+    assert "StorageInUse" in jobs.event_reasons(other, "StorageInUse")
+    before = len(new_commits())
+    wait_for(lambda: len(new_commits()) > before, timeout=600, interval=1, message=f"{name}: commits after {other}")
+    assert sorted(p.name for p in (storage / "_fences").glob("era-*.json")) == ["era-1.json", "era-2.json"]
+    jobs.delete(other)
 
 
 def _flip_a_byte(step_folder: Path) -> tuple[Path, bytes]:

@@ -103,6 +103,8 @@ class World:
     trainer_calls: list[tuple[str, int, tuple[str, ...]]] = field(default_factory=list)
     #: The status subresource as the API server stores it (empty before the first write).
     stored: dict[str, Any] = field(default_factory=dict)
+    #: The other live JAXJobs with the same storage (Observed.storage_sharers).
+    storage_sharers: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def make(cls, spec: dict[str, Any], *pools: list[ObservedNode]) -> World:
@@ -113,7 +115,8 @@ class World:
         observed = Observed(now=self.now, job=self.job, status=self.status, spec_generation=self.spec_generation,
                             pods=tuple(sorted(self.pods.values(), key=lambda p: p.name)),
                             services=tuple(sorted(self.services)), nodes=tuple(self.nodes.values()),
-                            save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint, trainer=self.trainer)
+                            save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint, trainer=self.trainer,
+                            storage_sharers=self.storage_sharers)
         # As observe.py: the sidecars asked (pods_to_poll) that answer report their trainer.
         asked = [n for n in pods_to_poll(observed) if n not in self.unreachable and n in self.processes]
         return with_trainer_processes(observed, {n: replace(self.processes[n], assigned=self.assigned.get(n))

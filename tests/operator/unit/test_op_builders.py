@@ -310,7 +310,7 @@ def test_generation_env_is_the_pods_and_the_overlay_has_literal_values() -> None
     assert {k: env[k] for k in generation} == generation
     assert set(generation) == {"JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "RESILAX_NUM_SLICES",
                                "RESILAX_SLICE_ID", "RESILAX_HOSTS_PER_SLICE", "RESILAX_GENERATION",
-                               "RESILAX_RESTORE_STEP", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
+                               "RESILAX_RESTORE_STEP", "RESILAX_LIVE_JOB_UIDS", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
                                "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_PORT", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID"}
     overlay = build_generation_overlay(JOB, spec, PLAN, geometry, 6, SETTINGS, coordinator_ip="10.0.0.5")
     assert overlay == generation and not any("$(" in v for v in overlay.values())
@@ -523,3 +523,21 @@ def test_the_templates_own_compilation_cache_setting_wins() -> None:
     env = [e for e in _trainer(build_pod(JOB, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None))["env"]
            if e["name"] == "JAX_COMPILATION_CACHE_DIR"]
     assert env == [{"name": "JAX_COMPILATION_CACHE_DIR", "value": "/mine"}]
+
+
+def test_the_storage_claim_settings_reach_the_workers() -> None:
+    """RESILAX_LIVE_JOB_UIDS (the other live jobs on the storage) and RESILAX_TAKE_OVER
+    (spec.checkpoint.takeOver), read by resilax_ckpt's ManagerOptions.from_env (issue 25, item 9)."""
+    from dataclasses import replace
+
+    raw = good_spec()
+    env = _env(_trainer(build_pod(JOB, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None)))
+    assert env["RESILAX_LIVE_JOB_UIDS"] == "" and env["RESILAX_TAKE_OVER"] == ""
+    raw["checkpoint"]["takeOver"] = True
+    plan = replace(PLAN, live_job_uids=("uid-b", "uid-c"))
+    env = _env(_trainer(build_pod(JOB, validate_spec(raw), plan, 0, 0, SETTINGS, coordinator_ip=None)))
+    assert env["RESILAX_LIVE_JOB_UIDS"] == "uid-b,uid-c" and env["RESILAX_TAKE_OVER"] == "true"
+    import resilax_ckpt as rc
+
+    opts = rc.ManagerOptions.from_env({k: v for k, v in env.items() if isinstance(v, str)})
+    assert opts.live_job_uids == ("uid-b", "uid-c") and opts.take_over and opts.job_name == "ml/llama"

@@ -219,3 +219,21 @@ def test_parse_pod_start_up_states_and_scheduling_time() -> None:
     assert p is not None and p.waiting == ()
     assert p.starting == (("resilax-sidecar", "PodInitializing"), ("trainer", "PodInitializing"))
     assert p.scheduled_at == datetime(2026, 1, 1, 12, tzinfo=UTC)
+
+
+def _job(name: str, uid: str, storage: str, phase: str | None = None, deleting: bool = False) -> dict:
+    meta: dict = {"name": name, "namespace": "ml", "uid": uid}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "spec": {"checkpoint": {"storage": storage}}, "status": {"phase": phase} if phase else {}}
+
+
+def test_decide_storage_sharers_lists_the_other_live_jobs_on_the_same_storage() -> None:
+    from resilax_operator.observed import decide_storage_sharers
+
+    me = _job("a", "uid-a", "gs://b/run")
+    jobs = [me, _job("b", "uid-b", "gs://b/run/", "Running"), _job("c", "uid-c", "gs://b/other", "Running"),
+            _job("d", "uid-d", "gs://b/run", "Failed"), _job("e", "uid-e", "gs://b/run", "Succeeded"),
+            _job("f", "uid-f", "gs://b/run", "Running", deleting=True), _job("g", "uid-g", "gs://b/run")]
+    assert decide_storage_sharers(me, jobs) == (("uid-b", "ml/b"), ("uid-g", "ml/g"))
+    assert decide_storage_sharers(_job("x", "uid-x", ""), jobs) == ()

@@ -327,3 +327,21 @@ def test_peers_lost_and_the_nodes_lease_expired_is_a_node_loss_before_it_turns_n
     else:
         assert t is None and (w.status.condition(api.COND_READY) or st.Condition("", "", "", "")).reason == \
             api.PEER_LOST.name
+
+
+def test_a_worker_refusing_a_storage_another_live_job_holds_fails_the_job_naming_it() -> None:
+    """Exit 78 (resilax_ckpt.StorageInUseError: another live JAXJob holds the storage, issue 25 item 9):
+    the job fails with StorageInUse naming that job and the fix, once, and is not retried (a retry
+    would be refused again, or take the storage over)."""
+    w = running_world()
+    w.storage_sharers = (("uid-other", "ml/other"),)
+    w.exit_workers(api.EXIT_CODE_STORAGE_IN_USE, names=["llama-g1-s0-h0"])
+    actions = w.step()
+    ready = w.status.condition(api.COND_READY)
+    assert w.status.phase == api.PHASE_FAILED and ready is not None and ready.reason == api.STORAGE_IN_USE.name
+    assert "JAXJob ml/other (uid uid-other)" in ready.message and "takeOver" in ready.message, ready.message
+    assert [a.reason for a in actions if isinstance(a, EmitEvent)] == [api.STORAGE_IN_USE.name]
+    assert any(isinstance(a, DeleteGeneration) for a in actions)
+    w.settle()
+    assert w.status.generation == 1 and not w.pods and w.status.failures == 0
+    assert w.reasons().count(api.STORAGE_IN_USE.name) == 1
