@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,16 +31,11 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from resilax_local.processes import free_port
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.store import BlobStore, GcsStore, LocalFolderStore
 from resilax_sidecar.uploader import Uploader
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_fake_gcs() -> tuple[subprocess.Popen[bytes], str]:

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import venv
 from pathlib import Path
 
 import pytest
+from resilax_local.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # (aiohttp comes with gcsfs, which a trainer writing to gs:// needs.)
@@ -118,12 +118,6 @@ def default_image_extras() -> str:
     match = re.search(r'"resilax\[([a-z,]+)\] @', stage)
     assert match, "the Dockerfile's resilax stage installs no resilax[...] extras"
     return match.group(1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(url: str) -> dict:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -17,18 +18,20 @@ import urllib3
 
 from .binaries import ensure_fake_gcs_server
 from .errors import StartError
-from .processes import free_port, spawn, stop_group
+from .processes import PortTaken, on_free_port, spawn, stop_group
 
 
 class FakeGCS:
     """One fake-gcs-server on 127.0.0.1 (HTTP, in-memory unless `data_dir` is given)."""
 
     def __init__(self, log_dir: Path | None = None, data_dir: Path | None = None) -> None:
-        self.port = free_port()
+        self.port = 0
+        """Its port, chosen free at `start` (again when another program took it first)."""
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="resilax-fake-gcs-"))
         self.data_dir = data_dir
         self.proc: subprocess.Popen[bytes] | None = None
         self._http = urllib3.PoolManager(retries=False)
+        self._buckets = 0
 
     @property
     def url(self) -> str:
@@ -45,17 +48,26 @@ class FakeGCS:
         }
 
     def start(self, timeout: float = 30.0) -> FakeGCS:
+        return on_free_port(lambda port: self._start_on(port, timeout))
+
+    def _start_on(self, port: int, timeout: float) -> FakeGCS:
+        self.port = port
+        log_path = self.log_dir / "fake-gcs-server.log"
         argv = [str(ensure_fake_gcs_server()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
                 "-public-host", f"127.0.0.1:{self.port}", "-external-url", self.url, "-log-level", "warn"]
         if self.data_dir:
             argv += ["-backend", "filesystem", "-filesystem-root", str(self.data_dir)]
         else:
             argv += ["-backend", "memory"]
-        self.proc = spawn(argv, self.log_dir / "fake-gcs-server.log")
+        seen = log_path.stat().st_size if log_path.exists() else 0
+        self.proc = spawn(argv, log_path)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise StartError(f"fake-gcs-server exited with {self.proc.returncode}; see {self.log_dir}")
+                code, self.proc = self.proc.returncode, None
+                if "address already in use" in log_path.read_bytes()[seen:].decode(errors="replace"):
+                    raise PortTaken(f"fake-gcs-server: port {port} taken")
+                raise StartError(f"fake-gcs-server exited with {code}; see {self.log_dir}")
             try:
                 if self._http.request("GET", f"{self.url}/storage/v1/b", timeout=2).status == 200:
                     return self
@@ -65,12 +77,17 @@ class FakeGCS:
         self.stop()
         raise StartError(f"fake-gcs-server did not answer on {self.url} within {timeout:.0f} s")
 
-    def create_bucket(self, name: str) -> None:
+    def create_bucket(self, name: str | None = None) -> str:
+        """Create the bucket `name` (a fresh one when None; an existing one is fine); its name."""
+        if name is None:
+            self._buckets += 1
+            name = f"bucket-{os.getpid()}-{self._buckets}"
         resp = self._http.request("POST", f"{self.url}/storage/v1/b?project=resilax-local",
                                   body=json.dumps({"name": name}).encode(),
                                   headers={"Content-Type": "application/json"})
         if resp.status not in (200, 409):
             raise StartError(f"creating bucket {name!r}: HTTP {resp.status} {resp.data.decode(errors='replace')}")
+        return name
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -8,15 +8,37 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
+    """A TCP port that is free on 127.0.0.1 right now (another program may bind it before the caller
+    does: start servers through `on_free_port`, which retries that race)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+class PortTaken(Exception):
+    """What a start-up raises when the port `free_port()` found was bound by another program before
+    it: the harness's race on a shared machine, not a fault of what is started."""
+
+
+def on_free_port(start: Callable[[int], T], attempts: int = 3) -> T:
+    """`start(port)` on a port free right now; when it raises PortTaken, again on another port, at
+    most `attempts` times in all (the last PortTaken propagates)."""
+    for attempt in range(attempts):
+        try:
+            return start(free_port())
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None,

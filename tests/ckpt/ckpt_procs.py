@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ckpt_fakegcs import free_port
+from resilax_local.processes import PortTaken, on_free_port
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
 #: What JAX's coordinator prints (before it crashes) when the port free_port() found was taken by
-#: another program in the meantime: the test harness's race, not the code under test.
+#: another program in the meantime: the test harness's race, not the code under test (PortTaken).
 PORT_TAKEN = "Failed to add port to server"
 
 
@@ -26,19 +26,15 @@ def run_processes(args: dict[str, Any], num_processes: int = 1, timeout: float =
     """Start `num_processes` workers (each with devices // num_processes local devices) and return
     their results in process order; raises with their output if any fails. A run whose coordinator
     could not bind its port (nothing ran yet) is started again on another port, at most twice."""
-    for attempt in range(3):
-        try:
-            return _run_once(args, num_processes, timeout, env)
-        except _PortTaken as e:
-            if attempt == 2:
-                raise WorkerFailed(0, e.code, e.output) from None
-    raise AssertionError("unreachable")
+    try:
+        return on_free_port(lambda port: _run_once(args, num_processes, timeout, env, port))
+    except _PortTaken as e:
+        raise WorkerFailed(0, e.code, e.output) from None
 
 
 def _run_once(args: dict[str, Any], num_processes: int, timeout: float,
-              env: dict[str, str] | None) -> list[dict[str, Any]]:
+              env: dict[str, str] | None, port: int) -> list[dict[str, Any]]:
     procs = []
-    port = free_port()
     base_env = dict(os.environ, **(env or {}))
     base_env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "ckpt_lib"), base_env.get("PYTHONPATH", "")])
     for pid in range(num_processes):
@@ -86,7 +82,7 @@ class WorkerFailed(RuntimeError):
         self.output = output
 
 
-class _PortTaken(Exception):
+class _PortTaken(PortTaken):
     def __init__(self, code: int | None, output: str) -> None:
         super().__init__(output[-4000:])
         self.code = code

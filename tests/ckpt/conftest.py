@@ -1,4 +1,5 @@
-"""Fixtures of the checkpoint library's tests: 8 fake CPU devices, subprocess workers, fake-gcs-server."""
+"""Fixtures of the checkpoint library's tests: 8 fake CPU devices, subprocess workers, fake-gcs-server
+(the plugin's `fake_gcs`, resilax_local.gcs.FakeGCS: one harness for every area)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 
 import jax
 import pytest
-from ckpt_fakegcs import FakeGcsServer, start_fake_gcs_server
+from resilax_local.gcs import FakeGCS
 
 
 @pytest.fixture(scope="session")
@@ -19,16 +20,15 @@ def devices() -> list[jax.Device]:
 
 
 @pytest.fixture(scope="session")
-def gcs_server() -> FakeGcsServer:
-    server = start_fake_gcs_server()
-    yield server  # type: ignore[misc]
-    server.stop()
+def gcs_server(fake_gcs: FakeGCS) -> FakeGCS:
+    """The session's fake-gcs-server (the local cluster plugin's `fake_gcs`)."""
+    return fake_gcs
 
 
 @pytest.fixture
-def gcs_root(gcs_server: FakeGcsServer, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def gcs_root(gcs_server: FakeGCS, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """A fresh bucket on the session's fake-gcs-server, with the environment pointing at it."""
-    for key, value in gcs_server.env().items():
+    for key, value in gcs_server.env.items():
         monkeypatch.setenv(key, value)
     bucket = gcs_server.create_bucket()
     return f"gs://{bucket}/run"

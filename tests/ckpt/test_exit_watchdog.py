@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import resilax_ckpt as rc
-from ckpt_fakegcs import free_port
 from resilax_ckpt.multihost import EXIT_CODE_PEER_LOST, EXIT_CODE_UNHANDLED
+from resilax_local.processes import free_port
 
 WORKER = Path(__file__).with_name("ckpt_exit_worker.py")
 ROOT = Path(__file__).resolve().parents[2]

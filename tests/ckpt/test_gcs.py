@@ -7,11 +7,11 @@ import jax
 import numpy as np
 import pytest
 import resilax_ckpt as rc
-from ckpt_fakegcs import start_fake_gcs_server
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from resilax_ckpt import commit, layout
 from resilax_ckpt.storage import GcsStorage
+from resilax_local.gcs import FakeGCS
 
 pytestmark = pytest.mark.gcs
 
@@ -65,9 +65,9 @@ def test_markers_are_create_only_and_leftovers_are_cleaned(gcs_root, devices):
 
 
 def test_storage_failure_surfaces_from_wait(devices, monkeypatch):
-    server = start_fake_gcs_server()
+    server = FakeGCS().start()
     try:
-        for key, value in server.env().items():
+        for key, value in server.env.items():
             monkeypatch.setenv(key, value)
         root = f"gs://{server.create_bucket()}/run"
         mgr = rc.CheckpointManager(root, rc.ManagerOptions(gcs_retries=1))

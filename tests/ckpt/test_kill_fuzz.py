@@ -33,8 +33,9 @@ from typing import Any
 
 import ckpt_fuzz_worker
 import pytest
-from ckpt_fakegcs import FakeGcsServer, free_port
 from resilax_ckpt import commit
+from resilax_local.gcs import FakeGCS
+from resilax_local.processes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -257,7 +258,7 @@ def _read_lines(path: Path, offset: int, into: list[dict[str, Any]]) -> int:
 @pytest.fixture(scope="module")
 def forkserver() -> Any:
     """The multiprocessing fork server the lives are forked from, started with the imports preloaded.
-    gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT when imported (ckpt_fakegcs.FakeGcsServer.env: off for
+    gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT when imported (resilax_local.gcs.FakeGCS.env: off for
     fake-gcs-server), so it is set while the server starts."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -290,7 +291,7 @@ def test_kill_fuzz_on_a_local_folder(forkserver: Any, tmp_path: Path) -> None:
 
 
 @pytest.mark.gcs
-def test_kill_fuzz_on_gcs(forkserver: Any, gcs_server: FakeGcsServer, tmp_path: Path) -> None:
+def test_kill_fuzz_on_gcs(forkserver: Any, gcs_server: FakeGCS, tmp_path: Path) -> None:
     root = f"gs://{gcs_server.create_bucket()}/run"
-    fuzz = run_fuzz(forkserver, "gcs", root, gcs_server.env(), tmp_path / "lives")
+    fuzz = run_fuzz(forkserver, "gcs", root, gcs_server.env, tmp_path / "lives")
     assert sum(fuzz.kills.values()) >= KILLS

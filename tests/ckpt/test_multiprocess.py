@@ -109,7 +109,7 @@ def test_init_timeout_from_the_environment_ends_a_lonely_process() -> None:
     import subprocess
     import sys
 
-    from ckpt_fakegcs import free_port
+    from resilax_local.processes import free_port
 
     code = ("from resilax_ckpt.multihost import initialize_distributed_from_env\n"
             f"initialize_distributed_from_env({{'JAX_COORDINATOR_ADDRESS': '127.0.0.1:{free_port()}', "

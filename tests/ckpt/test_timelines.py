@@ -245,7 +245,7 @@ def test_a_rollback_on_two_tiers_uploads_and_restores_the_new_branch(how: str, w
 
     persistent = (str(tmp_path / "persistent") if where == "folder"
                   else request.getfixturevalue("gcs_root"))
-    gcs_env = request.getfixturevalue("gcs_server").env() if where == "gcs" else {}
+    gcs_env = request.getfixturevalue("gcs_server").env if where == "gcs" else {}
     storage = open_storage(persistent)
     local = str(tmp_path / "local{pid}")
     base = {"scenario": "timeline", "root": local, "persistent": persistent, "mesh": [4, 2], "wait_persisted": True}

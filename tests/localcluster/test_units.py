@@ -148,3 +148,26 @@ def test_a_long_build_step_says_it_is_still_running(tmp_path, monkeypatch, caplo
     assert "done" in (tmp_path / "test-build.log").read_text()
     with pytest.raises(binaries.BinaryError, match=r"test-build\.log"):
         binaries._run_build([sys.executable, "-c", "raise SystemExit(3)"], tmp_path, "test-build.log")
+
+
+def test_on_free_port_tries_another_port_when_the_first_was_taken() -> None:
+    from resilax_local.processes import PortTaken, on_free_port
+
+    tried: list[int] = []
+
+    def start(port: int) -> int:
+        tried.append(port)
+        if len(tried) < 3:
+            raise PortTaken(f"port {port} taken")
+        return port
+
+    assert on_free_port(start) == tried[-1] and len(tried) == 3
+
+    def never(port: int) -> int:
+        tried.append(port)
+        raise PortTaken(f"port {port} taken")
+
+    tried.clear()
+    with pytest.raises(PortTaken):
+        on_free_port(never, attempts=2)
+    assert len(tried) == 2

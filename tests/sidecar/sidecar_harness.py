@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,25 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from resilax_local.processes import free_port
+from resilax_local.testing import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
+    """`resilax_local.testing.wait_for` (the one bounded wait) in this harness's argument order."""
+    return wait_for(predicate, timeout=timeout, interval=interval, message=what)
 
 
 # ---- fake-gcs-server: the shared `fake_gcs` and `gcs_bucket` fixtures (resilax_local.pytest_plugin) ----
