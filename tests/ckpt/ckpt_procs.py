@@ -87,3 +87,16 @@ class _PortTaken(PortTaken):
         super().__init__(output[-4000:])
         self.code = code
         self.output = output
+
+
+def snapshot_files(root: str, path: str) -> dict[str, bytes]:
+    """Every file under `path` (a local folder or a gs:// prefix): relative name -> bytes."""
+    if not root.startswith("gs://"):
+        base = Path(path)
+        return {str(p.relative_to(base)): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}
+    from resilax_ckpt.storage import GcsStorage
+
+    fs = GcsStorage()._fs
+    fs.invalidate_cache()
+    prefix = path.removeprefix("gs://").rstrip("/") + "/"
+    return {name[len(prefix):]: bytes(fs.cat_file(name)) for name in sorted(fs.find(prefix))}

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 import resilax_ckpt as rc
+from ckpt_procs import snapshot_files
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from resilax_ckpt import commit, fencing, layout
@@ -484,19 +485,6 @@ def test_a_step_tensorstore_writes_on_a_local_folder_is_verified_by_our_reader(t
 # ---------------------------------------------------------------- bad steps are kept (issue 25, item 4)
 
 
-def _snapshot(root: str, path: str) -> dict[str, bytes]:
-    """Every file under `path` (a local folder or a gs:// prefix): relative name -> bytes."""
-    if not root.startswith("gs://"):
-        base = Path(path)
-        return {str(p.relative_to(base)): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}
-    from resilax_ckpt.storage import GcsStorage
-
-    fs = GcsStorage()._fs
-    fs.invalidate_cache()
-    prefix = path.removeprefix("gs://").rstrip("/") + "/"
-    return {name[len(prefix):]: bytes(fs.cat_file(name)) for name in sorted(fs.find(prefix))}
-
-
 @pytest.mark.parametrize("where", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
 def test_bad_steps_are_never_deleted(where: str, tmp_path: Path, request, devices) -> None:
     """A step a restore marked bad survives the next starts' cleanup, a re-save of its number (moved
@@ -509,14 +497,14 @@ def test_bad_steps_are_never_deleted(where: str, tmp_path: Path, request, device
             mgr.save(step, _state(step))
     damaged = commit.step_data_path(storage, root, 3)
     storage.write_bytes(storage.join(damaged, layout.METADATA_FILE), b"{not json")
-    before = _snapshot(root, damaged)
+    before = snapshot_files(root, damaged)
     assert any(name.startswith("params/") for name in before)
     with _manager(root, "uid-a", 2, keep_last=3) as mgr:
         assert mgr.restore()["meta"] == {"step": 2}
         assert mgr.steps() == [1, 2]
     with _manager(root, "uid-a", 3, keep_last=3) as mgr:  # the start's cleanup runs first
         assert mgr.steps() == [1, 2]
-        assert _snapshot(root, damaged) == before, "the start's cleanup changed or deleted the bad step"
+        assert snapshot_files(root, damaged) == before, "the start's cleanup changed or deleted the bad step"
         mgr.save(3, _state(33))  # the number saved again on the current timeline
         assert mgr.steps() == [1, 2, 3]
         assert rc.restore(storage.join(root, "3"))["meta"] == {"step": 33}
@@ -532,7 +520,7 @@ def test_bad_steps_are_never_deleted(where: str, tmp_path: Path, request, device
     if where == "local":
         aside = [n for n in storage.list_dir(root) if n.startswith(layout.BAD_PREFIX + "3-")]
         assert aside == [kept[0]["folder"]]
-        assert _snapshot(root, storage.join(root, aside[0])) == before
+        assert snapshot_files(root, storage.join(root, aside[0])) == before
     else:
         assert kept[0]["attempt"] and damaged.endswith("/" + kept[0]["attempt"])
-        assert _snapshot(root, damaged) == before, "the bad step's attempt was changed or deleted"
+        assert snapshot_files(root, damaged) == before, "the bad step's attempt was changed or deleted"

@@ -27,6 +27,7 @@ from resilax_ckpt import commit, fencing, layout, timelines
 from resilax_ckpt.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
+from ckpt_procs import snapshot_files
 from sidecar_harness import SidecarProcess, build_sidecar_env, wait_until
 
 #: The new branch's values: `step + NEW` (the old timeline saved `step + 0`).
@@ -51,19 +52,6 @@ def _check(out: dict, step: int, offset: int) -> None:
 def _manager(root: str, generation: int, **kw) -> rc.CheckpointManager:
     return rc.CheckpointManager(root, rc.ManagerOptions(job_uid="uid-a", generation=generation, async_save=False,
                                                         **kw))
-
-
-def _snapshot(root: str, path: str) -> dict[str, bytes]:
-    """Every file under `path` (a folder or a gs:// prefix): relative name -> bytes."""
-    if not root.startswith("gs://"):
-        base = Path(path)
-        return {str(p.relative_to(base)): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}
-    from resilax_ckpt.storage import GcsStorage
-
-    fs = GcsStorage()._fs
-    fs.invalidate_cache()
-    prefix = path.removeprefix("gs://").rstrip("/") + "/"
-    return {name[len(prefix):]: bytes(fs.cat_file(name)) for name in sorted(fs.find(prefix))}
 
 
 def _root(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
@@ -125,7 +113,7 @@ def test_a_rollback_on_one_tier_hides_and_keeps_the_old_timeline(how: str, where
         parent, later, new_steps = 200, [300], [210, 220, 300]
     else:
         parent, later, new_steps = 100, [200, 300], [110, 120, 200, 250]
-    old = {s: _snapshot(root, commit.step_data_path(storage, root, s)) for s in later}
+    old = {s: snapshot_files(root, commit.step_data_path(storage, root, s)) for s in later}
 
     with _manager(root, 2, keep_last=2) as mgr:
         if how == "fallback":
@@ -157,7 +145,7 @@ def test_a_rollback_on_one_tier_hides_and_keeps_the_old_timeline(how: str, where
                          else storage.join(root, str(step), kept[step].attempt))
         else:
             where_now = commit.step_data_path(storage, root, step)
-        assert _snapshot(root, where_now) == files, f"the old timeline's step {step} was changed or deleted"
+        assert snapshot_files(root, where_now) == files, f"the old timeline's step {step} was changed or deleted"
     branches = timelines.read_branches(storage, root)
     assert [(b.epoch[1], b.parent) for b in branches] == [(2, parent)]
     assert fencing.claim_era(storage, root, "uid-a") == branches[0].epoch[0]
@@ -269,7 +257,7 @@ def test_a_rollback_on_two_tiers_uploads_and_restores_the_new_branch(how: str, w
     else:
         # the new branch saves 200 and 300 again: process 1's old local copies carry those numbers
         parent, later, new_steps, restore_step = 100, [200, 300, 400], [110, 200, 300], 100
-    old = {s: _snapshot(persistent, commit.step_data_path(storage, persistent, s)) for s in later}
+    old = {s: snapshot_files(persistent, commit.step_data_path(storage, persistent, s)) for s in later}
 
     sidecars = _start_sidecars(started, tmp_path, persistent, 2, gcs_env, keep_last=2)
     results = run_processes({**base, "restore_step": restore_step, "steps": new_steps, "offset": NEW,
@@ -285,7 +273,7 @@ def test_a_rollback_on_two_tiers_uploads_and_restores_the_new_branch(how: str, w
     for step, files in old.items():
         now = (storage.join(persistent, str(step), kept[step].attempt) if step in new_steps
                else commit.step_data_path(storage, persistent, step))
-        assert _snapshot(persistent, now) == files, f"the old timeline's step {step} was changed or deleted"
+        assert snapshot_files(persistent, now) == files, f"the old timeline's step {step} was changed or deleted"
 
     # Process 1 comes back with the old timeline's local tier; then neither process has a local tier.
     (tmp_path / "local1").rename(tmp_path / "local1-new")
