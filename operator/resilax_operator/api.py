@@ -173,6 +173,11 @@ BACKOFF = Reason("Backoff", "restart {failures} of {max_restarts} after a worker
 STORAGE_IN_USE = Reason("StorageInUse", "spec.checkpoint.storage {storage} is in use by {holders}, live on the same "
                         "storage; worker {pod} refused to take it over (exit 78), which would stop that job's "
                         "commits; give this job a storage of its own, or set spec.checkpoint.takeOver: true")
+FAILED_BY_RULE = Reason("FailedByRule", "worker {pod} of generation {generation} failed ({detail}) and "
+                        "spec.recovery.failureRules[{index}] says FailJob")
+NOT_COUNTED_BY_RULE = Reason("WorkerFailedNotCounted", "worker {pod} of generation {generation} failed ({detail}); "
+                             "spec.recovery.failureRules[{index}] says RestartWithoutCounting: not counted "
+                             "against maxRestarts")
 MAX_RESTARTS_EXCEEDED = Reason("MaxRestartsExceeded", "worker failures exceeded recovery.maxRestarts={max_restarts}; last: {detail}")
 SPEC_RESIZED = Reason("SpecResized", "spec changed: resizing from {old} to {new}")
 GROW_BACK = Reason("GrowBack", "capacity returned: growing from {old} to {new}")

@@ -63,6 +63,8 @@ class ObservedPod:
     starting: tuple[tuple[str, str], ...] = ()
     #: When the pod was bound to its node (the PodScheduled condition's lastTransitionTime).
     scheduled_at: datetime | None = None
+    #: (container, exit code) of each container (init or not) whose current state is terminated.
+    container_exits: tuple[tuple[str, int], ...] = ()
 
     @property
     def terminated(self) -> bool:
@@ -120,6 +122,8 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
                      if (w := (cs.get("state") or {}).get("waiting")) and w.get("reason") in STARTING_REASONS)
     scheduled: Mapping[str, Any] = next((c for c in status.get("conditions") or []
                       if c.get("type") == "PodScheduled" and c.get("status") == "True"), {})
+    container_exits = tuple((str(cs.get("name", "")), int(t["exitCode"])) for cs in statuses
+                            if (t := (cs.get("state") or {}).get("terminated")) and t.get("exitCode") is not None)
     grace = meta.get("deletionGracePeriodSeconds")
     gates = tuple(str(g.get("name", "")) for g in spec.get("schedulingGates") or [] if isinstance(g, Mapping))
     return ObservedPod(
@@ -131,7 +135,8 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         trainer_running=trainer_running, waiting=waiting, gates=gates, trainer_started_at=started_at,
         trainer_finished_at=finished_at, uid=str(meta.get("uid") or ""),
         supervised=(meta.get("annotations") or {}).get(api.ANNOTATION_SUPERVISED) == "1", trainer_ready=trainer_ready,
-        owner_uid=owner_uid(raw), starting=starting, scheduled_at=_time_or_none(scheduled.get("lastTransitionTime")))
+        owner_uid=owner_uid(raw), starting=starting, scheduled_at=_time_or_none(scheduled.get("lastTransitionTime")),
+        container_exits=container_exits)
 
 
 def _time_or_none(raw: Any) -> datetime | None:

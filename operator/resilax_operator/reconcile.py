@@ -36,6 +36,7 @@ from .policies import (
     Verdict,
     capacity_wait,
     container_waiting,
+    failure_rules,
     generation_start,
     goodput_status,
     inplace,
@@ -63,6 +64,7 @@ WATCH: Final[tuple[Check, ...]] = (
     suspend.check,                       # spec.suspend: final save, no workers
     node_loss.check_not_ready,           # a worker's node down within its grace: wait
     resize.check_incompatible,           # the spec no longer allows the running shape
+    failure_rules.check,                 # a failed worker a spec.recovery.failureRules rule matches
     worker_exit.check,                   # stopped, failed, lost, deleted; or all done
     capacity_wait.check,                 # workers waited for new nodes past shrinkAfterSeconds: shrink
     generation_start.check_unscheduled,  # workers no node takes

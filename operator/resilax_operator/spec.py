@@ -42,6 +42,13 @@ IN_PLACE_NEVER: Final = "Never"
 IN_PLACE_MODES: Final = (IN_PLACE_AUTO, IN_PLACE_NEVER)
 DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS: Final = 30
 DEFAULT_SHRINK_AFTER_SECONDS: Final = 600
+#: `spec.recovery.failureRules[*].action`: a counted worker failure (backoff; Failed past maxRestarts).
+RULE_RESTART: Final = "Restart"
+#: A new generation after the backoff, never counted against maxRestarts nor as a pod-level loss.
+RULE_RESTART_WITHOUT_COUNTING: Final = "RestartWithoutCounting"
+#: The job is Failed at once (reason FailedByRule), its workers deleted.
+RULE_FAIL_JOB: Final = "FailJob"
+RULE_ACTIONS: Final = (RULE_RESTART, RULE_RESTART_WITHOUT_COUNTING, RULE_FAIL_JOB)
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,21 @@ class CheckpointSpec:
 
 
 @dataclass(frozen=True)
+class FailureRule:
+    """One of `spec.recovery.failureRules`: what a failed worker pod it matches does (policies/failure_rules.py).
+    It matches when every criterion it sets holds."""
+
+    #: RULE_RESTART, RULE_RESTART_WITHOUT_COUNTING or RULE_FAIL_JOB.
+    action: str
+    #: The container terminated with one of these codes (empty: any code, or none).
+    exit_codes: tuple[int, ...] = ()
+    #: Which container's exit code `exit_codes` reads; None: the trainer container.
+    container_name: str | None = None
+    #: The pod's status.reason is one of these (Evicted, NodeShutdown, ...; empty: any).
+    pod_reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class RecoverySpec:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     backoff_seconds: int = DEFAULT_BACKOFF_SECONDS
@@ -123,6 +145,8 @@ class RecoverySpec:
     in_place: str = IN_PLACE_NEVER
     #: How long a kept pod's old trainer may take to be proven gone before the pod is replaced.
     in_place_stop_timeout_seconds: int = DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS
+    #: `failureRules`, in order: the first that matches a failed worker decides.
+    failure_rules: tuple[FailureRule, ...] = ()
 
     @property
     def in_place_auto(self) -> bool:
@@ -357,6 +381,7 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
         in_place=r.string(rc, "inPlace", rp, default=IN_PLACE_NEVER) or IN_PLACE_NEVER,
         in_place_stop_timeout_seconds=_int_or(r.integer(rc, "inPlaceStopTimeoutSeconds", rp, minimum=1),
                                               DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS),
+        failure_rules=_failure_rules(r, rc, rp),
     )
     cap = r.obj(raw, "capacity", p) or {}
     capacity = CapacitySpec(
@@ -387,6 +412,30 @@ def _restore_step(r: _Reader, raw: Mapping[str, Any], path: str) -> str:
         return value
     r.bad(f"{path}.step", f"must be 'latest', 'none' or a step number, found {value!r}")
     return RESTORE_LATEST
+
+
+def _failure_rules(r: _Reader, raw: Mapping[str, Any], path: str) -> tuple[FailureRule, ...]:
+    value = raw.get("failureRules")
+    if value is None:
+        return ()
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        r.bad(f"{path}.failureRules", f"must be a list of rules, found {value!r}")
+        return ()
+    out = []
+    for i, item in enumerate(value):
+        ip = f"{path}.failureRules[{i}]"
+        if not isinstance(item, Mapping):
+            r.bad(ip, f"must be an object, found {item!r}")
+            continue
+        codes = item.get("exitCodes") or []
+        if not isinstance(codes, Sequence) or isinstance(codes, str | bytes) or not all(
+                isinstance(c, int) and not isinstance(c, bool) for c in codes):
+            r.bad(f"{ip}.exitCodes", f"must be a list of integers, found {codes!r}")
+            codes = []
+        out.append(FailureRule(action=r.string(item, "action", ip, required=True, default="") or "",
+                               exit_codes=tuple(codes), container_name=r.string(item, "containerName", ip),
+                               pod_reasons=r.strings(item, "podReasons", ip) or ()))
+    return tuple(out)
 
 
 QUANTITY_PATTERN: Final = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")

@@ -25,6 +25,7 @@ from .spec import (
     LOCAL_SCOPE_POD,
     LOCAL_SCOPES,
     PROVISIONING_MODES,
+    RULE_ACTIONS,
     JobSpec,
     parse_spec,
 )
@@ -235,14 +236,42 @@ def _check_capacity(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
     return []
 
 
+#: Exit codes of the worker protocol (api.py): their rows in worker_exit.py decide, no rule may.
+RESERVED_EXIT_CODES: Final = (0, api.EXIT_CODE_STOPPED, api.EXIT_CODE_PEER_LOST, api.EXIT_CODE_STORAGE_IN_USE)
+MAX_FAILURE_RULES: Final = 32
+
+
 def _check_recovery(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
     r = spec.recovery
+    out: list[SpecProblem] = []
     if "spec.recovery.inPlace" not in found and r.in_place not in IN_PLACE_MODES:
-        return [SpecProblem("spec.recovery.inPlace",
-                            f"{r.in_place!r} is not an in-place mode; valid: Auto (keep the surviving pods after a "
-                            "worker failure, node loss or shrink and restart only their trainer), Never (replace "
-                            "every pod)")]
-    return []
+        out.append(SpecProblem("spec.recovery.inPlace",
+                               f"{r.in_place!r} is not an in-place mode; valid: Auto (keep the surviving pods after a "
+                               "worker failure, node loss or shrink and restart only their trainer), Never (replace "
+                               "every pod)"))
+    if len(r.failure_rules) > MAX_FAILURE_RULES:
+        out.append(SpecProblem("spec.recovery.failureRules",
+                               f"{len(r.failure_rules)} rules; at most {MAX_FAILURE_RULES} are allowed"))
+    for i, rule in enumerate(r.failure_rules):
+        p = f"spec.recovery.failureRules[{i}]"
+        if f"{p}.action" not in found and rule.action not in RULE_ACTIONS:
+            out.append(SpecProblem(f"{p}.action", f"{rule.action!r} is not a rule action; valid: Restart (a counted "
+                                   "worker failure), RestartWithoutCounting (a new generation, never counted), "
+                                   "FailJob (the job fails at once)"))
+        if not rule.exit_codes and not rule.pod_reasons and not {f"{p}.exitCodes", f"{p}.podReasons"} & found:
+            out.append(SpecProblem(p, "matches nothing: set exitCodes, podReasons or both"))
+        for j, code in enumerate(rule.exit_codes):
+            if code in RESERVED_EXIT_CODES or not 1 <= code <= 255:
+                out.append(SpecProblem(f"{p}.exitCodes[{j}]", f"{code} is not allowed; allowed: 1..255 except "
+                                       "75, 76 and 78 (the worker protocol's codes: stopped for rescheduling, a "
+                                       "peer lost, storage in use)"))
+        if rule.container_name is not None and not rule.exit_codes:
+            out.append(SpecProblem(f"{p}.containerName", f"{rule.container_name!r} without exitCodes: containerName "
+                                   "says whose exit code exitCodes reads; set exitCodes too"))
+        elif rule.container_name is not None and not _DNS_LABEL.match(rule.container_name):
+            out.append(SpecProblem(f"{p}.containerName", f"{rule.container_name!r} must be a DNS label (a "
+                                   "container name of the template, or resilax-sidecar)"))
+    return out
 
 
 def _check_compilation_cache(spec: JobSpec, found: set[str]) -> list[SpecProblem]:

@@ -11,6 +11,7 @@ On a running generation the checks run in this order and the first that finds so
 | suspend            | spec.suspend                                            | Suspend: final save, no workers |
 | node_loss          | a worker's node down within its grace                   | Degraded, wait                |
 | resize             | a spec edit the running shape no longer fits            | Resize                        |
+| failure_rules      | a failed worker a spec.recovery.failureRules rule matches | its action: WorkerFailure (counted or not) or Failed |
 | worker_exit        | a worker stopped (75), failed, lost, gone; all done     | WorkerStopped/Failure/PodLost |
 | capacity_wait      | workers waited for new nodes past shrinkAfterSeconds    | Shrink to what Ready nodes fit |
 | generation_start   | workers no node takes within scheduleTimeoutSeconds     | PodLost: replan               |

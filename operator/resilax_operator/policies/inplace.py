@@ -50,7 +50,7 @@ from ..settings import OperatorSettings
 from ..spec import RESTORE_LATEST, JobSpec
 from ..status import InPlace, JobStatus, KeptPod
 from ..worker_env import build_generation_overlay
-from . import Finding, generation_start, node_loss, preemption, transition, worker_exit
+from . import Finding, failure_rules, generation_start, node_loss, preemption, transition, worker_exit
 
 #: Findings an in-place restart answers; planned moves (preemption, resize, grow-back, suspend) and a
 #: worker stopped for rescheduling stay full replacements (their final save and new node set).
@@ -298,8 +298,11 @@ def _stopping(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operato
 
 def _exits(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings) -> Finding | list[Action] | None:
     """A worker of the generation being started stopped, failed or was deleted (exit codes of its own
-    generation's incarnations only: trainer_process.py)."""
+    generation's incarnations only: trainer_process.py); the failure rules first."""
     g = s.generation
+    ruled = failure_rules.check(spec, observed, s, settings)
+    if ruled is not None:
+        return ruled
     for p in observed.pods_of(g):
         if p.exit_code == api.EXIT_CODE_STOPPED:
             return Finding(st.WORKER_STOPPED, api.WORKER_STOPPED.name,

@@ -1,7 +1,7 @@
 """The recovery flows end to end with real JAX workers (examples/train.py) on the local cluster:
 hard node loss and grow-back, a scheduled host maintenance, half the nodes Unknown at once (the
 disruption guard), a user resize (then a re-created job, and a second job refused its storage), a
-worker that keeps failing, and the
+worker that keeps failing, failure rules (an exit code not counted, one failing the job), and the
 operator killed mid-recovery with a partitioned old generation that must not commit.
 
 Jobs: 2 slices of tpu-v5-lite-podslice 2x4 (2 hosts each) = 4 processes x 2 fake CPU devices, a
@@ -369,6 +369,29 @@ def test_failing_worker_backs_off_then_fails(operator: OperatorProcess, jobs: Jo
     assert status["failures"] == 3 and status["generation"] == 3, status
     reasons = jobs.event_reasons(name, "Backoff", "MaxRestartsExceeded")
     assert reasons.count("Backoff") == 2 and "MaxRestartsExceeded" in reasons, reasons
+    wait_for(lambda: not jobs.pods(name), timeout=120, message="a failed job keeps no workers")
+
+
+def test_failure_rules_restart_without_counting_then_fail_job(operator: OperatorProcess, jobs: Jobs,
+                                                               tmp_path: Path) -> None:
+    """Issue 27, spec.recovery.failureRules: a trainer exiting 43 (RestartWithoutCounting) in generations
+    1-3 restarts three times past maxRestarts=1 without a failure counted; exiting 42 (FailJob) in
+    generation 4 fails the job at once, no backoff, reason FailedByRule. No JAX: the trainer exits."""
+    name = unique_name("rules")
+    code = "import os, sys; sys.exit(43 if int(os.environ['RESILAX_GENERATION']) <= 3 else 42)"
+    template = {"spec": {"containers": [{"name": "trainer", "image": "x", "command": [sys.executable, "-c", code]}]}}
+    jobs.create(job_manifest(name, tmp_path / "ckpt", count=1, template=template, recovery={
+        "maxRestarts": 1, "backoffSeconds": 1, "failureRules": [
+            {"action": "RestartWithoutCounting", "exitCodes": [43]}, {"action": "FailJob", "exitCodes": [42]}]}))
+    status = jobs.wait_status(name, lambda s: s.get("phase") == "Failed", 600, "Failed")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "FailedByRule" and "exit code 42" in ready["message"], ready
+    assert "failureRules[1]" in ready["message"], ready
+    assert status["generation"] == 4 and status["failures"] == 0 and status["restarts"] == 3, status
+    assert not status.get("podLosses"), status
+    reasons = jobs.event_reasons(name, "WorkerFailedNotCounted", "FailedByRule")
+    assert reasons.count("WorkerFailedNotCounted") == 3 and reasons.count("FailedByRule") == 1, reasons
+    assert "Backoff" not in reasons and "MaxRestartsExceeded" not in reasons, reasons
     wait_for(lambda: not jobs.pods(name), timeout=120, message="a failed job keeps no workers")
 
 

@@ -83,6 +83,9 @@ GOOD = [
     ("local-node-scope", lambda s: s["checkpoint"].update(local={"scope": "Node", "medium": "Memory", "keepLast": 3})),
     ("autoscaled-with-shrink", lambda s: s.update(capacity={"provisioning": "Autoscaled", "shrinkAfterSeconds": 30})),
     ("autoscaled", lambda s: s.update(capacity={"provisioning": "Autoscaled"}, suspend=True)),
+    ("failure-rules", lambda s: s["recovery"].update(failureRules=[
+        {"action": "FailJob", "exitCodes": [42], "containerName": "trainer"},
+        {"action": "RestartWithoutCounting", "podReasons": ["Evicted"]}])),
 ]
 
 
@@ -116,6 +119,13 @@ BAD = [
      "shrinkAfterSeconds applies to provisioning: Autoscaled only"),
     ("shrink-with-ready", lambda s: s.update(capacity={"provisioning": "Ready", "shrinkAfterSeconds": 30}),
      "shrinkAfterSeconds applies to provisioning: Autoscaled only"),
+    ("rule-matches-nothing", lambda s: s["recovery"].update(failureRules=[{"action": "FailJob"}]),
+     "a rule sets exitCodes, podReasons or both"),
+    ("rule-protocol-code", lambda s: s["recovery"].update(failureRules=[{"action": "FailJob", "exitCodes": [3, 76]}]),
+     "the worker protocol's exit codes"),
+    ("rule-container-without-codes", lambda s: s["recovery"].update(
+        failureRules=[{"action": "FailJob", "podReasons": ["Evicted"], "containerName": "trainer"}]),
+     "containerName says whose exit code"),
 ]
 
 

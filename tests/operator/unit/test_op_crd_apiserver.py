@@ -155,6 +155,10 @@ BAD = [
     ("in-place-unknown", lambda s: s["recovery"].update(inPlace="Always"), "spec.recovery.inPlace"),
     ("in-place-stop-timeout-zero", lambda s: s["recovery"].update(inPlaceStopTimeoutSeconds=0),
      "spec.recovery.inPlaceStopTimeoutSeconds"),
+    ("rule-action-unknown", lambda s: s["recovery"].update(failureRules=[{"action": "Ignore", "exitCodes": [3]}]),
+     "spec.recovery.failureRules[0].action"),
+    ("rule-protocol-code", lambda s: s["recovery"].update(failureRules=[{"action": "FailJob", "exitCodes": [75]}]),
+     "spec.recovery.failureRules[0].exitCodes"),
 ]
 
 
