@@ -29,6 +29,11 @@ class RestoreReport:
     step: int | None
     #: (step, why) of each newer committed step it could not read and skipped.
     skipped: tuple[tuple[int, str], ...] = ()
+    #: The generation whose trainer restored (None: a trainer of an older library that does not say).
+    generation: int | None = None
+    #: Where the processes read it: "local", "peer" or "persistent", the farthest tier any process
+    #: needed ("" when not reported).
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,10 @@ def parse_restore_report(body: Mapping[str, Any]) -> RestoreReport | None:
     try:
         step = None if raw.get("step") is None else int(raw["step"])
         skipped = tuple((int(s["step"]), str(s.get("reason", ""))) for s in raw.get("skipped") or [])
+        generation = None if raw.get("generation") is None else int(raw["generation"])
     except (KeyError, TypeError, ValueError):
         return None
-    return RestoreReport(step, skipped)
+    return RestoreReport(step, skipped, generation, str(raw.get("source") or ""))
 
 
 def parse_sidecar_state(body: Mapping[str, Any], now: datetime) -> CheckpointInfo | None:

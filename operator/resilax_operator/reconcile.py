@@ -39,6 +39,7 @@ from .policies import (
     failure_rules,
     generation_start,
     goodput_status,
+    history_status,
     inplace,
     invalid_edit,
     name_conflict,
@@ -89,11 +90,12 @@ def decide_raw(raw_spec: Mapping[str, Any], observed: Observed, settings: Operat
 
 def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings, *, record: SpecRecord | None = None,
            invalid: InvalidSpecError | None = None) -> list[Action]:
-    """The actions that move the cluster toward what `spec` wants, given `observed`; status.goodput
-    brought up to date (policies/goodput_status.py). `record`: `spec` as status.lastValidSpec keeps it;
-    `invalid`: the problems of the job's own spec, when `spec` is the last valid one."""
-    return goodput_status.with_goodput(decide_policies(spec, observed, settings, record=record, invalid=invalid),
-                                       observed, settings)
+    """The actions that move the cluster toward what `spec` wants, given `observed`; status.goodput and
+    status.history brought up to date (policies/goodput_status.py, policies/history_status.py).
+    `record`: `spec` as status.lastValidSpec keeps it; `invalid`: the problems of the job's own spec,
+    when `spec` is the last valid one."""
+    actions = decide_policies(spec, observed, settings, record=record, invalid=invalid)
+    return history_status.with_history(goodput_status.with_goodput(actions, observed, settings), observed)
 
 
 def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSettings, *,

@@ -15,6 +15,7 @@ from typing import Any, Final
 from . import api
 from . import goodput as gp
 from .generation import worker_pod_names
+from .history import HistoryEntry, build_history, parse_history
 from .spec import Shape
 
 # Transition kinds: why the current generation is being replaced.
@@ -54,6 +55,7 @@ class Transition:
     not_before: datetime | None = None
     #: When the teardown of `generation` began (after its final save, if any); None: not yet.
     teardown_since: datetime | None = None
+    reason: str = ""  #: the Event reason of the finding that began it (status.history's endReason)
 
     @property
     def saving(self) -> bool:
@@ -94,6 +96,8 @@ class InPlace:
     kind: str = ""
     #: No trainer of the new generation starts before this (a worker failure's backoff).
     not_before: datetime | None = None
+    reason: str = ""  #: the Event reason of the finding that started it (status.history's endReason)
+    message: str = ""  #: and its message
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,8 @@ class JobStatus:
     in_place_restarts: int = 0
     #: The newest spec that validated: what the job runs under while an edit is invalid.
     last_valid_spec: SpecRecord | None = None
+    #: One entry per generation, oldest first (history.py; policies/history_status.py fills it).
+    history: tuple[HistoryEntry, ...] = ()
 
     @property
     def workers_since(self) -> datetime | None:
@@ -224,7 +230,8 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
             since=parse_time(t.get("since")) or datetime.fromtimestamp(0, UTC),
             message=str(t.get("message", "")), save_request_id=t.get("saveRequestId") or None,
             save_deadline=parse_time(t.get("saveDeadline")), save_done=bool(t.get("saveDone", False)),
-            not_before=parse_time(t.get("notBefore")), teardown_since=parse_time(t.get("teardownSince")))
+            not_before=parse_time(t.get("notBefore")), teardown_since=parse_time(t.get("teardownSince")),
+            reason=str(t.get("reason") or ""))
     ck = raw.get("checkpoint") or None
     checkpoint = None
     if ck and ck.get("step") is not None:
@@ -253,7 +260,7 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         worker_pods=tuple(str(n) for n in raw.get("workerPods") or () if n),
         in_place=parse_in_place(raw.get("inPlace")),
         in_place_restarts=int(raw.get("inPlaceRestarts") or 0),
-        last_valid_spec=parse_spec_record(raw.get("lastValidSpec")))
+        last_valid_spec=parse_spec_record(raw.get("lastValidSpec")), history=parse_history(raw.get("history")))
 
 
 def parse_in_place(raw: Any) -> InPlace | None:
@@ -266,7 +273,7 @@ def parse_in_place(raw: Any) -> InPlace | None:
                              bool(k.get("started"))) for k in raw.get("kept") or () if isinstance(k, Mapping))
         return InPlace(int(raw["generation"]), int(raw.get("from") or 0), str(raw["phase"]), since,
                        parse_time(raw.get("deadline")) or since, kept, str(raw.get("kind") or ""),
-                       parse_time(raw.get("notBefore")))
+                       parse_time(raw.get("notBefore")), str(raw.get("reason") or ""), str(raw.get("message") or ""))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -274,6 +281,7 @@ def parse_in_place(raw: Any) -> InPlace | None:
 def build_in_place(p: InPlace) -> dict[str, Any]:
     return {"generation": p.generation, "from": p.from_generation, "phase": p.phase, "since": format_time(p.since),
             "deadline": format_time(p.deadline), "kind": p.kind, "notBefore": format_time(p.not_before),
+            "reason": p.reason or None, "message": p.message or None,
             "kept": [{"pod": k.pod, "uid": k.uid, "process": k.process, "stopped": k.stopped, "started": k.started}
                      for k in p.kept]}
 
@@ -332,7 +340,7 @@ def build_status(status: JobStatus) -> dict[str, Any]:
             "kind": t.kind, "generation": t.generation, "since": format_time(t.since), "message": t.message,
             "saveRequestId": t.save_request_id, "saveDeadline": format_time(t.save_deadline),
             "saveDone": t.save_done, "notBefore": format_time(t.not_before),
-            "teardownSince": format_time(t.teardown_since)},
+            "teardownSince": format_time(t.teardown_since), "reason": t.reason or None},
         "timings": {"finalSaveSeconds": status.final_save_seconds, "restartSeconds": status.restart_seconds}
         if status.final_save_seconds is not None or status.restart_seconds is not None else None,
         "checkpoint": None if ck is None else {
@@ -340,6 +348,7 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "goodput": None if status.goodput is None else build_goodput(status.goodput),
         "lastValidSpec": None if status.last_valid_spec is None else {
             "generation": status.last_valid_spec.generation, "spec": without_nulls(status.last_valid_spec.spec)},
+        "history": build_history(status.history) or None,
         "conditions": [
             {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
              "lastTransitionTime": format_time(c.last_transition_time)} for c in status.conditions],

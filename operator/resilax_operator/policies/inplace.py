@@ -153,7 +153,7 @@ def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     hosts = len(plan.worker_pods)
     in_place = InPlace(plan.generation, s.generation, st.IN_PLACE_STOPPING, since,
                        since + timedelta(seconds=spec.recovery.in_place_stop_timeout_seconds), mode.kept,
-                       finding.kind, finding.not_before)
+                       finding.kind, finding.not_before, finding.reason, finding.message)
     phase = api.PHASE_RESIZING if finding.kind in st.RESHAPE_KINDS else api.PHASE_RECOVERING
     new = replace(s, phase=phase, generation=plan.generation, shape=plan.shape, hosts=hosts, pools=plan.pools,
                   restore_step=RESTORE_LATEST, generation_start_time=since, admitted_time=None, workers_created=False,

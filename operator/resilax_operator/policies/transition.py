@@ -78,7 +78,7 @@ def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     t = Transition(kind=finding.kind, generation=g, since=since, message=finding.message,
                    save_request_id=f"{observed.job.name}-g{g}-{finding.kind.lower()}" if save else None,
                    save_deadline=since + timedelta(seconds=spec.checkpoint.final_save.timeout_seconds) if save else None,
-                   not_before=finding.not_before, teardown_since=None if save else since)
+                   not_before=finding.not_before, teardown_since=None if save else since, reason=finding.reason)
     new = replace(s, transition=t, phase=st.phase_for(t, first=False))
     new = st.set_condition(new, api.COND_READY, False, finding.reason, finding.message, now)
     head: list[Action] = [*actions, SetStatus(new), EmitEvent(finding.event_type, finding.reason, finding.message),

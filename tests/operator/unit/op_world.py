@@ -28,7 +28,15 @@ from resilax_operator.actions import (
     StopTrainers,
 )
 from resilax_operator.builders import JobRef
-from resilax_operator.observed import Observed, ObservedNode, ObservedPod, SaveOutcome, Taint, TrainerReport
+from resilax_operator.observed import (
+    Observed,
+    ObservedNode,
+    ObservedPod,
+    RestoreReport,
+    SaveOutcome,
+    Taint,
+    TrainerReport,
+)
 from resilax_operator.reconcile import decide_raw
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.status import CheckpointInfo, JobStatus, build_status, build_status_patch, parse_status
@@ -84,6 +92,8 @@ class World:
     checkpoint: CheckpointInfo | None = None
     #: Pod 0's trainer figures as the operator last read them (goodput accounting).
     trainer: TrainerReport | None = None
+    #: Pod 0's restore report (`restore` in its sidecar's /v1/state).
+    restore: RestoreReport | None = None
     next_ip: int = 1
     pool_of: dict[str, str] = field(default_factory=dict)
     selector_of: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -116,7 +126,7 @@ class World:
                             pods=tuple(sorted(self.pods.values(), key=lambda p: p.name)),
                             services=tuple(sorted(self.services)), nodes=tuple(self.nodes.values()),
                             save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint, trainer=self.trainer,
-                            storage_sharers=self.storage_sharers)
+                            restore=self.restore, storage_sharers=self.storage_sharers)
         # As observe.py: the sidecars asked (pods_to_poll) that answer report their trainer.
         asked = [n for n in pods_to_poll(observed) if n not in self.unreachable and n in self.processes]
         return with_trainer_processes(observed, {n: replace(self.processes[n], assigned=self.assigned.get(n))

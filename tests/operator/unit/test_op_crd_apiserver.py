@@ -233,8 +233,18 @@ def test_status_round_trip(kube: Any) -> None:
     # as the operator reads it back (the ledger's seconds have 3 decimals on the wire)
     full = replace(full, goodput=st.parse_goodput(st.build_goodput(st.GoodputRecord(ledger, datetime.fromtimestamp(80, UTC)))))
     full = st.set_condition(full, api.COND_READY, False, api.PREEMPTION_NOTICE.name, "m", t0)
+    # status.history (issue 28): every field of an entry kept as written, none pruned or nulled
+    from resilax_operator.history import HistoryEntry
+
+    ended = HistoryEntry(1, t0, "4x4", 4, 16, ("a", "b", "c", "d"), False, t0, "NodeLost", "node n1 ...", 90,
+                         "peer", 1, 130, 40, (("detection", 12.5), ("productive", 100.0)), (100, 120))
+    full = replace(full, history=(ended, HistoryEntry(2, t0, "4x4", 3, 12, ("a", "b", "c"), True)),
+                   transition=replace(full.transition, reason=api.PREEMPTION_NOTICE.name),  # type: ignore[arg-type]
+                   in_place=st.InPlace(3, 2, st.IN_PLACE_STOPPING, t0, t0, kind=st.NODE_LOSS, reason="NodeLost",
+                                       message="m"))
     got = kube.patch(f"{BASE}/status/status", {"status": st.build_status(full)})
     assert st.parse_status(got["status"]) == full
+    assert got["status"]["history"] == st.build_status(full)["history"]
     assert got["status"]["goodput"] == st.build_status(full)["goodput"] | {"ledger": got["status"]["goodput"]["ledger"]}
     assert got["status"]["goodput"]["ledger"]["current"] == {"generation": 2, "created": 75.0, "blockingSeconds": 0.0}
     # A suspended job that waited for a queue and for nodes: the new phase, kinds, pools "" and times.
