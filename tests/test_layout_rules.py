@@ -117,7 +117,8 @@ def test_a_two_tier_restore_goes_through_the_documented_modules_and_never_back(t
     with rc.CheckpointManager(str(local), opts, persistent_directory=str(persistent)) as mgr:
         with _ModuleTrace() as trace:
             out = mgr.restore()
-        assert mgr.restored_from == "persistent" and mgr.restore_report == {"step": 7, "skipped": []}
+        assert mgr.restored_from == "persistent" and mgr.restore_report == {"step": 7, "skipped": [], "generation": 0,
+                                                                  "source": "persistent"}
     np.testing.assert_array_equal(out["params"]["w"], np.arange(64, dtype=np.float32).reshape(8, 8))
     assert out["meta"] == {"epoch": 2}
 

@@ -215,8 +215,9 @@ class CheckpointManager:
 
     @property
     def restore_report(self) -> dict[str, Any] | None:
-        """What the last `restore()` of the newest step did: `{"step": N, "skipped": [{"step", "reason"}]}`
-        (None before any). With a local tier each entry also has "tier": "local" (this host's copy
+        """What the last `restore()` of the newest step did: `{"step": N, "skipped": [{"step", "reason"}],
+        "generation": G, "source": "local"|"peer"|"persistent"}` (None before any; `source`, the farthest
+        tier any process read the step from, once a step was restored). With a local tier each entry also has "tier": "local" (this host's copy
         could not be read, marked bad, the persistent tier's copy of that step was read instead) or
         "all" (no tier could serve it on some process: skipped); and "local_misses" lists this
         process's local steps (the restored one and newer) that lacked a chunk it needed, naming the

@@ -11,7 +11,9 @@ step N is committed, so the sidecar, whose own request then finds no trainer to 
 local step is the final one and persists it even where `persistEverySteps` would keep it local.
 
 After a restore of the newest step the manager also writes `$RESILAX_CONTROL_DIR/restore.json` =
-`{"step": N, "skipped": [{"step": M, "reason": "..."}]}`: the step restored (None: none could be) and
+`{"step": N, "skipped": [{"step": M, "reason": "..."}], "generation": G, "source": "local|peer|persistent"}`:
+the generation that restored, where its processes read the step (the farthest tier any of them needed;
+absent when none could be restored), the step restored (None: none could be) and
 the newer committed steps it had to skip because they could not be read (marked bad; with a local
 tier also a local copy read from the persistent tier instead, `"tier": "local"`). The sidecar
 reports it in `/v1/state` as `restore`; the operator turns skipped steps into an event.

@@ -39,6 +39,17 @@ def decide_agreed_steps(plan: Mapping[int, Mapping[int, list[int]]], me: int,
     return sources, agreed
 
 
+#: Where a process may read its restore from, nearest first (CheckpointManager.restored_from).
+SOURCES = ("local", "peer", "persistent")
+
+
+def farthest_source(sources: Iterable[str | None]) -> str | None:
+    """The farthest tier any process read its restore from (persistent, else peer, else local): where
+    the restore as a whole came from, for the restore report (None when no process names one)."""
+    named = [SOURCES.index(s) for s in sources if s in SOURCES]
+    return SOURCES[max(named)] if named else None
+
+
 @dataclasses.dataclass(frozen=True)
 class TryOutcome:
     """What the processes' views of one try of a step say (each view: {"local", "persistent",

@@ -117,7 +117,7 @@ class Restorer:
                 assert out is not None
                 if t.is_primary:  # a fallback to an older step starts a branch (timelines.py)
                     timelines.record_rollback(storage, root, t.epoch, step, candidates[0])
-                self._report(step, skipped)
+                self._report(step, skipped, source="persistent")  # the one tier (restored_from's word)
                 return out
             reason = "; ".join(failures)
             if t.is_primary:
@@ -163,8 +163,9 @@ class Restorer:
                                                          target, items, mark_persistent=fallback)
             if from_peer and source == "local":
                 source = "peer"
-            outcome = restore_choice.judge_try(json.loads(v) for v in t.exchange(
-                f"{t.key}/restore2/{self._count}/{cand}", json.dumps(errors)))
+            views = [json.loads(v) for v in t.exchange(f"{t.key}/restore2/{self._count}/{cand}",
+                                                        json.dumps({**errors, "source": source}))]
+            outcome = restore_choice.judge_try(views)
             if t.coord.process_index == 0 and outcome.bad_persistent and fallback:
                 commit.mark_bad(t.persistent.storage, t.persistent.root, cand, "; ".join(outcome.bad_persistent))
             if outcome.recovered:  # a local copy could not be read; the persistent tier's was
@@ -181,7 +182,8 @@ class Restorer:
                                               max([cand, *agreed, *persistent]))
                 self.restored_from = source
                 self._report(cand, skipped, [
-                    {"step": m, "reason": why} for m, why in sorted(self._local_misses.items()) if m >= cand])
+                    {"step": m, "reason": why} for m, why in sorted(self._local_misses.items()) if m >= cand],
+                    source=restore_choice.farthest_source(v.get("source") for v in views))
                 return out
             reason = "; ".join(sorted(outcome.failed))
             skipped.append({"step": cand, "tier": "all", "reason": reason})
@@ -311,8 +313,12 @@ class Restorer:
         return True
 
     def _report(self, step: int | None, skipped: list[dict[str, Any]],
-                local_misses: list[dict[str, Any]] | None = None) -> None:
-        self.report = {"step": step, "skipped": skipped}
+                local_misses: list[dict[str, Any]] | None = None, source: str | None = None) -> None:
+        """`report` (and restore.json): the step restored, the steps skipped, this generation, and where
+        the processes read the step (`source`: the farthest tier any of them needed)."""
+        self.report = {"step": step, "skipped": skipped, "generation": self._tiers.options.generation}
+        if source is not None:
+            self.report["source"] = source
         if local_misses:
             self.report["local_misses"] = local_misses
         if self._tiers.options.control_dir:

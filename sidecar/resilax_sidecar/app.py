@@ -183,7 +183,8 @@ class Sidecar:
             "persistent_tier": cfg.checkpoint_dir,
             "stopping": self.stopping,
             "pending_requests": sorted(self.pending),
-            # What the trainer's last restore did: {"step", "skipped": [{"step", "reason"}]} or None.
+            # What the trainer's last restore did: {"step", "skipped": [{"step", "reason"}], "generation",
+            # "source"} or None.
             "restore": read_restore_report(str(cfg.control_dir)),
             # The trainer's figures (resilax_ckpt.trainer_metrics): its step, step rate, save/restore times.
             "trainer": read_trainer_figures(str(cfg.control_dir)),

@@ -109,7 +109,8 @@ def _run(args: dict[str, Any], say: Any) -> None:
             check(mgr.restore(step, target=target), step, f"restore({step})")
         # Last, so the step this manager protects from retention is the newest (the older ones may go).
         check(mgr.restore(target=target), steps[-1], "restore() of the newest step")
-        assert mgr.restore_report == {"step": steps[-1], "skipped": []}, mgr.restore_report
+        report = mgr.restore_report
+        assert report is not None and (report["step"], report["skipped"]) == (steps[-1], []), report
     say("verified", steps=steps)
     first = (steps[-1] if steps else 0) + 1
     say("ready")

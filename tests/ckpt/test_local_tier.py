@@ -153,6 +153,8 @@ def test_latest_from_env_is_the_agreed_step_and_each_process_names_its_tier(tmp_
     assert [r["agreed"] for r in restored] == [1, 1]
     assert [r["step"] for r in restored] == [1, 1]
     assert [r["restored_from"] for r in restored] == ["local", "persistent"]
+    # the report (restore.json, status.history's restoredFrom): the farthest tier any process needed
+    assert [(r["report"]["source"], r["report"]["generation"]) for r in restored] == [("persistent", 0)] * 2
     assert restored[0]["steps"] == [1]  # step 2 withdrawn on host 0
     assert not (tmp_path / "local0" / "2").exists()
 

@@ -47,3 +47,14 @@ def test_judge_try() -> None:
     assert outcome.bad_persistent == ["p1: gone too"]
     assert restore_choice.judge_try([{"local": None, "persistent": None, "error": None}]) == \
         restore_choice.TryOutcome([], [], [])
+
+
+@pytest.mark.parametrize(("sources", "want"), [
+    pytest.param(["local", "local"], "local", id="every-host-its-own"),
+    pytest.param(["local", "peer"], "peer", id="a-replica-fetched"),
+    pytest.param(["peer", "persistent", "local"], "persistent", id="one-process-read-the-persistent-tier"),
+    pytest.param([None, "local"], "local", id="a-view-without-source"),
+    pytest.param([None], None, id="none-named"),
+])
+def test_farthest_source(sources: list[str | None], want: str | None) -> None:
+    assert restore_choice.farthest_source(sources) == want

@@ -367,3 +367,12 @@ def test_operator_dies_at_every_step_the_history_is_the_same(keep: int) -> None:
         _flow(d)
         got = [(e.generation, e.count, e.end_reason, e.end) for e in d.w.status.history]
         assert got == expected, f"crash at decision {crash_at}"
+
+
+def test_the_restore_report_names_its_generation_and_source() -> None:
+    from resilax_operator.observed import parse_restore_report
+
+    body = {"restore": {"step": 120, "skipped": [], "generation": 3, "source": "peer"}}
+    assert parse_restore_report(body) == RestoreReport(120, (), 3, "peer")
+    assert parse_restore_report({"restore": {"step": 120, "skipped": []}}) == RestoreReport(120)  # an older library
+    assert parse_restore_report({"restore": {"step": 120, "generation": "x"}}) is None
