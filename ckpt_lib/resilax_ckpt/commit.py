@@ -215,6 +215,11 @@ def commit_object(storage: Storage, root: str, final_path: str, step: int, marke
     try:
         storage.write_bytes(path, marker, create_only=True)
     except FileExistsError:
+        if is_own_marker(storage, path, marker):
+            # Our create reached the store but its answer was lost, and the retry found it: committed.
+            log.info("step %d: the retried commit found this attempt's own marker at %s", step, path)
+            clear_bad(storage, root, step)
+            return
         view = scan_steps(storage, root)
         if step in view.visible:
             raise StepExistsError(f"step {step}: a committed checkpoint already exists at {final_path}") from None
@@ -223,6 +228,22 @@ def commit_object(storage: Storage, root: str, final_path: str, step: int, marke
         _keep_aside(storage, root, step, view, final_path, layout.COMMIT_FILE)
         storage.write_bytes(path, marker)
     clear_bad(storage, root, step)
+
+
+def is_own_marker(storage: Storage, path: str, marker: bytes) -> bool:
+    """Whether the marker at `path` is `marker` itself: the one this save wrote (its attempt, whose
+    nonce no other save has, or the same bytes), as a create retried after a lost answer finds it."""
+    try:
+        found = storage.read_bytes(path)
+    except FileNotFoundError:
+        return False
+    if found == marker:
+        return True
+    try:
+        ours, theirs = json.loads(marker).get("attempt"), json.loads(found).get("attempt")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(ours, str) and layout.is_attempt_name(ours) and ours == theirs
 
 
 def _upload_in_progress(storage: Storage, step_path: str) -> bool:

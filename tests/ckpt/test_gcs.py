@@ -9,9 +9,10 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import commit, layout
+from resilax_ckpt import commit, fencing, layout
 from resilax_ckpt.storage import GcsStorage
 from resilax_local.gcs import FakeGCS
+from resilax_local.gcs_proxy import GcsProxy
 
 pytestmark = pytest.mark.gcs
 
@@ -78,3 +79,33 @@ def test_storage_failure_surfaces_from_wait(devices, monkeypatch):
         mgr.close()
     finally:
         server.stop()
+
+
+def test_a_retried_commit_that_finds_its_own_marker_is_committed(gcs_server, gcs_root, devices, monkeypatch):
+    """The store creates `_COMMIT` but its answer is lost (a 503 after the write, as a dropped
+    connection gives): gcsfs retries the create, which finds the marker (412). That marker is this
+    attempt's own: the save committed, no StepExistsError. Another attempt's marker still refuses."""
+    proxy = GcsProxy(gcs_server.url)
+    try:
+        for key in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
+            monkeypatch.setenv(key, proxy.url)
+        proxy.lose_answer_once(lambda r: r.method == "POST" and f'/5/{layout.COMMIT_FILE}"'.encode() in r.body)
+        with rc.CheckpointManager(gcs_root, rc.ManagerOptions(generation=1)) as mgr:
+            assert mgr.save(5, state(5)[0])
+            mgr.wait()
+            assert proxy.lost, "the commit's answer was never lost: the test did not exercise the retry"
+            assert mgr.steps() == [5]
+            out = mgr.restore(5, items=["params"])
+            np.testing.assert_array_equal(np.asarray(out["params"]["w"]), state(5)[1])
+
+        storage = GcsStorage()
+        final = f"{gcs_root}/5"
+        marker = storage.read_bytes(f"{final}/{layout.COMMIT_FILE}")
+        epoch = fencing.parse_marker_epoch(marker)
+        other = commit.build_marker(5, epoch, layout.attempt_name(*epoch, "00000000"))
+        with pytest.raises(rc.StepExistsError):
+            commit.commit_object(storage, gcs_root, final, 5, other, epoch)
+        commit.commit_object(storage, gcs_root, final, 5, marker, epoch)  # its own marker: committed
+        assert storage.read_bytes(f"{final}/{layout.COMMIT_FILE}") == marker
+    finally:
+        proxy.close()

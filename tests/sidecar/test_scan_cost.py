@@ -1,20 +1,16 @@
 """What the uploader costs the persistent tier (issue 29, "storage cost at scale"): an idle job lists
-gs:// at most once a minute, not once per poll. Counted with a small proxy in front of fake-gcs-server
-(every JSON-API request goes through it); time is injected (`Uploader.tick` with a fake clock), so
+gs:// at most once a minute, not once per poll. Counted with a proxy in front of fake-gcs-server
+(resilax_local.gcs_proxy: every JSON-API request goes through it); time is injected (`Uploader.tick` with a fake clock), so
 twenty idle minutes take seconds."""
 
 from __future__ import annotations
 
-import http.client
-import http.server
-import threading
-import urllib.parse
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from resilax_local.gcs_proxy import GcsProxy
 from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.store import GcsStore
 from resilax_sidecar.uploader import IDLE_SCAN_SECONDS, Uploader, plan_full_pass
@@ -22,63 +18,9 @@ from sidecar_harness import step_files, write_local_step
 from test_uploader import make_config
 
 
-class CountingProxy:
-    """Forwards every request to fake-gcs-server and counts them: `lists` are GETs of a bucket's
-    object collection (`/storage/v1/b/<bucket>/o`), what GCS bills as class A operations."""
-
-    def __init__(self, upstream: str) -> None:
-        target = urllib.parse.urlsplit(upstream)
-        self.counts: Counter[str] = Counter()
-        self.listed: list[str] = []
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.0"  # one request per connection: none left open at shutdown
-
-            def forward(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                path = urllib.parse.urlsplit(self.path).path
-                kind = "list" if self.command == "GET" and path.rstrip("/").endswith("/o") else self.command.lower()
-                proxy.counts[kind] += 1
-                if kind == "list":
-                    proxy.listed.append(urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query).get("prefix", [""])[0])
-                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
-                try:
-                    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    response = conn.getresponse()
-                    data = response.read()
-                    self.send_response(response.status)
-                    for key, value in response.getheaders():
-                        if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                            self.send_header(key, value)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up on this connection; nothing to answer
-                finally:
-                    conn.close()
-
-            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = forward
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
-def proxy(gcs_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[CountingProxy]:
-    counting = CountingProxy(gcs_env["STORAGE_EMULATOR_HOST"])
+def proxy(gcs_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsProxy]:
+    counting = GcsProxy(gcs_env["STORAGE_EMULATOR_HOST"])
     for key in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
         monkeypatch.setenv(key, counting.url)
     yield counting
@@ -108,7 +50,7 @@ def test_plan_full_pass(local: list[int], last: list[int] | None, woken: bool, p
 
 @pytest.mark.gcs
 def test_an_idle_job_lists_the_bucket_at_most_once_a_minute(tmp_path: Path, gcs_bucket: str,
-                                                             proxy: CountingProxy) -> None:
+                                                             proxy: GcsProxy) -> None:
     config = make_config(tmp_path, checkpoint_dir=f"{gcs_bucket}/runs/job", poll_seconds=1.0, keep_last=2)
     write_local_step(config.local_dir, 5, step_files(2, 1000))
     clock = FakeClock()
@@ -119,8 +61,7 @@ def test_an_idle_job_lists_the_bucket_at_most_once_a_minute(tmp_path: Path, gcs_
         clock.now += uploader.tick()
     assert uploader.state.newest_persisted == 5
 
-    proxy.counts.clear()
-    proxy.listed.clear()
+    proxy.reset()
     minutes = 20
     end = clock.now + minutes * 60
     turns = 0
