@@ -1,8 +1,9 @@
 """The recovery flows end to end with real JAX workers (examples/train.py) on the local cluster:
-hard node loss and grow-back, a scheduled host maintenance, half the nodes Unknown at once (the
+a scheduled host maintenance, half the nodes Unknown at once (the
 disruption guard), a user resize (then a re-created job, and a second job refused its storage), a
 worker that keeps failing, failure rules (an exit code not counted, one failing the job), and the
-operator killed mid-recovery with a partitioned old generation that must not commit.
+operator killed mid-recovery with a partitioned old generation that must not commit. Hard node loss and
+grow-back: test_op_e2e_history.py (with status.history), which imports this file's helpers.
 
 Jobs: 2 slices of tpu-v5-lite-podslice 2x4 (2 hosts each) = 4 processes x 2 fake CPU devices, a
 checkpoint every 4 steps into a folder under the test's tmp dir, 0.5 s per step. The loss lines are
@@ -39,7 +40,7 @@ ELASTIC = {"minCount": 1, "maxCount": 2, "growBack": True}
 RESULTS = Path(os.environ.get("RESILAX_E2E_RESULTS", "/tmp/resilax-e2e-recovery.jsonl"))
 
 
-def _record(test: str, breakdown: dict[str, Any], **extra: Any) -> None:
+def record_result(test: str, breakdown: dict[str, Any], **extra: Any) -> None:
     with RESULTS.open("a") as f:
         f.write(json.dumps({"test": test, "time": time.time(), **breakdown, **extra}) + "\n")
 
@@ -69,114 +70,12 @@ def wait_generation(jobs: Jobs, name: str, generation: int, count: int, timeout:
     return status
 
 
-def steps_lost_observed(operator: OperatorProcess) -> tuple[int, float]:
-    """(recoveries observed, steps lost in all) of `resilax_operator_steps_lost`, over every kind."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    count, total = 0, 0.0
-    for family in text_string_to_metric_families(operator.metrics()):
-        for sample in family.samples:
-            if sample.name == "resilax_operator_steps_lost_count":
-                count += int(sample.value)
-            elif sample.name == "resilax_operator_steps_lost_sum":
-                total += sample.value
-    return count, total
-
-
 def assert_redone_steps_match(old: dict[int, dict[str, Any]], new: dict[int, dict[str, Any]]) -> int:
     """Steps both generations computed (redone after a restore) have the same loss on any mesh."""
     both = sorted(set(old) & set(new))
     for step in both:
         assert new[step]["loss"] == pytest.approx(old[step]["loss"], rel=1e-4), step
     return len(both)
-
-
-def goodput_metrics(operator: OperatorProcess, name: str) -> dict[str, float]:
-    """The operator's resilax_operator_goodput_* samples of job `name`: {"ratio": r, <bucket>: seconds}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(operator.metrics()):
-        for sample in family.samples:
-            if sample.labels.get("jaxjob") != name:
-                continue
-            if sample.name == "resilax_operator_goodput_ratio":
-                out["ratio"] = sample.value
-            elif sample.name == "resilax_operator_goodput_seconds":
-                out[sample.labels["bucket"]] = sample.value
-    return out
-
-
-def assert_goodput_shows_the_fault(operator: OperatorProcess, jobs: Jobs, name: str, fault: float, lost: int) -> None:
-    """Issue 19 item 3: after the hard loss, status.goodput and the metrics show goodput < 1, the pause
-    (from the fault to generation 2's first step) in detection .. restore, the steps trained twice in
-    lostStepsRedone; the buckets sum to the wall time."""
-    def after_restore() -> dict[str, Any] | None:
-        g = jobs.status(name).get("goodput") or {}
-        current = (g.get("ledger") or {}).get("current") or {}
-        return g if current.get("generation") == 2 and current.get("firstStep") is not None else None
-
-    g = wait_for(after_restore, timeout=120, interval=1, message="status.goodput with generation 2's first step")
-    b = g["breakdown"]
-    print(f"goodput after the hard loss: {g}")
-    assert 0 < g["ratio"] < 1 and b["productive"] > 0, g
-    assert sum(b.values()) == pytest.approx(g["wallSeconds"], abs=1.0), g
-    first_step = min(r["time"] for r in jobs.losses(name, 2).values())
-    pause = sum(b[k] for k in ("detection", "teardown", "scheduling", "jaxStartup", "restore"))
-    # the operator's pause runs from the last step it saw (before the fault) to generation 2's first step
-    # (less one step): at least the fault's pause, less that step
-    assert pause >= first_step - fault - 2.0, (pause, first_step - fault, g)
-    assert b["detection"] > 0, g
-    assert 0 <= g["lostSteps"] <= lost and (b["lostStepsRedone"] > 0) == (g["lostSteps"] > 0), (g, lost)
-    m = wait_for(lambda: goodput_metrics(operator, name) or None, timeout=60, interval=1,
-                 message="resilax_operator_goodput_* of the job")
-    assert 0 < m["ratio"] < 1 and m["detection"] > 0 and m["productive"] > 0, m
-    assert m["restore"] > 0, m  # generation 2's restore, from pod 0's trainer figures (the status rounds to 0.1 s)
-
-
-def test_hard_node_loss_shrinks_then_grows_back(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
-                                                tmp_path: Path) -> None:
-    name, storage = unique_name("loss"), tmp_path / "ckpt"
-    start_training(jobs, name, storage, elastic=ELASTIC, final_save_timeout=20)
-    victim = node_of(jobs, f"{name}-g1-s1-h1")
-    fault = time.time()
-    committed_before = max(committed_steps(storage))
-    cluster.kill_node(victim)
-
-    wait_generation(jobs, name, 2, count=1)
-    gen1, gen2 = jobs.losses(name, 1), jobs.losses(name, 2)
-    restored = min(gen2) - 1
-    assert restored in committed_steps(storage)
-    assert restored >= committed_before
-    lost = max(gen1) - restored
-    redone = assert_redone_steps_match(gen1, gen2)
-    assert all(r["devices"] == 4 for r in gen2.values())  # 1 slice x 2 hosts x 2 devices
-    assert lost <= EVERY + 1, f"lost {lost} steps (restored {restored}, generation 1 reached {max(gen1)})"
-    breakdown = recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "NodeNotReady", "PodLost", "WorkerFailed"))
-    print(f"hard node loss: restored step {restored}, generation 1 reached {max(gen1)}: {lost} steps lost, "
-          f"{redone} redone steps match")
-    _record("hard_node_loss", breakdown, lost=lost, restored=restored)
-    reasons = jobs.event_reasons(name, "NodeLost")
-    assert "NodeLost" in reasons, reasons
-    # The operator measured the steps lost from the trainers' reports (pod 0's sidecar): once, and at
-    # most what was lost (its last look at generation 1 may predate generation 1's last step).
-    observed = wait_for(lambda: steps_lost_observed(operator) if steps_lost_observed(operator)[0] >= 1 else None,
-                        timeout=120, interval=1, message="resilax_operator_steps_lost observed for the recovery")
-    assert observed[0] == 1 and 0 <= observed[1] <= lost, (observed, lost)
-    assert_goodput_shows_the_fault(operator, jobs, name, fault, lost)
-
-    # The node comes back: growBack resizes up to 2 slices through a final save (0 steps lost).
-    cluster.restore_node(victim)
-    wait_generation(jobs, name, 3, count=2)
-    gen2, gen3 = jobs.losses(name, 2), jobs.losses(name, 3)
-    assert min(gen3) - 1 == max(gen2), (max(gen2), min(gen3))
-    assert all(r["devices"] == 8 for r in gen3.values())
-    assert "GrowBack" in jobs.event_reasons(name, "GrowBack")
-    assert "resilax_operator_generations_total 3.0" in operator.metrics()
-    # The grow-back went through a final save: its recovery lost nothing.
-    after = wait_for(lambda: steps_lost_observed(operator) if steps_lost_observed(operator)[0] >= 2 else None,
-                     timeout=120, interval=1, message="resilax_operator_steps_lost observed for the grow-back")
-    assert after == (2, observed[1]), (after, observed)
 
 
 def test_scheduled_maintenance_saves_and_moves_within_the_lead_with_no_step_lost(
@@ -208,7 +107,7 @@ def test_scheduled_maintenance_saves_and_moves_within_the_lead_with_no_step_lost
         assert event_time(notice) >= when - lead - 1, (event_time(notice), when - lead)
         assert "within the lead of 570s" in notice["message"] and victim in scheduled["message"]
         breakdown = recovery_breakdown(jobs, name, 2, fault, ("PreemptionNotice",))
-        _record("scheduled_maintenance", breakdown, lost=0, restored=restored)
+        record_result("scheduled_maintenance", breakdown, lost=0, restored=restored)
     finally:
         jobs.kube.patch(node_path, {"metadata": {"labels": {MAINTENANCE_LABEL: None}}})
 
@@ -265,7 +164,7 @@ def test_user_resize_saves_and_moves_to_the_new_shape(operator: OperatorProcess,
     assert all(r["devices"] == 4 for r in gen2.values())
     reasons = jobs.event_reasons(name, "SpecResized", "FinalSaveDone")
     assert "SpecResized" in reasons and "FinalSaveDone" in reasons, reasons
-    _record("resize", recovery_breakdown(jobs, name, 2, fault, ("SpecResized",)), lost=0)
+    record_result("resize", recovery_breakdown(jobs, name, 2, fault, ("SpecResized",)), lost=0)
 
     # Back to 2 slices (generation 3), then delete the JAXJob and apply it again, as users resume a
     # Failed job (issue 16): the new object's generations restart at 1 on the same storage; it must
@@ -453,7 +352,7 @@ def test_operator_restart_mid_recovery_and_fenced_old_generation(operator: Opera
     jobs.patch_spec(name, {"template": {"spec": {"hostNetwork": None}}})
     jobs.wait_status(name, lambda s: _condition(s, "InvalidSpec").get("status") == "False", 120, "the spec fixed")
     breakdown = recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "NodeNotReady", "PodLost", "WorkerFailed"))
-    _record("operator_restart_partition", breakdown, lost=max(gen1) - restored, restored=restored)
+    record_result("operator_restart_partition", breakdown, lost=max(gen1) - restored, restored=restored)
     # generation 2's fence (named e<era>-g2.json: the operator passes the job's uid, which claims an era)
     fences = [json.loads(p.read_text()) for p in (storage / "_fences").glob("*.json") if not p.name.startswith("era-")]
     assert any(f["generation"] == 2 and f["era"] >= 1 for f in fences), fences
