@@ -83,6 +83,14 @@ def wait_restored(jobs: Jobs, name: str, generation: int) -> dict[str, dict[str,
                     timeout=900, interval=1, message=f"{name}: every worker of generation {generation} restored")
 
 
+def history_restore(jobs: Jobs, name: str, generation: int) -> tuple[int, str]:
+    """(restoredStep, restoredFrom) of `generation` in status.history, once the operator recorded it."""
+    def told() -> tuple[int, str] | None:
+        e = next((e for e in jobs.status(name).get("history") or [] if e["generation"] == generation), {})
+        return (e["restoredStep"], e.get("restoredFrom", "")) if "restoredStep" in e else None
+    return wait_for(told, timeout=120, interval=1, message=f"{name}: status.history's restore of generation {generation}")
+
+
 def generation_2_restored(jobs: Jobs, name: str, storage: Path) -> tuple[dict[str, dict[str, Any]], list[int]]:
     """Once generation 2 runs and every worker printed its restore line: those lines and the steps
     generation 1 committed in the persistent tier."""
@@ -121,6 +129,7 @@ def test_worker_failure_restores_every_worker_from_its_local_tier(
     step = lines["s0-h0"]["restored"]
     assert pod_nodes(jobs, name, 2) == nodes1  # every worker back on its node
     assert all(r["restored"] == step and r["from"] == "local" for r in lines.values()), lines
+    assert history_restore(jobs, name, 2) == (step, "local")  # every process from its own host
     assert step > max(gen1_persisted), (step, gen1_persisted)  # newer than anything persistent: local only
     assert step % 20 != 0
     assert step >= min(max(steps) for steps in local_at_fault.values()), local_at_fault
@@ -249,6 +258,7 @@ def test_node_loss_the_replacement_restores_from_its_peer_and_two_peers_lost_fal
         assert all(r["restored"] == step for r in lines.values()), lines
         assert step > max(gen1_persisted), (step, gen1_persisted)  # newer than anything persistent
         assert step == held_at_fault  # the replica there was at the loss
+        assert history_restore(jobs, name, 2) == (step, "peer")  # the farthest any process went
         gen1 = jobs.losses(name, 1)
         print(f"node loss: generation 1 reached step {max(gen1)}; process 1 had committed {victim_newest} "
               f"locally; restored {step}: {victim_newest - step} steps lost")
@@ -281,6 +291,7 @@ def test_node_loss_the_replacement_restores_from_its_peer_and_two_peers_lost_fal
         step3 = lines3["s0-h0"]["restored"]
         assert all(r["restored"] == step3 for r in lines3.values()), lines3
         assert lines3["s0-h1"]["from"] == lines3["s1-h1"]["from"] == "persistent", lines3
+        assert history_restore(jobs, name, 3) == (step3, "persistent")
         assert step3 in persisted and commit_generation(storage, step3) <= 2, (step3, persisted)
         wait_for(lambda: jobs.losses(name, 3), timeout=300, interval=1, message=f"{name}: a step of generation 3")
     finally:
