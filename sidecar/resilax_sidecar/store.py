@@ -348,9 +348,17 @@ class GcsStore:
         return out
 
     def stat(self, key: str) -> BlobInfo | None:
+        """One object's size and MD5: an objects.get only (gcsfs's `info` also LISTs the key as a
+        folder, in parallel: a class A operation per file checked, every file of every upload)."""
         with _wrapping(self.url, "stat", key):
             try:
-                info = self._fs.info(self._full(key), refresh=True)
+                get_object = getattr(self._fs, "_get_object", None)
+                if get_object is not None and hasattr(self._fs, "loop"):
+                    import fsspec.asyn
+
+                    info = fsspec.asyn.sync(self._fs.loop, get_object, self._full(key))
+                else:
+                    info = self._fs.info(self._full(key), refresh=True)
             except FileNotFoundError:
                 return None
         if info.get("type") == "directory":
