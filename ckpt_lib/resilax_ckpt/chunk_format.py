@@ -17,6 +17,7 @@ reader (tensorstore without `assume_metadata`, zarr-python) reads what the file 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -68,7 +69,14 @@ def zarr_json(shape: Sequence[int], dtype: str, chunks: Sequence[int], shard: Se
     """The `zarr.json` of an array, exactly as tensorstore's zarr3 driver writes it; with `shard`,
     an array of shards of that shape holding `chunks`-shaped inner chunks (`sharding_indexed`, the
     index at the end of the file, zarr's default: see ArrayFiles); with `checksum`, the `crc32c`
-    codec after every chunk's bytes and after the shard index (checksums.py)."""
+    codec after every chunk's bytes and after the shard index (checksums.py). Cached: every save
+    of a job writes the same ones."""
+    return _zarr_json(tuple(shape), str(dtype), tuple(chunks), tuple(shard), bool(checksum))
+
+
+@functools.lru_cache(maxsize=4096)
+def _zarr_json(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...], shard: tuple[int, ...],
+               checksum: bool) -> bytes:
     bytes_codec: dict[str, Any] = {"name": "bytes"}
     if dtype != "bool" and np.dtype(dtype).itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}

@@ -399,6 +399,8 @@ def write_step_files(storage: Storage, backend: backends.ChunkBackend, work: str
             commit.kill_point("mid_writes", process_index)
 
     backend.write(plan, work, create_metadata, progress)
-    backends.release_free_memory()  # the snapshot is written and dropped
+    # The snapshot is written and dropped: its memory goes back to the OS on a thread of its own
+    # (malloc_trim walks every arena: 0.05-0.35 s that the commit need not wait for).
+    threading.Thread(target=backends.release_free_memory, name="resilax-trim", daemon=True).start()
     for parts, data in plan.files:
         storage.write_bytes(storage.join(work, *parts), data)
