@@ -1,4 +1,4 @@
-"""Find or build the local cluster's binaries: Kubernetes, etcd, fake-gcs-server (and optionally kwok).
+"""Find or build the local cluster's binaries: Kubernetes, etcd, fake-gcs-server, Kueue (and optionally kwok).
 
 Everything is built with the Go toolchain and the Go module proxy only, and cached under
 `~/.cache/resilax/bin/<name>-<version>/` (`$RESILAX_CACHE` moves the cache). A binary is built only
@@ -8,7 +8,9 @@ looked at first, binary by binary.
 Kubernetes is built from a wrapper module that requires `k8s.io/kubernetes` and replaces each staging
 module (`k8s.io/api`, `k8s.io/client-go`, ...) with its published `v0.<minor>.<patch>` twin: the
 upstream go.mod points them at `./staging/...` folders that a module download does not have. etcd's
-server module has directory replaces too, so it gets a wrapper of its own.
+server module has directory replaces too, so it gets a wrapper of its own. Kueue's module has no
+replaces: `go install` builds its manager, and the manifests it needs at start-up (CRDs, webhooks) are
+copied from the downloaded module beside the binary, so a cluster starts it without Go.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ ETCD_VERSION = "v3.7.3"
 FAKE_GCS_SERVER_VERSION = "v1.56.1"
 KWOK_VERSION = "v0.7.0"
 HELM_VERSION = "v4.3.2"
+#: The newest Kueue the Go module proxy served (`go list -m -versions sigs.k8s.io/kueue`, 2026-12).
+KUEUE_VERSION = "v0.17.0"
+#: What a Kueue start needs from its module, copied beside the binary (relative to the module root).
+KUEUE_MANIFESTS = ("config/components/crd/bases", "config/components/crd/kustomization.yaml",
+                   "config/components/webhook/manifests.yaml")
 
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
 
@@ -275,6 +282,62 @@ def ensure_kwok(version: str = KWOK_VERSION, build: bool = True) -> Path:
 def ensure_helm(version: str = HELM_VERSION, build: bool = True) -> Path:
     """helm (`go install helm.sh/helm/v4/cmd/helm@<version>`), for the chart tests."""
     return _go_install("helm.sh/helm/v4/cmd/helm", version, "helm", build)
+
+
+@dataclass(frozen=True)
+class KueueBinary:
+    """Kueue's manager and the manifests of its module (`<manifests>/config/components/...`)."""
+
+    manager: Path
+    manifests: Path
+    version: str
+
+
+def kueue_dir(version: str = KUEUE_VERSION) -> Path:
+    return cache_dir() / "bin" / f"kueue-{version}"
+
+
+def ensure_kueue(version: str = KUEUE_VERSION, build: bool = True) -> KueueBinary:
+    """Kueue's manager (`go install sigs.k8s.io/kueue/cmd/kueue@<version>`, the version stamped in) and
+    its CRD and webhook manifests, in ~/.cache/resilax/bin/kueue-<version>/ (a cold build: minutes)."""
+    out_dir = kueue_dir(version)
+    found = KueueBinary(out_dir / "kueue", out_dir / "manifests", version)
+    if _kueue_complete(found):
+        return found
+    if not build:
+        raise BinaryError(f"missing Kueue {version} in {out_dir} (run `resilax local binaries` to build it)")
+    with _build_lock(f"kueue-{version}"):
+        if not found.manager.is_file():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "GOBIN": str(out_dir)}
+            ldflags = f"-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion={version}"
+            _run_build([_go(), "install", "-trimpath", f"-ldflags={ldflags}", f"sigs.k8s.io/kueue/cmd/kueue@{version}"],
+                       out_dir, "kueue-build.log", env=env)
+        if not _kueue_complete(found):
+            _copy_kueue_manifests(version, found.manifests)
+    return found
+
+
+def _kueue_complete(found: KueueBinary) -> bool:
+    return found.manager.is_file() and all((found.manifests / m).exists() for m in KUEUE_MANIFESTS)
+
+
+def _copy_kueue_manifests(version: str, target: Path) -> None:
+    info = subprocess.run([_go(), "mod", "download", "-json", f"sigs.k8s.io/kueue@{version}"],
+                          capture_output=True, text=True, check=False, cwd=cache_dir())
+    if info.returncode != 0:
+        raise BinaryError(f"go mod download sigs.k8s.io/kueue@{version} failed: {info.stdout}{info.stderr}")
+    module = Path(json.loads(info.stdout)["Dir"])
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    for item in KUEUE_MANIFESTS:  # file by file: the module cache's read-only modes stay behind
+        source = module / item
+        for path in sorted(source.rglob("*.yaml")) if source.is_dir() else [source]:
+            dest = partial / path.relative_to(module)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(path.read_bytes())
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
 
 
 def go_install(package: str, version: str, name: str, build: bool = True) -> Path:

@@ -1,7 +1,7 @@
 """`resilax local ...`: build the binaries, start and stop a local cluster, break its nodes.
 
     resilax local binaries                      # find or build; print the paths
-    resilax local up [--profile default] [--dir DIR] [--name NAME]
+    resilax local up [--profile default] [--dir DIR] [--name NAME] [--kueue]
     resilax local status | nodes | down
     resilax local logs NAMESPACE/POD [CONTAINER] [--previous]
     resilax local kill-node NODE | partition-node NODE | restore-node NODE
@@ -36,12 +36,15 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--name", default="default", help="cluster name, for the default run folder")
         return p
 
-    b = sub.add_parser("binaries", help="find or build kube-apiserver, controller manager, scheduler, etcd, fake-gcs-server")
+    b = sub.add_parser("binaries", help="find or build kube-apiserver, controller manager, scheduler, etcd, "
+                       "fake-gcs-server, Kueue")
     b.add_argument("--no-build", action="store_true", help="fail instead of building what is missing")
     b.add_argument("--kwok", action="store_true", help="also build kwok")
     up = with_dir(sub.add_parser("up", help="start a cluster and return once its nodes are Ready"))
     up.add_argument("--profile", default="default", choices=PROFILES)
     up.add_argument("--node-monitor-grace", type=int, default=16, help="seconds before a silent node goes Unknown")
+    up.add_argument("--kueue", action="store_true", help="also run Kueue (pod integration) with a ClusterQueue "
+                    "and a LocalQueue `resilax-local` in namespace default (docs/local-cluster.md, Kueue)")
     with_dir(sub.add_parser("down", help="stop the cluster; no process is left"))
     with_dir(sub.add_parser("status", help="processes, nodes, kubeconfig"))
     with_dir(sub.add_parser("nodes", help="the node agent's nodes and their states"))
@@ -101,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "binaries":
         paths = binaries.ensure_binaries(build=not args.no_build).as_dict()
         paths["fake-gcs-server"] = str(binaries.ensure_fake_gcs_server(build=not args.no_build))
+        paths["kueue"] = str(binaries.ensure_kueue(build=not args.no_build).manager)
         if args.kwok:
             paths["kwok"] = str(binaries.ensure_kwok())
         for name, path in paths.items():
@@ -116,9 +120,14 @@ def _run(args: argparse.Namespace) -> int:
             return 1
 
         cluster = LocalCluster(args.dir, name=args.name, profile=args.profile,
-                               settings=ControlPlaneSettings(node_monitor_grace_seconds=args.node_monitor_grace))
+                               settings=ControlPlaneSettings(node_monitor_grace_seconds=args.node_monitor_grace),
+                               kueue=args.kueue)
         cluster.start()
         print(f"local cluster up in {cluster._state['startup_seconds']} s ({cluster.run_dir})")
+        kueue = cluster.kueue_state()
+        if kueue is not None:
+            print(f"Kueue {kueue.version} runs (pod integration): label a JAXJob "
+                  "kueue.x-k8s.io/queue-name=resilax-local in namespace default")
         print(f"export KUBECONFIG={cluster.kubeconfig}")
         return 0
     if args.command == "down":

@@ -6,6 +6,10 @@
         cluster.kill_node("tpu-slice-0-h1")   # Lease stops, processes SIGKILLed
         cluster.restore_node("tpu-slice-0-h1")
 
+With `kueue=True` (`resilax local up --kueue`), or `start_kueue()` on a running cluster, Kueue runs
+beside the control plane (kueue.py): its CRDs, its webhooks, and a ClusterQueue and LocalQueue named
+`resilax-local` (the LocalQueue in `default`).
+
 A cluster lives in its run folder (default `~/.cache/resilax/clusters/<name>`): `cluster.json` (pids,
 ports), `kubeconfig`, `pki/`, `etcd/`, `logs/` (one file per component and the node agent) and
 `pods/<namespace>/<pod>-<uid>/` (volumes, container specs and logs). Another process attaches to a
@@ -32,6 +36,7 @@ from .binaries import cache_dir, ensure_binaries
 from .controlplane import ControlPlane, ControlPlaneSettings
 from .errors import KubeAPIError, NotRunningError, StartError
 from .kubeapi import Credentials, KubeClient, read_kubeconfig, write_kubeconfig
+from .kueue import Kueue, KueueState
 from .pods import map_host_path, memory_root
 from .processes import alive, spawn, stop_group
 from .profiles import NodeSpec, build_cpu_node, build_profile, build_tpu_slice
@@ -39,7 +44,7 @@ from .profiles import NodeSpec, build_cpu_node, build_profile, build_tpu_slice
 log = logging.getLogger(__name__)
 
 STATE_FILE = "cluster.json"
-STOP_ORDER = ("node-agent", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
+STOP_ORDER = ("kueue", "node-agent", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
 
 
 def default_run_dir(name: str = "default") -> Path:
@@ -51,7 +56,8 @@ class LocalCluster:
 
     def __init__(self, run_dir: Path | str | None = None, *, name: str = "default", profile: str = "default",
                  nodes: list[NodeSpec] | None = None, settings: ControlPlaneSettings | None = None,
-                 lease_renew_seconds: float = 2.0, no_process_lease_seconds: float | None = None) -> None:
+                 lease_renew_seconds: float = 2.0, no_process_lease_seconds: float | None = None,
+                 kueue: bool = False) -> None:
         self.run_dir = Path(run_dir) if run_dir else default_run_dir(name)
         self.profile = profile
         self.node_specs = nodes if nodes is not None else build_profile(profile)
@@ -60,6 +66,8 @@ class LocalCluster:
         #: How often no-process nodes renew their Leases (default: every max(lease_renew_seconds, 5) s);
         #: thousands of them need longer, with `settings.node_monitor_grace_seconds` to match.
         self.no_process_lease_seconds = no_process_lease_seconds
+        #: Start Kueue once the nodes are Ready (`start_kueue`).
+        self.with_kueue = kueue
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._state: dict[str, Any] = {}
         self._http = urllib3.PoolManager(retries=False)
@@ -97,6 +105,8 @@ class LocalCluster:
             self._write_state(control_plane)
             self._wait_agent(deadline)
             self.wait_nodes_ready([n.name for n in self.node_specs], timeout=max(5.0, deadline - time.monotonic()))
+            if self.with_kueue:
+                self.start_kueue()
         except BaseException:
             self.stop()
             raise
@@ -104,6 +114,40 @@ class LocalCluster:
         (self.run_dir / STATE_FILE).write_text(json.dumps(self._state, indent=1))
         log.info("local cluster up in %.1f s: %s", time.monotonic() - started, self.kubeconfig)
         return self
+
+    def start_kueue(self, timeout: float = 180.0) -> KueueState:
+        """Start Kueue on this running cluster (built on first use: minutes) and return once its webhooks
+        answer and the default queue exists; when it already runs, its state."""
+        current = self.kueue_state()
+        if current is not None:
+            return current
+        kueue = Kueue(self.run_dir, self.client(), self.server)
+        state = kueue.start(timeout)
+        if kueue.proc is not None:
+            self._procs["kueue"] = kueue.proc
+        self._state["kueue"] = state.to_json()
+        self._state.setdefault("pids", {})["kueue"] = state.pid
+        (self.run_dir / STATE_FILE).write_text(json.dumps(self._state, indent=1))
+        return state
+
+    def kueue_state(self) -> KueueState | None:
+        """The running Kueue's state (pid, version, ports), None when it does not run."""
+        raw = self._state.get("kueue")
+        if not raw:
+            return None
+        state = KueueState.from_json(raw)
+        return state if alive(state.pid) else None
+
+    def stop_kueue(self) -> None:
+        """Stop Kueue and delete its webhook configurations (its CRDs and queues stay)."""
+        raw = self._state.pop("kueue", None)
+        self._state.get("pids", {}).pop("kueue", None)
+        proc = self._procs.pop("kueue", None)
+        if raw:
+            kueue = Kueue(self.run_dir, self.client(), self.server)
+            kueue.proc = proc
+            kueue.stop(KueueState.from_json(raw).pid)
+        (self.run_dir / STATE_FILE).write_text(json.dumps(self._state, indent=1))
 
     def _write_state(self, control_plane: ControlPlane) -> None:
         self._state = {

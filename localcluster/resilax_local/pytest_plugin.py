@@ -9,6 +9,9 @@ Fixtures:
 - `kube` (session): a dict-based admin REST client (`resilax_local.kubeapi.KubeClient`).
 - `namespace` (function): a fresh namespace (its `default` ServiceAccount ready), deleted afterwards.
 - `fake_gcs` (session): a `FakeGCS` server; `gcs_bucket` (function): a fresh bucket, yields `gs://<name>`.
+- `kueue` (session): Kueue running on the session's cluster (built on first use: minutes; started here
+  unless the reused cluster runs it, then stopped with its webhook configurations deleted); yields its
+  `KueueState`. Tests that use it are marked `kueue` (and `cluster`).
 Tests that use `local_cluster`/`cluster` (or `kube`, `namespace`) are marked `cluster`, those that use
 `fake_gcs`/`gcs_bucket` `gcs`: the fixtures mark their tests (`FIXTURE_MARKS`; a conftest adds its own
 fixtures there), and a test that reaches such a fixture without its marker (through
@@ -32,13 +35,14 @@ from .cluster import LocalCluster
 from .errors import KubeAPIError
 from .gcs import FakeGCS
 from .kubeapi import KubeClient
+from .kueue import KueueState
 from .pods import NodeState
 from .testing import wait_for
 
 #: fixture -> the marker of every test that uses it (what it needs: a local cluster, fake-gcs-server, ...).
 FIXTURE_MARKS: dict[str, str] = {
     "local_cluster": "cluster", "cluster": "cluster", "kube": "cluster", "namespace": "cluster",
-    "fake_gcs": "gcs", "gcs_bucket": "gcs",
+    "fake_gcs": "gcs", "gcs_bucket": "gcs", "kueue": "kueue",
 }
 
 
@@ -99,6 +103,19 @@ def namespace(request: pytest.FixtureRequest, kube: KubeClient) -> Iterator[str]
     yield name
     with contextlib.suppress(KubeAPIError):
         kube.delete(f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture(scope="session")
+def kueue(local_cluster: LocalCluster) -> Iterator[KueueState]:
+    running = local_cluster.kueue_state()
+    if running is not None:
+        yield running
+        return
+    state = local_cluster.start_kueue()
+    try:
+        yield state
+    finally:
+        local_cluster.stop_kueue()
 
 
 @pytest.fixture(scope="session")
