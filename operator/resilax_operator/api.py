@@ -71,6 +71,12 @@ KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
 KUEUE_POD_GROUP_LABEL: Final = "kueue.x-k8s.io/pod-group-name"
 #: On each worker pod: how many pods the group has; Kueue creates the Workload once it sees them all.
 KUEUE_POD_GROUP_COUNT_ANNOTATION: Final = "kueue.x-k8s.io/pod-group-total-count"
+#: On each worker pod, "false": the group is never retried with replacement pods (the operator's next
+#: generation is a new group), so Kueue finishes its Workload and frees its quota once every pod ended.
+KUEUE_RETRIABLE_ANNOTATION: Final = "kueue.x-k8s.io/retriable-in-group"
+#: The pod condition Kueue sets (True, reason WorkloadEvicted, ...) on each pod of a group it stops
+#: (preempted, evicted) before deleting the pod (pkg/controller/jobs/pod: ConditionTypeTerminationTarget).
+KUEUE_STOP_CONDITION: Final = "TerminationTarget"
 
 # --- containers, ports, volumes ---
 TRAINER_CONTAINER: Final = "trainer"  # the default name; the first container of the template is the trainer
@@ -208,6 +214,8 @@ CAPACITY_TIMEOUT = Reason(
     "CapacityTimeout",
     "generation {generation}: {waiting} workers found no node within capacity.shrinkAfterSeconds={seconds}; "
     "shrinking from {old} to {new}, which the Ready nodes fit")
+QUEUE_EVICTED = Reason("QueueEvicted", "the queue (Kueue) stopped generation {generation}, pod group {group} "
+                       "({detail}): not a failure; the workers save on SIGTERM and the next generation queues again")
 SUSPENDING = Reason("Suspending", "spec.suspend is true: saving and stopping generation {generation}")
 SUSPENDED = Reason("Suspended", "spec.suspend is true: no workers; false again starts a generation that restores "
                    "the newest committed step (the last the operator saw: {step})")

@@ -167,6 +167,7 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
         labels = {**labels, api.KUEUE_QUEUE_LABEL: queue,
                   api.KUEUE_POD_GROUP_LABEL: build_pod_group_name(job.name, plan.generation)}
         annotations[api.KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(plan.shape.count * geometry.hosts)
+        annotations[api.KUEUE_RETRIABLE_ANNOTATION] = "false"
 
     if supervised(job, spec):
         annotations[api.ANNOTATION_SUPERVISED] = "1"

@@ -65,6 +65,9 @@ class ObservedPod:
     scheduled_at: datetime | None = None
     #: (container, exit code) of each container (init or not) whose current state is terminated.
     container_exits: tuple[tuple[str, int], ...] = ()
+    #: "<reason>: <message>" of a True `TerminationTarget` condition: a queue (Kueue) stopped the pod's
+    #: group (preempted or evicted it) and deletes the pod; None otherwise.
+    queue_stop: str | None = None
 
     @property
     def terminated(self) -> bool:
@@ -125,6 +128,8 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
     container_exits = tuple((str(cs.get("name", "")), int(t["exitCode"])) for cs in statuses
                             if (t := (cs.get("state") or {}).get("terminated")) and t.get("exitCode") is not None)
     grace = meta.get("deletionGracePeriodSeconds")
+    stop: Mapping[str, Any] = next((c for c in status.get("conditions") or []
+                                    if c.get("type") == api.KUEUE_STOP_CONDITION and c.get("status") == "True"), {})
     gates = tuple(str(g.get("name", "")) for g in spec.get("schedulingGates") or [] if isinstance(g, Mapping))
     return ObservedPod(
         name=str(meta.get("name", "")), generation=generation, slice_index=slice_index, host=host,
@@ -136,7 +141,15 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         trainer_finished_at=finished_at, uid=str(meta.get("uid") or ""),
         supervised=(meta.get("annotations") or {}).get(api.ANNOTATION_SUPERVISED) == "1", trainer_ready=trainer_ready,
         owner_uid=owner_uid(raw), starting=starting, scheduled_at=_time_or_none(scheduled.get("lastTransitionTime")),
-        container_exits=container_exits)
+        container_exits=container_exits, queue_stop=_queue_stop(stop))
+
+
+def _queue_stop(condition: Mapping[str, Any]) -> str | None:
+    """`ObservedPod.queue_stop` from the TerminationTarget condition ({} when the pod has none)."""
+    if not condition:
+        return None
+    reason, message = str(condition.get("reason") or "Stopped"), str(condition.get("message") or "")
+    return f"{reason}: {message}" if message else reason
 
 
 def _time_or_none(raw: Any) -> datetime | None:

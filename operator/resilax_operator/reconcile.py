@@ -45,6 +45,7 @@ from .policies import (
     name_conflict,
     node_loss,
     preemption,
+    queue_eviction,
     resize,
     suspend,
     transition,
@@ -62,6 +63,7 @@ WATCH: Final[tuple[Check, ...]] = (
     node_loss.check_guard,               # many nodes down at once: a blip, wait
     node_loss.check_lost,                # a worker's node gone, or down past its grace
     preemption.check,                    # a notice on a worker's node
+    queue_eviction.check,                # a queue (Kueue) stopped the pod group: not a failure
     suspend.check,                       # spec.suspend: final save, no workers
     node_loss.check_not_ready,           # a worker's node down within its grace: wait
     resize.check_incompatible,           # the spec no longer allows the running shape

@@ -30,8 +30,9 @@ GROW_BACK: Final = "GrowBack"
 SHRINK: Final = "Shrink"
 #: spec.suspend became true.
 SUSPEND: Final = "Suspend"
+QUEUE_EVICTION: Final = "QueueEviction"  # a queue (Kueue) preempted or evicted the pod group: not a failure
 TRANSITION_KINDS: Final = (PREEMPTION, NODE_LOSS, POD_LOST, WORKER_FAILURE, WORKER_STOPPED, RESIZE, GROW_BACK, SHRINK,
-                           SUSPEND)
+                           SUSPEND, QUEUE_EVICTION)
 #: Kinds whose final save `checkpoint.finalSave.onResize` governs.
 RESIZE_KINDS: Final = frozenset({RESIZE, GROW_BACK})
 #: Kinds that move to another shape on purpose (phase Resizing).

@@ -8,6 +8,7 @@ On a running generation the checks run in this order and the first that finds so
 | node_loss          | a worker's node down while many nodes are (the guard)   | Degraded NodeLossGuard, wait  |
 | node_loss          | a worker's node down past nodeLossGraceSeconds, or gone | NodeLoss: force, no save      |
 | preemption         | a preemption/maintenance notice on a worker's node      | Preemption: final save        |
+| queue_eviction     | a queue (Kueue) stopped the pod group (TerminationTarget) | QueueEviction: not counted; the workers save on SIGTERM |
 | suspend            | spec.suspend                                            | Suspend: final save, no workers |
 | node_loss          | a worker's node down within its grace                   | Degraded, wait                |
 | resize             | a spec edit the running shape no longer fits            | Resize                        |

@@ -282,6 +282,16 @@ class World:
         live = {t.generation for t in self.processes.values() if t.state != EXITED}
         assert len(live) <= 1, f"trainers of generations {sorted(live)} alive at once"
 
+    def queue_evict(self, detail: str = "WorkloadEvicted: Preempted to accommodate a workload", *,
+                    generation: int | None = None) -> None:
+        """The queue (Kueue) stops a generation's pod group: TerminationTarget on each pod, then its
+        deletion (the workers get SIGTERM)."""
+        g = self.status.generation if generation is None else generation
+        for name, p in list(self.pods.items()):
+            if p.generation == g:
+                self.pods[name] = replace(p, queue_stop=detail, deletion_timestamp=self.now,
+                                          deletion_grace_seconds=330)
+
     def fail_trainer(self, name: str, code: int) -> None:
         """A supervised trainer exits by itself (the pod stays Running: the supervisor waits)."""
         t = self.processes[name]

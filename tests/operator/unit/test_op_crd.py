@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from resilax_operator import api, spec, topology
+from resilax_operator import status as st
 
 ROOT = Path(__file__).resolve().parents[3]
 CRD_PATH = ROOT / api.CRD_FILE
@@ -111,6 +112,9 @@ def test_defaults_match_spec_module(version: dict[str, Any]) -> None:
 def test_status_enums_match_api(version: dict[str, Any]) -> None:
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert tuple(status["phase"]["enum"]) == api.PHASES
+    # Every transition kind the operator records must be storable (a new kind missing here made every
+    # status write of that transition fail with 422).
+    assert tuple(status["transition"]["properties"]["kind"]["enum"]) == st.TRANSITION_KINDS
     conditions = status["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == ["type"]
 
