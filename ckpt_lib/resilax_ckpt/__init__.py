@@ -39,6 +39,7 @@ _LAZY = {
     "EXIT_CODE_STORAGE_IN_USE": "resilax_ckpt.multihost",
     "InvalidOptionsError": "resilax_ckpt.options", "ManagerOptions": "resilax_ckpt.options",
     "restore_orbax": "resilax_ckpt.orbax_import",
+    "InvalidMetricsError": "resilax_ckpt.retention", "StepInfo": "resilax_ckpt.step_info",
 }
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     )
     from resilax_ckpt.options import InvalidOptionsError, ManagerOptions
     from resilax_ckpt.orbax_import import restore_orbax
+    from resilax_ckpt.retention import InvalidMetricsError
+    from resilax_ckpt.step_info import StepInfo
 
 
 def __getattr__(name: str) -> Any:
@@ -74,6 +77,7 @@ __all__ = [
     "FencedError",
     "ForeignDataError",
     "IncompleteStepError",
+    "InvalidMetricsError",
     "InvalidOptionsError",
     "ManagerOptions",
     "MetadataError",
@@ -83,6 +87,7 @@ __all__ = [
     "SaveError",
     "ShapeMismatchError",
     "StepExistsError",
+    "StepInfo",
     "StepNotCommittedError",
     "StepNotFoundError",
     "StorageError",

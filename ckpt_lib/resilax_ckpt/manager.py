@@ -4,7 +4,7 @@ A thin facade over the two halves of a manager (docs/checkpointing.md, "Module m
 - tiers.py: the tier saves go to, the persistent tier behind a local tier, the state both halves
   share, the start-up (fences, leftovers, peers) and the local tier's rules;
 - saver.py: save decisions (policy, requests, SIGTERM) agreed across processes, the device copy, the
-  background write and commit; retention.py after each commit;
+  background write and commit; retention after each commit (retention.py's rules, pruning.py);
 - restorer.py: the restore path (newest good step, fallback, two tiers, peer fetches, agreement),
   with its pure choices in restore_choice.py and one step folder read by step_reader.py.
 The one-shot `save`/`restore` (no manager) are oneshot.py's, re-exported here with `read_metadata`
@@ -20,13 +20,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from resilax_ckpt import commit, pytrees, tiers
-from resilax_ckpt.errors import ResilaxCkptError
+from resilax_ckpt.errors import ResilaxCkptError, StepNotFoundError
 from resilax_ckpt.multihost import Coordinator, current_coordinator
 from resilax_ckpt.oneshot import restore, save
 from resilax_ckpt.options import ManagerOptions
 from resilax_ckpt.requests import RequestWatcher, clear_stop_record
 from resilax_ckpt.restorer import Restorer
 from resilax_ckpt.saver import Saver
+from resilax_ckpt.step_info import StepInfo, read_step_info
 from resilax_ckpt.step_reader import UNREADABLE_STEP_ERRORS, read_metadata, restore_step
 from resilax_ckpt.storage import Storage
 from resilax_ckpt.trainer_metrics import HEARTBEAT_SECONDS, RESTORE, TrainerMetrics
@@ -102,7 +103,9 @@ class CheckpointManager:
                         directory)
         local = env.get("RESILAX_LOCAL_DIR", "").strip()
         if local:
-            fields: dict[str, Any] = {"local_tier": True, "keep_last": None, "keep_every_steps": None}
+            fields: dict[str, Any] = {"local_tier": True, "keep_last": None, "keep_every_steps": None,
+                                      "keep_every_seconds": None, "keep_best": None, "keep_best_metric": None,
+                                      "keep_best_mode": None}
             fields.update(overrides)
             return cls(local, ManagerOptions.from_env(env, **fields), persistent_directory=directory)
         return cls(directory, ManagerOptions.from_env(env, **overrides))
@@ -182,13 +185,37 @@ class CheckpointManager:
         Called on: all processes, at the same steps."""
         return self._saver.should_save(step)
 
-    def save(self, step: int, items: Any, force: bool = False) -> bool:
+    def save(self, step: int, items: Any, force: bool = False, metrics: Mapping[str, Any] | None = None) -> bool:
         """Save `items` at `step` if forced, due by policy or requested. Returns whether it saved.
         `items`: a mapping of named items, or any other pytree (a flax TrainState, an optax state),
-        saved as the one item "state" (resilax_ckpt.pytrees). Raises the error of a failed earlier
-        background save. Called on: all processes, same step."""
+        saved as the one item "state" (resilax_ckpt.pytrees). `metrics`: names to numbers (e.g.
+        `{"loss": 0.31}`), kept in the step's metadata (`metadata(step).metrics`); `keep_best` ranks
+        steps by one of them. Raises the error of a failed earlier background save.
+        Called on: all processes, same step, same metrics."""
         self._check_open()
-        return self._saver.save(step, items, force)
+        return self._saver.save(step, items, force, metrics)
+
+    def delete(self, step: int) -> None:
+        """Delete committed `step` of the current branch (after the pending save committed). Only a
+        step Resilax committed: `StepNotFoundError` for any other number (nothing else is touched); a
+        step marked bad or superseded by a rollback is kept, never deleted (a `ResilaxCkptError` says
+        so). Not with a local tier (the sidecar owns retention there). Called on: all processes (the
+        primary deletes, the others wait for it)."""
+        self._check_open()
+        self._saver.delete(step)
+
+    def metadata(self, step: int | None = None) -> StepInfo:
+        """A committed step's items (kinds, leaves with shapes and dtypes), metrics, save time, era
+        and generation, read from its metadata and commit marker only (no array data). Default: the
+        newest step. Raises `StepNotFoundError` for a step that is not committed and visible."""
+        self._check_open()
+        t = self._tiers
+        wanted = self.latest_step() if step is None else step
+        for tier, steps, suffix in ((t.local, self.steps(), t.own_suffix), (t.persistent, self.persistent_steps(), None)):
+            if tier is not None and wanted in steps:
+                return read_step_info(tier.storage, tier.root, wanted, suffix)
+        raise StepNotFoundError(f"{self._root}: no committed step {'' if step is None else step} to describe; "
+                                f"committed steps: {', '.join(map(str, self.steps())) or 'none'}")
 
     def wait(self) -> None:
         """Block until the pending save committed; re-raise its failure."""

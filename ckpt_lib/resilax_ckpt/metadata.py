@@ -110,6 +110,9 @@ class StepMetadata:
     items: dict[str, ItemMetadata]
     time: float = 0.0
     local_tier: bool = False
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The user's metrics of this step (`save(..., metrics=)`; best-N retention ranks by them).
+    Written only when given, so a step saved without them has the same bytes as before."""
 
     def to_bytes(self) -> bytes:
         raw = {
@@ -122,6 +125,8 @@ class StepMetadata:
             "local_tier": self.local_tier,
             "items": {name: item.to_json() for name, item in self.items.items()},
         }
+        if self.metrics:
+            raw["metrics"] = dict(self.metrics)
         return json.dumps(raw, indent=1, sort_keys=True).encode()
 
     @classmethod
@@ -146,6 +151,7 @@ class StepMetadata:
                 time=float(raw.get("time", 0.0)),
                 local_tier=bool(raw.get("local_tier", False)),
                 items={name: ItemMetadata.from_json(item) for name, item in raw["items"].items()},
+                metrics={str(k): float(v) for k, v in (raw.get("metrics") or {}).items()},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise MetadataError(f"{where}: malformed metadata ({type(e).__name__}: {e})") from e

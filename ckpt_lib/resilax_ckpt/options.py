@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
+from resilax_ckpt import retention
 from resilax_ckpt.errors import ResilaxCkptError
 
 
@@ -28,7 +29,23 @@ class ManagerOptions:
     """Keep the newest N committed steps (None: keep all)."""
 
     keep_every_steps: int | None = None
-    """Also keep every step that is a multiple of this, whatever `keep_last` says."""
+    """Also keep every step that is a multiple of this, whatever `keep_last` says (Orbax's
+    `keep_period`)."""
+
+    keep_every_seconds: float | None = None
+    """Also keep one step per this many seconds of save time: the oldest, then each saved at least
+    this long after the previous one kept (Orbax's `keep_time_interval`; retention.py)."""
+
+    keep_best: int | None = None
+    """Keep the N steps with the best `keep_best_metric` (passed to `save(..., metrics=)`), on top of
+    `keep_last`; steps saved without that metric are kept by `keep_last` (all of them without it).
+    Needs `keep_best_metric` and `keep_best_mode` (Orbax's `best_fn`, `best_mode`; retention.py)."""
+
+    keep_best_metric: str | None = None
+    """The metric `keep_best` ranks steps by (a key of `save(..., metrics=)`)."""
+
+    keep_best_mode: str | None = None
+    """"max" (higher is better, e.g. accuracy) or "min" (lower is better, e.g. loss)."""
 
     async_save: bool = True
     """`save()` returns after the device-to-host snapshot; writes and commit run in the background."""
@@ -131,8 +148,16 @@ class ManagerOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 problems.append(f"{name}: {value!r} must be >= 1 or None")
-        if self.save_every_seconds is not None and self.save_every_seconds <= 0:
-            problems.append(f"save_every_seconds: {self.save_every_seconds!r} must be > 0 or None")
+        for name in ("save_every_seconds", "keep_every_seconds"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                problems.append(f"{name}: {value!r} must be > 0 or None")
+        if self.keep_best is not None:
+            problems.extend(retention.KeepBest(self.keep_best, self.keep_best_metric or "",
+                                               self.keep_best_mode or "").problems())
+        else:
+            problems.extend(f"{name}: {getattr(self, name)!r} needs keep_best (the number of best steps to keep)"
+                            for name in ("keep_best_metric", "keep_best_mode") if getattr(self, name) is not None)
         if self.request_check_every_steps < 1:
             problems.append(f"request_check_every_steps: {self.request_check_every_steps!r} must be >= 1")
         if self.recycle_pool < 0:
@@ -143,6 +168,13 @@ class ManagerOptions:
             problems.append(f"max_inflight_bytes: {self.max_inflight_bytes!r} must be >= 1")
         if problems:
             raise InvalidOptionsError("; ".join(problems))
+
+    @property
+    def retention_rule(self) -> retention.RetentionRule:
+        """What retention keeps (retention.py)."""
+        best = (retention.KeepBest(self.keep_best, self.keep_best_metric or "", self.keep_best_mode or "")
+                if self.keep_best is not None else None)
+        return retention.RetentionRule(self.keep_last, self.keep_every_steps, self.keep_every_seconds, best)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> ManagerOptions:
@@ -165,6 +197,10 @@ class ManagerOptions:
             "save_every_seconds": number("RESILAX_SAVE_EVERY_SECONDS", float),
             "keep_last": number("RESILAX_KEEP_LAST", int),
             "keep_every_steps": number("RESILAX_KEEP_EVERY_STEPS", int),
+            "keep_every_seconds": number("RESILAX_KEEP_EVERY_SECONDS", float),
+            "keep_best": number("RESILAX_KEEP_BEST", int),
+            "keep_best_metric": env.get("RESILAX_KEEP_BEST_METRIC", "").strip() or None,
+            "keep_best_mode": env.get("RESILAX_KEEP_BEST_MODE", "").strip() or None,
             "generation": number("RESILAX_GENERATION", int) or 0,
             "control_dir": env.get("RESILAX_CONTROL_DIR") or None,
             "job_uid": env.get("RESILAX_JOB_UID") or None,

@@ -1,8 +1,6 @@
-"""Pure decisions: when to save (periodic policy) and which steps retention deletes."""
+"""Pure decisions: when to save (the periodic policy). Which steps retention deletes: retention.py."""
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 
 def decide_periodic_save(step: int, last_saved_step: int | None, last_save_time: float | None,
@@ -18,15 +16,3 @@ def decide_periodic_save(step: int, last_saved_step: int | None, last_save_time:
         return now - last_save_time >= every_seconds
     return False
 
-
-def plan_retention(steps: Iterable[int], keep_last: int | None, keep_every_steps: int | None,
-                   protected: Iterable[int] = ()) -> list[int]:
-    """The committed steps to delete. Keeps the newest `keep_last`, every multiple of
-    `keep_every_steps`, the `protected` ones (e.g. being restored) and always the newest step."""
-    ordered = sorted(set(steps))
-    if keep_last is None or not ordered:
-        return []
-    keep = set(ordered[-keep_last:]) | {ordered[-1]} | set(protected)
-    if keep_every_steps is not None:
-        keep |= {s for s in ordered if s % keep_every_steps == 0}
-    return [s for s in ordered if s not in keep]

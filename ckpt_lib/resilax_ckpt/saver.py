@@ -6,7 +6,8 @@ A save, step by step (shared folder, several processes):
    save, copy the shards off the devices (the only part the loop waits for), hand off to a thread.
 2. Background, each process: write its replica-0 boxes and its files, publish ok/error, barrier.
 3. Background, primary: write `_METADATA.json`, check the fences, commit (commit.py), apply
-   retention (retention.py), publish the commit result; the other processes wait for that result.
+   retention (retention.py's rules, applied by pruning.py), publish the commit result; the other
+   processes wait for that result.
 On a local shared folder, retention keeps retired steps as `.recycle-<step>/` (up to
 `recycle_pool`); step 2 then starts with the primary renaming one to the save's temporary folder and
 pruning it to the new step's files (commit.take_recycled), and every process rewrites its chunk
@@ -16,6 +17,7 @@ files in place (the file chunk backend, backends.py).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import os
@@ -29,7 +31,8 @@ import jax
 
 from resilax_ckpt import backends, commit, layout, policy, pytrees, retention
 from resilax_ckpt import items as items_lib
-from resilax_ckpt.errors import ResilaxCkptError, SaveError
+from resilax_ckpt.errors import ResilaxCkptError, SaveError, StepNotFoundError
+from resilax_ckpt.pruning import Pruner
 from resilax_ckpt.requests import RequestWatcher, SaveRequest, write_stop_record
 from resilax_ckpt.storage import Storage
 from resilax_ckpt.tiers import Tiers
@@ -56,6 +59,7 @@ class Saver:
         self._epoch = tiers.epoch
         self._watcher = watcher
         self._trainer = trainer
+        self._pruner = Pruner(tiers)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-ckpt")
         self._pending: concurrent.futures.Future[None] | None = None
         self._copy_prepared = False  # the first save's device copy compiled ahead (or tried)
@@ -75,11 +79,12 @@ class Saver:
         Called on: all processes, at the same steps."""
         return self._decide(step, force=False)
 
-    def save(self, step: int, items: Any, force: bool = False) -> bool:
+    def save(self, step: int, items: Any, force: bool = False, metrics: Mapping[str, Any] | None = None) -> bool:
         """Save `items` at `step` if forced, due by policy or requested. Returns whether it saved.
         `items`: a mapping of named items, or any other pytree (a flax TrainState, an optax state),
-        saved as the one item "state" (resilax_ckpt.pytrees). Raises the error of a failed earlier
-        background save. Called on: all processes, same step."""
+        saved as the one item "state" (resilax_ckpt.pytrees). `metrics` (names to numbers) go into
+        the step's metadata (best-N retention ranks by them; read only when this call saves). Raises
+        the error of a failed earlier background save. Called on: all processes, same step."""
         started = time.perf_counter()
         items, _ = pytrees.as_items(items)
         self._trainer.step(step)
@@ -91,6 +96,8 @@ class Saver:
         if not self._decide(step, force):
             self.prepare_first_save(items)
             return False
+        # Only a save reads the metrics (a jax scalar's float() waits for the device): not every step.
+        checked = retention.validate_metrics(metrics, f"save(step={step}, metrics=...)")
         self._trainer.phase(SAVE)
         requests, self._pending_requests = self._pending_requests, []
         stop = self._stop_requested_locally
@@ -105,6 +112,8 @@ class Saver:
             process_index=self._coord.process_index, process_count=self._coord.process_count,
             local_tier=self._local_tier, time_now=0.0 if self._local_tier else time.time(),
             shard_files=self._options.shard_files and self._storage.is_local)
+        if checked:
+            plan.metadata = dataclasses.replace(plan.metadata, metrics=checked)
         self._last_saved_step = step
         self._last_save_time = self._options.clock()
         future = self._executor.submit(self._write_and_commit, step, plan, key, requests)
@@ -338,7 +347,8 @@ class Saver:
             retention_error: Exception | None = None
             try:
                 # Before the others hear of the commit, so every process then sees the same steps.
-                retention.apply_retention(self._tiers)
+                self._pruner.remember(plan.metadata)
+                self._pruner.apply_retention()
             except Exception as e:
                 retention_error = e
             if several:
@@ -351,6 +361,39 @@ class Saver:
             result = self._coord.fetch(f"{key}/committed", self._options.barrier_timeout_seconds)
             if result != "ok":
                 raise SaveError(f"step {step}: the primary did not commit: {result}")
+
+    def delete(self, step: int) -> None:
+        """Delete committed `step` (see CheckpointManager.delete). Called on: all processes."""
+        if self._local_tier:
+            raise ResilaxCkptError(
+                f"{self._root}: delete({step}) is not available with a local tier: the sidecar applies "
+                "retention on both tiers (spec.checkpoint.keep); delete from the persistent tier's own manager")
+        self._wait_pending()
+        key = f"{self._key}/delete{self._tiers.next_ordinal()}"
+        several = self._coord.process_count > 1
+        kept = commit.list_superseded(self._storage, self._root)
+        if step in commit.read_bad(self._storage, self._root) or step in kept:
+            raise ResilaxCkptError(
+                f"{self._root}: step {step} is {'marked bad' if step not in kept else 'superseded by a rollback'}: "
+                "Resilax keeps such steps and never deletes them (docs/checkpointing.md, 'Timelines')")
+        steps = self._tiers.steps()
+        if step not in steps:
+            raise StepNotFoundError(
+                f"{self._root}: no committed step {step} to delete; committed steps: "
+                f"{', '.join(map(str, steps)) or 'none'} (folders Resilax did not write are never deleted)")
+        if not self._is_primary:
+            result = self._coord.fetch(f"{key}/deleted", self._options.barrier_timeout_seconds)
+            if result != "ok":
+                raise SaveError(f"{self._root}: delete({step}) failed on the primary: {result}")
+            return
+        try:
+            self._pruner.delete(step)
+        except Exception as e:
+            if several:
+                self._coord.publish(f"{key}/deleted", f"{type(e).__name__}: {e}")
+            raise
+        if several:
+            self._coord.publish(f"{key}/deleted", "ok")
 
     def close(self) -> None:
         """Wait for the pending save (re-raising its failure), stop the thread, restore SIGTERM."""

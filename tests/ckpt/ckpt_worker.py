@@ -81,9 +81,15 @@ def scenario_save(args):
         for step in args["steps"]:
             # data_offset: other values under the same step number (a zombie writer's, in the tests)
             mgr.save(step, {"params": make_state(step + args.get("data_offset", 0), mesh), "meta": {"step": step},
-                            "data": rc.PerProcess({"process": pid, "step": step})})
+                            "data": rc.PerProcess({"process": pid, "step": step})},
+                     metrics=args.get("metrics", {}).get(str(step)))
         mgr.wait()
-        return {"steps": mgr.steps(), "process": pid}
+        deleted = []
+        for step in args.get("delete", []):  # every process calls delete(); the primary deletes
+            mgr.delete(step)
+            deleted.append(mgr.steps())
+        return {"steps": mgr.steps(), "process": pid, "after_deletes": deleted,
+                "metrics": {s: dict(mgr.metadata(s).metrics) for s in mgr.steps()}}
 
 
 def scenario_restore(args):

@@ -62,17 +62,6 @@ def test_plan_shard_shape_gives_each_process_whole_shards(chunks, per_process, s
     assert planning.plan_shard_shape(chunks, per_process) == shard
 
 
-@pytest.mark.parametrize(("steps", "keep_last", "every", "protected", "deleted"), [
-    ([1, 2, 3, 4, 5], 2, None, (), [1, 2, 3]),
-    ([10, 20, 30, 40, 50], 1, 20, (), [10, 30]),
-    ([1, 2, 3], 1, None, (1,), [2]),
-    ([1, 2, 3], None, None, (), []),
-    ([], 1, None, (), []),
-], ids=["keep-last", "keep-every", "protected", "keep-all", "empty"])
-def test_plan_retention(steps, keep_last, every, protected, deleted):
-    assert policy.plan_retention(steps, keep_last, every, protected) == deleted
-
-
 @pytest.mark.parametrize(("step", "last", "last_time", "now", "every_steps", "every_s", "save"), [
     (100, None, None, 0.0, 100, None, True),
     (101, 100, 0.0, 0.0, 100, None, False),
