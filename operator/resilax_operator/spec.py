@@ -28,6 +28,8 @@ LOCAL_SCOPE_NODE: Final = "Node"
 LOCAL_SCOPE_POD: Final = "Pod"
 LOCAL_SCOPES: Final = (LOCAL_SCOPE_NODE, LOCAL_SCOPE_POD)
 DEFAULT_LOCAL_KEEP_LAST: Final = 2
+#: `spec.checkpoint.keep.mode`: "max" keeps the steps with the highest metric (accuracy), "min" the lowest (loss).
+KEEP_BEST_MODES: Final = ("max", "min")
 #: `spec.capacity.provisioning`: plan only over the Ready nodes with free devices (the default).
 PROVISIONING_READY: Final = "Ready"
 #: `spec.capacity.provisioning`: the cluster adds nodes for pending pods (cluster autoscaler, node
@@ -95,8 +97,16 @@ class EverySpec:
 
 @dataclass(frozen=True)
 class KeepSpec:
+    """`spec.checkpoint.keep`: the persistent tier's retention (resilax_ckpt.retention's rules)."""
+
     last: int | None = None
     every_steps: int | None = None
+    #: Also keep one step per this many minutes of save time (Orbax's keep_time_interval).
+    every_minutes: float | None = None
+    #: Keep the `best` steps with the best `metric` (passed to save(..., metrics=)), `mode` max or min.
+    best: int | None = None
+    metric: str | None = None
+    mode: str | None = None
 
 
 @dataclass(frozen=True)
@@ -359,7 +369,11 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
         every=EverySpec(steps=r.integer(ev, "steps", f"{cp}.every", minimum=1),
                         minutes=r.number(ev, "minutes", f"{cp}.every", exclusive_minimum=0)),
         keep=KeepSpec(last=r.integer(kp, "last", f"{cp}.keep", minimum=1),
-                      every_steps=r.integer(kp, "everySteps", f"{cp}.keep", minimum=1)),
+                      every_steps=r.integer(kp, "everySteps", f"{cp}.keep", minimum=1),
+                      every_minutes=r.number(kp, "everyMinutes", f"{cp}.keep", exclusive_minimum=0),
+                      best=r.integer(kp, "best", f"{cp}.keep", minimum=1),
+                      metric=r.string(kp, "metric", f"{cp}.keep"),
+                      mode=r.string(kp, "mode", f"{cp}.keep")),
         final_save=FinalSaveSpec(
             on_preemption=r.boolean(fs, "onPreemption", f"{cp}.finalSave", default=True),
             on_resize=r.boolean(fs, "onResize", f"{cp}.finalSave", default=True),

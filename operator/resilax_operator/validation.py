@@ -21,6 +21,7 @@ from .podtemplate import check_template_schema
 from .settings import OperatorSettings
 from .spec import (
     IN_PLACE_MODES,
+    KEEP_BEST_MODES,
     LOCAL_MEDIA,
     LOCAL_SCOPE_POD,
     LOCAL_SCOPES,
@@ -215,6 +216,25 @@ def _check_checkpoint(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
         out.append(SpecProblem("spec.checkpoint.local.sizeLimit",
                                f"{c.local.size_limit!r} with scope {c.local.scope}: sizeLimit applies to "
                                "scope: Pod only (an emptyDir); a scope: Node folder on the node has no size limit"))
+    return out + _check_keep(spec, found)
+
+
+def _check_keep(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
+    """`spec.checkpoint.keep.best` needs `metric` and `mode`; `metric` and `mode` need `best`."""
+    k, p = spec.checkpoint.keep, "spec.checkpoint.keep"
+    out: list[SpecProblem] = []
+    if k.best is None:
+        out += [SpecProblem(f"{p}.{key}", f"{value!r} needs {p}.best (how many of the best steps to keep)")
+                for key, value in (("metric", k.metric), ("mode", k.mode))
+                if value is not None and f"{p}.{key}" not in found]
+        return out
+    if f"{p}.metric" not in found and not k.metric:
+        out.append(SpecProblem(f"{p}.metric", f"is required with {p}.best: the name of a metric the training "
+                               "script passes to save(..., metrics={...}), e.g. loss"))
+    if f"{p}.mode" not in found and k.mode not in KEEP_BEST_MODES:
+        found_text = "is required" if k.mode is None else f"{k.mode!r} is not a mode"
+        out.append(SpecProblem(f"{p}.mode", f"{found_text} with {p}.best; valid: max (keep the highest values, "
+                               "e.g. accuracy), min (keep the lowest, e.g. loss)"))
     return out
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
+from resilax_ckpt import retention
 from resilax_operator.ports import DEFAULT_SIDECAR_PORT, reserved_port_problem
 
 from resilax_sidecar.errors import ConfigError
@@ -72,6 +73,14 @@ class SidecarConfig:
     keep_every_steps: int | None = None
     """`RESILAX_KEEP_EVERY_STEPS`: in the persistent tier also keep every step divisible by this."""
 
+    keep_every_seconds: float | None = None
+    """`RESILAX_KEEP_EVERY_SECONDS`: in the persistent tier also keep one step per this many seconds of
+    save time (resilax_ckpt.retention)."""
+
+    keep_best: retention.KeepBest | None = None
+    """`RESILAX_KEEP_BEST`, `RESILAX_KEEP_BEST_METRIC`, `RESILAX_KEEP_BEST_MODE`: in the persistent tier
+    also keep the N steps with the best value of that metric (from each step's `_METADATA.json`)."""
+
     persist_every_steps: int | None = None
     """`RESILAX_PERSIST_EVERY_STEPS`: with a local tier, upload only the local steps divisible by this
     (and the steps that answered a save request); empty: every step."""
@@ -107,6 +116,11 @@ class SidecarConfig:
 
     log_level: str = "INFO"
     """`RESILAX_SIDECAR_LOG_LEVEL`: DEBUG, INFO, WARNING or ERROR."""
+
+    @property
+    def retention_rule(self) -> retention.RetentionRule:
+        """The persistent tier's retention (resilax_ckpt.retention); the local tier keeps `local_keep_last`."""
+        return retention.RetentionRule(self.keep_last, self.keep_every_steps, self.keep_every_seconds, self.keep_best)
 
     @property
     def uploads(self) -> bool:
@@ -175,6 +189,21 @@ class SidecarConfig:
             problems.append(f"RESILAX_CHECKPOINT_DIR={checkpoint_dir!r}: gs:// needs a bucket name")
         token = env.get("RESILAX_SIDECAR_TOKEN_FILE", "").strip()
 
+        keep_best: retention.KeepBest | None = None
+        best = get("RESILAX_KEEP_BEST", int_in(1), None, "an integer >= 1, or empty for none")
+        metric = env.get("RESILAX_KEEP_BEST_METRIC", "").strip()
+        mode = env.get("RESILAX_KEEP_BEST_MODE", "").strip()
+        if best is not None:
+            keep_best = retention.KeepBest(best, metric, mode)
+            if not metric:
+                problems.append("RESILAX_KEEP_BEST_METRIC='': RESILAX_KEEP_BEST needs the name of a metric the "
+                                "trainer passes to save(metrics=)")
+            if mode not in retention.MODES:
+                problems.append(f"RESILAX_KEEP_BEST_MODE={mode!r}: max (higher is better) or min (lower is better)")
+        elif metric or mode:
+            problems.append("RESILAX_KEEP_BEST_METRIC and RESILAX_KEEP_BEST_MODE need RESILAX_KEEP_BEST "
+                            "(how many of the best steps to keep)")
+
         process_id = get("JAX_PROCESS_ID", int_in(0), 0, "an integer >= 0")
         num_processes = get("JAX_NUM_PROCESSES", int_in(1), 1, "an integer >= 1")
         if process_id >= num_processes:
@@ -209,6 +238,9 @@ class SidecarConfig:
             keep_every_steps=get(
                 "RESILAX_KEEP_EVERY_STEPS", int_in(1), None, "an integer >= 1, or empty for none"
             ),
+            keep_every_seconds=get("RESILAX_KEEP_EVERY_SECONDS", positive_float, None,
+                                   "a number of seconds > 0, or empty for none"),
+            keep_best=keep_best,
             persist_every_steps=get(
                 "RESILAX_PERSIST_EVERY_STEPS", int_in(1), None, "an integer >= 1, or empty for every step"
             ),

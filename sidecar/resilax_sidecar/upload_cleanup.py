@@ -6,13 +6,16 @@ by a rollback, and an attempt a kept record names, is kept (resilax_ckpt.timelin
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import uuid
 from collections.abc import Callable
 
-from resilax_ckpt import fencing, layout, timelines
+from resilax_ckpt import fencing, layout, retention, timelines
+from resilax_ckpt.errors import MetadataError
+from resilax_ckpt.metadata import StepMetadata
 
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.metrics import SidecarMetrics
@@ -20,20 +23,6 @@ from resilax_sidecar.store import BlobStore
 from resilax_sidecar.upload_scan import TierView, UploadMemory, list_local_steps, named_attempt
 
 log = logging.getLogger(__name__)
-
-
-def plan_retention(
-    steps: list[int], keep_last: int | None, keep_every_steps: int | None, protect: set[int]
-) -> list[int]:
-    """Which of the committed `steps` retention deletes (pure). The newest is always kept, and so is
-    every step in `protect` (an upload in flight)."""
-    if keep_last is None or not steps:
-        return []
-    ordered = sorted(steps)
-    keep = set(ordered[-keep_last:]) | {ordered[-1]} | protect
-    if keep_every_steps:
-        keep |= {s for s in ordered if s % keep_every_steps == 0}
-    return [s for s in ordered if s not in keep]
 
 
 class Cleaner:
@@ -57,6 +46,8 @@ class Cleaner:
         self.memory = memory
         self._persists = persists
         """Whether a local step goes to the persistent tier (resilax_sidecar.uploader.Uploader.persists)."""
+        self._facts: dict[tuple[int, str], retention.StepFacts] = {}
+        """(step, the attempt its marker names) -> its metrics and save time: read once (write-once steps)."""
 
     def clean_stale_attempts(self, persisted: list[int]) -> list[str]:
         """Delete the attempts under visible committed steps that their `_COMMIT` does not name (a
@@ -85,28 +76,31 @@ class Cleaner:
         return deleted
 
     def apply_retention(self, persisted: list[int], in_flight: int | None) -> bool:
-        """Keep the newest `keep_last` steps on both tiers (`local_keep_last` on the local tier when
-        set). The persistent tier is trimmed by process 0 only (one deleter); each host trims its own
-        local tier. True when something was deleted."""
+        """The persistent tier keeps what `config.retention_rule` keeps (resilax_ckpt.retention: the
+        newest `keep_last`, the best `keep_best`, the preserved ones); the local tier the newest
+        `local_keep_last` (else `keep_last`). The persistent tier is trimmed by process 0 only (one
+        deleter); each host trims its own local tier. True when something was deleted."""
         cfg = self.config
         if cfg.process_id == 0:
             self.clean_stale_attempts(persisted)
+        rule = cfg.retention_rule
         local_keep = cfg.local_keep_last if cfg.local_keep_last is not None else cfg.keep_last
-        if cfg.keep_last is None and local_keep is None:
+        if not rule.deletes and local_keep is None:
             return False
         deleted = False
         protect = {in_flight} if in_flight is not None else set()
-        if cfg.keep_last is not None and cfg.process_id == 0 and persisted and self.memory.committed_own:
+        if rule.deletes and cfg.process_id == 0 and persisted and self.memory.committed_own:
             deleted = self._trim_persistent(persisted, protect)
         if local_keep is None:
             return deleted
         return self._trim_local(persisted, local_keep, protect) or deleted
 
     def _trim_persistent(self, persisted: list[int], protect: set[int]) -> bool:
-        cfg = self.config
+        rule = self.config.retention_rule
         known_committed = self.memory.known_committed
         deleted = False
-        for step in plan_retention(persisted, cfg.keep_last, cfg.keep_every_steps, protect):
+        facts = self._read_facts(persisted) if rule.needs_facts else {}
+        for step in retention.decide_retention(persisted, rule, facts, protect):
             # _COMMIT first: a half-deleted step must never look committed.
             self.store.delete(f"{step}/{layout.COMMIT_FILE}")
             known_committed.pop(step, None)
@@ -166,7 +160,8 @@ class Cleaner:
         if waiting:
             local_protect.add(waiting[-1])
         deleted = False
-        for step in plan_retention(local_steps, local_keep, None, local_protect):
+        for step in retention.decide_retention(local_steps, retention.RetentionRule(keep_last=local_keep), None,
+                                               local_protect):
             folder = self.local_dir / str(step)
             trash = self.local_dir / f"{layout.TRASH_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
             try:
@@ -179,3 +174,35 @@ class Cleaner:
             deleted = True
             log.info("retention: deleted local step %d", step)
         return deleted
+
+    def _read_facts(self, persisted: list[int]) -> dict[int, retention.StepFacts]:
+        """The metrics (the step's `_METADATA.json`) and save time (its marker's `time`) of each persisted
+        step, read once per step and attempt. A step whose metadata cannot be read has none: it is
+        kept by recency rules (resilax_ckpt.retention)."""
+        out: dict[int, retention.StepFacts] = {}
+        for step in persisted:
+            attempt = self.memory.cleaned.get(step)
+            body = self.view.read_commit(step) if attempt is None else None
+            if attempt is None:
+                attempt = (named_attempt(body) if body is not None else None) or ""
+            key = (step, attempt)
+            if key not in self._facts:
+                body = body if body is not None else self.view.read_commit(step)
+                where = f"{step}/{attempt}/{layout.METADATA_FILE}" if attempt else f"{step}/{layout.METADATA_FILE}"
+                try:
+                    meta = StepMetadata.from_bytes(self.store.read_bytes(where), where)
+                    saved = meta.time or _marker_time(body)
+                    self._facts[key] = retention.StepFacts(saved, dict(meta.metrics))
+                except (OSError, MetadataError) as e:
+                    log.warning("retention: no metrics for step %d (%s)", step, e)
+                    self._facts[key] = retention.StepFacts(_marker_time(body))
+            out[step] = self._facts[key]
+        return out
+
+
+def _marker_time(body: bytes | None) -> float | None:
+    try:
+        value = json.loads(body or b"").get("time")
+    except (ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

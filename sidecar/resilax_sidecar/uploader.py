@@ -31,7 +31,7 @@ step 5's checks pass, so a killed upload resumes and a partial step never looks 
 This module is the loop and its step selection (steps 2 and the publishing of `/v1/state`); each part
 of a pass lives in a module of its own, over one shared `UploadMemory`:
 `upload_scan` (step 1: what both tiers hold; `TierView`), `upload_copy` (steps 3-4: `StepCopier`),
-`upload_commit` (step 5: `StepCommitter`) and `upload_cleanup` (step 6: `Cleaner`, `plan_retention`).
+`upload_commit` (step 5: `StepCommitter`) and `upload_cleanup` (step 6: `Cleaner`; the rules are resilax_ckpt.retention's).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import StoreError
 from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.store import BlobStore
-from resilax_sidecar.upload_cleanup import Cleaner, plan_retention
+from resilax_sidecar.upload_cleanup import Cleaner
 from resilax_sidecar.upload_commit import StepCommitter
 from resilax_sidecar.upload_copy import StepCopier, Superseded
 from resilax_sidecar.upload_scan import (
@@ -66,7 +66,7 @@ from resilax_sidecar.upload_scan import (
 
 __all__ = [
     "LocalStep", "UploadState", "Uploader", "commit_body_naming", "layout", "list_bad_steps", "list_local_steps",
-    "local_commit_marker", "named_attempt", "plan_retention",
+    "local_commit_marker", "named_attempt",
 ]
 
 log = logging.getLogger(__name__)

@@ -52,10 +52,13 @@ def write_local_step(
     files: Mapping[str, bytes],
     generation: int = 0,
     process_id: int | None = None,
+    metadata: bytes | None = None,
 ) -> Path:
     """A locally committed step: files, metadata and `_COMMIT` in a `.tmp-` folder renamed into place
-    (resilax_ckpt's local commit), or, with `process_id`, per-process markers in a shared folder."""
-    meta = json.dumps({"version": 1, "step": step, "generation": generation, "files": sorted(files)}).encode()
+    (resilax_ckpt's local commit), or, with `process_id`, per-process markers in a shared folder.
+    `metadata`: the `_METADATA.json` bytes (default: a stand-in naming the files)."""
+    meta = metadata or json.dumps({"version": 1, "step": step, "generation": generation,
+                                   "files": sorted(files)}).encode()
     commit = json.dumps({"generation": generation, "time": time.time()}).encode()
     final = local_dir / str(step)
     work = local_dir / f".tmp-{step}-g{generation}" if process_id is None else final

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from resilax_ckpt import retention
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import ConfigError
 
@@ -33,6 +34,10 @@ def test_every_variable_is_read():
         "RESILAX_GENERATION": "7",
         "RESILAX_KEEP_LAST": "2",
         "RESILAX_KEEP_EVERY_STEPS": "1000",
+        "RESILAX_KEEP_EVERY_SECONDS": "3600",
+        "RESILAX_KEEP_BEST": "3",
+        "RESILAX_KEEP_BEST_METRIC": "loss",
+        "RESILAX_KEEP_BEST_MODE": "min",
         "RESILAX_SIDECAR_GRACE_SECONDS": "30",
         "RESILAX_SIDECAR_UPLOAD_CONCURRENCY": "16",
         "RESILAX_SIDECAR_POLL_SECONDS": "0.5",
@@ -46,6 +51,7 @@ def test_every_variable_is_read():
     assert (c.host, c.port, c.token_file) == ("127.0.0.1", 9000, Path("/secret/token"))
     assert (c.process_id, c.num_processes, c.generation) == (3, 4, 7)
     assert (c.keep_last, c.keep_every_steps, c.grace_seconds) == (2, 1000, 30.0)
+    assert c.retention_rule == retention.RetentionRule(2, 1000, 3600.0, retention.KeepBest(3, "loss", "min"))
     assert (c.upload_concurrency, c.poll_seconds, c.retry_initial_seconds, c.retry_max_seconds) == (16, 0.5, 0.5, 5.0)
     assert (c.verify, c.log_level) == ("md5", "DEBUG")
 
@@ -67,6 +73,9 @@ def test_all_problems_are_reported_at_once_with_variable_value_and_what_is_allow
         "RESILAX_KEEP_LAST": "0",
         "RESILAX_SIDECAR_VERIFY": "sha1",
         "RESILAX_SIDECAR_GRACE_SECONDS": "-1",
+        "RESILAX_KEEP_BEST": "2",
+        "RESILAX_KEEP_BEST_MODE": "lowest",
+        "RESILAX_KEEP_EVERY_SECONDS": "0",
     }
     with pytest.raises(ConfigError) as info:
         SidecarConfig.from_env(env)
@@ -78,8 +87,17 @@ def test_all_problems_are_reported_at_once_with_variable_value_and_what_is_allow
     assert "RESILAX_KEEP_LAST='0': an integer >= 1" in message
     assert "RESILAX_SIDECAR_VERIFY='sha1': one of size, md5" in message
     assert "RESILAX_SIDECAR_GRACE_SECONDS='-1'" in message
-    assert len(info.value.problems) == 7
+    assert "RESILAX_KEEP_BEST_METRIC='': RESILAX_KEEP_BEST needs the name of a metric" in message
+    assert "RESILAX_KEEP_BEST_MODE='lowest': max (higher is better) or min (lower is better)" in message
+    assert "RESILAX_KEEP_EVERY_SECONDS='0': a number of seconds > 0" in message
+
+    assert len(info.value.problems) == 10
     assert isinstance(info.value, ValueError)
+
+
+def test_keep_best_metric_alone_is_refused():
+    with pytest.raises(ConfigError, match="RESILAX_KEEP_BEST_METRIC and RESILAX_KEEP_BEST_MODE need RESILAX_KEEP_BEST"):
+        SidecarConfig.from_env({"RESILAX_CONTROL_DIR": "/ctl", "RESILAX_KEEP_BEST_METRIC": "loss"})
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ def test_the_sidecar_uses_the_library_format_modules():
 
 def test_the_format_modules_and_the_sidecar_load_without_jax():
     code = ("import sys; import resilax_ckpt, resilax_ckpt.layout, resilax_ckpt.fencing, resilax_ckpt.policy, "
+            "resilax_ckpt.retention, "
             "resilax_ckpt.requests, resilax_ckpt.storage, resilax_sidecar.app, resilax_sidecar.uploader; "
             "heavy = sorted(m for m in ('jax', 'jaxlib', 'tensorstore', 'numpy') if m in sys.modules); "
             "print(','.join(heavy))")

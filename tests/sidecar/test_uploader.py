@@ -3,18 +3,20 @@ commit, several processes, fences, retries with back-off, retention."""
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 import threading
 from pathlib import Path
 
 import pytest
-from resilax_ckpt import layout
+from resilax_ckpt import layout, retention
+from resilax_ckpt.metadata import StepMetadata
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import StoreError, VerifyError
 from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.store import BlobStore, GcsStore, LocalFolderStore
-from resilax_sidecar.uploader import Uploader, plan_retention
+from resilax_sidecar.uploader import Uploader
 from sidecar_harness import attempt_files, committed_attempt, step_files, wait_until, write_local_step
 
 
@@ -322,21 +324,6 @@ def test_a_committed_step_is_never_written_again_by_another_save_of_it(tmp_path)
     assert store.list_dir("6") == sorted(["_COMMIT", attempt]), "generation 3 wrote under step 6"
 
 
-@pytest.mark.parametrize(
-    "steps, keep_last, every, protect, deleted",
-    [
-        ([1, 2, 3, 4], None, None, set(), []),
-        ([1, 2, 3, 4], 2, None, set(), [1, 2]),
-        ([10, 20, 30, 40], 1, 20, set(), [10, 30]),
-        ([1, 2, 3], 1, None, {1}, [2]),
-        ([], 1, None, set(), []),
-    ],
-    ids=["keep-all", "keep-2", "keep-every-20", "protect-in-flight", "empty"],
-)
-def test_plan_retention(steps, keep_last, every, protect, deleted):
-    assert plan_retention(steps, keep_last, every, protect) == deleted
-
-
 def test_retention_on_both_tiers(tmp_path):
     store = LocalFolderStore(tmp_path / "persistent")
     config = make_config(tmp_path, keep_last=2)
@@ -350,6 +337,39 @@ def test_retention_on_both_tiers(tmp_path):
     assert sorted(p.name for p in config.local_dir.iterdir()) == ["3", "4"]
     assert metrics.retention_deletes.labels(tier="persistent")._value.get() == 2
     assert metrics.retention_deletes.labels(tier="local")._value.get() == 2
+
+
+def test_persistent_retention_keeps_the_best_steps_by_their_metadata_metrics(tmp_path):
+    """RESILAX_KEEP_BEST: the persistent tier keeps the 2 lowest losses (from each uploaded step's
+    `_METADATA.json`), the newest, and by keep_last the newest step saved without the metric; the
+    local tier keeps its newest `local_keep_last`. A restarted sidecar reads the metrics back."""
+    reads: list[str] = []
+
+    class CountingStore(LocalFolderStore):
+        def read_bytes(self, key: str) -> bytes:
+            reads.append(key)
+            return super().read_bytes(key)
+
+    store = CountingStore(tmp_path / "persistent")
+    best = retention.KeepBest(2, "loss", "min")
+    config = make_config(tmp_path, keep_last=1, local_keep_last=1, keep_best=best)
+    losses = {1: 0.5, 2: 0.9, 3: 0.2, 4: None, 5: 0.8, 6: 0.7}
+    uploader = Uploader(config, store, SidecarMetrics())
+    for step, loss in losses.items():
+        meta = StepMetadata(step, 0, 1, {}, metrics={} if loss is None else {"loss": loss}).to_bytes()
+        write_local_step(config.local_dir, step, step_files(1, 10, seed=step), metadata=meta)
+        if step == 6:  # a restarted sidecar: the metrics come from the uploaded metadata again
+            uploader = Uploader(config, store, SidecarMetrics())
+        uploader.run_once()
+        if step == 4:  # 4 has no loss: kept while it is the newest
+            assert sorted(map(int, store.list_dir(""))) == [1, 3, 4]
+    # best 2: 3 (0.2) and 1 (0.5); the newest: 6; 4 (no loss) aged out by keep_last=1.
+    assert sorted(map(int, store.list_dir(""))) == [1, 3, 6]
+    assert sorted(p.name for p in config.local_dir.iterdir()) == ["6"]
+    # each step's metadata is read once per sidecar life (steps are write-once), not once per pass:
+    # steps 1-5 by the first sidecar, 1, 3, 5, 6 by the restarted one
+    metadata_reads = collections.Counter(k.split("/")[0] for k in reads if k.endswith(layout.METADATA_FILE))
+    assert metadata_reads == {"1": 2, "2": 1, "3": 2, "4": 1, "5": 2, "6": 1}, metadata_reads
 
 
 def test_only_process_0_trims_the_persistent_tier(tmp_path):

@@ -170,6 +170,18 @@ def test_resilax_env_matches_architecture_doc() -> None:
             assert f"`{name}`" in doc, f"{name} is not in docs/architecture.md"
 
 
+def test_keep_best_and_every_minutes_reach_the_trainer_and_the_sidecar() -> None:
+    raw = good_spec()
+    raw["checkpoint"]["keep"] = {"last": 2, "everyMinutes": 90, "best": 3, "metric": "loss", "mode": "min"}
+    pod = build_pod(JOB, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    for container in (_trainer(pod), pod["spec"]["initContainers"][0]):
+        env = _env(container)
+        assert (env["RESILAX_KEEP_LAST"], env["RESILAX_KEEP_EVERY_SECONDS"], env["RESILAX_KEEP_BEST"],
+                env["RESILAX_KEEP_BEST_METRIC"], env["RESILAX_KEEP_BEST_MODE"]) == ("2", "5400", "3", "loss", "min")
+    env = _env(_trainer(build_pod(JOB, _spec(), PLAN, 0, 0, SETTINGS, coordinator_ip=None)))
+    assert env["RESILAX_KEEP_BEST"] == env["RESILAX_KEEP_BEST_METRIC"] == env["RESILAX_KEEP_EVERY_SECONDS"] == ""
+
+
 def test_policy_off_is_empty() -> None:
     raw = good_spec()
     raw["checkpoint"] = {"storage": "/ckpt"}

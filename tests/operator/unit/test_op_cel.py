@@ -86,6 +86,7 @@ GOOD = [
     ("failure-rules", lambda s: s["recovery"].update(failureRules=[
         {"action": "FailJob", "exitCodes": [42], "containerName": "trainer"},
         {"action": "RestartWithoutCounting", "podReasons": ["Evicted"]}])),
+    ("keep-best", lambda s: s["checkpoint"]["keep"].update(best=3, metric="loss", mode="min", everyMinutes=60)),
 ]
 
 
@@ -126,6 +127,12 @@ BAD = [
     ("rule-container-without-codes", lambda s: s["recovery"].update(
         failureRules=[{"action": "FailJob", "podReasons": ["Evicted"], "containerName": "trainer"}]),
      "containerName says whose exit code"),
+    ("keep-best-without-metric", lambda s: s["checkpoint"]["keep"].update(best=2, mode="min"),
+     "keep.best needs keep.metric"),
+    ("keep-best-without-mode", lambda s: s["checkpoint"]["keep"].update(best=2, metric="loss"),
+     "keep.best needs keep.metric (a metric the script passes to save(..., metrics=)) and keep.mode (max or min)"),
+    ("keep-metric-without-best", lambda s: s["checkpoint"]["keep"].update(metric="loss"),
+     "keep.metric and keep.mode need keep.best"),
 ]
 
 

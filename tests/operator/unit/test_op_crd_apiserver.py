@@ -159,6 +159,11 @@ BAD = [
      "spec.recovery.failureRules[0].action"),
     ("rule-protocol-code", lambda s: s["recovery"].update(failureRules=[{"action": "FailJob", "exitCodes": [75]}]),
      "spec.recovery.failureRules[0].exitCodes"),
+    ("keep-mode-unknown", lambda s: s["checkpoint"]["keep"].update(best=2, metric="loss", mode="lowest"),
+     "spec.checkpoint.keep.mode"),
+    ("keep-best-without-mode", lambda s: s["checkpoint"]["keep"].update(best=2, metric="loss"), "spec.checkpoint.keep"),
+    ("keep-every-minutes-zero", lambda s: s["checkpoint"]["keep"].update(everyMinutes=0),
+     "spec.checkpoint.keep.everyMinutes"),
 ]
 
 

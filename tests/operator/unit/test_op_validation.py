@@ -116,6 +116,25 @@ BAD = [
      "must be true or false"),
     ("capacity-not-object", _set("capacity", "Autoscaled"), "spec.capacity", "must be an object, found str"),
     ("suspend-not-bool", _set("suspend", "yes"), "spec.suspend", "must be true or false, found 'yes'"),
+    ("keep-best-zero", _set("checkpoint.keep.best", 0), "spec.checkpoint.keep.best", "must be >= 1, found 0"),
+    ("keep-best-not-integer", _set("checkpoint.keep.best", "3"), "spec.checkpoint.keep.best",
+     "must be an integer, found '3'"),
+    ("keep-best-without-metric", _set("checkpoint.keep", {"best": 3, "mode": "min"}), "spec.checkpoint.keep.metric",
+     "is required with spec.checkpoint.keep.best: the name of a metric the training script passes to "
+     "save(..., metrics={...}), e.g. loss"),
+    ("keep-best-without-mode", _set("checkpoint.keep", {"best": 3, "metric": "loss"}), "spec.checkpoint.keep.mode",
+     "is required with spec.checkpoint.keep.best; valid: max (keep the highest values, e.g. accuracy), min (keep "
+     "the lowest, e.g. loss)"),
+    ("keep-mode-unknown", _set("checkpoint.keep", {"best": 3, "metric": "loss", "mode": "lowest"}),
+     "spec.checkpoint.keep.mode", "'lowest' is not a mode with spec.checkpoint.keep.best; valid: max"),
+    ("keep-metric-without-best", _set("checkpoint.keep", {"last": 2, "metric": "loss"}), "spec.checkpoint.keep.metric",
+     "'loss' needs spec.checkpoint.keep.best (how many of the best steps to keep)"),
+    ("keep-mode-without-best", _set("checkpoint.keep", {"mode": "min"}), "spec.checkpoint.keep.mode",
+     "'min' needs spec.checkpoint.keep.best"),
+    ("keep-metric-not-string", _set("checkpoint.keep", {"best": 1, "metric": 5, "mode": "max"}),
+     "spec.checkpoint.keep.metric", "must be a string, found 5"),
+    ("keep-every-minutes-zero", _set("checkpoint.keep.everyMinutes", 0), "spec.checkpoint.keep.everyMinutes",
+     "must be > 0, found 0"),
 ]
 
 
@@ -131,6 +150,15 @@ def test_bad_spec_is_rejected_with_field_path(mutate: Callable[[Raw], None], pat
     assert fragment in message
     assert isinstance(info.value, ResilaxOperatorError) and isinstance(info.value, ValueError)
     assert f"{path}: " in str(info.value)
+
+
+def test_keep_best_and_every_minutes_parse() -> None:
+    from resilax_operator.spec import KeepSpec
+    raw = good_spec()
+    raw["checkpoint"]["keep"] = {"last": 2, "everySteps": 1000, "everyMinutes": 90, "best": 3, "metric": "loss",
+                                 "mode": "min"}
+    assert validate_spec(raw).checkpoint.keep == KeepSpec(last=2, every_steps=1000, every_minutes=90.0, best=3,
+                                                          metric="loss", mode="min")
 
 
 def test_all_problems_reported_at_once() -> None:
