@@ -371,6 +371,24 @@ class Saver:
         self._wait_pending()
         key = f"{self._key}/delete{self._tiers.next_ordinal()}"
         several = self._coord.process_count > 1
+        if not self._is_primary:  # the primary decides and deletes: the others hear its outcome
+            outcome = self._coord.fetch(f"{key}/deleted", self._options.barrier_timeout_seconds)
+            if outcome != "ok":
+                kind, _, message = outcome.partition(":")
+                raise _DELETE_ERRORS.get(kind, SaveError)(message)
+            return
+        try:
+            self._check_deletable(step)
+            self._pruner.delete(step)
+        except Exception as e:
+            if several:
+                kind = next((k for k, t in _DELETE_ERRORS.items() if type(e) is t), "failed")
+                self._coord.publish(f"{key}/deleted", f"{kind}:{e}")
+            raise
+        if several:
+            self._coord.publish(f"{key}/deleted", "ok")
+
+    def _check_deletable(self, step: int) -> None:
         kept = commit.list_superseded(self._storage, self._root)
         if step in commit.read_bad(self._storage, self._root) or step in kept:
             raise ResilaxCkptError(
@@ -381,19 +399,6 @@ class Saver:
             raise StepNotFoundError(
                 f"{self._root}: no committed step {step} to delete; committed steps: "
                 f"{', '.join(map(str, steps)) or 'none'} (folders Resilax did not write are never deleted)")
-        if not self._is_primary:
-            result = self._coord.fetch(f"{key}/deleted", self._options.barrier_timeout_seconds)
-            if result != "ok":
-                raise SaveError(f"{self._root}: delete({step}) failed on the primary: {result}")
-            return
-        try:
-            self._pruner.delete(step)
-        except Exception as e:
-            if several:
-                self._coord.publish(f"{key}/deleted", f"{type(e).__name__}: {e}")
-            raise
-        if several:
-            self._coord.publish(f"{key}/deleted", "ok")
 
     def close(self) -> None:
         """Wait for the pending save (re-raising its failure), stop the thread, restore SIGTERM."""
@@ -425,6 +430,10 @@ class Saver:
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
+
+
+_DELETE_ERRORS: dict[str, type[ResilaxCkptError]] = {"not_found": StepNotFoundError, "kept": ResilaxCkptError}
+"""delete(): the primary's outcome, as the other processes raise it."""
 
 
 def _compile_quietly(signature: list[list[jax.ShapeDtypeStruct]]) -> None:

@@ -88,7 +88,13 @@ def scenario_save(args):
         for step in args.get("delete", []):  # every process calls delete(); the primary deletes
             mgr.delete(step)
             deleted.append(mgr.steps())
-        return {"steps": mgr.steps(), "process": pid, "after_deletes": deleted,
+        refused = []
+        for step in args.get("delete_missing", []):  # every process raises the primary's error
+            try:
+                mgr.delete(step)
+            except rc.ResilaxCkptError as e:
+                refused.append(type(e).__name__)
+        return {"steps": mgr.steps(), "process": pid, "after_deletes": deleted, "refused": refused,
                 "metrics": {s: dict(mgr.metadata(s).metrics) for s in mgr.steps()}}
 
 

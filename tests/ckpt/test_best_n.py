@@ -183,12 +183,14 @@ def test_metadata_reads_no_array_data(where, tmp_path, request, devices):
 
 def test_two_processes_rank_by_metrics_and_delete_together(tmp_path):
     """2 JAX processes x 4 devices on a shared folder: best-N on the primary's commits, and delete()
-    called on both (the primary deletes, the other waits): both see the same steps after each call."""
+    called on both (the primary decides and deletes, the other waits for its outcome): both see the same
+    steps after each call, and both raise StepNotFoundError for a step that is gone."""
     losses = {1: 0.4, 2: 0.1, 3: 0.9, 4: 0.3, 5: 0.8}
     out = run_processes({"scenario": "save", "root": str(tmp_path / "run"), "mesh": [4, 2], "steps": list(losses),
-                         "metrics": {str(s): {"loss": v} for s, v in losses.items()}, "delete": [4],
+                         "metrics": {str(s): {"loss": v} for s, v in losses.items()}, "delete": [4], "delete_missing": [4],
                          "options": {"keep_best": 2, "keep_best_metric": "loss", "keep_best_mode": "min"}},
                         num_processes=2)
     for result in out:
         assert result["after_deletes"] == [[2, 5]], result  # best 2: 2 and 4, newest 5; then 4 deleted
+        assert result["refused"] == ["StepNotFoundError"], result
         assert result["steps"] == [2, 5] and result["metrics"] == {"2": {"loss": 0.1}, "5": {"loss": 0.8}}
