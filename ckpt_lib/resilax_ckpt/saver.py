@@ -221,7 +221,9 @@ class Saver:
         if local_request or time_due:
             flags = {"request": local_request, "stop": local_stop, "time": time_due}
             self._coord.publish(prefix + str(self._coord.process_index), json.dumps(flags))
+        waiting = time.perf_counter()
         self._coord.barrier(prefix.rstrip("/"), self._options.barrier_timeout_seconds)
+        self._trainer.waited(time.perf_counter() - waiting)
         seen = [json.loads(v) for v in self._coord.fetch_dir(prefix).values()]
         if self._coord.process_index == 0 and self._poll_count > 1:
             self._coord.delete(f"{self._key}/poll{self._poll_count - 1}/")

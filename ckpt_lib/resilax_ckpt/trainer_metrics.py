@@ -12,18 +12,32 @@ JAX-free: the sidecar imports it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
+import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 TRAINER_FILE = "trainer.json"
 WRITE_INTERVAL_SECONDS = 1.0
 HEARTBEAT_SECONDS = 1.0
 """How often the manager's heartbeat thread rewrites the file (also while the loop is blocked)."""
+WARMUP_STEPS = 10
+"""Steps of an incarnation left out of its step times (the first compiles, the input pipeline filling)."""
+STEP_WINDOW = 256
+"""How many recent steps (and saves) the step-time figures are taken over."""
+
+
+def p99(values: Sequence[float]) -> float | None:
+    """The 99th percentile of `values` (the nearest rank; None for none)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, -(-99 * len(ordered) // 100) - 1))]
 
 
 @dataclasses.dataclass
@@ -62,6 +76,17 @@ class TrainerFigures:
     """Wall time of the last write, by the heartbeat thread (every second, also while the loop is
     blocked) or the loop: a stale heartbeat means a stopped process, a fresh one with a stale step a
     loop stuck in a collective or its input."""
+    step_seconds: float | None = None
+    """The median of this host's own time per step over the last STEP_WINDOW steps after the first
+    WARMUP_STEPS: the time between two steps less what the loop waited at the request agreement's
+    barrier for the other processes (a straggler's own time is the longest; `resilax_trainer_step_seconds`)."""
+    step_seconds_p99: float | None = None
+    """The 99th percentile of the time between two steps over the same window (the operator's automatic
+    hang timeout in phase `train`); None until WARMUP_STEPS + 1 steps."""
+    save_seconds_p99: float | None = None
+    """The 99th percentile of the seconds saves blocked the loop (the last STEP_WINDOW saves)."""
+    barrier_wait_seconds: float = 0.0
+    """Seconds the loop waited at the request agreement's barrier for the other processes (total)."""
     compilation_cache_requests: int = 0
     """Compilations that asked JAX's persistent compilation cache (`compile_requests_use_cache` events)."""
     compilation_cache_hits: int = 0
@@ -113,6 +138,12 @@ class TrainerMetrics:
         self.figures = TrainerFigures(generation=generation, phase_since=wall_clock())
         self._last_write = float("-inf")
         self._rate_from: tuple[int, float] | None = None
+        self._steps_seen = 0
+        self._step_at: float | None = None  # monotonic time the loop reached the current step
+        self._waited = 0.0  # barrier seconds since then
+        self._intervals: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        self._own: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        self._saves: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         if self._path is not None and heartbeat_seconds:
@@ -141,17 +172,33 @@ class TrainerMetrics:
             self.phase(TRAIN)
         with self._lock:
             f = self.figures
+            now = self._clock()
             if step != f.step:
                 f.step_time = self._wall()
                 if f.first_step is None:
                     f.first_step, f.first_step_time = step, f.step_time
+                self._steps_seen += 1
+                if self._step_at is not None and self._steps_seen > WARMUP_STEPS + 1:
+                    interval = now - self._step_at
+                    self._intervals.append(interval)
+                    self._own.append(max(0.0, interval - self._waited))
+                    f.step_seconds = statistics.median(self._own)
+                    f.step_seconds_p99 = p99(self._intervals)
+                self._step_at, self._waited = now, 0.0
             f.step = step
-        now = self._clock()
         if now - self._last_write >= WRITE_INTERVAL_SECONDS:
             self._write(now)
 
+    def waited(self, seconds: float) -> None:
+        """The loop waited `seconds` at the request agreement's barrier (saver.py), not its own work."""
+        with self._lock:
+            self._waited += seconds
+            self.figures.barrier_wait_seconds += seconds
+
     def saved(self, blocking_seconds: float) -> None:
         with self._lock:
+            self._saves.append(blocking_seconds)
+            self.figures.save_seconds_p99 = p99(self._saves)
             self.figures.saves += 1
             self.figures.save_blocking_seconds += blocking_seconds
             self.figures.last_save_blocking_seconds = blocking_seconds

@@ -156,6 +156,16 @@ class TrainerCollector(Collector):
                                       value=float(f.get("restores", 0)))
             yield GaugeMetricFamily("resilax_trainer_restore_seconds", "Seconds the last restore took.",
                                     value=float(f.get("last_restore_seconds", 0.0)))
+            if f.get("step_seconds") is not None:
+                yield GaugeMetricFamily(
+                    "resilax_trainer_step_seconds",
+                    "This host's own time per step: the median over recent steps of the time between two steps "
+                    "less the wait at the request agreement's barrier (a straggler's is the longest).",
+                    value=float(f["step_seconds"]))
+            yield CounterMetricFamily(
+                "resilax_trainer_barrier_wait_seconds",
+                "Seconds the training loop waited at the request agreement's barrier for the other processes.",
+                value=float(f.get("barrier_wait_seconds", 0.0)))
             requests, hits = int(f.get("compilation_cache_requests", 0)), int(f.get("compilation_cache_hits", 0))
             generation = [str(f.get("generation") if f.get("generation") is not None else "")]
             for name, what, value in (("hits", "served by", hits), ("misses", "not found in", requests - hits)):

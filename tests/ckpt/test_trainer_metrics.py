@@ -85,3 +85,29 @@ def test_the_phase_follows_the_manager_and_a_heartbeat_thread_rewrites_the_file_
     if phases[:1] == ["init"]:  # the heartbeat wrote before the first step (a slow start)
         phases = phases[1:]
     assert phases == ["train", "save", "train", "restore", "init", "train"], phases
+
+
+def test_step_times_leave_out_the_warm_up_and_the_barrier_wait(tmp_path):
+    """The p99 of the time between steps (the operator's automatic hang timeout) and the host's own
+    median step time (the straggler figure: the time between steps less the barrier wait) count only
+    steps after WARMUP_STEPS; the saves' p99 comes from the blocking time of each save."""
+    from resilax_ckpt.trainer_metrics import WARMUP_STEPS, TrainerMetrics, p99
+
+    clock = [0.0]
+    m = TrainerMetrics(str(tmp_path), clock=lambda: clock[0], wall_clock=lambda: clock[0])
+    for step in range(1, WARMUP_STEPS + 2):
+        clock[0] += 30.0  # compiling: never counted
+        m.step(step)
+    assert m.figures.step_seconds_p99 is None
+    for step in range(WARMUP_STEPS + 2, WARMUP_STEPS + 102):
+        clock[0] += 2.0 if step in (WARMUP_STEPS + 50, WARMUP_STEPS + 80) else 0.5  # two slow steps of 100
+        if step % 10 == 0:
+            m.waited(0.4)  # waited for a slower peer at the barrier
+        m.step(step)
+    f = m.figures
+    assert f.step_seconds_p99 == 2.0 and f.step_seconds == 0.5
+    assert abs(f.barrier_wait_seconds - 0.4 * 10) < 1e-9
+    m.saved(0.2)
+    m.saved(1.5)
+    assert m.figures.save_seconds_p99 == 1.5
+    assert p99([float(i) for i in range(1, 101)]) == 99.0 and p99([]) is None

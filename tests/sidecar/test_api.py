@@ -234,18 +234,23 @@ def test_the_trainers_figures_are_exported_and_reported(shared):
     clock = [100.0]
     figures = TrainerMetrics(env["RESILAX_CONTROL_DIR"], clock=lambda: clock[0])
     figures.restored(12, 2.5)
-    for step in range(13, 24):
+    for step in range(13, 40):
         clock[0] += 0.5
+        if step == 30:
+            figures.waited(0.125)
         figures.step(step)
     figures.saved(0.25)
     samples = {s.name: s.value for family in text_string_to_metric_families(sidecar.get("/metrics").body)
                for s in family.samples if s.name.startswith("resilax_trainer_")}
-    assert samples["resilax_trainer_step"] == 23
-    assert samples["resilax_trainer_steps_total"] == 11  # steps 13 to 23 (rate by PromQL)
+    assert samples["resilax_trainer_step"] == 39
+    assert samples["resilax_trainer_steps_total"] == 27  # steps 13 to 39 (rate by PromQL)
+    assert samples["resilax_trainer_step_seconds"] == 0.5  # this host's own median step (the straggler figure)
+    assert samples["resilax_trainer_barrier_wait_seconds_total"] == 0.125
     assert "resilax_trainer_steps_per_second" not in samples
     assert samples["resilax_trainer_saves_total"] == 1
     assert samples["resilax_trainer_save_blocking_seconds_total"] == 0.25
     assert samples["resilax_trainer_restore_seconds"] == 2.5
     assert samples["resilax_trainer_restores_total"] == 1
     state = sidecar.get("/v1/state").body["trainer"]
-    assert state["step"] == 23 and state["restored_step"] == 12
+    assert state["step"] == 39 and state["restored_step"] == 12
+    assert state["step_seconds_p99"] == 0.5 and state["save_seconds_p99"] == 0.25  # the hang timeout's inputs
