@@ -349,7 +349,7 @@ def _rel(t: float, start: float) -> str:
 
 #: status.goodput.breakdown keys, in the order the goodput section lists them, with their labels.
 GOODPUT_BUCKETS = (("productive", "productive (steps that count)"), ("checkpointBlocking", "checkpoint blocking"),
-                   ("lostStepsRedone", "lost steps redone"), ("detection", "detection"), ("teardown", "teardown"),
+                   ("lostStepsRedone", "lost steps redone"), ("detection", "detection"), ("hang", "hang"), ("teardown", "teardown"),
                    ("scheduling", "scheduling"), ("jaxStartup", "JAX start-up"), ("restore", "restore"),
                    ("other", "other"))
 

@@ -129,8 +129,10 @@ COND_SUSPENDED: Final = "Suspended"
 #: True while an object the job needs (a worker pod, its Service, its token Secret) has a name another
 #: owner's object holds (never adopted).
 COND_NAME_CONFLICT: Final = "NameConflict"
+#: A worker's own step time is >= 1.5x the generation's median (policies/straggler.py); absent when none is.
+COND_STRAGGLER: Final = "Straggler"
 CONDITION_TYPES: Final = (COND_READY, COND_SAVING, COND_DEGRADED, COND_INVALID_SPEC, COND_CHECKPOINT_FALLBACK,
-                          COND_MAINTENANCE, COND_SUSPENDED, COND_NAME_CONFLICT)
+                          COND_MAINTENANCE, COND_SUSPENDED, COND_NAME_CONFLICT, COND_STRAGGLER)
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,16 @@ SUSPENDED = Reason("Suspended", "spec.suspend is true: no workers; false again s
 RESTARTING_IN_PLACE = Reason(
     "RestartingInPlace", "generation {generation}: restarting in place after {cause}: keeping {kept} of {hosts} "
     "pods ({pods}), their trainers restarted; {replaced} pods new")
+TRAINER_HUNG = Reason(
+    "TrainerHung", "worker {pod} (process {process}, node {node}) of generation {generation} hung: {why}; last step "
+    "{step} at {step_time}, phase {phase}; no progress for {seconds}s (timeout {timeout}s, {basis}); restarting the "
+    "generation, not counted as a failure")
+STRAGGLER_SUSPECTED = Reason(
+    "StragglerSuspected", "worker {pod} of generation {generation} takes {seconds}s of its own per step, {ratio}x the "
+    "median {median}s of the {hosts} hosts; StragglerDetected if that lasts {minutes} min")
+STRAGGLER_DETECTED = Reason(
+    "StragglerDetected", "worker {pod} (process {process}, node {node}) of generation {generation} is a straggler: "
+    "{seconds}s of its own per step, {ratio}x the median {median}s of the {hosts} hosts, for {minutes} min")
 IN_PLACE_UNAVAILABLE = Reason("InPlaceUnavailable", "generation {generation}: every pod replaced, not in place: {why}")
 IN_PLACE_STOP_TIMEOUT = Reason("InPlaceStopTimeout", "generation {generation}: the old trainer of {pods} was not "
                                "proven gone within {seconds}s (recovery.inPlaceStopTimeoutSeconds); replacing those pods")

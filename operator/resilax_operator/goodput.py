@@ -19,6 +19,7 @@ What is known of one generation (`GenerationMarks`; epoch seconds, None: not see
 | last_step, last_step_time | the newest step it reached, and when (as of the operator's last look) |
 | blocking_seconds | seconds its loop was blocked by saves (save_blocking_seconds) |
 | detected | status.transition.since: the operator began replacing the generation |
+| hang | the generation was replaced because it hung (the transition's or in-place restart's kind TrainerHung) |
 | fault | (the benchmark only: when it injected the fault) |
 
 A generation's window runs from its start (`created`; the first generation's from the start of the
@@ -31,7 +32,7 @@ accounting) to the next generation's start (or the end). Within it, time goes, f
 | restore_began | restore |
 | restore_ended | jax_startup (the first step: its compile) |
 | the first step began (first_step_time minus one typical step) | productive |
-| the last step reached | detection when the generation was replaced (or a fault came), else other |
+| the last step reached | hang when the generation was replaced for a hang (TrainerHung), detection when it was replaced for another reason (or a fault came), else other |
 | fault, when after the last step (the trainer stopped before it: other until then) | detection |
 | detected | teardown (final save if any, deleting the pods, waiting for capacity) |
 
@@ -60,8 +61,8 @@ from dataclasses import dataclass, field, replace
 from typing import Final
 
 PRODUCTIVE: Final = "productive"
-BUCKETS: Final = ("productive", "checkpoint_blocking", "lost_steps_redone", "detection", "teardown", "scheduling",
-                  "jax_startup", "restore", "other")
+BUCKETS: Final = ("productive", "checkpoint_blocking", "lost_steps_redone", "detection", "hang", "teardown",
+                  "scheduling", "jax_startup", "restore", "other")
 
 
 def _zero() -> dict[str, float]:
@@ -84,6 +85,8 @@ class GenerationMarks:
     blocking_seconds: float = 0.0
     detected: float | None = None
     fault: float | None = None
+    #: Replaced because it hung (TrainerHung): the time from its last step to `detected` is `hang`.
+    hang: bool = False
 
     @property
     def begins(self) -> float | None:
@@ -169,7 +172,8 @@ def _window(g: GenerationMarks, carry: Carry | None, start: float, end: float,
     first_began = None if g.first_step_time is None else g.first_step_time - step_s
     fault_after = g.fault if g.fault is not None and (g.last_step_time is None or g.fault >= g.last_step_time) \
         else None
-    after_last = "other" if fault_after is not None or not (replaced or g.detected is not None) else "detection"
+    after_last = "other" if fault_after is not None or not (replaced or g.detected is not None) \
+        else "hang" if g.hang else "detection"
     _split(acc, start, end, "scheduling", [
         (g.created, "scheduling"), (g.running, "jax_startup"), (g.restore_began, "restore"),
         (g.restore_ended, "jax_startup"), (first_began, PRODUCTIVE), (g.last_step_time, after_last),

@@ -23,12 +23,14 @@ from .builders import JobRef
 from .cache import WorldCache
 from .k8s import Kube, KubeError, SidecarError
 from .observed import (
+    HostFigures,
     Observed,
     SaveOutcome,
     TrainerReport,
     assemble_observed,
     decide_storage_sharers,
     nodes_needing_lease,
+    parse_host_figures,
     parse_job_ref,
     parse_lease,
     parse_restore_report,
@@ -37,6 +39,7 @@ from .observed import (
     parse_trainer_report,
     with_leases,
 )
+from .observed_sidecar import worth_asking_every_host
 from .ownership import owner_uid
 from .settings import OperatorSettings
 from .trainer_process import TrainerProcess, parse_trainer_process, pods_to_poll, with_trainer_processes
@@ -63,6 +66,7 @@ _trainers_lock = threading.Lock()
 def forget_trainer(job: JobRef) -> None:
     with _trainers_lock:
         _trainers.pop(job.uid, None)
+        _straggler_samples.pop(job.uid, None)
 
 
 def now_utc() -> datetime:
@@ -104,13 +108,19 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
 
 def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings, logger: Logger) -> Observed:
     """The sidecars' `/v1/state` of the pods `trainer_process.pods_to_poll` names (pod 0 always: newest
-    checkpoint, restore report, trainer figures; the others for their trainer's incarnation)."""
+    checkpoint, restore report, trainer figures; the others for their trainer's incarnation), then of
+    every other worker of the generation when pod 0 looks stalled (`hang.worth_asking_every_host`: the
+    hang policy names the culprit from them) or the stragglers' sample is due
+    (`settings.straggler_sample_seconds`)."""
     ref, status = observed.job, observed.status
     checkpoint = restore = None
     processes: dict[str, TrainerProcess] = {}
+    hosts: dict[str, HostFigures] = {}
     pod0_name = status.pod_names(ref.name)[0] if status.generation > 0 else ""
     by_name = {p.name: p for p in observed.pods}
-    for name in pods_to_poll(observed):
+    polled = pods_to_poll(observed)
+    now = observed.now.timestamp()
+    for name in polled:
         pod = by_name[name]
         try:
             state = kube.sidecar("GET", str(pod.pod_ip), settings.sidecar_port, "/v1/state")
@@ -120,6 +130,9 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
         process = parse_trainer_process(state)
         if process is not None:
             processes[name] = process
+        figures = parse_host_figures(state)
+        if figures is not None:
+            hosts[name] = figures
         if name != pod0_name:
             continue
         checkpoint = parse_sidecar_state(state, observed.now)
@@ -129,10 +142,42 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
         if report is not None:
             with _trainers_lock:
                 _trainers[ref.uid] = report
+    if status.generation > 0 and (worth_asking_every_host(hosts.get(pod0_name), now)
+                                  or _straggler_sample_due(ref.uid, now, settings)):
+        for p in observed.pods_of(status.generation):
+            if p.name in polled or p.phase != "Running" or p.pod_ip is None:
+                continue
+            try:
+                state = kube.sidecar("GET", p.pod_ip, settings.sidecar_port, "/v1/state")
+            except SidecarError as e:
+                logger.debug("no sidecar state from %s: %s", p.name, e)
+                continue
+            process = parse_trainer_process(state)
+            if process is not None:
+                processes[p.name] = process
+            figures = parse_host_figures(state)
+            if figures is not None:
+                hosts[p.name] = figures
     with _trainers_lock:
         trainer = _trainers.get(ref.uid)
-    observed = replace(observed, checkpoint=checkpoint, restore=restore, trainer=trainer)
+    observed = replace(observed, checkpoint=checkpoint, restore=restore, trainer=trainer, hosts=hosts)
     return with_trainer_processes(observed, processes)
+
+
+#: job uid -> when every worker's sidecar was last read for the stragglers' sample (epoch seconds).
+_straggler_samples: dict[str, float] = {}
+
+
+def _straggler_sample_due(uid: str, now: float, settings: OperatorSettings) -> bool:
+    """Whether the stragglers' sample is due for the job (and, if so, it counts as taken now)."""
+    every = settings.straggler_sample_seconds
+    if every <= 0:
+        return False
+    with _trainers_lock:
+        if now - _straggler_samples.get(uid, float("-inf")) < every:
+            return False
+        _straggler_samples[uid] = now
+    return True
 
 
 def observe_leases(kube: Kube, names: Sequence[str], logger: Logger) -> dict[str, datetime]:

@@ -29,9 +29,11 @@ from .observed_nodes import (
 )
 from .observed_pods import STARTING_REASONS, ObservedPod, parse_pod
 from .observed_sidecar import (
+    HostFigures,
     RestoreReport,
     SaveOutcome,
     TrainerReport,
+    parse_host_figures,
     parse_restore_report,
     parse_save_outcome,
     parse_sidecar_state,
@@ -42,10 +44,31 @@ from .status import CheckpointInfo, JobStatus
 from .trainer_process import TrainerProcess
 
 __all__ = (
-    "SHUTTING_DOWN_MESSAGE", "STARTING_REASONS", "Observed", "ObservedNode", "ObservedPod", "RestoreReport",
-    "SaveOutcome", "Taint", "TrainerReport", "assemble_observed", "build_observed", "count_devices_in_use",
-    "nodes_needing_lease", "parse_job_ref", "parse_lease", "parse_maintenance_time", "parse_node", "parse_pod",
-    "parse_restore_report", "parse_save_outcome", "parse_service", "parse_sidecar_state", "parse_trainer_report",
+    "SHUTTING_DOWN_MESSAGE",
+    "STARTING_REASONS",
+    "HostFigures",
+    "Observed",
+    "ObservedNode",
+    "ObservedPod",
+    "RestoreReport",
+    "SaveOutcome",
+    "Taint",
+    "TrainerReport",
+    "assemble_observed",
+    "build_observed",
+    "count_devices_in_use",
+    "nodes_needing_lease",
+    "parse_host_figures",
+    "parse_job_ref",
+    "parse_lease",
+    "parse_maintenance_time",
+    "parse_node",
+    "parse_pod",
+    "parse_restore_report",
+    "parse_save_outcome",
+    "parse_service",
+    "parse_sidecar_state",
+    "parse_trainer_report",
     "with_leases",
 )
 
@@ -72,6 +95,9 @@ class Observed:
     trainer: TrainerReport | None = None
     #: Pod name → its supervised trainer's incarnation, from the sidecars asked (trainer_process.py).
     trainer_processes: Mapping[str, TrainerProcess] = field(default_factory=dict, hash=False)
+    #: Pod name → its trainer's figures, from the sidecars asked this time (pod 0 always; every worker
+    #: when a hang is suspected or the stragglers' sample is due: observe.py).
+    hosts: Mapping[str, HostFigures] = field(default_factory=dict, hash=False)
     #: (uid, "namespace/name") of the other live JAXJobs with the same spec.checkpoint.storage
     #: (`decide_storage_sharers`): the workers do not take the storage over from them.
     storage_sharers: tuple[tuple[str, str], ...] = ()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 from . import status as st
 from .status import CheckpointInfo
@@ -51,6 +51,68 @@ class TrainerReport:
     restores: int = 0
     last_restore_seconds: float = 0.0
     restored_time: float | None = None
+
+
+@dataclass(frozen=True)
+class HostFigures:
+    """One worker's trainer figures as its sidecar last reported them (`trainer` in `/v1/state`,
+    resilax_ckpt.trainer_metrics; epoch seconds): what the hang and straggler policies read."""
+
+    generation: int | None = None
+    step: int | None = None
+    #: When the loop first reached `step`.
+    step_time: float | None = None
+    #: The last write of the figures (every second, also while the loop is blocked; stale: stopped).
+    heartbeat: float | None = None
+    phase: str = ""
+    phase_since: float | None = None
+    #: This host's own median step time (less the request barrier's wait); None during warm-up.
+    step_seconds: float | None = None
+    step_seconds_p99: float | None = None
+    save_seconds_p99: float | None = None
+    last_restore_seconds: float = 0.0
+
+
+def _num(raw: Mapping[str, Any], key: str) -> float | None:
+    value = raw.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _whole(raw: Mapping[str, Any], key: str) -> int | None:
+    value = raw.get(key)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_host_figures(body: Mapping[str, Any]) -> HostFigures | None:
+    """`trainer` of a sidecar's `GET /v1/state` → HostFigures (None if absent or not a mapping)."""
+    raw = body.get("trainer")
+    if not isinstance(raw, Mapping):
+        return None
+    phase = raw.get("phase")
+    return HostFigures(generation=_whole(raw, "generation"), step=_whole(raw, "step"), step_time=_num(raw, "step_time"),
+                       heartbeat=_num(raw, "heartbeat"), phase=phase if isinstance(phase, str) else "",
+                       phase_since=_num(raw, "phase_since"), step_seconds=_num(raw, "step_seconds"),
+                       step_seconds_p99=_num(raw, "step_seconds_p99"), save_seconds_p99=_num(raw, "save_seconds_p99"),
+                       last_restore_seconds=_num(raw, "last_restore_seconds") or 0.0)
+
+
+#: A heartbeat (written every second, also while the loop is blocked) older than this: the process stopped.
+HEARTBEAT_STALE_SECONDS: Final = 10.0
+#: observe.py asks every worker once pod 0 made no step for this long (or 3 of its p99 steps, if longer).
+SUSPECT_SECONDS: Final = 10.0
+
+
+def worth_asking_every_host(pod0: HostFigures | None, now: float) -> bool:
+    """Whether pod 0's figures look stalled enough that every worker's sidecar is worth asking (its
+    heartbeat stale, or no step for SUSPECT_SECONDS or 3 of its p99 steps, whichever is longer)."""
+    if pod0 is None:
+        return False
+    if pod0.heartbeat is not None and now - pod0.heartbeat > HEARTBEAT_STALE_SECONDS:
+        return True
+    since = max((t for t in (pod0.step_time, pod0.phase_since) if t is not None), default=None)
+    if since is None:
+        return False
+    return now - since >= max(SUSPECT_SECONDS, 3 * (pod0.step_seconds_p99 or 0.0))
 
 
 def parse_save_outcome(request_id: str, body: Mapping[str, Any]) -> SaveOutcome | None:

@@ -39,6 +39,7 @@ from .policies import (
     failure_rules,
     generation_start,
     goodput_status,
+    hang,
     history_status,
     inplace,
     invalid_edit,
@@ -47,6 +48,7 @@ from .policies import (
     preemption,
     queue_eviction,
     resize,
+    straggler,
     suspend,
     transition,
     worker_exit,
@@ -69,6 +71,7 @@ WATCH: Final[tuple[Check, ...]] = (
     resize.check_incompatible,           # the spec no longer allows the running shape
     failure_rules.check,                 # a failed worker a spec.recovery.failureRules rule matches
     worker_exit.check,                   # stopped, failed, lost, deleted; or all done
+    hang.check,                          # no progress past the hang timeout: TrainerHung, not counted
     capacity_wait.check,                 # workers waited for new nodes past shrinkAfterSeconds: shrink
     generation_start.check_unscheduled,  # workers no node takes
     container_waiting.check,             # a container stuck waiting (image, config, crash loop)
@@ -155,6 +158,10 @@ def watch(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     s = capacity_wait.record_admission(observed, s)
     s, events = preemption.record_scheduled(spec, observed, s)
     if events:
+        actions = [*actions, SetStatus(s), *events]
+    before = s
+    s, events = straggler.record(observed, s, settings)
+    if events or s != before:
         actions = [*actions, SetStatus(s), *events]
     for check in WATCH:
         verdict = check(spec, observed, s, settings)

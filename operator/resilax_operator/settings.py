@@ -87,6 +87,12 @@ class OperatorSettings:
     peer_lost_timeout_seconds: int = 60
     """Workers that exited 76 (a peer process is gone) and no cause found this long after the first of
     them (no worker's node down, no worker failed on its own): the generation is replaced as a PodLost."""
+    straggler_window_seconds: int = 300
+    """A worker whose own step time (its sidecar's `resilax_trainer_step_seconds`) stays >= 1.5x the
+    median of the generation's hosts this long gets a `StragglerDetected` event (policies/straggler.py)."""
+    straggler_sample_seconds: int = 60
+    """How often the operator reads every worker's sidecar for the stragglers' step times (seconds; 0:
+    never, no straggler detection). Pod 0's is read every reconcile anyway."""
     max_hosts_per_job: int = MAX_HOSTS_PER_JOB
     """The most worker pods (hosts) one JAXJob may ask for: slices × hosts per slice of the largest shape
     its spec allows (`slices`, or `elastic.maxCount` with its largest topology). Default: the largest

@@ -43,6 +43,11 @@ IN_PLACE_AUTO: Final = "Auto"
 IN_PLACE_NEVER: Final = "Never"
 IN_PLACE_MODES: Final = (IN_PLACE_AUTO, IN_PLACE_NEVER)
 DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS: Final = 30
+#: `spec.recovery.hangTimeoutSeconds: 0`: no hang detection.
+HANG_DETECTION_OFF: Final = 0
+#: An explicit hang timeout's bounds (the trainer writes its figures about once a second).
+MIN_HANG_TIMEOUT_SECONDS: Final = 10
+MAX_HANG_TIMEOUT_SECONDS: Final = 86400
 DEFAULT_SHRINK_AFTER_SECONDS: Final = 600
 #: `spec.recovery.failureRules[*].action`: a counted worker failure (backoff; Failed past maxRestarts).
 RULE_RESTART: Final = "Restart"
@@ -157,6 +162,9 @@ class RecoverySpec:
     in_place_stop_timeout_seconds: int = DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS
     #: `failureRules`, in order: the first that matches a failed worker decides.
     failure_rules: tuple[FailureRule, ...] = ()
+    #: A generation with no progress this long is hung (TrainerHung); None: automatic from the trainer's
+    #: step times (policies/hang.py); HANG_DETECTION_OFF: never.
+    hang_timeout_seconds: int | None = None
 
     @property
     def in_place_auto(self) -> bool:
@@ -396,6 +404,7 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
         in_place_stop_timeout_seconds=_int_or(r.integer(rc, "inPlaceStopTimeoutSeconds", rp, minimum=1),
                                               DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS),
         failure_rules=_failure_rules(r, rc, rp),
+        hang_timeout_seconds=r.integer(rc, "hangTimeoutSeconds", rp, minimum=0),
     )
     cap = r.obj(raw, "capacity", p) or {}
     capacity = CapacitySpec(

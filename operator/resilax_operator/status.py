@@ -31,8 +31,10 @@ SHRINK: Final = "Shrink"
 #: spec.suspend became true.
 SUSPEND: Final = "Suspend"
 QUEUE_EVICTION: Final = "QueueEviction"  # a queue (Kueue) preempted or evicted the pod group: not a failure
+#: The generation stopped making progress past its hang timeout (policies/hang.py): not a failure.
+TRAINER_HUNG: Final = "TrainerHung"
 TRANSITION_KINDS: Final = (PREEMPTION, NODE_LOSS, POD_LOST, WORKER_FAILURE, WORKER_STOPPED, RESIZE, GROW_BACK, SHRINK,
-                           SUSPEND, QUEUE_EVICTION)
+                           SUSPEND, QUEUE_EVICTION, TRAINER_HUNG)
 #: Kinds whose final save `checkpoint.finalSave.onResize` governs.
 RESIZE_KINDS: Final = frozenset({RESIZE, GROW_BACK})
 #: Kinds that move to another shape on purpose (phase Resizing).
@@ -456,7 +458,7 @@ def build_goodput(record: GoodputRecord) -> dict[str, Any]:
                 "productiveSeconds": _round(led.carry.productive)},
             "current": None if cur is None else {
                 "generation": cur.generation, "firstStep": cur.first_step, "lastStep": cur.last_step,
-                "blockingSeconds": _round(cur.blocking_seconds),
+                "blockingSeconds": _round(cur.blocking_seconds), "hang": cur.hang or None,
                 **{key: None if getattr(cur, attr) is None else _round(getattr(cur, attr)) for attr, key in _MARK_KEYS}},
         },
     }
@@ -489,7 +491,7 @@ def parse_goodput(raw: Any) -> GoodputRecord | None:
                 generation=int(cur_raw["generation"]),
                 first_step=None if cur_raw.get("firstStep") is None else int(cur_raw["firstStep"]),
                 last_step=None if cur_raw.get("lastStep") is None else int(cur_raw["lastStep"]),
-                blocking_seconds=float(cur_raw.get("blockingSeconds") or 0.0),
+                blocking_seconds=float(cur_raw.get("blockingSeconds") or 0.0), hang=cur_raw.get("hang") is True,
                 **{attr: _float(cur_raw.get(key)) for attr, key in _MARK_KEYS})
     except (KeyError, TypeError, ValueError):
         return None

@@ -20,11 +20,14 @@ from .podsecurity import check_pod_security
 from .podtemplate import check_template_schema
 from .settings import OperatorSettings
 from .spec import (
+    HANG_DETECTION_OFF,
     IN_PLACE_MODES,
     KEEP_BEST_MODES,
     LOCAL_MEDIA,
     LOCAL_SCOPE_POD,
     LOCAL_SCOPES,
+    MAX_HANG_TIMEOUT_SECONDS,
+    MIN_HANG_TIMEOUT_SECONDS,
     PROVISIONING_MODES,
     RULE_ACTIONS,
     JobSpec,
@@ -291,6 +294,12 @@ def _check_recovery(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
         elif rule.container_name is not None and not _DNS_LABEL.match(rule.container_name):
             out.append(SpecProblem(f"{p}.containerName", f"{rule.container_name!r} must be a DNS label (a "
                                    "container name of the template, or resilax-sidecar)"))
+    hang = r.hang_timeout_seconds
+    if "spec.recovery.hangTimeoutSeconds" not in found and hang is not None and hang != HANG_DETECTION_OFF \
+            and not MIN_HANG_TIMEOUT_SECONDS <= hang <= MAX_HANG_TIMEOUT_SECONDS:
+        out.append(SpecProblem("spec.recovery.hangTimeoutSeconds",
+                               f"{hang} is not allowed; allowed: {MIN_HANG_TIMEOUT_SECONDS}-{MAX_HANG_TIMEOUT_SECONDS} "
+                               "seconds, 0 (no hang detection), or unset (automatic from the trainer's step times)"))
     return out
 
 

@@ -81,6 +81,7 @@ def test_breakdown_of_a_hard_loss_with_known_answer() -> None:
         "checkpoint_blocking": 2.0,  # the 3 s gap after step 5, less the 1 s median step
         "lost_steps_redone": 4.0,  # steps 7..10 of gen 0, trained again by gen 1
         "detection": 2.5,  # fault 22.5 -> the operator reacted 25
+        "hang": 0.0,
         "teardown": 2.0,  # 25 -> new pods 27
         "scheduling": 6.0 + 3.0,  # job applied 0 -> gen 0 running 6; new pods 27 -> running 30
         "jax_startup": 4.0 + 1.0 + 1.0,  # running 6 -> step 1 began 10; running 30 -> restore 31; 33 -> step 7 began 34

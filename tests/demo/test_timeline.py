@@ -335,12 +335,12 @@ def test_loss_lines_of_the_example_match_the_parser() -> None:
 def test_timeline_ends_with_the_operators_goodput_account() -> None:
     goodput = {"ratio": 0.75, "wallSeconds": 200.0, "lostSteps": 7, "asOf": "2026-12-04T09:00:00Z",
                "breakdown": {"productive": 150.0, "checkpointBlocking": 2.0, "lostStepsRedone": 3.5, "detection": 20.0,
-                             "teardown": 5.0, "scheduling": 4.0, "jaxStartup": 12.0, "restore": 2.5, "other": 1.0}}
+                             "hang": 0.0, "teardown": 5.0, "scheduling": 4.0, "jaxStartup": 12.0, "restore": 2.5, "other": 1.0}}
     lines = build_timeline(T0, [], [], [], goodput=goodput)
     section = lines[lines.index("Goodput (the operator's account: status.goodput)") + 1:]
     assert section[0] == ("  goodput 75.0% of 200 s since the first generation was created "
                           "(as of 2026-12-04T09:00:00Z; 7 steps trained again)")
     assert "    detection                          20.0 s   10.0%" in section
     assert "    productive (steps that count)     150.0 s   75.0%" in section
-    assert len(section) == 10
+    assert len(section) == 11
     assert build_timeline(T0, [], [], [])[-1].startswith("  not reported")

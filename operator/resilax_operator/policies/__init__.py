@@ -14,6 +14,7 @@ On a running generation the checks run in this order and the first that finds so
 | resize             | a spec edit the running shape no longer fits            | Resize                        |
 | failure_rules      | a failed worker a spec.recovery.failureRules rule matches | its action: WorkerFailure (counted or not) or Failed |
 | worker_exit        | a worker stopped (75), failed, lost, gone; all done     | WorkerStopped/Failure/PodLost |
+| hang               | no progress past the hang timeout (a stopped trainer, a stuck collective) | TrainerHung: not counted |
 | capacity_wait      | workers waited for new nodes past shrinkAfterSeconds    | Shrink to what Ready nodes fit |
 | generation_start   | workers no node takes within scheduleTimeoutSeconds     | PodLost: replan               |
 | container_waiting  | a container stuck waiting (image, config, crash loop)   | ContainerWaiting; past the timeout Failed or WorkerFailure |

@@ -71,6 +71,16 @@ def observed_marks(observed: Observed, s: JobStatus, known: gp.GenerationMarks |
     return marks
 
 
+def hung_generation(s: JobStatus) -> int | None:
+    """The generation `s` says is being replaced because it hung (a transition or an in-place restart of
+    kind TrainerHung), else None."""
+    if s.transition is not None and s.transition.kind == st.TRAINER_HUNG:
+        return s.transition.generation
+    if s.in_place is not None and s.in_place.kind == st.TRAINER_HUNG:
+        return s.in_place.from_generation
+    return None
+
+
 def live(observed: Observed, s: JobStatus) -> GoodputRecord | None:
     """The accounting as of `observed.now`, for the status `s` a decision writes (see the module doc)."""
     record = observed.status.goodput
@@ -79,6 +89,10 @@ def live(observed: Observed, s: JobStatus) -> GoodputRecord | None:
         # resuming: the time since the suspension's figures is left out (no workers, nothing paid)
         ledger = gp.pause(ledger, record.as_of.timestamp(), st.truncate(observed.now).timestamp())
     for status in (observed.status, s):
+        hung = hung_generation(status)
+        if ledger is not None and ledger.current is not None and ledger.current.generation == hung \
+                and not ledger.current.hang:
+            ledger = replace(ledger, current=replace(ledger.current, hang=True))
         known = ledger.current if ledger is not None else None
         marks = observed_marks(observed, status, known)
         if marks is None or (known is not None and marks.generation < known.generation):

@@ -9,7 +9,7 @@ barrier: stop every kept trainer and delete the other pods; only then create and
 
 | step                          | decision                                                          |
 |-------------------------------|-------------------------------------------------------------------|
-| a finding (`begin_transition`) | `decide_mode`: in place, or today's full replacement (transition.py; `InPlaceUnavailable` event naming why when inPlace is Auto) |
+| a finding (`begin_transition`; TrainerHung too, its trainers stopped with their stacks dumped) | `decide_mode`: in place, or today's full replacement (transition.py; `InPlaceUnavailable` event naming why when inPlace is Auto) |
 | in place: `begin`             | status first (generation N+1, shape, pools, workerPods, inPlace Stopping), then delete the pods not kept, re-label the kept ones, stop their trainers |
 | Stopping                      | re-send the stop to kept pods not proven stopped; past the deadline a kept pod not proven stopped is dropped and deleted (its slot gets a new pod); Starting once every kept pod is stopped and no other pod is left |
 | Starting                      | after a failure's backoff: create pod 0 if it is new, then the other missing pods with its IP and start the kept trainers (their environment overlay); inPlace cleared once every kept pod runs the new generation and every pod exists |
@@ -54,7 +54,7 @@ from . import Finding, failure_rules, generation_start, node_loss, preemption, t
 
 #: Findings an in-place restart answers; planned moves (preemption, resize, grow-back, suspend) and a
 #: worker stopped for rescheduling stay full replacements (their final save and new node set).
-IN_PLACE_KINDS: Final = frozenset({st.NODE_LOSS, st.WORKER_FAILURE, st.POD_LOST, st.SHRINK})
+IN_PLACE_KINDS: Final = frozenset({st.NODE_LOSS, st.WORKER_FAILURE, st.POD_LOST, st.SHRINK, st.TRAINER_HUNG})
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,9 @@ def _stopping(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operato
     stop = tuple(k.pod for k in kept if not k.stopped)
     actions: list[Action] = [*out, *deletes, *patches]
     if stop:
-        actions.append(StopTrainers(g, stop, f"in-place restart to generation {g}", stacks=False))
+        # a hung trainer's stacks go to its pod log first (the supervisor: py-spy, or SIGCONT + SIGUSR1)
+        actions.append(StopTrainers(g, stop, f"in-place restart to generation {g}",
+                                    stacks=ip.kind == st.TRAINER_HUNG))
     kept_names = {k.pod for k in kept}
     if not stop and not any(p.name not in kept_names for p in observed.pods):
         ip = s.in_place

@@ -15,9 +15,10 @@ How each pod of a generation is deleted (`plan_delete`):
 |----------------------------------------------------------|--------------------------------------------|
 | on a down or gone node, or Terminating far past its grace | force (gracePeriodSeconds=0)              |
 | already Terminating                                      | left alone                                 |
-| NodeLoss, WorkerFailure, or a worker exited 76 (a peer process gone): a surviving worker; Shrink (never all ran) | grace node_loss.SURVIVOR_GRACE_SECONDS (its final save cannot finish) |
+| NodeLoss, WorkerFailure, TrainerHung, or a worker exited 76 (a peer process gone): a surviving worker; Shrink (never all ran) | grace node_loss.SURVIVOR_GRACE_SECONDS (its final save cannot finish) |
 | its trainer exited, no local tier                        | grace TRAINER_GONE_GRACE_SECONDS           |
 | planned teardown, its trainer still running              | not before teardownSince + STOPPING_TRAINER_WAIT_SECONDS |
+| TrainerHung, supervised (its stacks are dumped first)    | that grace, not before teardownSince + HANG_STACKS_SECONDS |
 | otherwise                                                | the pod's own grace (SIGTERM: the workers save) |
 """
 
@@ -37,6 +38,7 @@ from ..actions import (
     PodDeletion,
     RequeueAfter,
     SetStatus,
+    StopTrainers,
     status_change,
 )
 from ..observed import Observed
@@ -56,13 +58,16 @@ STOPPING_TRAINER_WAIT_SECONDS: Final = 15
 #: Transitions whose generation lost a worker process for good (its node, its own failure): the
 #: survivors' final save would be a collective with it and cannot finish, so they get
 #: node_loss.SURVIVOR_GRACE_SECONDS, not their full grace (as when a worker exited 76: a peer is gone);
-#: a Shrink's generation never all ran, so it has no save to make either.
-PEER_GONE_KINDS: Final = frozenset({st.NODE_LOSS, st.WORKER_FAILURE, st.SHRINK})
+#: a Shrink's generation never all ran, so it has no save to make either; a hung one cannot finish one.
+PEER_GONE_KINDS: Final = frozenset({st.NODE_LOSS, st.WORKER_FAILURE, st.SHRINK, st.TRAINER_HUNG})
 #: Transitions the operator chose (not forced on it): their workers may stop by themselves.
 PLANNED_KINDS: Final = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK, st.WORKER_STOPPED, st.SUSPEND})
-#: Transitions that are pod-level losses (not the worker's own failure, not a node's): they back off
+#: Transitions that are pod-level losses (not the worker's own failure, not a node's; a hang too): they back off
 #: exponentially (`pod_loss_backoff`) and fail the job past `max_pod_losses` in a row.
-POD_LOSS_KINDS: Final = frozenset({st.POD_LOST, st.WORKER_STOPPED})
+POD_LOSS_KINDS: Final = frozenset({st.POD_LOST, st.WORKER_STOPPED, st.TRAINER_HUNG})
+#: A hung generation replaced in full: its supervised trainers are first asked to stop with their stacks
+#: dumped to the pod log (the supervisor takes ~2 s), and their pods deleted no sooner than this after.
+HANG_STACKS_SECONDS: Final = 5
 
 
 def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings, actions: list[Action],
@@ -83,6 +88,9 @@ def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     new = st.set_condition(new, api.COND_READY, False, finding.reason, finding.message, now)
     head: list[Action] = [*actions, SetStatus(new), EmitEvent(finding.event_type, finding.reason, finding.message),
                           *finding.events]
+    supervised = tuple(p.name for p in observed.pods_of(g) if p.supervised and p.phase == "Running")
+    if finding.kind == st.TRAINER_HUNG and supervised:
+        head.append(StopTrainers(g + 1, supervised, f"generation {g} hung: stacks, then replaced", stacks=True))
     # Act on the recorded transition right away, as the next decision would.
     return head + proceed(spec, replace(observed, status=new), new, settings, [], announce=False)
 
@@ -174,6 +182,8 @@ def plan_delete(observed: Observed, spec: JobSpec, generation: int, reason: str,
         not_before = None
         if reason in PLANNED_KINDS and p.trainer_running and teardown_since is not None:
             not_before = teardown_since + timedelta(seconds=STOPPING_TRAINER_WAIT_SECONDS)
+        elif reason == st.TRAINER_HUNG and p.supervised and teardown_since is not None:
+            not_before = teardown_since + timedelta(seconds=HANG_STACKS_SECONDS)  # its stacks first
         out.append(PodDeletion(p.name, grace, not_before=not_before))
     return DeleteGeneration(generation, reason, tuple(out))
 

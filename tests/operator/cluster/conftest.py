@@ -6,6 +6,8 @@
   kubeconfig with that ServiceAccount's token.
 - `operator` (function): `resilax operator --namespace <ns> --peering <name>` as a separate process
   with that kubeconfig; `.restart()`, `.kill()`; stopped (and its log printed on failure) at teardown.
+  A test whose jobs got a `TrainerHung` event fails at teardown unless it is marked `expects_hang`: every
+  end-to-end flow checks that a healthy job is never taken for hung.
 - `jobs` (function): helpers to create/read JAXJobs and read the workers' loss logs.
 """
 
@@ -76,13 +78,27 @@ def operator(operator_rbac: OperatorRBAC, tmp_path: Path, request: pytest.Fixtur
     proc = OperatorProcess(operator_rbac, tmp_path).start()
     yield proc
     alive = proc.proc is not None and proc.proc.poll() is None
+    hung = [] if request.node.get_closest_marker("expects_hang") else _hang_events(request, operator_rbac.namespace)
     # Delete the test's JAXJobs while the operator still runs (it removes its finalizer), so no worker
     # outlives the test and the namespace can go.
     _delete_jobs(request, operator_rbac.namespace, restart=proc if not alive else None)
     proc.kill(signal.SIGTERM)
     report = getattr(request.node, "rep_call", None)
-    if report is None or report.failed or not alive:
+    if report is None or report.failed or not alive or hung:
         print(f"---- operator log (alive at teardown: {alive}) ----\n" + proc.logs()[-30000:])
+    if hung:
+        pytest.fail("TrainerHung in a test that does not expect a hang (mark it expects_hang if it does): "
+                    + "; ".join(hung), pytrace=False)
+
+
+def _hang_events(request: pytest.FixtureRequest, namespace: str) -> list[str]:
+    """The TrainerHung events of the test's namespace ("<job>: <message>")."""
+    kube: KubeClient = request.getfixturevalue("kube")
+    try:
+        items = kube.get(f"/api/v1/namespaces/{namespace}/events", fieldSelector="reason=TrainerHung")["items"]
+    except KubeAPIError:
+        return []
+    return [f"{e['involvedObject'].get('name')}: {e.get('message')}" for e in items]
 
 
 def _delete_jobs(request: pytest.FixtureRequest, namespace: str, restart: OperatorProcess | None) -> None:

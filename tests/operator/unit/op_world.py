@@ -29,6 +29,7 @@ from resilax_operator.actions import (
 )
 from resilax_operator.builders import JobRef
 from resilax_operator.observed import (
+    HostFigures,
     Observed,
     ObservedNode,
     ObservedPod,
@@ -37,6 +38,7 @@ from resilax_operator.observed import (
     Taint,
     TrainerReport,
 )
+from resilax_operator.observed_sidecar import worth_asking_every_host
 from resilax_operator.reconcile import decide_raw
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.status import CheckpointInfo, JobStatus, build_status, build_status_patch, parse_status
@@ -115,6 +117,8 @@ class World:
     stored: dict[str, Any] = field(default_factory=dict)
     #: The other live JAXJobs with the same storage (Observed.storage_sharers).
     storage_sharers: tuple[tuple[str, str], ...] = ()
+    #: Each worker's trainer figures as its sidecar reports them (Observed.hosts).
+    hosts: dict[str, HostFigures] = field(default_factory=dict)
 
     @classmethod
     def make(cls, spec: dict[str, Any], *pools: list[ObservedNode]) -> World:
@@ -126,9 +130,14 @@ class World:
                             pods=tuple(sorted(self.pods.values(), key=lambda p: p.name)),
                             services=tuple(sorted(self.services)), nodes=tuple(self.nodes.values()),
                             save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint, trainer=self.trainer,
-                            restore=self.restore, storage_sharers=self.storage_sharers)
+                            restore=self.restore, storage_sharers=self.storage_sharers,
+                            hosts={n: f for n, f in self.hosts.items() if n in self.pods and n not in self.unreachable})
         # As observe.py: the sidecars asked (pods_to_poll) that answer report their trainer.
-        asked = [n for n in pods_to_poll(observed) if n not in self.unreachable and n in self.processes]
+        polled = pods_to_poll(observed)
+        pod0 = self.status.pod_names(self.job.name)[0] if self.status.generation else ""
+        if worth_asking_every_host(self.hosts.get(pod0), self.now.timestamp()):  # observe.py's second round
+            polled = [p.name for p in self.gen_pods() if p.phase == "Running" and p.pod_ip is not None]
+        asked = [n for n in polled if n not in self.unreachable and n in self.processes]
         return with_trainer_processes(observed, {n: replace(self.processes[n], assigned=self.assigned.get(n))
                                                  for n in asked})
 

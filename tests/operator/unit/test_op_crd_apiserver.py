@@ -164,6 +164,10 @@ BAD = [
     ("keep-best-without-mode", lambda s: s["checkpoint"]["keep"].update(best=2, metric="loss"), "spec.checkpoint.keep"),
     ("keep-every-minutes-zero", lambda s: s["checkpoint"]["keep"].update(everyMinutes=0),
      "spec.checkpoint.keep.everyMinutes"),
+    ("hang-timeout-too-short", lambda s: s["recovery"].update(hangTimeoutSeconds=5),
+     "spec.recovery.hangTimeoutSeconds"),
+    ("hang-timeout-negative", lambda s: s["recovery"].update(hangTimeoutSeconds=-1),
+     "spec.recovery.hangTimeoutSeconds"),
 ]
 
 

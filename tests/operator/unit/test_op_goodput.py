@@ -42,6 +42,10 @@ CASES = {
     "hard-loss": ([lost_gen1(), gen2()], 52.0, buckets(
         productive=11 + 12 - 3, lost_steps_redone=3, detection=15, teardown=2, scheduling=2 + 3, jax_startup=2 + 1 + 1,
         restore=2, other=1), 3),
+    # the same replaced because it hung (TrainerHung): last step -> detection is the hang bucket
+    "hang": ([lost_gen1(hang=True), gen2()], 52.0, buckets(
+        productive=11 + 12 - 3, lost_steps_redone=3, hang=15, teardown=2, scheduling=2 + 3, jax_startup=2 + 1 + 1,
+        restore=2, other=1), 3),
     # a preemption notice at 12: the trainers stepped on to a final save of step 11 at 15; generation 2
     # restored it (first step 12): nothing lost, no detection; teardown from the last step.
     "preemption-final-save": ([lost_gen1(detected=12.0), gen2(first_step=12, last_step=23)], 52.0, buckets(
@@ -122,12 +126,16 @@ def test_status_round_trip_keeps_the_ledger_and_the_figures() -> None:
     assert again.goodput is not None
     assert again.goodput.summary().buckets == pytest.approx(record.summary().buckets, abs=0.01)
     g = body["goodput"]
-    assert set(g["breakdown"]) == {"productive", "checkpointBlocking", "lostStepsRedone", "detection", "teardown",
+    assert set(g["breakdown"]) == {"productive", "checkpointBlocking", "lostStepsRedone", "detection", "hang", "teardown",
                                    "scheduling", "jaxStartup", "restore", "other"}
     assert g["wallSeconds"] == 52.0 and g["breakdown"] == {
-        "productive": 20.0, "checkpointBlocking": 0.0, "lostStepsRedone": 3.0, "detection": 15.0, "teardown": 2.0,
-        "scheduling": 5.0, "jaxStartup": 4.0, "restore": 2.0, "other": 1.0}
+        "productive": 20.0, "checkpointBlocking": 0.0, "lostStepsRedone": 3.0, "detection": 15.0, "hang": 0.0,
+        "teardown": 2.0, "scheduling": 5.0, "jaxStartup": 4.0, "restore": 2.0, "other": 1.0}
     assert g["productiveSeconds"] == g["breakdown"]["productive"]
+    hung = replace(s, goodput=st.GoodputRecord(gp.advance(None, lost_gen1(hang=True), start=0.0),
+                                               datetime.fromtimestamp(20, UTC)))
+    again = st.parse_status(st.build_status(hung))
+    assert again.goodput is not None and again.goodput.ledger.current == lost_gen1(hang=True)
     assert 0 < g["ratio"] < 1 and g["asOf"] == "1970-01-01T00:00:52Z" and g["lostSteps"] == 3
     assert st.parse_status({**body, "goodput": {"ratio": 1}}).goodput is None  # unreadable: starts again
 

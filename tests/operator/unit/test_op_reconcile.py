@@ -103,7 +103,7 @@ def test_watch_lists_every_check_once() -> None:
     assert names == ["node_loss.check_guard", "node_loss.check_lost", "preemption.check", "queue_eviction.check",
                      "suspend.check",
                      "node_loss.check_not_ready", "resize.check_incompatible", "failure_rules.check",
-                     "worker_exit.check",
+                     "worker_exit.check", "hang.check",
                      "capacity_wait.check", "generation_start.check_unscheduled",
                      "container_waiting.check",
                      "resize.check"]
