@@ -28,11 +28,9 @@ RESIZE: Final = "Resize"
 GROW_BACK: Final = "GrowBack"
 #: capacity.provisioning Autoscaled: no node came for waiting workers within shrinkAfterSeconds.
 SHRINK: Final = "Shrink"
-#: spec.suspend became true.
-SUSPEND: Final = "Suspend"
+SUSPEND: Final = "Suspend"  # spec.suspend became true
 QUEUE_EVICTION: Final = "QueueEviction"  # a queue (Kueue) preempted or evicted the pod group: not a failure
-#: The generation stopped making progress past its hang timeout (policies/hang.py): not a failure.
-TRAINER_HUNG: Final = "TrainerHung"
+TRAINER_HUNG: Final = "TrainerHung"  # no progress past the hang timeout (policies/hang.py): not a failure
 TRANSITION_KINDS: Final = (PREEMPTION, NODE_LOSS, POD_LOST, WORKER_FAILURE, WORKER_STOPPED, RESIZE, GROW_BACK, SHRINK,
                            SUSPEND, QUEUE_EVICTION, TRAINER_HUNG)
 #: Kinds whose final save `checkpoint.finalSave.onResize` governs.
