@@ -140,6 +140,14 @@ class EmitEvent:
 
 
 @dataclass(frozen=True)
+class DeleteJob:
+    """Delete the JAXJob itself (spec.ttlSecondsAfterFinished ran out); only the object of this uid."""
+
+    uid: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class RequeueAfter:
     """Decide again after this many seconds at the latest (a hint for the timer)."""
 
@@ -147,7 +155,7 @@ class RequeueAfter:
 
 
 Action = (SetStatus | CreateGeneration | DeleteGeneration | RequestFinalSave | PatchWorkerPods | StopTrainers
-          | StartTrainers | EnsureTokenSecret | EmitEvent | RequeueAfter)
+          | StartTrainers | EnsureTokenSecret | EmitEvent | DeleteJob | RequeueAfter)
 
 
 def status_change(old: JobStatus, new: JobStatus, *events: EmitEvent) -> list[Action]:

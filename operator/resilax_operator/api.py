@@ -131,8 +131,13 @@ COND_SUSPENDED: Final = "Suspended"
 COND_NAME_CONFLICT: Final = "NameConflict"
 #: A worker's own step time is >= 1.5x the generation's median (policies/straggler.py); absent when none is.
 COND_STRAGGLER: Final = "Straggler"
+#: True once the job Succeeded (Kubernetes Job's and JobSet's condition: `kubectl wait --for=condition=Completed`).
+COND_COMPLETED: Final = "Completed"
+#: True once the job Failed; reason and message are the Ready condition's (why it failed).
+COND_FAILED: Final = "Failed"
 CONDITION_TYPES: Final = (COND_READY, COND_SAVING, COND_DEGRADED, COND_INVALID_SPEC, COND_CHECKPOINT_FALLBACK,
-                          COND_MAINTENANCE, COND_SUSPENDED, COND_NAME_CONFLICT, COND_STRAGGLER)
+                          COND_MAINTENANCE, COND_SUSPENDED, COND_NAME_CONFLICT, COND_STRAGGLER, COND_COMPLETED,
+                          COND_FAILED)
 
 
 @dataclass(frozen=True)
@@ -186,6 +191,8 @@ FAILED_BY_RULE = Reason("FailedByRule", "worker {pod} of generation {generation}
 NOT_COUNTED_BY_RULE = Reason("WorkerFailedNotCounted", "worker {pod} of generation {generation} failed ({detail}); "
                              "spec.recovery.failureRules[{index}] says RestartWithoutCounting: not counted "
                              "against maxRestarts")
+SPEC_FIXED = Reason("SpecFixed", "the spec that failed the job was fixed; the job starts")
+TTL_EXPIRED = Reason("TTLExpired", "finished {seconds}s ago (spec.ttlSecondsAfterFinished={ttl}): deleting the JAXJob")
 MAX_RESTARTS_EXCEEDED = Reason("MaxRestartsExceeded", "worker failures exceeded recovery.maxRestarts={max_restarts}; last: {detail}")
 SPEC_RESIZED = Reason("SpecResized", "spec changed: resizing from {old} to {new}")
 GROW_BACK = Reason("GrowBack", "capacity returned: growing from {old} to {new}")

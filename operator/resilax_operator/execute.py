@@ -21,6 +21,7 @@ from .actions import (
     Action,
     CreateGeneration,
     DeleteGeneration,
+    DeleteJob,
     EmitEvent,
     EnsureTokenSecret,
     PatchWorkerPods,
@@ -149,6 +150,9 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
             log = logger.warning if action.type == "Warning" else logger.info
             log("%s: %s", action.reason, action.message)
             kube.create_event(job, action.type, action.reason, action.message, world.observed.now)
+        elif isinstance(action, DeleteJob):
+            logger.info("deleting the JAXJob: %s", action.reason)
+            kube.delete_job(ref.namespace, ref.name, action.uid)
         elif isinstance(action, RequeueAfter):
             wait = min(wait, action.seconds)
     metrics.record_goodput(ref, goodput_status.current(world.observed, status_before))

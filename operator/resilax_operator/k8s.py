@@ -191,6 +191,12 @@ class Kube:
             body["preconditions"] = {"uid": uid}
         self.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body or None, ok=(404, 409))
 
+    def delete_job(self, namespace: str, name: str, uid: str) -> None:
+        """Delete the JAXJob of `uid` (a precondition: a job re-created under the name since stays);
+        its finalizer's cleanup and the owner references take its objects."""
+        self.request("DELETE", _job_path(namespace, name), {"preconditions": {"uid": uid},
+                                                            "propagationPolicy": "Background"}, ok=(404, 409))
+
     def delete_service(self, namespace: str, name: str) -> None:
         self.request("DELETE", f"/api/v1/namespaces/{namespace}/services/{name}", ok=(404,))
 

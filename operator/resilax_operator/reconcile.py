@@ -37,6 +37,7 @@ from .policies import (
     capacity_wait,
     container_waiting,
     failure_rules,
+    finished,
     generation_start,
     goodput_status,
     hang,
@@ -95,12 +96,14 @@ def decide_raw(raw_spec: Mapping[str, Any], observed: Observed, settings: Operat
 
 def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings, *, record: SpecRecord | None = None,
            invalid: InvalidSpecError | None = None) -> list[Action]:
-    """The actions that move the cluster toward what `spec` wants, given `observed`; status.goodput and
-    status.history brought up to date (policies/goodput_status.py, policies/history_status.py).
+    """The actions that move the cluster toward what `spec` wants, given `observed`; the Completed and
+    Failed conditions following the phase (policies/finished.py), status.goodput and status.history
+    brought up to date (policies/goodput_status.py, policies/history_status.py).
     `record`: `spec` as status.lastValidSpec keeps it; `invalid`: the problems of the job's own spec,
     when `spec` is the last valid one."""
     actions = decide_policies(spec, observed, settings, record=record, invalid=invalid)
-    return history_status.with_history(goodput_status.with_goodput(actions, observed, settings), observed)
+    actions = finished.with_outcomes(goodput_status.with_goodput(actions, observed, settings), observed.now)
+    return history_status.with_history(actions, observed)
 
 
 def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSettings, *,
@@ -122,13 +125,14 @@ def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSetting
     else:
         s, announced = invalid_edit.mark_kept(s, invalid, now)
     if s.phase in api.TERMINAL_PHASES:
+        s = finished.with_outcome(s, now)  # a job that finished before the conditions existed gets them
         out = status_change(observed.status, s, *announced)
         if s.phase == api.PHASE_FAILED:  # a failed job keeps no workers
             for g in sorted({p.generation for p in observed.pods}):
                 delete = transition.plan_delete(observed, spec, g, "job failed", settings)
                 if transition.needs_delete(observed, delete):
                     out.append(delete)
-        return out
+        return out + finished.check_ttl(spec, observed, s)
 
     actions: list[Action] = [SetStatus(s), *announced] if announced else []
     fallback, events = generation_start.decide_restore_fallback(s, observed.restore, now)

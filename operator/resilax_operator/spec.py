@@ -223,6 +223,8 @@ class JobSpec:
     #: The worker pod template (a PodTemplateSpec as a plain dict; treat as read-only).
     template: Mapping[str, Any] = field(default_factory=dict, hash=False)
     compilation_cache: CompilationCacheSpec = CompilationCacheSpec()
+    #: `spec.ttlSecondsAfterFinished`: delete the JAXJob this long after it Succeeded or Failed; None: never.
+    ttl_seconds_after_finished: int | None = None
 
     @property
     def spec_shape(self) -> Shape:
@@ -418,7 +420,8 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
         path=r.string(cc, "path", f"{p}.compilationCache", default="") or "")
     return JobSpec(slices=slices, checkpoint=checkpoint, recovery=recovery, elastic=elastic, capacity=capacity,
                    suspend=r.boolean(raw, "suspend", p, default=False), template=template,
-                   compilation_cache=compilation_cache)
+                   compilation_cache=compilation_cache,
+                   ttl_seconds_after_finished=r.integer(raw, "ttlSecondsAfterFinished", p, minimum=0))
 
 
 def _int_or(value: int | None, default: int) -> int:

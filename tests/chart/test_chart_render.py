@@ -190,7 +190,7 @@ def test_rules_file_is_least_privilege() -> None:
                 granted[(group, resource)] = set(rule["verbs"])
     # What the operator needs, and no more (the operator's cluster tests prove it with this role's token).
     assert granted == {
-        ("resilax.dev", "jaxjobs"): {"get", "list", "watch", "patch"},
+        ("resilax.dev", "jaxjobs"): {"get", "list", "watch", "patch", "delete"},  # delete: ttlSecondsAfterFinished
         ("resilax.dev", "jaxjobs/status"): {"get", "patch"},
         ("", "pods"): {"get", "list", "watch", "create", "delete", "patch"},
         ("", "services"): {"get", "list", "watch", "create", "delete"},

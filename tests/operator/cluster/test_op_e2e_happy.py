@@ -1,20 +1,31 @@
-"""Happy path end to end: JAXJob → generation 1 Running → training steps → all exit 0 → Succeeded;
-deleting the JAXJob removes pods, Services and the token Secret; the checkpoints stay."""
+"""Happy path end to end: JAXJob → generation 1 Running → training steps → all exit 0 → Succeeded, which
+`kubectl wait --for=condition=Completed` (the real kubectl, started before the job ends) sees;
+spec.ttlSecondsAfterFinished then deletes the JAXJob, which removes pods, Services and the token
+Secret; the checkpoints stay."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
+from resilax_local.cluster import LocalCluster
 from resilax_local.kubeapi import KubeClient
 from resilax_local.testing import wait_for
 
 
 def test_job_runs_to_success_and_deletion_cleans_up(operator: OperatorProcess, jobs: Jobs, kube: KubeClient,
-                                                   namespace: str, tmp_path: Path) -> None:
+                                                   cluster: LocalCluster, namespace: str, tmp_path: Path) -> None:
     name = unique_name("happy")
     storage = tmp_path / "ckpt"
     jobs.create(job_manifest(name, storage, count=2, steps=8, step_seconds=0.2, every_steps=4))
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed (the test runs `kubectl wait` against the local cluster)"
+    # The group-qualified name: Kubeflow's JAXJob (kubeflow.org) may be installed beside ours.
+    waiter = subprocess.Popen([kubectl, "--kubeconfig", str(cluster.kubeconfig), "-n", namespace, "wait",
+                               "--for=condition=Completed", f"jaxjobs.resilax.dev/{name}", "--timeout=600s"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     running = jobs.wait_status(name, lambda s: s.get("phase") in ("Running", "Succeeded"), 300,
                                "generation 1 Running")
@@ -26,8 +37,15 @@ def test_job_runs_to_success_and_deletion_cleans_up(operator: OperatorProcess, j
     # One worker per node, each slice on its own pool.
     assert len({p["spec"]["nodeName"] for p in pods}) == 4
 
+    try:
+        out, _ = waiter.communicate(timeout=600)
+    finally:
+        waiter.kill()
+    assert waiter.returncode == 0 and "condition met" in out, out
     done = jobs.wait_status(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), 300, "Succeeded")
     assert done["phase"] == "Succeeded", done
+    completed = next(c for c in done["conditions"] if c["type"] == "Completed")
+    assert completed["status"] == "True" and completed["reason"] == "Completed", completed
     losses = jobs.losses(name, 1)
     assert sorted(losses) == list(range(1, 9))
     assert all(r["devices"] == 8 for r in losses.values())  # 4 processes x 2 fake devices
@@ -35,7 +53,9 @@ def test_job_runs_to_success_and_deletion_cleans_up(operator: OperatorProcess, j
     reasons = jobs.event_reasons(name, "WorkersRunning", "Completed")
     assert "WorkersRunning" in reasons and "Completed" in reasons
 
-    jobs.delete(name)
+    # ttlSecondsAfterFinished (mutable, as on a Job) set on the finished job: the operator deletes it,
+    # and what it owns goes with it
+    jobs.patch_spec(name, {"ttlSecondsAfterFinished": 1})
     wait_for(lambda: not jobs.pods(name), timeout=120, message="worker pods gone")
     wait_for(lambda: not kube.get(f"/api/v1/namespaces/{namespace}/services",
                                   labelSelector=f"resilax.dev/job={name}")["items"], timeout=120,
@@ -51,4 +71,5 @@ def test_job_runs_to_success_and_deletion_cleans_up(operator: OperatorProcess, j
         return False
 
     wait_for(job_gone, timeout=60, message="JAXJob gone (finalizer removed)")
+    assert "TTLExpired" in jobs.event_reasons(name, "TTLExpired")
     assert committed_steps(storage) == [4, 8]  # checkpoints stay

@@ -53,7 +53,9 @@ def test_version_has_status_and_printer_columns(version: dict[str, Any]) -> None
     assert version["name"] == api.VERSION and version["served"] and version["storage"]
     assert version["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert columns["Phase"] == ".status.phase" and columns["Step"] == ".status.checkpoint.step"
+    assert columns["Phase"] == ".status.phase" and columns["Saved"] == ".status.checkpoint.step"
+    assert columns["Step"] == ".status.goodput.ledger.current.lastStep"  # the trainer's, beside the saved one
+    assert columns["Reason"] == '.status.conditions[?(@.type=="Ready")].reason'
     assert {"Topology", "Count", "Restarts", "Age"} <= columns.keys()
 
 
