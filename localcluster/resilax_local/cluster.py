@@ -343,22 +343,25 @@ class LocalCluster:
         return list(self._agent("GET", "/images")["images"])
 
     def wait_nodes_ready(self, names: list[str], timeout: float = 120.0) -> None:
-        """Wait until each node is Ready and free of the not-ready/unreachable taints."""
+        """Wait until each node is Ready and free of the not-ready/unreachable taints: one LIST, then a
+        watch from its resourceVersion (listed again only if the watch ends early or expires)."""
         client = self.client()
         deadline = time.monotonic() + timeout
         pending = set(names)
-        while pending and time.monotonic() < deadline:
-            items = client.get("/api/v1/nodes").get("items", [])
-            for node in items:
-                name = node["metadata"]["name"]
-                ready = any(c["type"] == "Ready" and c["status"] == "True"
-                            for c in node.get("status", {}).get("conditions", []))
-                blocked = any(t["key"] in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
-                              for t in node.get("spec", {}).get("taints") or [])
-                if ready and not blocked:
-                    pending.discard(name)
-            if pending:
-                time.sleep(0.5)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            listed = client.get("/api/v1/nodes")
+            pending -= {n["metadata"]["name"] for n in listed.get("items", []) if _node_ready(n)}
+            if not pending:
+                return
+            with contextlib.suppress(KubeAPIError):  # 410 Gone and the like: list again
+                for event in client.watch("/api/v1/nodes", str(listed["metadata"]["resourceVersion"]),
+                                          timeout_seconds=max(1, int(left))):
+                    if event.get("type") == "ERROR":
+                        break
+                    if event.get("type") in ("ADDED", "MODIFIED") and _node_ready(event["object"]):
+                        pending.discard(event["object"]["metadata"]["name"])
+                    if not pending or time.monotonic() >= deadline:
+                        break
         if pending:
             raise StartError(f"nodes not Ready after {timeout:.0f} s: {', '.join(sorted(pending))}")
 
@@ -409,3 +412,11 @@ class LocalCluster:
 
 def read_credentials(run_dir: Path) -> Credentials:
     return read_kubeconfig(run_dir / "kubeconfig")
+
+
+def _node_ready(node: dict[str, Any]) -> bool:
+    """Ready=True and neither the not-ready nor the unreachable taint."""
+    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in node.get("status", {}).get("conditions", []))
+    blocked = any(t["key"] in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+                  for t in node.get("spec", {}).get("taints") or [])
+    return ready and not blocked

@@ -26,6 +26,15 @@ CHIPS_PER_HOST = {
     "tpu-v5p-slice": 4,
     "tpu-v5-lite-podslice": 4,
     "tpu-v6e-slice": 4,
+    "tpu7x": 4,
+}
+#: accelerator -> the GKE machine type of its multi-host node pools (the nodes' instance-type label)
+MACHINE_TYPES = {
+    "tpu-v4-podslice": "ct4p-hightpu-4t",
+    "tpu-v5p-slice": "ct5p-hightpu-4t",
+    "tpu-v5-lite-podslice": "ct5lp-hightpu-4t",
+    "tpu-v6e-slice": "ct6e-standard-4t",
+    "tpu7x": "tpu7x-standard-4t",
 }
 
 
@@ -72,7 +81,7 @@ def build_tpu_slice(pool: str, accelerator: str, topology: str, run_pods: bool =
             labels={
                 "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
                 NODEPOOL_LABEL: pool, ACCELERATOR_LABEL: accelerator, TOPOLOGY_LABEL: topology,
-                ZONE_LABEL: f"local-{pool}", "node.kubernetes.io/instance-type": "ct5lp-hightpu-4t",
+                ZONE_LABEL: f"local-{pool}", "node.kubernetes.io/instance-type": MACHINE_TYPES[accelerator],
             },
             taints=(dict(TPU_TAINT),),
             capacity={"cpu": "8", "memory": "64Gi", "pods": "110", "ephemeral-storage": "100Gi",
@@ -100,6 +109,7 @@ def build_profile(name: str) -> list[NodeSpec]:
     - `small`: 1 such slice + 1 CPU node.
     - `cpu`: 1 CPU node.
     - `scale200`: 1 CPU node running pods + 200 TPU hosts (100 slices of 2x4) in no-process mode.
+    - `tpu7x`: 2 slices of tpu7x (Ironwood) 2x2x2 (2 hosts each, tpu7x-standard-4t) + 1 CPU node.
     """
     accel = "tpu-v5-lite-podslice"
     if name == "default":
@@ -109,6 +119,9 @@ def build_profile(name: str) -> list[NodeSpec]:
         return [*build_tpu_slice("tpu-slice-0", accel, "2x4"), build_cpu_node("cpu-0")]
     if name == "cpu":
         return [build_cpu_node("cpu-0")]
+    if name == "tpu7x":
+        return [*build_tpu_slice("tpu7x-slice-0", "tpu7x", "2x2x2"), *build_tpu_slice("tpu7x-slice-1", "tpu7x", "2x2x2"),
+                build_cpu_node("cpu-0")]
     if name == "scale200":
         nodes = [build_cpu_node("cpu-0")]
         for i in range(100):
@@ -117,4 +130,4 @@ def build_profile(name: str) -> list[NodeSpec]:
     raise ValueError(f"profile {name!r} is not known; valid: {', '.join(PROFILES)}")
 
 
-PROFILES = ("default", "small", "cpu", "scale200")
+PROFILES = ("default", "small", "cpu", "scale200", "tpu7x")

@@ -14,6 +14,8 @@ from resilax_local import binaries, podspec, profiles
     ("tpu-v5-lite-podslice", "2x2", 1),
     ("tpu-v4-podslice", "2x2x4", 4),
     ("tpu-v6e-slice", "8x8", 16),
+    ("tpu7x", "2x2x2", 2),
+    ("tpu7x", "4x4x4", 16),
 ], ids=lambda v: str(v))
 def test_hosts_per_slice(accelerator, topology, hosts):
     assert profiles.hosts_per_slice(accelerator, topology) == hosts
@@ -34,6 +36,17 @@ def test_default_profile_is_two_v5e_slices_and_a_cpu_node():
         assert node.capacity[profiles.TPU_RESOURCE] == "4"
         assert node.taints == (profiles.TPU_TAINT,)
     assert {n.labels[profiles.NODEPOOL_LABEL] for n in tpu} == {"tpu-slice-0", "tpu-slice-1"}
+    assert [n.name for n in nodes if n not in tpu] == ["cpu-0"]
+
+
+def test_tpu7x_profile_is_two_ironwood_slices_and_a_cpu_node():
+    nodes = profiles.build_profile("tpu7x")
+    tpu = [n for n in nodes if profiles.TPU_RESOURCE in n.capacity]
+    assert [n.name for n in tpu] == ["tpu7x-slice-0-h0", "tpu7x-slice-0-h1", "tpu7x-slice-1-h0", "tpu7x-slice-1-h1"]
+    for node in tpu:
+        assert node.labels[profiles.ACCELERATOR_LABEL] == "tpu7x" and node.labels[profiles.TOPOLOGY_LABEL] == "2x2x2"
+        assert node.labels["node.kubernetes.io/instance-type"] == "tpu7x-standard-4t"
+        assert node.capacity[profiles.TPU_RESOURCE] == "4"
     assert [n.name for n in nodes if n not in tpu] == ["cpu-0"]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
 from resilax_local.cluster import LocalCluster
 from resilax_local.kubeapi import KubeClient
+from resilax_local.profiles import NODEPOOL_LABEL, build_profile
 from resilax_local.testing import wait_for
 
 
@@ -73,3 +74,34 @@ def test_job_runs_to_success_and_deletion_cleans_up(operator: OperatorProcess, j
     wait_for(job_gone, timeout=60, message="JAXJob gone (finalizer removed)")
     assert "TTLExpired" in jobs.event_reasons(name, "TTLExpired")
     assert committed_steps(storage) == [4, 8]  # checkpoints stay
+
+
+def test_a_job_on_tpu7x_slices_runs_to_success(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
+                                               tmp_path: Path) -> None:
+    """Issue 27: Ironwood. One tpu7x slice of the local cluster's `tpu7x` profile (2x2x2 = 8 chips, 2 hosts of
+    tpu7x-standard-4t), added to the shared cluster and removed after: the job lands on it, every worker
+    requests 4 google.com/tpu and gets the TPU environment, and it runs to success."""
+    nodes = cluster.add_nodes([n for n in build_profile("tpu7x") if n.labels.get(NODEPOOL_LABEL) == "tpu7x-slice-0"])
+    try:
+        cluster.wait_nodes_ready(nodes, timeout=120)
+        name = unique_name("ironwood")
+        manifest = job_manifest(name, tmp_path / "ckpt", count=1, steps=4, step_seconds=0.2, every_steps=2)
+        manifest["spec"]["slices"] = {"accelerator": "tpu7x", "topology": "2x2x2", "machineType": "tpu7x-standard-4t",
+                                      "count": 1}
+        jobs.create(manifest)
+        done = jobs.wait_status(name, lambda s: s.get("phase") in ("Succeeded", "Failed"), 300, "Succeeded")
+        assert done["phase"] == "Succeeded" and done["shape"] == {"topology": "2x2x2", "count": 1, "hosts": 2}, done
+        pods = jobs.pods(name, 1)
+        assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(nodes)
+        for p in pods:
+            trainer = next(c for c in p["spec"]["containers"] if c["name"] == "trainer")
+            assert trainer["resources"]["limits"]["google.com/tpu"] == "4", trainer["resources"]
+            assert p["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu7x", p["spec"]
+            env = {e["name"]: e.get("value") for e in trainer["env"]}
+            assert env["TPU_WORKER_HOSTNAMES"].count(",") == 1 and "MEGASCALE_NUM_SLICES" not in env, env
+        assert committed_steps(tmp_path / "ckpt") == [2, 4]
+        jobs.delete(name)
+        wait_for(lambda: not jobs.pods(name), timeout=120, message="worker pods gone")
+    finally:
+        for node in nodes:
+            cluster.remove_node(node)
