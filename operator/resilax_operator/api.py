@@ -90,6 +90,10 @@ CONTROL_DIR: Final = "/var/run/resilax/control"
 LOCAL_DIR: Final = "/var/run/resilax/local"
 TOKEN_DIR: Final = "/var/run/resilax/token"
 TOKEN_KEY: Final = "token"
+#: The sidecar's own header for its token, accepted beside `Authorization: Bearer`: the API server's pod
+#: proxy removes `Authorization` once it has authenticated the caller (`kubectl resilax save` uses it).
+#: The sidecar keeps the same name (resilax_sidecar.routes.TOKEN_HEADER; a test holds them equal).
+SIDECAR_TOKEN_HEADER: Final = "X-Resilax-Token"
 RESERVED_CONTAINER_NAMES: Final = frozenset({SIDECAR_CONTAINER, LOCAL_INIT_CONTAINER})
 RESERVED_VOLUME_NAMES: Final = frozenset({CONTROL_VOLUME, LOCAL_VOLUME, TOKEN_VOLUME})
 

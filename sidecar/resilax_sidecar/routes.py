@@ -1,4 +1,5 @@
-"""The sidecar's HTTP API (aiohttp): JSON in and out, JSON errors, bearer token on mutating calls.
+"""The sidecar's HTTP API (aiohttp): JSON in and out, JSON errors, the job's token on mutating calls
+(`Authorization: Bearer <token>`, or `X-Resilax-Token: <token>` through the API server's pod proxy).
 
 | method | path | auth | answer |
 |---|---|---|---|
@@ -26,7 +27,7 @@ import hmac
 import json
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -95,18 +96,35 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return error_response(500, "internal", "internal error; see the sidecar's log")
 
 
+#: The sidecar's own token header, accepted beside `Authorization: Bearer <token>`: the API server's pod
+#: proxy removes `Authorization` from a request once it has authenticated the caller with it, so a call
+#: through `pods/proxy` (`kubectl resilax save`) carries the token here. Same name as the operator's
+#: resilax_operator.api.SIDECAR_TOKEN_HEADER.
+TOKEN_HEADER = "X-Resilax-Token"
+
+
+def presented_token(headers: Mapping[str, str]) -> str | None:
+    """The token a request presents: `Authorization: Bearer <token>`, else the X-Resilax-Token header;
+    None without one (a malformed Authorization counts as none)."""
+    scheme, _, bearer = headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and bearer.strip():
+        return bearer.strip()
+    own = headers.get(TOKEN_HEADER, "").strip()
+    return own or None
+
+
 def _require_token(request: web.Request) -> None:
-    """Constant-time bearer check against the token file; 401 without a token, 403 with a wrong one.
-    Never logs the token."""
+    """Constant-time check of the presented token (presented_token) against the token file; 401 without
+    a token, 403 with a wrong one. Never logs the token."""
     sidecar = request.app[SIDECAR_KEY]
-    header = request.headers.get("Authorization", "")
-    scheme, _, provided = header.partition(" ")
-    if not header or scheme.lower() != "bearer" or not provided.strip():
+    provided = presented_token(request.headers)
+    if provided is None:
         sidecar.metrics.http_unauthorized.inc()
         raise ApiError(
             401,
             "unauthorized",
-            "this call needs 'Authorization: Bearer <token>' (the token in RESILAX_SIDECAR_TOKEN_FILE)",
+            f"this call needs 'Authorization: Bearer <token>' or '{TOKEN_HEADER}: <token>' "
+            "(the token in RESILAX_SIDECAR_TOKEN_FILE)",
             headers={"WWW-Authenticate": 'Bearer realm="resilax-sidecar"'},
         )
     expected = sidecar.read_token()
@@ -117,10 +135,10 @@ def _require_token(request: web.Request) -> None:
             "forbidden",
             "mutating calls are disabled: RESILAX_SIDECAR_TOKEN_FILE is not set or not readable",
         )
-    if not hmac.compare_digest(provided.strip().encode(), expected.encode()):
+    if not hmac.compare_digest(provided.encode(), expected.encode()):
         sidecar.metrics.http_unauthorized.inc()
         log.warning("refused %s %s from %s: wrong token", request.method, request.path, request.remote)
-        raise ApiError(403, "forbidden", "the bearer token is not the one this sidecar accepts")
+        raise ApiError(403, "forbidden", "the token is not the one this sidecar accepts")
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

@@ -103,13 +103,16 @@ class HttpResult:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
-def http(method: str, url: str, body: Any = None, token: str | None = None, raw: bytes | None = None) -> HttpResult:
+def http(method: str, url: str, body: Any = None, token: str | None = None, raw: bytes | None = None,
+         headers: Mapping[str, str] | None = None) -> HttpResult:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url, data=data, method=method)
     if data is not None:
         req.add_header("Content-Type", "application/json")
     if token is not None:
         req.add_header("Authorization", f"Bearer {token}")
+    for key, value in (headers or {}).items():
+        req.add_header(key, value)
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             status, payload, headers = resp.status, resp.read(), dict(resp.headers)
@@ -148,8 +151,9 @@ class SidecarProcess:
     def get(self, path: str) -> HttpResult:
         return http("GET", self.url + path)
 
-    def post(self, path: str, body: Any = None, token: str | None = None, raw: bytes | None = None) -> HttpResult:
-        return http("POST", self.url + path, body, token, raw)
+    def post(self, path: str, body: Any = None, token: str | None = None, raw: bytes | None = None,
+             headers: Mapping[str, str] | None = None) -> HttpResult:
+        return http("POST", self.url + path, body, token, raw, headers)
 
     def metric(self, name: str, labels: str = "") -> float:
         """One sample's value from /metrics (0 when absent)."""

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from resilax_sidecar.routes import TOKEN_HEADER, presented_token
 from sidecar_harness import TOKEN, SidecarProcess, build_sidecar_env, http, wait_until
 
 
@@ -85,6 +86,40 @@ def test_unauthorised_save_requests_are_refused(sidecar, sidecar_env, token, sta
     assert not requests.exists() or not list(requests.iterdir())
     assert sidecar.metric("resilax_sidecar_http_unauthorized_total") == 1
     assert TOKEN not in sidecar.log() and (not token or token not in sidecar.log())
+
+
+def test_the_token_in_its_own_header_is_accepted_as_through_the_api_servers_pod_proxy(sidecar):
+    """The API server's pod proxy drops `Authorization` (it authenticated the caller with it), so
+    `kubectl resilax save` sends the job's token in X-Resilax-Token; a wrong one is refused the same way."""
+    own = {TOKEN_HEADER: TOKEN}
+    assert sidecar.post("/v1/save", {"reason": "manual"}, headers=own).status == 202
+    _assert_json_error(sidecar.post("/v1/save", {}, headers={TOKEN_HEADER: "wrong-token"}), 403, "forbidden")
+    # A bearer token, when there is one, is the one checked.
+    _assert_json_error(sidecar.post("/v1/save", {}, token="wrong-token", headers=own), 403, "forbidden")
+    assert sidecar.metric("resilax_sidecar_http_unauthorized_total") == 2
+    assert TOKEN not in sidecar.log()
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ({}, None),
+    ({"Authorization": "Bearer abc"}, "abc"),
+    ({"Authorization": "bearer  abc "}, "abc"),
+    ({"Authorization": "Basic abc"}, None),
+    ({"Authorization": "Bearer "}, None),
+    ({TOKEN_HEADER: " abc "}, "abc"),
+    ({TOKEN_HEADER: ""}, None),
+    ({"Authorization": "Bearer abc", TOKEN_HEADER: "def"}, "abc"),
+    ({"Authorization": "Basic x", TOKEN_HEADER: "def"}, "def"),
+], ids=["none", "bearer", "bearer-spaces", "basic", "empty-bearer", "own", "empty-own", "bearer-first",
+        "basic-and-own"])
+def test_the_presented_token(headers, expected):
+    assert presented_token(headers) == expected
+
+
+def test_the_token_header_is_the_one_the_plugin_sends():
+    from resilax_operator import api
+
+    assert api.SIDECAR_TOKEN_HEADER == TOKEN_HEADER
 
 
 def test_without_a_token_file_mutating_calls_are_disabled(sidecar_env, start_sidecar):
