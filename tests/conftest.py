@@ -15,6 +15,7 @@ FIXTURE_MARKS = {
     "gcs_server": "gcs", "gcs_root": "gcs", "gcs_env": "gcs",  # fake-gcs-server (tests/ckpt, tests/sidecar)
     "helm": "helm", "helm_env": "helm", "render": "helm",  # helm, built from its Go module (tests/chart)
     "promtool": "prometheus",  # Debian's prometheus (scripts/setup-prometheus)
+    "chromium": "browser",  # Debian's chromium, headless (scripts/setup-chromium, tests/web)
 }
 
 #: The test process's JAX: 8 fake CPU devices (the checkpoint tests save on a 4x2 mesh and restore on

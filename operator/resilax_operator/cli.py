@@ -30,7 +30,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     # "": the standard library is enough (a trainer image with resilax[train], or no extra at all)
     "run": ("resilax_ckpt.supervisor:main", "run a trainer under the in-place restart supervisor", ""),
     "job": ("resilax_operator.kubectl_plugin:main",
-            "a JAXJob at a glance: status, goodput, suspend, resume (also `kubectl resilax`)", "operator"),
+            "a JAXJob at a glance: status, goodput, timeline, save, suspend, resume, web (also `kubectl resilax`)",
+            "operator"),
 }
 
 MISSING_EXTRA_EXIT = 3

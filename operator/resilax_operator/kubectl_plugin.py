@@ -2,61 +2,64 @@
 
     kubectl resilax status NAME [-n NAMESPACE]    phase, generation, shape, step, saved step, goodput, last fault
     kubectl resilax goodput NAME [-n NAMESPACE]   where the job's wall time went (status.goodput)
+    kubectl resilax timeline NAME [--png FILE]    its generations on a time axis (status.history): shapes,
+                                                  faults, checkpoints; --png draws the picture (matplotlib)
+    kubectl resilax save NAME [--timeout S]       ask a worker's sidecar for a save, wait for its commit
     kubectl resilax suspend NAME [-n NAMESPACE]   spec.suspend=true: final save, then no workers
     kubectl resilax resume NAME [-n NAMESPACE]    spec.suspend=false: a new generation restores the newest step
+    kubectl resilax web FILE [-n NS | -A]         write a static HTML page with every job's timeline
 
 Shell completion (kubectl 1.26+): kubectl asks the `kubectl_complete-resilax` executable, installed beside
 `kubectl-resilax`, for the words that may follow (Cobra's `__complete` protocol: one per line, then
 `:<directive>`): the commands, then the namespace's JAXJobs, or its namespaces after `-n`.
 
 Everything comes from the JAXJob itself (its status, which the operator keeps) and its Events; suspend
-and resume patch `spec.suspend` (a JSON merge patch), as Kueue does. The kubeconfig is kubectl's
-(`--kubeconfig`, else `$KUBECONFIG`, else `~/.kube/config`; `--context`); the namespace is `-n`, else the
-context's, else `default`. Needs `get` on jaxjobs and `list` on events, and `patch` on jaxjobs for
-suspend/resume.
+and resume patch `spec.suspend` (a JSON merge patch), as Kueue does; save goes through the API server's
+pod proxy to the sidecar of the current generation's first worker, with the job's token read from its
+Secret and sent in the sidecar's own header (never printed). The kubeconfig is kubectl's (`--kubeconfig`,
+else `$KUBECONFIG`, else `~/.kube/config`; `--context`); the namespace is `-n`, else the context's, else
+`default`. The RBAC each command needs: kubectl_api.py and docs/operations.md.
 
-The screens are pure functions of the job and its events (`build_status_screen`, `build_goodput_screen`),
-tested apart from the API.
+The screens are pure functions of the job and its events (`build_status_screen`, `build_goodput_screen`,
+timeline.build_gantt, timeline_page.build_page; `plan_save_target`, `describe_save`), tested apart from
+the API; kubectl_api.py makes the calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from . import api
 from . import goodput as gp
+from .kubectl_api import JobAPI, PluginError
 from .status import BREAKDOWN_KEYS
+from .timeline import build_gantt, build_plot, parse_history, parse_time
+from .timeline_page import build_page, build_page_data
 
 #: Exit codes: 0 done, 1 the API refused or the job is missing, 2 usage.
 EXIT_ERROR = 1
 
-COMMANDS = ("status", "goodput", "suspend", "resume")
+COMMANDS = ("status", "goodput", "timeline", "save", "suspend", "resume", "web")
 #: Flags that take a value (`-n NS` or `--namespace=NS`).
-VALUE_FLAGS = ("-n", "--namespace", "--kubeconfig", "--context")
-#: Cobra's ShellCompDirectiveNoFileComp: no file names when nothing matches.
+VALUE_FLAGS = ("-n", "--namespace", "--kubeconfig", "--context", "--png", "--timeout")
+#: Flags whose value is a file name.
+FILE_FLAGS = ("--png",)
+#: Cobra's ShellCompDirectiveNoFileComp: no file names when nothing matches; Default: the shell's files.
 NO_FILE_COMPLETION = 4
-
-
-class PluginError(Exception):
-    """An answer the user must see (the job is missing, the API refused): printed, exit 1."""
+FILE_COMPLETION = 0
+#: How long `save` waits for the commit, and how often it asks.
+SAVE_TIMEOUT_SECONDS = 300.0
+SAVE_POLL_SECONDS = 1.0
 
 
 # ---- pure: the screens ---------------------------------------------------------------------------
-
-
-def _parse_time(raw: Any) -> datetime | None:
-    if not isinstance(raw, str) or not raw:
-        return None
-    try:
-        return datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 def _age(then: datetime | None, now: datetime) -> str:
@@ -82,7 +85,7 @@ def last_fault(status: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -
     warnings = [e for e in events if e.get("type") == "Warning"]
     if not warnings:
         return "none"
-    newest = max(warnings, key=lambda e: _parse_time(_event_time(e)) or datetime.min.replace(tzinfo=UTC))
+    newest = max(warnings, key=lambda e: parse_time(_event_time(e)) or datetime.min.replace(tzinfo=UTC))
     return f"{newest.get('reason')} at {_event_time(newest) or '?'}: {newest.get('message') or ''}".rstrip(": ")
 
 
@@ -113,13 +116,13 @@ def build_status_screen(job: Mapping[str, Any], events: Sequence[Mapping[str, An
     rows = [
         ("JAXJob", f"{meta.get('namespace')}/{meta.get('name')}"),
         ("Phase", phase),
-        ("Generation", f"{status.get('generation', 0)} (started {_age(_parse_time(status.get('generationStartTime')), now)} ago)"
+        ("Generation", f"{status.get('generation', 0)} (started {_age(parse_time(status.get('generationStartTime')), now)} ago)"
          if status.get("generationStartTime") else str(status.get("generation", 0))),
         ("Shape", f"{shape.get('count')} x {shape.get('topology')} ({shape.get('hosts')} hosts)" if shape else "-"),
-        ("Step", f"{current['lastStep']} (as of {_age(_parse_time(goodput.get('asOf')), now)} ago)"
+        ("Step", f"{current['lastStep']} (as of {_age(parse_time(goodput.get('asOf')), now)} ago)"
          if current.get("lastStep") is not None else "-"),
         ("Saved step", (f"{checkpoint.get('step')} ({checkpoint.get('tier') or 'persistent'}, "
-                        f"{_age(_parse_time(checkpoint.get('time')), now)} ago)") if checkpoint else "none"),
+                        f"{_age(parse_time(checkpoint.get('time')), now)} ago)") if checkpoint else "none"),
         ("Goodput", (f"{100 * float(goodput['ratio']):.1f}% of {float(goodput.get('wallSeconds') or 0):.0f} s"
                      if goodput.get("ratio") is not None else "-")),
         ("Restarts", str(status.get("restarts", 0))),
@@ -156,9 +159,55 @@ def build_suspend_patch(suspend: bool) -> dict[str, Any]:
     return {"spec": {"suspend": suspend}}
 
 
+def _sidecar_port(pod: Mapping[str, Any]) -> int | None:
+    """The sidecar's port on a worker pod: its container's port named `sidecar`."""
+    spec = pod.get("spec") or {}
+    for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        if container.get("name") != api.SIDECAR_CONTAINER:
+            continue
+        for port in container.get("ports") or []:
+            if port.get("name") == "sidecar" and isinstance(port.get("containerPort"), int):
+                return int(port["containerPort"])
+    return None
+
+
+def plan_save_target(job: str, generation: int, pods: Sequence[Mapping[str, Any]]) -> tuple[str, int]:
+    """The worker whose sidecar gets the save request: a running pod of the current generation with an IP
+    and a sidecar port, process 0 first (one request is enough: the trainers agree on one step, docs/
+    architecture.md "Save requests"). (pod name, sidecar port); PluginError naming why there is none."""
+    candidates = []
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        port = _sidecar_port(pod)
+        if meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP") or port is None:
+            continue
+        process = str((meta.get("labels") or {}).get(api.LABEL_PROCESS, ""))
+        candidates.append((0 if process == "0" else 1, str(meta.get("name")), port))
+    if not candidates:
+        raise PluginError(f"jaxjob {job}: no running worker of generation {generation} with a sidecar to ask "
+                          f"({len(pods)} pods of that generation); try again once the job is Running")
+    _, name, port = min(candidates)
+    return name, port
+
+
+def describe_save(job: str, outcome: Mapping[str, Any], before: int | None) -> tuple[bool, str]:
+    """What a save request's outcome (the sidecar's GET /v1/save/<id>) says: (finished, line to print).
+    Raises PluginError for a failed save."""
+    status = outcome.get("status")
+    if status == "pending":
+        return False, ""
+    if status != "committed":
+        raise PluginError(f"jaxjob {job}: the save failed: {outcome.get('error') or status}")
+    step = outcome.get("step")
+    was = "none" if before is None else str(before)
+    persisted = "persisted" if outcome.get("persisted") else "in the local tier (the upload follows)"
+    newer = "" if before is None or not isinstance(step, int) or step > before else " (no newer step to save)"
+    return True, f"jaxjob {job}: step {step} committed, {persisted}; the newest saved step was {was}{newer}"
+
+
 def plan_completion(words: Sequence[str]) -> tuple[str, str, dict[str, str]]:
     """What to complete for `kubectl resilax <words>` (the last word is the one being typed, maybe ""):
-    ("command" | "job" | "namespace" | "none", the typed prefix, the flags given so far)."""
+    ("command" | "job" | "namespace" | "file" | "none", the typed prefix, the flags given so far)."""
     *before, current = list(words) or [""]
     flags: dict[str, str] = {}
     positionals: list[str] = []
@@ -170,7 +219,8 @@ def plan_completion(words: Sequence[str]) -> tuple[str, str, dict[str, str]]:
             flags[name] = value
         elif word in VALUE_FLAGS:
             if i + 1 == len(before):
-                return ("namespace" if word in ("-n", "--namespace") else "none", current, flags)
+                kind = "namespace" if word in ("-n", "--namespace") else "file" if word in FILE_FLAGS else "none"
+                return kind, current, flags
             flags[word] = before[i + 1]
             i += 1
         elif not word.startswith("-"):
@@ -178,78 +228,76 @@ def plan_completion(words: Sequence[str]) -> tuple[str, str, dict[str, str]]:
         i += 1
     if current.startswith("-"):
         return "none", current, flags
+    if len(positionals) == 1 and positionals[0] == "web":
+        return "file", current, flags
     kind = {0: "command", 1: "job"}.get(len(positionals), "none")
     return kind, current, flags
-
-
-# ---- I/O: the API ---------------------------------------------------------------------------------
-
-
-class JobAPI:
-    """The few calls the plugin makes, through the kubernetes client and kubectl's kubeconfig."""
-
-    def __init__(self, kubeconfig: str | None, context: str | None) -> None:
-        try:
-            import kubernetes
-        except ImportError as e:
-            raise PluginError("needs the kubernetes client: pip install 'resilax[operator]'") from e
-
-        self._kubernetes = kubernetes
-        self.client = kubernetes.config.new_client_from_config(config_file=kubeconfig, context=context)
-        contexts, active = kubernetes.config.list_kube_config_contexts(config_file=kubeconfig)
-        chosen = next((c for c in contexts if c["name"] == context), active) if context else active
-        self.default_namespace = str(((chosen or {}).get("context") or {}).get("namespace") or "default")
-
-    def _call(self, what: str, call: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return call(*args, **kwargs)
-        except self._kubernetes.client.ApiException as e:
-            message = e.reason
-            with contextlib.suppress(TypeError, ValueError, AttributeError):
-                message = json.loads(e.body or "").get("message") or message
-            raise PluginError(f"{what}: {e.status} {message}") from e
-
-    def get_job(self, namespace: str, name: str) -> dict[str, Any]:
-        objects = self._kubernetes.client.CustomObjectsApi(self.client)
-        job: dict[str, Any] = self._call(f"jaxjob {namespace}/{name}", objects.get_namespaced_custom_object,
-                                         api.GROUP, api.VERSION, namespace, api.PLURAL, name)
-        return job
-
-    def job_events(self, namespace: str, name: str) -> list[dict[str, Any]]:
-        core = self._kubernetes.client.CoreV1Api(self.client)
-        selector = f"involvedObject.kind={api.KIND},involvedObject.name={name}"
-        answer = self._call(f"events of {namespace}/{name}", core.list_namespaced_event, namespace,
-                            field_selector=selector, _preload_content=False)
-        items: list[dict[str, Any]] = json.loads(answer.data).get("items") or []
-        return items
-
-    def job_names(self, namespace: str) -> list[str]:
-        objects = self._kubernetes.client.CustomObjectsApi(self.client)
-        listed = self._call(f"jaxjobs of {namespace}", objects.list_namespaced_custom_object,
-                            api.GROUP, api.VERSION, namespace, api.PLURAL)
-        return sorted(item["metadata"]["name"] for item in listed.get("items") or [])
-
-    def namespace_names(self) -> list[str]:
-        core = self._kubernetes.client.CoreV1Api(self.client)
-        listed = self._call("namespaces", core.list_namespace)
-        return sorted(item.metadata.name for item in listed.items)
-
-    def patch_job(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        objects = self._kubernetes.client.CustomObjectsApi(self.client)
-        job: dict[str, Any] = self._call(f"patching jaxjob {namespace}/{name}",
-                                         objects.patch_namespaced_custom_object,
-                                         api.GROUP, api.VERSION, namespace, api.PLURAL, name, patch)
-        return job
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kubectl resilax", description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=COMMANDS)
-    p.add_argument("name", help="the JAXJob's name")
+    p.add_argument("name", help="the JAXJob's name (web: the HTML file to write)")
     p.add_argument("-n", "--namespace", default=None, help="its namespace (default: the context's, else default)")
+    p.add_argument("-A", "--all-namespaces", action="store_true", help="web: the jobs of every namespace")
+    p.add_argument("--png", type=Path, default=None, metavar="FILE",
+                   help="timeline: also draw the picture into this PNG file (needs the 'plot' extra)")
+    p.add_argument("--timeout", type=float, default=SAVE_TIMEOUT_SECONDS, metavar="SECONDS",
+                   help=f"save: how long to wait for the commit (default {SAVE_TIMEOUT_SECONDS:.0f})")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
     p.add_argument("--context", default=None, help="kubeconfig context (default: the current one)")
-    return p.parse_args(list(argv))
+    args = p.parse_args(list(argv))
+    if args.png is not None and args.command != "timeline":
+        p.error("--png goes with timeline")
+    if args.all_namespaces and args.command != "web":
+        p.error("-A/--all-namespaces goes with web")
+    return args
+
+
+def run_save(kube: JobAPI, namespace: str, name: str, timeout: float) -> str:
+    """Ask the current generation's first worker for a save and wait until its step is committed."""
+    job = kube.get_job(namespace, name)
+    status = job.get("status") or {}
+    before = (status.get("checkpoint") or {}).get("step")
+    generation = int(status.get("generation") or 0)
+    pod, port = plan_save_target(f"{namespace}/{name}", generation, kube.worker_pods(namespace, name, generation))
+    token = kube.sidecar_token(namespace, name)
+    answer = kube.sidecar(namespace, pod, port, "POST", "/v1/save", {"reason": "manual"}, token=token)
+    request_id = str(answer.get("id"))
+    print(f"save requested from {pod} (request {request_id}); waiting for the commit", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, line = describe_save(f"{namespace}/{name}", kube.sidecar(namespace, pod, port, "GET",
+                                                                         f"/v1/save/{request_id}"), before)
+        if done:
+            return line
+        if time.monotonic() > deadline:
+            raise PluginError(f"jaxjob {namespace}/{name}: save request {request_id} not committed within "
+                              f"{timeout:.0f} s (the trainer saves at its next step; see its logs)")
+        time.sleep(SAVE_POLL_SECONDS)
+
+
+def run_timeline(kube: JobAPI, namespace: str, name: str, png: Path | None) -> str:
+    job = kube.get_job(namespace, name)
+    now = datetime.now(UTC)
+    generations = parse_history(job)
+    lines = build_gantt(f"{namespace}/{name}", generations, now)
+    if png is not None:
+        from .timeline_plot import MissingPlotExtraError, render_png
+
+        try:
+            render_png(build_plot(f"JAXJob {namespace}/{name}: generations", generations, now), png)
+        except MissingPlotExtraError as e:
+            raise PluginError(str(e)) from e
+        lines.append(f"picture: {png}")
+    return "\n".join(lines)
+
+
+def run_web(kube: JobAPI, namespace: str | None, path: Path) -> str:
+    jobs = kube.list_jobs(namespace)
+    path.write_text(build_page(build_page_data(jobs, datetime.now(UTC))))
+    where = "every namespace" if namespace is None else f"namespace {namespace}"
+    return f"wrote {path}: the timelines of {len(jobs)} JAXJobs of {where}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -261,21 +309,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             suspend = args.command == "suspend"
             kube.patch_job(namespace, args.name, build_suspend_patch(suspend))
             print(f"jaxjob {namespace}/{args.name} {'suspended' if suspend else 'resumed'} (spec.suspend={str(suspend).lower()})")
-            return 0
-        job = kube.get_job(namespace, args.name)
-        if args.command == "goodput":
-            print(build_goodput_screen(job))
+        elif args.command == "save":
+            print(run_save(kube, namespace, args.name, args.timeout))
+        elif args.command == "timeline":
+            print(run_timeline(kube, namespace, args.name, args.png))
+        elif args.command == "web":
+            print(run_web(kube, None if args.all_namespaces else namespace, Path(args.name)))
+        elif args.command == "goodput":
+            print(build_goodput_screen(kube.get_job(namespace, args.name)))
         else:
+            job = kube.get_job(namespace, args.name)
             print(build_status_screen(job, kube.job_events(namespace, args.name), datetime.now(UTC)))
         return 0
-    except PluginError as e:
+    except (PluginError, OSError) as e:
         print(f"kubectl resilax {args.command}: {e}", file=sys.stderr)
         return EXIT_ERROR
 
 
 def complete_main(argv: Sequence[str] | None = None) -> int:
-    """`kubectl_complete-resilax WORDS...`: the completions, one per line, then `:4`. Names come from the
-    API at best: an unreachable cluster completes nothing rather than failing the shell."""
+    """`kubectl_complete-resilax WORDS...`: the completions, one per line, then `:4` (`:0` where a file
+    name goes, so the shell offers its files). Names come from the API at best: an unreachable cluster
+    completes nothing rather than failing the shell."""
     words = list(sys.argv[1:] if argv is None else argv)
     kind, prefix, flags = plan_completion(words)
     choices: list[str] = []
@@ -292,5 +346,5 @@ def complete_main(argv: Sequence[str] | None = None) -> int:
     for choice in choices:
         if choice.startswith(prefix):
             print(choice)
-    print(f":{NO_FILE_COMPLETION}")
+    print(f":{FILE_COMPLETION if kind == 'file' else NO_FILE_COMPLETION}")
     return 0

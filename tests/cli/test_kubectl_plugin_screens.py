@@ -104,4 +104,4 @@ def test_completion_plans_what_follows(words: list[str], expected: tuple[str, st
 
 def test_completion_of_commands_prints_cobras_protocol(capsys: pytest.CaptureFixture[str]) -> None:
     assert kubectl_plugin.complete_main(["s"]) == 0
-    assert capsys.readouterr().out.splitlines() == ["status", "suspend", ":4"]
+    assert capsys.readouterr().out.splitlines() == ["status", "save", "suspend", ":4"]
