@@ -54,6 +54,7 @@ from .kubeapi import KubeClient
 from .kubeletapi import KubeletAPI
 from .node_status import LEASE_WORKERS, REGISTER_WORKERS, REGISTERING, REMOVED, NodeHeartbeat
 from .pki import CertificateAuthority
+from .pod_network import add_pod_address, claim_pod_block, release_pod_block
 from .pod_status import (
     NODE_SHUTDOWN_REJECTED_MESSAGE,
     NODE_SHUTDOWN_REJECTED_REASON,
@@ -101,8 +102,10 @@ class NodeAgent(NodeHeartbeat):
         self.workers: dict[str, PodWorker] = {}
         self.fake_running: set[str] = set()
         self.finished_uids: set[str] = set()
-        # Each cluster takes one 127.<octet>.0.0/16 for its nodes (127.o.0.n) and pods (127.o.1.0 up).
+        # Each cluster takes one octet: its nodes are 127.o.0.n, its pods 240.o.1.0 up (pod_network.py:
+        # an address the API server's pod proxy accepts), or 127.o.1.0 up where none can be added.
         self.octet = random.Random(os.getpid() ^ int(time.time())).randrange(32, 250)
+        self.pod_block = claim_pod_block(self.octet)
         self.next_pod_index = 256
         self.next_node_index = 0
         self.host_entries: dict[str, tuple[str, list[str]]] = {}
@@ -133,14 +136,20 @@ class NodeAgent(NodeHeartbeat):
         return map_host_path(self.run_dir, node, path)
 
     def allocate_pod_ip(self) -> str:
+        """A process pod's address, put on the loopback interface so that its processes bind it."""
+        ip = self._next_pod_ip()
+        add_pod_address(self.pod_block, ip)
+        return ip
+
+    def _next_pod_ip(self) -> str:
         with self.lock:
             while self.next_pod_index % 256 in (0, 255):  # skip .0 and .255
                 self.next_pod_index += 1
             i = self.next_pod_index
             self.next_pod_index += 1
         if i >= 65535:
-            raise RuntimeError("out of pod IPs in this cluster's 127.x.0.0/16")
-        return f"127.{self.octet}.{i // 256}.{i % 256}"
+            raise RuntimeError(f"out of pod IPs in this cluster's {self.pod_block.cidr}")
+        return self.pod_block.address(i)
 
     @property
     def hosts_file(self) -> Path:
@@ -330,7 +339,7 @@ class NodeAgent(NodeHeartbeat):
             if uid in self.fake_running:
                 return
             self.fake_running.add(uid)
-            status = build_fake_running_status(pod, self.allocate_pod_ip(), node.ip)
+            status = build_fake_running_status(pod, self._next_pod_ip(), node.ip)  # no process binds it
             self.client.patch(f"{path}/status", {"status": status})
         except KubeAPIError as e:
             if e.status not in (404, 409):
@@ -400,6 +409,7 @@ class NodeAgent(NodeHeartbeat):
         for worker in workers:
             worker.kill_now()
         shutil.rmtree(memory_root(self.run_dir), ignore_errors=True)  # the nodes' tmpfs folders
+        release_pod_block(self.pod_block)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Run one pod as local processes, the way a kubelet runs it in containers.
 
 A `PodWorker` thread owns one pod bound to one of the agent's nodes. It
-1. prepares the pod: a loopback IP (`status.podIP`), its volumes as host folders, its folder of logs;
+1. prepares the pod: an IP of the cluster's pod block (`status.podIP`, pod_network.py), its volumes as host folders, its folder of logs;
 2. starts init containers in order (a native sidecar — an init container with `restartPolicy: Always` —
    counts as started once its process runs, and keeps running beside the main containers);
 3. starts the main containers, restarts containers by the pod's `restartPolicy` (with the kubelet's

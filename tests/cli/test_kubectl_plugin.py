@@ -1,13 +1,17 @@
 """`kubectl resilax` against the local cluster: the `kubectl-resilax` executable the install puts on
-PATH, with the admin kubeconfig, on a JAXJob the real operator runs (examples/train.py workers):
-`status` shows the operator's view (phase, generation, shape, the step reached, the saved step,
-goodput), `goodput` its breakdown, `suspend` makes the operator save and stop the workers (Suspended),
-`resume` starts a new generation that restores the saved step; `kubectl_complete-resilax` completes the
-namespace's jobs and the namespaces; a missing job is an error naming it."""
+PATH, with the admin kubeconfig, on a JAXJob the real operator runs (examples/train.py workers), all in
+one job run (CI is serial): `status` shows the operator's view (phase, generation, shape, the step
+reached, the saved step, goodput), `goodput` its breakdown, `save` asks process 0's sidecar through the
+API server's pod proxy and prints the newer step once committed (the token never printed), `suspend`
+makes the operator save and stop the workers (Suspended), `resume` starts a new generation that restores
+the saved step; `kubectl_complete-resilax` completes the namespace's jobs and the namespaces; a missing
+job is an error naming it."""
 
 from __future__ import annotations
 
+import base64
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +21,7 @@ from typing import Any
 import pytest
 from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
 from resilax_local.cluster import LocalCluster
+from resilax_local.kubeapi import KubeClient
 from resilax_local.testing import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -32,15 +37,15 @@ def _plugin(name: str = "kubectl-resilax") -> str:
 
 def _run(cluster: LocalCluster, *args: str, executable: str = "kubectl-resilax") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
-    return subprocess.run([_plugin(executable), *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([_plugin(executable), *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 def _fields(screen: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in screen.splitlines())}
 
 
-def test_status_goodput_suspend_and_resume(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
-                                           namespace: str, tmp_path: Path) -> None:
+def test_status_goodput_save_suspend_and_resume(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
+                                                kube: KubeClient, namespace: str, tmp_path: Path) -> None:
     name, storage = unique_name("plug"), tmp_path / "ckpt"
     jobs.create(job_manifest(name, storage, count=1, every_steps=4, steps=100000, step_seconds=0.3))
     jobs.wait_status(name, lambda s: s.get("phase") == "Running" and (s.get("checkpoint") or {}).get("step")
@@ -66,6 +71,21 @@ def test_status_goodput_suspend_and_resume(operator: OperatorProcess, jobs: Jobs
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"{namespace}/{name}: goodput ")
     assert "productive" in proc.stdout and "jaxStartup" in proc.stdout
+
+    # save: through pods/proxy to process 0's sidecar, with the token from the job's Secret in the
+    # sidecar's own header (the API server drops Authorization); it prints the step once committed.
+    before = max(committed_steps(storage))
+    proc = _run(cluster, "save", name, "-n", namespace, "--timeout", "240")
+    assert proc.returncode == 0, proc.stderr
+    saved_line = re.fullmatch(rf"jaxjob {namespace}/{name}: step (\d+) committed, persisted; "
+                              r"the newest saved step was \d+\n", proc.stdout)
+    assert saved_line, proc.stdout
+    manual = int(saved_line.group(1))
+    assert manual > before and manual in committed_steps(storage), (manual, before, committed_steps(storage))
+    assert "save requested from " in proc.stderr and f"{name}-" in proc.stderr
+    secret = kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}-resilax-token")
+    token = base64.b64decode(secret["data"]["token"]).decode().strip()
+    assert token not in proc.stdout + proc.stderr
 
     # suspend: the operator saves, stops the workers and says Suspended.
     proc = _run(cluster, "suspend", name, "-n", namespace)

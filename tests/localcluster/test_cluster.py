@@ -130,7 +130,8 @@ def test_pod_runs_as_a_process_with_env_and_volumes(cluster, kube, namespace, tm
     assert status["state"]["terminated"]["exitCode"] == 3
     assert pod["spec"]["nodeName"] == "tpu-slice-0-h1"
     pod_ip = pod["status"]["podIP"]
-    assert pod_ip.startswith("127.") and pod_ip != "127.0.0.1"
+    # The pod block the API server's pod proxy accepts (pod_network.py), not a node's 127 address.
+    assert pod_ip.startswith("240.") and pod_ip != pod["status"]["hostIP"]
 
     report = json.loads((on_node / "report.json").read_text())
     assert not host_dir.exists()  # not this machine's folder of that name
