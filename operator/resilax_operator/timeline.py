@@ -2,8 +2,8 @@
 
 `status.history` (docs/jaxjob-reference.md) holds the last 50 generations, oldest first; the current one
 has no `end`. From it this module builds:
-- `parse_history`: the entries as frozen `Generation`s (an entry without a generation number or a
-  parseable start is left out: the view shows what it can, it never fails on one odd entry);
+- `parse_history`: the entries as history.py's `HistoryEntry`s (an unreadable entry is left out: the
+  view shows what it can, it never fails on one odd entry);
 - `build_gantt`: the text Gantt `kubectl resilax timeline` prints, with faults and checkpoints;
 - `build_plot`: the figures `--png` draws (timeline_plot.py) and the web page lays out (timeline_page.py).
 
@@ -15,11 +15,14 @@ between the two: a straight line, good enough to see where the saves fell, not a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import pairwise
 from typing import Any, Final
+
+from .history import HistoryEntry, parse_entry
 
 #: Reasons a generation ends without anything going wrong (the user or the job asked for it).
 PLANNED_REASONS: Final = frozenset({"Completed", "Resized", "SpecResized", "GrowBack", "Suspended", "Suspending",
@@ -44,105 +47,66 @@ def parse_time(raw: Any) -> datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
-def _int(raw: Any) -> int | None:
-    return raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+def shape_text(e: HistoryEntry) -> str:
+    """`2 x 2x4 (4 hosts)`, as `kubectl resilax status` shows a shape."""
+    return f"{e.count} x {e.topology or '?'} ({e.hosts} hosts)"
 
 
-@dataclass(frozen=True)
-class Generation:
-    """One entry of status.history."""
-
-    generation: int
-    start: datetime
-    end: datetime | None
-    count: int | None
-    topology: str
-    hosts: int | None
-    pools: tuple[str, ...] = ()
-    in_place: bool = False
-    end_reason: str | None = None
-    end_message: str = ""
-    restored_step: int | None = None
-    restored_from: str | None = None
-    first_step: int | None = None
-    last_step: int | None = None
-    lost_steps: int = 0
-    goodput: Mapping[str, float] | None = None
-    checkpoints: tuple[int, ...] = ()
-
-    @property
-    def shape(self) -> str:
-        """`2 x 2x4 (4 hosts)`, as `kubectl resilax status` shows it."""
-        return f"{self.count} x {self.topology} ({self.hosts} hosts)"
-
-    @property
-    def end_kind(self) -> str:
-        """running, planned, notice or fault (END_GLYPHS)."""
-        if self.end is None:
-            return "running"
-        if self.end_reason in PLANNED_REASONS:
-            return "planned"
-        if self.end_reason in NOTICE_REASONS:
-            return "notice"
-        return "fault"
-
-    @property
-    def restored(self) -> str:
-        """`400 (persistent)`, `400`, or `fresh`."""
-        if self.restored_step is None:
-            return "fresh"
-        return f"{self.restored_step} ({self.restored_from})" if self.restored_from else str(self.restored_step)
-
-    @property
-    def steps(self) -> str:
-        """`401-700`, `401-` or `-`."""
-        if self.first_step is None:
-            return "-"
-        return f"{self.first_step}-{'' if self.last_step is None else self.last_step}"
-
-    def finish(self, now: datetime) -> datetime:
-        """Its end, or `now` while it runs (never before its start)."""
-        return max(self.end or now, self.start)
-
-    def startup_seconds(self, now: datetime) -> float:
-        """The start-up before its first step (STARTUP_BUCKETS of its goodput), at most its duration."""
-        spent = sum(float((self.goodput or {}).get(b) or 0.0) for b in STARTUP_BUCKETS)
-        return min(max(spent, 0.0), (self.finish(now) - self.start).total_seconds())
-
-    def goodput_ratio(self) -> float | None:
-        """Productive seconds over all its seconds; None without goodput figures."""
-        buckets = {k: float(v or 0.0) for k, v in (self.goodput or {}).items()}
-        total = sum(buckets.values())
-        return buckets.get("productive", 0.0) / total if total > 0 else None
+def end_kind(e: HistoryEntry) -> str:
+    """running, planned, notice or fault (END_GLYPHS)."""
+    if e.end is None:
+        return "running"
+    if e.end_reason in PLANNED_REASONS:
+        return "planned"
+    if e.end_reason in NOTICE_REASONS:
+        return "notice"
+    return "fault"
 
 
-def parse_entry(raw: Mapping[str, Any]) -> Generation | None:
-    """One raw entry (docs/jaxjob-reference.md, status.history); None without a generation or start."""
-    generation, start = _int(raw.get("generation")), parse_time(raw.get("start"))
-    if generation is None or start is None:
-        return None
-    shape: Mapping[str, Any] = raw["shape"] if isinstance(raw.get("shape"), Mapping) else {}
-    goodput: Mapping[str, Any] = raw["goodput"] if isinstance(raw.get("goodput"), Mapping) else {}
-    return Generation(
-        generation=generation, start=start, end=parse_time(raw.get("end")),
-        count=_int(shape.get("count")), topology=str(shape.get("topology") or "?"), hosts=_int(shape.get("hosts")),
-        pools=tuple(str(p) for p in raw.get("pools") or ()), in_place=raw.get("inPlace") is True,
-        end_reason=str(raw["endReason"]) if raw.get("endReason") else None,
-        end_message=str(raw.get("endMessage") or ""),
-        restored_step=_int(raw.get("restoredStep")),
-        restored_from=str(raw["restoredFrom"]) if raw.get("restoredFrom") else None,
-        first_step=_int(raw.get("firstStep")), last_step=_int(raw.get("lastStep")),
-        lost_steps=_int(raw.get("lostSteps")) or 0,
-        goodput={str(k): float(v) for k, v in goodput.items() if isinstance(v, int | float)},
-        checkpoints=tuple(sorted(s for s in (raw.get("checkpoints") or ()) if _int(s) is not None)),
-    )
+def restored_text(e: HistoryEntry) -> str:
+    """`400 (persistent)`, `400`, or `fresh`."""
+    if e.restored_step is None:
+        return "fresh"
+    return f"{e.restored_step} ({e.restored_from})" if e.restored_from else str(e.restored_step)
 
 
-def parse_history(job: Mapping[str, Any]) -> list[Generation]:
-    """The job's status.history as Generations, by generation number."""
+def steps_text(e: HistoryEntry) -> str:
+    """`401-700`, `401-` or `-`."""
+    if e.first_step is None:
+        return "-"
+    return f"{e.first_step}-{'' if e.last_step is None else e.last_step}"
+
+
+def finish(e: HistoryEntry, now: datetime) -> datetime:
+    """Its end, or `now` while it runs (never before its start)."""
+    return max(e.end or now, e.start)
+
+
+def startup_seconds(e: HistoryEntry, now: datetime) -> float:
+    """The start-up before its first step (STARTUP_BUCKETS of its goodput), at most its duration."""
+    buckets = dict(e.goodput)
+    spent = sum(float(buckets.get(b) or 0.0) for b in STARTUP_BUCKETS)
+    return min(max(spent, 0.0), (finish(e, now) - e.start).total_seconds())
+
+
+def goodput_ratio(e: HistoryEntry) -> float | None:
+    """Productive seconds over all the seconds of its window; None without goodput figures."""
+    buckets = dict(e.goodput)
+    total = sum(buckets.values())
+    return buckets.get("productive", 0.0) / total if total > 0 else None
+
+
+def parse_history(job: Mapping[str, Any]) -> list[HistoryEntry]:
+    """The job's status.history (history.parse_entry), by generation number; an unreadable entry is
+    left out (the view shows what it can, it never fails on one odd entry)."""
     raw = ((job.get("status") or {}).get("history")) or []
-    parsed = [parse_entry(e) for e in raw if isinstance(e, Mapping)]
-    return sorted((g for g in parsed if g is not None), key=lambda g: g.generation)
+    entries = []
+    for item in raw if isinstance(raw, list) else []:
+        if not isinstance(item, Mapping):
+            continue
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            entries.append(parse_entry(item))
+    return sorted(entries, key=lambda e: e.generation)
 
 
 def format_seconds(seconds: float) -> str:
@@ -197,7 +161,7 @@ def step_time(bar_start: float, bar_end: float, first: int | None, last: int | N
     return bar_start + fraction * (bar_end - bar_start)
 
 
-def build_plot(title: str, generations: Sequence[Generation], now: datetime) -> TimelinePlot:
+def build_plot(title: str, generations: Sequence[HistoryEntry], now: datetime) -> TimelinePlot:
     """The bars and gaps of `generations` (oldest first) as of `now`."""
     if not generations:
         return TimelinePlot(title, now, 0.0, (), ())
@@ -205,11 +169,11 @@ def build_plot(title: str, generations: Sequence[Generation], now: datetime) -> 
     bars = []
     for g in generations:
         start = (g.start - origin).total_seconds()
-        end = (g.finish(now) - origin).total_seconds()
-        first_at = start + g.startup_seconds(now)
+        end = (finish(g, now) - origin).total_seconds()
+        first_at = start + startup_seconds(g, now)
         saves = tuple((s, step_time(first_at, end, g.first_step, g.last_step, s)) for s in g.checkpoints)
-        bars.append(Bar(g.generation, g.shape, start, first_at, end, g.end_kind, g.end_reason, g.end_message,
-                        g.first_step, g.last_step, g.restored, saves))
+        bars.append(Bar(g.generation, shape_text(g), start, first_at, end, end_kind(g), g.end_reason or None,
+                        g.end_message, g.first_step, g.last_step, restored_text(g), saves))
     gaps = tuple((before.end, after.first_step_at, before.end_reason or "?")
                  for before, after in pairwise(bars) if after.first_step_at > before.end)
     return TimelinePlot(title, origin, max(b.end for b in bars), tuple(bars), gaps)
@@ -235,7 +199,7 @@ def build_bar_row(bar: Bar, span: float, width: int = GANTT_WIDTH) -> str:
     return "".join(cells)
 
 
-def build_gantt(name: str, generations: Sequence[Generation], now: datetime, width: int = GANTT_WIDTH) -> list[str]:
+def build_gantt(name: str, generations: Sequence[HistoryEntry], now: datetime, width: int = GANTT_WIDTH) -> list[str]:
     """`kubectl resilax timeline`: a header, one row per generation, the legend, then each end's reason
     and message (the faults) and the checkpoints of each generation."""
     if not generations:
@@ -247,19 +211,19 @@ def build_gantt(name: str, generations: Sequence[Generation], now: datetime, wid
              f"{'GEN':>4}  {'SHAPE':<20} {'STEPS':<13} {'RESTORED':<18} |0{format_seconds(span):>{width - 1}}| END"]
     for g, bar in zip(generations, plot.bars, strict=True):
         end = "running" if g.end is None else f"{g.end_reason or '?'} after {format_seconds(bar.end - bar.start)}"
-        lines.append(f"{g.generation:>4}  {g.shape:<20} {g.steps:<13} {g.restored:<18} "
+        lines.append(f"{g.generation:>4}  {shape_text(g):<20} {steps_text(g):<13} {restored_text(g):<18} "
                      f"|{build_bar_row(bar, span, width)}| {end}")
     lines.append("      . start-up (scheduling, JAX start, restore)  = training  + checkpoint  "
                  "X fault  ! notice  ] planned end  > running")
     for g in generations:
         notes = []
         if g.end is not None:
-            notes.append(f"{END_GLYPHS[g.end_kind]} {g.end_reason or '?'} at {g.end.strftime('%H:%M:%S')}Z"
+            notes.append(f"{END_GLYPHS[end_kind(g)]} {g.end_reason or '?'} at {g.end.strftime('%H:%M:%S')}Z"
                          + (f": {g.end_message}" if g.end_message else "")
                          + (f" ({g.lost_steps} steps lost)" if g.lost_steps else ""))
         if g.checkpoints:
             notes.append(f"checkpoints: {', '.join(str(s) for s in g.checkpoints)}")
-        ratio = g.goodput_ratio()
+        ratio = goodput_ratio(g)
         if ratio is not None:
             notes.append(f"goodput {100 * ratio:.0f}%")
         if g.in_place:

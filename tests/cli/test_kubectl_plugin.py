@@ -4,8 +4,9 @@ one job run (CI is serial): `status` shows the operator's view (phase, generatio
 reached, the saved step, goodput), `goodput` its breakdown, `save` asks process 0's sidecar through the
 API server's pod proxy and prints the newer step once committed (the token never printed), `suspend`
 makes the operator save and stop the workers (Suspended), `resume` starts a new generation that restores
-the saved step; `kubectl_complete-resilax` completes the namespace's jobs and the namespaces; a missing
-job is an error naming it."""
+the saved step, `timeline` (and `--png`) shows both generations from status.history;
+`kubectl_complete-resilax` completes the namespace's jobs and the namespaces; a missing job is an error
+naming it."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def _fields(screen: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in screen.splitlines())}
 
 
-def test_status_goodput_save_suspend_and_resume(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
-                                                kube: KubeClient, namespace: str, tmp_path: Path) -> None:
+def test_status_goodput_save_suspend_resume_and_timeline(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
+                                                           kube: KubeClient, namespace: str, tmp_path: Path) -> None:
     name, storage = unique_name("plug"), tmp_path / "ckpt"
     jobs.create(job_manifest(name, storage, count=1, every_steps=4, steps=100000, step_seconds=0.3))
     jobs.wait_status(name, lambda s: s.get("phase") == "Running" and (s.get("checkpoint") or {}).get("step")
@@ -106,6 +107,26 @@ def test_status_goodput_save_suspend_and_resume(operator: OperatorProcess, jobs:
     wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
     assert min(jobs.losses(name, 2)) - 1 == final
     assert _fields(_run(cluster, "status", name, "-n", namespace).stdout)["Generation"].startswith("2 ")
+
+    # timeline: status.history's two generations, the first ended by the suspend, the second restored
+    # the final save and runs; --png draws the picture (the history fills on the operator's next writes).
+    jobs.wait_status(name, lambda s: [(e.get("generation"), e.get("endReason"), e.get("restoredStep"))
+                                      for e in s.get("history") or []] == [(1, "Suspended", None), (2, None, final)]
+                     and (s["history"][1].get("firstStep") or 0) > final, 120, "history of both generations")
+    png = tmp_path / "timeline.png"
+    proc = _run(cluster, "timeline", name, "-n", namespace, "--png", str(png))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"{namespace}/{name}: 2 generations over "), proc.stdout
+    rows = [line for line in lines if re.match(r"^\s+[12]  1 x 2x4 \(2 hosts\)", line)]
+    assert len(rows) == 2, proc.stdout
+    bars = [row.split("|")[1] for row in rows]
+    assert bars[0].rstrip().endswith("]") and re.search(r"\| Suspended after \S+$", rows[0]), proc.stdout
+    assert " fresh " in rows[0] and re.search(r" 1-\d+ ", rows[0]), proc.stdout
+    assert bars[1].endswith(">") and rows[1].endswith("| running"), proc.stdout
+    assert re.search(rf" {final}( \(\w+\))? ", rows[1]), proc.stdout
+    assert any(line.strip().startswith("1  ] Suspended at ") for line in lines), proc.stdout
+    assert lines[-1] == f"picture: {png}" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Shell completion (what kubectl 1.26+ asks kubectl_complete-resilax): the namespace's jobs, its namespaces.
     completion = _run(cluster, "status", "-n", namespace, name[:4], executable="kubectl_complete-resilax")

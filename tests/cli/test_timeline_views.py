@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 from history_fixtures import HISTORY, NOW, job
 from resilax_operator import api, kubectl_plugin, timeline, timeline_page
+from resilax_operator.history import HistoryEntry
 from resilax_operator.kubectl_api import PluginError
 
 
-def _generations() -> list[timeline.Generation]:
+def _generations() -> list[HistoryEntry]:
     return timeline.parse_history(job())
 
 
@@ -25,18 +26,20 @@ def test_history_entries_parse_into_generations_and_odd_entries_are_left_out() -
     gens = _generations()
     assert [g.generation for g in gens] == [1, 2, 3]
     first, second, current = gens
-    assert first.shape == "2 x 2x4 (4 hosts)" and first.end_kind == "fault" and first.lost_steps == 90
-    assert first.restored == "fresh" and first.steps == "1-590" and first.checkpoints == (100, 200, 300, 400, 500)
-    assert second.restored == "500 (persistent)" and second.end_kind == "planned"
-    assert current.end is None and current.end_kind == "running" and current.in_place
-    assert current.restored == "1080 (peer)" and current.pools == ("pool-a", "pool-b")
+    assert timeline.shape_text(first) == "2 x 2x4 (4 hosts)" and timeline.end_kind(first) == "fault"
+    assert first.lost_steps == 90 and first.checkpoints == (100, 200, 300, 400, 500)
+    assert timeline.restored_text(first) == "fresh" and timeline.steps_text(first) == "1-590"
+    assert timeline.restored_text(second) == "500 (persistent)" and timeline.end_kind(second) == "planned"
+    assert current.end is None and timeline.end_kind(current) == "running" and current.in_place
+    assert timeline.restored_text(current) == "1080 (peer)" and current.pools == ("pool-a", "pool-b")
     # The startup is scheduling + jaxStartup + restore of the generation's goodput.
-    assert current.startup_seconds(NOW) == 10.0 and first.startup_seconds(NOW) == 5.0
+    assert timeline.startup_seconds(current, NOW) == 10.0 and timeline.startup_seconds(first, NOW) == 5.0
     odd = [{"generation": "x", "start": "2026-12-04T12:00:00Z"}, {"generation": 4}, "junk",
            {"generation": 5, "start": "2026-12-04T12:29:00Z"}]
     parsed = timeline.parse_history(job(history=[*odd, HISTORY[0]]))
     assert [g.generation for g in parsed] == [1, 5]
-    assert parsed[1].shape == "None x ? (None hosts)" and parsed[1].steps == "-" and parsed[1].goodput_ratio() is None
+    assert timeline.shape_text(parsed[1]) == "0 x ? (0 hosts)" and timeline.steps_text(parsed[1]) == "-"
+    assert timeline.goodput_ratio(parsed[1]) is None
 
 
 @pytest.mark.parametrize(("reason", "kind"), [
@@ -46,8 +49,8 @@ def test_history_entries_parse_into_generations_and_odd_entries_are_left_out() -
     (None, "fault"),
 ], ids=lambda x: str(x))
 def test_each_end_reason_has_its_kind(reason: str | None, kind: str) -> None:
-    g = timeline.Generation(1, NOW, NOW + timedelta(seconds=1), 1, "2x4", 2, end_reason=reason)
-    assert g.end_kind == kind
+    g = HistoryEntry(1, NOW, "2x4", 1, 2, end=NOW + timedelta(seconds=1), end_reason=reason or "")
+    assert timeline.end_kind(g) == kind
 
 
 def test_the_plot_places_start_up_checkpoints_and_the_gaps_a_fault_cost() -> None:
