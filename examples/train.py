@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         if restore_step is not None:  # 3. restore onto this generation's mesh
             began = time.time()
             state = mgr.restore(restore_step, target=state)
-            print(json.dumps({"restored": restore_step, "from": mgr.restored_from, "generation": generation,
+            report = mgr.restore_report or {}
+            print(json.dumps({"restored": restore_step, "from": mgr.restored_from, "sources": report.get("sources"),
+                              "generation": generation,
                               "process": jax.process_index(), "node": os.environ.get("RESILAX_NODE_NAME", ""),
                               "began": began, "time": time.time()}),
                   flush=True)

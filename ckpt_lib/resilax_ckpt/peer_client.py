@@ -10,6 +10,7 @@ import os
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from typing import Any
 
 from resilax_ckpt import layout
 from resilax_ckpt import peers as rules
@@ -56,24 +57,48 @@ def held_replicas(local_dir: str) -> dict[int, dict[int, str]]:
     return out
 
 
+def _token(token_file: str | None) -> str:
+    if not token_file:
+        return ""
+    try:
+        with open(token_file) as f:
+            return f.read().strip()
+    except OSError as e:
+        raise PeerFetchError(f"RESILAX_SIDECAR_TOKEN_FILE={token_file}: {e}") from e
+
+
+def _post(sidecar: str, token_file: str | None, path: str, body: dict[str, Any], what: str) -> Any:
+    request = urllib.request.Request(f"http://{sidecar}{path}", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {_token(token_file)}"})
+    try:
+        with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_SECONDS) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        raise PeerFetchError(f"sidecar {sidecar}: {what}: HTTP {e.code}: "
+                             f"{e.read()[:1000].decode('utf-8', 'replace')}") from e
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise PeerFetchError(f"sidecar {sidecar}: {what}: {e}") from e
+
+
+def request_fetch_chunks(sidecar: str, token_file: str | None, step: int, save: str, dest: str,
+                         files: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Have this pod's sidecar fetch `files` (`{"path", "size", "to", "sources": [{"address",
+    "folder"}]}`) of (step, save) from the other hosts into `<local>/<dest>/` (docs/sidecar.md,
+    `POST /v1/peer/fetch-chunks`); its answer `{"files", "bytes", "refused", "missing"}`."""
+    body = {"step": step, "save": save, "dest": dest, "files": list(files)}
+    answer = _post(sidecar, token_file, "/v1/peer/fetch-chunks", body, f"fetch of {len(files)} files of step {step}")
+    if not isinstance(answer, dict):
+        raise PeerFetchError(f"sidecar {sidecar}: fetch of step {step}: not a JSON object: {answer!r}"[:1000])
+    return answer
+
+
 def request_fetch(sidecar: str, token_file: str | None, process: int, step: int, sources: Sequence[str]) -> str:
     """Have this pod's sidecar fetch `step` of `process` from `sources` (in order) into the local tier;
     the source that served it. Raises PeerFetchError with the sidecar's reason."""
-    token = ""
-    if token_file:
-        try:
-            with open(token_file) as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise PeerFetchError(f"RESILAX_SIDECAR_TOKEN_FILE={token_file}: {e}") from e
-    body = json.dumps({"origin": process, "step": step, "sources": list(sources)}).encode()
-    request = urllib.request.Request(f"http://{sidecar}/v1/peer/fetch", data=body, method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    body = {"origin": process, "step": step, "sources": list(sources)}
+    answer = _post(sidecar, token_file, "/v1/peer/fetch", body, f"fetch of step {step} from {list(sources)}")
     try:
-        with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_SECONDS) as response:
-            return str(json.loads(response.read())["source"])
-    except urllib.error.HTTPError as e:
-        raise PeerFetchError(f"sidecar {sidecar}: fetch of step {step} from {list(sources)}: HTTP {e.code}: "
-                             f"{e.read()[:1000].decode('utf-8', 'replace')}") from e
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        return str(answer["source"])
+    except (KeyError, TypeError) as e:
         raise PeerFetchError(f"sidecar {sidecar}: fetch of step {step} from {list(sources)}: {e}") from e

@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from resilax_ckpt import commit, layout, peer_client, peers, pytrees, restore_choice, timelines
+from resilax_ckpt import (
+    chunk_fetch,
+    chunk_sources,
+    commit,
+    layout,
+    peer_client,
+    peers,
+    pytrees,
+    restore_choice,
+    timelines,
+)
 from resilax_ckpt.errors import (
     CorruptCheckpointError,
     MetadataError,
@@ -25,7 +36,7 @@ from resilax_ckpt.errors import (
 )
 from resilax_ckpt.requests import write_restore_report
 from resilax_ckpt.step_reader import UNREADABLE_STEP_ERRORS, missing_chunk_file, restore_step
-from resilax_ckpt.tiers import Tier, Tiers, own_holdings, withdraw_local_steps_after
+from resilax_ckpt.tiers import Tier, Tiers, node_copies, own_holdings, withdraw_local_steps_after
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +60,12 @@ class Restorer:
         """This process's local steps (of the last two-tier agreement) it could not read whole locally, and why."""
         self._peer_sources: dict[int, list[str]] = {}
         """step -> the sidecars holding this process's replica of it (of the last two-tier agreement)."""
+        self._copies: dict[int, list[chunk_sources.Copy]] = {}
+        """process -> what its node holds (of the last two-tier agreement; chunk_sources.py)."""
+        self._complete: dict[int, str] = {}
+        """step -> the save the in-cluster tiers hold whole (of the last two-tier agreement)."""
+        self._sources: dict[str, Any] | None = None
+        """What the restored step's files came from, per source (a restore from the in-cluster tiers)."""
 
     # ------------------------------------------------------------------ which step
 
@@ -159,8 +176,15 @@ class Restorer:
             has_local = cand in local_ok or (cand in own_local and cand in persistent and cand not in self._local_misses
                                              and self._local_covers(cand, target, items) is None)
             from_peer = not has_local and self._fetch_from_peers(cand, target, items)
-            out, source, errors = self._read_either_tier(cand, has_local or from_peer, cand in persistent,
-                                                         target, items, mark_persistent=fallback)
+            self._sources = None
+            if not has_local and not from_peer and cand in self._complete:  # any mesh: chunks from the hosts
+                out, source, errors = self._read_from_cluster(cand, cand in persistent, target, items)
+                if out is None and cand in persistent:
+                    out, source, more = self._read_either_tier(cand, False, True, target, items, fallback)
+                    errors = {**more, "local": errors["local"]}
+            else:
+                out, source, errors = self._read_either_tier(cand, has_local or from_peer, cand in persistent,
+                                                             target, items, mark_persistent=fallback)
             if from_peer and source == "local":
                 source = "peer"
             views = [json.loads(v) for v in t.exchange(f"{t.key}/restore2/{self._count}/{cand}",
@@ -213,9 +237,10 @@ class Restorer:
             # must not give them different candidates (every try below is a collective).
             key = f"{t.key}/restore-agree{t.next_ordinal()}"
             mine = own_holdings(t, local_ok, persistent[-1] if persistent else None)
+            copies = [c.to_json() for c in node_copies(t, persistent[-1] if persistent else None)]
             t.coord.publish(f"{key}/{t.coord.process_index}",
                             json.dumps({"process": t.coord.process_index, "persistent": persistent,
-                                        **mine.to_json()}))
+                                        **mine.to_json(), "copies": copies}))
             t.coord.barrier(key, t.options.barrier_timeout_seconds)
             raw = [json.loads(v) for v in t.coord.fetch_dir(f"{key}/").values()]
             agreed_persistent = set.intersection(*(set(v["persistent"]) for v in raw)) if raw else set()
@@ -223,6 +248,12 @@ class Restorer:
             plan = peers.decide_sources({int(v["process"]): peers.Holdings.from_json(v) for v in raw})
             self._peer_sources, agreed_local = restore_choice.decide_agreed_steps(
                 plan, t.coord.process_index, t.peer_addresses)
+            # Whatever the mesh: the steps whose chunks the reachable nodes hold between them.
+            self._copies = {int(v["process"]): [chunk_sources.Copy.from_json(c) for c in v.get("copies", [])]
+                            for v in raw if int(v["process"]) == t.coord.process_index
+                            or int(v["process"]) in t.peer_addresses}
+            self._complete = chunk_sources.complete_saves(self._copies)
+            agreed_local |= set(self._complete)
         else:
             agreed_local = set(local_ok)
         if step is not None:
@@ -275,6 +306,37 @@ class Restorer:
             f"needs nor is it committed in {t.persistent.root}")
         return None, None, errors
 
+    def _read_from_cluster(self, step: int, in_persistent: bool, target: Mapping[str, Any] | None,
+                           items: Iterable[str] | None) -> tuple[dict[str, Any] | None, str | None,
+                                                                 dict[str, str | None]]:
+        """Read `step` from the files this process's target needs, assembled from this node, the other
+        hosts (through the sidecars, checksummed) and, for what no host holds, the persistent tier
+        (chunk_fetch.py); like `_read_either_tier`'s answer, the in-cluster tiers as "local"."""
+        t = self._tiers
+        assert t.persistent is not None
+        pid = t.coord.process_index
+        errors: dict[str, str | None] = {"local": None, "persistent": None, "error": None}
+        persistent = (t.persistent.storage, t.persistent.data_path(step)) if in_persistent else None
+        folder = None
+        try:
+            folder, sources = chunk_fetch.assemble_step(
+                t.local.root, self._copies, pid, t.options.generation, step, self._complete[step], target, items,
+                t.peer_addresses, t.options.sidecar_address, t.options.sidecar_token_file, persistent)
+            out = self._read(t.local, folder, step, target, items, own_metadata=False)
+        except (*UNREADABLE_STEP_ERRORS, peer_client.PeerFetchError, OSError) as e:
+            errors["local"] = f"process {pid}: in-cluster tiers: {type(e).__name__}: {e}"
+            errors["error"] = None if in_persistent else errors["local"]
+            log.warning("step %d cannot be read from the in-cluster tiers: %s", step, errors["local"])
+            return None, None, errors
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._sources = sources
+        source = ("persistent" if sources["persistent"]["files"] else "peer" if sources["peer"]["files"]
+                  else "local")
+        log.info("step %d read from the in-cluster tiers (%s): %s", step, source, sources)
+        return out, source, errors
+
     def _local_covers(self, step: int, target: Mapping[str, Any] | None, items: Iterable[str] | None) -> str | None:
         """Why this host's local step lacks a chunk this process's restore would read (naming the
         file), or None when it has every one. A missing chunk is not proof of damage (after a change
@@ -319,6 +381,8 @@ class Restorer:
         self.report = {"step": step, "skipped": skipped, "generation": self._tiers.options.generation}
         if source is not None:
             self.report["source"] = source
+        if step is not None and self._sources is not None:
+            self.report["sources"] = self._sources
         if local_misses:
             self.report["local_misses"] = local_misses
         if self._tiers.options.control_dir:

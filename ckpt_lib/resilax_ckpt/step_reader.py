@@ -143,18 +143,31 @@ def missing_chunk_file(storage: Storage, step_path: str, step: int, metadata_nam
     `target` would read (naming the file), or None when it has every one. Raises MetadataError when
     the step's metadata `metadata_name` cannot be read."""
     meta = read_metadata(storage, step_path, metadata_name)
+    try:
+        needed = needed_chunk_files(meta, step, target, items)
+    except TreeMismatchError as e:
+        return str(e)
+    for rel in needed:
+        if not storage.exists(storage.join(step_path, *rel.split("/"))):
+            return f"{storage.join(step_path, *rel.split('/'))} is missing on this host"
+    return None
+
+
+def needed_chunk_files(meta: StepMetadata, step: int, target: Mapping[str, Any] | None,
+                       items: Iterable[str] | None) -> list[str]:
+    """The chunk files (paths relative to the step folder) this process's restore of `items` onto
+    `target` reads: those its target shards' boxes overlap, every chunk of an item without a target.
+    Raises TreeMismatchError when an item is missing or does not match its target."""
     target = target or {}
+    out: set[str] = set()
     for name in (list(items) if items is not None else list(meta.items)):
         item = meta.items.get(name)
         if item is None:
-            return f"{step_path}: no item {name!r}"
+            raise TreeMismatchError(f"step {step}: no item {name!r}")
         if item.kind != "pytree":
             continue
         if target.get(name) is not None:
-            try:
-                leaves, _ = items_lib.match_target(step, name, item, target[name])
-            except TreeMismatchError as e:
-                return str(e)
+            leaves, _ = items_lib.match_target(step, name, item, target[name])
             wants = jax.tree_util.tree_leaves(target[name])
         else:
             leaves, wants = list(item.leaves), [None] * len(item.leaves)
@@ -168,9 +181,13 @@ def missing_chunk_file(storage: Storage, step_path: str, step: int, metadata_nam
                 boxes = list(planning.plan_read_boxes(
                     sharding.addressable_devices_indices_map(leaf.shape).items(), leaf.shape))
             files = chunk_format.ArrayFiles.of(leaf)
-            file_keys = {files.locate(c)[0] for box in boxes for c in planning.chunks_of_box(box, leaf.chunks)}
-            leaf_path = storage.join(step_path, name, str(leaf.dir))
-            for key in sorted(file_keys):
-                if not storage.exists(storage.join(leaf_path, *key)):
-                    return f"{storage.join(leaf_path, *key)} is missing on this host"
-    return None
+            for key in {files.locate(c)[0] for box in boxes for c in planning.chunks_of_box(box, leaf.chunks)}:
+                out.add("/".join((name, str(leaf.dir), *key)))
+    return sorted(out)
+
+
+def all_chunk_files(meta: StepMetadata) -> list[str]:
+    """Every chunk file of a step (paths relative to its folder)."""
+    return sorted("/".join((name, str(leaf.dir), *key)) for name, item in meta.items.items()
+                  if item.kind == "pytree" for leaf in item.leaves if leaf.kind == "array"
+                  for key in chunk_format.ArrayFiles.of(leaf).file_keys())

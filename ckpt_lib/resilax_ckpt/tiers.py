@@ -15,7 +15,17 @@ import logging
 import os
 import threading
 
-from resilax_ckpt import backends, commit, fencing, layout, peer_client, peers, timelines
+from resilax_ckpt import (
+    backends,
+    chunk_fetch,
+    chunk_sources,
+    commit,
+    fencing,
+    layout,
+    peer_client,
+    peers,
+    timelines,
+)
 from resilax_ckpt.multihost import Coordinator
 from resilax_ckpt.options import ManagerOptions
 from resilax_ckpt.storage import Storage, open_storage
@@ -259,3 +269,27 @@ def own_holdings(tiers: Tiers, steps: list[int], newest_persistent: int | None) 
     floor = -1 if newest_persistent is None else newest_persistent
     return peers.Holdings({s: identity(s) for s in steps},
                           {p: {s: v for s, v in got.items() if s >= floor} for p, got in held.items()})
+
+
+def node_copies(tiers: Tiers, newest_persistent: int | None) -> list[chunk_sources.Copy]:
+    """What this node holds for a restore from the in-cluster tiers (chunk_sources.py): the local
+    steps any process committed here and the peer replicas, no older than the persistent tier's
+    newest, on the current branch, not marked bad. Empty off a local folder."""
+    storage, root = tiers.local.storage, tiers.local.root
+    if not storage.is_local or not tiers.local_tier:
+        return []
+    bad = commit.read_bad(storage, root)
+    markers: dict[int, str] = {}
+    for name in storage.list_dir(root):
+        step = layout.parse_step(name)
+        if step is None or step in bad:
+            continue
+        found = sorted(n for n in storage.list_dir(storage.join(root, name))
+                       if n == layout.COMMIT_FILE or n.startswith(layout.COMMIT_FILE + "."))
+        if found:
+            markers[step] = found[0]
+    branches = timelines.read_branches(tiers.fence_tier.storage, tiers.fence_tier.root)
+    current = timelines.current_steps(sorted(markers), lambda s: commit.read_marker_epoch(
+        storage, storage.join(root, layout.step_name(s)), markers[s]), branches)
+    replicas = {s for got in peer_client.held_replicas(root).values() for s in got}
+    return chunk_fetch.scan_node(root, newest_persistent, set(current) | replicas)

@@ -92,6 +92,8 @@ class LocalTierSpec:
     keep_last: int = DEFAULT_LOCAL_KEEP_LAST
     #: Upload only local steps divisible by this (and requested saves); None: every local step.
     persist_every_steps: int | None = None
+    #: The sidecars keep replicas of their peers' newest local steps (`peerReplicas`).
+    peer_replicas: bool = True
 
 
 @dataclass(frozen=True)
@@ -368,7 +370,8 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
                               or LOCAL_SCOPE_NODE,
                               keep_last=_int_or(r.integer(lt, "keepLast", f"{cp}.local", minimum=1),
                                                 DEFAULT_LOCAL_KEEP_LAST),
-                              persist_every_steps=r.integer(lt, "persistEverySteps", f"{cp}.local", minimum=1))
+                              persist_every_steps=r.integer(lt, "persistEverySteps", f"{cp}.local", minimum=1),
+                              peer_replicas=r.boolean(lt, "peerReplicas", f"{cp}.local", default=True))
     ev = r.obj(c, "every", cp) or {}
     kp = r.obj(c, "keep", cp) or {}
     fs = r.obj(c, "finalSave", cp) or {}

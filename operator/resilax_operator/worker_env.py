@@ -116,6 +116,7 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         _var("RESILAX_LOCAL_KEEP_LAST", "" if c.local is None else c.local.keep_last),
         _var("RESILAX_PERSIST_EVERY_STEPS",
              "" if c.local is None or c.local.persist_every_steps is None else c.local.persist_every_steps),
+        _var("RESILAX_PEER_REPLICAS", "" if c.local is None else "true" if c.local.peer_replicas else "false"),
         _var("RESILAX_RESTORE_STEP", g["RESILAX_RESTORE_STEP"]),
         _var("RESILAX_LIVE_JOB_UIDS", g["RESILAX_LIVE_JOB_UIDS"]),
         _var("RESILAX_TAKE_OVER", "true" if c.take_over else ""),

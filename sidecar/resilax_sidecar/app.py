@@ -273,9 +273,10 @@ class Sidecar:
             except OSError as e:
                 log.warning("local tier %s: cannot write its ownership marker (%s); the node sweep will "
                             "keep the folder after the job is deleted", cfg.local_dir, e)
-        if cfg.local_dir is not None:
+        if cfg.local_dir is not None and cfg.peer_replicas:
             self.replicator = Replicator(cfg.local_dir, cfg.control_dir, self.read_token,
-                                         cfg.peer_bytes_per_second, cfg.poll_seconds)
+                                         cfg.peer_bytes_per_second, cfg.poll_seconds,
+                                         self.metrics.peer_bytes.labels(purpose="replica", direction="received").inc)
             threading.Thread(target=self.replicator.run_forever, args=(self._uploader_stop,),
                              name="peer-replicator", daemon=True).start()
 

@@ -114,6 +114,11 @@ class SidecarConfig:
     """`RESILAX_PEER_BYTES_PER_SECOND`: the pace of peer replica transfers (peers.py), bytes per second
     (empty: 200 MB/s; `0`: unpaced). One transfer holds one 1 MiB piece in memory at a time."""
 
+    peer_replicas: bool = True
+    """`RESILAX_PEER_REPLICAS`: `true` (default) keeps replicas of peers' newest local steps (the
+    operator sets it from `checkpoint.local.peerReplicas`); `false` keeps none. Restores still read
+    chunks from the other hosts' local tiers either way."""
+
     log_level: str = "INFO"
     """`RESILAX_SIDECAR_LOG_LEVEL`: DEBUG, INFO, WARNING or ERROR."""
 
@@ -254,6 +259,7 @@ class SidecarConfig:
             retry_max_seconds=retry_max,
             peer_bytes_per_second=get("RESILAX_PEER_BYTES_PER_SECOND", non_negative_float, 200e6,
                                       "a number of bytes per second (0: unpaced)") or None,
+            peer_replicas=get("RESILAX_PEER_REPLICAS", choice(("true", "false")), "true", "true or false") == "true",
             verify=get("RESILAX_SIDECAR_VERIFY", choice(VERIFY_MODES), "size", f"one of {', '.join(VERIFY_MODES)}"),
             log_level=get(
                 "RESILAX_SIDECAR_LOG_LEVEL", choice(LOG_LEVELS, upper=True), "INFO", f"one of {', '.join(LOG_LEVELS)}"

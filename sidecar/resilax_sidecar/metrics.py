@@ -24,6 +24,10 @@ SAVE_REASONS = ("manual", "preemption", "resize")
 
 TIERS = ("local", "persistent")
 
+PEER_PURPOSES = ("replica", "restore")
+"""Why bytes moved between sidecars: a peer replica, or a restore (a whole step or chunk files)."""
+PEER_DIRECTIONS = ("sent", "received")
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -92,7 +96,16 @@ class SidecarMetrics:
             "Mutating HTTP calls refused (missing or wrong token).",
             registry=r,
         )
+        self.peer_bytes = Counter(
+            "resilax_sidecar_peer_bytes_total",
+            "Bytes this sidecar sent to or received from other sidecars, by purpose (replica, restore).",
+            ["purpose", "direction"],
+            registry=r,
+        )
         self.build_info.labels(version=package_version(), component="sidecar").set(1)
+        for purpose in PEER_PURPOSES:
+            for direction in PEER_DIRECTIONS:
+                self.peer_bytes.labels(purpose=purpose, direction=direction)
         for reason in SAVE_REASONS:
             self.save_requests.labels(reason=reason)
         for tier in TIERS:

@@ -158,21 +158,29 @@ def served_file(folder: Path, path: str) -> Path | None:
 
 
 class Pacer:
-    """Paces a transfer to `bytes_per_second` (None: unpaced); `sleep` injectable for tests."""
+    """Paces a transfer to `bytes_per_second` (None: unpaced); `sleep` injectable for tests;
+    `on_bytes` told every piece received (the metrics)."""
 
     def __init__(self, bytes_per_second: float | None, sleep: Callable[[float], object] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_bytes: Callable[[int], object] | None = None) -> None:
         self._rate = bytes_per_second
         self._sleep = sleep
         self._clock = clock
         self._start = clock()
         self._sent = 0
+        self._lock = threading.Lock()
+        self._on_bytes = on_bytes
 
     def account(self, n: int) -> None:
-        self._sent += n
+        if self._on_bytes is not None:
+            self._on_bytes(n)
+        with self._lock:
+            self._sent += n
+            sent = self._sent
         if not self._rate:
             return
-        ahead = self._sent / self._rate - (self._clock() - self._start)
+        ahead = sent / self._rate - (self._clock() - self._start)
         if ahead > 0:
             self._sleep(ahead)
 
@@ -212,29 +220,57 @@ class _Connection:
         self._conn.close()
 
 
-def fetch_newest(source: str, origin: int, token: str | None) -> tuple[int, str] | None:
+def connect(source: str, token: str | None) -> _Connection:
+    """A keep-alive connection to the sidecar at `source` (`host:port`); close it after use."""
+    return _Connection(source, token)
+
+
+def fetch_newest(source: str, origin: int, token: str | None) -> tuple[int, str, list[str] | None] | None:
+    """(step, save, its data files or None from an older sidecar) of `origin`'s newest local step."""
     connection = _Connection(source, token)
     try:
         body = connection.get_json(f"/v1/peer/{origin}/newest")
     finally:
         connection.close()
-    return None if body.get("step") is None else (int(body["step"]), str(body.get("save", "")))
+    if body.get("step") is None:
+        return None
+    files = body.get("files")
+    return int(body["step"]), str(body.get("save", "")), [str(f) for f in files] if isinstance(files, list) else None
+
+
+def data_files(folder: Path) -> list[str]:
+    """A step folder's data files (relative paths; not its markers or metadata: `_*` at its top)."""
+    return [f for f in _files_of(folder) if "/" in f or not f.startswith("_")]
+
+
+def holds_identical(local_dir: Path, step: int, save: str, files: Sequence[str]) -> bool:
+    """Whether this node's own local step `step` of save `save` (whichever process committed it) has
+    every one of `files`: a data-parallel replica holding the same shards, so a replica would be a
+    second copy on the same node."""
+    folder = local_dir / layout.step_name(step)
+    try:
+        markers = [n for n in os.listdir(folder) if n == layout.COMMIT_FILE or n.startswith(layout.COMMIT_FILE + ".")]
+    except OSError:
+        return False
+    if not any(save_identity(folder / m) == save for m in markers):
+        return False
+    return all((folder / f).is_file() for f in files)
 
 
 def fetch_step(source: str, origin: int, step: int, token: str | None, dest: Path, pacer: Pacer,
-               cancel: threading.Event | None = None) -> dict[str, Any]:
+               cancel: threading.Event | None = None, purpose: str = "replica") -> dict[str, Any]:
     """Copy (origin, step) from `source` into the new folder `dest`, checking every file's size and
     crc32c against the source's manifest; the manifest. On any failure `dest` is removed; `cancel`
     set stops it between two pieces (FetchCancelled)."""
     connection = _Connection(source, token)
     try:
-        return _fetch_step(connection, origin, step, dest, pacer, cancel)
+        return _fetch_step(connection, origin, step, dest, pacer, cancel, purpose)
     finally:
         connection.close()
 
 
 def _fetch_step(connection: _Connection, origin: int, step: int, dest: Path, pacer: Pacer,
-                cancel: threading.Event | None) -> dict[str, Any]:
+                cancel: threading.Event | None, purpose: str) -> dict[str, Any]:
     source = connection.source
     manifest = connection.get_json(f"/v1/peer/{origin}/{step}/manifest")
     if manifest.get("origin") != origin or manifest.get("step") != step:
@@ -250,7 +286,7 @@ def _fetch_step(connection: _Connection, origin: int, step: int, dest: Path, pac
             target.parent.mkdir(parents=True, exist_ok=True)
             value, size = 0, 0
             quoted = urllib.parse.quote(rel)
-            response = connection.get(f"/v1/peer/{origin}/{step}/files/{quoted}")
+            response = connection.get(f"/v1/peer/{origin}/{step}/files/{quoted}?purpose={purpose}")
             with open(target, "wb") as out:
                 while piece := response.read(CHUNK_BYTES):
                     _check_cancel(cancel, f"{source}: step {step} of process {origin}")
@@ -280,10 +316,15 @@ def replicate_once(local_dir: Path, source: str, origin: int, token: str | None,
     newest = fetch_newest(source, origin, token)
     if newest is None:
         return None
-    step, save = newest
+    step, save, files = newest
     base = local_dir / rules.PEER_DIR / rules.origin_dir_name(origin)
     final = base / layout.step_name(step)
     held = held_replicas(str(local_dir)).get(origin, {})
+    if files and holds_identical(local_dir, step, save, files):
+        # This node's own step holds the same shards (data parallel): no replica, none older kept.
+        shutil.rmtree(base, ignore_errors=True)
+        log.debug("process %d's step %d: this node holds its shards already; no replica", origin, step)
+        return None
     if held.get(step) != save:
         base.mkdir(parents=True, exist_ok=True)
         if final.exists():
@@ -312,7 +353,7 @@ def fetch_for_restore(local_dir: Path, process_id: int, step: int, sources: Sequ
         _check_cancel(cancel, f"fetch of step {step} of process {process_id}")
         tmp = _tmp(local_dir, step)
         try:
-            manifest = fetch_step(source, process_id, step, token, tmp, pacer, cancel)
+            manifest = fetch_step(source, process_id, step, token, tmp, pacer, cancel, "restore")
         except FetchCancelled:
             raise
         except PeerError as e:
@@ -358,7 +399,9 @@ class Replicator:
     `resilax_ckpt.peers`), polling the origins' sidecars every `poll_seconds`."""
 
     def __init__(self, local_dir: Path, control_dir: Path, read_token: Callable[[], str | None],
-                 bytes_per_second: float | None, poll_seconds: float) -> None:
+                 bytes_per_second: float | None, poll_seconds: float,
+                 on_bytes: Callable[[int], object] | None = None) -> None:
+        self.on_bytes = on_bytes
         self.local_dir = local_dir
         self.control_dir = control_dir
         self.read_token = read_token
@@ -382,7 +425,8 @@ class Replicator:
     def run_once(self) -> None:
         for origin, source in list(self.plan()):
             try:
-                step = replicate_once(self.local_dir, source, origin, self.read_token(), Pacer(self.bytes_per_second))
+                step = replicate_once(self.local_dir, source, origin, self.read_token(),
+                                      Pacer(self.bytes_per_second, on_bytes=self.on_bytes))
             except (PeerError, OSError) as e:
                 self.last_error = str(e)
                 log.warning("replica of process %d from %s: %s", origin, source, e)

@@ -12,6 +12,8 @@
 | GET | /v1/peer/{origin}/{step}/manifest | token | the files of a local step or a held replica, with crc32c |
 | GET | /v1/peer/{origin}/{step}/files/{path} | token | one file of it, streamed |
 | POST | /v1/peer/fetch | token | `{"origin", "step", "sources"}`: fetch this process's step from peers into the local tier (cancelled when the caller disconnects) |
+| GET | /v1/chunks/{step}/{folder}/{path}?save= | token | one file of what this node holds of a step: `local` or a replica `p<origin>` (peer_chunks.py) |
+| POST | /v1/peer/fetch-chunks | token | `{"step", "save", "dest", "files"}`: fetch chunk files from the holders, checksummed, into `<local>/<dest>/` |
 | POST | /v1/trainer/stop | token | `{"generation", "reason", "stacks"}`: stop an older trainer (trainer_control.py) |
 | POST | /v1/trainer/start | token | `{"generation", "env"}`: start the generation's trainer once none lives |
 | GET | /v1/trainer/ready | - | 200 while the current incarnation runs, else 503 (the trainer's readinessProbe) |
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import hmac
 import json
 import logging
@@ -31,9 +32,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from resilax_ckpt import layout
 from resilax_ckpt import trainer_control as tc
 
-from resilax_sidecar import control, peers
+from resilax_sidecar import control, peer_chunks, peers
 from resilax_sidecar import trainer_control as trainer
 from resilax_sidecar.errors import ConfigError, SidecarError
 from resilax_sidecar.metrics import CONTENT_TYPE, SAVE_REASONS
@@ -233,7 +235,10 @@ async def get_peer_newest(request: web.Request) -> web.Response:
     if origin != cfg.process_id:
         raise ApiError(404, "not_found", f"this sidecar serves the newest step of process {cfg.process_id} only")
     newest = await asyncio.to_thread(peers.newest_own_step, cfg.local_dir, cfg.process_id)
-    return web.json_response({"step": newest[0] if newest else None, "save": newest[1] if newest else None})
+    if newest is None:
+        return web.json_response({"step": None, "save": None})
+    files = await asyncio.to_thread(peers.data_files, cfg.local_dir / layout.step_name(newest[0]))
+    return web.json_response({"step": newest[0], "save": newest[1], "files": files})
 
 
 async def _served_folder(request: web.Request) -> tuple[Any, int, int]:
@@ -261,7 +266,72 @@ async def get_peer_file(request: web.Request) -> web.StreamResponse:
     path = peers.served_file(folder, request.match_info["path"])
     if path is None:
         raise ApiError(404, "not_found", f"{request.match_info['path']!r} is not a file of this step")
+    purpose = "restore" if request.query.get("purpose") == "restore" else "replica"
+    return _send_file(request, path, purpose)
+
+
+def _send_file(request: web.Request, path: Any, purpose: str) -> web.StreamResponse:
+    request.app[SIDECAR_KEY].metrics.peer_bytes.labels(purpose=purpose, direction="sent").inc(path.stat().st_size)
     return web.FileResponse(path, chunk_size=peers.CHUNK_BYTES)
+
+
+async def get_chunk_file(request: web.Request) -> web.StreamResponse:
+    _require_token(request)
+    cfg = request.app[SIDECAR_KEY].config
+    if cfg.local_dir is None:
+        raise ApiError(404, "not_found", "this sidecar has no local tier (RESILAX_LOCAL_DIR)")
+    step, folder, save = request.match_info["step"], request.match_info["folder"], request.query.get("save")
+    if not step.isdigit() or save is None:
+        raise ApiError(400, "bad_request", f"step {step!r} must be a non-negative integer and save= given")
+    base = await asyncio.to_thread(peer_chunks.served_chunk_folder, cfg.local_dir, int(step), folder, save)
+    path = None if base is None else peers.served_file(base, request.match_info["path"])
+    if path is None:
+        raise ApiError(404, "not_found", f"no file {request.match_info['path']!r} of step {step} (save {save!r}) "
+                                         f"in {folder!r} on this node")
+    return _send_file(request, path, "restore")
+
+
+async def post_fetch_chunks(request: web.Request) -> web.Response:
+    _require_token(request)
+    sidecar = request.app[SIDECAR_KEY]
+    cfg = sidecar.config
+    if cfg.local_dir is None:
+        raise ApiError(404, "not_found", "this sidecar has no local tier (RESILAX_LOCAL_DIR)")
+    body = await _json_body(request)
+    problems = peer_chunks.check_request(body)
+    if problems:
+        raise ApiError(400, "bad_request", "; ".join(problems))
+    received = sidecar.metrics.peer_bytes.labels(purpose="restore", direction="received")
+    local_dir = cfg.local_dir
+    answer = await _cancellable(request, f"chunk fetch of step {body['step']}", lambda cancel: peer_chunks.fetch_chunks(
+        local_dir, body, sidecar.read_token(),
+        peers.Pacer(cfg.peer_bytes_per_second, sleep=cancel.wait, on_bytes=received.inc), cancel))
+    return web.json_response(answer)
+
+
+async def _cancellable(request: web.Request, what: str, work: Callable[[threading.Event], Any]) -> Any:
+    """Run `work(cancel)` on a thread of its own (not the loop's default executor: a slow fetch never
+    delays the threads that /v1/save and /v1/state wait in); `cancel` is set when the caller goes
+    away (it timed out and closed the connection). 499 when cancelled, 409 on a PeerError."""
+    cancel = threading.Event()
+    own_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peer-fetch")
+    future = asyncio.get_running_loop().run_in_executor(own_thread, work, cancel)
+    own_thread.shutdown(wait=False)
+    try:
+        while not (await asyncio.wait({future}, timeout=CALLER_CHECK_SECONDS))[0]:
+            if caller_gone(request) and not cancel.is_set():
+                cancel.set()
+                log.warning("%s: its caller went away; cancelling it", what)
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
+    try:
+        return future.result()
+    except peers.FetchCancelled as e:
+        log.info("%s cancelled, nothing installed: %s", what, e)
+        raise ApiError(499, "cancelled", str(e)) from e
+    except peers.PeerError as e:
+        raise ApiError(409, "peer_failed", str(e)) from e
 
 
 async def post_peer_fetch(request: web.Request) -> web.Response:
@@ -282,30 +352,11 @@ async def post_peer_fetch(request: web.Request) -> web.Response:
     if problems:
         raise ApiError(400, "bad_request", "; ".join(problems))
     assert isinstance(step, int) and isinstance(sources, list)
-    cancel = threading.Event()
-    # A thread of its own, not the loop's default executor: a slow fetch never delays the threads
-    # that /v1/save and /v1/state wait in (the uploader's wait_persisted).
-    own_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"peer-fetch-{step}")
-    fetch = asyncio.get_running_loop().run_in_executor(own_thread, functools.partial(
-        peers.fetch_for_restore, cfg.local_dir, cfg.process_id, step, sources, sidecar.read_token(),
-        peers.Pacer(cfg.peer_bytes_per_second, sleep=cancel.wait), cancel))  # a paced wait ends at cancel
-    own_thread.shutdown(wait=False)
-    try:
-        # The caller gone (it timed out and closed the connection): stop the fetch, install nothing.
-        while not (await asyncio.wait({fetch}, timeout=CALLER_CHECK_SECONDS))[0]:
-            if caller_gone(request) and not cancel.is_set():
-                cancel.set()
-                log.warning("peer fetch of step %d: its caller went away; cancelling it", step)
-    except asyncio.CancelledError:
-        cancel.set()
-        raise
-    try:
-        source, manifest = fetch.result()
-    except peers.FetchCancelled as e:
-        log.info("peer fetch of step %d cancelled, nothing installed: %s", step, e)
-        raise ApiError(499, "cancelled", str(e)) from e
-    except peers.PeerError as e:
-        raise ApiError(409, "peer_failed", str(e)) from e
+    received = sidecar.metrics.peer_bytes.labels(purpose="restore", direction="received")
+    local_dir = cfg.local_dir
+    source, manifest = await _cancellable(request, f"peer fetch of step {step}", lambda cancel: peers.fetch_for_restore(
+        local_dir, cfg.process_id, step, sources, sidecar.read_token(),
+        peers.Pacer(cfg.peer_bytes_per_second, sleep=cancel.wait, on_bytes=received.inc), cancel))
     return web.json_response({"origin": cfg.process_id, "step": step, "source": source,
                               "files": len(manifest["files"]),
                               "bytes": sum(int(f["size"]) for f in manifest["files"])})
@@ -387,7 +438,7 @@ def caller_gone(request: web.Request) -> bool:
 
 def build_app(sidecar: Sidecar) -> web.Application:
     """The aiohttp application for one sidecar."""
-    app = web.Application(middlewares=[json_errors], client_max_size=64 * 1024)
+    app = web.Application(middlewares=[json_errors], client_max_size=16 << 20)  # a fetch-chunks body lists files
     app[SIDECAR_KEY] = sidecar
     app.router.add_post("/v1/save", post_save)
     app.router.add_get("/v1/save/{id}", get_save)
@@ -399,6 +450,8 @@ def build_app(sidecar: Sidecar) -> web.Application:
     app.router.add_get("/v1/peer/{origin}/{step}/manifest", get_peer_manifest)
     app.router.add_get("/v1/peer/{origin}/{step}/files/{path:.+}", get_peer_file)
     app.router.add_post("/v1/peer/fetch", post_peer_fetch)
+    app.router.add_post("/v1/peer/fetch-chunks", post_fetch_chunks)
+    app.router.add_get("/v1/chunks/{step}/{folder}/{path:.+}", get_chunk_file)
     app.router.add_post("/v1/trainer/stop", post_trainer_stop)
     app.router.add_post("/v1/trainer/start", post_trainer_start)
     app.router.add_get("/v1/trainer/ready", get_trainer_ready)

@@ -107,7 +107,10 @@ def scenario_restore(args):
 
     mesh = global_mesh(args["mesh"])
     specs = {k: tuple(v) if v is not None else () for k, v in args.get("specs", {}).items()} or SPECS
-    mgr = rc.CheckpointManager(args["root"].format(pid=jax.process_index()), options(args),
+    pid = jax.process_index()
+    # roots / process_options: each process's own folder (a node's local tier) and options (its sidecar)
+    root = args["roots"][pid] if "roots" in args else args["root"].format(pid=pid)
+    mgr = rc.CheckpointManager(root, options(args, **args.get("process_options", [{}] * (pid + 1))[pid]),
                                persistent_directory=args.get("persistent"))
     target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P(*specs[k])))
                          for k, v in expected(0).items()}}

@@ -8,9 +8,11 @@ the persistent tier when it must.
     VM's SIGTERM, no request before it) on one of the 4 workers' nodes: all agree on one step, save it
     locally, stop; it is uploaded, and generation 3 restores it with no step lost.
 (b) A node is lost (removed, its disk with it) and replaced by a new, empty one: the survivors restore from
-    their local tiers, the replacement from the peer holding its replica (issue 19), all the same step,
-    newer than anything persistent; then the two nodes holding each other's replicas are lost together
-    and the next generation restores the persistent tier's newest.
+    their local tiers, the replacement from its peers' local tiers (issues 19 and 26), all the same step,
+    newer than anything persistent; then two nodes are lost together and the next generation still
+    restores a local step: the others hold every shard (data parallel).
+(d) A shrink (issue 26, item 4): a host of slice 0 killed near step 73; the one-slice job restores the
+    newest local step from the in-cluster tiers, none of it from the persistent tier.
 (c) A namespace enforcing Pod Security `baseline` refuses the hostPath: `PodCreationRefused` names the fix,
     and `scope: Pod` gets the pods created.
 
@@ -192,14 +194,6 @@ def graceful_node_shutdown_saves_the_agreed_step_and_the_next_generation_restore
             cluster.restore_node(victim)
 
 
-def replica_steps(cluster: LocalCluster, jobs: Jobs, name: str, node: str, origin: int) -> list[int]:
-    """Steps of `origin`'s complete peer replicas on `node` (`<local>/_peer/p<origin>/<step>/_REPLICA.json`)."""
-    base = local_folder(cluster, jobs, name, node) / "_peer" / f"p{origin}"
-    if not base.is_dir():
-        return []
-    return sorted(int(p.name) for p in base.iterdir() if p.name.isdigit() and (p / "_REPLICA.json").is_file())
-
-
 def node_spec(node: str) -> NodeSpec:
     return next(n for s in (0, 1) for n in build_tpu_slice(f"tpu-slice-{s}", "tpu-v5-lite-podslice", "2x4")
                 if n.name == node)
@@ -216,61 +210,56 @@ def replace_nodes(cluster: LocalCluster, kube: KubeClient, nodes: list[str]) -> 
     cluster.wait_nodes_ready(nodes, timeout=120)
 
 
-def test_node_loss_the_replacement_restores_from_its_peer_and_two_peers_lost_fall_back(
+def test_node_loss_the_replacement_restores_from_its_peers_and_two_lost_still_do(
         operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, kube: KubeClient, tmp_path: Path) -> None:
-    """Issue 19, item 1. (a) A node is lost (its disk with it) while the local tiers are ahead of the
-    persistent tier: the replacement (process 1) fetches its shards of the newest local step from the
-    peer holding its replica (process 3, the same host index in the other slice), the survivors read
-    their own; every process restores that step, newer than anything persistent. (b) Then the nodes of
-    processes 1 and 3, which hold each other's replicas, are lost together: no local step is complete,
-    so generation 3 restores the persistent tier's newest, with no error."""
+    """Issues 19 and 26. (a) A node is lost (its disk with it) while the local tiers are ahead of the
+    persistent tier: the replacement (process 1) reads its shards of the newest local step from the
+    other hosts' local tiers through their sidecars, the survivors read their own; every process
+    restores that step, newer than anything persistent. No replica was ever sent: the example's
+    parameters are data parallel over the hosts, so each holder's own step already has its origin's
+    shards (`peers.plan_peers`' holder of process 1 is process 3). (b) Then the nodes of processes 1
+    and 3 are lost together: processes 0 and 2 still hold every shard, so generation 3 restores the
+    newest local step again, the replacements from peers."""
     name, storage = unique_name("nlt-loss"), tmp_path / "ckpt"
     start(jobs, name, storage, {"keepLast": 3, "persistEverySteps": 20})
     nodes1 = pod_nodes(jobs, name, 1)
     victim, holder = nodes1["s0-h1"], nodes1["s1-h1"]  # processes 1 and 3 (peers.plan_peers)
     lost_folder = local_folder(cluster, jobs, name, victim)
+    holder_folder = local_folder(cluster, jobs, name, holder)
 
-    def replica_current() -> int | None:
-        """The holder's replica of process 1, once it is its newest local step and newer than persistent."""
+    def ahead() -> int | None:
+        """Process 1's newest local step, once the holder has it too and it is newer than persistent."""
         try:
-            persisted = committed_steps(storage)
-            held, own = replica_steps(cluster, jobs, name, holder, 1), local_steps(lost_folder)
+            persisted, own, held = committed_steps(storage), local_steps(lost_folder), local_steps(holder_folder)
         except FileNotFoundError:  # a folder renamed or trimmed while listed
             return None
-        if persisted and held and own and held[-1] == own[-1] and held[-1] > max(persisted):
-            return held[-1]
+        if persisted and own and own[-1] in held and own[-1] > max(persisted):
+            return own[-1]
         return None
-    # process 1's newest local step as last seen before the loss (also replicated by then)
-    victim_newest = wait_for(replica_current, timeout=900, interval=0.1, message=(
-        f"{name}: process 1's newest local step replicated on {holder}, ahead of the persistent tier"))
+    victim_newest = wait_for(ahead, timeout=900, interval=0.1, message=(
+        f"{name}: process 1's newest local step on {holder} too, ahead of the persistent tier"))
     fault = time.time()
     replace_nodes(cluster, kube, [victim])
     try:
-        held_at_fault = replica_steps(cluster, jobs, name, holder, 1)[-1]
         lines, gen1_persisted = generation_2_restored(jobs, name, storage)
-        print(f"\nnode loss: process 1's newest local step {victim_newest}, its replica on {holder} "
-              f"{held_at_fault}; generation 1's commits in the persistent tier {gen1_persisted}; "
-              f"generation 2 restored {lines}")
+        print(f"\nnode loss: process 1's newest local step {victim_newest}; generation 1's commits in the "
+              f"persistent tier {gen1_persisted}; generation 2 restored {lines}")
         step = lines["s0-h0"]["restored"]
         assert pod_nodes(jobs, name, 2) == nodes1
         assert {w: r["from"] for w, r in lines.items()} == {
             "s0-h0": "local", "s0-h1": "peer", "s1-h0": "local", "s1-h1": "local"}, lines
+        assert lines["s0-h1"]["sources"]["peer"]["files"] > 0, lines["s0-h1"]
+        assert lines["s0-h1"]["sources"]["persistent"]["files"] == 0, lines["s0-h1"]
         assert all(r["restored"] == step for r in lines.values()), lines
         assert step > max(gen1_persisted), (step, gen1_persisted)  # newer than anything persistent
-        assert step == held_at_fault  # the replica there was at the loss
         assert history_restore(jobs, name, 2) == (step, "peer")  # the farthest any process went
         gen1 = jobs.losses(name, 1)
         print(f"node loss: generation 1 reached step {max(gen1)}; process 1 had committed {victim_newest} "
               f"locally; restored {step}: {victim_newest - step} steps lost")
         assert step >= victim_newest, (step, victim_newest)  # 0 steps lost
-        # The replacement's local tier now holds the step byte for byte as the replica on the holder
-        # (each file's crc32c checked on the way), and it continues the same loss curve: the arrays
-        # restored are the saved ones.
-        fetched = local_folder(cluster, jobs, name, victim) / str(step)
-        replica = local_folder(cluster, jobs, name, holder) / "_peer" / "p1" / str(step)
-        assert {str(p.relative_to(fetched)): p.read_bytes() for p in fetched.rglob("*") if p.is_file()} == {
-            str(p.relative_to(replica)): p.read_bytes() for p in replica.rglob("*")
-            if p.is_file() and p.name != "_REPLICA.json"}
+        # No replicas: every holder's own step had the same shards as its origin's.
+        assert not any((local_folder(cluster, jobs, name, n) / "_peer").exists() for n in nodes1.values())
+        # The same loss curve: the arrays restored are the saved ones.
         gen2 = wait_for(lambda: (g := jobs.losses(name, 2)) and step + 1 in g and g, timeout=300, interval=1,
                         message=f"{name}: step {step + 1} of generation 2")
         assert min(gen2) == step + 1
@@ -278,27 +267,101 @@ def test_node_loss_the_replacement_restores_from_its_peer_and_two_peers_lost_fal
             assert gen2[step + 1]["loss"] == gen1[step + 1]["loss"], (gen1[step + 1], gen2[step + 1])
         recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "PodLost", "WorkerFailed"))
 
-        # (b) Two hosts holding each other's replicas lost together.
-        wait_for(lambda: replica_steps(cluster, jobs, name, holder, 1) and replica_steps(
-            cluster, jobs, name, victim, 3), timeout=300, interval=0.5,
-            message=f"{name}: processes 1 and 3 holding each other's replicas in generation 2")
+        # (b) Two hosts that are each other's replica holders lost together.
+        wait_for(lambda: (n := local_steps(local_folder(cluster, jobs, name, victim))) and n[-1] > step,
+                 timeout=300, interval=0.5, message=f"{name}: the replacement saving a local step of its own")
         replace_nodes(cluster, kube, [victim, holder])
         jobs.wait_status(name, lambda s: s.get("generation") == 3 and s.get("phase") == "Running", 900,
                          "generation 3 Running")
         lines3 = wait_restored(jobs, name, 3)
         persisted = committed_steps(storage)
-        print(f"two peers lost: persistent tier {persisted}; generation 3 restored {lines3}")
+        print(f"two hosts lost: persistent tier {persisted}; generation 3 restored {lines3}")
         step3 = lines3["s0-h0"]["restored"]
         assert all(r["restored"] == step3 for r in lines3.values()), lines3
-        assert lines3["s0-h1"]["from"] == lines3["s1-h1"]["from"] == "persistent", lines3
-        assert history_restore(jobs, name, 3) == (step3, "persistent")
-        assert step3 in persisted and commit_generation(storage, step3) <= 2, (step3, persisted)
+        assert lines3["s0-h1"]["from"] == lines3["s1-h1"]["from"] == "peer", lines3
+        assert lines3["s0-h0"]["from"] == lines3["s1-h0"]["from"] == "local", lines3
+        assert step3 > step, (step3, step)
+        for w in ("s0-h1", "s1-h1"):
+            assert lines3[w]["sources"]["persistent"]["files"] == 0 < lines3[w]["sources"]["peer"]["files"], lines3[w]
+        assert history_restore(jobs, name, 3) == (step3, "peer")
         wait_for(lambda: jobs.losses(name, 3), timeout=300, interval=1, message=f"{name}: a step of generation 3")
     finally:
         missing = [n for n in (victim, holder) if not any(x["name"] == n for x in cluster.nodes())]
         if missing:
             cluster.add_nodes([node_spec(n) for n in missing])
             cluster.wait_nodes_ready(missing, timeout=120)
+
+
+def restore_lines(jobs: Jobs, name: str, generation: int, workers: list[tuple[int, int]]) -> dict[str, dict[str, Any]]:
+    """`s<slice>-h<host>` → the `{"restored", "from", "sources", ...}` line of each of `workers`, once all printed one."""
+    def lines() -> dict[str, dict[str, Any]] | None:
+        out = {}
+        for s, h in workers:
+            for line in jobs.trainer_log(name, generation, s, h).splitlines():
+                if line.startswith("{") and '"restored"' in line:
+                    out[f"s{s}-h{h}"] = json.loads(line)
+        return out if len(out) == len(workers) else None
+    return wait_for(lines, timeout=900, interval=1, message=f"{name}: every worker of generation {generation} restored")
+
+
+def test_shrink_restores_from_local_and_peers(
+        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path: Path) -> None:
+    """Issue 26, item 4. 2 slices x 2 hosts, a save every 5 steps, `persistEverySteps: 50`: a host of
+    slice 0 is killed near step 73; the job shrinks to one slice, on slice 1's nodes, whose processes
+    are numbered 0 and 1 now (their local steps were written by processes 2 and 3). Each process reads
+    the newest local step (>= 70, newer than anything persistent) from the in-cluster tiers: the
+    restore's own report says where every file came from (its node, a peer's sidecar), none from the
+    persistent tier. No replica was sent: every host's own step holds the same shards as its peer's
+    (the example's parameters are data parallel over the hosts). The checksum refusal and the next
+    holder: tests/sidecar/test_peer_chunks.py, tests/ckpt/test_shrink_restore.py."""
+    name, storage = unique_name("nlt-shrink"), tmp_path / "ckpt"
+    manifest = job_manifest(name, storage, every_steps=5, steps=5000, step_seconds=0.5, final_save_timeout=20,
+                            elastic={"minCount": 1, "maxCount": 2, "growBack": False})
+    manifest["spec"]["checkpoint"]["local"] = {"keepLast": 2, "persistEverySteps": 50}
+    jobs.create(manifest)
+    jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1, 600,
+                     "generation 1 Running")
+    nodes1 = pod_nodes(jobs, name, 1)
+    victim = nodes1["s0-h1"]
+    wait_for(lambda: max(jobs.losses(name, 1), default=0) >= 72, timeout=900, interval=0.2,
+             message=f"{name}: generation 1 at step 72")
+    fault = time.time()
+    cluster.kill_node(victim)
+    try:
+        persisted_at_fault = committed_steps(storage)
+        jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running"
+                         and (s.get("shape") or {}).get("count") == 1, 900, "generation 2 Running on one slice")
+        lines = restore_lines(jobs, name, 2, [(0, 0), (0, 1)])
+        gen1 = jobs.losses(name, 1)
+        print(f"\nshrink: generation 1 reached {max(gen1)}; the persistent tier at the fault {persisted_at_fault}; "
+              f"generation 2 restored {json.dumps(lines)}")
+        step = lines["s0-h0"]["restored"]
+        assert all(r["restored"] == step for r in lines.values()), lines
+        assert step >= 70 and step % 50 != 0, lines  # a local step, newer than the persistent tier's 50
+        assert step > max(persisted_at_fault, default=0), (step, persisted_at_fault)
+        nodes2 = pod_nodes(jobs, name, 2)
+        assert set(nodes2.values()) == {nodes1["s1-h0"], nodes1["s1-h1"]}, (nodes1, nodes2)
+        for worker, r in lines.items():
+            # From the in-cluster tiers, by the restore's own account: the files this process's new
+            # mesh needs, from its node's local tier (written under another process number) or a peer.
+            assert r["from"] in ("local", "peer"), (worker, r)
+            sources = r["sources"]
+            assert sources is not None, (worker, r)
+            assert sources["persistent"] == {"files": 0, "bytes": 0}, (worker, sources)
+            assert sources["local"]["files"] + sources["peer"]["files"] > 0, (worker, sources)
+        # No replica sent: each holder's own step had the same shards.
+        for node in set(nodes1.values()) - {victim}:
+            assert not (local_folder(cluster, jobs, name, node) / "_peer").exists(), node
+        # The same loss curve: the arrays restored are the saved ones.
+        gen2 = wait_for(lambda: (g := jobs.losses(name, 2)) and step + 1 in g and g, timeout=300, interval=1,
+                        message=f"{name}: step {step + 1} of generation 2")
+        assert min(gen2) == step + 1
+        if step + 1 in gen1:
+            assert gen2[step + 1]["loss"] == gen1[step + 1]["loss"], (gen1[step + 1], gen2[step + 1])
+        recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "NodeNotReady", "PodLost", "WorkerFailed"))
+    finally:
+        if {n["name"]: n["state"] for n in cluster.nodes()}.get(victim) != "Ready":
+            cluster.restore_node(victim)
 
 
 def test_baseline_pod_security_refuses_node_scope_with_the_fix_in_the_condition(

@@ -18,6 +18,7 @@ from resilax_operator.builders import (
     geometry_of,
     in_place_unavailable,
 )
+from resilax_operator.errors import InvalidSpecError
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.spec import JobSpec, Shape
 from resilax_operator.validation import validate_spec
@@ -434,6 +435,27 @@ def test_node_scope_is_a_host_path_per_job_with_an_init_container(local: dict[st
     assert _env(_trainer(pod))["RESILAX_LOCAL_KEEP_LAST"] == "2"
     assert _env(_trainer(pod))["RESILAX_PERSIST_EVERY_STEPS"] == ""
     assert _env(_trainer(pod))["RESILAX_LOCAL_DIR"] == api.LOCAL_DIR
+    assert _env(inits[1])["RESILAX_PEER_REPLICAS"] == "true"  # the sidecar keeps peer replicas by default
+
+
+@pytest.mark.parametrize(("local", "want"), [({}, "true"), ({"peerReplicas": True}, "true"),
+                                             ({"peerReplicas": False}, "false"), (None, "")],
+                         ids=["default", "on", "off", "no-local-tier"])
+def test_peer_replicas_switch_reaches_the_sidecar(local: dict | None, want: str) -> None:
+    raw = good_spec()
+    raw["checkpoint"].pop("local", None)
+    if local is not None:
+        raw["checkpoint"]["local"] = local
+    pod = build_pod(JOB_UID, validate_spec(raw), PLAN, 0, 0, SETTINGS, coordinator_ip=None)
+    sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == "resilax-sidecar")
+    assert _env(sidecar)["RESILAX_PEER_REPLICAS"] == want
+
+
+def test_peer_replicas_must_be_a_boolean() -> None:
+    raw = good_spec()
+    raw["checkpoint"]["local"] = {"peerReplicas": "yes"}
+    with pytest.raises(InvalidSpecError, match=r"spec.checkpoint.local.peerReplicas: must be true or false"):
+        validate_spec(raw)
 
 
 def test_node_scope_folder_goes_to_the_workers_user_and_group() -> None:
