@@ -243,6 +243,40 @@ def data_files(folder: Path) -> list[str]:
     return [f for f in _files_of(folder) if "/" in f or not f.startswith("_")]
 
 
+def _node_newest_step(local_dir: Path) -> int:
+    """The newest step with a commit marker (any process's) on this node, -1 when none."""
+    try:
+        names = os.listdir(local_dir)
+    except OSError:
+        return -1
+    for step in sorted((s for s in map(layout.parse_step, names) if s is not None), reverse=True):
+        try:
+            if any(n == layout.COMMIT_FILE or n.startswith(layout.COMMIT_FILE + ".")
+                   for n in os.listdir(local_dir / layout.step_name(step))):
+                return step
+        except OSError:
+            continue
+    return -1
+
+
+def _own_save_in_progress(local_dir: Path, step: int) -> bool:
+    """Whether this node is writing its own save of `step` (its `.tmp-<step>-g<G>` folder, or a shared
+    `<step>/` folder with no commit marker yet)."""
+    try:
+        names = os.listdir(local_dir)
+    except OSError:
+        return False
+    if any(n.startswith(f"{layout.TMP_PREFIX}{step}-g") for n in names):
+        return True
+    if layout.step_name(step) not in names:
+        return False
+    try:
+        inside = os.listdir(local_dir / layout.step_name(step))
+    except OSError:
+        return False
+    return not any(n == layout.COMMIT_FILE or n.startswith(layout.COMMIT_FILE + ".") for n in inside)
+
+
 def holds_identical(local_dir: Path, step: int, save: str, files: Sequence[str]) -> bool:
     """Whether this node's own local step `step` of save `save` (whichever process committed it) has
     every one of `files`: a data-parallel replica holding the same shards, so a replica would be a
@@ -320,6 +354,11 @@ def replicate_once(local_dir: Path, source: str, origin: int, token: str | None,
     base = local_dir / rules.PEER_DIR / rules.origin_dir_name(origin)
     final = base / layout.step_name(step)
     held = held_replicas(str(local_dir)).get(origin, {})
+    if files and (_own_save_in_progress(local_dir, step) or -1 < _node_newest_step(local_dir) < step):
+        # This node's own save of that step is on its way (written, or not yet begun while this node
+        # saves too): decide once it is committed, so a data-parallel copy is never replicated early.
+        log.debug("process %d's step %d: this node's own step not committed yet; deciding later", origin, step)
+        return None
     if files and holds_identical(local_dir, step, save, files):
         # This node's own step holds the same shards (data parallel): no replica, none older kept.
         shutil.rmtree(base, ignore_errors=True)
