@@ -194,6 +194,11 @@ def graceful_node_shutdown_saves_the_agreed_step_and_the_next_generation_restore
             cluster.restore_node(victim)
 
 
+def held_replicas(cluster: LocalCluster, jobs: Jobs, name: str, nodes: list[str]) -> list[str]:
+    """The complete peer replicas (`<local>/_peer/p<origin>/<step>/_REPLICA.json`) on `nodes`."""
+    return [str(p) for n in nodes for p in (local_folder(cluster, jobs, name, n) / "_peer").glob("p*/*/_REPLICA.json")]
+
+
 def node_spec(node: str) -> NodeSpec:
     return next(n for s in (0, 1) for n in build_tpu_slice(f"tpu-slice-{s}", "tpu-v5-lite-podslice", "2x4")
                 if n.name == node)
@@ -238,6 +243,9 @@ def test_node_loss_the_replacement_restores_from_its_peers_and_two_lost_still_do
         return None
     victim_newest = wait_for(ahead, timeout=900, interval=0.1, message=(
         f"{name}: process 1's newest local step on {holder} too, ahead of the persistent tier"))
+    # No replica kept: every holder's own step had the same shards as its origin's (a replica taken
+    # before a holder's first save of its own is dropped at its next pass).
+    assert not held_replicas(cluster, jobs, name, list(nodes1.values())), "replicas of identical shards kept"
     fault = time.time()
     replace_nodes(cluster, kube, [victim])
     try:
@@ -257,8 +265,6 @@ def test_node_loss_the_replacement_restores_from_its_peers_and_two_lost_still_do
         print(f"node loss: generation 1 reached step {max(gen1)}; process 1 had committed {victim_newest} "
               f"locally; restored {step}: {victim_newest - step} steps lost")
         assert step >= victim_newest, (step, victim_newest)  # 0 steps lost
-        # No replicas: every holder's own step had the same shards as its origin's.
-        assert not any((local_folder(cluster, jobs, name, n) / "_peer").exists() for n in nodes1.values())
         # The same loss curve: the arrays restored are the saved ones.
         gen2 = wait_for(lambda: (g := jobs.losses(name, 2)) and step + 1 in g and g, timeout=300, interval=1,
                         message=f"{name}: step {step + 1} of generation 2")
@@ -349,9 +355,8 @@ def test_shrink_restores_from_local_and_peers(
             assert sources is not None, (worker, r)
             assert sources["persistent"] == {"files": 0, "bytes": 0}, (worker, sources)
             assert sources["local"]["files"] + sources["peer"]["files"] > 0, (worker, sources)
-        # No replica sent: each holder's own step had the same shards.
-        for node in set(nodes1.values()) - {victim}:
-            assert not (local_folder(cluster, jobs, name, node) / "_peer").exists(), node
+        # No replica kept: each holder's own step had the same shards.
+        assert not held_replicas(cluster, jobs, name, sorted(set(nodes1.values()) - {victim})), "replicas kept"
         # The same loss curve: the arrays restored are the saved ones.
         gen2 = wait_for(lambda: (g := jobs.losses(name, 2)) and step + 1 in g and g, timeout=300, interval=1,
                         message=f"{name}: step {step + 1} of generation 2")
