@@ -8,9 +8,10 @@ it runs CMD as its child (incarnation 1 with the pod's environment) and never ex
 2. Every change is written to `$RESILAX_CONTROL_DIR/incarnation.json` (`trainer_control`); `exited`
    only once the child is reaped and `waitpid(-1)` finds no descendant left (ECHILD).
 3. The child exits 0 (and was not being stopped): the supervisor exits 0. Any other end: it stays.
-4. `trainer-stop.json` naming a newer generation than the child's: stacks if asked (`py-spy dump` when
-   on PATH, else SIGCONT + SIGUSR1, which `initialize_distributed_from_env` binds to faulthandler),
-   SIGTERM to the child's group, `RESILAX_RESTART_GRACE_SECONDS` (default 5), SIGKILL, reap.
+4. `trainer-stop.json` naming a newer generation than the child's: stacks if asked (`py-spy dump
+   --nonblocking` when on PATH and it succeeds, else SIGCONT + SIGUSR1, which
+   `initialize_distributed_from_env` binds to faulthandler), SIGTERM to the child's group,
+   `RESILAX_RESTART_GRACE_SECONDS` (default 5), SIGKILL, reap.
 5. `assignment.json` naming a generation newer than any run: the next child, only once none lives.
 6. SIGTERM or SIGINT to the supervisor: forwarded to the child; it exits with the child's code once
    the child is gone (128+n for a signal n). Usage errors exit 2, internal ones 70.
@@ -373,10 +374,15 @@ class Supervisor:
         pid = self.record.pid
         spy = shutil.which("py-spy")
         if spy is not None:
+            # --nonblocking reads the stacks without suspending the process: py-spy's own suspension
+            # fails on a stopped process (SIGSTOP, a debugger), which is one of the hangs it is here for.
             try:
-                subprocess.run([spy, "dump", "--pid", str(pid)], stdout=sys.stderr, stderr=sys.stderr,
-                               timeout=self.settings.stacks_seconds, check=False)
-                return
+                done = subprocess.run([spy, "dump", "--nonblocking", "--pid", str(pid)], stdout=sys.stderr,
+                                      stderr=sys.stderr, timeout=self.settings.stacks_seconds, check=False)
+                if done.returncode == 0:
+                    return
+                log.warning("resilax run: py-spy dump of pid %d exited %d; asking faulthandler", pid,
+                            done.returncode)
             except (OSError, subprocess.TimeoutExpired) as e:
                 log.warning("resilax run: py-spy dump of pid %d failed (%s); asking faulthandler", pid, e)
         _signal_quietly(os.kill, pid, signal.SIGCONT)

@@ -39,7 +39,8 @@ class Run:
         self.reports.mkdir(parents=True)
         self.log_path = tmp / "supervisor.log"
         full_env = dict(os.environ, RESILAX_CONTROL_DIR=str(self.control), RESILAX_GENERATION="3",
-                        RESILAX_RESTART_GRACE_SECONDS="1", PATH="/usr/bin:/bin", **(env or {}))
+                        RESILAX_RESTART_GRACE_SECONDS="1", PATH="/usr/bin:/bin")
+        full_env.update(env or {})
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         command = [str(RESILAX), "run", "--", sys.executable, str(CHILD), str(self.reports), mode]
         self.proc = subprocess.Popen(command + ([arg] if arg else []), env=full_env, stdout=self._log,
@@ -263,6 +264,29 @@ def test_a_stop_with_stacks_has_faulthandler_write_them_to_the_pod_log(start: Ca
     run.write(tc.STOP_FILE, {"generation": 4, "reason": "TrainerHung", "stacks": True})
     run.wait_state(1, "exited")
     assert "a_distinctively_named_training_step" in run.log()
+
+
+@pytest.mark.parametrize("py_spy", ["absent", "real", "failing"])
+def test_the_stacks_of_a_stopped_child_reach_the_pod_log(start: Callable[..., Run], tmp_path: Path,
+                                                           py_spy: str) -> None:
+    """A hang as SIGSTOP makes it: py-spy's own suspension fails on a stopped process, so the supervisor
+    reads it with --nonblocking; a py-spy that fails anyway (no ptrace here) falls back to faulthandler."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    if py_spy == "real":
+        (tools / "py-spy").symlink_to(Path(sys.executable).with_name("py-spy"))
+    elif py_spy == "failing":
+        (tools / "py-spy").write_text("#!/bin/sh\necho 'Error: Failed to suspend process' >&2\nexit 1\n")
+        (tools / "py-spy").chmod(0o755)
+    run = start("stacks", env={"PATH": f"{tools}:/usr/bin:/bin"})
+    pid = run.child(1)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    run.write(tc.STOP_FILE, {"generation": 4, "reason": "TrainerHung", "stacks": True})
+    run.wait_state(1, "exited")
+    log = run.log()
+    assert "a_distinctively_named_training_step" in log, log
+    assert ("most recent call first" in log) == (py_spy != "real"), log  # faulthandler's, not py-spy's
+    assert ("asking faulthandler" in log) == (py_spy == "failing"), log
 
 
 def test_no_command_is_a_usage_error() -> None:
