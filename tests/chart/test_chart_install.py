@@ -110,7 +110,7 @@ def test_chart_installs_into_the_local_cluster(cluster, kube: KubeClient, namesp
     for verb, group, resource, ns in [
         ("list", "", "secrets", namespace), ("watch", "", "secrets", namespace),
         ("create", "", "pods/exec", namespace), ("delete", "", "nodes", None), ("patch", "", "nodes", None),
-        ("create", "resilax.dev", "jaxjobs", namespace), ("delete", "resilax.dev", "jaxjobs", namespace),
+        ("create", "resilax.dev", "jaxjobs", namespace), ("update", "resilax.dev", "jaxjobs", namespace),
         ("create", "rbac.authorization.k8s.io", "clusterroles", None),
         ("list", "", "pods", "kube-system"),  # namespaced mode: only the watched namespaces
         ("deletecollection", "", "pods", namespace),
