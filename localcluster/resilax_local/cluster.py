@@ -384,6 +384,8 @@ class LocalCluster:
         directory = self.pod_dir(namespace, pod) / "logs"
         containers = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
         if container is None:
+            if not containers:  # not started yet: a log not written yet, as for a named container
+                raise FileNotFoundError(f"no logs yet for {namespace}/{pod}")
             if len(containers) != 1:
                 raise ValueError(f"pod {namespace}/{pod} has containers {containers}: name one")
             container = containers[0]
