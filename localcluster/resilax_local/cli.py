@@ -1,6 +1,6 @@
 """`resilax local ...`: build the binaries, start and stop a local cluster, break its nodes.
 
-    resilax local binaries                      # find or build; print the paths
+    resilax local binaries [--skip-kueue | --kueue-only]   # find or build; print the paths
     resilax local up [--profile default] [--dir DIR] [--name NAME] [--kueue]
     resilax local status | nodes | down
     resilax local logs NAMESPACE/POD [CONTAINER] [--previous]
@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
                        "fake-gcs-server, Kueue")
     b.add_argument("--no-build", action="store_true", help="fail instead of building what is missing")
     b.add_argument("--kwok", action="store_true", help="also build kwok")
+    only = b.add_mutually_exclusive_group()
+    only.add_argument("--skip-kueue", action="store_true", help="everything but Kueue (its e2e builds it on first use)")
+    only.add_argument("--kueue-only", action="store_true", help="only Kueue (scripts/test builds it in the "
+                      "background at low priority while the rest runs)")
     up = with_dir(sub.add_parser("up", help="start a cluster and return once its nodes are Ready"))
     up.add_argument("--profile", default="default", choices=PROFILES)
     up.add_argument("--node-monitor-grace", type=int, default=16, help="seconds before a silent node goes Unknown")
@@ -102,9 +106,12 @@ def _run(args: argparse.Namespace) -> int:
     from .cluster import LocalCluster
 
     if args.command == "binaries":
-        paths = binaries.ensure_binaries(build=not args.no_build).as_dict()
-        paths["fake-gcs-server"] = str(binaries.ensure_fake_gcs_server(build=not args.no_build))
-        paths["kueue"] = str(binaries.ensure_kueue(build=not args.no_build).manager)
+        paths: dict[str, str] = {}
+        if not args.kueue_only:
+            paths.update(binaries.ensure_binaries(build=not args.no_build).as_dict())
+            paths["fake-gcs-server"] = str(binaries.ensure_fake_gcs_server(build=not args.no_build))
+        if not args.skip_kueue:
+            paths["kueue"] = str(binaries.ensure_kueue(build=not args.no_build).manager)
         if args.kwok:
             paths["kwok"] = str(binaries.ensure_kwok())
         for name, path in paths.items():
