@@ -75,8 +75,11 @@ def trainer_processes(job: str) -> list[tuple[int, int]]:
         if not entry.isdigit():
             continue
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            if b"train.py" not in cmdline or b"resilax" in cmdline.split(b"\0")[0]:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            # train.py itself, not its supervisor (`resilax run -- python train.py`: argv[0] or, under
+            # a python launcher, argv[1] is the `resilax` console script)
+            if not any(a.endswith(b"train.py") for a in argv) or any(Path(a.decode()).name == "resilax"
+                                                                      for a in argv[:2]):
                 continue
             stat = Path(f"/proc/{entry}/stat").read_text()
             if stat.rsplit(")", 1)[1].split()[0] == "Z":
