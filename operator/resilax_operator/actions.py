@@ -98,6 +98,21 @@ class PatchWorkerPods:
     pods: tuple[tuple[str, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]], ...]
 
 
+#: (annotation, value) pairs for a JSON merge patch of metadata.annotations; None removes the annotation.
+Notes = tuple[tuple[str, str | None], ...]
+
+
+@dataclass(frozen=True)
+class PublishFreshness:
+    """Merge-patch the checkpoint freshness annotations (api.FRESHNESS_ANNOTATIONS) onto the JAXJob
+    (`job`; () leaves it alone) and onto each pod of `pods` (a pod gone, 404, is skipped). Decided by
+    policies/freshness.py: only what differs, once per newly committed step."""
+
+    job: Notes
+    #: (pod, its notes)
+    pods: tuple[tuple[str, Notes], ...]
+
+
 @dataclass(frozen=True)
 class StopTrainers:
     """POST `/v1/trainer/stop` {"generation", "reason", "stacks"} (bearer token) to each pod's sidecar:
@@ -154,8 +169,8 @@ class RequeueAfter:
     seconds: float
 
 
-Action = (SetStatus | CreateGeneration | DeleteGeneration | RequestFinalSave | PatchWorkerPods | StopTrainers
-          | StartTrainers | EnsureTokenSecret | EmitEvent | DeleteJob | RequeueAfter)
+Action = (SetStatus | CreateGeneration | DeleteGeneration | RequestFinalSave | PatchWorkerPods | PublishFreshness
+          | StopTrainers | StartTrainers | EnsureTokenSecret | EmitEvent | DeleteJob | RequeueAfter)
 
 
 def status_change(old: JobStatus, new: JobStatus, *events: EmitEvent) -> list[Action]:

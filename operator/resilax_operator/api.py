@@ -41,6 +41,15 @@ SUPERVISOR_COMMAND: Final = ("resilax", "run", "--")
 #: On a worker pod, set by the I/O side after it posted a final save request to that pod's sidecar:
 #: `<operator request id>=<sidecar request id>`, so that a repeated RequestFinalSave posts nothing.
 ANNOTATION_SAVE_REQUEST: Final = "resilax.dev/save-request"
+#: Checkpoint freshness, on the JAXJob and its current workers (policies/freshness.py), written once per
+#: newly committed step: when the operator first saw it committed (RFC 3339), its step, its tier
+#: (`persistent` or `local`), and the trainer's step then minus that step.
+ANNOTATION_LAST_CHECKPOINT_TIME: Final = "resilax.dev/last-checkpoint-time"
+ANNOTATION_LAST_CHECKPOINT_STEP: Final = "resilax.dev/last-checkpoint-step"
+ANNOTATION_LAST_CHECKPOINT_TIER: Final = "resilax.dev/last-checkpoint-tier"
+ANNOTATION_STEPS_AT_RISK: Final = "resilax.dev/steps-at-risk"
+FRESHNESS_ANNOTATIONS: Final = (ANNOTATION_LAST_CHECKPOINT_TIME, ANNOTATION_LAST_CHECKPOINT_STEP,
+                                ANNOTATION_LAST_CHECKPOINT_TIER, ANNOTATION_STEPS_AT_RISK)
 
 # --- GKE node keys ---
 NODE_POOL_LABEL: Final = "cloud.google.com/gke-nodepool"

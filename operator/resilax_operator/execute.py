@@ -25,6 +25,7 @@ from .actions import (
     EmitEvent,
     EnsureTokenSecret,
     PatchWorkerPods,
+    PublishFreshness,
     RequestFinalSave,
     RequeueAfter,
     SetStatus,
@@ -146,6 +147,8 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
             delete_generation(kube, world, action, logger)
         elif isinstance(action, PatchWorkerPods):
             patch_worker_pods(kube, cache, world, action, logger)
+        elif isinstance(action, PublishFreshness):
+            publish_freshness(kube, cache, world, action)
         elif isinstance(action, EmitEvent):
             log = logger.warning if action.type == "Warning" else logger.info
             log("%s: %s", action.reason, action.message)
@@ -262,6 +265,18 @@ def patch_worker_pods(kube: Kube, cache: WorldCache, world: World, action: Patch
         if made is not None:
             cache.remember(made)
     logger.info("generation %d: kept %s", action.generation, ", ".join(name for name, _, _ in action.pods))
+
+
+def publish_freshness(kube: Kube, cache: WorldCache, world: World, action: PublishFreshness) -> None:
+    """The checkpoint freshness annotations onto the job and the named pods (each of the uid observed)."""
+    ref = job_ref(world.job)
+    uids = {p.name: p.uid for p in world.observed.pods}
+    targets = [("jaxjob", ref.name, ref.uid, action.job)] if action.job else []
+    targets += [("pod", name, uids[name], notes) for name, notes in action.pods if uids.get(name)]
+    for kind, name, uid, notes in targets:
+        made = kube.annotate_owned(kind, ref.namespace, name, uid, dict(notes))
+        if made is not None:
+            cache.remember(made)
 
 
 def call_trainers(kube: Kube, world: World, action: StopTrainers | StartTrainers, settings: OperatorSettings,

@@ -224,6 +224,15 @@ class Kube:
         self.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}",
                      {"metadata": {"annotations": dict(annotations)}}, content_type=MERGE_PATCH)
 
+    def annotate_owned(self, kind: str, namespace: str, name: str, uid: str,
+                       annotations: Mapping[str, str | None]) -> dict[str, Any] | None:
+        """Merge annotations (None removes one) into the JAXJob (`kind` "jaxjob") or pod of `uid` (the
+        uid in the patch is a precondition); the object as written, or None when it is gone or another
+        object holds its name (404, 409)."""
+        path = _job_path(namespace, name) if kind == "jaxjob" else f"/api/v1/namespaces/{namespace}/pods/{name}"
+        return self.request("PATCH", path, {"metadata": {"uid": uid, "annotations": dict(annotations)}},
+                            content_type=MERGE_PATCH, ok=(404, 409))
+
     def create_event(self, job: Mapping[str, Any], type_: str, reason: str, message: str, now: datetime) -> None:
         """A core/v1 Event on the JAXJob (what `kubectl describe jaxjob` shows)."""
         meta = job.get("metadata") or {}

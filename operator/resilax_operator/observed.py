@@ -27,7 +27,7 @@ from .observed_nodes import (
     parse_maintenance_time,
     parse_node,
 )
-from .observed_pods import STARTING_REASONS, ObservedPod, parse_pod
+from .observed_pods import STARTING_REASONS, ObservedPod, parse_pod, pick_freshness
 from .observed_sidecar import (
     HostFigures,
     RestoreReport,
@@ -101,6 +101,8 @@ class Observed:
     #: (uid, "namespace/name") of the other live JAXJobs with the same spec.checkpoint.storage
     #: (`decide_storage_sharers`): the workers do not take the storage over from them.
     storage_sharers: tuple[tuple[str, str], ...] = ()
+    #: The JAXJob's checkpoint freshness annotations (`observed_pods.pick_freshness`).
+    freshness: tuple[tuple[str, str], ...] = ()
 
     def node(self, name: str | None) -> ObservedNode | None:
         return self._nodes_by_name.get(name) if name else None
@@ -173,7 +175,7 @@ def assemble_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[O
                     spec_generation=int(meta.get("generation") or 0),
                     pods=tuple(sorted(mine, key=lambda p: p.name)), services=tuple(sorted(generations)),
                     nodes=tuple(nodes), save_outcomes=tuple(save_outcomes), checkpoint=checkpoint, restore=restore,
-                    trainer=trainer, storage_sharers=tuple(storage_sharers))
+                    trainer=trainer, storage_sharers=tuple(storage_sharers), freshness=pick_freshness(meta))
 
 
 def decide_storage_sharers(job: Mapping[str, Any], jobs: Iterable[Mapping[str, Any]]) -> tuple[tuple[str, str], ...]:

@@ -68,6 +68,8 @@ class ObservedPod:
     #: "<reason>: <message>" of a True `TerminationTarget` condition: a queue (Kueue) stopped the pod's
     #: group (preempted or evicted it) and deletes the pod; None otherwise.
     queue_stop: str | None = None
+    #: Its checkpoint freshness annotations (api.FRESHNESS_ANNOTATIONS), sorted (key, value) pairs.
+    freshness: tuple[tuple[str, str], ...] = ()
 
     @property
     def terminated(self) -> bool:
@@ -141,7 +143,13 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         trainer_finished_at=finished_at, uid=str(meta.get("uid") or ""),
         supervised=(meta.get("annotations") or {}).get(api.ANNOTATION_SUPERVISED) == "1", trainer_ready=trainer_ready,
         owner_uid=owner_uid(raw), starting=starting, scheduled_at=_time_or_none(scheduled.get("lastTransitionTime")),
-        container_exits=container_exits, queue_stop=_queue_stop(stop))
+        container_exits=container_exits, queue_stop=_queue_stop(stop), freshness=pick_freshness(meta))
+
+
+def pick_freshness(meta: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """An object's checkpoint freshness annotations (api.FRESHNESS_ANNOTATIONS) from its metadata."""
+    notes = meta.get("annotations") or {}
+    return tuple(sorted((k, str(notes[k])) for k in api.FRESHNESS_ANNOTATIONS if notes.get(k) is not None))
 
 
 def _queue_stop(condition: Mapping[str, Any]) -> str | None:

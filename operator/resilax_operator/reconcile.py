@@ -38,6 +38,7 @@ from .policies import (
     container_waiting,
     failure_rules,
     finished,
+    freshness,
     generation_start,
     goodput_status,
     hang,
@@ -98,12 +99,13 @@ def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings, *, rec
            invalid: InvalidSpecError | None = None) -> list[Action]:
     """The actions that move the cluster toward what `spec` wants, given `observed`; the Completed and
     Failed conditions following the phase (policies/finished.py), status.goodput and status.history
-    brought up to date (policies/goodput_status.py, policies/history_status.py).
+    brought up to date (policies/goodput_status.py, policies/history_status.py), and the checkpoint
+    freshness annotations published (policies/freshness.py).
     `record`: `spec` as status.lastValidSpec keeps it; `invalid`: the problems of the job's own spec,
     when `spec` is the last valid one."""
     actions = decide_policies(spec, observed, settings, record=record, invalid=invalid)
     actions = finished.with_outcomes(goodput_status.with_goodput(actions, observed, settings), observed.now)
-    return history_status.with_history(actions, observed)
+    return freshness.with_freshness(history_status.with_history(actions, observed), observed)
 
 
 def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSettings, *,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
 from resilax_local.cluster import LocalCluster
@@ -53,6 +54,7 @@ def test_job_runs_to_success_and_deletion_cleans_up(operator: OperatorProcess, j
     assert committed_steps(storage) == [4, 8]
     reasons = jobs.event_reasons(name, "WorkersRunning", "Completed")
     assert "WorkersRunning" in reasons and "Completed" in reasons
+    assert_freshness_published(jobs, name, done)
 
     # ttlSecondsAfterFinished (mutable, as on a Job) set on the finished job: the operator deletes it,
     # and what it owns goes with it
@@ -74,6 +76,27 @@ def test_job_runs_to_success_and_deletion_cleans_up(operator: OperatorProcess, j
     wait_for(job_gone, timeout=60, message="JAXJob gone (finalizer removed)")
     assert "TTLExpired" in jobs.event_reasons(name, "TTLExpired")
     assert committed_steps(storage) == [4, 8]  # checkpoints stay
+
+
+def assert_freshness_published(jobs: Jobs, name: str, status: dict[str, Any]) -> None:
+    """Issue 27: the newest commit the operator saw (status.checkpoint) is on the JAXJob and on each of its
+    workers as the checkpoint freshness annotations, with the commit's time and step."""
+    checkpoint = status.get("checkpoint") or {}
+    assert checkpoint.get("step") in (4, 8) and checkpoint.get("time"), status
+    want = {"resilax.dev/last-checkpoint-step": str(checkpoint["step"]),
+            "resilax.dev/last-checkpoint-time": checkpoint["time"], "resilax.dev/last-checkpoint-tier": "persistent"}
+
+    def notes(obj: dict[str, Any]) -> dict[str, str]:
+        annotations = (obj.get("metadata") or {}).get("annotations") or {}
+        return {k: v for k, v in annotations.items() if k in (*want, "resilax.dev/steps-at-risk")}
+
+    def published() -> bool:
+        return all({k: v for k, v in notes(o).items() if k in want} == want
+                   for o in [jobs.get(name), *jobs.pods(name, 1)])
+
+    wait_for(published, timeout=30, interval=0.5, message=f"{name}: freshness annotations of step {checkpoint['step']}")
+    risks = {notes(o).get("resilax.dev/steps-at-risk") for o in [jobs.get(name), *jobs.pods(name, 1)]}
+    assert len(risks) == 1 and (risks == {None} or int(risks.pop() or 0) >= 0), risks  # one value, fixed at the commit
 
 
 def test_a_job_on_tpu7x_slices_runs_to_success(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,

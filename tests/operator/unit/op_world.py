@@ -22,6 +22,7 @@ from resilax_operator.actions import (
     DeleteGeneration,
     EmitEvent,
     PatchWorkerPods,
+    PublishFreshness,
     RequestFinalSave,
     SetStatus,
     StartTrainers,
@@ -119,6 +120,10 @@ class World:
     storage_sharers: tuple[tuple[str, str], ...] = ()
     #: Each worker's trainer figures as its sidecar reports them (Observed.hosts).
     hosts: dict[str, HostFigures] = field(default_factory=dict)
+    #: The JAXJob's checkpoint freshness annotations (Observed.freshness), as PublishFreshness left them.
+    freshness: dict[str, str] = field(default_factory=dict)
+    #: Every PublishFreshness executed, in order.
+    published: list[PublishFreshness] = field(default_factory=list)
 
     @classmethod
     def make(cls, spec: dict[str, Any], *pools: list[ObservedNode]) -> World:
@@ -131,6 +136,7 @@ class World:
                             services=tuple(sorted(self.services)), nodes=tuple(self.nodes.values()),
                             save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint, trainer=self.trainer,
                             restore=self.restore, storage_sharers=self.storage_sharers,
+                            freshness=tuple(sorted(self.freshness.items())),
                             hosts={n: f for n, f in self.hosts.items() if n in self.pods and n not in self.unreachable})
         # As observe.py: the sidecars asked (pods_to_poll) that answer report their trainer.
         polled = pods_to_poll(observed)
@@ -207,6 +213,13 @@ class World:
                     got = dict(labels)
                     self.pods[name] = replace(p, generation=int(got[api.LABEL_GENERATION]),
                                               slice_index=int(got[api.LABEL_SLICE]), host=int(got[api.LABEL_HOST]))
+        elif isinstance(a, PublishFreshness):
+            self.published.append(a)
+            self.freshness = _merged(self.freshness, a.job)
+            for name, notes in a.pods:
+                p = self.pods.get(name)
+                if p is not None:
+                    self.pods[name] = replace(p, freshness=tuple(sorted(_merged(dict(p.freshness), notes).items())))
         elif isinstance(a, StopTrainers):
             self.trainer_calls.append(("stop", a.generation, a.pods))
             for name in a.pods:
@@ -333,6 +346,17 @@ class World:
 
     def reasons(self) -> list[str]:
         return [e.reason for e in self.events]
+
+
+def _merged(current: dict[str, str], notes: tuple[tuple[str, str | None], ...]) -> dict[str, str]:
+    """Annotations after a merge patch of `notes` (None removes)."""
+    out = dict(current)
+    for k, v in notes:
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
 
 
 # ---- worlds the policy tests start from

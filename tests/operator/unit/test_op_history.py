@@ -17,7 +17,7 @@ from op_samples import good_spec
 from op_world import World, running_world
 from resilax_operator import api
 from resilax_operator import status as st
-from resilax_operator.actions import SetStatus
+from resilax_operator.actions import PublishFreshness, SetStatus
 from resilax_operator.builders import JobRef
 from resilax_operator.history import MAX_ENTRIES, HistoryEntry, build_entry, build_history, parse_history
 from resilax_operator.observed import Observed, RestoreReport, SaveOutcome, TrainerReport
@@ -302,7 +302,7 @@ def test_time_and_progress_alone_never_write_and_the_next_write_catches_up() -> 
     w.advance(3600)
     assert w.step() == [] and w.status == written  # time alone: nothing
     w.checkpoint = CheckpointInfo(36, w.now)  # a newer checkpoint is a status change the operator writes anyway
-    assert [type(a) for a in w.step()] == [SetStatus]
+    assert [type(a) for a in w.step()] == [SetStatus, PublishFreshness]  # and its annotations (freshness.py)
     (e,) = w.status.history
     assert e.checkpoints == (36,) and e.last_step == 39 and e.end is None
 
