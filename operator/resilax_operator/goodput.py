@@ -20,6 +20,7 @@ What is known of one generation (`GenerationMarks`; epoch seconds, None: not see
 | blocking_seconds | seconds its loop was blocked by saves (save_blocking_seconds) |
 | detected | status.transition.since: the operator began replacing the generation |
 | hang | the generation was replaced because it hung (the transition's or in-place restart's kind TrainerHung) |
+| devices_share | status.shape's devices over spec.slices' (count x the topology's chips), at most 1 |
 | fault | (the benchmark only: when it injected the fault) |
 
 A generation's window runs from its start (`created`; the first generation's from the start of the
@@ -43,6 +44,11 @@ step). Then two corrections move time out of productive:
 * lost_steps_redone: once a later generation's first step shows where it restored (`first_step` - 1),
   the steps the last generation that trained reached beyond it, times that generation's typical step
   ((last_step_time - first_step_time - blocking) / (last_step - first_step)), at most its productive time.
+
+Device-weighted goodput (`Goodput.device_ratio`, shown beside the plain ratio): each window's productive
+seconds times its generation's `devices_share` (its devices over the devices the spec declares, at most
+1), the redone seconds taken back at the share of the generation that first trained them; a job that
+ran half its time on half its declared devices has ratio ~1 and device ratio ~0.75.
 
 A suspended job (spec.suspend: no workers) pays nothing: `pause` leaves the time it was suspended out
 of the wall time.
@@ -87,6 +93,9 @@ class GenerationMarks:
     fault: float | None = None
     #: Replaced because it hung (TrainerHung): the time from its last step to `detected` is `hang`.
     hang: bool = False
+    #: Its devices over the devices the spec declares (at most 1; below 1 at a shrunk shape): the weight
+    #: of its productive time in the device-weighted figure.
+    devices_share: float = 1.0
 
     @property
     def begins(self) -> float | None:
@@ -116,6 +125,7 @@ class Carry:
     step: int  # the newest step it reached
     step_seconds: float  # its typical step
     productive: float  # its productive seconds (the most its lost steps can take back)
+    devices_share: float = 1.0  # its GenerationMarks.devices_share
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,8 @@ class Ledger:
     lost_steps: int = 0
     carry: Carry | None = None
     current: GenerationMarks | None = None
+    #: The closed windows' productive seconds, each weighted by its generation's devices_share.
+    closed_device_productive: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -138,10 +150,19 @@ class Goodput:
     buckets: Mapping[str, float]
     lost_steps: int
     generations: int
+    #: Productive seconds, each weighted by its generation's devices over the declared devices (None: as
+    #: productive, every generation at the declared shape).
+    device_productive: float | None = None
 
     @property
     def ratio(self) -> float:
         return self.buckets[PRODUCTIVE] / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def device_ratio(self) -> float:
+        """Device-weighted goodput: a second trained at half the declared devices counts half."""
+        weighted = self.buckets[PRODUCTIVE] if self.device_productive is None else self.device_productive
+        return weighted / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
 
 def begin(start: float) -> Ledger:
@@ -164,8 +185,9 @@ def _split(acc: dict[str, float], start: float, end: float, first: str,
 
 
 def _window(g: GenerationMarks, carry: Carry | None, start: float, end: float,
-            replaced: bool) -> tuple[dict[str, float], int, Carry | None]:
-    """The buckets of `g`'s window [start, end], the steps its restore lost and the carry after it.
+            replaced: bool) -> tuple[dict[str, float], int, Carry | None, float]:
+    """The buckets of `g`'s window [start, end], the steps its restore lost, the carry after it and its
+    device-weighted productive seconds (its own at its share, less the redone ones at the carry's).
     `replaced`: a later generation exists (the time after its last step was the fault's)."""
     acc = _zero()
     step_s = g.step_seconds
@@ -182,6 +204,7 @@ def _window(g: GenerationMarks, carry: Carry | None, start: float, end: float,
     acc[PRODUCTIVE] -= blocking
     acc["checkpoint_blocking"] += blocking
     own = acc[PRODUCTIVE]
+    weighted = own * g.devices_share
     lost = 0
     if g.trained and carry is not None:
         assert g.first_step is not None
@@ -190,10 +213,11 @@ def _window(g: GenerationMarks, carry: Carry | None, start: float, end: float,
         redone = min(carry.productive, lost * carry.step_seconds)
         acc["lost_steps_redone"] += redone
         acc[PRODUCTIVE] -= redone
+        weighted -= redone * carry.devices_share
         carry = None
     if g.trained and g.last_step is not None:
-        carry = Carry(g.last_step, step_s, own)
-    return acc, lost, carry
+        carry = Carry(g.last_step, step_s, own, g.devices_share)
+    return acc, lost, carry, weighted
 
 
 def advance(ledger: Ledger | None, marks: GenerationMarks, start: float | None = None) -> Ledger:
@@ -211,10 +235,10 @@ def advance(ledger: Ledger | None, marks: GenerationMarks, start: float | None =
     if marks.generation < cur.generation:
         raise ValueError(f"generation {marks.generation} is older than the ledger's current {cur.generation}")
     until = max(ledger.closed_until, marks.begins if marks.begins is not None else ledger.closed_until)
-    acc, lost, carry = _window(cur, ledger.carry, ledger.closed_until, until, replaced=True)
+    acc, lost, carry, weighted = _window(cur, ledger.carry, ledger.closed_until, until, replaced=True)
     closed = {b: ledger.closed.get(b, 0.0) + acc[b] for b in BUCKETS}
     return Ledger(start=ledger.start, closed=closed, closed_until=until, lost_steps=ledger.lost_steps + lost,
-                  carry=carry, current=marks)
+                  carry=carry, current=marks, closed_device_productive=ledger.closed_device_productive + weighted)
 
 
 def pause(ledger: Ledger, since: float, until: float) -> Ledger:
@@ -224,29 +248,34 @@ def pause(ledger: Ledger, since: float, until: float) -> Ledger:
     if until <= since:
         return ledger
     closed, lost, carry = dict(ledger.closed), ledger.lost_steps, ledger.carry
+    weighted = ledger.closed_device_productive
     end = max(since, ledger.closed_until)
     if ledger.current is not None:
-        acc, window_lost, carry = _window(ledger.current, ledger.carry, ledger.closed_until, end, replaced=True)
+        acc, window_lost, carry, window_weighted = _window(ledger.current, ledger.carry, ledger.closed_until, end,
+                                                           replaced=True)
         closed = {b: closed.get(b, 0.0) + acc[b] for b in BUCKETS}
         lost += window_lost
+        weighted += window_weighted
     gap = max(0.0, until - end)
     return Ledger(start=ledger.start + gap, closed=closed, closed_until=end + gap, lost_steps=lost, carry=carry,
-                  current=None)
+                  current=None, closed_device_productive=weighted)
 
 
 def summarize(ledger: Ledger, end: float) -> Goodput:
     """The breakdown from the ledger's start to `end` (the open window counted up to `end`)."""
     buckets = dict(ledger.closed)
     lost = ledger.lost_steps
+    weighted = ledger.closed_device_productive
     generations = 0
     if ledger.current is not None:
-        acc, window_lost, _ = _window(ledger.current, ledger.carry, ledger.closed_until,
-                                      max(end, ledger.closed_until), replaced=False)
+        acc, window_lost, _, window_weighted = _window(ledger.current, ledger.carry, ledger.closed_until,
+                                                       max(end, ledger.closed_until), replaced=False)
         buckets = {b: buckets.get(b, 0.0) + acc[b] for b in BUCKETS}
         lost += window_lost
+        weighted += window_weighted
         generations = 1
     wall = max(0.0, max(end, ledger.closed_until) - ledger.start)
-    return Goodput(wall, buckets, lost, generations)
+    return Goodput(wall, buckets, lost, generations, weighted)
 
 
 def account(start: float, end: float, generations: Iterable[GenerationMarks]) -> Goodput:

@@ -104,7 +104,8 @@ def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings, *, rec
     `record`: `spec` as status.lastValidSpec keeps it; `invalid`: the problems of the job's own spec,
     when `spec` is the last valid one."""
     actions = decide_policies(spec, observed, settings, record=record, invalid=invalid)
-    actions = finished.with_outcomes(goodput_status.with_goodput(actions, observed, settings), observed.now)
+    actions = finished.with_outcomes(goodput_status.with_goodput(actions, observed, settings, spec.spec_shape),
+                                     observed.now)
     return freshness.with_freshness(history_status.with_history(actions, observed), observed)
 
 

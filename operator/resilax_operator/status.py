@@ -26,8 +26,7 @@ WORKER_FAILURE: Final = "WorkerFailure"
 WORKER_STOPPED: Final = "WorkerStopped"
 RESIZE: Final = "Resize"
 GROW_BACK: Final = "GrowBack"
-#: capacity.provisioning Autoscaled: no node came for waiting workers within shrinkAfterSeconds.
-SHRINK: Final = "Shrink"
+SHRINK: Final = "Shrink"  # capacity.provisioning Autoscaled: no node came for waiting workers within shrinkAfterSeconds
 SUSPEND: Final = "Suspend"  # spec.suspend became true
 QUEUE_EVICTION: Final = "QueueEviction"  # a queue (Kueue) preempted or evicted the pod group: not a failure
 TRAINER_HUNG: Final = "TrainerHung"  # no progress past the hang timeout (policies/hang.py): not a failure
@@ -200,9 +199,7 @@ class JobStatus:
 
 
 def format_time(t: datetime | None) -> str | None:
-    if t is None:
-        return None
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return None if t is None else t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_time(raw: Any) -> datetime | None:
@@ -440,9 +437,9 @@ def build_goodput(record: GoodputRecord) -> dict[str, Any]:
     led = record.ledger
     cur = led.current
     return {
-        "ratio": round(g.ratio, 4),
-        "wallSeconds": round(g.wall_seconds, 1),
+        "ratio": round(g.ratio, 4), "deviceRatio": round(g.device_ratio, 4), "wallSeconds": round(g.wall_seconds, 1),
         "productiveSeconds": round(g.buckets[gp.PRODUCTIVE], 1),
+        "deviceProductiveSeconds": round(g.device_ratio * g.wall_seconds, 1),
         "lostSteps": g.lost_steps,
         "breakdown": {BREAKDOWN_KEYS[b]: round(g.buckets[b], 1) for b in gp.BUCKETS},
         "asOf": format_time(record.as_of),
@@ -450,13 +447,14 @@ def build_goodput(record: GoodputRecord) -> dict[str, Any]:
             "start": _round(led.start),
             "closedUntil": _round(led.closed_until),
             "closed": {BREAKDOWN_KEYS[b]: _round(led.closed.get(b, 0.0)) for b in gp.BUCKETS},
-            "lostSteps": led.lost_steps,
+            "lostSteps": led.lost_steps, "closedDeviceProductive": _round(led.closed_device_productive),
             "carry": None if led.carry is None else {
                 "step": led.carry.step, "stepSeconds": _round(led.carry.step_seconds),
-                "productiveSeconds": _round(led.carry.productive)},
+                "productiveSeconds": _round(led.carry.productive), "devicesShare": led.carry.devices_share},
             "current": None if cur is None else {
                 "generation": cur.generation, "firstStep": cur.first_step, "lastStep": cur.last_step,
                 "blockingSeconds": _round(cur.blocking_seconds), "hang": cur.hang or None,
+                "devicesShare": cur.devices_share,
                 **{key: None if getattr(cur, attr) is None else _round(getattr(cur, attr)) for attr, key in _MARK_KEYS}},
         },
     }
@@ -481,7 +479,7 @@ def parse_goodput(raw: Any) -> GoodputRecord | None:
         carry_raw = led.get("carry")
         carry = None if not isinstance(carry_raw, Mapping) else gp.Carry(
             int(carry_raw["step"]), float(carry_raw.get("stepSeconds") or 0.0),
-            float(carry_raw.get("productiveSeconds") or 0.0))
+            float(carry_raw.get("productiveSeconds") or 0.0), float(carry_raw.get("devicesShare") or 1.0))
         cur_raw = led.get("current")
         current = None
         if isinstance(cur_raw, Mapping):
@@ -490,11 +488,13 @@ def parse_goodput(raw: Any) -> GoodputRecord | None:
                 first_step=None if cur_raw.get("firstStep") is None else int(cur_raw["firstStep"]),
                 last_step=None if cur_raw.get("lastStep") is None else int(cur_raw["lastStep"]),
                 blocking_seconds=float(cur_raw.get("blockingSeconds") or 0.0), hang=cur_raw.get("hang") is True,
+                devices_share=float(cur_raw.get("devicesShare") or 1.0),
                 **{attr: _float(cur_raw.get(key)) for attr, key in _MARK_KEYS})
     except (KeyError, TypeError, ValueError):
         return None
     if as_of is None:
         return None
     ledger = gp.Ledger(start=start, closed=closed, closed_until=float(led.get("closedUntil") or start),
-                       lost_steps=int(led.get("lostSteps") or 0), carry=carry, current=current)
+                       lost_steps=int(led.get("lostSteps") or 0), carry=carry, current=current,
+                       closed_device_productive=float(led.get("closedDeviceProductive", closed[gp.PRODUCTIVE])))
     return GoodputRecord(ledger, as_of)

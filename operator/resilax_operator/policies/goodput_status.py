@@ -7,7 +7,8 @@ writes (or the one observed):
    started; pod 0's trainer figures (`Observed.trainer`, of this generation): the restore's end and
    start (restored_time - last_restore_seconds), the first step and the newest step reached and when,
    the seconds saves blocked the loop; detected = status.transition.since of the transition replacing
-   it. A mark seen once is kept (an operator restart, a pod 0 that stopped answering).
+   it; devices_share = the status's shape's devices over the spec's (`devices_share`). A mark seen once is
+   kept (an operator restart, a pod 0 that stopped answering).
 2. `live`: the ledger advanced with the marks of the generation the observed status names and then of
    the one the decision's status names (a new generation closes the old one's window at its creation);
    as of `Observed.now`. The wall time starts when the first generation is created.
@@ -21,6 +22,7 @@ writes (or the one observed):
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -30,7 +32,9 @@ from .. import status as st
 from ..actions import Action, SetStatus
 from ..observed import Observed
 from ..settings import OperatorSettings
+from ..spec import Shape
 from ..status import GoodputRecord, JobStatus
+from ..topology import parse_dims
 
 #: Phases in which the accounting stands still: ended, or suspended (no workers, nothing paid; on resume
 #: the suspended time is left out of the wall time, goodput.pause).
@@ -41,13 +45,29 @@ def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
 
 
-def observed_marks(observed: Observed, s: JobStatus, known: gp.GenerationMarks | None) -> gp.GenerationMarks | None:
+def _devices(shape: Shape) -> int:
+    dims = parse_dims(shape.topology) or (1,)
+    return shape.count * math.prod(dims)
+
+
+def devices_share(shape: Shape | None, declared: Shape | None) -> float | None:
+    """A generation's devices (`shape`) over the devices the spec declares, at most 1 (None: either unknown)."""
+    if shape is None or declared is None or _devices(declared) <= 0:
+        return None
+    return round(min(1.0, _devices(shape) / _devices(declared)), 4)
+
+
+def observed_marks(observed: Observed, s: JobStatus, known: gp.GenerationMarks | None,
+                   declared: Shape | None = None) -> gp.GenerationMarks | None:
     """The marks of `s.generation` (None before the first generation); `known`: the ledger's marks of
-    it so far (kept where nothing newer is seen)."""
+    it so far (kept where nothing newer is seen); `declared`: the spec's shape (None: keep the known share)."""
     g = s.generation
     if g <= 0 or s.generation_start_time is None:
         return None
     k = known if known is not None and known.generation == g else gp.GenerationMarks(g)
+    share = devices_share(s.shape, declared)
+    if share is not None:
+        k = replace(k, devices_share=share)
     pods = observed.pods_of(g)
     running = k.running
     started = [p.trainer_started_at for p in pods]
@@ -81,8 +101,9 @@ def hung_generation(s: JobStatus) -> int | None:
     return None
 
 
-def live(observed: Observed, s: JobStatus) -> GoodputRecord | None:
-    """The accounting as of `observed.now`, for the status `s` a decision writes (see the module doc)."""
+def live(observed: Observed, s: JobStatus, declared: Shape | None = None) -> GoodputRecord | None:
+    """The accounting as of `observed.now`, for the status `s` a decision writes (see the module doc);
+    `declared`: the spec's shape (the devices the device-weighted figure counts against)."""
     record = observed.status.goodput
     ledger = record.ledger if record is not None else None
     if ledger is not None and record is not None and observed.status.phase == api.PHASE_SUSPENDED:
@@ -94,7 +115,7 @@ def live(observed: Observed, s: JobStatus) -> GoodputRecord | None:
                 and not ledger.current.hang:
             ledger = replace(ledger, current=replace(ledger.current, hang=True))
         known = ledger.current if ledger is not None else None
-        marks = observed_marks(observed, status, known)
+        marks = observed_marks(observed, status, known, declared)
         if marks is None or (known is not None and marks.generation < known.generation):
             continue
         ledger = gp.advance(ledger, marks)
@@ -122,13 +143,15 @@ def _without_progress(record: GoodputRecord | None) -> dict[str, Any] | None:
     return st.build_goodput(GoodputRecord(replace(record.ledger, current=cur), record.as_of))["ledger"]
 
 
-def with_goodput(actions: list[Action], observed: Observed, settings: OperatorSettings) -> list[Action]:
-    """`actions` with status.goodput brought up to date where due (see the module doc)."""
+def with_goodput(actions: list[Action], observed: Observed, settings: OperatorSettings,
+                 declared: Shape | None = None) -> list[Action]:
+    """`actions` with status.goodput brought up to date where due (see the module doc); `declared`: the
+    spec's shape."""
     index = next((i for i, a in enumerate(actions) if isinstance(a, SetStatus)), None)
     s = actions[index].status if index is not None else observed.status  # type: ignore[union-attr]
     if s.phase in FROZEN_PHASES and observed.status.phase == s.phase:
         return actions  # the job ended (or is suspended): its accounting stopped then
-    record = live(observed, s)
+    record = live(observed, s, declared)
     if record is None:
         return actions
     if index is not None:

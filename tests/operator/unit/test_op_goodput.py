@@ -314,3 +314,84 @@ def test_the_operator_leaves_a_suspension_out_of_the_jobs_wall_time() -> None:
     w.step_besides_goodput()
     g = goodput_status.current(w.observed(), w.status)
     assert g is not None and g.summary().wall_seconds == pytest.approx(100 + 20)  # the hour is nobody's
+
+
+# ---- device-weighted goodput (issue 26, item 5) -------------------------------------------------------
+
+WEIGHTED = {
+    # every generation at the declared shape: the device-weighted figure is the plain one
+    "declared-shape": ([lost_gen1(), gen2()], 20.0),
+    # generation 2 runs at half the declared devices: its 12 productive seconds count 6; the 3 s it
+    # redid were generation 1's (share 1): taken back at 1
+    "shrunk-second": ([lost_gen1(), gen2(devices_share=0.5)], 11 + 12 * 0.5 - 3),
+    # generation 1 shrunk (a quarter), generation 2 at full shape: its redone seconds cost a quarter
+    "shrunk-first": ([lost_gen1(devices_share=0.25), gen2()], 11 * 0.25 + 12 - 3 * 0.25),
+    # a generation that never trained adds nothing whatever its share
+    "untrained-shrunk": ([lost_gen1(), M(2, created=32.0, running=35.0, detected=40.0, devices_share=0.5),
+                          gen2(generation=3, created=42.0, running=45.0, restore_began=46.0, restore_ended=48.0,
+                               first_step_time=50.0, last_step_time=61.0)], 20.0),
+}
+
+
+@pytest.mark.parametrize(("gens", "weighted"), list(WEIGHTED.values()), ids=list(WEIGHTED))
+def test_device_weighted_goodput_weights_each_window_by_its_share(gens: list[M], weighted: float) -> None:
+    end = 62.0 if len(gens) == 3 else 52.0
+    g = gp.account(0.0, end, gens)
+    assert g.device_productive == pytest.approx(weighted)
+    assert g.device_ratio == pytest.approx(weighted / end)
+    assert g.ratio == pytest.approx(g.buckets["productive"] / end)  # the plain figure is untouched
+    # folded one generation at a time (as the operator does) gives the same, and survives the status
+    ledger: gp.Ledger | None = None
+    for m in gens:
+        ledger = gp.advance(ledger, m, start=0.0)
+        assert ledger is not None
+        record = st.GoodputRecord(ledger, datetime.fromtimestamp(end, UTC))
+        again = st.parse_status(st.build_status(st.JobStatus(goodput=record))).goodput
+        assert again is not None
+        ledger = again.ledger
+    assert ledger is not None
+    assert gp.summarize(ledger, end).device_productive == pytest.approx(weighted, abs=0.01)
+
+
+@pytest.mark.parametrize(("shape", "declared", "share"), [
+    (("2x4", 2), ("2x4", 2), 1.0), (("2x4", 1), ("2x4", 2), 0.5), (("2x2", 2), ("2x4", 2), 0.5),
+    (("2x4", 3), ("2x4", 2), 1.0),  # above the declared devices (elastic maxCount): at most 1
+    (("2x4", 1), None, None), (None, ("2x4", 2), None),
+], ids=["declared", "half-the-slices", "smaller-topology", "capped-at-1", "no-spec", "no-shape"])
+def test_devices_share_is_the_generations_devices_over_the_declared(
+        shape: tuple[str, int] | None, declared: tuple[str, int] | None, share: float | None) -> None:
+    from resilax_operator.spec import Shape
+
+    assert goodput_status.devices_share(Shape(*shape) if shape else None,
+                                        Shape(*declared) if declared else None) == share
+
+
+def test_an_old_status_without_the_weighted_fields_reads_as_every_generation_at_full_shape() -> None:
+    ledger = gp.advance(gp.advance(None, lost_gen1(), start=0.0), gen2())
+    body = st.build_status(st.JobStatus(goodput=st.GoodputRecord(ledger, datetime.fromtimestamp(52, UTC))))
+    led = body["goodput"]["ledger"]
+    del led["closedDeviceProductive"], led["carry"], led["current"]["devicesShare"]
+    again = st.parse_status(body).goodput
+    assert again is not None and again.ledger.current is not None and again.ledger.current.devices_share == 1.0
+    assert again.summary().device_ratio == pytest.approx(again.summary().ratio)
+
+
+def test_the_operator_shows_both_figures_and_weights_a_shrunk_generation() -> None:
+    """A generation running on half the slices the spec declares (as after a shrink): status.goodput's
+    deviceRatio is half its ratio."""
+    from resilax_operator.spec import Shape
+
+    w = running_world()
+    s = w.status
+    assert s.shape is not None
+    spec = Shape(s.shape.topology, 2 * s.shape.count)
+    w.advance(30)
+    report = TrainerReport(s.generation, step=20, step_time=w.now.timestamp() - 1, first_step=1,
+                           first_step_time=w.now.timestamp() - 20)
+    observed = replace(w.observed(), trainer=report)
+    record = goodput_status.live(observed, s, spec)
+    assert record is not None and record.ledger.current is not None
+    assert record.ledger.current.devices_share == 0.5
+    g = st.build_goodput(record)
+    assert g["ratio"] > 0 and g["deviceRatio"] == pytest.approx(g["ratio"] * record.ledger.current.devices_share,
+                                                                abs=1e-3)
