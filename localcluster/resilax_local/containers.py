@@ -21,6 +21,10 @@ from .podhost import now_rfc3339
 from .probes import ProbeState
 from .processes import kill_session
 
+#: The kubelet's default `terminationMessagePath` and the most of a termination message it keeps.
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+MAX_TERMINATION_MESSAGE = 4096
+
 
 @dataclass
 class ContainerRun:
@@ -47,6 +51,8 @@ class ContainerRun:
     readiness: ProbeState | None = None
     liveness: ProbeState | None = None
     startup_passed_once: bool = False
+    termination_log: Path | None = None
+    """The host file bound at its `terminationMessagePath` for its current run (its last words)."""
 
     @property
     def name(self) -> str:
@@ -105,6 +111,18 @@ def image_mounts(volume_targets: list[str], image: list[str]) -> list[dict[str, 
     return hidden
 
 
+def termination_message(path: Path | None) -> str:
+    """What a container wrote to its termination log (the kubelet keeps the first MAX_TERMINATION_MESSAGE
+    bytes; policy File: nothing written, no message)."""
+    if path is None:
+        return ""
+    try:
+        with path.open("rb") as f:
+            return f.read(MAX_TERMINATION_MESSAGE).decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def container_id(uid: str, c: ContainerRun) -> str:
     return f"resilax://{uid}/{c.name}/{c.restart_count}"
 
@@ -120,6 +138,12 @@ def launch(c: ContainerRun, pod_dir: Path, argv: list[str], env: dict[str, str],
     log_dir.mkdir(parents=True, exist_ok=True)
     spec_path = pod_dir / "specs" / f"{c.name}-{c.restart_count}.json"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
+    # The kubelet's termination message: a fresh file per run at terminationMessagePath, read at its exit.
+    c.termination_log = pod_dir / "termination" / f"{c.name}-{c.restart_count}.log"
+    c.termination_log.parent.mkdir(parents=True, exist_ok=True)
+    c.termination_log.write_bytes(b"")
+    mounts = [*mounts, {"source": str(c.termination_log), "read_only": False,
+                        "target": c.spec.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH}]
     spec_path.write_text(json.dumps({"argv": argv, "env": env, "cwd": c.spec.get("workingDir") or "/",
                                      "hostname": hostname, "mounts": mounts}, indent=1))
     with (log_dir / f"{c.restart_count}.log").open("ab") as out:
@@ -157,6 +181,9 @@ def reap(c: ContainerRun, uid: str) -> int | None:
     }
     if code < 0:
         c.terminated["signal"] = -code
+    message = termination_message(c.termination_log)
+    if message:
+        c.terminated["message"] = message
     c.finished_at = time.monotonic()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(c.proc.pid, signal.SIGKILL)

@@ -276,6 +276,22 @@ def test_native_sidecar_starts_before_main_and_stops_after_it_on_completion(clus
     assert sidecar["startedAt"] <= main["startedAt"] and sidecar["finishedAt"] >= main["finishedAt"]
 
 
+def test_a_containers_termination_message_is_kept_in_its_status(cluster, kube, namespace):
+    """As the kubelet does: what a container wrote to its terminationMessagePath (default
+    /dev/termination-log, a file of its own) is in its terminated state's `message`, at most 4096 bytes;
+    a container that wrote nothing has no message."""
+    spec = python_pod("last-words", """
+        with open("/dev/termination-log", "w") as f:
+            f.write("step 12 " + "y" * 5000)
+    """, restartPolicy="Never")
+    spec["spec"]["containers"].append({"name": "quiet", "image": "python:3.11", "command": ["python", "-c", "pass"]})
+    create_pod(kube, namespace, spec)
+    pod = wait_for_pod_phase(kube, namespace, "last-words", "Succeeded", timeout=90)
+    main = container_status(pod, "main")["state"]["terminated"]
+    assert main["message"].startswith("step 12 y") and len(main["message"]) == 4096, main
+    assert "message" not in container_status(pod, "quiet")["state"]["terminated"]
+
+
 def test_graceful_deletion_stops_main_before_sidecar_then_deletes(cluster, kube, namespace, tmp_path):
     create_pod(kube, namespace, sidecar_pod("svc", tmp_path, run_forever=True, restart_policy="Always"))
     tmp_path = cluster.node_path("cpu-0", tmp_path)  # the events hostPath, on the pod's node
