@@ -33,6 +33,7 @@ from resilax_ckpt.trainer_metrics import read_trainer_figures
 from resilax_sidecar import control, node_sweep
 from resilax_sidecar.config import SidecarConfig, log_level_number
 from resilax_sidecar.errors import ConfigError
+from resilax_sidecar.last_words import build_last_words, write_last_words
 from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.peers import Replicator
 from resilax_sidecar.routes import build_app
@@ -289,6 +290,21 @@ class Sidecar:
 
     # ---- SIGTERM -----------------------------------------------------------------------------------
 
+    async def leave_last_words(self) -> None:
+        """What the operator should still know once this container is gone, as its termination message:
+        the trainer's last figures, the newest steps, the final save's outcome (last_words.py)."""
+        path = self.config.termination_log
+        if path is None:
+            return
+        try:
+            state = await self.state_json()
+        except OSError as e:  # its parts are best effort; what is left is still worth leaving
+            log.warning("last words without the state: %s", e)
+            state = {}
+        request = self.final_request or self.last_stop_request
+        outcome = await asyncio.to_thread(self.save_outcome, request) if request else None
+        await asyncio.to_thread(write_last_words, path, build_last_words(state, outcome))
+
     async def final_save(self) -> bool:
         """Ask for a save with stop, wait for its commit (and its upload) within the grace period.
         True when the final step is durable in the tier that matters."""
@@ -399,12 +415,14 @@ async def serve(config: SidecarConfig, ready: asyncio.Event | None = None) -> in
     for task in waits:
         task.cancel()
     if terminate.is_set() and not interrupt.is_set():
+        await sidecar.leave_last_words()  # in case the grace runs out (SIGKILL) while it waits
         final = asyncio.create_task(sidecar.final_save())
         stop_waiting = asyncio.create_task(interrupt.wait())
         await asyncio.wait([final, stop_waiting], return_when=asyncio.FIRST_COMPLETED)
         stop_waiting.cancel()
         if not final.done():
             final.cancel()
+    await sidecar.leave_last_words()
     sidecar.stop_uploader()
     watcher.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -122,6 +122,11 @@ class SidecarConfig:
     log_level: str = "INFO"
     """`RESILAX_SIDECAR_LOG_LEVEL`: DEBUG, INFO, WARNING or ERROR."""
 
+    termination_log: Path | None = None
+    """`RESILAX_SIDECAR_TERMINATION_LOG`: the file its container's termination message is read from
+    (the operator sets `/dev/termination-log`); the sidecar leaves its last words there (last_words.py).
+    Empty: none."""
+
     @property
     def retention_rule(self) -> retention.RetentionRule:
         """The persistent tier's retention (resilax_ckpt.retention); the local tier keeps `local_keep_last`."""
@@ -261,6 +266,7 @@ class SidecarConfig:
                                       "a number of bytes per second (0: unpaced)") or None,
             peer_replicas=get("RESILAX_PEER_REPLICAS", choice(("true", "false")), "true", "true or false") == "true",
             verify=get("RESILAX_SIDECAR_VERIFY", choice(VERIFY_MODES), "size", f"one of {', '.join(VERIFY_MODES)}"),
+            termination_log=Path(t) if (t := env.get("RESILAX_SIDECAR_TERMINATION_LOG", "").strip()) else None,
             log_level=get(
                 "RESILAX_SIDECAR_LOG_LEVEL", choice(LOG_LEVELS, upper=True), "INFO", f"one of {', '.join(LOG_LEVELS)}"
             ),
