@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from . import api
-from .indexes import FleetIndex, JobIndex
+from .indexes import FleetIndex, JobIndex, LastWordsIndex
 from .observed import ObservedNode, ObservedPod, parse_pod, parse_service
+from .observed_sidecar import LastWords
 
 log = logging.getLogger(__name__)
 
@@ -242,12 +243,13 @@ class WorldCache:
 
         #: The parsed forms (indexes.py): each job's pods and Services; the nodes and the devices in use.
         self.pod_index: JobIndex[ObservedPod] = JobIndex(parse_pod)
+        self.last_words = LastWordsIndex()
         self.service_index: JobIndex[tuple[int, str]] = JobIndex(parse_service)
         self.fleet = FleetIndex()
-        self.jobs = [Informer(source, "jaxjobs", path(job_path, ns, api.PLURAL), on_change=on_change)
-                     for ns in scopes]
+        self.jobs = [Informer(source, "jaxjobs", path(job_path, ns, api.PLURAL), on_change=on_change,
+                              on_store=self._job_stored) for ns in scopes]
         self.job_pods = [Informer(source, "pods", path("/api/v1", ns, "pods"), label_selector=api.LABEL_JOB,
-                                  on_change=on_change, on_store=self.pod_index.update) for ns in scopes]
+                                  on_change=on_change, on_store=self._pod_stored) for ns in scopes]
         self.services = [Informer(source, "services", path("/api/v1", ns, "services"),
                                   label_selector=api.LABEL_JOB, on_store=self.service_index.update) for ns in scopes]
         self.live_pods = [Informer(source, "live-pods", path("/api/v1", ns, "pods"),
@@ -258,6 +260,15 @@ class WorldCache:
         #: Held by the reconcile that plans a new generation's node pools and creates its first pod: two
         #: jobs planning at once would pick the same free pool (the next plan must see the pod created).
         self.planning = threading.Lock()
+
+    def _pod_stored(self, key: str, old: Body | None, new: Body | None) -> None:
+        self.pod_index.update(key, old, new)
+        self.last_words.update(key, old, new)
+
+    def _job_stored(self, key: str, old: Body | None, new: Body | None) -> None:
+        if new is None and old is not None:
+            meta = old.get("metadata") or {}
+            self.last_words.forget(str(meta.get("namespace") or ""), str(meta.get("name") or ""))
 
     def informers(self) -> list[Informer]:
         return [*self.jobs, *self.job_pods, *self.services, *self.live_pods, self.nodes]
@@ -295,6 +306,10 @@ class WorldCache:
         """The pods labelled with the job's name (any generation, by name): as stored, and parsed (the
         workers among them). Which are the job's own is the owner's uid's to say (`observed.owner_uid`)."""
         return self.pod_index.of(namespace, job)
+
+    def last_words_of(self, namespace: str, job: str) -> tuple[LastWords, ...]:
+        """The sidecars' last words of the job's worker pods, also of pods already gone (indexes.py)."""
+        return self.last_words.of(namespace, job)
 
     def service(self, namespace: str, name: str) -> Body | None:
         """A Service labelled `resilax.dev/job` (any job's), as stored; None when the cache has none."""

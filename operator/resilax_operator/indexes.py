@@ -8,7 +8,10 @@ the indexes hold:
 
 1. `JobIndex`: the objects labelled `resilax.dev/job` (the job's pods, its Services) grouped by
    (namespace, job), each with its parsed form (`observed.parse_pod`, `observed.parse_service`);
-2. `FleetIndex`: every Node parsed (`observed.parse_node`), kept sorted by name, each with the devices
+2. `LastWordsIndex`: each job's worker pods' sidecar last words (`observed_sidecar.parse_last_words`),
+   kept after the pod is gone (the watch's last state of a deleted pod) for the job's two newest
+   generations: the final save and the trainer's last step they tell are needed after the teardown;
+3. `FleetIndex`: every Node parsed (`observed.parse_node`), kept sorted by name, each with the devices
    the live pods bound to it hold; the devices per node of each job's own pods; the pending pods pinned
    to a node pool.
 
@@ -32,6 +35,7 @@ from typing import Any, Generic, TypeVar
 from . import api
 from .devices import DeviceUse, add_devices, parse_device_use, place_pending
 from .observed import ObservedNode, parse_node
+from .observed_sidecar import LastWords, parse_last_words
 
 Body = Mapping[str, Any]
 T = TypeVar("T")
@@ -68,6 +72,37 @@ class JobIndex(Generic[T]):
         with self._lock:
             members = sorted((self._groups.get((namespace, job)) or {}).items())
         return [body for _, (body, _parsed) in members], [p for _, (_body, p) in members if p is not None]
+
+
+class LastWordsIndex:
+    """The sidecars' last words of each job's worker pods, by (namespace, job) and pod name, kept after
+    the pods are gone, for the two newest generations that left any (see the module)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: dict[JobKey, dict[tuple[str, str], LastWords]] = {}  # (owner uid, pod name) -> its words
+
+    def update(self, key: str, old: Body | None, new: Body | None) -> None:
+        body = new if new is not None else old
+        group = None if body is None else _job_key(body)
+        words = None if body is None or group is None else parse_last_words(body)
+        if words is None or group is None:
+            return
+        with self._lock:
+            kept = self._jobs.setdefault(group, {})
+            kept[(words.owner_uid, words.pod)] = words
+            newest = max(w.generation for w in kept.values() if w.owner_uid == words.owner_uid)
+            for k in [k for k, w in kept.items() if w.owner_uid == words.owner_uid and w.generation < newest - 1]:
+                del kept[k]
+
+    def forget(self, namespace: str, job: str) -> None:
+        """The job is gone."""
+        with self._lock:
+            self._jobs.pop((namespace, job), None)
+
+    def of(self, namespace: str, job: str) -> tuple[LastWords, ...]:
+        with self._lock:
+            return tuple(w for _, w in sorted((self._jobs.get((namespace, job)) or {}).items()))
 
 
 class FleetIndex:

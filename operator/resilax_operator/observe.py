@@ -39,7 +39,7 @@ from .observed import (
     parse_trainer_report,
     with_leases,
 )
-from .observed_sidecar import worth_asking_every_host
+from .observed_sidecar import LastWords, newest_trainer_report, worth_asking_every_host
 from .ownership import owner_uid
 from .settings import OperatorSettings
 from .trainer_process import TrainerProcess, parse_trainer_process, pods_to_poll, with_trainer_processes
@@ -94,7 +94,8 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
     labelled, workers = cache.pods_of(ref.namespace, ref.name)
     pods = [p for p in labelled if ref.uid and owner_uid(p) == ref.uid]  # its own: asked for state and saves, acted on
     status = st.parse_status(job.get("status"))
-    outcomes = observe_save_outcomes(kube, status, pods, settings, logger)
+    words = tuple(w for w in cache.last_words_of(ref.namespace, ref.name) if ref.uid and w.owner_uid == ref.uid)
+    outcomes = observe_save_outcomes(kube, status, pods, settings, logger, words)
     observed = assemble_observed(job, now=now, pods=workers,
                                  services=cache.services_of(ref.namespace, ref.name),
                                  nodes=cache.nodes_for(ref.namespace, ref.name), save_outcomes=outcomes,
@@ -102,16 +103,20 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
     needing_lease = nodes_needing_lease(observed)
     if needing_lease:
         observed = with_leases(observed, observe_leases(kube, needing_lease, logger))
-    observed = observe_sidecars(kube, observed, settings, logger)
+    observed = observe_sidecars(kube, observed, settings, logger, words)
     return World(job, tuple(pods), observed)
 
 
-def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings, logger: Logger) -> Observed:
+def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings, logger: Logger,
+                     words: Sequence[LastWords] = ()) -> Observed:
     """The sidecars' `/v1/state` of the pods `trainer_process.pods_to_poll` names (pod 0 always: newest
     checkpoint, restore report, trainer figures; the others for their trainer's incarnation), then of
     every other worker of the generation when pod 0 looks stalled (`hang.worth_asking_every_host`: the
     hang policy names the culprit from them) or the stragglers' sample is due
-    (`settings.straggler_sample_seconds`)."""
+    (`settings.straggler_sample_seconds`). The sidecars that are gone speak through their last `words`:
+    the newest checkpoint they knew, and the furthest step the generation's trainers reached (kept as
+    pod 0's figures: `newest_trainer_report`), so a generation's last step is exact however fast its
+    pods ended."""
     ref, status = observed.job, observed.status
     checkpoint = restore = None
     processes: dict[str, TrainerProcess] = {}
@@ -158,8 +163,12 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
             figures = parse_host_figures(state)
             if figures is not None:
                 hosts[p.name] = figures
+    for w in words:
+        checkpoint = st.newer_checkpoint(checkpoint, parse_sidecar_state(w.words, observed.now))
     with _trainers_lock:
-        trainer = _trainers.get(ref.uid)
+        trainer = newest_trainer_report(_trainers.get(ref.uid), words, status.generation) or _trainers.get(ref.uid)
+        if trainer is not None:
+            _trainers[ref.uid] = trainer
     observed = replace(observed, checkpoint=checkpoint, restore=restore, trainer=trainer, hosts=hosts)
     return with_trainer_processes(observed, processes)
 
@@ -197,17 +206,21 @@ def observe_leases(kube: Kube, names: Sequence[str], logger: Logger) -> dict[str
 
 
 def observe_save_outcomes(kube: Kube, status: st.JobStatus, pods: Sequence[Mapping[str, Any]],
-                          settings: OperatorSettings, logger: Logger) -> tuple[SaveOutcome, ...]:
-    """Every sidecar's answer to the open final save request (final_save.py picks which counts)."""
+                          settings: OperatorSettings, logger: Logger,
+                          words: Sequence[LastWords] = ()) -> tuple[SaveOutcome, ...]:
+    """Every sidecar's answer to the open final save request (final_save.py picks which counts): from
+    the sidecars' last words (those that already exited: the workers stop right after a final save)
+    and from the sidecars that still answer."""
     t = status.transition
     if t is None or not t.saving or not t.save_request_id:
         return ()
-    found: list[SaveOutcome] = []
+    found = [o for w in words if (o := w.save_outcome(t.save_request_id)) is not None]
     for pod in pods:
         value = _annotation(pod, api.ANNOTATION_SAVE_REQUEST) or ""
         request_id, _, sidecar_id = value.partition("=")
         ip = _pod_ip(pod)
-        if request_id != t.save_request_id or not sidecar_id or not ip:
+        ended = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")  # its sidecar is gone
+        if request_id != t.save_request_id or not sidecar_id or not ip or ended:
             continue
         try:
             answer = kube.sidecar("GET", ip, settings.sidecar_port, f"/v1/save/{sidecar_id}")

@@ -1,14 +1,19 @@
 """What the sidecars and trainers report that a decision sees (pure): a final save's outcome, the
-restore report, the trainer's figures, the newest checkpoint; parsed from the sidecar's answers."""
+restore report, the trainer's figures, the newest checkpoint; parsed from the sidecar's answers, and
+from its last words (its termination message in the pod's status, resilax_sidecar/last_words.py: the
+same keys as `/v1/state`, plus `final_save`) once it is gone."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Final
 
+from . import api
 from . import status as st
+from .ownership import owner_uid
 from .status import CheckpointInfo
 
 
@@ -170,3 +175,71 @@ def parse_trainer_report(body: Mapping[str, Any], generation: int) -> TrainerRep
                          first_step=whole("first_step"), first_step_time=num("first_step_time"),
                          save_blocking_seconds=num("save_blocking_seconds") or 0.0, restores=whole("restores") or 0,
                          last_restore_seconds=num("last_restore_seconds") or 0.0, restored_time=num("restored_time"))
+
+
+@dataclass(frozen=True)
+class LastWords:
+    """A worker pod's sidecar's termination message (None of it while the sidecar runs), as the watch
+    last showed the pod (indexes.LastWordsIndex keeps it after the pod is gone)."""
+
+    pod: str
+    generation: int
+    #: The parsed message: `/v1/state`'s keys (trainer, newest_persisted_step, ...) and `final_save`.
+    words: Mapping[str, Any]
+    #: The pod's resilax.dev/save-request annotation ("<operator's id>=<sidecar's id>"; "" for none).
+    save_request: str = ""
+    #: uid of the JAXJob that controls the pod (a job of the same name before it leaves words too).
+    owner_uid: str = ""
+
+    def save_outcome(self, request_id: str) -> SaveOutcome | None:
+        """The final save it reports for the operator's `request_id` (None: not that request, or pending)."""
+        operator_id, _, sidecar_id = self.save_request.partition("=")
+        save = self.words.get("final_save")
+        if operator_id != request_id or not sidecar_id or not isinstance(save, Mapping) or save.get("id") != sidecar_id:
+            return None
+        try:
+            return parse_save_outcome(request_id, save)
+        except (TypeError, ValueError):
+            return None
+
+
+def parse_last_words(pod: Mapping[str, Any]) -> LastWords | None:
+    """The sidecar's last words of a worker pod: its container's `terminated.message` (its current state,
+    else its last one), a JSON object; None when it has none or it does not parse."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    statuses = [*(status.get("initContainerStatuses") or ()), *(status.get("containerStatuses") or ())]
+    cs = next((c for c in statuses if c.get("name") == api.SIDECAR_CONTAINER), None)
+    if cs is None:
+        return None
+    ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") or {}
+    try:
+        words = json.loads(ended.get("message") or "null")
+        generation = int((meta.get("labels") or {}).get(api.LABEL_GENERATION) or 0)
+    except ValueError:
+        return None
+    if not isinstance(words, Mapping) or generation <= 0:
+        return None
+    annotation = (meta.get("annotations") or {}).get(api.ANNOTATION_SAVE_REQUEST) or ""
+    return LastWords(str(meta.get("name") or ""), generation, words, str(annotation), owner_uid(pod))
+
+
+def newest_trainer_report(kept: TrainerReport | None, words: Iterable[LastWords],
+                          generation: int) -> TrainerReport | None:
+    """The trainer report of `generation` with its newest step: `kept` (pod 0's, as last read), brought
+    forward to the furthest step any of the generation's sidecars left in its last words (every process
+    steps together: the furthest is where the generation stopped). None when nothing is known."""
+    best = kept if kept is not None and kept.generation == generation else None
+    for w in words:
+        trainer = w.words.get("trainer")
+        said = trainer.get("generation") if isinstance(trainer, Mapping) else None
+        if (said if isinstance(said, int) else w.generation) != generation:  # a kept pod's label may be older
+            continue
+        r = parse_trainer_report(w.words, generation)
+        if r is None or r.step is None or r.step_time is None:
+            continue
+        if best is None:
+            best = r
+        elif best.step is None or best.step_time is None or (r.step, r.step_time) > (best.step, best.step_time):
+            best = replace(best, step=r.step, step_time=r.step_time,
+                           save_blocking_seconds=max(best.save_blocking_seconds, r.save_blocking_seconds))
+    return best

@@ -251,8 +251,8 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         transition=transition, checkpoint=checkpoint, conditions=conditions,
         worker_nodes=tuple(sorted((int(k), str(v)) for k, v in (raw.get("workerNodes") or {}).items()
                                   if str(k).isdigit() and v)),
-        final_save_seconds=_int_or_none((raw.get("timings") or {}).get("finalSaveSeconds")),
-        restart_seconds=_int_or_none((raw.get("timings") or {}).get("restartSeconds")),
+        final_save_seconds=_num((raw.get("timings") or {}).get("finalSaveSeconds")),
+        restart_seconds=_num((raw.get("timings") or {}).get("restartSeconds")),
         admitted_time=parse_time(raw.get("admittedTime")),
         goodput=parse_goodput(raw.get("goodput")),
         worker_pods=tuple(str(n) for n in raw.get("workerPods") or () if n),
@@ -288,7 +288,7 @@ def parse_spec_record(raw: Any) -> SpecRecord | None:
     """status.lastValidSpec -> SpecRecord (None when absent or not an object with a `spec` object)."""
     if not isinstance(raw, Mapping) or not isinstance(raw.get("spec"), Mapping):
         return None
-    generation = _int_or_none(raw.get("generation"))
+    generation = _num(raw.get("generation"))
     return SpecRecord(generation or 0, without_nulls(raw["spec"]))
 
 
@@ -303,9 +303,10 @@ def without_nulls(value: Any) -> Any:
     return value
 
 
-def _int_or_none(raw: Any) -> int | None:
+def _num(raw: Any, kind: type[int] | type[float] = int) -> Any:
+    """`raw` as an int (or `kind`), None when absent or not a number."""
     try:
-        return None if raw is None else int(raw)
+        return None if raw is None else kind(raw)
     except (TypeError, ValueError):
         return None
 
@@ -430,6 +431,10 @@ def _round(x: float) -> float:
     return round(float(x), 3)
 
 
+def _share(x: float) -> float | None:
+    return None if x == 1.0 else x  # the declared shape: left out
+
+
 def build_goodput(record: GoodputRecord) -> dict[str, Any]:
     """status.goodput: the figures as of `asOf` (ratio, wall and productive seconds, breakdown) and the
     ledger they come from (docs/jaxjob-reference.md)."""
@@ -450,21 +455,14 @@ def build_goodput(record: GoodputRecord) -> dict[str, Any]:
             "lostSteps": led.lost_steps, "closedDeviceProductive": _round(led.closed_device_productive),
             "carry": None if led.carry is None else {
                 "step": led.carry.step, "stepSeconds": _round(led.carry.step_seconds),
-                "productiveSeconds": _round(led.carry.productive), "devicesShare": led.carry.devices_share},
+                "productiveSeconds": _round(led.carry.productive), "devicesShare": _share(led.carry.devices_share)},
             "current": None if cur is None else {
                 "generation": cur.generation, "firstStep": cur.first_step, "lastStep": cur.last_step,
                 "blockingSeconds": _round(cur.blocking_seconds), "hang": cur.hang or None,
-                "devicesShare": cur.devices_share,
+                "devicesShare": _share(cur.devices_share),
                 **{key: None if getattr(cur, attr) is None else _round(getattr(cur, attr)) for attr, key in _MARK_KEYS}},
         },
     }
-
-
-def _float(raw: Any) -> float | None:
-    try:
-        return None if raw is None else float(raw)
-    except (TypeError, ValueError):
-        return None
 
 
 def parse_goodput(raw: Any) -> GoodputRecord | None:
@@ -489,7 +487,7 @@ def parse_goodput(raw: Any) -> GoodputRecord | None:
                 last_step=None if cur_raw.get("lastStep") is None else int(cur_raw["lastStep"]),
                 blocking_seconds=float(cur_raw.get("blockingSeconds") or 0.0), hang=cur_raw.get("hang") is True,
                 devices_share=float(cur_raw.get("devicesShare") or 1.0),
-                **{attr: _float(cur_raw.get(key)) for attr, key in _MARK_KEYS})
+                **{attr: _num(cur_raw.get(key), float) for attr, key in _MARK_KEYS})
     except (KeyError, TypeError, ValueError):
         return None
     if as_of is None:

@@ -124,6 +124,8 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         _var("RESILAX_SIDECAR_HOST", OWN_IP),
         _var("RESILAX_SIDECAR_TOKEN_FILE", f"{api.TOKEN_DIR}/{api.TOKEN_KEY}"),
         _var("RESILAX_SIDECAR_GRACE_SECONDS", c.final_save.timeout_seconds),
+        # the sidecar's last words (the trainer's last step, the final save) outlive it in the pod's status
+        _var("RESILAX_SIDECAR_TERMINATION_LOG", TERMINATION_MESSAGE_PATH),
     ]
     if spec.capacity.autoscaled or kueue_queue(job, spec):
         env.append(_var("RESILAX_INIT_TIMEOUT_SECONDS", WAITING_INIT_TIMEOUT_SECONDS))
@@ -132,6 +134,8 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
     return env
 
 
+#: The kubelet's default terminationMessagePath (the API server sets it on every container that names none).
+TERMINATION_MESSAGE_PATH: Final = "/dev/termination-log"
 #: The compilation cache's folder name under the local tier or the checkpoint storage: ours by name,
 #: never a step (readers and the sidecar's retention skip it, as any name that is not a step).
 COMPILATION_CACHE_FOLDER: Final = "_jax_cache"
