@@ -10,8 +10,8 @@ did, not what a log line says:
 - pod 0's sidecar state (`record_worker_state`, every reconcile that reads it): the step the old
   generation's trainer last reported (`trainer.step`) and the step the new generation restored
   (`restore.step`, else `trainer.restored_step`) → `resilax_operator_steps_lost{kind}` = reached − restored, once per transition
-  (at least that many: the trainer may have gone on after the operator's last look). Without a
-  trainer report, 0 when a final save committed, else not observed;
+  (reached also from the sidecars' last words, `record_reached`: the trainers' real last step, however
+  fast their pods ended). Without a trainer report, 0 when a final save committed, else not observed;
 - every reconcile → `resilax_operator_checkpoint_age_seconds{namespace,jaxjob}` (now − when the
   operator first saw the newest checkpoint);
 - every reconcile and every status written → `resilax_operator_job_phase{namespace,jaxjob,phase}` (1 for
@@ -125,13 +125,23 @@ def steps_lost(reached: Mapping[int, int], generation: int, restored: int | None
     return 0 if saved else None
 
 
+def record_reached(job: JobRef, generation: int, step: int) -> None:
+    """A trainer of `generation` reached `step` (a sidecar's last words)."""
+    with _lock:
+        _reach(job, generation, step)
+
+
+def _reach(job: JobRef, generation: int, step: int) -> None:
+    steps = _reached.setdefault(job.uid, {})
+    steps[generation] = max(steps.get(generation, 0), step)
+
+
 def record_worker_state(job: JobRef, generation: int, state: Mapping[str, Any]) -> None:
     """Pod 0's sidecar `/v1/state` of `generation`: the trainer's step, and the step it restored."""
     trainer, restore = state.get("trainer"), state.get("restore")
     with _lock:
         if isinstance(trainer, Mapping) and isinstance(trainer.get("step"), int):
-            steps = _reached.setdefault(job.uid, {})
-            steps[generation] = max(steps.get(generation, 0), int(trainer["step"]))
+            _reach(job, generation, int(trainer["step"]))
         awaiting = _awaiting_restore.get(job.uid)
         if awaiting is None or awaiting[0] != generation:
             return

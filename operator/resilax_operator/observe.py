@@ -165,12 +165,21 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
                 hosts[p.name] = figures
     for w in words:
         checkpoint = st.newer_checkpoint(checkpoint, parse_sidecar_state(w.words, observed.now))
+        said = parse_trainer_report(w.words, w.generation)
+        if said is not None and said.step is not None and _said_generation(w) == status.generation:
+            metrics.record_reached(ref, status.generation, said.step)  # (older ones counted when current)
     with _trainers_lock:
         trainer = newest_trainer_report(_trainers.get(ref.uid), words, status.generation) or _trainers.get(ref.uid)
         if trainer is not None:
             _trainers[ref.uid] = trainer
     observed = replace(observed, checkpoint=checkpoint, restore=restore, trainer=trainer, hosts=hosts)
     return with_trainer_processes(observed, processes)
+
+
+def _said_generation(w: LastWords) -> int:
+    """The generation whose trainer spoke last (its figures say; else the pod's label)."""
+    g = (w.words.get("trainer") or {}).get("generation")
+    return g if isinstance(g, int) else w.generation
 
 
 #: job uid -> when every worker's sidecar was last read for the stragglers' sample (epoch seconds).
