@@ -144,7 +144,9 @@ def build_goodput_screen(job: Mapping[str, Any]) -> str:
         return f"{name}: no goodput yet (the operator fills status.goodput once a generation was created)"
     wall = float(goodput.get("wallSeconds") or 0.0)
     breakdown = goodput.get("breakdown") or {}
-    lines = [f"{name}: goodput {100 * float(goodput['ratio']):.1f}% of {wall:.0f} s wall time "
+    device = goodput.get("deviceRatio")
+    weighted = f", {100 * float(device):.1f}% device-weighted" if isinstance(device, int | float) else ""
+    lines = [f"{name}: goodput {100 * float(goodput['ratio']):.1f}% of {wall:.0f} s wall time{weighted} "
              f"(as of {goodput.get('asOf')}; {goodput.get('lostSteps', 0)} steps trained again)",
              f"{'BUCKET':<20} {'SECONDS':>10} {'SHARE':>7}"]
     for bucket in gp.BUCKETS:

@@ -71,6 +71,9 @@ def test_goodput_screen_lists_every_bucket_with_its_share() -> None:
     assert rows["productive"] == ["11.0", "55.0%"]
     assert rows["scheduling"] == ["2.0", "10.0%"]
     assert "no goodput yet" in kubectl_plugin.build_goodput_screen(_job())
+    shrunk = _job(goodput={**_goodput(), "deviceRatio": 0.4125})  # issue 26 item 5: both figures shown
+    assert kubectl_plugin.build_goodput_screen(shrunk).splitlines()[0].startswith(
+        "team-a/llama: goodput 55.0% of 20 s wall time, 41.2% device-weighted (as of")
 
 
 @pytest.mark.parametrize(("suspend", "value"), [(True, True), (False, False)], ids=["suspend", "resume"])
