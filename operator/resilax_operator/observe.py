@@ -33,6 +33,7 @@ from .observed import (
     parse_host_figures,
     parse_job_ref,
     parse_lease,
+    parse_lease_seconds,
     parse_restore_report,
     parse_save_outcome,
     parse_sidecar_state,
@@ -102,7 +103,7 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
                                  storage_sharers=decide_storage_sharers(job, cache.all_jobs()))
     needing_lease = nodes_needing_lease(observed)
     if needing_lease:
-        observed = with_leases(observed, observe_leases(kube, needing_lease, logger))
+        observed = with_leases(observed, *observe_leases(kube, needing_lease, logger))
     observed = observe_sidecars(kube, observed, settings, logger, words)
     return World(job, tuple(pods), observed)
 
@@ -198,10 +199,12 @@ def _straggler_sample_due(uid: str, now: float, settings: OperatorSettings) -> b
     return True
 
 
-def observe_leases(kube: Kube, names: Sequence[str], logger: Logger) -> dict[str, datetime]:
-    """Node → until when its Lease says the kubelet lives, for the NotReady nodes hosting a worker (a
-    few GETs, only while such a node exists; a Lease that cannot be read counts as none)."""
-    out = {}
+def observe_leases(kube: Kube, names: Sequence[str],
+                   logger: Logger) -> tuple[dict[str, datetime], dict[str, float]]:
+    """Node → until when its Lease says the kubelet lives, and node → its leaseDurationSeconds, for the
+    nodes `nodes_needing_lease` names (a few GETs, only then; a Lease that cannot be read counts as none)."""
+    out: dict[str, datetime] = {}
+    seconds: dict[str, float] = {}
     for name in names:
         try:
             lease = kube.get_node_lease(name)
@@ -209,9 +212,9 @@ def observe_leases(kube: Kube, names: Sequence[str], logger: Logger) -> dict[str
             logger.debug("lease of node %s not readable: %s", name, e)
             continue
         live_until = parse_lease(lease) if lease else None
-        if live_until is not None:
-            out[name] = live_until
-    return out
+        if lease and live_until is not None:
+            out[name], seconds[name] = live_until, parse_lease_seconds(lease)
+    return out, seconds
 
 
 def observe_save_outcomes(kube: Kube, status: st.JobStatus, pods: Sequence[Mapping[str, Any]],

@@ -24,6 +24,7 @@ from .observed_nodes import (
     ObservedNode,
     Taint,
     parse_lease,
+    parse_lease_seconds,
     parse_maintenance_time,
     parse_node,
 )
@@ -61,6 +62,7 @@ __all__ = (
     "parse_host_figures",
     "parse_job_ref",
     "parse_lease",
+    "parse_lease_seconds",
     "parse_maintenance_time",
     "parse_node",
     "parse_pod",
@@ -213,9 +215,13 @@ def nodes_needing_lease(observed: Observed) -> list[str]:
     return sorted(out)
 
 
-def with_leases(observed: Observed, leases: Mapping[str, datetime]) -> Observed:
-    """`observed` with each node of `leases` (name → `parse_lease`) knowing until when its kubelet lives."""
+def with_leases(observed: Observed, leases: Mapping[str, datetime],
+                seconds: Mapping[str, float] | None = None) -> Observed:
+    """`observed` with each node of `leases` (name → `parse_lease`) knowing until when its kubelet lives,
+    and its Lease's duration (`seconds`: name → `parse_lease_seconds`; default the kubelet's)."""
     if not leases:
         return observed
-    nodes = tuple(replace(n, lease_live_until=leases[n.name]) if n.name in leases else n for n in observed.nodes)
+    durations = seconds or {}
+    nodes = tuple(replace(n, lease_live_until=leases[n.name], lease_seconds=durations.get(n.name, n.lease_seconds))
+                  if n.name in leases else n for n in observed.nodes)
     return replace(observed, nodes=nodes)

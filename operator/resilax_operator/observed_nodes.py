@@ -14,6 +14,12 @@ from .devices import DEVICE_RESOURCES
 
 #: The kubelet's Ready=False message during a graceful node shutdown.
 SHUTTING_DOWN_MESSAGE: Final = "node is shutting down"
+#: With a witness (a peer exited 76), the fraction of leaseDurationSeconds after its last renewal from
+#: which a Ready node's Lease proves its kubelet dead: 0.5, two missed renewals (the kubelet renews every
+#: 0.25 of the duration). docs/architecture.md, "Faster hard-loss detection (item 6)".
+WITNESSED_LEASE_FRACTION: Final = 0.5
+#: leaseDurationSeconds when a Lease names none (the kubelet's default).
+DEFAULT_LEASE_SECONDS: Final = 40
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class ObservedNode:
     #: Until when the node's Lease (kube-node-lease) says its kubelet is alive: renewTime +
     #: leaseDurationSeconds. Read only for a NotReady (Ready=False) node hosting a worker; None: unknown.
     lease_live_until: datetime | None = None
+    #: The Lease's leaseDurationSeconds (its renewTime is lease_live_until less this).
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
     #: The Ready condition's message (the kubelet's reason for NotReady).
     ready_message: str = ""
 
@@ -90,10 +98,13 @@ class ObservedNode:
             return self.ready_since or now
         if any(t.key == api.UNREACHABLE_TAINT for t in self.taints):
             return self.ready_since or now
-        if self.lease_live_until is not None and now >= self.lease_live_until:
-            # Still Ready for the node lifecycle controller, but its kubelet's Lease expired (read only
-            # when a worker exited 76: `nodes_needing_lease`): the same evidence, without its grace.
-            return self.lease_live_until
+        if self.lease_live_until is not None:
+            # Still Ready for the node lifecycle controller, but its Lease (read for a Ready node only when
+            # a worker exited 76: `nodes_needing_lease`, a witness) missed two renewals: the same evidence
+            # as the controller's, without its grace (WITNESSED_LEASE_FRACTION).
+            proof = self.lease_live_until - timedelta(seconds=self.lease_seconds * (1 - WITNESSED_LEASE_FRACTION))
+            if now >= proof:
+                return proof
         return None
 
     def schedulable(self, now: datetime, lead: timedelta = timedelta(0)) -> bool:
@@ -129,7 +140,15 @@ def parse_lease(raw: Mapping[str, Any]) -> datetime | None:
         return None
     if renewed is None:
         return None
-    return renewed + timedelta(seconds=int(spec.get("leaseDurationSeconds") or 40))
+    return renewed + timedelta(seconds=parse_lease_seconds(raw))
+
+
+def parse_lease_seconds(raw: Mapping[str, Any]) -> int:
+    """A node's Lease → its leaseDurationSeconds (DEFAULT_LEASE_SECONDS when it names none)."""
+    try:
+        return int((raw.get("spec") or {}).get("leaseDurationSeconds") or DEFAULT_LEASE_SECONDS)
+    except (TypeError, ValueError):
+        return DEFAULT_LEASE_SECONDS
 
 
 def parse_node(raw: Mapping[str, Any], in_use_by_others: Mapping[str, int] | None = None,

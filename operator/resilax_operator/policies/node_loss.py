@@ -21,7 +21,7 @@ the grace; when the nodes come back the generation runs on.
 | deleted                            | NodeLoss now                                         |
 | NotReady/Unknown ≥ grace           | NodeLoss                                             |
 | NotReady/Unknown, a worker exited 76 (its peer is gone) | NodeLoss at once: the generation is broken already |
-| still Ready, a worker exited 76, the node's Lease expired (renewTime + leaseDurationSeconds; read only then) | down since the Lease expired: NodeLoss at once, before the node lifecycle controller marks it |
+| still Ready, a worker exited 76, the node's Lease missed two renewals (renewTime + leaseDurationSeconds × 0.5; read only then) | down since then: NodeLoss at once, before the node lifecycle controller marks it (the exit 76 is the witness: docs/architecture.md, item 6) |
 | NotReady/Unknown < grace           | Degraded NodeNotReady, look again in POLL_SECONDS    |
 | Ready with the unreachable taint   | counts as down since its Ready transition            |
 """

@@ -278,3 +278,45 @@ def node_loss_flow(d: Driver) -> None:
 @pytest.mark.parametrize("keep", list(KEEP.values()), ids=list(KEEP))
 def test_operator_dies_at_every_step_of_a_node_loss(keep: int) -> None:
     assert_survives_restarts(node_loss_flow, keep)
+
+
+# ---------------------------------------------------------------- witnessed Lease staleness (issue 26, item 6)
+
+def _renewed(ago: float, seconds: float = 40) -> dict[str, Any]:
+    """A Lease last renewed `ago` seconds before T0, of `seconds` duration (the ObservedNode fields)."""
+    return {"lease_live_until": T0 - timedelta(seconds=ago) + timedelta(seconds=seconds), "lease_seconds": seconds}
+
+
+@pytest.mark.parametrize(("node", "down"), [
+    # a Ready node's Lease is read only with a witness (a worker exited 76): two missed renewals prove it
+    ({"ready": "True", **_renewed(10)}, None),  # one renewal missed at most: alive
+    ({"ready": "True", **_renewed(19.9)}, None),
+    ({"ready": "True", **_renewed(20)}, T0),  # renewTime + 0.5 x 40 s
+    ({"ready": "True", **_renewed(35)}, T0 - timedelta(seconds=15)),
+    ({"ready": "True", **_renewed(35, seconds=80)}, None),  # a longer Lease: 40 s of proof
+    ({"ready": "True", **_renewed(50, seconds=80)}, T0 - timedelta(seconds=10)),
+    ({"ready": "True"}, None),  # no Lease read (no witness): the node controller's word only
+    # NotReady (the kubelet's own report) with a live Lease stays not down: the full duration, no witness
+    ({"ready": "False", "ready_since": T0 - timedelta(seconds=60), **_renewed(30)}, None),
+    ({"ready": "False", "ready_since": T0 - timedelta(seconds=60), **_renewed(40)}, T0 - timedelta(seconds=60)),
+], ids=["renewed-10s-ago", "just-under-two-renewals", "two-renewals-missed", "long-stale", "longer-lease-live",
+        "longer-lease-stale", "no-lease-read", "notready-lease-live", "notready-lease-expired"])
+def test_a_witnessed_ready_nodes_lease_proves_it_down_after_two_missed_renewals(node: dict[str, Any],
+                                                                                down: Any) -> None:
+    from resilax_operator.observed import ObservedNode
+
+    assert ObservedNode("n", **node).down_since(T0) == down
+
+
+def test_peers_lost_and_two_renewals_missed_is_a_node_loss_before_the_lease_expires() -> None:
+    """A worker exited 76; the Ready node of another worker last renewed its Lease 25 s ago (not expired
+    for 15 s more): NodeLoss at once, naming that node."""
+    w = running_world()
+    pods = w.gen_pods()
+    victim = pods[-1]
+    w.exit_workers(api.EXIT_CODE_PEER_LOST, names=[pods[0].name])
+    w.set_node(victim.node_name or "", lease_live_until=w.now + timedelta(seconds=15), lease_seconds=40)
+    spec, observed = validate_spec(w.spec), w.observed()
+    finding = node_loss.check_lost(spec, observed, w.status, SETTINGS)
+    assert finding is not None and finding.kind == st.NODE_LOSS and (victim.node_name or "") in finding.message
+    assert "not waiting for the grace" in finding.message
