@@ -164,6 +164,11 @@ def test_user_resize_saves_and_moves_to_the_new_shape(operator: OperatorProcess,
     assert all(r["devices"] == 4 for r in gen2.values())
     reasons = jobs.event_reasons(name, "SpecResized", "FinalSaveDone")
     assert "SpecResized" in reasons and "FinalSaveDone" in reasons, reasons
+    # The final save is recorded however fast the workers exited after it (issue 26, item 5: the
+    # sidecars' last words): the event names the step, and status.checkpoint has it.
+    done = [e["message"] for e in jobs.events(name) if e["reason"] == "FinalSaveDone"]
+    assert any(f"step {max(gen1)} committed" in m for m in done), (max(gen1), done)
+    assert jobs.status(name)["checkpoint"]["step"] >= max(gen1), jobs.status(name)["checkpoint"]
     record_result("resize", recovery_breakdown(jobs, name, 2, fault, ("SpecResized",)), lost=0)
 
     # Back to 2 slices (generation 3), then delete the JAXJob and apply it again, as users resume a
