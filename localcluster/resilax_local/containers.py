@@ -142,6 +142,7 @@ def launch(c: ContainerRun, pod_dir: Path, argv: list[str], env: dict[str, str],
     c.termination_log = pod_dir / "termination" / f"{c.name}-{c.restart_count}.log"
     c.termination_log.parent.mkdir(parents=True, exist_ok=True)
     c.termination_log.write_bytes(b"")
+    c.termination_log.chmod(0o666)  # as the kubelet makes it: writable by a container's non-root user
     mounts = [*mounts, {"source": str(c.termination_log), "read_only": False,
                         "target": c.spec.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH}]
     spec_path.write_text(json.dumps({"argv": argv, "env": env, "cwd": c.spec.get("workingDir") or "/",

@@ -298,11 +298,15 @@ class Sidecar:
             return
         try:
             state = await self.state_json()
-        except OSError as e:  # its parts are best effort; what is left is still worth leaving
+        except Exception as e:  # best effort: the final save must go on whatever failed here
             log.warning("last words without the state: %s", e)
             state = {}
         request = self.final_request or self.last_stop_request
-        outcome = await asyncio.to_thread(self.save_outcome, request) if request else None
+        try:
+            outcome = await asyncio.to_thread(self.save_outcome, request) if request else None
+        except Exception as e:  # as above
+            log.warning("last words without the final save: %s", e)
+            outcome = None
         await asyncio.to_thread(write_last_words, path, build_last_words(state, outcome))
 
     async def final_save(self) -> bool:
