@@ -114,6 +114,21 @@ class PublishFreshness:
 
 
 @dataclass(frozen=True)
+class CreateProbes:
+    """Create these grow-back probe pods (policies/grow_back_probe.py); one of the name the job owns
+    (409) is success, one it does not own is left alone (logged: never adopted)."""
+
+    pods: tuple[Manifest, ...]
+
+
+@dataclass(frozen=True)
+class DeleteProbes:
+    """Delete these probe pods of the job (grace 0, each of the uid observed); 404 is success."""
+
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class StopTrainers:
     """POST `/v1/trainer/stop` {"generation", "reason", "stacks"} (bearer token) to each pod's sidecar:
     its supervisor stops a trainer older than `generation` and reports it `exited` once it and every
@@ -170,7 +185,8 @@ class RequeueAfter:
 
 
 Action = (SetStatus | CreateGeneration | DeleteGeneration | RequestFinalSave | PatchWorkerPods | PublishFreshness
-          | StopTrainers | StartTrainers | EnsureTokenSecret | EmitEvent | DeleteJob | RequeueAfter)
+          | CreateProbes | DeleteProbes | StopTrainers | StartTrainers | EnsureTokenSecret | EmitEvent | DeleteJob
+          | RequeueAfter)
 
 
 def status_change(old: JobStatus, new: JobStatus, *events: EmitEvent) -> list[Action]:

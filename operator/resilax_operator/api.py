@@ -29,6 +29,11 @@ LABEL_PROCESS: Final = "resilax.dev/process"
 LABEL_NODE_POOL: Final = "resilax.dev/node-pool"
 LABEL_ROLE: Final = "resilax.dev/role"
 ROLE_WORKER: Final = "worker"
+#: A grow-back probe pod (policies/grow_back_probe.py): a placeholder of a missing slice, never a worker.
+ROLE_PROBE: Final = "probe"
+#: On a probe pod: the probe set (`g<generation>r<round>`) and the probe slice it holds a place for.
+LABEL_PROBE_SET: Final = "resilax.dev/probe-set"
+LABEL_PROBE_SLICE: Final = "resilax.dev/probe-slice"
 ANNOTATION_SHAPE: Final = "resilax.dev/shape"
 ANNOTATION_RESTORE_STEP: Final = "resilax.dev/restore-step"
 #: On a worker pod: "1" when its trainer runs under `resilax run` (the supervisor), so an in-place restart

@@ -20,8 +20,10 @@ from . import status as st
 from .actions import (
     Action,
     CreateGeneration,
+    CreateProbes,
     DeleteGeneration,
     DeleteJob,
+    DeleteProbes,
     EmitEvent,
     EnsureTokenSecret,
     PatchWorkerPods,
@@ -149,6 +151,8 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
             patch_worker_pods(kube, cache, world, action, logger)
         elif isinstance(action, PublishFreshness):
             publish_freshness(kube, cache, world, action)
+        elif isinstance(action, CreateProbes | DeleteProbes):
+            change_probes(kube, cache, world, action, logger)
         elif isinstance(action, EmitEvent):
             log = logger.warning if action.type == "Warning" else logger.info
             log("%s: %s", action.reason, action.message)
@@ -277,6 +281,26 @@ def publish_freshness(kube: Kube, cache: WorldCache, world: World, action: Publi
         made = kube.annotate_owned(kind, ref.namespace, name, uid, dict(notes))
         if made is not None:
             cache.remember(made)
+
+
+def change_probes(kube: Kube, cache: WorldCache, world: World, action: CreateProbes | DeleteProbes,
+                  logger: Logger) -> None:
+    """Create or delete grow-back probe pods (a name another owner holds is logged and left alone)."""
+    ref = job_ref(world.job)
+    if isinstance(action, DeleteProbes):
+        uids = {p.name: p.uid for p in world.observed.probes}
+        for name in action.names:
+            kube.delete_pod(ref.namespace, name, force=True, uid=uids.get(name, ""))
+        logger.info("grow-back probes deleted: %s", ", ".join(action.names))
+        return
+    for manifest in action.pods:
+        try:
+            made, _ = kube.create_owned(manifest, ref.uid)
+        except NameConflictError as e:
+            logger.warning("grow-back probe not created: %s", e)
+            continue
+        cache.remember(made)
+    logger.info("grow-back probes created: %s", ", ".join(m["metadata"]["name"] for m in action.pods))
 
 
 def call_trainers(kube: Kube, world: World, action: StopTrainers | StartTrainers, settings: OperatorSettings,

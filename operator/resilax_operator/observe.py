@@ -42,6 +42,7 @@ from .observed import (
 )
 from .observed_sidecar import LastWords, newest_trainer_report, worth_asking_every_host
 from .ownership import owner_uid
+from .probes import parse_probe
 from .settings import OperatorSettings
 from .trainer_process import TrainerProcess, parse_trainer_process, pods_to_poll, with_trainer_processes
 
@@ -101,6 +102,10 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
                                  services=cache.services_of(ref.namespace, ref.name),
                                  nodes=cache.nodes_for(ref.namespace, ref.name), save_outcomes=outcomes,
                                  storage_sharers=decide_storage_sharers(job, cache.all_jobs()))
+    probes = tuple(sorted((p for p in (parse_probe(raw, ref.uid) for raw in pods) if p is not None),
+                          key=lambda p: p.name))
+    if probes:
+        observed = replace(observed, probes=probes)
     needing_lease = nodes_needing_lease(observed)
     if needing_lease:
         observed = with_leases(observed, *observe_leases(kube, needing_lease, logger))

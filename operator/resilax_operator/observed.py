@@ -41,6 +41,7 @@ from .observed_sidecar import (
     parse_trainer_report,
 )
 from .ownership import owner_uid
+from .probes import ObservedProbe
 from .status import CheckpointInfo, JobStatus
 from .trainer_process import TrainerProcess
 
@@ -103,6 +104,8 @@ class Observed:
     #: (uid, "namespace/name") of the other live JAXJobs with the same spec.checkpoint.storage
     #: (`decide_storage_sharers`): the workers do not take the storage over from them.
     storage_sharers: tuple[tuple[str, str], ...] = ()
+    #: The job's grow-back probe pods (probes.py; observe.py adds them).
+    probes: tuple[ObservedProbe, ...] = ()
     #: The JAXJob's checkpoint freshness annotations (`observed_pods.pick_freshness`).
     freshness: tuple[tuple[str, str], ...] = ()
 

@@ -41,6 +41,7 @@ from .policies import (
     freshness,
     generation_start,
     goodput_status,
+    grow_back_probe,
     hang,
     history_status,
     inplace,
@@ -100,13 +101,15 @@ def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings, *, rec
     """The actions that move the cluster toward what `spec` wants, given `observed`; the Completed and
     Failed conditions following the phase (policies/finished.py), status.goodput and status.history
     brought up to date (policies/goodput_status.py, policies/history_status.py), and the checkpoint
-    freshness annotations published (policies/freshness.py).
+    freshness annotations published (policies/freshness.py), the Autoscaled grow-back's probe pods
+    kept as the status calls for (policies/grow_back_probe.py).
     `record`: `spec` as status.lastValidSpec keeps it; `invalid`: the problems of the job's own spec,
     when `spec` is the last valid one."""
     actions = decide_policies(spec, observed, settings, record=record, invalid=invalid)
     actions = finished.with_outcomes(goodput_status.with_goodput(actions, observed, settings, spec.spec_shape),
                                      observed.now)
-    return freshness.with_freshness(history_status.with_history(actions, observed), observed)
+    actions = freshness.with_freshness(history_status.with_history(actions, observed), observed)
+    return grow_back_probe.with_probes(actions, spec, observed, settings)
 
 
 def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSettings, *,

@@ -47,6 +47,17 @@ class OperatorSettings:
     """Added to `finalSave.timeoutSeconds` for the pods' terminationGracePeriodSeconds."""
     grow_back_settle_seconds: int = 60
     """A generation must have run this long, all workers Running, before growBack may resize it up."""
+    grow_back_probe_seconds: int = 300
+    """Autoscaled grow-back probe (policies/grow_back_probe.py): a job with `capacity.provisioning:
+    Autoscaled` and `elastic.growBack`, running settled below its declared shape, keeps placeholder pods
+    of the missing slices Pending (the autoscaler's demand); a probe set none of whose pods got a node
+    is replaced by a fresh one every this many seconds. 0: no probes (growBack then sees only Ready nodes)."""
+    probe_image: str = "registry.k8s.io/pause:3.10"
+    """Image of the probe pods (they only hold a place; nothing runs in them but the pause process)."""
+    probe_priority_class: str = ""
+    """priorityClassName of the probe pods; empty: the cluster's default priority. A class with a low
+    value that the cluster autoscaler still scales up for (at least its
+    `--expendable-pods-priority-cutoff`, default -10) keeps probes from preempting anything."""
     stuck_terminating_seconds: int = 60
     """A pod still Terminating this long after its grace period on a Ready node is force-deleted."""
     schedule_timeout_seconds: int = 300

@@ -8,7 +8,9 @@ where the cluster has a single such node pool, added by the test (the session's 
    same generation runs at the declared shape;
 2. `suspend: true`: final save, no workers, Suspended; `false`: a new generation restores it (0 steps lost);
 3. a node pool goes and none comes: the new generation waits, then shrinks to 1 slice after
-   `shrinkAfterSeconds` (40 s here) and restores the newest committed step."""
+   `shrinkAfterSeconds` (40 s here) and restores the newest committed step;
+4. settled at 1 slice, the job keeps a probe pod of the missing slice Pending (an autoscaler's demand);
+   the test adds a node pool as the autoscaler would: the job grows back and the probe is deleted."""
 
 from __future__ import annotations
 
@@ -115,6 +117,29 @@ def test_autoscaled_capacity_waits_then_runs_suspend_saves_and_resumes_then_shri
         assert restored in committed_steps(storage) and restored >= committed_before, (restored, committed_before)
         assert max(gen2) - restored <= EVERY + 1, (max(gen2), restored)
         assert not jobs.losses(name, 3)  # the waiting generation never trained
+
+        # 4. The grow-back probe (the local cluster has no autoscaler; the test is one): settled below its
+        # declared shape, the job keeps a Pending probe pod of the missing 2x2 slice, which is what an
+        # autoscaler scales up for; the test then adds the pool, the job grows back and the probe goes.
+        uid = jobs.get(name)["metadata"]["uid"]
+
+        def probes() -> list[dict[str, Any]]:
+            return [p for p in jobs.pods(name) if p["metadata"]["labels"].get("resilax.dev/role") == "probe"]
+
+        (probe,) = wait_for(probes, timeout=180, interval=1, message=f"{name}: the grow-back probe of slice 2")
+        assert probe["metadata"]["name"].startswith(f"{name}-probe-g4r"), probe["metadata"]
+        assert [(o["kind"], o["uid"], o.get("controller")) for o in probe["metadata"]["ownerReferences"]] == [
+            ("JAXJob", uid, True)]
+        assert probe["spec"]["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+                                                 "cloud.google.com/gke-tpu-topology": "2x2"}, probe["spec"]
+        assert probe["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"] == "4"
+        assert not probe["spec"].get("nodeName") and "resilax.dev/generation" not in probe["metadata"]["labels"]
+        added += cluster.add_tpu_slice(pool_c := unique_name("cap-c"), topology="2x2")
+        cluster.wait_nodes_ready(added)
+        status = _running(jobs, name, 5, count=2)
+        assert pool_c in status["pools"], status
+        wait_for(lambda: not probes(), timeout=60, interval=1, message=f"{name}: grow-back probe removed")
+        assert "GrowBack" in jobs.event_reasons(name, "GrowBack")
     finally:
         with contextlib.suppress(KubeAPIError):
             jobs.delete(name)

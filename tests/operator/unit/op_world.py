@@ -19,7 +19,9 @@ from resilax_operator import api
 from resilax_operator.actions import (
     Action,
     CreateGeneration,
+    CreateProbes,
     DeleteGeneration,
+    DeleteProbes,
     EmitEvent,
     PatchWorkerPods,
     PublishFreshness,
@@ -40,6 +42,7 @@ from resilax_operator.observed import (
     TrainerReport,
 )
 from resilax_operator.observed_sidecar import worth_asking_every_host
+from resilax_operator.probes import ObservedProbe
 from resilax_operator.reconcile import decide_raw
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.status import CheckpointInfo, JobStatus, build_status, build_status_patch, parse_status
@@ -124,6 +127,11 @@ class World:
     freshness: dict[str, str] = field(default_factory=dict)
     #: Every PublishFreshness executed, in order.
     published: list[PublishFreshness] = field(default_factory=list)
+    #: The grow-back probe pods (Observed.probes) and their manifests, as CreateProbes/DeleteProbes left them.
+    probes: dict[str, ObservedProbe] = field(default_factory=dict)
+    probe_manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Every CreateProbes/DeleteProbes executed, in order.
+    probe_calls: list[CreateProbes | DeleteProbes] = field(default_factory=list)
 
     @classmethod
     def make(cls, spec: dict[str, Any], *pools: list[ObservedNode]) -> World:
@@ -137,6 +145,7 @@ class World:
                             save_outcomes=tuple(self.outcomes), checkpoint=self.checkpoint, trainer=self.trainer,
                             restore=self.restore, storage_sharers=self.storage_sharers,
                             freshness=tuple(sorted(self.freshness.items())),
+                            probes=tuple(sorted(self.probes.values(), key=lambda p: p.name)),
                             hosts={n: f for n, f in self.hosts.items() if n in self.pods and n not in self.unreachable})
         # As observe.py: the sidecars asked (pods_to_poll) that answer report their trainer.
         polled = pods_to_poll(observed)
@@ -220,6 +229,18 @@ class World:
                 p = self.pods.get(name)
                 if p is not None:
                     self.pods[name] = replace(p, freshness=tuple(sorted(_merged(dict(p.freshness), notes).items())))
+        elif isinstance(a, CreateProbes):
+            self.probe_calls.append(a)
+            for m in a.pods:
+                name = m["metadata"]["name"]
+                if name not in self.probes:
+                    self.probes[name] = ObservedProbe(name, m["metadata"]["labels"][api.LABEL_PROBE_SET], uid=f"uid-{name}")
+                    self.probe_manifests[name] = m
+        elif isinstance(a, DeleteProbes):
+            self.probe_calls.append(a)
+            for name in a.names:  # grace 0: gone at once
+                self.probes.pop(name, None)
+                self.probe_manifests.pop(name, None)
         elif isinstance(a, StopTrainers):
             self.trainer_calls.append(("stop", a.generation, a.pods))
             for name in a.pods:
