@@ -7,9 +7,11 @@ Keys are `/`-separated and relative to the store's root (`"120/_COMMIT"`). A sto
   get `False` (GCS `ifGenerationMatch=0`, a folder `link()` that fails when the name exists);
 - listings are strongly consistent (GCS is; a folder trivially).
 
-Call order of one step's upload (uploader.py): 1. `list_files` of the step, 2. `upload_file` of each
-missing or different file, 3. `stat` (and `md5`) to verify, 4. `write_bytes` of the `_UPLOADED.<id>`
-marker, 5. `list_files` and `read_bytes` of every marker, 6. `create_bytes` of `_COMMIT`.
+Call order of one step's upload (uploader.py): 1. `list_files` of the attempt (unless it is known to
+be empty), 2. `upload_file` of each missing or different file, 3. `stat` (and `md5`) to verify,
+4. `write_bytes` of the `_UPLOADED.<id>` marker, 5. `list_files` and `read_bytes` of every marker
+(unless one process is the whole save), `list_files` of the fences, 6. `create_bytes` of `_COMMIT`.
+Retention: `delete_keys` of the objects the commit recorded, else `list_files` of the step first.
 All methods block; the uploader calls them from worker threads. Failures raise `StoreError`.
 
 Memory: `upload_file` never holds more than `UPLOAD_PIECE_BYTES` of a file at once, whatever its size
@@ -101,6 +103,11 @@ class BlobStore(Protocol):
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete everything under the folder `prefix`; missing is fine."""
+        ...
+
+    def delete_keys(self, keys: list[str]) -> None:
+        """Delete these objects (missing ones are fine) without listing anything; a folder left empty
+        goes with them."""
         ...
 
 
@@ -248,6 +255,18 @@ class LocalFolderStore:
         with _wrapping(self.url, "delete", key), contextlib.suppress(FileNotFoundError):
             self._path(key).unlink()
 
+    def delete_keys(self, keys: list[str]) -> None:
+        folders: set[Path] = set()
+        with _wrapping(self.url, "delete", ", ".join(keys[:3])):
+            for key in keys:
+                path = self._path(key)
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                folders.update(p for p in path.parents if self.root in p.parents)
+            for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+                with contextlib.suppress(FileNotFoundError, OSError):
+                    folder.rmdir()  # only when empty
+
     def delete_prefix(self, prefix: str) -> None:
         path = self._path(prefix)
         if path == self.root:
@@ -324,11 +343,29 @@ class GcsStore:
         key = key.strip("/")
         return f"{self._root}/{key}" if key else self._root
 
+    def _list(self, prefix: str, delimiter: str) -> tuple[list[dict[str, Any]], list[str]] | None:
+        """One objects.list of the folder `prefix` (one request per page of 5,000): its objects and,
+        with a delimiter, its sub-folders' prefixes. gcsfs's own `ls` and `find` cost more: `find`
+        lists an empty folder twice (as a folder, then as a file). None: the filesystem has no
+        `_do_list_objects` (another fsspec implementation); the caller uses `ls`/`find`."""
+        do_list = getattr(self._fs, "_do_list_objects", None)
+        if do_list is None or not hasattr(self._fs, "loop"):
+            return None
+        import fsspec.asyn
+
+        items, prefixes = fsspec.asyn.sync(self._fs.loop, do_list, self._full(prefix), delimiter=delimiter)
+        return list(items), list(prefixes)
+
     def list_dir(self, prefix: str) -> list[str]:
         full = self._full(prefix)
         with _wrapping(self.url, "list", prefix):
             try:
-                entries = self._fs.ls(full, detail=False, refresh=True)
+                listed = self._list(prefix, "/")
+                if listed is not None:
+                    bucket = self._root.split("/", 1)[0]
+                    entries = [o["name"] for o in listed[0]] + [f"{bucket}/{p}" for p in listed[1]]
+                else:
+                    entries = self._fs.ls(full, detail=False, refresh=True)
             except FileNotFoundError:
                 return []
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != full})
@@ -337,7 +374,11 @@ class GcsStore:
         full = self._full(prefix).rstrip("/") + "/"
         with _wrapping(self.url, "list", prefix):
             try:
-                found = self._fs.find(full, detail=True, withdirs=False)
+                listed = self._list(prefix, "")
+                if listed is not None:
+                    found = {o["name"]: o for o in listed[0]}
+                else:
+                    found = self._fs.find(full, detail=True, withdirs=False)
             except FileNotFoundError:
                 return {}
         out: dict[str, BlobInfo] = {}
@@ -404,6 +445,11 @@ class GcsStore:
     def delete(self, key: str) -> None:
         with _wrapping(self.url, "delete", key), contextlib.suppress(FileNotFoundError):
             self._fs.rm_file(self._full(key))
+
+    def delete_keys(self, keys: list[str]) -> None:
+        if keys:
+            with _wrapping(self.url, "delete", ", ".join(keys[:3])), contextlib.suppress(FileNotFoundError):
+                self._fs.rm([self._full(k) for k in keys])
 
     def delete_prefix(self, prefix: str) -> None:
         if not prefix.strip("/"):
