@@ -46,6 +46,8 @@ class Cleaner:
         self.memory = memory
         self._persists = persists
         """Whether a local step goes to the persistent tier (resilax_sidecar.uploader.Uploader.persists)."""
+        self.trimmed_local: set[int] = set()
+        """The local steps retention deleted in the current pass (set by Uploader.run_once)."""
         self._facts: dict[tuple[int, str], retention.StepFacts] = {}
         """(step, the attempt its marker names) -> its metrics and save time: read once (write-once steps)."""
 
@@ -75,11 +77,13 @@ class Cleaner:
             log.info("deleted attempts no commit marker names in %s: %s", self.store.url, ", ".join(deleted))
         return deleted
 
-    def apply_retention(self, persisted: list[int], in_flight: int | None) -> bool:
+    def apply_retention(self, persisted: list[int], in_flight: int | None, sweep: bool = True) -> bool:
         """The persistent tier keeps what `config.retention_rule` keeps (resilax_ckpt.retention: the
         newest `keep_last`, the best `keep_best`, the preserved ones); the local tier the newest
         `local_keep_last` (else `keep_last`). The persistent tier is trimmed by process 0 only (one
-        deleter); each host trims its own local tier. True when something was deleted."""
+        deleter); each host trims its own local tier. `sweep`: also clear the leftovers the root
+        listing just made (`memory.listed`) shows (a pass that listed the root). True when something
+        was deleted."""
         cfg = self.config
         if cfg.process_id == 0:
             self.clean_stale_attempts(persisted)
@@ -90,63 +94,88 @@ class Cleaner:
         deleted = False
         protect = {in_flight} if in_flight is not None else set()
         if rule.deletes and cfg.process_id == 0 and persisted and self.memory.committed_own:
-            deleted = self._trim_persistent(persisted, protect)
+            deleted = self._trim_persistent(persisted, protect, sweep)
         if local_keep is None:
             return deleted
         return self._trim_local(persisted, local_keep, protect) or deleted
 
-    def _trim_persistent(self, persisted: list[int], protect: set[int]) -> bool:
+    def _trim_persistent(self, persisted: list[int], protect: set[int], sweep: bool) -> bool:
         rule = self.config.retention_rule
-        known_committed = self.memory.known_committed
+        memory = self.memory
+        known_committed = memory.known_committed
         deleted = False
         facts = self._read_facts(persisted) if rule.needs_facts else {}
+        retired = set()
         for step in retention.decide_retention(persisted, rule, facts, protect):
+            retired.add(step)
+            named = memory.cleaned.get(step)
+            if named is None:
+                body = self.view.read_commit(step)
+                named = (named_attempt(body) if body is not None else None) or ""
             # _COMMIT first: a half-deleted step must never look committed.
             self.store.delete(f"{step}/{layout.COMMIT_FILE}")
             known_committed.pop(step, None)
-            self.memory.cleaned.pop(step, None)
-            self._delete_step_files(step)
+            memory.cleaned.pop(step, None)
+            objects = memory.objects.pop(step, None)
+            if objects is not None and named and all(k.startswith(f"{named}/") for k in objects):
+                # Every object this uploader's commit knew of: nothing to list. Whatever else is there
+                # (an attempt raced in by another save) keeps the folder, and the next root listing finds it.
+                self.store.delete_keys([f"{step}/{k}" for k in objects])
+            else:
+                self._delete_step_files(step, named or None)
+            memory.folders.discard(step)
             self.metrics.retention_deletes.labels(tier="persistent").inc()
             deleted = True
             log.info("retention: deleted step %d from %s", step, self.store.url)
-        # Partial uploads older than every kept (visible) step (a save abandoned for a newer one, a
-        # host that died mid-upload) will never be committed, and a commit there that the fences
-        # hide (a stale generation's) will never be read: clear them out too. Not a step marked
-        # bad (kept), never a folder of someone else's.
-        kept = sorted(s for s in persisted if s in known_committed)
-        if kept:
-            all_steps = (layout.parse_step(n) for n in self.store.list_dir(""))
-            hiding: tuple[dict[fencing.Epoch, int | None], set[int], list[timelines.Branch]] | None = None
-            for step in sorted(s for s in all_steps if s is not None and s < kept[0]):
-                body = self.view.read_commit(step)
-                if body is None:
-                    if layout.owns_step_folder(self.store.list_dir(str(step))) and self._delete_step_files(step):
-                        log.info("retention: deleted the abandoned partial upload of step %d", step)
-                    continue
-                if hiding is None:
-                    hiding = self.view.read_fences(), self.view.bad_steps(), self.view.branches()
-                fences, bad, branches = hiding
-                epoch = fencing.parse_marker_epoch(body)
-                # A step marked bad or superseded by a rollback is a real save: kept, never deleted.
-                if (step not in bad and timelines.decide_superseded(step, epoch, branches) is None
-                        and not fencing.decide_visible(step, epoch, fences)):
-                    self.store.delete(f"{step}/{layout.COMMIT_FILE}")
-                    known_committed.pop(step, None)
-                    self._delete_step_files(step)
-                    log.info("retention: deleted step %d, committed by a fenced-out generation (never visible)",
-                             step)
+        if sweep and memory.listed is not None:
+            self._sweep(persisted, memory.listed - retired)
         return deleted
 
-    def _delete_step_files(self, step: int) -> bool:
-        """Delete a persistent step's files, except the attempts kept records protect (a bad or
-        superseded copy of the same number); whether anything was deleted."""
-        keep = self.view.kept_attempts(step)
-        if not keep:
-            self.store.delete_prefix(str(step))
-            return True
-        doomed = [k for k in self.store.list_files(str(step)) if k.split("/", 1)[0] not in keep]
-        for key in doomed:
-            self.store.delete(f"{step}/{key}")
+    def _sweep(self, persisted: list[int], listed: set[int]) -> None:
+        """Partial uploads older than every kept (visible) step (a save abandoned for a newer one, a
+        host that died mid-upload, what a deletion left) will never be committed, and a commit there
+        that the fences hide (a stale generation's) will never be read: clear them out too. Not a
+        step marked bad (kept), never a folder of someone else's. Only the folders the last root
+        listing had; each one left (kept attempts, data not Resilax's) is not looked at again."""
+        memory = self.memory
+        known_committed = memory.known_committed
+        kept = sorted(s for s in persisted if s in known_committed)
+        if not kept:
+            return
+        hiding: tuple[dict[fencing.Epoch, int | None], set[int], list[timelines.Branch]] | None = None
+        for step in sorted(s for s in listed if s < kept[0] and s not in memory.settled):
+            memory.settled.add(step)  # whatever is left there after this stays (kept, or not Resilax's)
+            body = self.view.read_commit(step)
+            if body is None:
+                if layout.owns_step_folder(self.store.list_dir(str(step))) and self._delete_step_files(step, None):
+                    log.info("retention: deleted the abandoned partial upload of step %d", step)
+                continue
+            if hiding is None:
+                hiding = self.view.read_fences(), self.view.bad_steps(), self.view.branches()
+            fences, bad, branches = hiding
+            epoch = fencing.parse_marker_epoch(body)
+            # A step marked bad or superseded by a rollback is a real save: kept, never deleted.
+            if (step not in bad and timelines.decide_superseded(step, epoch, branches) is None
+                    and not fencing.decide_visible(step, epoch, fences)):
+                self.store.delete(f"{step}/{layout.COMMIT_FILE}")
+                known_committed.pop(step, None)
+                self._delete_step_files(step, None)
+                log.info("retention: deleted step %d, committed by a fenced-out generation (never visible)", step)
+
+    def _delete_step_files(self, step: int, named: str | None) -> bool:
+        """Delete a persistent step's files (one listing), except the attempts kept records protect
+        (a bad or superseded copy of the same number: read only when the folder holds an attempt
+        other than `named`, the one its commit named) and, beside attempts, names Resilax never
+        writes there; whether anything was deleted."""
+        listing = list(self.store.list_files(str(step)))
+        tops = {k: k.split("/", 1)[0] for k in listing}
+        attempts = {t for k, t in tops.items() if k != t and layout.is_attempt_name(t)}
+        keep = self.view.kept_attempts(step) if named is None or attempts - {named} else set()
+        # A step committed in place (no attempts) is all the library's; beside attempts only
+        # Resilax's own names are (layout.owns_step_folder): anything else arrived after the upload.
+        doomed = [f"{step}/{k}" for k, top in tops.items()
+                  if top not in keep and (not attempts or layout.owns_step_folder([top]))]
+        self.store.delete_keys(doomed)
         return bool(doomed)
 
     def _trim_local(self, persisted: list[int], local_keep: int, protect: set[int]) -> bool:
@@ -170,6 +199,7 @@ class Cleaner:
                 continue  # the trainer's own retention got there first
             shutil.rmtree(trash, ignore_errors=True)
             self.memory.marker_done.pop(step, None)
+            self.trimmed_local.add(step)
             self.metrics.retention_deletes.labels(tier="local").inc()
             deleted = True
             log.info("retention: deleted local step %d", step)

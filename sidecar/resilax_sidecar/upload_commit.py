@@ -33,9 +33,12 @@ class StepCommitter:
         self.view = view
         self.memory = memory
 
-    def try_commit(self, local: LocalStep) -> bool:
+    def try_commit(self, local: LocalStep, verified: bool = False) -> bool:
         """Create `<step>/_COMMIT` naming the save's attempt if every process's upload of this save is
-        complete; True when the step is committed (by this save, or visibly by another one)."""
+        complete; True when the step is committed (by this save, or visibly by another one).
+        `verified`: this pass copied and verified every file of this process and wrote its marker
+        (StepCopier.copy_and_mark); with one process that is the whole save, so the attempt is not
+        listed: the fences are the one listing of the commit."""
         step = local.step
         known_committed = self.memory.known_committed
         existing = self.view.read_commit(step)
@@ -43,14 +46,18 @@ class StepCommitter:
             if named_attempt(existing) == local.attempt:
                 known_committed[step] = local.epoch
                 self.memory.committed_own = True
+                self._committed_here(step, local.attempt, None)  # by another host of this save
                 return True
             if self.view.committed_elsewhere(local):
                 return True
             # Hidden (a fenced-out older generation's commit, or a step marked bad): a complete
             # upload of ours re-points it below; the attempt it named is left as it is.
         base = f"{step}/{local.attempt}"
-        listing = self.store.list_files(base)
         markers: dict[int, dict[str, Any]] = {}
+        alone = verified and local.process_count == 1
+        listing = {} if alone else self.store.list_files(base)
+        if alone:
+            markers[local.process] = {"era": local.era, "generation": local.generation, "files": {}}
         for name in listing:
             pid = layout.parse_uploaded(name)
             if pid is None:
@@ -108,8 +115,12 @@ class StepCommitter:
                 f"generation or job (fences {sorted(fences)}); not committing it"
             )
         commit_key = f"{step}/{layout.COMMIT_FILE}"
+        # Every object of the attempt, for retention to delete the step without listing it.
+        objects = sorted({*local.files, layout.writer_name(local.process), layout.uploaded_name(local.process)}
+                         if alone else listing)
         if existing is None:
             if self.store.create_bytes(commit_key, local.commit_body):
+                self._committed_here(step, local.attempt, objects)
                 self.metrics.commits.inc()
                 log.info("step %d: committed in %s (all %d processes uploaded into %s)",
                          step, self.store.url, len(markers), local.attempt)
@@ -139,6 +150,7 @@ class StepCommitter:
             self.store.create_bytes(f"{layout.KEPT_DIR}/{timelines.kept_name(step)}",
                                     timelines.build_kept(step, why, existing, attempt=named_attempt(existing)))
         self.store.write_bytes(commit_key, local.commit_body)
+        self._committed_here(step, local.attempt, objects)
         if bad:
             self.store.delete(f"{layout.BAD_DIR}/{layout.bad_name(step)}")
         self.metrics.commits.inc()
@@ -147,3 +159,15 @@ class StepCommitter:
         known_committed[step] = local.epoch
         self.memory.committed_own = True
         return True
+
+    def _committed_here(self, step: int, attempt: str, objects: list[str] | None) -> None:
+        """What this uploader knows of a step its save just committed: its objects (None: not all of
+        them), and whether other attempts can be beside it. A folder the last root listing did not
+        have was new to this save (its hosts wrote it): nothing stale to clean there, unless a stale
+        writer raced in since (its attempt goes with the step's retention, or at the next start's
+        cleanup: the library's primary and this sidecar's first pass clean every committed step)."""
+        memory = self.memory
+        if objects is not None and self.config.process_id == 0 and self.config.retention_rule.deletes:
+            memory.objects[step] = [f"{attempt}/{k}" for k in objects]
+        if memory.listed is not None and step not in memory.listed:
+            memory.cleaned[step] = attempt

@@ -93,19 +93,31 @@ class StepCopier:
         """Told of each finished copy: step, seconds, bytes, files (what `/v1/state` shows)."""
         self.budget = ByteBudget(UPLOAD_BUFFER_BYTES)
 
-    def copy_and_mark(self, local: LocalStep) -> None:
+    def copy_and_mark(self, local: LocalStep) -> bool:
         """Copy and verify every file of this process's save, then write its `_UPLOADED` marker; done
-        once per save (a restarted sidecar finds its marker and copies nothing)."""
+        once per save (a restarted sidecar finds its marker and copies nothing). True when this call
+        copied (or found) and verified every file and wrote the marker: the committer then knows this
+        process's part without listing it."""
         step = local.step
-        self.check_step_folder(step)
         base = f"{step}/{local.attempt}"
         marker_key = f"{base}/{layout.uploaded_name(local.process)}"
         done = f"{local.attempt}:{local.digest}"
+        fresh = False
         if self.memory.marker_done.get(step) != done and not self._marker_current(marker_key, local):
+            self.check_step_folder(step)
+            # What is in the attempt already: only a folder the last root listing had (a resumed
+            # upload, another host's copies) or one written before in this life can hold any of it;
+            # the other hosts of a multi-process save may be copying the same shared files now.
+            listed = self.memory.listed
+            empty = (listed is not None and step not in listed and step not in self.memory.written
+                     and local.process_count == 1)
             started = self._clock()
             # Before the first file: the attempt is provably Resilax's (layout.owns_step_folder).
             self.store.write_bytes(f"{base}/{layout.writer_name(local.process)}", b"")
-            copied_bytes = self._copy_files(local)
+            self.memory.written.add(step)
+            self.memory.folders.add(step)
+            self.memory.settled.discard(step)
+            copied_bytes = self._copy_files(local, empty)
             sizes = {key: path.stat().st_size for key, path in local.files.items()}
             marker = {
                 "process_id": local.process,
@@ -118,6 +130,7 @@ class StepCopier:
                 "time": time.time(),
             }
             self.store.write_bytes(marker_key, json.dumps(marker).encode())
+            fresh = True
             seconds = self._clock() - started
             self.metrics.uploads.inc()
             self.metrics.upload_seconds.observe(seconds)
@@ -133,9 +146,15 @@ class StepCopier:
                 seconds,
             )
         self.memory.marker_done[step] = done
+        return fresh
 
     def check_step_folder(self, step: int) -> None:
-        """Refuse to upload into a step folder that holds only what someone else wrote."""
+        """Refuse to upload into a step folder that holds only what someone else wrote. Listed only
+        when the last root listing had the folder and this uploader has not written there: a folder
+        that was not there is new (this job's hosts), so a save costs no listing here."""
+        listed = self.memory.listed
+        if (listed is not None and step not in listed) or step in self.memory.written:
+            return
         names = self.store.list_dir(str(step))
         if names and not layout.owns_step_folder(names):
             shown = ", ".join(sorted(names)[:3])
@@ -154,12 +173,12 @@ class StepCopier:
             return False
         return isinstance(raw, dict) and raw.get("digest") == local.digest
 
-    def _copy_files(self, local: LocalStep) -> int:
+    def _copy_files(self, local: LocalStep, empty: bool) -> int:
         """Copy every missing or different file into the save's attempt with `upload_concurrency`
-        workers; the bytes copied."""
+        workers; the bytes copied. `empty`: the attempt is known to hold nothing yet (not listed)."""
         step = local.step
         base = f"{step}/{local.attempt}"
-        remote = self.store.list_files(base)
+        remote = {} if empty else self.store.list_files(base)
         work: queue.SimpleQueue[tuple[str, Path]] = queue.SimpleQueue()
         for key, path in local.files.items():
             work.put((key, path))

@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 
 HIDING_REFRESH_SECONDS = 600.0
 """How long `scan_persisted` trusts the fences and bad records it read while no step folder appears
-or goes (a fence comes with a new generation's steps; the checks before an upload and a commit read
-them fresh anyway)."""
+that the uploader did not write (a fence comes with a new generation's steps; each
+commit's check reads the fences fresh anyway)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,19 @@ class UploadMemory:
     """A save of this sidecar's trainer is committed in the persistent tier. Persistent retention
     waits for it: the trainer restores before it saves, so by then a rollback's branch record exists
     (resilax_ckpt.timelines) and the steps it supersedes are no longer counted (or deleted)."""
+    listed: set[int] | None = None
+    """The step folders of the persistent root at its last listing (None: not listed yet)."""
+    folders: set[int] = field(default_factory=set)
+    """The step folders believed present: `listed`, with this uploader's own writes and deletions
+    since. A listing that finds others means someone else wrote steps."""
+    written: set[int] = field(default_factory=set)
+    """Steps this uploader wrote into (its attempt's `_WRITER`), in this life."""
+    objects: dict[int, list[str]] = field(default_factory=dict)
+    """Steps this uploader committed knowing every object of the named attempt (one process; or its
+    listing at the commit): `_COMMIT` and those keys are the whole step, so retention deletes them
+    without listing. Anything else there (another save's attempt) shows at the next root listing."""
+    settled: set[int] = field(default_factory=set)
+    """Folders without a commit that the leftover sweep leaves (kept attempts, data not Resilax's)."""
 
 
 def local_commit_marker(folder: Path, process_id: int) -> Path | None:
@@ -154,7 +167,9 @@ class TierView:
         self._clock = clock
         self._fences: dict[str, tuple[str, tuple[fencing.Epoch, int | None]]] = {}
         """gs://: fence records read so far, by name: (their MD5, what they say)."""
-        self._hiding_cache: tuple[set[int], float, dict[fencing.Epoch, int | None], set[int]] | None = None
+        self._fences_read: tuple[float, dict[fencing.Epoch, int | None]] | None = None
+        """The last `read_fences` (each commit's check is one): when, and what it found."""
+        self._bad_read: tuple[float, set[int]] | None = None
         self._records: dict[str, dict[str, object]] = {layout.BRANCHES_DIR: {}, layout.KEPT_DIR: {}}
         """Branch and kept records read so far, by folder and name (create-only: each is read once)."""
 
@@ -244,30 +259,38 @@ class TierView:
 
     # ---- the persistent tier ----------------------------------------------------------------------
 
-    def scan_persisted(self) -> list[int]:
+    def scan_persisted(self, list_root: bool = True) -> list[int]:
         """The persistent tier's visible committed steps: a `_COMMIT` that no newer generation's fence
-        and no `_bad/` record hides (what the library's readers see, resilax_ckpt.commit.list_visible)."""
-        known_committed = self.memory.known_committed
-        steps = [s for s in map(layout.parse_step, self.store.list_dir("")) if s is not None]
-        present = set(steps)
-        for gone in set(known_committed) - present:
-            del known_committed[gone]
-        fences, bad = self._hiding(present)
-        for step in steps:
-            known = known_committed.get(step)
-            if known is not None and fencing.decide_visible(step, known, fences):
-                continue
-            # New, or hidden so far (its marker may since have been re-pointed by a newer save).
-            body = self.read_commit(step)
-            if body is None:
-                known_committed.pop(step, None)
-            else:
-                known_committed[step] = fencing.parse_marker_epoch(body)
+        and no `_bad/` record hides (what the library's readers see, resilax_ckpt.commit.list_visible).
+        `list_root=False`: from what the uploader knows (the last listing, its own commits and
+        deletions since), listing nothing but the branch records while they may still change."""
+        memory = self.memory
+        known_committed = memory.known_committed
+        if list_root or memory.listed is None:
+            steps = [s for s in map(layout.parse_step, self.store.list_dir("")) if s is not None]
+            present = set(steps)
+            for gone in set(known_committed) - present:
+                del known_committed[gone]
+                memory.objects.pop(gone, None)
+            fences, bad = self._hiding(bool(present - memory.folders))
+            memory.listed, memory.folders = present, set(present)
+            for step in steps:
+                known = known_committed.get(step)
+                if known is not None and fencing.decide_visible(step, known, fences):
+                    continue
+                # New, or hidden so far (its marker may since have been re-pointed by a newer save).
+                body = self.read_commit(step)
+                if body is None:
+                    known_committed.pop(step, None)
+                else:
+                    known_committed[step] = fencing.parse_marker_epoch(body)
+        else:
+            fences, bad = self._hiding(False)
         # A rollback's branch record is written by a new generation's restore, before its first save:
         # listed again when a local save appears until this generation's first commit (an idle turn
         # lists nothing; a new generation resets committed_own: Uploader.set_config).
         local = tuple(list_local_steps(self.local_dir, self.config.process_id))
-        if self._branches is None or (not self.memory.committed_own and local != self._branches_local):
+        if self._branches is None or (not memory.committed_own and local != self._branches_local):
             self._branches_local = local
             self.branches()
         branches = self._branches or []
@@ -275,22 +298,31 @@ class TierView:
                       if s not in bad and fencing.decide_visible(s, epoch, fences)
                       and timelines.decide_superseded(s, epoch, branches) is None)
 
-    def _hiding(self, present: set[int]) -> tuple[dict[fencing.Epoch, int | None], set[int]]:
-        """The fences and the bad records, as `scan_persisted` uses them: read again when the set of
-        step folders changed or `HIDING_REFRESH_SECONDS` passed, not on every pass (two listings
-        less per pass; both change only when a generation starts or a restore marks a step bad).
-        The checks before an upload and a commit always read them fresh (`visible`, `try_commit`)."""
+    def _hiding(self, changed: bool) -> tuple[dict[fencing.Epoch, int | None], set[int]]:
+        """The fences and the bad records, as `scan_persisted` uses them: read again when a root
+        listing found step folders appear that this uploader did not write (`changed`: a new
+        generation or job saving; another process's retention only removes folders), or their last read is `HIDING_REFRESH_SECONDS` old, not on every pass (both
+        change only when a generation starts or a restore marks a step bad; a new generation of this
+        sidecar reads them again: `forget_hiding`). Each commit's check reads the fences fresh
+        (`try_commit`), which also serves here."""
         now = self._clock()
-        cached = self._hiding_cache
-        if cached is None or cached[0] != present or now - cached[1] >= HIDING_REFRESH_SECONDS:
-            fences, bad = self.read_fences(), self.bad_steps()
-            self._hiding_cache = (present, now, fences, bad)
-            return fences, bad
-        return cached[2], cached[3]
+        fences, bad = self._fences_read, self._bad_read
+        if fences is None or changed or now - fences[0] >= HIDING_REFRESH_SECONDS:
+            self.read_fences()
+        if bad is None or changed or now - bad[0] >= HIDING_REFRESH_SECONDS:
+            self.bad_steps()
+        assert self._fences_read is not None and self._bad_read is not None
+        return self._fences_read[1], self._bad_read[1]
+
+    def forget_hiding(self) -> None:
+        """Read the fences and bad records again at the next pass (a new generation started)."""
+        self._fences_read = self._bad_read = None
 
     def bad_steps(self) -> set[int]:
         """The persistent tier's steps a restore marked bad (`_bad/<step>.json`)."""
-        return list_bad_steps(self.store.list_dir(layout.BAD_DIR))
+        bad = list_bad_steps(self.store.list_dir(layout.BAD_DIR))
+        self._bad_read = (self._clock(), bad)
+        return bad
 
     def read_commit(self, step: int) -> bytes | None:
         try:
@@ -356,6 +388,7 @@ class TierView:
                 if info.md5 is not None:
                     self._fences[name] = (info.md5, parsed)
             fences[parsed[0]] = parsed[1]
+        self._fences_read = (self._clock(), fences)
         return fences
 
     def committed_elsewhere(self, local: LocalStep) -> bool:

@@ -10,20 +10,27 @@ step numbers) writes only into its own attempt, which no marker names and cleanu
 One pass (`run_once`), repeated every `poll_seconds` by `run_forever` on a background thread:
 1. list this host's locally committed steps (`<local>/<step>/_COMMIT`, or `_COMMIT.<process_id>`; not
    those a restore marked bad in `<local>/_bad/`) and the persistent tier's visible committed steps
-   (`<root>/<step>/_COMMIT` that no newer generation's fence and no `_bad/` record hides);
+   (`<root>/<step>/_COMMIT` that no newer generation's fence and no `_bad/` record hides): listed
+   on the first pass and then at most every `IDLE_SCAN_SECONDS` (`plan_listing`); the passes between
+   use what the uploader knows (that listing, its own commits and deletions since);
 2. take the newest local step that is newer than the newest persisted one (older ones would only add
    lag; every host picks the same newest step, so their uploads meet in one persistent step);
 3. copy each of its files to `<root>/<step>/<attempt>/` with bounded concurrency, skipping files
-   already there with the same size and MD5 (a resumed upload, or another host's identical copy), and
+   already there with the same size and MD5 (a resumed upload, or another host's identical copy; an
+   attempt of one process in a folder the last listing did not have holds nothing: not listed), and
    verify each copy (size, or MD5 with `RESILAX_SIDECAR_VERIFY=md5`);
 4. write `<attempt>/_UPLOADED.<process_id>` listing the files and sizes this process needs;
 5. if every process's marker is in the attempt, all from the same save (generation), every listed
-   file exists with its size, and no newer generation's fence hides the step, create `_COMMIT` naming
+   file exists with its size (one process that just copied and verified its files knows that without
+   listing), and no newer generation's fence hides the step (listed fresh), create `_COMMIT` naming
    the attempt (create-only; the losers of a race see it exists and are done). A `_COMMIT` that
    fences or a bad record hide (a fenced-out older generation's, a step a restore marked bad) is
    re-pointed to our attempt, as the library's commit does; a visible one is never touched;
-6. retention on both tiers, and (process 0) deleting attempts that a visible step's marker does not
-   name (`layout.is_attempt_name` entries only: never anything Resilax did not write).
+6. retention on both tiers (a step whose objects its commit recorded is deleted without listing it),
+   and (process 0) deleting attempts that a visible step's marker does not name, in folders that were
+   there before the upload (`layout.is_attempt_name` entries only: never anything Resilax did not
+   write); leftovers older than every kept step on the passes that list the root.
+On gs:// a save so costs one LIST (the fences), and the root one every `IDLE_SCAN_SECONDS`.
 Any error aborts the pass; `run_forever` records it, counts it and retries with exponential back-off.
 A restart simply runs the passes again: files that are there are skipped, nothing is committed before
 step 5's checks pass, so a killed upload resumes and a partial step never looks committed.
@@ -99,9 +106,10 @@ class UploadState:
 
 
 IDLE_SCAN_SECONDS = 90.0
-"""How often an idle uploader looks at the persistent tier: one LIST of the root on gs://, plus the
-fences' and bad records' (3 LISTs with gcsfs) every `upload_scan.HIDING_REFRESH_SECONDS` (600): 19
-LISTs in 20 idle minutes (tests/sidecar/test_scan_cost.py), against one or more per poll second before."""
+"""How often the uploader lists the persistent tier's root, idle or saving (other hosts' commits and
+deletions, leftovers): one LIST on gs://, plus the fences' and bad records' every
+`upload_scan.HIDING_REFRESH_SECONDS` (600) unless a commit read the fences since: 15 LISTs in 20 idle
+minutes (tests/sidecar/test_scan_cost.py), against one or more per poll second before."""
 
 
 def plan_full_pass(local_steps: list[int], last_local_steps: list[int] | None, woken: bool, pending: bool,
@@ -115,6 +123,14 @@ def plan_full_pass(local_steps: list[int], last_local_steps: list[int] | None, w
     if last_local_steps is None or since_last is None:
         return True
     return local_steps != last_local_steps or woken or pending or since_last >= idle_seconds
+
+
+def plan_listing(since_listing: float | None, idle_seconds: float) -> bool:
+    """Whether a full pass lists the persistent root (pure): the first one, the first after a
+    failure or a new generation (`since_listing` None), and then at most once every `idle_seconds`.
+    The passes between work from what the uploader knows (the last listing, its own commits and
+    deletions since): a save so costs the persistent tier one LIST, its commit's look at the fences."""
+    return since_listing is None or since_listing >= idle_seconds
 
 
 class Uploader:
@@ -153,6 +169,8 @@ class Uploader:
         self._woken = False
         self._last_full: tuple[list[int], float] | None = None
         """The local steps and the time of the last full pass of `run_forever` (None: none yet, or it failed)."""
+        self._last_listing: float | None = None
+        """When a pass last listed the persistent root (None: never, or a pass failed since)."""
         self._retry_delay = config.retry_initial_seconds
         self._retention_seen: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
@@ -163,6 +181,8 @@ class Uploader:
             # A new generation's trainer restores first (maybe a rollback): persistent retention waits
             # for its first commit again, and the branch records are listed until then.
             self.memory.committed_own = False
+            self._last_listing = None  # its restore may have changed the tier: list it at the next pass
+            self.view.forget_hiding()
         self.config = config
         for part in (self.view, self.copier, self.committer, self.cleaner):
             part.config = config
@@ -187,12 +207,16 @@ class Uploader:
             local_steps = self.scan_local()
             if self._needs_full_pass(local_steps):
                 self._woken = False
-                self._last_full = (local_steps, self._clock())
-                self.run_once()
+                now = self._clock()
+                self.run_once(plan_listing(None if self._last_listing is None else now - self._last_listing,
+                                           IDLE_SCAN_SECONDS))
+                # The pass's own local retention is no change to act on (a save during the pass is).
+                self._last_full = ([s for s in local_steps if s not in self.cleaner.trimmed_local], now)
             else:
                 self._publish(local_steps, self.state.committed_steps)
         except Exception as e:  # every failure is recorded and retried; nothing may kill the loop
             self._last_full = None  # the next turn is a full pass
+            self._last_listing = None  # that lists the persistent root
             self._record_failure(e)
             wait = self._retry_delay
             self._retry_delay = min(self._retry_delay * 2, self.config.retry_max_seconds)
@@ -268,10 +292,14 @@ class Uploader:
             return True
         return False
 
-    def run_once(self) -> None:
-        """One pass: see both tiers, upload and commit the newest new step, apply retention."""
+    def run_once(self, list_root: bool = True) -> None:
+        """One pass: see both tiers, upload and commit the newest new step, apply retention.
+        `list_root=False`: the persistent tier as the uploader knows it (`plan_listing`)."""
         local_steps = self.scan_local()
-        persisted = self.scan_persisted()
+        self.cleaner.trimmed_local = set()
+        if list_root:
+            self._last_listing = self._clock()
+        persisted = self.view.scan_persisted(list_root)
         self._publish(local_steps, persisted)
         newest_persisted = max(persisted, default=None)
         candidates = [s for s in local_steps if (newest_persisted is None or s > newest_persisted)
@@ -296,8 +324,9 @@ class Uploader:
             self._publish(self.scan_local(), persisted)
         # Retention again only when a tier changed since it last ran (on gs:// it lists the root).
         seen = (tuple(self.scan_local()), tuple(persisted))
-        if seen != self._retention_seen and self.apply_retention(persisted):
-            self._publish(self.scan_local(), self.scan_persisted())
+        if (seen != self._retention_seen or list_root) and self.cleaner.apply_retention(
+                persisted, self.state.in_flight, sweep=list_root):
+            self._publish(self.scan_local(), self.view.scan_persisted(list_root=False))
         self._retention_seen = seen
         self.state.consecutive_failures = 0
         self.state.passes += 1
@@ -350,8 +379,8 @@ class Uploader:
         committed (by this save or, visibly, by another one)."""
         if self.view.committed_elsewhere(local):
             return True
-        self.copier.copy_and_mark(local)
-        return self.committer.try_commit(local)
+        verified = self.copier.copy_and_mark(local)
+        return self.committer.try_commit(local, verified)
 
     def try_commit(self, local: LocalStep) -> bool:
         """Commit the save's attempt if every process's upload of it is complete (StepCommitter)."""
