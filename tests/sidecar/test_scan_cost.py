@@ -5,16 +5,20 @@ twenty idle minutes take seconds."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from resilax_ckpt import layout
 from resilax_local.gcs_proxy import GcsProxy
+from resilax_sidecar.errors import StoreError
 from resilax_sidecar.metrics import SidecarMetrics
-from resilax_sidecar.store import GcsStore
+from resilax_sidecar.store import GcsStore, LocalFolderStore
+from resilax_sidecar.upload_scan import HIDING_REFRESH_SECONDS
 from resilax_sidecar.uploader import IDLE_SCAN_SECONDS, Uploader, plan_full_pass
-from sidecar_harness import step_files, write_local_step
+from sidecar_harness import committed_attempt, step_files, write_local_step
 from test_uploader import make_config
 
 
@@ -80,27 +84,95 @@ def test_an_idle_job_lists_the_bucket_at_most_once_a_minute(tmp_path: Path, gcs_
 
 @pytest.mark.gcs
 def test_lists_per_uploaded_save(tmp_path: Path, gcs_bucket: str, proxy: GcsProxy) -> None:
-    """What one save costs once the job runs: the passes that upload and commit a new local step and
-    retire the oldest persisted one (keep_last=2), counted from the save to the next idle turn."""
+    """What one save costs once the job runs: the pass that uploads and commits a new local step and
+    retires the oldest persisted one (keep_last=2), counted from the save to the next idle turn. The
+    first save is the uploader's start (it lists the root, the fences, the bad and branch records)."""
     config = make_config(tmp_path, checkpoint_dir=f"{gcs_bucket}/runs/job", poll_seconds=1.0, keep_last=2)
     clock = FakeClock()
-    uploader = Uploader(config, GcsStore(config.checkpoint_dir), SidecarMetrics(), clock=clock)
+    store = GcsStore(config.checkpoint_dir)
+    uploader = Uploader(config, store, SidecarMetrics(), clock=clock)
     per_save = []
-    for step in (5, 6, 7, 8):
+    for step in (5, 6, 7, 8, 9):
         write_local_step(config.local_dir, step, step_files(2, 1000, seed=step))
         proxy.reset()
         for _ in range(5):
             clock.now += uploader.tick()
         assert uploader.state.newest_persisted == step
         per_save.append((proxy.counts["list"], Counter(proxy.listed)))
-    # No LIST per uploaded file (gcsfs's `info` lists a key as a folder too: GcsStore.stat does not
-    # use it), so a save's LISTs do not grow with its files: 11 without retention, 16-19 with it
-    # (root, fences, bad records and the step's attempts, on the pass and on the commit's checks).
-    # Issue 29 wants one per save: what is left is the pass's structure (docs/sidecar.md).
-    per_file = [p for _, listed in per_save for p in listed if "/state/" in p or p.endswith(".json/")]
-    assert not per_file, per_save
-    assert max(n for n, _ in per_save) <= LISTS_PER_SAVE, per_save
+    start, saves = per_save[0], per_save[1:]
+    assert start[0] <= LISTS_AT_START, per_save
+    # One: the commit's look at the fences (a newer generation's fence stops it). The root is not
+    # listed (the uploader knows what it committed and deleted; the idle refresh lists it), nor the
+    # step (its files come from the local tier), nor the retired step (the commit recorded its objects).
+    assert max(n for n, _ in saves) <= LISTS_PER_SAVE, per_save
+    # Retention did run: the two newest steps are all that is left, with nothing of the others.
+    assert uploader.state.committed_steps == [8, 9]
+    assert [n for n in store.list_dir("") if n.isdigit()] == ["8", "9"]
 
 
-LISTS_PER_SAVE = 19
-"""The most LISTs one uploaded save costs today (2026-12-04, fake-gcs-server): a regression bound."""
+@pytest.mark.gcs
+def test_lists_while_saving_every_minute(tmp_path: Path, gcs_bucket: str, proxy: GcsProxy) -> None:
+    """A job that saves once a minute for 20 minutes (keep_last=2): each save's one LIST, plus the
+    refresh of the root every `IDLE_SCAN_SECONDS` that an idle job makes too (and the bad records'
+    every `HIDING_REFRESH_SECONDS`): nothing grows with the saves but the saves' own LISTs."""
+    config = make_config(tmp_path, checkpoint_dir=f"{gcs_bucket}/runs/job", poll_seconds=1.0, keep_last=2)
+    clock = FakeClock()
+    uploader = Uploader(config, GcsStore(config.checkpoint_dir), SidecarMetrics(), clock=clock)
+    write_local_step(config.local_dir, 1, step_files(2, 1000, seed=1))
+    clock.now += uploader.tick()
+    assert uploader.state.newest_persisted == 1
+    proxy.reset()
+    minutes = 20
+    start = clock.now
+    for step in range(2, 2 + minutes):
+        write_local_step(config.local_dir, step, step_files(2, 1000, seed=step))
+        end = clock.now + 60
+        while clock.now < end:
+            clock.now += uploader.tick()
+        assert uploader.state.newest_persisted == step
+    seconds = clock.now - start
+    listed = Counter(proxy.listed)
+    refreshes = seconds // IDLE_SCAN_SECONDS + 1
+    assert proxy.counts["list"] <= minutes * LISTS_PER_SAVE + refreshes + seconds // HIDING_REFRESH_SECONDS + 1, listed
+    assert uploader.state.committed_steps == [minutes, minutes + 1]
+
+
+LISTS_PER_SAVE = 1
+"""The most LISTs one uploaded save costs (issue 29's target, met 2026-12-05 on fake-gcs-server)."""
+
+LISTS_AT_START = 5
+"""The uploader's first pass: the root, the fences, `_bad/`, `_branches/`, and the commit's fences."""
+
+
+def test_passes_that_do_not_list_the_root_keep_the_safety_checks(tmp_path: Path) -> None:
+    """The save passes between root listings (`run_once(list_root=False)`) still refuse a commit a
+    newer generation's fence stops, never delete what Resilax did not write, and what another save
+    raced into a folder the uploader took for new is cleared at the next listing, not lost track of."""
+    store = LocalFolderStore(tmp_path / "persistent")
+    config = make_config(tmp_path, keep_last=1, generation=2)
+    uploader = Uploader(config, store, SidecarMetrics())
+    write_local_step(config.local_dir, 5, step_files(2, 100, seed=5), generation=2)
+    uploader.run_once()
+    attempt = committed_attempt(store, 5)
+    # A stale generation's upload raced into step 5's folder after this save made it, and someone
+    # put a file of their own there.
+    stale = layout.upload_attempt_name(0, 1, 5)
+    store.write_bytes(f"5/{stale}/_WRITER.0", b"")
+    store.write_bytes(f"5/{stale}/a", b"stale")
+    store.write_bytes("5/notes.txt", b"mine")
+
+    write_local_step(config.local_dir, 6, step_files(2, 100, seed=6), generation=2)
+    uploader.run_once(list_root=False)
+    assert uploader.state.committed_steps == [6]
+    assert store.stat("5/_COMMIT") is None and store.stat(f"5/{attempt}/_WRITER.0") is None
+    assert sorted(store.list_dir("5")) == sorted(["notes.txt", stale])  # retired by name: the rest is left
+
+    uploader.run_once()  # a pass that lists the root finds what is left and clears Resilax's part
+    assert store.list_dir("5") == ["notes.txt"] and store.read_bytes("5/notes.txt") == b"mine"
+
+    # A newer generation starts between two saves: the next save pass's commit sees its fence.
+    store.write_bytes("_fences/3.json", json.dumps({"generation": 3, "latest_step": 6}).encode())
+    write_local_step(config.local_dir, 7, step_files(2, 100, seed=7), generation=2)
+    with pytest.raises(StoreError, match="fenced out"):
+        uploader.run_once(list_root=False)
+    assert store.stat("7/_COMMIT") is None
