@@ -21,7 +21,7 @@ from typing import Any
 
 from resilax_ckpt import commit, pytrees, tiers
 from resilax_ckpt.errors import ResilaxCkptError, StepNotFoundError
-from resilax_ckpt.multihost import Coordinator, current_coordinator
+from resilax_ckpt.multihost import Coordinator, add_exit_hook, current_coordinator, remove_exit_hook
 from resilax_ckpt.oneshot import restore, save
 from resilax_ckpt.options import ManagerOptions
 from resilax_ckpt.requests import RequestWatcher, clear_stop_record
@@ -74,6 +74,7 @@ class CheckpointManager:
         watcher = RequestWatcher(control_dir) if control_dir else None
         self._trainer = TrainerMetrics(control_dir, generation=self._options.generation,
                                        heartbeat_seconds=HEARTBEAT_SECONDS)
+        add_exit_hook(self._trainer.flush)  # a peer's loss ends the process at once: tell its last step first
         if watcher is not None:
             watcher.hold_trainer_lock()
             clear_stop_record(control_dir or "")
@@ -262,6 +263,7 @@ class CheckpointManager:
             self._saver.close()
         finally:
             self._closed = True
+            remove_exit_hook(self._trainer.flush)
             self._trainer.close()
             if self._watcher is not None:
                 self._watcher.release()

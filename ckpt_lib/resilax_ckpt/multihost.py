@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -132,6 +132,19 @@ STORAGE_ERROR_SIGNS = ("http_response_code", "curl error", "curl_code", "error r
 #: sysexits' EX_CONFIG ("configuration error").
 EXIT_CODE_STORAGE_IN_USE = 78
 _watchdog_armed = False
+#: Called (best effort, in order) just before the watchdog's os._exit: the last writes a process owes
+#: (the trainer figures' last step, which the sidecar's last words carry to the operator).
+_exit_hooks: list[Callable[[], None]] = []
+
+
+def add_exit_hook(hook: Callable[[], None]) -> None:
+    """Run `hook` before the exit watchdog ends the process (os._exit skips atexit and finally)."""
+    _exit_hooks.append(hook)
+
+
+def remove_exit_hook(hook: Callable[[], None]) -> None:
+    with contextlib.suppress(ValueError):
+        _exit_hooks.remove(hook)
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -208,6 +221,9 @@ def arm_exit_watchdog(grace_seconds: float = EXIT_GRACE_SECONDS) -> bool:
 def _exit_now(code: int, why: str) -> None:
     print(f"resilax: {why}; exiting with code {code} (jax.distributed's shutdown would wait for it)",
           file=sys.stderr, flush=True)
+    for hook in list(_exit_hooks):
+        with contextlib.suppress(Exception):
+            hook()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     os._exit(code)

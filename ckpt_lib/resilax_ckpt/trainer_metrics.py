@@ -155,8 +155,14 @@ class TrainerMetrics:
             self._write(self._clock())
 
     def close(self) -> None:
-        """Stop the heartbeat thread (the manager is closed)."""
+        """Stop the heartbeat thread (the manager is closed), after a last write."""
+        self.flush()
         self._stop.set()
+
+    def flush(self) -> None:
+        """Write the figures now: `step` writes at most once a WRITE_INTERVAL_SECONDS, so a process that
+        exits between two writes (a peer's loss ends it at once) would leave its last steps untold."""
+        self._write(self._clock())
 
     def phase(self, name: str) -> None:
         """The process enters phase `name` (INIT, RESTORE, TRAIN, SAVE); written at once."""

@@ -111,3 +111,30 @@ def test_step_times_leave_out_the_warm_up_and_the_barrier_wait(tmp_path):
     m.saved(1.5)
     assert m.figures.save_seconds_p99 == 1.5
     assert p99([float(i) for i in range(1, 101)]) == 99.0 and p99([]) is None
+
+
+def test_a_process_the_watchdog_ends_at_once_still_tells_its_last_step(tmp_path):
+    """A peer's loss ends a trainer with os._exit(76) (multihost.arm_exit_watchdog), which skips atexit and
+    finally; the step figures are written at most once a second, so its last steps would go untold and the
+    operator's count of the steps a recovery lost would be short (issue 26 item 5). The manager's exit hook
+    writes them first. A real process: a manager, steps 1..3 within the write interval, then a peer loss."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    control = tmp_path / "control"
+    script = f"""
+import numpy as np, resilax_ckpt as rc
+from resilax_ckpt.multihost import arm_exit_watchdog
+arm_exit_watchdog(60)
+mgr = rc.CheckpointManager({str(tmp_path / "ckpt")!r}, rc.ManagerOptions(save_every_steps=100, control_dir={str(control)!r}))
+for step in (1, 2, 3):
+    mgr.save(step, {{"w": np.zeros((4,), np.float32)}})
+raise RuntimeError("gloo: connection closed by peer")
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = {**__import__("os").environ, "PYTHONPATH": str(root / "ckpt_lib")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 76, done.stderr
+    figures = read_trainer_figures(str(control))
+    assert figures is not None and figures["step"] == 3, figures
