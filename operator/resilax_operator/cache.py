@@ -46,6 +46,8 @@ WATCH_TIMEOUT_SECONDS: Final = 300
 #: Pause after a failed list or watch before trying again (seconds).
 RETRY_SECONDS: Final = 1.0
 LIVE_PODS_SELECTOR: Final = "status.phase!=Succeeded,status.phase!=Failed"
+#: Key prefix of a planned pod counted in the fleet index before it exists (`WorldCache.reserve`).
+RESERVATION_PREFIX: Final = "reserved:"
 
 Body = dict[str, Any]
 #: (kind, "namespace/name", the object (its last state when deleted), deleted)
@@ -329,6 +331,24 @@ class WorldCache:
 
     def node_count(self) -> int:
         return self.fleet.node_count()
+
+    # ---- the planning's reservations ------------------------------------------------------
+    def reserve(self, pods: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Count pods about to be created (pinned to their node pools) as pending in the fleet index, so
+        the next job's plan sees their pools taken before they exist; the keys for `release`. Called
+        under `planning`."""
+        keys = []
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            key = f"{RESERVATION_PREFIX}{meta.get('namespace')}/{meta.get('name')}"
+            self.fleet.update_pod(key, None, pod)
+            keys.append(key)
+        return keys
+
+    def release(self, keys: Sequence[str]) -> None:
+        """End reservations (the pods created are in the cache by then, or were never created)."""
+        for key in keys:
+            self.fleet.update_pod(key, None, None)
 
     # ---- the operator's own writes ---------------------------------------------------------
     def remember(self, body: Mapping[str, Any] | None) -> None:

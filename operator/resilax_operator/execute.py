@@ -88,13 +88,20 @@ def reconcile_job(kube: Kube, cache: WorldCache, namespace: str, name: str, sett
     actions = decide_raw(spec, world.observed, settings)
     try:
         if any(isinstance(a, CreateGeneration) and a.generation > world.observed.status.generation for a in actions):
-            # One job at a time plans a new generation's node pools and creates its first pod (held in the
-            # cache at once), so the next plan sees it: jobs started together never pick the same free pool.
+            # One job at a time plans a new generation's node pools and reserves them in the cache (its lead
+            # pods counted as pending there), so the next plan sees them taken: jobs started together never
+            # pick the same free pool. The writes (status, Event, Secret, pods) run outside the lock; the
+            # reservation ends once the created pods are in the cache (or the writes failed).
             with cache.planning:
                 job = cache.job(namespace, name) or job
                 spec = job.get("spec") or {}
                 world = observe(kube, cache, job, settings, logger)
-                return execute(kube, cache, world, decide_raw(spec, world.observed, settings), settings, logger)
+                actions = decide_raw(spec, world.observed, settings)
+                reserved = cache.reserve([p for a in actions if isinstance(a, CreateGeneration) for p in a.pods])
+            try:
+                return execute(kube, cache, world, actions, settings, logger)
+            finally:
+                cache.release(reserved)
         return execute(kube, cache, world, actions, settings, logger)
     except PodRefusedError as e:
         world = replace(world, observed=replace(world.observed, status=e.status))

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
@@ -47,6 +48,9 @@ async def start_cache(memo: Any, logger: kopf.Logger, **_: Any) -> None:
     """Start the watches (pods, Services, nodes, JAXJobs) and wait until each has listed once, so the
     first reconcile reads a full cache."""
     loop = asyncio.get_running_loop()
+    # the reconciles run in the loop's default executor (asyncio.to_thread), sized for a fleet of jobs
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=memo.settings.reconcile_threads,
+                                                 thread_name_prefix="resilax-reconcile"))
     waker = Waker(memo.wakeups)
 
     def on_change(kind: str, key: str, body: dict[str, Any], deleted: bool) -> None:

@@ -110,6 +110,10 @@ class OperatorSettings:
     TPU slice in the topology table (tpu7x, 9216 chips: 2304 hosts) × 32 slices = 73,728. A
     larger job gets `InvalidSpec` instead of a generation the operator would spend minutes and
     gigabytes building (every pod is built in memory; docs/operations.md has the figures)."""
+    reconcile_threads: int = 32
+    """Threads that run the jobs' reconciles (each job's is one at a time; they wait on the API server
+    and the sidecars, not the CPU). Python's default for the operator's loop would be 6 on 2 cores:
+    100 jobs starting together would queue behind them."""
     goodput_status_seconds: int = 300
     """status.goodput is written with every status change and a generation's new marks; the trainer's
     progress alone refreshes it at most this often (seconds; 0: never alone), time alone never. The
@@ -119,6 +123,8 @@ class OperatorSettings:
         if self.sidecar_resources:
             sidecar_resources_from_json(self.sidecar_resources)  # fails at start, not at the first pod
         problems = check_ports(self)
+        if self.reconcile_threads < 1:
+            problems.append(f"{ENV_PREFIX}RECONCILE_THREADS={self.reconcile_threads}: allowed: an integer >= 1")
         if self.max_hosts_per_job < 1:
             problems.append(f"{ENV_PREFIX}MAX_HOSTS_PER_JOB={self.max_hosts_per_job}: allowed: an integer >= 1")
         if problems:

@@ -79,6 +79,14 @@ def test_the_setting_comes_from_the_environment_and_is_checked() -> None:
         OperatorSettings(max_hosts_per_job=0)
 
 
+def test_the_reconcile_threads_come_from_the_environment_and_are_checked() -> None:
+    """The reconciles' thread pool (handlers.start_cache): 32 by default, not Python's 6 on 2 cores."""
+    assert OperatorSettings().reconcile_threads == 32
+    assert OperatorSettings.from_env({"RESILAX_OPERATOR_RECONCILE_THREADS": "64"}).reconcile_threads == 64
+    with pytest.raises(InvalidSettingError, match="RESILAX_OPERATOR_RECONCILE_THREADS=0: allowed: an integer >= 1"):
+        OperatorSettings(reconcile_threads=0)
+
+
 def test_an_oversized_job_is_refused_before_anything_is_built() -> None:
     """The reconcile sets InvalidSpec and Failed; no generation, no pods."""
     raw = _spec({"accelerator": "cpu", "topology": "64x64", "chipsPerHost": 1, "count": 1024})

@@ -85,24 +85,70 @@ class LockWatchingAPI(FakeAPI):
         return super().create(manifest)
 
 
-def test_a_kueue_job_holds_the_planning_lock_only_while_creating_its_lead_pods() -> None:
-    """Issue 25, item 6: a job with a Kueue queue creates all its pods at once, but under the planning
-    lock (which every other job's new generation waits for) only the first pod of each slice; the rest
-    come with the next reconcile, the lock free."""
+def _two_pools(fake: FakeAPI) -> None:
+    for i, pool in enumerate(["pool-a", "pool-a", "pool-b", "pool-b"]):
+        node = _node(f"node-{i}")
+        node["metadata"]["labels"][api.NODE_POOL_LABEL] = pool
+        fake.put(f"/api/v1/nodes/node-{i}", node)
+
+
+def test_a_kueue_job_creates_its_pods_with_the_planning_lock_free() -> None:
+    """Issue 25 item 6, issue 27 (fleet start-up): a job with a Kueue queue creates all its pods at once;
+    none under the planning lock (which every other job's new generation waits for): the plan reserves
+    its pools in the cache and the writes run outside. The lead pods (the first of each slice) come with
+    the planning reconcile, the rest with the next one."""
     fake = LockWatchingAPI()
     job = _job()
     job["metadata"]["labels"] = {api.KUEUE_QUEUE_LABEL: "team-a"}
     job["spec"]["slices"]["count"] = 2
     fake.put(f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}/llama", job)
-    for i, pool in enumerate(["pool-a", "pool-a", "pool-b", "pool-b"]):
-        node = _node(f"node-{i}")
-        node["metadata"]["labels"][api.NODE_POOL_LABEL] = pool
-        fake.put(f"/api/v1/nodes/node-{i}", node)
+    _two_pools(fake)
     fake.cache = WorldCache(fake, [NS])
     for informer in fake.cache.informers():
         informer._relist()
     execute.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)
-    assert fake.created == [("llama-g1-s0-h0", True), ("llama-g1-s1-h0", True)]
+    assert fake.created == [("llama-g1-s0-h0", False), ("llama-g1-s1-h0", False)]
     execute.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)
     assert fake.created[2:] == [("llama-g1-s0-h1", False), ("llama-g1-s1-h1", False)]
     assert not fake.cache.planning.locked()
+    assert not [k for k in fake.cache.fleet._uses if k.startswith("reserved:")]  # every reservation ended
+
+
+class PlanningMeanwhileAPI(FakeAPI):
+    """While the first job's first pod is being created (the API call in flight, the planning lock
+    free), the second job plans: as two reconcile threads would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meanwhile: list[bool] = []  # the lock was held when the second job planned
+
+    def create(self, manifest: Any) -> dict[str, Any] | None:
+        if manifest["kind"] == "Pod" and manifest["metadata"]["name"] == "first-g1-s0-h0":
+            assert self.cache is not None
+            self.meanwhile.append(self.cache.planning.locked())
+            if not self.cache.planning.locked():
+                execute.reconcile_job(self, self.cache, NS, "second", SETTINGS, LOG)
+        return super().create(manifest)
+
+
+def test_a_job_planning_while_another_creates_its_pods_never_picks_the_same_pool() -> None:
+    """Two pools of one slice each; the second job plans while the first one's pod 0 is still being
+    created (not in the cache yet): the first job's reservation holds its pool, so the second takes the
+    other one."""
+    fake = PlanningMeanwhileAPI()
+    for name, uid in (("first", "uid-1"), ("second", "uid-2")):
+        job = _job()
+        job["metadata"].update(name=name, uid=uid)
+        fake.put(f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}/{name}", job)
+    _two_pools(fake)
+    fake.cache = WorldCache(fake, [NS])
+    for informer in fake.cache.informers():
+        informer._relist()
+    execute.reconcile_job(fake, fake.cache, NS, "first", SETTINGS, LOG)
+    assert fake.meanwhile == [False]
+    pools = {}
+    for path, body in fake.objects.items():
+        if "/pods/" in path:
+            pools[body["metadata"]["name"]] = body["spec"]["nodeSelector"][api.NODE_POOL_LABEL]
+    assert set(pools) == {"first-g1-s0-h0", "second-g1-s0-h0"}, pools
+    assert pools["first-g1-s0-h0"] != pools["second-g1-s0-h0"], pools
