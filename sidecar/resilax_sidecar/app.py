@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -38,11 +39,29 @@ from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.peers import Replicator
 from resilax_sidecar.routes import build_app
 from resilax_sidecar.store import BlobStore, open_store
-from resilax_sidecar.uploader import Uploader, list_local_steps
+from resilax_sidecar.uploader import (
+    IDLE_SCAN_SECONDS,
+    SAVE_SETTLE_SECONDS,
+    Uploader,
+    list_local_steps,
+    plan_direct_listing,
+)
 
 log = logging.getLogger(__name__)
 
 _WATCH_SECONDS = 0.2
+
+
+@dataclass
+class DirectView:
+    """What a sidecar without an uploader last listed of the persistent tier (`Sidecar._newest_persisted`)."""
+
+    listed_at: float | None = None
+    newest: int | None = None
+    saves: int | None = None
+    """The trainer's save count at the last look."""
+    looking_until: float = 0.0
+    """Until then (monotonic), a save of the trainer's may be committing: listed once a poll."""
 
 
 class Sidecar:
@@ -65,7 +84,7 @@ class Sidecar:
         self.final_request: str | None = None
         self.last_stop_request: str | None = None
         """The newest request with `stop` this sidecar made."""
-        self._persisted_cache: tuple[float, int | None] = (0.0, None)
+        self._persisted = DirectView()
         self._uploader_stop = threading.Event()
         self._uploader_thread: threading.Thread | None = None
         self._config_lock = threading.Lock()
@@ -163,15 +182,26 @@ class Sidecar:
     # ---- state ---------------------------------------------------------------------------------
 
     def _newest_persisted(self) -> int | None:
-        """Without an uploader: the persistent tier's newest committed step (cached for a poll)."""
+        """Without an uploader: the persistent tier's newest committed step, listed as
+        `uploader.plan_direct_listing` says (once a poll while the trainer's newest save may be
+        committing, else once every IDLE_SCAN_SECONDS)."""
         if self.store is None:
             return None
-        now = time.monotonic()
-        if now - self._persisted_cache[0] < self.config.poll_seconds:
-            return self._persisted_cache[1]
+        now, view = time.monotonic(), self._persisted
+        saves = (read_trainer_figures(str(self.config.control_dir)) or {}).get("saves")
+        if saves != view.saves:
+            if view.saves is not None:  # a save since the last look: its commit comes within seconds
+                view.looking_until = now + SAVE_SETTLE_SECONDS
+            view.saves = saves
+        since = None if view.listed_at is None else now - view.listed_at
+        if not plan_direct_listing(since, self.stopping or now < view.looking_until, self.config.poll_seconds,
+                                   IDLE_SCAN_SECONDS):
+            return view.newest
         steps = sorted((s for s in map(layout.parse_step, self.store.list_dir("")) if s is not None), reverse=True)
         newest = next((s for s in steps if self.store.stat(f"{s}/{layout.COMMIT_FILE}") is not None), None)
-        self._persisted_cache = (now, newest)
+        if view.listed_at is not None and newest != view.newest:
+            view.looking_until = 0.0  # the save's commit is seen
+        view.listed_at, view.newest = now, newest
         return newest
 
     async def state_json(self) -> dict[str, Any]:

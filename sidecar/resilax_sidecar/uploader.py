@@ -125,6 +125,20 @@ def plan_full_pass(local_steps: list[int], last_local_steps: list[int] | None, w
     return local_steps != last_local_steps or woken or pending or since_last >= idle_seconds
 
 
+SAVE_SETTLE_SECONDS = 120.0
+"""A sidecar without an uploader (the trainer commits to the persistent tier itself): how long after
+the trainer's save count moved it keeps listing once a poll for the commit (`plan_direct_listing`)."""
+
+
+def plan_direct_listing(since_listing: float | None, looking: bool, poll_seconds: float,
+                        idle_seconds: float) -> bool:
+    """Whether `/v1/state` of a sidecar without an uploader lists the persistent root for the newest
+    committed step (pure): the first time, at most once a poll while `looking` (a trainer's save may be
+    committing; a stop), else once every `idle_seconds` (another writer's steps, retention). The
+    operator reads /v1/state every few seconds: one LIST each would be ~12 a minute per job."""
+    return since_listing is None or since_listing >= (poll_seconds if looking else idle_seconds)
+
+
 def plan_listing(since_listing: float | None, idle_seconds: float) -> bool:
     """Whether a full pass lists the persistent root (pure): the first one, the first after a
     failure or a new generation (`since_listing` None), and then at most once every `idle_seconds`.

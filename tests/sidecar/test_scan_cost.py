@@ -6,19 +6,22 @@ twenty idle minutes take seconds."""
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from resilax_ckpt import layout
+from resilax_ckpt.trainer_metrics import TRAINER_FILE
 from resilax_local.gcs_proxy import GcsProxy
 from resilax_sidecar.errors import StoreError
 from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.store import GcsStore, LocalFolderStore
 from resilax_sidecar.upload_scan import HIDING_REFRESH_SECONDS
-from resilax_sidecar.uploader import IDLE_SCAN_SECONDS, Uploader, plan_full_pass
-from sidecar_harness import committed_attempt, step_files, write_local_step
+from resilax_sidecar.uploader import IDLE_SCAN_SECONDS, Uploader, plan_direct_listing, plan_full_pass
+from sidecar_harness import build_sidecar_env, committed_attempt, step_files, write_local_step
 from test_uploader import make_config
 
 
@@ -176,3 +179,47 @@ def test_passes_that_do_not_list_the_root_keep_the_safety_checks(tmp_path: Path)
     with pytest.raises(StoreError, match="fenced out"):
         uploader.run_once(list_root=False)
     assert store.stat("7/_COMMIT") is None
+
+
+@pytest.mark.parametrize(("since", "looking", "listed"), [
+    (None, False, True), (1.0, True, True), (0.5, True, False), (1.0, False, False),
+    (IDLE_SCAN_SECONDS, False, True),
+], ids=["first", "looking-poll-passed", "looking-within-poll", "idle", "idle-refresh"])
+def test_plan_direct_listing(since: float | None, looking: bool, listed: bool) -> None:
+    assert plan_direct_listing(since, looking, 1.0, IDLE_SCAN_SECONDS) is listed
+
+
+@pytest.mark.gcs
+def test_state_without_an_uploader_lists_for_a_save_not_for_every_request(
+        tmp_path: Path, gcs_bucket: str, proxy: GcsProxy, start_sidecar: Any) -> None:
+    """A job without a local tier: the trainer commits to gs:// itself and the sidecar's /v1/state tells
+    the newest committed step, which the operator asks for every few seconds. A real sidecar process
+    behind the counting proxy: requests while nothing is saved list nothing; the trainer's save (its
+    `saves` count in trainer.json) makes the next answers look until the commit shows."""
+    root = f"{gcs_bucket}/runs/direct"
+    store = GcsStore(root)
+    store.write_bytes(f"5/{layout.COMMIT_FILE}", b"{}")
+    env = {**build_sidecar_env(tmp_path), "RESILAX_CHECKPOINT_DIR": root}
+    control = Path(env["RESILAX_CONTROL_DIR"])
+    control.mkdir(parents=True, exist_ok=True)
+    (control / TRAINER_FILE).write_text(json.dumps({"saves": 1, "step": 5}))
+    sidecar = start_sidecar(env)
+    assert sidecar.get("/v1/state").body["newest_persisted_step"] == 5
+    proxy.reset()
+    for _ in range(20):  # 20 looks of the operator's, a poll (0.2 s) apart
+        assert sidecar.get("/v1/state").body["newest_persisted_step"] == 5
+        time.sleep(0.2)
+    assert proxy.counts["list"] == 0, Counter(proxy.listed)
+
+    (control / TRAINER_FILE).write_text(json.dumps({"saves": 2, "step": 10}))  # a save: its commit follows
+    assert sidecar.get("/v1/state").body["newest_persisted_step"] == 5
+    store.write_bytes(f"10/{layout.COMMIT_FILE}", b"{}")
+    deadline = time.monotonic() + 10
+    while sidecar.get("/v1/state").body["newest_persisted_step"] != 10:
+        assert time.monotonic() < deadline, "the committed step 10 never showed in /v1/state"
+        time.sleep(0.2)
+    proxy.reset()
+    for _ in range(10):  # the commit seen: back to idle
+        assert sidecar.get("/v1/state").body["newest_persisted_step"] == 10
+        time.sleep(0.2)
+    assert proxy.counts["list"] == 0, Counter(proxy.listed)
