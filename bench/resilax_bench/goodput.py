@@ -8,7 +8,8 @@ instead, each node back `--restore-after` s later):
 
 * ``resilax``: the demo's JAXJob (examples/jaxjob-demo.yaml: 2 slices, elastic 1..2 with growBack, a
   checkpoint every 10 steps, final saves on preemption and resize) plus a node-local tier
-  (`checkpoint.local: {}`, every step persisted too);
+  (`checkpoint.local: {}`, every step persisted too) and in-place restarts of the survivors
+  (`recovery.inPlace: Auto`);
 * ``restart``: what a JobSet-style restart has: the same job with no local tier, no final saves
   (`finalSave: {onPreemption: false, onResize: false}`) and no elastic shapes (every fault restarts all
   workers at the full shape from the persistent checkpoint, once the capacity is there).
@@ -76,6 +77,7 @@ def build_variant_job(variant: str, name: str, storage: str, step_seconds: float
                                 str(step_seconds)]
     if variant == "resilax":
         spec["checkpoint"]["local"] = {}
+        spec["recovery"]["inPlace"] = "Auto"  # survivors of a hard loss or a shrink restart in place
     else:
         spec["checkpoint"]["finalSave"] = {**spec["checkpoint"].get("finalSave", {}),
                                            "onPreemption": False, "onResize": False}

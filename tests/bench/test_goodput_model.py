@@ -183,7 +183,8 @@ def test_the_restart_baseline_has_no_local_tier_no_final_save_no_elastic_and_bot
         parsed[job["metadata"]["name"]] = parse_spec(job["spec"], problems)
         assert problems == [], problems
     r, b = parsed["goodput-resilax"], parsed["goodput-restart"]
-    assert r.checkpoint.local is not None and r.elastic is not None
+    assert r.checkpoint.local is not None and r.elastic is not None and r.recovery.in_place_auto
+    assert not b.recovery.in_place_auto
     assert r.checkpoint.final_save.on_preemption and r.checkpoint.final_save.on_resize
     assert b.checkpoint.local is None and b.elastic is None
     assert not b.checkpoint.final_save.on_preemption and not b.checkpoint.final_save.on_resize
