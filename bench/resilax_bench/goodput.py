@@ -54,6 +54,7 @@ from .goodput_model import (
     build_schedule,
     compute_goodput,
     find_reaction,
+    pod_marks,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,19 +143,19 @@ class GoodputRun(Demo):
         restored = self.restore_lines()
         out = {}
         gens = sorted({r.generation for r in self.records} | set(self.pods_seen))
+        events = list(self.events.values())
+        times = {g: pod_marks(g, self.pods_seen.get(g, {}).get("created"), self.pods_seen.get(g, {}).get("running"),
+                              events) for g in gens}
         for n, gen in enumerate(gens):
-            seen = self.pods_seen.get(gen, {})
+            created, running = times[gen]
             detected = None
             if n:
                 prev = gens[n - 1]
-                prev_seen = self.pods_seen.get(prev, {})
                 detected = find_reaction(prev, [r.time for r in self.records if r.generation == prev],
-                                         prev_seen.get("running") or prev_seen.get("created"),
-                                         seen.get("created") or seen.get("running"), self.snapshots,
-                                         list(self.events.values()))
+                                         times[prev][1] or times[prev][0], created or running, self.snapshots, events)
             began, ended = restored.get(gen, (None, None))
-            out[gen] = GenerationMarks(detected=detected, pods_created=seen.get("created"),
-                                       pods_running=seen.get("running"), restored=ended, restore_began=began)
+            out[gen] = GenerationMarks(detected=detected, pods_created=created, pods_running=running, restored=ended,
+                                       restore_began=began)
         return out
 
     def apply_fault(self, planned: PlannedFault, victims: dict[int, str]) -> None:
@@ -320,6 +321,9 @@ def recompute(folder: Path) -> dict[str, Any]:
     events = [TimelineEvent(**e) for e in rows("events")]
     fields = set(GenerationMarks.__dataclass_fields__)
     marks = {int(g): GenerationMarks(**{k: v for k, v in m.items() if k in fields}) for g, m in saved["marks"].items()}
+    for g, m in marks.items():  # runs saved before pod_marks knew in-place restarts
+        created, running = pod_marks(g, m.pods_created, m.pods_running, events)
+        marks[g] = replace(m, pods_created=created, pods_running=running)
     gens = sorted(marks)
     for n, gen in enumerate(gens[1:], 1):
         prev = gens[n - 1]

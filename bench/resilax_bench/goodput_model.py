@@ -140,6 +140,23 @@ def build_generation_marks(records: Sequence[LossRecord], faults: Sequence[Fault
     return out
 
 
+#: The operator's Event of an in-place restart (policies/inplace.py): "RestartingInPlace: generation N: ...".
+IN_PLACE_REASON = "RestartingInPlace"
+
+
+def pod_marks(generation: int, created: float | None, running: float | None,
+              events: Iterable[TimelineEvent]) -> tuple[float | None, float | None]:
+    """A generation's pods' `created` and `running` marks (the earliest creation, the latest container
+    start). A generation started in place keeps pods created and started for an earlier one: its pods
+    count from its RestartingInPlace Event (a new pod's own times when later)."""
+    prefix = f"{IN_PLACE_REASON}: generation {generation}:"
+    start = min((e.time for e in events if e.text.startswith(prefix)), default=None)
+    if start is None:
+        return created, running
+    return (start if created is None or created < start else created,
+            start if running is None or running < start else running)
+
+
 #: Job Events that announce a wait, not the move to a new generation (the operator's accounting starts
 #: detection's end at the transition too): not a reaction.
 WAITING_REASONS = ("PeerLost", "NodeNotReady", "NodeLossGuard", "MaintenanceScheduled")

@@ -84,7 +84,7 @@ class Sidecar:
         self.final_request: str | None = None
         self.last_stop_request: str | None = None
         """The newest request with `stop` this sidecar made."""
-        self._persisted = DirectView()
+        self._direct_view = DirectView()
         self._uploader_stop = threading.Event()
         self._uploader_thread: threading.Thread | None = None
         self._config_lock = threading.Lock()
@@ -187,7 +187,7 @@ class Sidecar:
         committing, else once every IDLE_SCAN_SECONDS)."""
         if self.store is None:
             return None
-        now, view = time.monotonic(), self._persisted
+        now, view = time.monotonic(), self._direct_view
         saves = (read_trainer_figures(str(self.config.control_dir)) or {}).get("saves")
         if saves != view.saves:
             if view.saves is not None:  # a save since the last look: its commit comes within seconds

@@ -14,6 +14,7 @@ from resilax_bench.goodput_model import (
     build_schedule,
     compute_goodput,
     find_reaction,
+    pod_marks,
 )
 from resilax_local.timeline import Fault, JobSnapshot, LossRecord, TimelineEvent
 
@@ -213,3 +214,15 @@ def test_a_saved_variant_is_computed_again_with_the_reactions_found_again(tmp_pa
     out = recompute(folder)
     assert out["variant"] == "resilax" and out["marks"][1]["detected"] == 25.0
     assert out["buckets_seconds"]["detection"] == 2.5 and out["buckets_seconds"]["teardown"] == 2.0
+
+
+def test_a_generation_started_in_place_counts_its_kept_pods_from_its_restart() -> None:
+    """An in-place restart keeps pods created (and started) for an earlier generation: counted from their
+    creation, the new generation would have begun before the old one ended (JAX start-up of minutes).
+    They count from the RestartingInPlace Event; a pod created for the new generation keeps its time."""
+    events = [TimelineEvent(273.0, "event", "RestartingInPlace: generation 2: restarting in place after ..."),
+              TimelineEvent(273.0, "event", "NodeLost: node n hosting generation 1 ...")]
+    assert pod_marks(2, 0.0, 1.0, events) == (273.0, 273.0)  # both pods kept
+    assert pod_marks(2, 0.0, 276.0, events) == (273.0, 276.0)  # a new pod started after the restart
+    assert pod_marks(3, 366.0, 367.0, events) == (366.0, 367.0)  # a generation of new pods
+    assert pod_marks(1, 0.0, 1.0, events) == (0.0, 1.0)  # another generation's restart changes nothing
