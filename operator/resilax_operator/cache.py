@@ -23,6 +23,9 @@ handlers.py turns it into wake-ups of the jobs' reconcile daemons.
 Freshness: a reconcile may run just before the watch reports the operator's own last write. Every
 action is idempotent (409 on create and 404 on delete are success), and the operator's own writes are
 put into the stores at once (`remember`), so what it just did is never decided again from stale state.
+A write answered before a deletion but remembered after the watch reported that deletion must not
+bring the object back: each store keeps the resourceVersion of its recent deletions (tombstones) and
+`remember` drops an answer not newer than the deletion (a ghost pod would be waited on for ever).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -48,6 +52,8 @@ RETRY_SECONDS: Final = 1.0
 LIVE_PODS_SELECTOR: Final = "status.phase!=Succeeded,status.phase!=Failed"
 #: Key prefix of a planned pod counted in the fleet index before it exists (`WorldCache.reserve`).
 RESERVATION_PREFIX: Final = "reserved:"
+#: Deletions remembered per store (the oldest forgotten first): a write's answer arrives within seconds.
+TOMBSTONES: Final = 4096
 
 Body = dict[str, Any]
 #: (kind, "namespace/name", the object (its last state when deleted), deleted)
@@ -72,6 +78,11 @@ class WatchGone(Exception):
 def object_key(body: Mapping[str, Any]) -> str:
     meta = body.get("metadata") or {}
     return f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"
+
+
+def _version(body: Mapping[str, Any]) -> int | None:
+    v = str((body.get("metadata") or {}).get("resourceVersion") or "")
+    return int(v) if v.isdigit() else None
 
 
 def _newer_or_equal(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> bool:
@@ -121,6 +132,8 @@ class Informer:
 
     def __post_init__(self) -> None:
         self._items: dict[str, Body] = {}
+        #: key → resourceVersion of its deletion (at most TOMBSTONES, the newest kept)
+        self._tombstones: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
         self.synced = threading.Event()
         self._stop = threading.Event()
@@ -139,8 +152,8 @@ class Informer:
     # ---- the operator's own writes ---------------------------------------------------------
     def remember(self, body: Mapping[str, Any]) -> None:
         """Put an object the operator just wrote (the API's answer) into the store, unless the watch
-        already holds a newer version."""
-        self._apply("MODIFIED", body, notify=False)
+        already holds a newer version or has reported its deletion since."""
+        self._apply("MODIFIED", body, notify=False, written=True)
 
     def forget(self, key: str) -> None:
         with self._lock:
@@ -180,9 +193,15 @@ class Informer:
     def _relist(self) -> str:
         answer = self.source.list_page(self.path, self._query())
         fresh = {object_key(b): self._store_form(b) for b in answer.get("items") or []}
+        listed = _version(answer)
         with self._lock:
             gone = {k: b for k, b in self._items.items() if k not in fresh}
             changed = [k for k, b in fresh.items() if self._items.get(k) != b]
+            for k in fresh:
+                self._tombstones.pop(k, None)
+            if listed is not None:
+                for k in gone:
+                    self._bury(k, listed)
             if self.on_store is not None:
                 for k, b in gone.items():
                     self.on_store(k, b, None)
@@ -214,17 +233,33 @@ class Informer:
     def _store_form(self, body: Mapping[str, Any]) -> Body:
         return self.trim(body) if self.trim is not None else dict(body)
 
-    def _apply(self, kind: str, body: Mapping[str, Any], *, notify: bool) -> None:
+    def _bury(self, key: str, version: int) -> None:
+        """Under the lock: remember that `key` was deleted at `version`."""
+        self._tombstones[key] = version
+        self._tombstones.move_to_end(key)
+        while len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _apply(self, kind: str, body: Mapping[str, Any], *, notify: bool, written: bool = False) -> None:
         key = object_key(body)
+        version = _version(body)
         with self._lock:
             before = self._items.get(key)
             if kind == "DELETED":
                 self._items.pop(key, None)
+                if version is not None:
+                    self._bury(key, version)
                 stored = dict(body)
                 after = None
             else:
                 if not _newer_or_equal(body, before):
                     return
+                buried = self._tombstones.get(key)
+                if buried is not None and before is None:
+                    if written and (version is None or version <= buried):
+                        return  # an answer from before the deletion the watch has reported: a ghost
+                    if version is not None and version > buried:
+                        del self._tombstones[key]  # created again under the name
                 stored = after = self._store_form(body)
                 self._items[key] = stored
             if self.on_store is not None and (before is not None or after is not None):
@@ -367,6 +402,11 @@ class WorldCache:
             return
         for informer in targets:
             informer.remember(body)
+
+    def forget_pod(self, namespace: str, name: str) -> None:
+        """Drop a pod the API answered 404 for (its deletion event may still be on its way)."""
+        for informer in [*self._scoped(self.job_pods, namespace), *self._scoped(self.live_pods, namespace)]:
+            informer.forget(f"{namespace}/{name}")
 
     def _scoped(self, informers: list[Informer], namespace: str) -> list[Informer]:
         if not self._namespaced:

@@ -153,7 +153,7 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
             except NameConflictError as e:
                 raise NameTakenError(e, status_before, creating=False) from e
         elif isinstance(action, DeleteGeneration):
-            delete_generation(kube, world, action, logger)
+            delete_generation(kube, cache, world, action, logger)
         elif isinstance(action, PatchWorkerPods):
             patch_worker_pods(kube, cache, world, action, logger)
         elif isinstance(action, PublishFreshness):
@@ -213,9 +213,11 @@ def create_generation(kube: Kube, cache: WorldCache, world: World, action: Creat
             logger.info("generation %d: created %s", action.generation, ", ".join(created))
 
 
-def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger: Logger) -> None:
+def delete_generation(kube: Kube, cache: WorldCache, world: World, action: DeleteGeneration,
+                      logger: Logger) -> None:
     """Each pod as its `PodDeletion` says (one whose `not_before` is still ahead stays), then the Service
-    if the job owns it."""
+    if the job owns it. A pod the API no longer has leaves the cache at once (the watch says so too;
+    should the cache ever hold a ghost, the next decision does not wait on it)."""
     ref = job_ref(world.job)
     uids = {p.name: p.uid for p in world.observed.pods}  # the job's own, as observed
     gone = []
@@ -226,7 +228,10 @@ def delete_generation(kube: Kube, world: World, action: DeleteGeneration, logger
             logger.warning("generation %d: not deleting %s: not a pod of this job's", action.generation, d.name)
             continue
         # the pod observed, not another created under its name since (a precondition on its uid)
-        kube.delete_pod(ref.namespace, d.name, force=d.force, grace_seconds=d.grace_seconds, uid=uids[d.name])
+        if not kube.delete_pod(ref.namespace, d.name, force=d.force, grace_seconds=d.grace_seconds,
+                               uid=uids[d.name]):
+            cache.forget_pod(ref.namespace, d.name)
+            continue
         gone.append(d.name + (" (force)" if d.force else ""))
     if action.generation in world.observed.services:  # its own (observed.assemble_observed): never another's
         kube.delete_service(ref.namespace, build_generation_service_name(ref.name, action.generation))

@@ -181,15 +181,21 @@ class Kube:
         return existing, False
 
     def delete_pod(self, namespace: str, name: str, *, force: bool = False, grace_seconds: int | None = None,
-                   uid: str = "") -> None:
+                   uid: str = "") -> bool:
         """Delete a pod: with its own grace period, `grace_seconds`, or at once (`force`: no kubelet
         will confirm it). `uid`: only the pod of that uid (a precondition; another pod of the name since,
-        409, stays)."""
+        409, stays). False when no pod of the name exists (404)."""
         body: dict[str, Any] = {"gracePeriodSeconds": 0} if force else (
             {} if grace_seconds is None else {"gracePeriodSeconds": grace_seconds})
         if uid:
             body["preconditions"] = {"uid": uid}
-        self.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body or None, ok=(404, 409))
+        try:
+            self.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body or None, ok=(409,))
+        except KubeError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
 
     def delete_job(self, namespace: str, name: str, uid: str) -> None:
         """Delete the JAXJob of `uid` (a precondition: a job re-created under the name since stays);

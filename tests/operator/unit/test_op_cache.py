@@ -19,7 +19,7 @@ import pytest
 from op_world import apply_merge_patch
 from resilax_operator import api, execute
 from resilax_operator.cache import Informer, WatchGone, WorldCache, trim_live_pod
-from resilax_operator.k8s import Kube
+from resilax_operator.k8s import Kube, KubeError
 from resilax_operator.settings import OperatorSettings
 
 NS = "team"
@@ -89,6 +89,8 @@ class FakeAPI(Kube):
             if wanted and path in self.objects and self.objects[path]["metadata"].get("uid") != wanted:
                 return None if 409 in ok else {}
             gone = self.objects.pop(path, None)
+            if gone is None and 404 not in ok:
+                raise KubeError(404, f"DELETE {path}: 404 not found", "not found")
             if gone is not None:
                 self._feed("DELETED", gone)
             return None
@@ -191,6 +193,20 @@ def test_reconcile_acts_on_a_change_seen_by_the_cache(steady: FakeAPI) -> None:
     assert any(m in ("PATCH", "POST", "DELETE") for m, _ in steady.requests), steady.requests
 
 
+def test_a_pod_the_api_no_longer_has_is_not_waited_on(steady: FakeAPI) -> None:
+    """Should the cache ever hold a pod the API has not (its deletion event lost), the delete's 404
+    takes it out, and the next generation starts instead of a ghost being deleted for ever."""
+    pods = sorted(p for p in steady.objects if "/pods/" in p)
+    steady.objects.pop(pods[0])  # gone from the API, never reported to the cache
+    steady.request("DELETE", pods[1])  # a worker lost, reported: the generation is replaced
+    for _ in range(6):
+        execute.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
+        steady.run_pods()
+    assert steady.cache.job(NS, "llama")["status"]["generation"] == 2
+    names = {b["metadata"]["name"] for i in steady.cache.job_pods for b in i.items()}
+    assert names and all("-g2-" in n for n in names), names
+
+
 class _Source:
     """A list answer and then a scripted watch, for the informer's own mechanics."""
 
@@ -244,6 +260,29 @@ def test_informer_keeps_the_newer_of_a_write_and_a_late_event() -> None:
     informer.remember(_pod("a", "20", "Running"))
     informer._apply("MODIFIED", _pod("a", "19", "Pending"), notify=False)  # an event older than our write
     assert informer.get(f"{NS}/a")["status"]["phase"] == "Running"
+
+
+def test_a_write_answered_before_a_deletion_does_not_bring_the_pod_back() -> None:
+    """The goodput bench's stuck job: the freshness annotation of a terminating pod was answered
+    (rv 20), the watch then reported its deletion (rv 21), and the answer, remembered last, put the pod
+    back; the operator force-deleted a ghost every 5 s and never started the next generation."""
+    informer = Informer(_Source([], []), "pods", "/api/v1/pods")
+    informer._apply("ADDED", _pod("a", "19"), notify=True)
+    informer._apply("DELETED", _pod("a", "21"), notify=True)
+    informer.remember(_pod("a", "20"))
+    assert informer.get(f"{NS}/a") is None
+    informer.remember(_pod("a", "25"))  # created again under the name since: the operator's own create
+    assert informer.get(f"{NS}/a")["metadata"]["resourceVersion"] == "25"
+
+
+def test_a_pod_gone_between_two_lists_is_not_brought_back_by_a_late_answer() -> None:
+    source = _Source(pages=[{"metadata": {"resourceVersion": "10"}, "items": [_pod("a", "9")]},
+                            {"metadata": {"resourceVersion": "30"}, "items": []}], watches=[])
+    informer = Informer(source, "pods", "/api/v1/pods")
+    informer._relist()
+    informer._relist()
+    informer.remember(_pod("a", "12"))
+    assert informer.items() == []
 
 
 def test_live_pods_are_trimmed_to_what_capacity_reads() -> None:
