@@ -191,7 +191,8 @@ class GoodputRun(Demo):
         name = f"goodput-{variant}"
         self.reset(name)
         ckpt = self.run_dir / "ckpt" / variant
-        ckpt.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(ckpt, ignore_errors=True)  # a reused --run-dir: the job starts at step 0, not an old run's
+        ckpt.mkdir(parents=True)
         job = build_variant_job(variant, name, str(ckpt), step_seconds)
         (self.run_dir / f"{name}.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
         say(f"\n==> variant {variant}: JAXJob {JOB_NAMESPACE}/{name} for {duration:.0f} s, "
