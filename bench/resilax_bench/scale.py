@@ -309,6 +309,34 @@ def nodes_marked_not_ready(kube: KubeClient) -> int:
     return sum(int(e.get("count") or 1) for e in items)
 
 
+def _epoch(stamp: str | None) -> float | None:
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else None
+
+
+def pod_startup(pods: list[dict[str, Any]], created: float) -> dict[str, Any]:
+    """Where the jobs' start-up went, from the pods' own API timestamps (1 s resolution), in seconds
+    after the jobs were created: each pod's creation (the operator), its binding (PodScheduled: the
+    scheduler) and its containers' start (the node agent); first, median and last of each."""
+    stages: dict[str, list[float]] = {"created": [], "scheduled": [], "started": []}
+    for pod in pods:
+        status = pod.get("status") or {}
+        scheduled = next((c.get("lastTransitionTime") for c in status.get("conditions") or []
+                          if c.get("type") == "PodScheduled" and c.get("status") == "True"), None)
+        starts = [_epoch(((c.get("state") or {}).get("running") or {}).get("startedAt"))
+                  for c in status.get("containerStatuses") or []]
+        known = [t for t in starts if t is not None]
+        started = max(known) if known and len(known) == len(starts) else None
+        for stage, at in (("created", _epoch(pod["metadata"].get("creationTimestamp"))),
+                          ("scheduled", _epoch(scheduled)), ("started", started)):
+            if at is not None:
+                stages[stage].append(at - created)
+    summary: dict[str, Any] = {"pods": len(pods)}
+    for stage, v in stages.items():
+        summary[stage] = {"count": len(v), "first": round(min(v), 1), "median": round(statistics.median(v), 1),
+                          "last": round(max(v), 1)} if v else None
+    return summary
+
+
 def run_variant(cluster: LocalCluster, kube: KubeClient, variant: str, code: Path | None, cfg: ScaleConfig,
                 out: Path, last: bool) -> dict[str, Any]:
     namespace = f"scale-{variant}"
@@ -345,6 +373,8 @@ def run_variant(cluster: LocalCluster, kube: KubeClient, variant: str, code: Pat
         result["running_jobs"] = len(running_at)
         result["first_running_seconds"] = round(min(running_at.values()) - created, 1) if running_at else None
         result["running_after_seconds"] = {name: round(t - created, 1) for name, t in sorted(running_at.items())}
+        result["pod_startup"] = pod_startup(job_pods(kube, namespace), created)
+        log(f"{variant}: pod start-up {json.dumps(result['pod_startup'])}")
 
         time.sleep(cfg.settle_seconds)
         result["steady"] = measure_steady(cluster, op, cfg)
@@ -545,6 +575,12 @@ def render_table(result: dict[str, Any]) -> str:
     row("jobs that moved after the node loss", lambda r: ", ".join(r["node_loss"]["moved_jobs"]) or "none")
     row("nodes marked not Ready in the variant (1 = the node killed)", lambda r: r["nodes_marked_not_ready"])
     row("load average (1 min) at the window's start, end", lambda r: " → ".join(map(str, r["steady"]["load_average"])))
+    def stage_times(stage: str) -> Callable[[dict[str, Any]], str]:
+        return lambda r: " / ".join(str(r["pod_startup"][stage][k]) for k in ("first", "median", "last"))
+
+    for stage, what in (("created", "created (the operator)"), ("scheduled", "bound (the scheduler)"),
+                        ("started", "started (the node agent)")):
+        row(f"pods {what}: first / median / last (s after the jobs)", stage_times(stage))
     row(f"{jobs} jobs created → all Running (s)",
         lambda r: r["all_running_seconds"] if r["all_running_seconds"] is not None
         else f"{r['running_jobs']} of {jobs} after {cfg['running_timeout_seconds']:.0f}")
