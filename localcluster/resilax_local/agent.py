@@ -39,6 +39,7 @@ import signal
 import sys
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
@@ -52,7 +53,7 @@ from .errors import KubeAPIError
 from .kube_events import build_pod_event
 from .kubeapi import KubeClient
 from .kubeletapi import KubeletAPI
-from .node_status import LEASE_WORKERS, REGISTER_WORKERS, REGISTERING, REMOVED, NodeHeartbeat
+from .node_status import FAKE_POD_LANES, LEASE_WORKERS, REGISTER_WORKERS, REGISTERING, REMOVED, NodeHeartbeat
 from .pki import CertificateAuthority
 from .pod_network import add_pod_address, claim_pod_block, release_pod_block
 from .pod_status import (
@@ -112,6 +113,8 @@ class NodeAgent(NodeHeartbeat):
         self.events = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
         self.registrations = ThreadPoolExecutor(max_workers=REGISTER_WORKERS, thread_name_prefix="register")
         self.lease_pool = ThreadPoolExecutor(max_workers=LEASE_WORKERS, thread_name_prefix="lease")
+        self.fake_pod_lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fake-pods-{i}")
+                               for i in range(FAKE_POD_LANES)]
         serving = CertificateAuthority(run_dir / "pki").issue("kubelet", "resilax-local-kubelet", server=True,
                                                              hosts=("127.0.0.1",))
         self.kubelet_api = KubeletAPI(run_dir, serving.cert, serving.key, self._container_running)
@@ -284,8 +287,9 @@ class NodeAgent(NodeHeartbeat):
                 return
             shutting_down = node.state == NodeState.SHUTTING_DOWN
             fake = not node.spec.run_pods
-        if fake:
-            self._fake_pod(kind, pod, node)  # outside the lock: it talks to the API server
+        if fake:  # outside the lock and the watch: it talks to the API server; one lane per pod keeps its order
+            self.fake_pod_lanes[zlib.crc32(uid.encode()) % len(self.fake_pod_lanes)].submit(
+                self._fake_pod, kind, pod, node)
             return
         with self.lock:
             worker = self.workers.get(uid)
@@ -408,6 +412,8 @@ class NodeAgent(NodeHeartbeat):
                     node.kill_timer.cancel()
         for worker in workers:
             worker.kill_now()
+        for lane in self.fake_pod_lanes:
+            lane.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(memory_root(self.run_dir), ignore_errors=True)  # the nodes' tmpfs folders
         release_pod_block(self.pod_block)
 

@@ -1,4 +1,5 @@
-"""Scale: the node agent's no-process mode registers and heartbeats hundreds of TPU hosts.
+"""Scale: the node agent's no-process mode registers and heartbeats hundreds of TPU hosts, and reports
+the pods bound to them Running (several at once, each pod's own events in order) and gone once deleted.
 
 On a cluster of its own, so that the load of 200 nodes never slows the session cluster other tests share.
 """
@@ -8,11 +9,11 @@ from __future__ import annotations
 import pytest
 from resilax_local import LocalCluster
 from resilax_local.profiles import build_tpu_slice
-from resilax_local.testing import node_condition, wait_for
+from resilax_local.testing import create_pod, node_condition, wait_for
 
 
 @pytest.mark.slow
-def test_two_hundred_tpu_nodes_register_and_stay_ready(tmp_path):
+def test_two_hundred_tpu_nodes_register_stay_ready_and_run_fake_pods(tmp_path):
     nodes = []
     for i in range(100):
         nodes += build_tpu_slice(f"scale-{i}", "tpu-v5-lite-podslice", "2x4", run_pods=False)
@@ -33,3 +34,28 @@ def test_two_hundred_tpu_nodes_register_and_stay_ready(tmp_path):
         first = kube.get(path)["spec"]["renewTime"]
         wait_for(lambda: kube.get(path)["spec"]["renewTime"] != first, 60, message="lease renewed")
         assert ready_count() == 200
+
+        # pods bound to no-process nodes: Running with an address each, then gone once deleted
+        pods = [f"fake-{i}" for i in range(48)]
+        for i, name in enumerate(pods):
+            create_pod(kube, "default", {"metadata": {"name": name, "labels": {"test": "fake-pods"}}, "spec": {
+                "nodeName": f"scale-{i}-h{i % 2}",
+                "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "containers": [{"name": "main", "image": "python", "command": ["sleep", "infinity"]}]}})
+
+        def fake_pods() -> dict[str, dict]:
+            items = kube.get("/api/v1/namespaces/default/pods", labelSelector="test=fake-pods")["items"]
+            return {p["metadata"]["name"]: p for p in items}
+
+        def all_running() -> bool:
+            seen = fake_pods()
+            return len(seen) == len(pods) and all(p["status"].get("phase") == "Running" for p in seen.values())
+
+        wait_for(all_running, 120, interval=0.5, message="48 fake pods Running")
+        running = fake_pods()
+        assert {p["spec"]["nodeName"] for p in running.values()} == {f"scale-{i}-h{i % 2}" for i in range(48)}
+        ips = [p["status"].get("podIP") for p in running.values()]
+        assert all(ips) and len(set(ips)) == len(pods)  # an address each, none shared
+        for name in pods:
+            kube.delete(f"/api/v1/namespaces/default/pods/{name}")
+        wait_for(lambda: not fake_pods(), 120, interval=0.5, message="48 fake pods gone")
