@@ -10,8 +10,9 @@ same call is a real host-to-device transfer and the buffer is freed once it is d
 The buffers are filled chunk by chunk: each saved chunk the boxes overlap is read exactly once
 (`plan_chunk_tasks`), by the backend's `ChunkReader` (backends.py: our own file reader for local
 folders, file_reader.py; tensorstore for gs://, tensorstore_io.py), which also verifies each chunk's
-checksum and raises the typed errors naming the file. The reads run on a thread pool of
-`io_concurrency` threads. A read straight into box buffers is queued at once (its memory is the
+checksum and raises the typed errors naming the file. The reads run on the process's reader pool of
+`io_concurrency` threads (`read_pool`: kept between restores and started ahead of the first by
+`warm_read_pool`, since starting 32 threads took ~0.1 s of a 0.6 s restore on 2 loaded cores). A read straight into box buffers is queued at once (its memory is the
 restored state's own); a read that needs memory of its own (a scratch buffer, or tensorstore's
 buffers: `ChunkReader.buffered_bytes`) counts against the in-flight byte limit.
 Once a leaf's reads are done it is cast (once) if the target asks for another dtype and becomes a
@@ -23,7 +24,9 @@ docs/benchmarks.md, "Measurements behind the fast path").
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import mmap
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -250,6 +253,47 @@ class ChunkBackendReads(Protocol):
         ...
 
 
+_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's threads are not there."""
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
+def read_pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool of `threads` reader threads, created once and kept."""
+    threads = max(1, threads)
+    with _pools_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="resilax-read")
+        return pool
+
+
+def warm_read_pool(threads: int) -> None:
+    """Start `read_pool(threads)`'s threads in the background (a pool starts one thread per task
+    submitted while none is idle: `threads` tasks that wait for each other start them all)."""
+    def start_all() -> None:
+        pool = read_pool(threads)
+        barrier = threading.Barrier(max(1, threads))
+
+        def meet() -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait(timeout=10)
+
+        for _ in range(max(1, threads)):
+            pool.submit(meet)
+
+    threading.Thread(target=start_all, name="resilax-read-warm", daemon=True).start()
+
+
 def read_leaves(reads: list[LeafRead], step_path: str, backend: ChunkBackendReads, max_inflight_bytes: int,
                 io_concurrency: int = 32) -> None:
     """Read, per leaf, the boxes this process's target shards need (each saved chunk once) through the
@@ -261,7 +305,8 @@ def read_leaves(reads: list[LeafRead], step_path: str, backend: ChunkBackendRead
     limit = planning.scaled_inflight_limit(max_inflight_bytes, total)
     runner = backend.open_reader(reads, step_path, limit)
     limiter = InflightLimiter(limit)
-    executor = concurrent.futures.ThreadPoolExecutor(max(1, io_concurrency), thread_name_prefix="resilax-read")
+    executor = read_pool(io_concurrency)
+    futures: list[concurrent.futures.Future[Any]] = []
     try:
         for index, read in enumerate(reads):
             read.plan_boxes()
@@ -276,13 +321,14 @@ def read_leaves(reads: list[LeafRead], step_path: str, backend: ChunkBackendRead
                 nbytes = runner.buffered_bytes(job)
                 limiter.admit(nbytes)
                 future = executor.submit(runner.run, index, job)
+                futures.append(future)
                 chunks = f"chunk {list(job[0].chunk)}" + (f" and {len(job) - 1} more" if len(job) > 1 else "")
                 limiter.add(future, nbytes, f"reading {read.name} {chunks} from {step_path}",
                             on_done=lambda _, r=read: _one_done(r))
         limiter.drain()
     finally:
-        limiter.cancel()
-        executor.shutdown(wait=True, cancel_futures=True)
+        limiter.cancel()  # what has not started
+        concurrent.futures.wait(futures)  # and what has: no read of this restore outlives it
         runner.close()
 
 

@@ -25,6 +25,7 @@ from resilax_ckpt import (
     peer_client,
     peers,
     pytrees,
+    reader,
     restore_choice,
     timelines,
 )
@@ -62,6 +63,7 @@ class Restorer:
         """step -> the sidecars holding this process's replica of it (of the last two-tier agreement)."""
         self._copies: dict[int, list[chunk_sources.Copy]] = {}
         """process -> what its node holds (of the last two-tier agreement; chunk_sources.py)."""
+        reader.warm_read_pool(tiers.options.io_concurrency)  # while the trainer starts: restore does not wait for it
         self._complete: dict[int, str] = {}
         """step -> the save the in-cluster tiers hold whole (of the last two-tier agreement)."""
         self._sources: dict[str, Any] | None = None
