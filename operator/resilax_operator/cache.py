@@ -90,11 +90,8 @@ def _newer_or_equal(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> bo
     is not a number, the newer write wins)."""
     if old is None:
         return True
-    a = str((new.get("metadata") or {}).get("resourceVersion") or "")
-    b = str((old.get("metadata") or {}).get("resourceVersion") or "")
-    if a.isdigit() and b.isdigit():
-        return int(a) >= int(b)
-    return True
+    a, b = _version(new), _version(old)
+    return a is None or b is None or a >= b
 
 
 def trim_live_pod(body: Mapping[str, Any]) -> Body:
