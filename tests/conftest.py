@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent  # this checkout
+PACKAGES = ("resilax_ckpt", "resilax_operator", "resilax_sidecar", "resilax_local")
 
 # The local cluster's fixtures (local_cluster, cluster, kube, namespace, fake_gcs, gcs_bucket) for every area.
 pytest_plugins = ["resilax_local.pytest_plugin"]
@@ -26,9 +31,19 @@ TEST_PROCESS_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JA
                     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
 
+def _origin(package: str) -> str:
+    spec = importlib.util.find_spec(package)
+    return os.path.realpath(spec.origin) if spec is not None and spec.origin else "(not installed)"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The same environment for one folder or the whole suite (a hook, not an import side effect);
-    a value the caller set wins."""
+    a value the caller set wins. Stops at once when the project's packages resolve to another
+    checkout (an editable install moved by hand): every test would then test that checkout's code."""
+    elsewhere = {name: origin for name in PACKAGES if not (origin := _origin(name)).startswith(f"{ROOT}{os.sep}")}
+    if elsewhere:
+        raise pytest.UsageError(f"the resilax packages resolve outside {ROOT}: {elsewhere}; "
+                                f"run scripts/setup from this checkout")
     for key, value in TEST_PROCESS_ENV.items():
         os.environ.setdefault(key, value)
     from resilax_local import pytest_plugin

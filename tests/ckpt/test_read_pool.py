@@ -3,7 +3,9 @@ restores, started ahead of the first restore, and never inherited by a forked ch
 
 from __future__ import annotations
 
-import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -34,17 +36,25 @@ def test_warming_starts_every_thread_before_any_read() -> None:
 
 
 def test_a_forked_child_gets_its_own_pool() -> None:
-    parent = reader.read_pool(2)
-    parent.submit(lambda: None).result()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: the parent's pool has no threads here; a new one must answer
-        try:
-            ok = reader.read_pool(2) is not parent and reader.read_pool(2).submit(lambda: 42).result(timeout=10) == 42
-            os.write(write, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(write)
-    answer = os.read(read, 1)
-    os.waitpid(pid, 0)
-    assert answer == b"1"
+    # In a fresh interpreter: once this test process has started JAX's backends, JAX warns at every
+    # fork (its own at-fork hook), which says nothing about our pool.
+    script = textwrap.dedent("""
+        import os, sys
+        from resilax_ckpt import reader
+        parent = reader.read_pool(2)
+        parent.submit(lambda: None).result()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's pool has no threads here; a new one must answer
+            try:
+                ok = reader.read_pool(2) is not parent and reader.read_pool(2).submit(lambda: 42).result(timeout=10) == 42
+                os.write(write, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.close(write)
+        answer = os.read(read, 1)
+        os.waitpid(pid, 0)
+        sys.exit(0 if answer == b"1" else 1)
+    """)
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
