@@ -425,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
     agent = NodeAgent(run_dir, Path(config["kubeconfig"]), [NodeSpec.from_json(n) for n in config["nodes"]],
                       lease_renew_seconds=float(config.get("lease_renew_seconds", 3.0)),
+                      lease_duration_seconds=int(config.get("lease_duration_seconds", 40)),
                       no_process_lease_seconds=config.get("no_process_lease_seconds"))
     server = ThreadingHTTPServer(("127.0.0.1", 0), build_handler(agent))
     server.daemon_threads = True

@@ -94,6 +94,9 @@ class LocalCluster:
             (self.run_dir / "agent-config.json").write_text(json.dumps({
                 "kubeconfig": str(control_plane.kubeconfig), "lease_renew_seconds": self.lease_renew_seconds,
                 "no_process_lease_seconds": self.no_process_lease_seconds,
+                # Kubernetes pairs the two (both 40 s by default): a Lease lasts as long as the node
+                # controller waits for its renewal.
+                "lease_duration_seconds": self.settings.node_monitor_grace_seconds,
                 "nodes": [n.to_json() for n in self.node_specs]}, indent=1))
             self._procs["node-agent"] = spawn([sys.executable, "-m", "resilax_local.agent", str(self.run_dir)],
                                               self.run_dir / "logs" / "node-agent.log")

@@ -106,10 +106,14 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
                           key=lambda p: p.name))
     if probes:
         observed = replace(observed, probes=probes)
-    needing_lease = nodes_needing_lease(observed)
-    if needing_lease:
-        observed = with_leases(observed, *observe_leases(kube, needing_lease, logger))
+    read = nodes_needing_lease(observed)  # before the sidecars: none is asked on a node known down
+    if read:
+        observed = with_leases(observed, *observe_leases(kube, read, logger))
     observed = observe_sidecars(kube, observed, settings, logger, words)
+    # and after them: a supervised trainer's exit 76 (the witness) is known only from its sidecar
+    more = sorted(set(nodes_needing_lease(observed)) - set(read))
+    if more:
+        observed = with_leases(observed, *observe_leases(kube, more, logger))
     return World(job, tuple(pods), observed)
 
 

@@ -66,6 +66,8 @@ def test_control_plane_and_tpu_nodes(cluster, kube):
     assert node_condition(tpu) == "True"
     lease = kube.get("/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/tpu-slice-1-h0")
     assert lease["spec"]["holderIdentity"] == "tpu-slice-1-h0"
+    # as Kubernetes pairs them: a Lease lasts as long as the node controller waits for its renewal
+    assert lease["spec"]["leaseDurationSeconds"] == cluster.settings.node_monitor_grace_seconds == 16
     out = subprocess.run(["kubectl", "--kubeconfig", str(cluster.kubeconfig), "get", "nodes", "-o", "name"],
                          capture_output=True, text=True, check=True).stdout
     assert "node/cpu-0" in out

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from resilax_local.cluster import LocalCluster
-from resilax_local.kubeapi import KubeClient
+from resilax_local.kubeapi import KubeAPIError, KubeClient
 from resilax_local.testing import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -143,15 +143,28 @@ class Jobs:
         self.kube.delete(jobs_path(self.namespace, name))
 
     def wait_status(self, name: str, predicate: Any, timeout: float, message: str) -> dict[str, Any]:
-        def check() -> dict[str, Any] | None:
-            s = self.status(name)
-            return s if predicate(s) else None
-
-        try:
-            return wait_for(check, timeout=timeout, interval=0.5, message=f"{name}: {message}")
-        except TimeoutError as e:
-            raise TimeoutError(f"{e}\nstatus: {json.dumps(self.status(name), indent=1)[:4000]}\n"
-                               f"pods: {self.pod_summary(name)}") from None
+        """The job's first status that satisfies `predicate`, read from a watch: every status the
+        operator writes is seen, also one it replaces a second later (a poll can miss those)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.get(name)
+            if predicate(dict(job.get("status") or {})):
+                return dict(job["status"])
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{name}: {message} not met within {timeout:.0f} s\n"
+                                   f"status: {json.dumps(self.status(name), indent=1)[:4000]}\n"
+                                   f"pods: {self.pod_summary(name)}")
+            with contextlib.suppress(KubeAPIError):  # 410 Gone and the like: read the job again
+                for event in self.kube.watch(jobs_path(self.namespace), job["metadata"]["resourceVersion"],
+                                             timeout_seconds=max(1, min(30, int(left))),
+                                             fieldSelector=f"metadata.name={name}"):
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        status = dict(event["object"].get("status") or {})
+                        if predicate(status):
+                            return status
+                    elif event["type"] == "ERROR":
+                        break
 
     def pods(self, name: str, generation: int | None = None) -> list[dict[str, Any]]:
         selector = f"resilax.dev/job={name}"
