@@ -208,8 +208,12 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
     if not pool:
         pod["affinity"] = _slice_placement(pod["affinity"], job.name, plan, slice_index)
     previous = dict(plan.worker_nodes).get(process_id)
-    if previous is not None:
+    if previous is not None and previous not in plan.avoid_nodes:
         pod["affinity"] = _prefer_node(pod["affinity"], previous)
+    if plan.avoid_nodes:
+        pod["affinity"] = _require_node_expression(
+            pod["affinity"], {"key": "metadata.name", "operator": "NotIn", "values": list(plan.avoid_nodes)},
+            field="matchFields")
     grace = spec.checkpoint.final_save.timeout_seconds + settings.termination_margin_seconds
     pod["terminationGracePeriodSeconds"] = max(int(pod.get("terminationGracePeriodSeconds") or 0), grace)
     pod["securityContext"] = merge_security_context(RESTRICTED_POD, pod.get("securityContext") or {})
@@ -356,13 +360,21 @@ def _slice_placement(affinity: Mapping[str, Any], job: str, plan: GenerationPlan
          "topologyKey": api.NODE_POOL_LABEL})
     placed = sorted({p for p in plan.pools if p})
     if placed:
-        expression = {"key": api.NODE_POOL_LABEL, "operator": "NotIn", "values": placed}
-        required = out.setdefault("nodeAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
-        terms = required.setdefault("nodeSelectorTerms", [])
-        if not terms:
-            terms.append({})
-        for term in terms:  # terms are ORed: each gets the exclusion
-            term.setdefault("matchExpressions", []).append(dict(expression))
+        out = _require_node_expression(out, {"key": api.NODE_POOL_LABEL, "operator": "NotIn", "values": placed})
+    return out
+
+
+def _require_node_expression(affinity: Mapping[str, Any], expression: Mapping[str, Any],
+                             field: str = "matchExpressions") -> dict[str, Any]:
+    """`affinity` with a required node `expression` (a label's, or `matchFields`: the node's name) in
+    every node selector term (terms are ORed: each gets it)."""
+    out = copy.deepcopy(dict(affinity))
+    required = out.setdefault("nodeAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    for term in terms:
+        term.setdefault(field, []).append(copy.deepcopy(dict(expression)))
     return out
 
 

@@ -40,6 +40,10 @@ class GenerationPlan:
     #: The uids of the other live JAXJobs with the same spec.checkpoint.storage (Observed.storage_sharers):
     #: the workers refuse to take the storage over from one of them (RESILAX_LIVE_JOB_UIDS).
     live_job_uids: tuple[str, ...] = ()
+    #: Nodes the operator holds down while the API server still shows them Ready (a witnessed Lease:
+    #: `Observed.nodes_held_down`): the scheduler would still place a pod there, so none of this
+    #: generation may go (a required node anti-affinity), nor prefers it as its process's last node.
+    avoid_nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.pools) != self.shape.count:

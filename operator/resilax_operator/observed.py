@@ -116,6 +116,11 @@ class Observed:
     def _nodes_by_name(self) -> dict[str, ObservedNode]:
         return {n.name: n for n in self.nodes}
 
+    def nodes_held_down(self) -> tuple[str, ...]:
+        """The nodes the API server still shows Ready that are down for the operator (a witnessed Lease:
+        `ObservedNode.down_since`): the scheduler would still place pods there. Sorted."""
+        return tuple(sorted(n.name for n in self.nodes if n.ready == "True" and n.down_since(self.now) is not None))
+
     def pods_of(self, generation: int) -> list[ObservedPod]:
         """The pods of one generation, by name."""
         return sorted((p for p in self.pods if p.generation == generation), key=lambda p: p.name)

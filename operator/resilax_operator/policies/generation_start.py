@@ -96,7 +96,8 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     generation = s.generation + 1
     restore = spec.checkpoint.restore_step if generation == 1 else RESTORE_LATEST
     plan = GenerationPlan(generation, planned.shape, planned.pools, restore, s.worker_nodes,
-                          live_job_uids=tuple(uid for uid, _ in observed.storage_sharers))
+                          live_job_uids=tuple(uid for uid, _ in observed.storage_sharers),
+                          avoid_nodes=observed.nodes_held_down())
     hosts = geometry_of(spec, planned.shape.topology).hosts
     workers = tuple(plan.pod_name(observed.job.name, i, hosts) for i in range(planned.hosts))
     if t is None:
@@ -145,7 +146,8 @@ def bring_up(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
     pods = observed.pods_of(g)
     names = s.pod_names(observed.job.name)
     plan = GenerationPlan(g, s.shape or spec.spec_shape, s.pools, s.restore_step or RESTORE_LATEST, s.worker_nodes,
-                          tuple(names), live_job_uids=tuple(uid for uid, _ in observed.storage_sharers))
+                          tuple(names), live_job_uids=tuple(uid for uid, _ in observed.storage_sharers),
+                          avoid_nodes=observed.nodes_held_down())
     create: list[Action] = []
     if not s.workers_created:
         have = {p.name for p in pods}

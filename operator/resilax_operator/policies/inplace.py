@@ -139,7 +139,8 @@ def decide_mode(spec: JobSpec, observed: Observed, s: JobStatus, finding: Findin
                 names.append(build_pod_name(observed.job.name, generation, i, h))
     if not kept:
         return Mode(why="no surviving pod qualifies (Running on a Ready node of the new plan, its sidecar answering)")
-    plan = GenerationPlan(generation, planned.shape, pools, RESTORE_LATEST, s.worker_nodes, tuple(names))
+    plan = GenerationPlan(generation, planned.shape, pools, RESTORE_LATEST, s.worker_nodes, tuple(names),
+                          avoid_nodes=observed.nodes_held_down())
     return Mode(plan, tuple(kept))
 
 
@@ -336,7 +337,8 @@ def _starting(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operato
     by_name = {p.name: p for p in observed.pods}
     names = s.pod_names(observed.job.name)
     assert s.shape is not None
-    plan = GenerationPlan(g, s.shape, s.pools, s.restore_step or RESTORE_LATEST, s.worker_nodes, tuple(names))
+    plan = GenerationPlan(g, s.shape, s.pools, s.restore_step or RESTORE_LATEST, s.worker_nodes, tuple(names),
+                          avoid_nodes=observed.nodes_held_down())
     kept_at = {k.process: k for k in kept}
     pod0 = by_name.get(names[0])
     if pod0 is None:

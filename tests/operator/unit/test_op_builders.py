@@ -516,6 +516,28 @@ def test_each_worker_prefers_the_node_its_index_last_ran_on() -> None:
     assert "nodeAffinity" not in by_process[1]["spec"]["affinity"]
 
 
+def test_no_worker_goes_to_a_node_held_down_nor_prefers_it() -> None:
+    """A node proven down by a witnessed Lease is still Ready for the scheduler: every pod of the
+    generation is kept off it (in each of the user's ORed terms), and its last worker does not prefer it."""
+    plan = GenerationPlan(4, Shape("4x4", 2), ("pool-a", "pool-b"), "latest", ((0, "node-a0"), (5, "node-b1")),
+                          avoid_nodes=("node-b1",))
+    raw = good_spec()
+    raw["template"]["spec"]["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                              {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}]}}}
+    pods = build_pods(JOB_UID, validate_spec(raw), plan, SETTINGS, coordinator_ip="10.0.0.1")
+    avoid = {"key": "metadata.name", "operator": "NotIn", "values": ["node-b1"]}
+    for pod in pods:
+        terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"]
+        assert len(terms) == 2 and all(t["matchFields"] == [avoid] for t in terms), terms
+        assert [t["matchExpressions"][0]["values"] for t in terms] == [["a"], ["b"]]
+    by_process = {int(p["metadata"]["labels"][api.LABEL_PROCESS]): p for p in pods}
+    preferred = by_process[5]["spec"]["affinity"]["nodeAffinity"].get("preferredDuringSchedulingIgnoredDuringExecution")
+    assert not preferred  # its last node is the one held down
+    assert by_process[0]["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+
+
 def test_sidecar_resources_come_from_the_settings() -> None:
     from resilax_operator.builders import SIDECAR_RESOURCES, build_sidecar
     from resilax_operator.errors import InvalidSettingError

@@ -74,6 +74,7 @@ def test_a_supervised_trainers_exit_76_makes_the_silent_nodes_lease_read_and_pro
     assert fake.leases_read == ["node-1"]  # the node of the worker that did not exit 76
     assert world.observed.node("node-1").down_since(world.observed.now) is not None  # 25 s > 0.5 x 40 s
     assert world.observed.node("node-0").down_since(world.observed.now) is None
+    assert world.observed.nodes_held_down() == ("node-1",)  # Ready for the scheduler, down for us
 
 
 def test_a_witness_and_a_lease_renewed_in_time_prove_nothing() -> None:
