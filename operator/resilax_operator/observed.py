@@ -213,13 +213,21 @@ def nodes_needing_lease(observed: Observed) -> list[str]:
     """The nodes whose Lease a decision reads: NotReady (Ready=False, the kubelet's own report) and
     hosting one of the job's pods; and, once a worker of the current generation exited 76 (a peer
     process is gone), the Ready nodes of the workers that did not: an expired Lease there proves that
-    kubelet dead before the node lifecycle controller says so (`ObservedNode.down_since`). Sorted."""
+    kubelet dead before the node lifecycle controller says so (`ObservedNode.down_since`); and, while
+    a process of the current generation has no pod yet, the Ready node it last ran on (its pod there
+    was lost: the new one must not go back while that Lease is stale, `Observed.nodes_held_down`). Sorted."""
     out = {p.node_name for p in observed.pods
            if p.node_name and (node := observed.node(p.node_name)) is not None and node.ready == "False"}
-    current = observed.pods_of(observed.status.generation)
+    s = observed.status
+    current = observed.pods_of(s.generation)
     if any(p.exit_code == api.EXIT_CODE_PEER_LOST for p in current):
         out |= {p.node_name for p in current if p.node_name and p.exit_code != api.EXIT_CODE_PEER_LOST
                 and (node := observed.node(p.node_name)) is not None and node.ready == "True"}
+    if s.generation > 0 and s.worker_nodes:
+        existing = {p.name for p in observed.pods}
+        last = dict(s.worker_nodes)
+        out |= {name for i, pod in enumerate(s.pod_names(observed.job.name)) if pod not in existing
+                and (name := last.get(i)) and (node := observed.node(name)) is not None and node.ready == "True"}
     return sorted(out)
 
 

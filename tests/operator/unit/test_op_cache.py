@@ -187,9 +187,11 @@ def test_reconcile_acts_on_a_change_seen_by_the_cache(steady: FakeAPI) -> None:
     steady.requests.clear()
     for _ in range(3):
         execute.reconcile_job(steady, steady.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
-    # no LIST; the only read is of the token Secret (one object), before the next generation's pods
+    # no LIST; the only reads are of the token Secret (one object), before the next generation's pods,
+    # and the Leases of the nodes the missing pods last ran on (one object each: observed.nodes_needing_lease)
     reads = [p for m, p in steady.requests if m == "GET"]
-    assert set(reads) <= {f"/api/v1/namespaces/{NS}/secrets/llama-resilax-token"}, reads
+    leases = {f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/node-{i}" for i in range(2)}
+    assert set(reads) <= {f"/api/v1/namespaces/{NS}/secrets/llama-resilax-token", *leases}, reads
     assert any(m in ("PATCH", "POST", "DELETE") for m, _ in steady.requests), steady.requests
 
 
