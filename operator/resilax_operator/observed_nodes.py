@@ -98,14 +98,19 @@ class ObservedNode:
             return self.ready_since or now
         if any(t.key == api.UNREACHABLE_TAINT for t in self.taints):
             return self.ready_since or now
-        if self.lease_live_until is not None:
+        proof = self.lease_proof_at()
+        if proof is not None and now >= proof:
             # Still Ready for the node lifecycle controller, but its Lease (read for a Ready node only when
             # a worker exited 76: `nodes_needing_lease`, a witness) missed two renewals: the same evidence
             # as the controller's, without its grace (WITNESSED_LEASE_FRACTION).
-            proof = self.lease_live_until - timedelta(seconds=self.lease_seconds * (1 - WITNESSED_LEASE_FRACTION))
-            if now >= proof:
-                return proof
+            return proof
         return None
+
+    def lease_proof_at(self) -> datetime | None:
+        """When this node's Lease, as read, proves its kubelet dead to a witness (None: not read)."""
+        if self.lease_live_until is None:
+            return None
+        return self.lease_live_until - timedelta(seconds=self.lease_seconds * (1 - WITNESSED_LEASE_FRACTION))
 
     def schedulable(self, now: datetime, lead: timedelta = timedelta(0)) -> bool:
         """Whether a new generation may use this node: up, no notice within `lead`, not cordoned."""

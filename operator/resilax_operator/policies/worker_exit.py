@@ -106,7 +106,10 @@ def wait_for_peer_loss_cause(observed: Observed, s: JobStatus, settings: Operato
     old = s.condition(api.COND_READY)
     events = [] if old is not None and old.reason == api.PEER_LOST.name else [EmitEvent("Warning", api.PEER_LOST.name,
                                                                                           message)]
-    return [*status_change(observed.status, new, *events), RequeueAfter(POLL_SECONDS)]
+    # look again when a Lease read for the witness would prove its node down, if that comes sooner
+    proofs = [(at - observed.now).total_seconds() for n in observed.nodes
+              if n.ready == "True" and (at := n.lease_proof_at()) is not None and at > observed.now]
+    return [*status_change(observed.status, new, *events), RequeueAfter(min([POLL_SECONDS, *(p + 0.2 for p in proofs)]))]
 
 
 def counted_failure(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,

@@ -20,6 +20,7 @@ from resilax_operator.actions import (
     CreateGeneration,
     DeleteGeneration,
     EmitEvent,
+    RequeueAfter,
     SetStatus,
 )
 from resilax_operator.policies import Finding, transition, worker_exit
@@ -327,6 +328,24 @@ def test_peers_lost_and_the_nodes_lease_expired_is_a_node_loss_before_it_turns_n
     else:
         assert t is None and (w.status.condition(api.COND_READY) or st.Condition("", "", "", "")).reason == \
             api.PEER_LOST.name
+
+
+def test_waiting_for_the_peer_loss_cause_looks_again_when_the_lease_would_prove_it() -> None:
+    """The witness waits on a Lease that misses its renewals: the operator looks again when the Lease
+    would prove the node down (0.5 x 40 s after its renewal), not a whole poll later."""
+    spec = good_spec()
+    spec["recovery"] = {**spec.get("recovery", {}), "nodeLossGraceSeconds": 120}
+    w = running_world(spec)
+    victim_node = w.pods[VICTIM].node_name
+    assert victim_node is not None
+    w.exit_workers(api.EXIT_CODE_PEER_LOST, names=PEERS)
+    w.step()
+    w.set_node(victim_node, lease_live_until=w.now + timedelta(seconds=23), lease_seconds=40)  # proof in 3 s
+    waits = [a.seconds for a in w.step() if isinstance(a, RequeueAfter)]
+    assert waits and abs(min(waits) - 3.2) < 0.01, waits
+    w.set_node(victim_node, lease_live_until=w.now + timedelta(seconds=39), lease_seconds=40)  # renewed: 19 s
+    waits = [a.seconds for a in w.step() if isinstance(a, RequeueAfter)]
+    assert waits and min(waits) == 5.0, waits  # the poll comes first
 
 
 def test_a_worker_refusing_a_storage_another_live_job_holds_fails_the_job_naming_it() -> None:
