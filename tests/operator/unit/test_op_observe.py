@@ -237,3 +237,28 @@ def test_decide_storage_sharers_lists_the_other_live_jobs_on_the_same_storage() 
             _job("f", "uid-f", "gs://b/run", "Running", deleting=True), _job("g", "uid-g", "gs://b/run")]
     assert decide_storage_sharers(me, jobs) == (("uid-b", "ml/b"), ("uid-g", "ml/g"))
     assert decide_storage_sharers(_job("x", "uid-x", ""), jobs) == ()
+
+
+def test_the_lease_of_a_missing_pods_last_node_is_read_while_it_has_no_pod() -> None:
+    """A process of the current generation with no pod yet (its pod was lost): the Lease of the Ready node
+    it last ran on is read, so the new pod is kept off it while that Lease is stale (nodes_held_down)."""
+    from resilax_operator.observed import build_observed
+
+    def node(name: str) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+    def pod(host: int, node: str) -> dict[str, Any]:
+        return {"metadata": {"name": f"j-g2-s0-h{host}", "labels": {
+                    api.LABEL_GENERATION: "2", api.LABEL_SLICE: "0", api.LABEL_HOST: str(host)},
+                    "ownerReferences": [OWNER]}, "spec": {"nodeName": node}}
+
+    status = {"generation": 2, "shape": {"topology": "2x4", "count": 1, "hosts": 2},
+              "workerNodes": {"0": "a", "1": "b"}}
+    both = build_observed({"metadata": {"name": "j", "uid": "u1"}, "status": status},
+                          now=datetime(2026, 1, 1, tzinfo=UTC), pods=[pod(0, "a"), pod(1, "c")], services=[],
+                          nodes=[node("a"), node("b"), node("c")])
+    assert nodes_needing_lease(both) == []  # every process has its pod: nothing read
+    one = build_observed({"metadata": {"name": "j", "uid": "u1"}, "status": status},
+                         now=datetime(2026, 1, 1, tzinfo=UTC), pods=[pod(0, "a")], services=[],
+                         nodes=[node("a"), node("b"), node("c")])
+    assert nodes_needing_lease(one) == ["b"]  # process 1 has no pod; it last ran on b
