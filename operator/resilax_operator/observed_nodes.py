@@ -101,8 +101,9 @@ class ObservedNode:
         proof = self.lease_proof_at()
         if proof is not None and now >= proof:
             # Still Ready for the node lifecycle controller, but its Lease (read for a Ready node only when
-            # a worker exited 76: `nodes_needing_lease`, a witness) missed two renewals: the same evidence
-            # as the controller's, without its grace (WITNESSED_LEASE_FRACTION).
+            # a worker exited 76, a witness, or a lost pod's replacement is due: `nodes_needing_lease`)
+            # missed two renewals: the same evidence as the controller's, without its grace
+            # (WITNESSED_LEASE_FRACTION).
             return proof
         return None
 
