@@ -150,15 +150,20 @@ class FakeAPI(Kube):
             self.put(path, pod)
 
 
-@pytest.fixture
-def steady() -> FakeAPI:
-    fake = FakeAPI()
-    fake.put(f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}/llama", _job())
+def install(fake: FakeAPI, job: dict[str, Any]) -> FakeAPI:
+    """`fake` holding `job` (JAXJob "llama") and two Ready nodes, its watch cache listed once."""
+    fake.put(f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}/llama", job)
     for i in range(2):
         fake.put(f"/api/v1/nodes/node-{i}", _node(f"node-{i}"))
     fake.cache = WorldCache(fake, [NS])
     for informer in fake.cache.informers():
         informer._relist()
+    return fake
+
+
+@pytest.fixture
+def steady() -> FakeAPI:
+    fake = install(FakeAPI(), _job())
     for _ in range(20):
         execute.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)
         fake.run_pods()

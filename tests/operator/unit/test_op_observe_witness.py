@@ -10,10 +10,9 @@ from datetime import timedelta
 from typing import Any
 
 from resilax_operator import api, execute
-from resilax_operator.cache import WorldCache
 from resilax_operator.observe import now_utc, observe
 from resilax_operator.status import format_time
-from test_op_cache import LOG, NS, SETTINGS, FakeAPI, _job, _node
+from test_op_cache import LOG, NS, SETTINGS, FakeAPI, _job, install
 
 
 class WitnessAPI(FakeAPI):
@@ -47,12 +46,7 @@ def _running_supervised_job(fake: WitnessAPI) -> WitnessAPI:
     job = _job()
     job["spec"]["recovery"] = {"inPlace": "Auto"}
     job["spec"]["template"]["spec"]["containers"][0]["command"] = ["python", "train.py"]  # what `resilax run` wraps
-    fake.put(f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{NS}/{api.PLURAL}/llama", job)
-    for i in range(2):
-        fake.put(f"/api/v1/nodes/node-{i}", _node(f"node-{i}"))
-    fake.cache = WorldCache(fake, [NS])
-    for informer in fake.cache.informers():
-        informer._relist()
+    install(fake, job)
     for _ in range(6):
         execute.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
         fake.run_pods()

@@ -253,10 +253,9 @@ PEERS = ["llama-g1-s0-h0", "llama-g1-s0-h1", "llama-g1-s1-h0"]
 VICTIM = "llama-g1-s1-h1"
 
 
-def test_peers_that_lost_a_peer_are_not_a_failure_and_a_down_node_is_not_waited_for() -> None:
-    """A node dies: the workers on the others lose their collective's peer and exit 76 at once, before
-    the node is even NotReady. The operator waits for the cause; once the node is down it replaces the
-    generation (NodeLoss) without waiting out nodeLossGraceSeconds, and counts no failure."""
+def _peers_lost() -> tuple[Any, str]:
+    """A running job (nodeLossGraceSeconds 120) whose PEERS exited 76 after VICTIM's node died, decided
+    once: the world and the victim's node (still Ready for the node lifecycle controller)."""
     spec = good_spec()
     spec["recovery"] = {**spec.get("recovery", {}), "nodeLossGraceSeconds": 120}
     w = running_world(spec)
@@ -264,6 +263,14 @@ def test_peers_that_lost_a_peer_are_not_a_failure_and_a_down_node_is_not_waited_
     assert victim_node is not None
     w.exit_workers(api.EXIT_CODE_PEER_LOST, names=PEERS)
     w.step()
+    return w, victim_node
+
+
+def test_peers_that_lost_a_peer_are_not_a_failure_and_a_down_node_is_not_waited_for() -> None:
+    """A node dies: the workers on the others lose their collective's peer and exit 76 at once, before
+    the node is even NotReady. The operator waits for the cause; once the node is down it replaces the
+    generation (NodeLoss) without waiting out nodeLossGraceSeconds, and counts no failure."""
+    w, victim_node = _peers_lost()
     ready = w.status.condition(api.COND_READY)
     assert ready is not None and ready.reason == api.PEER_LOST.name and w.status.transition is None
     assert api.PEER_LOST.name in w.reasons() and w.status.failures == 0
@@ -308,13 +315,7 @@ def test_peers_lost_and_the_nodes_lease_expired_is_a_node_loss_before_it_turns_n
                                                                                       lost: bool) -> None:
     """Issue 26 item 6: the peers exited 76 and the victim's node is still Ready (the node lifecycle
     controller has not noticed yet), but its Lease (read because of the exit 76) expired: NodeLoss now."""
-    spec = good_spec()
-    spec["recovery"] = {**spec.get("recovery", {}), "nodeLossGraceSeconds": 120}
-    w = running_world(spec)
-    victim_node = w.pods[VICTIM].node_name
-    assert victim_node is not None
-    w.exit_workers(api.EXIT_CODE_PEER_LOST, names=PEERS)
-    w.step()
+    w, victim_node = _peers_lost()
     w.advance(5)
     lease = w.now - timedelta(seconds=1) if expired else w.now + timedelta(seconds=30)
     w.set_node(victim_node, lease_live_until=lease)
@@ -333,13 +334,7 @@ def test_peers_lost_and_the_nodes_lease_expired_is_a_node_loss_before_it_turns_n
 def test_waiting_for_the_peer_loss_cause_looks_again_when_the_lease_would_prove_it() -> None:
     """The witness waits on a Lease that misses its renewals: the operator looks again when the Lease
     would prove the node down (0.5 x 40 s after its renewal), not a whole poll later."""
-    spec = good_spec()
-    spec["recovery"] = {**spec.get("recovery", {}), "nodeLossGraceSeconds": 120}
-    w = running_world(spec)
-    victim_node = w.pods[VICTIM].node_name
-    assert victim_node is not None
-    w.exit_workers(api.EXIT_CODE_PEER_LOST, names=PEERS)
-    w.step()
+    w, victim_node = _peers_lost()
     w.set_node(victim_node, lease_live_until=w.now + timedelta(seconds=23), lease_seconds=40)  # proof in 3 s
     waits = [a.seconds for a in w.step() if isinstance(a, RequeueAfter)]
     assert waits and abs(min(waits) - 3.2) < 0.01, waits
