@@ -148,8 +148,9 @@ class Jobs:
         deadline = time.monotonic() + timeout
         while True:
             job = self.get(name)
-            if predicate(dict(job.get("status") or {})):
-                return dict(job["status"])
+            status = dict(job.get("status") or {})
+            if predicate(status):
+                return status
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"{name}: {message} not met within {timeout:.0f} s\n"
