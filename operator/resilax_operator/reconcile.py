@@ -154,7 +154,7 @@ def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSetting
         actions.append(transition.plan_delete(observed, spec, g, "superseded generation", settings))
 
     if s.transition is not None:
-        return collapse(transition.proceed(spec, observed, s, settings, actions))
+        return collapse(transition.proceed(spec, observed, s, settings, actions, in_place=inplace.after_final_save))
     if s.generation == 0:
         return collapse(generation_start.start(spec, observed, s, settings, actions))
     return collapse(watch(spec, observed, s, settings, actions))

@@ -14,6 +14,7 @@ barrier: stop every kept trainer and delete the other pods; only then create and
 | Stopping                      | re-send the stop to kept pods not proven stopped; past the deadline a kept pod not proven stopped is dropped and deleted (its slot gets a new pod); Starting once every kept pod is stopped and no other pod is left |
 | Starting                      | after a failure's backoff: create pod 0 if it is new, then the other missing pods with its IP and start the kept trainers (their environment overlay); inPlace cleared once every kept pod runs the new generation and every pod exists |
 | a node down, a trainer of N+1 failing, a pod deleted during it | a new finding against N+1: `begin_transition` again (in place to N+2 if eligible) |
+| a planned move (grow-back, resize, preemption) once its final save is done (`after_final_save`, called by transition.py before its teardown deletes anything) | `decide_mode` over the planned kinds: in place (the trainers stopped after the save are the kept ones; the pods of noticed nodes go), else the transition's teardown as before |
 
 Nothing is kept in memory: the status says the phase, the kept pods and which are stopped and started;
 the sidecars' `trainer_process` says the rest (trainer_process.py); every action repeats harmlessly.
@@ -52,9 +53,12 @@ from ..status import InPlace, JobStatus, KeptPod
 from ..worker_env import build_generation_overlay
 from . import Finding, failure_rules, generation_start, node_loss, preemption, transition, worker_exit
 
-#: Findings an in-place restart answers; planned moves (preemption, resize, grow-back, suspend) and a
-#: worker stopped for rescheduling stay full replacements (their final save and new node set).
+#: Findings an in-place restart answers at once; a worker stopped for rescheduling stays a full replacement.
 IN_PLACE_KINDS: Final = frozenset({st.NODE_LOSS, st.WORKER_FAILURE, st.POD_LOST, st.SHRINK, st.TRAINER_HUNG})
+#: Planned moves: transition.py runs their final save first, then hands them here (`after_final_save`);
+#: the survivors' trainers have stopped after that save, so they are kept, and only the pods of a new
+#: slice (grow-back, resize) are created. A suspend has no next generation.
+AFTER_SAVE_KINDS: Final = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK})
 
 
 @dataclass(frozen=True)
@@ -92,9 +96,25 @@ def _qualifies(observed: Observed, p: ObservedPod, lead: timedelta) -> bool:
             and node.notice(observed.now, lead) is None and p.name in observed.trainer_processes)
 
 
-def decide_mode(spec: JobSpec, observed: Observed, s: JobStatus, finding: Finding) -> Mode:
-    """In place or full replacement, and with which pods kept (module docstring, docs/architecture.md)."""
-    if not spec.recovery.in_place_auto or finding.kind not in IN_PLACE_KINDS:
+def after_final_save(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
+                     actions: list[Action]) -> list[Action] | None:
+    """A planned transition whose final save is done (or not wanted) and whose teardown deleted nothing
+    yet: in place when `decide_mode` says so (the transition's Event was said: no second one, and no
+    `InPlaceUnavailable`: the teardown is the planned move's usual way), else None."""
+    t = s.transition
+    assert t is not None and not t.saving
+    finding = Finding(t.kind, t.reason, t.message, event_type="Normal", not_before=t.not_before)
+    mode = decide_mode(spec, observed, s, finding, kinds=AFTER_SAVE_KINDS)
+    if mode.plan is None:
+        return None
+    return begin(spec, observed, replace(s, transition=None), settings, actions, finding, mode, announce=False)
+
+
+def decide_mode(spec: JobSpec, observed: Observed, s: JobStatus, finding: Finding,
+                kinds: frozenset[str] = IN_PLACE_KINDS) -> Mode:
+    """In place or full replacement, and with which pods kept (module docstring, docs/architecture.md).
+    `kinds`: the findings answered in place (planned moves only after their final save)."""
+    if not spec.recovery.in_place_auto or finding.kind not in kinds:
         return Mode()
     why = in_place_unavailable(observed.job, spec)
     pods = observed.pods_of(s.generation)
@@ -145,8 +165,9 @@ def decide_mode(spec: JobSpec, observed: Observed, s: JobStatus, finding: Findin
 
 
 def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings, actions: list[Action],
-          finding: Finding, mode: Mode) -> list[Action]:
-    """Write the status of the new generation with `inPlace` Stopping, then act on it at once."""
+          finding: Finding, mode: Mode, *, announce: bool = True) -> list[Action]:
+    """Write the status of the new generation with `inPlace` Stopping, then act on it at once.
+    `announce`: emit the finding's Event (False when a planned transition said it already)."""
     plan = mode.plan
     assert plan is not None
     now = observed.now
@@ -166,8 +187,8 @@ def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     new = st.set_condition(new, api.COND_READY, False, api.RESTARTING_IN_PLACE.name, message, now)
     new = generation_start.with_degraded(spec, new, now)
     new = st.set_condition(new, api.COND_SAVING, False, api.NOT_SAVING.name, api.NOT_SAVING.message, now)
-    head: list[Action] = [*actions, SetStatus(new), EmitEvent(finding.event_type, finding.reason, finding.message),
-                          *finding.events, EmitEvent("Normal", api.RESTARTING_IN_PLACE.name, message)]
+    said = [EmitEvent(finding.event_type, finding.reason, finding.message), *finding.events] if announce else []
+    head: list[Action] = [*actions, SetStatus(new), *said, EmitEvent("Normal", api.RESTARTING_IN_PLACE.name, message)]
     return head + proceed(spec, replace(observed, status=new), new, settings, [], announce=False)
 
 

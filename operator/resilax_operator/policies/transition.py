@@ -6,8 +6,9 @@
    generation at once, the n-th waits podLossBackoffSeconds x 2^(n-2) (capped), past maxPodLosses
    the job is Failed (PodLossesExceeded); a generation Running podLossResetSeconds clears the count.
 2. `proceed` (every later decision, also after an operator restart: the status is the memory):
-   while the final save runs, final_save.py; then tear the generation down (`plan_delete`);
-   once none of its pods is left, generation_start.py starts the next one.
+   while the final save runs, final_save.py; then a planned move may go on in place (`in_place`, given
+   by the dispatcher: inplace.after_final_save, before the teardown deleted anything); else tear the
+   generation down (`plan_delete`); once none of its pods is left, generation_start.py starts the next one.
 
 How each pod of a generation is deleted (`plan_delete`):
 
@@ -24,6 +25,7 @@ How each pod of a generation is deleted (`plan_delete`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Final
@@ -129,9 +131,14 @@ def pod_loss_backoff(losses: int, settings: OperatorSettings) -> int:
     return min(settings.pod_loss_backoff_max_seconds, settings.pod_loss_backoff_seconds * 2 ** (losses - 2))
 
 
+#: inplace.after_final_save's signature: the actions of an in-place restart, or None (tear down).
+InPlaceHandOff = Callable[[JobSpec, Observed, JobStatus, OperatorSettings, list[Action]], list[Action] | None]
+
+
 def proceed(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
-            actions: list[Action], *, announce: bool = True) -> list[Action]:
-    """The recorded transition's next step: final save, teardown, or the next generation."""
+            actions: list[Action], *, announce: bool = True, in_place: InPlaceHandOff | None = None) -> list[Action]:
+    """The recorded transition's next step: final save, in place (`in_place`), teardown, or the next
+    generation."""
     t = s.transition
     assert t is not None
     g = t.generation
@@ -151,6 +158,11 @@ def proceed(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorS
         s = new
     t = s.transition
     assert t is not None
+
+    if in_place is not None and t.kind in PLANNED_KINDS and pods and all(p.deletion_timestamp is None for p in pods):
+        handed = in_place(spec, replace(observed, status=s), s, settings, actions)
+        if handed is not None:
+            return handed
 
     if pods or g in observed.services:
         delete = plan_delete(observed, spec, g, t.kind, settings, t.teardown_since or t.since)

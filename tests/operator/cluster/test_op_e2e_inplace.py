@@ -3,7 +3,7 @@ the supervisor `resilax run`, the real sidecars and the operator on the local cl
 
 Job: 2 slices of tpu-v5-lite-podslice 2x4 (2 hosts each) = 4 processes x 2 fake CPU devices,
 `recovery.inPlace: Auto`, a checkpoint every 4 steps, 0.5 s per step; a spare host in slice 1's node pool,
-so a hard loss of one host keeps the shape. A sampler (every 0.5 s, in a thread) reads every worker
+so a hard loss of one host keeps the shape (the shrink-and-grow-back flow has none, and elastic bounds). A sampler (every 0.5 s, in a thread) reads every worker
 pod's sidecar `/v1/state` (`trainer_process`) and the process table (the trainers' RESILAX_GENERATION)
 and records any moment at which trainers of two generations are alive at once."""
 
@@ -123,8 +123,8 @@ def pod_ids(jobs: Jobs, name: str) -> dict[str, tuple[str, str]]:
             for p in jobs.pods(name) if not p["metadata"].get("deletionTimestamp")}
 
 
-def start(jobs: Jobs, name: str, storage: Path) -> None:
-    manifest = job_manifest(name, storage, count=2, every_steps=EVERY, steps=5000, step_seconds=0.5,
+def start(jobs: Jobs, name: str, storage: Path, elastic: dict[str, Any] | None = None) -> None:
+    manifest = job_manifest(name, storage, count=2, every_steps=EVERY, steps=5000, step_seconds=0.5, elastic=elastic,
                             recovery={"inPlace": "Auto", "inPlaceStopTimeoutSeconds": 60}, final_save_timeout=20)
     jobs.create(manifest)
     jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1, 600,
@@ -250,3 +250,43 @@ def test_operator_killed_mid_inplace_restart_resumes_from_status(
     records = losses(jobs, pod0)
     assert_redone_steps_match(records, 1, 2)
     assert sampler.samples >= 10 and not sampler.violations, sampler.violations[:3]
+
+
+def test_a_shrink_and_its_grow_back_keep_the_surviving_slices_pods(
+        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path: Path) -> None:
+    """No spare: a hard loss in slice 1 shrinks the job to slice 0 in place; when the node returns, the
+    grow-back's final save stops slice 0's trainers, which are kept again: only slice 1's pods are new,
+    and generation 3 starts from the final save (no step lost)."""
+    name, storage = unique_name("inplace-grow"), tmp_path / "ckpt"
+    start(jobs, name, storage, elastic={"minCount": 1, "maxCount": 2, "growBack": True})
+    pod0 = f"{name}-g1-s0-h0"
+    sampler = Sampler(jobs, name)
+    sampler.start()
+    before = pod_ids(jobs, name)
+    slice0 = {n: v for n, v in before.items() if "-g1-s0-" in n}
+    victim = before[f"{name}-g1-s1-h1"][1]
+    try:
+        cluster.kill_node(victim)
+        shrunk = jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running"
+                                  and not s.get("inPlace"), 600, "generation 2 Running in place on one slice")
+        assert shrunk["shape"]["count"] == 1 and shrunk["workerPods"] == sorted(slice0), shrunk
+        wait_for(lambda: losses(jobs, pod0).get(2), timeout=600, interval=1, message="a step of generation 2")
+        cluster.restore_node(victim)
+        status = finish(jobs, name, pod0, 3)
+    finally:
+        cluster.restore_node(victim)
+        sampler.stop.set()
+        sampler.join(timeout=10)
+    print_timeline(jobs, name, operator, time.time() - 120)
+    after = pod_ids(jobs, name)
+    assert {n: after.get(n) for n in slice0} == slice0  # the same pods on the same nodes, all along
+    assert status["workerPods"] == [*sorted(slice0), f"{name}-g3-s1-h0", f"{name}-g3-s1-h1"], status
+    assert status["inPlaceRestarts"] == 2 and status["restarts"] == 2, status
+    records = losses(jobs, pod0)
+    assert min(records[3]) - 1 == max(records[2])  # the grow-back's final save: nothing trained twice
+    assert all(r["devices"] == 8 for r in records[3].values())
+    assert sampler.samples >= 10 and not sampler.violations, sampler.violations[:3]
+    reasons = jobs.event_reasons(name, "GrowBack", "FinalSaveDone", "RestartingInPlace")
+    grow = reasons.index("GrowBack")
+    assert "FinalSaveDone" in reasons[grow:] and "RestartingInPlace" in reasons[grow:], reasons
+    assert "GenerationCreated" not in reasons[grow:], reasons

@@ -19,6 +19,7 @@ from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import CreateGeneration, DeleteGeneration, StartTrainers
 from resilax_operator.builders import JobRef
+from resilax_operator.observed import SaveOutcome, Taint
 from resilax_operator.policies import Finding
 from resilax_operator.policies.inplace import decide_mode
 from resilax_operator.validation import validate_spec
@@ -276,3 +277,80 @@ def test_pod_0_lost_is_created_first_and_the_kept_trainers_start_with_its_addres
     assert env["JAX_COORDINATOR_ADDRESS"] == f"{pod0_ip}:{SETTINGS.coordinator_port}"
     assert (env["JAX_PROCESS_ID"], env["RESILAX_GENERATION"], env["RESILAX_RESTORE_STEP"]) == ("3", "2", "latest")
     assert w.status.phase == api.PHASE_RUNNING
+
+
+# ---- planned moves, after their final save -------------------------------------------------------
+
+
+def _final_save_done(w: World, step: int) -> None:
+    """The trainers commit the final save the operator asked for and stop (exit 75, their pods stay)."""
+    request = w.save_requests[-1]
+    for name, t in w.processes.items():
+        if t.state == "running":
+            w.fail_trainer(name, api.EXIT_CODE_STOPPED)
+    w.outcomes.append(SaveOutcome(request.request_id, step=step, committed=True))
+
+
+def test_a_grow_back_keeps_the_shrunk_generations_pods_and_creates_only_the_new_slice() -> None:
+    w = _world(spare=0)
+    node = _lose_node(w, "llama-g1-s1-h1")
+    settle(w)
+    assert w.status.shape is not None and w.status.shape.count == 1 and w.status.in_place is None
+    shrunk = _identity(w)
+    assert sorted(shrunk) == ["llama-g1-s0-h0", "llama-g1-s0-h1"]
+    w.set_node(node, ready="True", ready_since=w.now)
+    for _ in range(8):  # the capacity settles (growBack), then the grow-back asks for its final save
+        w.advance(10)
+        settle(w, 2)
+        if w.save_requests:
+            break
+    t = w.status.transition
+    assert t is not None and t.kind == st.GROW_BACK and t.saving
+    assert not [c for c in w.trainer_calls if c[0] == "stop" and c[1] == 3]  # the save first, then the stop
+    _final_save_done(w, 4200)
+    settle(w)
+    s = w.status
+    assert s.phase == api.PHASE_RUNNING and s.generation == 3 and s.in_place is None and s.transition is None
+    assert s.shape is not None and s.shape.count == 2 and s.checkpoint is not None and s.checkpoint.step == 4200
+    assert {n: _identity(w)[n] for n in shrunk} == shrunk  # the same pods, on the same nodes
+    assert list(s.worker_pods) == [*shrunk, "llama-g3-s1-h0", "llama-g3-s1-h1"]
+    assert all(w.processes[n].generation == 3 and w.processes[n].state == "running" for n in w.pods)
+    assert w.reasons().count(api.GROW_BACK.name) == 1  # said once, by the transition
+    assert w.reasons().count(api.RESTARTING_IN_PLACE.name) == 2  # the shrink, then the grow-back
+    assert api.IN_PLACE_UNAVAILABLE.name not in w.reasons()
+    assert s.in_place_restarts == 2 and s.failures == 0
+
+
+def test_a_preemption_notice_keeps_the_other_slice_after_the_final_save() -> None:
+    w = _world(spare=0)
+    noticed = _node_of(w, "llama-g1-s1-h0")
+    w.set_node(noticed, taints=(Taint(api.IMPENDING_TERMINATION_TAINT, "", "NoSchedule"),))
+    tick(w)
+    t = w.status.transition
+    assert t is not None and t.kind == st.PREEMPTION and t.saving
+    _final_save_done(w, 4100)
+    settle(w)
+    s = w.status
+    assert s.phase == api.PHASE_RUNNING and s.generation == 2 and s.in_place is None
+    assert s.shape is not None and s.shape.count == 1
+    assert list(s.worker_pods) == ["llama-g1-s0-h0", "llama-g1-s0-h1"]
+    assert sorted(w.pods) == ["llama-g1-s0-h0", "llama-g1-s0-h1"]  # the noticed slice's pods are gone
+    assert all(w.processes[n].generation == 2 and w.processes[n].state == "running" for n in w.pods)
+
+
+def test_with_in_place_never_a_grow_back_still_replaces_every_pod() -> None:
+    w = _world("Never", spare=0)
+    node = _lose_node(w, "llama-g1-s1-h1")
+    settle(w)
+    w.set_node(node, ready="True", ready_since=w.now)
+    for _ in range(8):
+        w.advance(10)
+        settle(w, 2)
+        if w.save_requests:
+            break
+    before = set(w.pods)
+    w.exit_workers(api.EXIT_CODE_STOPPED)
+    w.outcomes.append(SaveOutcome(w.save_requests[-1].request_id, step=4200, committed=True))
+    settle(w)
+    assert w.status.generation == 3 and w.status.shape is not None and w.status.shape.count == 2
+    assert not before & set(w.pods) and api.RESTARTING_IN_PLACE.name not in w.reasons()
