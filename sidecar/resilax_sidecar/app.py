@@ -35,7 +35,7 @@ from resilax_sidecar import control, node_sweep
 from resilax_sidecar.config import SidecarConfig, log_level_number
 from resilax_sidecar.errors import ConfigError
 from resilax_sidecar.last_words import build_last_words, write_last_words
-from resilax_sidecar.metrics import SidecarMetrics
+from resilax_sidecar.metrics import CompileCacheLog, SidecarMetrics
 from resilax_sidecar.peers import Replicator
 from resilax_sidecar.routes import build_app
 from resilax_sidecar.store import BlobStore, open_store
@@ -71,6 +71,7 @@ class Sidecar:
         self.config = config
         self.metrics = metrics or SidecarMetrics()
         self.metrics.export_trainer(str(config.control_dir))
+        self.compile_cache_log = CompileCacheLog()
         self.store: BlobStore | None = None
         self.uploader: Uploader | None = None
         self.storage_error: str | None = None
@@ -218,7 +219,7 @@ class Sidecar:
             # "source"} or None.
             "restore": read_restore_report(str(cfg.control_dir)),
             # The trainer's figures (resilax_ckpt.trainer_metrics): its step, step rate, save/restore times.
-            "trainer": read_trainer_figures(str(cfg.control_dir)),
+            "trainer": (trainer := read_trainer_figures(str(cfg.control_dir))),
             # Peer replicas this host keeps: origin process -> step, and the last replication error.
             "peer_replicas": {str(p): s for p, s in sorted(self.replicator.held.items())} if self.replicator else {},
             "peer_last_error": self.replicator.last_error if self.replicator else None,
@@ -226,6 +227,7 @@ class Sidecar:
             "trainer_process": tc.read_incarnation(str(cfg.control_dir)),
             "assignment": {"generation": a.generation} if (a := tc.read_assignment(str(cfg.control_dir))) else None,
         }
+        self.compile_cache_log.note(trainer)
         if self.uploader is not None:
             state.update(self.uploader.state.to_json())
         else:

@@ -11,7 +11,9 @@ the sidecar's own series of the build-info metric the operator also exports (`co
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,6 +31,8 @@ PEER_PURPOSES = ("replica", "restore")
 PEER_DIRECTIONS = ("sent", "received")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+log = logging.getLogger(__name__)
 
 _SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -190,3 +194,21 @@ class TrainerCollector(Collector):
                 yield family
         except (TypeError, ValueError):
             return  # a malformed file: no trainer series this scrape
+
+
+class CompileCacheLog:
+    """One log line per trainer generation, once its trainer reached its first step: how many of the
+    compilations so far JAX's persistent compilation cache served (the figures of
+    `resilax_trainer_compilation_cache_{hits,misses}_total`; docs/architecture.md "Compilation cache").
+    Fed by the sidecar's reads of trainer.json (`/v1/state`)."""
+
+    def __init__(self) -> None:
+        self._told: set[Any] = set()
+
+    def note(self, figures: dict[str, Any] | None) -> None:
+        if not figures or figures.get("first_step") is None or figures.get("generation") in self._told:
+            return
+        self._told.add(figures.get("generation"))
+        requests, hits = int(figures.get("compilation_cache_requests", 0)), int(figures.get("compilation_cache_hits", 0))
+        log.info("trainer of generation %s reached step %s: the compilation cache served %d of its %d compilations",
+                 figures.get("generation"), figures.get("first_step"), hits, requests)

@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache, counted: a trainer process that joins with
 `initialize_distributed_from_env` writes its cache requests and hits into trainer.json, and the sidecar
-exports them as `resilax_trainer_compilation_cache_{hits,misses}_total{generation}`
-(docs/architecture.md, "Compilation cache"). Real JAX processes, a real sidecar."""
+exports them as `resilax_trainer_compilation_cache_{hits,misses}_total{generation}` and logs them
+once per generation (docs/architecture.md, "Compilation cache"). Real JAX processes, a real sidecar."""
 
 from __future__ import annotations
 
@@ -49,3 +49,9 @@ def test_a_second_process_with_the_same_cache_folder_hits_the_cache_and_the_side
     misses = sidecar.metric("resilax_trainer_compilation_cache_misses_total", 'generation="6"')
     assert hits == figures["compilation_cache_hits"] and hits > 0
     assert misses == figures["compilation_cache_requests"] - figures["compilation_cache_hits"]
+    # ... and says it once in its log when it reads the trainer's figures (each /v1/state)
+    sidecar.get("/v1/state")
+    sidecar.get("/v1/state")
+    said = f"trainer of generation 6 reached step 1: the compilation cache served {int(hits)} of its " \
+           f"{figures['compilation_cache_requests']} compilations"
+    assert sidecar.log().count(said) == 1, sidecar.log()[-2000:]
