@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -145,6 +146,26 @@ def finish(jobs: Jobs, name: str, pod0: str, generation: int) -> dict[str, Any]:
     return status
 
 
+def assert_compilation_cache_hit(jobs: Jobs, name: str, pod: str, generation: int) -> tuple[int, int]:
+    """Process 0's trainer of `generation` (a kept pod) was served by the persistent compilation cache
+    the generation before filled (spec.compilationCache's default; process 0 writes the entries:
+    docs/architecture.md "Compilation cache"): its sidecar's metric and its log line say so.
+    Returns (hits, compilations) as the log says them."""
+    ip = next(p["status"]["podIP"] for p in jobs.pods(name) if p["metadata"]["name"] == pod)
+    said = re.compile(rf"trainer of generation {generation} reached step \d+: the compilation cache served "
+                      rf"(\d+) of its (\d+) compilations")
+    found = wait_for(lambda: said.search(jobs.cluster.logs(jobs.namespace, pod, "resilax-sidecar")), timeout=60,
+                     interval=1, message=f"{pod}: the sidecar's compilation-cache line for generation {generation}")
+    hits, compilations = int(found.group(1)), int(found.group(2))
+    with urllib.request.urlopen(f"http://{ip}:{SIDECAR_PORT}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    series = re.search(rf'^resilax_trainer_compilation_cache_hits_total\{{generation="{generation}"\}} (\S+)$',
+                       metrics, re.M)
+    assert series is not None, metrics[-3000:]
+    assert hits > 0 and float(series.group(1)) >= hits, (found.group(0), series.group(0))
+    return hits, compilations
+
+
 def print_timeline(jobs: Jobs, name: str, operator: OperatorProcess, fault: float) -> None:
     """The job's events and the operator's in-place lines, in seconds after the fault."""
     for e in jobs.events(name):
@@ -215,7 +236,9 @@ def test_hard_loss_keeps_the_survivors_pods_and_restarts_their_trainers(
             print(f"  process 0 restore of generation {r.get('generation')}: began +{r['began'] - fault:.1f}s, "
                   f"done +{r['time'] - fault:.1f}s")
     cache = storage / "_jax_cache"  # spec.compilationCache's default for folder storage
-    print(f"compilation cache: {len(list(cache.iterdir())) if cache.exists() else 0} entries in {cache}")
+    hits, compilations = assert_compilation_cache_hit(jobs, name, pod0, 2)
+    print(f"compilation cache: {len(list(cache.iterdir())) if cache.exists() else 0} entries in {cache}; process 0 "
+          f"of generation 2 was served {hits} of its {compilations} compilations")
     with RESULTS.open("a") as f:
         f.write(json.dumps({"test": "hard_node_loss_in_place", "time": time.time(), **figures,
                             "lost": max(records[1]) - restored, "restored": restored}) + "\n")
