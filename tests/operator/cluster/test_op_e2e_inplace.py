@@ -3,9 +3,10 @@ the supervisor `resilax run`, the real sidecars and the operator on the local cl
 
 Job: 2 slices of tpu-v5-lite-podslice 2x4 (2 hosts each) = 4 processes x 2 fake CPU devices,
 `recovery.inPlace: Auto`, a checkpoint every 4 steps, 0.5 s per step; a spare host in slice 1's node pool,
-so a hard loss of one host keeps the shape (the shrink-and-grow-back flow has none, and elastic bounds). A sampler (every 0.5 s, in a thread) reads every worker
-pod's sidecar `/v1/state` (`trainer_process`) and the process table (the trainers' RESILAX_GENERATION)
-and records any moment at which trainers of two generations are alive at once."""
+so a hard loss of one host keeps the shape (the shrink-and-grow-back flow has no spare, and elastic
+bounds). A sampler (every 0.5 s, in a thread) reads every worker pod's sidecar `/v1/state`
+(`trainer_process`) and the process table (the trainers' RESILAX_GENERATION) and records any moment at
+which trainers of two generations are alive at once."""
 
 from __future__ import annotations
 
