@@ -83,9 +83,15 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
 @pytest.fixture
 def cluster(local_cluster: LocalCluster) -> Iterator[LocalCluster]:
     yield local_cluster
+    restored = []
     for node in local_cluster.nodes():
         if node["state"] != NodeState.READY or node.get("kill_pending"):
             local_cluster.restore_node(node["name"])
+            restored.append(node["name"])
+    # Ready again in the API (and free of the unreachable taints) before the next test plans on them:
+    # else an elastic job started right after would see a slice short and start smaller.
+    if restored:
+        local_cluster.wait_nodes_ready(restored)
 
 
 @pytest.fixture(scope="session")

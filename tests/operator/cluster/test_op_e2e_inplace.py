@@ -287,6 +287,7 @@ def test_a_shrink_and_its_grow_back_keep_the_surviving_slices_pods(
     sampler = Sampler(jobs, name)
     sampler.start()
     before = pod_ids(jobs, name)
+    assert jobs.status(name)["shape"]["count"] == 2, jobs.status(name)  # both slices at the start
     slice0 = {n: v for n, v in before.items() if "-g1-s0-" in n}
     victim = before[f"{name}-g1-s1-h1"][1]
     try:
