@@ -209,6 +209,9 @@ class CompileCacheLog:
         if not figures or figures.get("first_step") is None or figures.get("generation") in self._told:
             return
         self._told.add(figures.get("generation"))
-        requests, hits = int(figures.get("compilation_cache_requests", 0)), int(figures.get("compilation_cache_hits", 0))
+        try:  # a malformed file must not fail /v1/state, which calls this
+            requests, hits = int(figures.get("compilation_cache_requests", 0)), int(figures.get("compilation_cache_hits", 0))
+        except (TypeError, ValueError):
+            return
         log.info("trainer of generation %s reached step %s: the compilation cache served %d of its %d compilations",
                  figures.get("generation"), figures.get("first_step"), hits, requests)
