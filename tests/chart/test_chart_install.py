@@ -173,7 +173,13 @@ def test_node_sweeper_may_only_get_jaxjobs_and_sweeps_with_that_against_the_api_
     namespace and nothing else; with that token alone `sweep_root` asks the real API server and
     removes the folders of a deleted job and of a job of the same name but another uid, keeping the
     live job's folder and the unmarked one."""
-    from resilax_sidecar.node_sweep import OWNER_MARKER, ApiJobLookup, sweep_root, write_owner_marker
+    from resilax_sidecar.node_sweep import (
+        OWNER_MARKER,
+        ApiJobLookup,
+        GoneSightings,
+        sweep_root,
+        write_owner_marker,
+    )
 
     sweeper = f"{release}-resilax-node-sweeper"
     role = kube.get(f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{sweeper}")
@@ -237,7 +243,9 @@ def test_node_sweeper_may_only_get_jaxjobs_and_sweeps_with_that_against_the_api_
 
         token = tmp_path / "token"
         token.write_text(cluster.service_account_token(namespace, sweeper))
-        removed = sweep_root(root, ApiJobLookup(cluster.server, token, Path(cluster.ca_file)))
+        lookup, sightings = ApiJobLookup(cluster.server, token, Path(cluster.ca_file)), GoneSightings(apart=60)
+        assert sweep_root(root, lookup, sightings, now=0) == []  # said gone once; removed on the second answer
+        removed = sweep_root(root, lookup, sightings, now=60)
         assert sorted(removed) == sorted("{}_{}_{}".format(*folders[k]) for k in ("recreated", "deleted"))
         assert (root / "{}_{}_{}".format(*folders["live"]) / OWNER_MARKER).is_file()
         assert (unmarked / "7").is_dir()
@@ -246,7 +254,8 @@ def test_node_sweeper_may_only_get_jaxjobs_and_sweeps_with_that_against_the_api_
         token.write_text(cluster.service_account_token(namespace, "default"))
         (root / "{}_{}_{}".format(*folders["deleted"])).mkdir()
         write_owner_marker(root / "{}_{}_{}".format(*folders["deleted"]), *folders["deleted"])
-        assert sweep_root(root, ApiJobLookup(cluster.server, token, Path(cluster.ca_file))) == []
+        for now in (120, 180):
+            assert sweep_root(root, ApiJobLookup(cluster.server, token, Path(cluster.ca_file)), sightings, now) == []
         assert (root / "{}_{}_{}".format(*folders["deleted"]) / OWNER_MARKER).is_file()
     finally:
         kube.delete(f"/api/v1/namespaces/{other}")
