@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 class Pruner:
     """Deletes committed steps of a manager's tier. Keeps each step's retention facts (metrics, save
     time: a committed step's metadata never changes) so that a step's metadata is read at most once
-    per manager. Called on: the primary."""
+    per manager. A step whose metadata could not be read (a GCS 503 is an OSError) is kept by that
+    pass and read again by the next: a failed read is never remembered as "no metrics", which would
+    let best-N retention delete the best step. Called on: the primary."""
 
     def __init__(self, tiers: Tiers) -> None:
         self._tiers = tiers
@@ -37,8 +39,8 @@ class Pruner:
         if not rule.deletes or tiers.local_tier:
             return
         steps = tiers.steps()
-        facts = self._read_facts(steps) if rule.needs_facts else {}
-        doomed = retention.decide_retention(steps, rule, facts, protected=tiers.protected_steps)
+        facts, unread = self._read_facts(steps) if rule.needs_facts else ({}, set())
+        doomed = retention.decide_retention(steps, rule, facts, protected=set(tiers.protected_steps) | unread)
         for step in self._not_live(doomed):
             self._delete(step)
             log.info("retention deleted step %d in %s", step, tiers.local.root)
@@ -65,17 +67,28 @@ class Pruner:
         return [s for s in doomed if not live or commit.read_marker_epoch(
             storage, storage.join(root, layout.step_name(s)))[0] not in live]
 
-    def _read_facts(self, steps: list[int]) -> dict[int, retention.StepFacts]:
+    def _read_facts(self, steps: list[int]) -> tuple[dict[int, retention.StepFacts], set[int]]:
+        """The facts of each step, and the steps whose metadata could not be read this time (kept,
+        not remembered). Metadata that reads but does not parse is a fact of a write-once step: no
+        metrics, kept by recency rules only."""
         tier = self._tiers.local
+        unread: set[int] = set()
         for step in steps:
             if step in self._facts:
                 continue
             where = tier.storage.join(tier.data_path(step), layout.METADATA_FILE)
             try:
-                meta = StepMetadata.from_bytes(tier.storage.read_bytes(where), where)
-            except (OSError, MetadataError) as e:  # kept by recency rules, as a step without metrics
+                raw = tier.storage.read_bytes(where)
+            except OSError as e:
+                log.warning("retention: could not read the metadata of step %d (%s); kept, read again next time",
+                            step, e)
+                unread.add(step)
+                continue
+            try:
+                meta: StepMetadata | None = StepMetadata.from_bytes(raw, where)
+            except MetadataError as e:  # kept by recency rules, as a step without metrics
                 log.warning("retention: no metrics for step %d (%s)", step, e)
                 meta = None
             self._facts[step] = (retention.StepFacts(meta.time or None, dict(meta.metrics)) if meta is not None
                                  else retention.StepFacts())
-        return {s: self._facts[s] for s in steps}
+        return {s: self._facts[s] for s in steps if s in self._facts}, unread

@@ -104,9 +104,9 @@ class Cleaner:
         memory = self.memory
         known_committed = memory.known_committed
         deleted = False
-        facts = self._read_facts(persisted) if rule.needs_facts else {}
+        facts, unread = self._read_facts(persisted) if rule.needs_facts else ({}, set())
         retired = set()
-        for step in retention.decide_retention(persisted, rule, facts, protect):
+        for step in retention.decide_retention(persisted, rule, facts, protect | unread):
             retired.add(step)
             named = memory.cleaned.get(step)
             if named is None:
@@ -205,11 +205,15 @@ class Cleaner:
             log.info("retention: deleted local step %d", step)
         return deleted
 
-    def _read_facts(self, persisted: list[int]) -> dict[int, retention.StepFacts]:
+    def _read_facts(self, persisted: list[int]) -> tuple[dict[int, retention.StepFacts], set[int]]:
         """The metrics (the step's `_METADATA.json`) and save time (its marker's `time`) of each persisted
-        step, read once per step and attempt. A step whose metadata cannot be read has none: it is
-        kept by recency rules (resilax_ckpt.retention)."""
+        step, read once per step and attempt; and the steps whose metadata could not be read this time
+        (a GCS 503 is an OSError): those are kept by this pass and read again by the next, never
+        remembered as "no metrics" (best-N would then delete the best step). Metadata that reads but
+        does not parse is a fact of a write-once step: no metrics, kept by recency rules
+        (resilax_ckpt.retention)."""
         out: dict[int, retention.StepFacts] = {}
+        unread: set[int] = set()
         for step in persisted:
             attempt = self.memory.cleaned.get(step)
             body = self.view.read_commit(step) if attempt is None else None
@@ -220,14 +224,20 @@ class Cleaner:
                 body = body if body is not None else self.view.read_commit(step)
                 where = f"{step}/{attempt}/{layout.METADATA_FILE}" if attempt else f"{step}/{layout.METADATA_FILE}"
                 try:
-                    meta = StepMetadata.from_bytes(self.store.read_bytes(where), where)
-                    saved = meta.time or _marker_time(body)
-                    self._facts[key] = retention.StepFacts(saved, dict(meta.metrics))
-                except (OSError, MetadataError) as e:
+                    raw = self.store.read_bytes(where)
+                except OSError as e:
+                    log.warning("retention: could not read the metadata of step %d (%s); kept, read again "
+                                "next time", step, e)
+                    unread.add(step)
+                    continue
+                try:
+                    meta = StepMetadata.from_bytes(raw, where)
+                    self._facts[key] = retention.StepFacts(meta.time or _marker_time(body), dict(meta.metrics))
+                except MetadataError as e:
                     log.warning("retention: no metrics for step %d (%s)", step, e)
                     self._facts[key] = retention.StepFacts(_marker_time(body))
             out[step] = self._facts[key]
-        return out
+        return out, unread
 
 
 def _marker_time(body: bytes | None) -> float | None:

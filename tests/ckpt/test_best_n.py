@@ -194,3 +194,36 @@ def test_two_processes_rank_by_metrics_and_delete_together(tmp_path):
         assert result["after_deletes"] == [[2, 5]], result  # best 2: 2 and 4, newest 5; then 4 deleted
         assert result["refused"] == ["StepNotFoundError"], result
         assert result["steps"] == [2, 5] and result["metrics"] == {"2": {"loss": 0.1}, "5": {"loss": 0.8}}
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_transient_metadata_read_error_never_deletes_the_best_step(where, tmp_path, request, devices, monkeypatch):
+    """Issue 40, item 3: with keep_last=2 and the best 1 by loss, the metadata of the best step (100)
+    fails to read once (a GCS 503 is an OSError), at the seam retention reads through (the storage's
+    read_bytes). That pass keeps step 100 instead of ranking it as "no metrics"; the next pass reads it
+    again and it stays the best while 200 ages out."""
+    root = _root(where, tmp_path, request)
+    with _manager(root, 1) as mgr:
+        for step, loss in ((100, 0.1), (200, 0.5)):
+            mgr.save(step, _state(step), metrics={"loss": loss})
+    storage_type = type(open_storage(root))
+    read_bytes = storage_type.read_bytes
+    failures: list[str] = []
+
+    def flaky(self, path: str) -> bytes:
+        if path.rstrip("/").endswith(layout.METADATA_FILE) and "/100/" in path and not failures:
+            failures.append(path)
+            raise rc.errors.StorageError(f"reading {path}: HttpError: 503 Service Unavailable")
+        return read_bytes(self, path)
+
+    # A new generation: its manager never saw the steps' metrics, it reads them from their metadata.
+    with _manager(root, 2, keep_last=2, keep_best=1, keep_best_metric="loss", keep_best_mode="min") as mgr:
+        monkeypatch.setattr(storage_type, "read_bytes", flaky)
+        mgr.save(300, _state(300), metrics={"loss": 0.9})
+        assert failures, "the metadata of step 100 was never read"
+        assert mgr.steps() == [100, 200, 300]  # 100 unread: kept; 200 and 300 the newest two
+        mgr.save(400, _state(400), metrics={"loss": 0.8})
+        assert len(failures) == 1
+        assert mgr.steps() == [100, 300, 400]  # read again: the best; 200 aged out
+        _check(mgr, 100)
+        assert mgr.metadata(100).metrics == {"loss": 0.1}

@@ -372,6 +372,35 @@ def test_persistent_retention_keeps_the_best_steps_by_their_metadata_metrics(tmp
     assert metadata_reads == {"1": 2, "2": 1, "3": 2, "4": 1, "5": 2, "6": 1}, metadata_reads
 
 
+def test_a_transient_metadata_read_error_never_deletes_the_best_step(tmp_path):
+    """Issue 40, item 3: keep_last=2 and the best 1 by loss; a restarted sidecar's first read of the
+    best step's metadata fails (a 503 is an OSError). That pass keeps the step rather than ranking it
+    as "no metrics"; the next pass reads it again and keeps it as the best while the others age out."""
+    failures: list[str] = []
+
+    class FlakyStore(LocalFolderStore):
+        def read_bytes(self, key: str) -> bytes:
+            if key.startswith("1/") and key.endswith(layout.METADATA_FILE) and arm and not failures:
+                failures.append(key)
+                raise StoreError(f"{self.url}: read {key!r} failed: HttpError: 503 Service Unavailable")
+            return super().read_bytes(key)
+
+    arm = False
+    store = FlakyStore(tmp_path / "persistent")
+    config = make_config(tmp_path, keep_last=2, keep_best=retention.KeepBest(1, "loss", "min"))
+    uploader = Uploader(config, store, SidecarMetrics())
+    for step, loss in {1: 0.1, 2: 0.5, 3: 0.9, 4: 0.8}.items():
+        meta = StepMetadata(step, 0, 1, {}, metrics={"loss": loss}).to_bytes()
+        write_local_step(config.local_dir, step, step_files(1, 10, seed=step), metadata=meta)
+        if step == 3:  # a restarted sidecar: it reads the metrics back from the uploaded metadata
+            uploader, arm = Uploader(config, store, SidecarMetrics()), True
+        uploader.run_once()
+        if step == 3:
+            assert failures and sorted(map(int, store.list_dir(""))) == [1, 2, 3]  # 1 unread: kept
+    assert len(failures) == 1
+    assert sorted(map(int, store.list_dir(""))) == [1, 3, 4]  # read again: the best; 2 aged out
+
+
 def test_only_process_0_trims_the_persistent_tier(tmp_path):
     store = LocalFolderStore(tmp_path / "persistent")
     for step in (1, 2, 3):
