@@ -108,6 +108,9 @@ TOKEN_KEY: Final = "token"
 #: proxy removes `Authorization` once it has authenticated the caller (`kubectl resilax save` uses it).
 #: The sidecar keeps the same name (resilax_sidecar.routes.TOKEN_HEADER; a test holds them equal).
 SIDECAR_TOKEN_HEADER: Final = "X-Resilax-Token"
+#: What a sidecar's save request id looks like (resilax_sidecar.control.valid_request_id; a test holds
+#: them equal): `kubectl resilax save` refuses any other id before it goes into a proxy path.
+SAVE_ID_PATTERN: Final = r"^[A-Za-z0-9_-]{1,80}$"
 RESERVED_CONTAINER_NAMES: Final = frozenset({SIDECAR_CONTAINER, LOCAL_INIT_CONTAINER})
 RESERVED_VOLUME_NAMES: Final = frozenset({CONTROL_VOLUME, LOCAL_VOLUME, TOKEN_VOLUME})
 

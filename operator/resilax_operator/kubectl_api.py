@@ -14,6 +14,7 @@ import base64
 import contextlib
 import json
 from typing import Any, Final
+from urllib.parse import quote
 
 from . import api
 from .generation import build_token_secret_name
@@ -23,6 +24,10 @@ from .generation import build_token_secret_name
 #: sidecar accepts its token in this header too (docs/sidecar.md, "Auth").
 TOKEN_HEADER: Final = api.SIDECAR_TOKEN_HEADER
 PROXY_TIMEOUT_SECONDS: Final = 30.0
+#: The most bytes of one answer read: an API list (pods, events, jaxjobs), and a sidecar's answer
+#: through the pod proxy (a few hundred bytes; the sidecar is the job's, not the user's).
+API_ANSWER_CAP: Final = 64 << 20
+SIDECAR_ANSWER_CAP: Final = 1 << 20
 
 
 class PluginError(Exception):
@@ -64,9 +69,11 @@ class JobAPI:
             raise PluginError(f"{what}: {e.status} {message}") from e
 
     def request(self, what: str, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
-                headers: dict[str, str] | None = None, timeout: float = PROXY_TIMEOUT_SECONDS) -> Any:
-        """One request to the API server (`path` already quoted); the parsed JSON answer. `headers` are
-        sent as given and never logged nor printed (the save's token is one)."""
+                headers: dict[str, str] | None = None, timeout: float = PROXY_TIMEOUT_SECONDS,
+                cap: int = API_ANSWER_CAP) -> Any:
+        """One request to the API server (`path` already quoted); the parsed JSON answer, of at most
+        `cap` bytes (a longer one is an error, never read further). `headers` are sent as given and
+        never logged nor printed (the save's token is one)."""
         sent = {"Accept": "application/json", **(headers or {})}
         if body is not None:
             sent["Content-Type"] = "application/json"
@@ -76,9 +83,12 @@ class JobAPI:
                 auth_settings=["BearerToken"])
             response = self.client.call_api(method_, url, header_params=headers_, body=body_,
                                             _request_timeout=timeout)
-            data = response.read()
+            data = response.response.read(cap + 1)  # the client streams: nothing read beyond this
+            response.response.release_conn()
         except Exception as e:  # transport: refused, reset, timed out (never the headers in the message)
             raise PluginError(f"{what}: {type(e).__name__}: {e}") from e
+        if len(data) > cap:
+            raise PluginError(f"{what}: the answer is over {cap} bytes; not read")
         if int(response.status) >= 400:
             raise PluginError(f"{what}: {response.status} {_api_message(data) or response.reason}")
         return json.loads(data) if data else {}
@@ -102,11 +112,10 @@ class JobAPI:
         return items
 
     def job_events(self, namespace: str, name: str) -> list[dict[str, Any]]:
-        core = self._kubernetes.client.CoreV1Api(self.client)
         selector = f"involvedObject.kind={api.KIND},involvedObject.name={name}"
-        answer = self._call(f"events of {namespace}/{name}", core.list_namespaced_event, namespace,
-                            field_selector=selector, _preload_content=False)
-        items: list[dict[str, Any]] = json.loads(answer.data).get("items") or []
+        answer = self.request(f"events of {namespace}/{name}", "GET", f"/api/v1/namespaces/{namespace}/events",
+                              query={"fieldSelector": selector})
+        items: list[dict[str, Any]] = answer.get("items") or []
         return items
 
     def job_names(self, namespace: str) -> list[str]:
@@ -143,7 +152,9 @@ class JobAPI:
 
     def sidecar(self, namespace: str, pod: str, port: int, method: str, path: str, body: Any = None,
                 token: str | None = None) -> Any:
-        """A call to a worker's sidecar through the API server's pod proxy (`pods/proxy`)."""
+        """A call to a worker's sidecar through the API server's pod proxy (`pods/proxy`); `path` is
+        the plugin's own, its parts already checked or quoted (never a value the sidecar chose, raw)."""
         headers = {TOKEN_HEADER: token} if token else {}
-        return self.request(f"{method} {path} on the sidecar of {namespace}/{pod}", method,
-                            f"/api/v1/namespaces/{namespace}/pods/{pod}:{port}/proxy{path}", body, headers=headers)
+        proxy = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(pod, safe='')}:{int(port)}/proxy"
+        return self.request(f"{method} {path} on the sidecar of {namespace}/{pod}", method, proxy + path, body,
+                            headers=headers, cap=SIDECAR_ANSWER_CAP)

@@ -29,16 +29,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 import time
+import unicodedata
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from . import api
 from . import goodput as gp
 from .kubectl_api import JobAPI, PluginError
+from .ownership import owner_uid
 from .status import BREAKDOWN_KEYS
 from .timeline import build_gantt, build_plot, parse_history, parse_time
 from .timeline_page import build_page, build_page_data
@@ -62,6 +66,18 @@ SAVE_POLL_SECONDS = 1.0
 # ---- pure: the screens ---------------------------------------------------------------------------
 
 
+def escape_controls(text: str, keep_newlines: bool = False) -> str:
+    """`text` with every control or format character (Unicode category C: ESC, CR, DEL, C1, bidi
+    overrides) written as a Python escape, so a message from the cluster (an event, a transition, an
+    error a sidecar sent) can move no cursor and recolour no terminal. `keep_newlines`: a screen's own
+    line breaks stay."""
+    def one(ch: str) -> str:
+        if (keep_newlines and ch == "\n") or not unicodedata.category(ch).startswith("C"):
+            return ch
+        return ascii(ch)[1:-1]
+    return "".join(map(one, text))
+
+
 def _age(then: datetime | None, now: datetime) -> str:
     """`42s`, `7m3s`, `2h5m`, `3d4h` (kubectl's style); `-` when unknown."""
     if then is None:
@@ -80,13 +96,15 @@ def last_fault(status: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -
     """The transition in progress, else the newest Warning event, else `none`."""
     transition = status.get("transition")
     if isinstance(transition, Mapping) and transition.get("kind"):
-        message = transition.get("message") or ""
-        return f"{transition['kind']} (in progress, generation {transition.get('generation')}): {message}".rstrip(": ")
+        message = escape_controls(str(transition.get("message") or ""))
+        return escape_controls(f"{transition['kind']} (in progress, generation {transition.get('generation')}): "
+                               f"{message}".rstrip(": "))
     warnings = [e for e in events if e.get("type") == "Warning"]
     if not warnings:
         return "none"
     newest = max(warnings, key=lambda e: parse_time(_event_time(e)) or datetime.min.replace(tzinfo=UTC))
-    return f"{newest.get('reason')} at {_event_time(newest) or '?'}: {newest.get('message') or ''}".rstrip(": ")
+    return escape_controls(f"{newest.get('reason')} at {_event_time(newest) or '?'}: "
+                           f"{newest.get('message') or ''}".rstrip(": "))
 
 
 def _event_time(event: Mapping[str, Any]) -> str | None:
@@ -173,23 +191,41 @@ def _sidecar_port(pod: Mapping[str, Any]) -> int | None:
     return None
 
 
-def plan_save_target(job: str, generation: int, pods: Sequence[Mapping[str, Any]]) -> tuple[str, int]:
-    """The worker whose sidecar gets the save request: a running pod of the current generation with an IP
+def plan_save_target(job: str, generation: int, pods: Sequence[Mapping[str, Any]], uid: str) -> tuple[str, int]:
+    """The worker whose sidecar gets the save request (and the job's token): a running pod that this
+    JAXJob (`uid`) controls by its owner reference, of the current generation by its label, with an IP
     and a sidecar port, process 0 first (one request is enough: the trainers agree on one step, docs/
-    architecture.md "Save requests"). (pod name, sidecar port); PluginError naming why there is none."""
+    architecture.md "Save requests"). A pod that only carries the job's labels is anybody's (any
+    tenant who may create pods in the namespace) and never gets the token. (pod name, sidecar port);
+    PluginError naming why there is none."""
     candidates = []
     for pod in pods:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        labels = meta.get("labels") or {}
         port = _sidecar_port(pod)
-        if meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP") or port is None:
+        if (not uid or owner_uid(pod) != uid or str(labels.get(api.LABEL_GENERATION)) != str(generation)
+                or meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP")
+                or port is None):
             continue
-        process = str((meta.get("labels") or {}).get(api.LABEL_PROCESS, ""))
+        process = str(labels.get(api.LABEL_PROCESS, ""))
         candidates.append((0 if process == "0" else 1, str(meta.get("name")), port))
     if not candidates:
         raise PluginError(f"jaxjob {job}: no running worker of generation {generation} with a sidecar to ask "
-                          f"({len(pods)} pods of that generation); try again once the job is Running")
+                          f"({len(pods)} pods carry its labels; only a pod the job owns, uid {uid}, is asked); "
+                          "try again once the job is Running")
     _, name, port = min(candidates)
     return name, port
+
+
+def parse_save_id(job: str, answer: Mapping[str, Any]) -> str:
+    """The id of the save request from the sidecar's answer to POST /v1/save, checked against the
+    sidecar's own id format (api.SAVE_ID_PATTERN) before it goes into a proxy path; PluginError
+    otherwise (a `../` there would send the next poll, with the user's credentials, anywhere)."""
+    request_id = answer.get("id")
+    if not isinstance(request_id, str) or not re.fullmatch(api.SAVE_ID_PATTERN, request_id):
+        raise PluginError(f"jaxjob {job}: the sidecar answered the save with id {escape_controls(repr(request_id))[:200]}, "
+                          f"not a save request id ({api.SAVE_ID_PATTERN}); not followed")
+    return request_id
 
 
 def describe_save(job: str, outcome: Mapping[str, Any], before: int | None) -> tuple[bool, str]:
@@ -262,15 +298,17 @@ def run_save(kube: JobAPI, namespace: str, name: str, timeout: float) -> str:
     status = job.get("status") or {}
     before = (status.get("checkpoint") or {}).get("step")
     generation = int(status.get("generation") or 0)
-    pod, port = plan_save_target(f"{namespace}/{name}", generation, kube.worker_pods(namespace, name, generation))
+    uid = str((job.get("metadata") or {}).get("uid") or "")
+    pod, port = plan_save_target(f"{namespace}/{name}", generation, kube.worker_pods(namespace, name, generation), uid)
     token = kube.sidecar_token(namespace, name)
     answer = kube.sidecar(namespace, pod, port, "POST", "/v1/save", {"reason": "manual"}, token=token)
-    request_id = str(answer.get("id"))
+    request_id = parse_save_id(f"{namespace}/{name}", answer)
     print(f"save requested from {pod} (request {request_id}); waiting for the commit", file=sys.stderr, flush=True)
     deadline = time.monotonic() + timeout
     while True:
         done, line = describe_save(f"{namespace}/{name}", kube.sidecar(namespace, pod, port, "GET",
-                                                                         f"/v1/save/{request_id}"), before)
+                                                                         f"/v1/save/{quote(request_id, safe='')}"),
+                                   before)
         if done:
             return line
         if time.monotonic() > deadline:
@@ -302,6 +340,11 @@ def run_web(kube: JobAPI, namespace: str | None, path: Path) -> str:
     return f"wrote {path}: the timelines of {len(jobs)} JAXJobs of {where}"
 
 
+def _print(screen: str) -> None:
+    """Print a screen whose text came partly from the cluster: its own line breaks, nothing else raw."""
+    print(escape_controls(screen, keep_newlines=True))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -312,19 +355,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             kube.patch_job(namespace, args.name, build_suspend_patch(suspend))
             print(f"jaxjob {namespace}/{args.name} {'suspended' if suspend else 'resumed'} (spec.suspend={str(suspend).lower()})")
         elif args.command == "save":
-            print(run_save(kube, namespace, args.name, args.timeout))
+            _print(run_save(kube, namespace, args.name, args.timeout))
         elif args.command == "timeline":
-            print(run_timeline(kube, namespace, args.name, args.png))
+            _print(run_timeline(kube, namespace, args.name, args.png))
         elif args.command == "web":
             print(run_web(kube, None if args.all_namespaces else namespace, Path(args.name)))
         elif args.command == "goodput":
-            print(build_goodput_screen(kube.get_job(namespace, args.name)))
+            _print(build_goodput_screen(kube.get_job(namespace, args.name)))
         else:
             job = kube.get_job(namespace, args.name)
-            print(build_status_screen(job, kube.job_events(namespace, args.name), datetime.now(UTC)))
+            _print(build_status_screen(job, kube.job_events(namespace, args.name), datetime.now(UTC)))
         return 0
     except (PluginError, OSError) as e:
-        print(f"kubectl resilax {args.command}: {e}", file=sys.stderr)
+        print(escape_controls(f"kubectl resilax {args.command}: {e}"), file=sys.stderr)
         return EXIT_ERROR
 
 

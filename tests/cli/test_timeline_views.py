@@ -106,11 +106,18 @@ def test_a_bar_row(start: float, first_at: float, end: float, kind: str, saves: 
     assert timeline.build_bar_row(bar, span=10.0, width=10) == row
 
 
+JOB_UID = "0b6c2f0e-1111-4c1e-9d53-6f4b8f3f0a01"
+
+
 def _pod(name: str, process: str, phase: str = "Running", ip: str | None = "240.1.1.2", port: int | None = 8490,
-         deleting: bool = False) -> dict[str, Any]:
+         deleting: bool = False, owner: str | None = JOB_UID, generation: str = "3") -> dict[str, Any]:
     sidecar: dict[str, Any] = {"name": api.SIDECAR_CONTAINER,
                                "ports": [] if port is None else [{"name": "sidecar", "containerPort": port}]}
-    meta: dict[str, Any] = {"name": name, "labels": {api.LABEL_PROCESS: process}}
+    meta: dict[str, Any] = {"name": name, "labels": {api.LABEL_PROCESS: process, api.LABEL_GENERATION: generation,
+                                                     api.LABEL_JOB: "llama"}}
+    if owner is not None:
+        meta["ownerReferences"] = [{"apiVersion": api.API_VERSION, "kind": api.KIND, "name": "llama", "uid": owner,
+                                    "controller": True}]
     if deleting:
         meta["deletionTimestamp"] = "2026-12-04T12:00:00Z"
     return {"metadata": meta, "spec": {"initContainers": [sidecar], "containers": [{"name": "trainer"}]},
@@ -123,14 +130,20 @@ def _pod(name: str, process: str, phase: str = "Running", ip: str | None = "240.
     ([_pod("w-0", "0", ip=None), _pod("w-1", "1")], ("w-1", 8490)),
     ([_pod("w-0", "0", deleting=True), _pod("w-1", "1")], ("w-1", 8490)),
     ([_pod("w-0", "0", port=None), _pod("w-1", "1")], ("w-1", 8490)),
-], ids=["process-0-first", "running-only", "with-an-ip", "not-deleting", "with-a-sidecar-port"])
+    ([_pod("squat-0", "0", owner=None), _pod("w-1", "1")], ("w-1", 8490)),
+    ([_pod("squat-0", "0", owner="another-uid"), _pod("w-1", "1")], ("w-1", 8490)),
+    ([_pod("old-0", "0", generation="2"), _pod("w-1", "1")], ("w-1", 8490)),
+], ids=["process-0-first", "running-only", "with-an-ip", "not-deleting", "with-a-sidecar-port",
+        "a-squatter-with-the-labels", "another-jobs-pod", "another-generation"])
 def test_the_save_goes_to_a_running_worker_with_a_sidecar(pods: list[dict[str, Any]], expected: tuple[str, int]) -> None:
-    assert kubectl_plugin.plan_save_target("team-a/llama", 3, pods) == expected
+    assert kubectl_plugin.plan_save_target("team-a/llama", 3, pods, JOB_UID) == expected
 
 
 def test_no_worker_to_ask_is_an_error_naming_the_generation() -> None:
     with pytest.raises(PluginError, match=r"team-a/llama: no running worker of generation 3 .* \(1 pods"):
-        kubectl_plugin.plan_save_target("team-a/llama", 3, [_pod("w-0", "0", phase="Pending")])
+        kubectl_plugin.plan_save_target("team-a/llama", 3, [_pod("w-0", "0", phase="Pending")], JOB_UID)
+    with pytest.raises(PluginError, match=r"only a pod the job owns, uid " + JOB_UID):
+        kubectl_plugin.plan_save_target("team-a/llama", 3, [_pod("squat-0", "0", owner=None)], JOB_UID)
 
 
 @pytest.mark.parametrize(("outcome", "before", "expected"), [

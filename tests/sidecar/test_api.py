@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from resilax_sidecar import control as sidecar_control
 from resilax_sidecar.routes import TOKEN_HEADER, presented_token
 from sidecar_harness import TOKEN, SidecarProcess, build_sidecar_env, http, wait_until
 
@@ -116,10 +117,11 @@ def test_the_presented_token(headers, expected):
     assert presented_token(headers) == expected
 
 
-def test_the_token_header_is_the_one_the_plugin_sends():
+def test_the_token_header_and_the_save_id_format_are_the_ones_the_plugin_uses():
     from resilax_operator import api
 
     assert api.SIDECAR_TOKEN_HEADER == TOKEN_HEADER
+    assert sidecar_control._ID_RE.pattern == api.SAVE_ID_PATTERN  # what kubectl resilax save accepts as an id
 
 
 def test_without_a_token_file_mutating_calls_are_disabled(sidecar_env, start_sidecar):
