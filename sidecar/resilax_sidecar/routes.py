@@ -404,6 +404,10 @@ async def post_trainer_stop(request: web.Request) -> web.Response:
 async def post_trainer_start(request: web.Request) -> web.Response:
     sidecar, body, control_dir = await _trainer_call(request)
     assignment: tc.Assignment = _parsed(tc.parse_assignment, body, {"generation", "env"})
+    refused = trainer.refuse_start_env(assignment.env)
+    if refused is not None:
+        log.warning("refused a trainer start from %s: %s", request.remote, refused)
+        raise ApiError(400, "bad_request", refused)
     verdict = trainer.decide_start(await asyncio.to_thread(tc.read_assignment, control_dir), assignment)
     if verdict.write:
         try:

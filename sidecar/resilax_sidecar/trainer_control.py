@@ -6,6 +6,7 @@ routes.py reads and writes the files (resilax_ckpt.trainer_control, the one form
 |---|---|
 | `POST /v1/trainer/stop` `{"generation": G', "reason", "stacks"}` | writes `trainer-stop.json`: 202; same generation again: 200; older than one already asked: 409 `stale_generation` |
 | `POST /v1/trainer/start` `{"generation": G', "env"}` | writes `assignment.json`: 202; same generation and body: 200; same generation, other body: 409 `conflict`; older: 409 `stale_generation` |
+| start with an `env` name outside `START_ENV_NAMES` | 400 `bad_request`, naming the refused names and the allowed ones |
 | either, with no `incarnation.json` (no supervisor) | 409 `not_supervised` |
 | `GET /v1/trainer/ready` | 200 while the current incarnation runs (and no newer stop is asked), else 503 |
 """
@@ -17,6 +18,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from resilax_ckpt import trainer_control as tc
+
+START_ENV_NAMES: frozenset[str] = frozenset({
+    "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+    "RESILAX_NUM_SLICES", "RESILAX_SLICE_ID", "RESILAX_HOSTS_PER_SLICE", "RESILAX_GENERATION",
+    "RESILAX_RESTORE_STEP", "RESILAX_LIVE_JOB_UIDS",
+    "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
+    "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_PORT", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID",
+})
+"""The only variables a start call may set for the new trainer: those that change with the generation
+(the operator's `worker_env.build_generation_env`; a test holds the two equal). The token opens the
+start call, not the trainer's interpreter: a variable such as `PYTHONWARNINGS`, `PYTHONPATH`,
+`LD_PRELOAD` or `BROWSER` would run code of the caller's choosing in the trainer (docs/sidecar.md)."""
+
+
+def refuse_start_env(env: Mapping[str, str]) -> str | None:
+    """Why a start call's `env` is refused (names outside START_ENV_NAMES), or None (pure)."""
+    refused = sorted(set(env) - START_ENV_NAMES)
+    if not refused:
+        return None
+    return (f"env: {', '.join(refused)} may not be set by a start call; allowed: "
+            f"{', '.join(sorted(START_ENV_NAMES))}")
 
 
 @dataclass(frozen=True)

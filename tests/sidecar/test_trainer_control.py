@@ -109,7 +109,14 @@ def test_stop_and_start_restart_the_trainer_in_place_with_the_new_generation(
     assert (stopped["trainer_process"]["exit_code"], stopped["trainer_process"]["reason"]) == (75, "NodeLoss")
 
     # start: a bad value is refused before the trainer sees it; then 202, the same 200, others 409
-    start4 = {"generation": 4, "env": {"JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2", "X_NEW": "yes"}}
+    start4 = {"generation": 4, "env": {"JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2", "RESILAX_LIVE_JOB_UIDS": "uid-x"}}
+    # a variable outside the allowlist (one that runs code in the trainer) is refused, naming it
+    crafted = sidecar.post("/v1/trainer/start", {"generation": 4, "env": {
+        "JAX_PROCESS_ID": "1", "PYTHONWARNINGS": "ignore::x.y", "BROWSER": "sh -c id"}}, token=TOKEN)
+    assert (crafted.status, crafted.body["error"]["code"]) == (400, "bad_request")
+    assert crafted.body["error"]["message"].startswith("env: BROWSER, PYTHONWARNINGS may not be set by a start call; "
+                                                       "allowed: JAX_COORDINATOR_ADDRESS, ")
+    assert tc.read_assignment(env["RESILAX_CONTROL_DIR"]) is None
     bad = sidecar.post("/v1/trainer/start", {"generation": 4, "env": {"JAX_PROCESS_ID": "2", "JAX_NUM_PROCESSES": "2"}},
                        token=TOKEN)
     assert bad.status == 400 and "env.JAX_PROCESS_ID=2" in bad.body["error"]["message"]
@@ -128,8 +135,8 @@ def test_stop_and_start_restart_the_trainer_in_place_with_the_new_generation(
     wait_until(lambda: sidecar.get("/v1/trainer/ready").status == 200, 60, "the new incarnation ready")
     second = supervised.child(2)
     assert {k: second["env"].get(k) for k in ("JAX_PROCESS_ID", "JAX_NUM_PROCESSES", "RESILAX_GENERATION",
-                                              "X_NEW", "RESILAX_INCARNATION")} == {
-        "JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2", "RESILAX_GENERATION": "4", "X_NEW": "yes",
+                                              "RESILAX_LIVE_JOB_UIDS", "RESILAX_INCARNATION")} == {
+        "JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2", "RESILAX_GENERATION": "4", "RESILAX_LIVE_JOB_UIDS": "uid-x",
         "RESILAX_INCARNATION": "2"}
     assert second["previous_alive"] is False
 
@@ -201,3 +208,19 @@ def test_decide_start(existing: tc.Assignment | None, request_: tc.Assignment,
 ])
 def test_trainer_ready(incarnation: dict[str, Any] | None, stop: tc.StopRequest | None, ready: bool) -> None:
     assert trainer.trainer_ready(incarnation, stop)[0] is ready
+
+
+@pytest.mark.parametrize(("env", "refused"), [
+    ({"JAX_PROCESS_ID": "1", "RESILAX_GENERATION": "4"}, None),
+    ({}, None),
+    ({"PYTHONWARNINGS": "x"}, "PYTHONWARNINGS"),
+    ({"BROWSER": "x", "LD_PRELOAD": "/tmp/x.so", "JAX_PROCESS_ID": "0"}, "BROWSER, LD_PRELOAD"),
+    ({"RESILAX_SIDECAR_TOKEN_FILE": "/tmp/mine"}, "RESILAX_SIDECAR_TOKEN_FILE"),
+], ids=["generation-variables", "none", "python-hook", "several", "a-resilax-setting-that-is-not-the-generations"])
+def test_the_start_env_allowlist(env: dict[str, str], refused: str | None) -> None:
+    message = trainer.refuse_start_env(env)
+    if refused is None:
+        assert message is None
+    else:
+        assert message is not None and message.startswith(f"env: {refused} may not be set by a start call; allowed: ")
+

@@ -327,6 +327,10 @@ def test_generation_env_is_the_pods_and_the_overlay_has_literal_values() -> None
                                "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_PORT", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID"}
     overlay = build_generation_overlay(JOB, spec, PLAN, geometry, 6, SETTINGS, coordinator_ip="10.0.0.5")
     assert overlay == generation and not any("$(" in v for v in overlay.values())
+    # the sidecar's start call accepts exactly these names (issue 40, item 5: an allowlist)
+    from resilax_sidecar.trainer_control import START_ENV_NAMES
+
+    assert set(overlay) == START_ENV_NAMES
 
 
 def test_a_kept_pod_keeps_its_name_and_its_slice_names_it() -> None:
