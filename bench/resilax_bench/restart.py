@@ -1,0 +1,333 @@
+"""A trainer restart measured part by part (issue 38): ``python -m resilax_bench.restart [--preset tpu-v5e]
+[--workdir /dev/shm/resilax-restart] [--phases cold,warm,restore,restore-overlap,prefetch] [--json F]
+[--markdown F]`` (on the TPU host: ``bash bench/tpu/restart``).
+
+Each phase is a fresh process of examples/transformer.py, one after another (one program at a time
+holds a TPU chip), started with ``--report-startup`` so it prints the wall-clock time of each part of
+its start. The parent passes its own launch time in ``RESILAX_BENCH_LAUNCH_TIME``.
+
+* ``cold``: an empty persistent compilation cache, nothing to restore: launch to first step, then a
+  few more steps and a forced save into a local tier on tmpfs (the save's time is reported too).
+* ``warm``: the cache now warm, nothing to restore (RESILAX_RESTORE_STEP=none): the floor of a
+  restart of this model on this machine.
+* ``restore``: warm cache, restore of the saved step from the local tier, then the compile (serial:
+  each part on its own).
+* ``restore-overlap``: the same, the compile (a cache load) in a thread while the restore reads: what
+  the trainer does by default.
+* ``prefetch``: as restore-overlap, the checkpoint read started before the devices open (the restore
+  prefetch, `--prefetch` of the trainer); reported as not available when resilax_ckpt has no prefetch.
+
+The supervisor's in-place restart (``resilax run``) is not used: it talks to the sidecar over HTTP
+and the TPU host allows no sockets, so every restart here is a fresh process, which is what a
+replaced pod pays anyway (docs/architecture.md, "Keep what can be kept").
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformer.py"
+PHASES = ("cold", "warm", "restore", "restore-overlap", "prefetch")
+TRAIN_STEPS = 3
+"""Steps of the cold phase before its save (the restore phases restore this step and run one more)."""
+PHASE_TIMEOUT_S = 300
+
+#: The parts of a start, in order: (name, from mark, to mark). A part whose marks a phase lacks is
+#: left out of that phase (a phase that restores has no init; one that does not, no restore).
+PARTS: tuple[tuple[str, str, str], ...] = (
+    ("interpreter start (launch to the script's first line)", "launch", "script_start"),
+    ("imports (jax, resilax_ckpt)", "script_start", "imports_done"),
+    ("prefetch started (before the devices open)", "script_start", "prefetch_started"),
+    ("open the devices (jax.devices())", "devices_start", "devices_done"),
+    ("checkpoint manager", "devices_done", "manager_done"),
+    ("trace + lower", "lower_start", "lower_done"),
+    ("compile or compilation-cache load", "lower_done", "compile_done"),
+    ("init a fresh state", "init_start", "init_done"),
+    ("restore: read (transfers issued)", "restore_start", "restore_returned"),
+    ("restore: host-to-device wait", "restore_returned", "restore_on_device"),
+    ("first step", "ready", "first_step_done"),
+    ("launch to first step done", "launch", "first_step_done"),
+)
+
+
+class RestartBenchError(RuntimeError):
+    """A phase failed or printed no startup report."""
+
+
+# ---------------------------------------------------------------------------- pure
+
+
+def with_ready_mark(marks: Mapping[str, float]) -> dict[str, float]:
+    """The marks plus `ready`: when the first step could start (the later of the compile and the state)."""
+    out = dict(marks)
+    state = [marks[k] for k in ("init_done", "restore_on_device") if k in marks]
+    if "compile_done" in marks and state:
+        out["ready"] = max(marks["compile_done"], *state)
+    if "launch" not in out and "process_start" in out:
+        out["launch"] = out["process_start"]
+    return out
+
+
+def plan_parts(marks: Mapping[str, float]) -> list[dict[str, Any]]:
+    """Each part a phase's marks allow: its name, start and end as seconds after launch, duration."""
+    m = with_ready_mark(marks)
+    zero = m["launch"]
+    out = []
+    for name, begin, end in PARTS:
+        if begin in m and end in m:
+            out.append({"part": name, "start_s": round(m[begin] - zero, 3), "end_s": round(m[end] - zero, 3),
+                        "seconds": round(m[end] - m[begin], 3)})
+    return out
+
+
+def overlaps(parts: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Pairs of the start's parts that ran at the same time (the whole-start row aside), as text."""
+    rows = [p for p in parts if not p["part"].startswith("launch to")]
+    found = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            shared = min(a["end_s"], b["end_s"]) - max(a["start_s"], b["start_s"])
+            if shared > 0.005 and a["seconds"] > 0 and b["seconds"] > 0:
+                found.append(f"{a['part']} || {b['part']}: {shared:.2f} s")
+    return found
+
+
+def summarize(phases: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The issue's target: a restart with restore from launch to first step against the same model
+    with no restore (warm cache), and against (open devices + cache load + first step) of that run."""
+    out: dict[str, Any] = {}
+    warm = phases.get("warm", {}).get("parts")
+    if not warm:
+        return out
+    by = {p["part"]: p["seconds"] for p in warm}
+    floor = sum(by.get(k, 0.0) for k in ("open the devices (jax.devices())", "compile or compilation-cache load",
+                                         "first step"))
+    out["warm_launch_to_first_step_s"] = by.get("launch to first step done")
+    out["warm_open_compile_first_step_s"] = round(floor, 3)
+    for name in ("restore", "restore-overlap", "prefetch"):
+        parts = phases.get(name, {}).get("parts")
+        if not parts:
+            continue
+        total = {p["part"]: p["seconds"] for p in parts}.get("launch to first step done")
+        if total is None:
+            continue
+        out[name] = {"launch_to_first_step_s": total,
+                     "vs_warm_launch_to_first_step": round(total / by["launch to first step done"], 3)
+                     if by.get("launch to first step done") else None,
+                     "vs_open_compile_first_step": round(total / floor, 3) if floor else None}
+    return out
+
+
+def build_markdown(result: Mapping[str, Any]) -> str:
+    """The phases side by side (seconds per part), then each phase's timeline (seconds after launch)."""
+    phases = result["phases"]
+    names = [n for n in PHASES if n in phases and phases[n].get("parts")]
+    env = result.get("environment", {})
+    lines = [f"Trainer restart, part by part: {env.get('platform', '?')} ({env.get('device_kind', '?')}, "
+             f"{env.get('devices', '?')} device(s)), {env.get('parameters', 0) / 1e9:.3g}B parameters, "
+             f"state {env.get('state_bytes', 0) / 2**30:.2f} GiB, commit {result.get('commit', '?')}", ""]
+    lines.append("| part (seconds) | " + " | ".join(names) + " |")
+    lines.append("|---|" + "---:|" * len(names))
+    seen = [name for name, _, _ in PARTS]
+    for part in seen:
+        cells = []
+        for n in names:
+            hit = [p["seconds"] for p in phases[n]["parts"] if p["part"] == part]
+            cells.append(f"{hit[0]:.2f}" if hit else "")
+        if any(cells):
+            lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    extra = [n for n in PHASES if n in phases and not phases[n].get("parts")]
+    for n in extra:
+        lines.append(f"\n{n}: {phases[n].get('skipped') or phases[n].get('error')}")
+    if "cold" in phases and phases["cold"].get("final_save_s") is not None:
+        lines.append(f"\nSave of the trained state into the local tier (cold phase, step {TRAIN_STEPS}): "
+                     f"{phases['cold']['final_save_s']:.2f} s")
+    summary = result.get("summary") or {}
+    for n in ("restore", "restore-overlap", "prefetch"):
+        if n in summary:
+            s = summary[n]
+            lines.append(f"\n{n}: launch to first step {s['launch_to_first_step_s']:.2f} s = "
+                         f"{s['vs_warm_launch_to_first_step']}x warm no-restore "
+                         f"({summary['warm_launch_to_first_step_s']:.2f} s), "
+                         f"{s['vs_open_compile_first_step']}x (open devices + cache load + first step "
+                         f"= {summary['warm_open_compile_first_step_s']:.2f} s)")
+    for n in names:
+        lines += ["", f"Timeline of `{n}` (seconds after launch):", "", "| part | start | end |", "|---|---:|---:|"]
+        for p in sorted(phases[n]["parts"], key=lambda p: (p["start_s"], p["end_s"])):
+            lines.append(f"| {p['part']} | {p['start_s']:.2f} | {p['end_s']:.2f} |")
+        if phases[n].get("overlaps"):
+            lines.append("\nOverlaps: " + "; ".join(phases[n]["overlaps"]))
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- I/O
+
+
+def prefetch_available() -> str | None:
+    """None when the trainer can prefetch (resilax_ckpt has the API), else why not."""
+    probe = ("import resilax_ckpt as rc, sys; "
+             "sys.exit(0 if hasattr(rc, 'prefetch_restore_from_env') else 3)")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode == 0:
+        return None
+    if proc.returncode == 3:
+        return "resilax_ckpt has no restore prefetch (prefetch_restore_from_env) in this checkout"
+    return f"resilax_ckpt cannot be imported: {proc.stderr.strip()[-500:]}"
+
+
+def phase_command(phase: str, preset: str, steps: int, extra: Sequence[str]) -> list[str]:
+    cmd = [sys.executable, str(EXAMPLE), "--preset", preset, "--report-startup"]
+    if phase == "cold":
+        cmd += ["--steps", str(steps)]
+    elif phase == "warm":
+        cmd += ["--steps", "1", "--no-final-save"]
+    else:
+        cmd += ["--steps", str(steps + 1), "--no-final-save"]
+    if phase == "restore":
+        cmd.append("--serial-start")
+    if phase == "prefetch":
+        cmd.append("--prefetch")
+    return cmd + list(extra)
+
+
+def run_phase(phase: str, cmd: Sequence[str], workdir: Path, timeout: float) -> dict[str, Any]:
+    """One fresh trainer process; its startup report, restore line and save time."""
+    env = dict(os.environ)
+    env.update({
+        "RESILAX_CHECKPOINT_DIR": str(workdir / "persistent"),
+        "RESILAX_LOCAL_DIR": str(workdir / "local"),
+        "JAX_COMPILATION_CACHE_DIR": str(workdir / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+        "RESILAX_RESTORE_STEP": "none" if phase in ("cold", "warm") else "latest",
+        "RESILAX_EXIT_GRACE_SECONDS": "0",
+    })
+    # Only the cold phase's forced final save saves (without a policy every save() call would).
+    env["RESILAX_SAVE_EVERY_STEPS"] = "1000000000"
+    for name in ("RESILAX_SAVE_EVERY_SECONDS", "RESILAX_CONTROL_DIR"):
+        env.pop(name, None)
+    env["RESILAX_BENCH_LAUNCH_TIME"] = repr(time.time())
+    began = time.time()
+    proc = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout)
+    ended = time.time()
+    out: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": proc.returncode,
+                           "process_seconds": round(ended - began, 3)}
+    records = []
+    for line in proc.stdout.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    startup = next((r["startup"] for r in records if "startup" in r), None)
+    if proc.returncode != 0 or startup is None:
+        raise RestartBenchError(f"phase {phase}: exit {proc.returncode}, "
+                                f"{'no startup line' if startup is None else 'startup line printed'}; "
+                                f"stderr: {proc.stderr.strip()[-3000:]}")
+    out["startup"] = startup
+    out["parts"] = plan_parts(startup["marks"])
+    out["overlaps"] = overlaps(out["parts"])
+    out["steps"] = [{"step": r["step"], "loss": r["loss"]} for r in records if "step" in r]
+    restored = [r for r in records if "restored" in r]
+    if restored:
+        out["restored"] = {k: restored[0].get(k) for k in ("restored", "from", "sources")}
+    save = next((r["final_save"] for r in records if "final_save" in r), None)
+    if save:
+        out["final_save_s"] = round(save["done"] - save["start"], 3)
+    # The TPU runtime's own warnings about the host (transparent huge pages: docs/operations.md).
+    out["runtime_warnings"] = [line.strip()[-400:] for line in proc.stderr.splitlines()
+                               if "huge" in line.lower()][:5]
+    out["exit_after_first_step_s"] = round(ended - startup["marks"]["first_step_done"], 3)
+    return out
+
+
+def commit_of_checkout() -> str:
+    given = os.environ.get("RESILAX_COMMIT", "").strip()
+    if given:
+        return given
+    try:
+        proc = subprocess.run(["git", "-C", str(EXAMPLE.parents[1]), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+    except OSError:
+        return "unknown"
+    return proc.stdout.strip() or "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="cpu-tiny", help="examples/transformer.py's --preset")
+    parser.add_argument("--workdir", default="/dev/shm/resilax-restart",
+                        help="the local tier, persistent tier and compilation cache (emptied first)")
+    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
+    parser.add_argument("--steps", type=int, default=TRAIN_STEPS, help="steps of the cold phase before its save")
+    parser.add_argument("--timeout", type=float, default=PHASE_TIMEOUT_S, help="seconds per phase")
+    parser.add_argument("--json", help="write the raw result here")
+    parser.add_argument("--markdown", help="write the tables here")
+    parser.add_argument("--keep", action="store_true", help="keep the workdir (default: removed at the end)")
+    parser.add_argument("trainer_args", nargs="*", help="after --: more flags for examples/transformer.py")
+    args = parser.parse_args(argv)
+    wanted = [p.strip() for p in args.phases.split(",") if p.strip()]
+    bad = [p for p in wanted if p not in PHASES]
+    if bad:
+        parser.error(f"--phases: {', '.join(bad)} unknown; allowed: {', '.join(PHASES)}")
+    if any(p != "cold" for p in wanted) and "cold" not in wanted:
+        parser.error("--phases: the other phases need `cold` (it fills the cache and saves the checkpoint)")
+    workdir = Path(args.workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    result: dict[str, Any] = {
+        "bench": "restart", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit_of_checkout(), "preset": args.preset, "workdir": str(workdir),
+        "trainer_args": args.trainer_args, "phases": {},
+        "note": "each phase a fresh process, one after another; times are wall-clock seconds",
+    }
+    try:
+        for phase in (p for p in PHASES if p in wanted):
+            if phase == "prefetch":
+                why = prefetch_available()
+                if why:
+                    result["phases"][phase] = {"skipped": why}
+                    print(f"restart bench: {phase}: skipped ({why})", file=sys.stderr, flush=True)
+                    continue
+            cmd = phase_command(phase, args.preset, args.steps, args.trainer_args)
+            try:
+                outcome = run_phase(phase, cmd, workdir, args.timeout)
+            except (RestartBenchError, subprocess.TimeoutExpired) as e:
+                result["phases"][phase] = {"error": str(e)[-4000:]}
+                print(f"restart bench: {phase}: FAILED: {e}", file=sys.stderr, flush=True)
+                if phase == "cold":
+                    break
+                continue
+            result["phases"][phase] = outcome
+            total = [p["seconds"] for p in outcome["parts"] if p["part"].startswith("launch to")]
+            print(f"restart bench: {phase}: launch to first step {total[0] if total else '?'} s "
+                  f"(process {outcome['process_seconds']} s)", file=sys.stderr, flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    first: dict[str, Any] = next((p["startup"] for p in result["phases"].values() if "startup" in p), {})
+    result["environment"] = {k: first.get(k) for k in ("platform", "device_kind", "devices", "processes", "jax",
+                                                        "parameters", "state_bytes", "config")}
+    result["summary"] = summarize(result["phases"])
+    text = build_markdown(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    print(text)
+    failed = [n for n, p in result["phases"].items() if "error" in p]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

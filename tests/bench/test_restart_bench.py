@@ -1,0 +1,85 @@
+"""The trainer-restart bench (issue 38): its accounting of a start's parts, and one run on CPU devices
+through the same script the TPU run calls (bench/tpu/restart), with the smallest model.
+
+No time is checked: the run's own checks are that every phase printed its parts, the restore phases
+restored the cold phase's saved step from the local tier, and the step after the restore has the same
+loss whether the compile ran under the restore or after it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from resilax_bench import restart
+
+ROOT = Path(__file__).resolve().parents[2]
+
+MARKS = {"launch": 100.0, "process_start": 100.01, "script_start": 100.1, "imports_done": 102.0,
+         "devices_start": 102.0, "devices_done": 108.0, "manager_done": 108.2, "lower_start": 108.2,
+         "restore_start": 108.2, "lower_done": 109.0, "restore_returned": 110.0, "restore_on_device": 110.5,
+         "compile_done": 112.0, "first_step_done": 113.0}
+
+
+def test_parts_are_measured_from_launch_and_the_first_step_waits_for_the_later_of_state_and_compile() -> None:
+    parts = {p["part"]: p for p in restart.plan_parts(MARKS)}
+    assert parts["open the devices (jax.devices())"]["seconds"] == pytest.approx(6.0)
+    assert parts["compile or compilation-cache load"]["seconds"] == pytest.approx(3.0)
+    assert parts["restore: read (transfers issued)"]["seconds"] == pytest.approx(1.8)
+    assert parts["restore: host-to-device wait"]["seconds"] == pytest.approx(0.5)
+    first = parts["first step"]
+    assert (first["start_s"], first["end_s"], first["seconds"]) == (12.0, 13.0, 1.0)
+    assert parts["launch to first step done"]["seconds"] == pytest.approx(13.0)
+    assert "init a fresh state" not in parts  # a restoring start has no init
+
+
+def test_overlapping_parts_are_named_with_the_time_they_share() -> None:
+    found = restart.overlaps(restart.plan_parts(MARKS))
+    assert "trace + lower || restore: read (transfers issued): 0.80 s" in found
+    assert "compile or compilation-cache load || restore: read (transfers issued): 1.00 s" in found
+    assert not any(f.startswith("launch to") or "|| launch to" in f for f in found)
+
+
+def test_the_summary_compares_a_restart_with_the_warm_start_that_restores_nothing() -> None:
+    warm = {"launch": 0.0, "script_start": 0.1, "imports_done": 2.0, "devices_start": 2.0, "devices_done": 8.0,
+            "manager_done": 8.1, "lower_start": 8.1, "lower_done": 9.0, "compile_done": 11.0, "init_start": 11.0,
+            "init_done": 11.5, "first_step_done": 12.0}
+    phases = {"warm": {"parts": restart.plan_parts(warm)}, "restore-overlap": {"parts": restart.plan_parts(MARKS)}}
+    summary = restart.summarize(phases)
+    # floor = open devices 6 + cache load 2 + first step 0.5 (from the later of init and compile)
+    assert summary["warm_open_compile_first_step_s"] == pytest.approx(8.5)
+    assert summary["restore-overlap"] == {"launch_to_first_step_s": 13.0,
+                                          "vs_warm_launch_to_first_step": round(13.0 / 12.0, 3),
+                                          "vs_open_compile_first_step": round(13.0 / 8.5, 3)}
+    text = restart.build_markdown({"phases": phases, "summary": summary, "environment": {}, "commit": "abc"})
+    assert "| launch to first step done | 12.00 | 13.00 |" in text
+
+
+@pytest.mark.slow
+def test_the_tpu_script_runs_every_phase_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "OUT": str(out), "PYTHON": sys.executable,
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {k: v for k, v in env.items() if not k.startswith("RESILAX_")}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "tpu" / "restart"), "--workdir", str(tmp_path / "w")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((out / "restart-tpu.json").read_text())
+    phases = result["phases"]
+    assert result["environment"]["platform"] == "cpu"
+    for name in ("cold", "warm", "restore", "restore-overlap"):
+        assert phases[name]["parts"], name
+        assert phases[name]["startup"]["marks"]["first_step_done"] > phases[name]["startup"]["marks"]["launch"]
+    assert phases["cold"]["startup"]["compilation_cache"]["hits"] == 0
+    assert phases["warm"]["startup"]["compilation_cache"]["hits"] > 0
+    for name in ("restore", "restore-overlap"):
+        assert phases[name]["restored"]["restored"] == restart.TRAIN_STEPS
+        assert phases[name]["restored"]["from"] == "local"
+        assert [s["step"] for s in phases[name]["steps"]] == [restart.TRAIN_STEPS + 1]
+    assert phases["restore"]["steps"] == phases["restore-overlap"]["steps"]
+    assert "prefetch" in phases  # measured, or skipped with the reason
+    assert "| launch to first step done |" in (out / "restart-tpu.md").read_text()
+    assert not (tmp_path / "w").exists()  # the tmpfs folder is not left behind
