@@ -25,9 +25,10 @@ class PeerFetchError(ResilaxCkptError, OSError):
     """The sidecar could not fetch this process's step from any peer."""
 
 
-def write_peers(control_dir: str, process: int, hosts: Sequence[rules.PeerHost]) -> None:
-    """`$RESILAX_CONTROL_DIR/peers.json` (written to a temporary name and renamed)."""
-    body = {"process": process, "hosts": [
+def write_peers(control_dir: str, process: int, hosts: Sequence[rules.PeerHost], generation: int) -> None:
+    """`$RESILAX_CONTROL_DIR/peers.json` (written to a temporary name and renamed). `generation`: the
+    generation these hosts are of; the sidecar calls them (with the job's token) only while it is its own."""
+    body = {"process": process, "generation": generation, "hosts": [
         {"process": h.process, "slice": h.slice, "node": h.node, "address": h.address} for h in hosts]}
     os.makedirs(control_dir, exist_ok=True)
     path = os.path.join(control_dir, rules.PEERS_FILE)

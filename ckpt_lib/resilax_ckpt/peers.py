@@ -41,7 +41,8 @@ REPLICA_FILE = "_REPLICA.json"
 
 PEERS_FILE = "peers.json"
 """`$RESILAX_CONTROL_DIR/peers.json`, written by the trainer at start for its sidecar:
-`{"process", "hosts": [{"process", "slice", "node", "address"}]}`."""
+`{"process", "generation", "hosts": [{"process", "slice", "node", "address"}]}`. The sidecar calls
+these addresses, and accepts them as fetch sources, only while `generation` is its own."""
 
 
 @dataclasses.dataclass(frozen=True)

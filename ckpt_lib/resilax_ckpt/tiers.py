@@ -208,7 +208,7 @@ def exchange_peers(tiers: Tiers) -> None:
                     for h in raw), key=lambda h: h.process)
     tiers.peer_addresses = {h.process: h.address for h in hosts}
     if o.control_dir:
-        peer_client.write_peers(o.control_dir, coord.process_index, hosts)
+        peer_client.write_peers(o.control_dir, coord.process_index, hosts, o.generation)
 
 
 # ---------------------------------------------------------------------------- local tier rules

@@ -309,11 +309,18 @@ class Sidecar:
         if cfg.local_dir is not None and cfg.peer_replicas:
             self.replicator = Replicator(cfg.local_dir, cfg.control_dir, self.read_token,
                                          cfg.peer_bytes_per_second, cfg.poll_seconds,
-                                         self.metrics.peer_bytes.labels(purpose="replica", direction="received").inc)
+                                         self.metrics.peer_bytes.labels(purpose="replica", direction="received").inc,
+                                         generation=self.peer_generation)
             threading.Thread(target=self.replicator.run_forever, args=(self._uploader_stop,),
                              name="peer-replicator", daemon=True).start()
 
     replicator: Replicator | None = None
+
+    def peer_generation(self) -> int:
+        """The generation whose peers this pod may call (peers.current_peers): its own, or the newer one a
+        stop already asked for (the old generation's peers are then on their way out)."""
+        stop = tc.read_stop(str(self.config.control_dir))
+        return max(self.config.generation, stop.generation if stop is not None else 0)
 
     def stop_uploader(self) -> None:
         self._uploader_stop.set()

@@ -49,6 +49,8 @@ CHUNK_BYTES = 1 << 20
 """Bytes read or written per piece of a transfer: the memory one transfer holds."""
 
 TIMEOUT_SECONDS = 30.0
+JSON_CAP = 64 << 20
+"""The most bytes of a peer's JSON answer read (a manifest: about 100 bytes a file)."""
 
 
 class PeerError(SidecarError, OSError):
@@ -205,15 +207,24 @@ class _Connection:
             self._conn.close()
             raise PeerError(f"{self.source}{path}: {e}") from e
         if response.status != 200:
-            detail = response.read()[:500].decode("utf-8", "replace")
+            detail = response.read(500).decode("utf-8", "replace")  # bounded: never the whole body
+            self._conn.close()  # the rest is never read: this connection is done
             raise PeerError(f"{self.source}{path}: HTTP {response.status}: {detail}")
         return response
 
     def get_json(self, path: str) -> Any:
         response = self.get(path)
         try:
-            return json.loads(response.read())
-        except (ValueError, OSError, http.client.HTTPException) as e:
+            body = response.read(JSON_CAP + 1)
+        except (OSError, http.client.HTTPException) as e:
+            self._conn.close()
+            raise PeerError(f"{self.source}{path}: {e}") from e
+        if len(body) > JSON_CAP:
+            self._conn.close()  # the rest is never read: this connection is done
+            raise PeerError(f"{self.source}{path}: the answer is over {JSON_CAP} bytes; not read")
+        try:
+            return json.loads(body)
+        except ValueError as e:
             raise PeerError(f"{self.source}{path}: not JSON: {e}") from e
 
     def close(self) -> None:
@@ -422,15 +433,47 @@ def fetch_for_restore(local_dir: Path, process_id: int, step: int, sources: Sequ
 # ---- the replicator thread ----------------------------------------------------------------------
 
 
-def read_peers(control_dir: Path) -> tuple[int, list[rules.PeerHost]] | None:
-    """`peers.json` written by this pod's trainer: (its process, the generation's hosts)."""
+PEERS_CAP = 16 << 20
+"""The most bytes of `peers.json` read (about 100 bytes a host)."""
+
+
+def read_peers(control_dir: Path) -> tuple[int, list[rules.PeerHost], int | None] | None:
+    """`peers.json` written by this pod's trainer: (its process, the generation's hosts, the
+    generation they are of: None from a trainer that does not name it)."""
     try:
-        body = json.loads((control_dir / rules.PEERS_FILE).read_bytes())
+        with open(control_dir / rules.PEERS_FILE, "rb") as f:
+            body = json.loads(f.read(PEERS_CAP))
         hosts = [rules.PeerHost(int(h["process"]), int(h["slice"]), str(h["node"]), str(h["address"]))
                  for h in body["hosts"]]
-        return int(body["process"]), hosts
-    except (OSError, ValueError, KeyError, TypeError):
+        generation = body.get("generation")
+        return int(body["process"]), hosts, generation if isinstance(generation, int) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def current_peers(control_dir: Path, generation: int) -> tuple[int, list[rules.PeerHost]] | None:
+    """(this process, the hosts) of `peers.json` when it is `generation`'s; None when there is none, it
+    names no generation or another one (a stale file: its addresses may be other pods' by now)."""
+    peers = read_peers(control_dir)
+    if peers is None or peers[2] != generation:
+        return None
+    return peers[0], peers[1]
+
+
+def refuse_sources(sources: Sequence[str], control_dir: Path, generation: int) -> str | None:
+    """Why a fetch may not read from `sources` (None: it may): each must be the sidecar of one of the
+    job's current peers, as this generation's `peers.json` lists them. A caller that holds the token
+    can then neither point a restore at a host of its choosing nor have the token sent there."""
+    peers = current_peers(control_dir, generation)
+    if peers is None:
+        return (f"sources: no peers are known for generation {generation} ({rules.PEERS_FILE} is missing or "
+                "of another generation); a fetch reads only from the job's current peers")
+    known = {h.address for h in peers[1] if h.address}
+    unknown = [s for s in sources if s not in known]
+    if unknown:
+        return (f"sources: {', '.join(map(repr, unknown[:10]))} are not peers of generation {generation}; "
+                f"allowed: {', '.join(sorted(known)) or 'none'}")
+    return None
 
 
 class Replicator:
@@ -439,8 +482,12 @@ class Replicator:
 
     def __init__(self, local_dir: Path, control_dir: Path, read_token: Callable[[], str | None],
                  bytes_per_second: float | None, poll_seconds: float,
-                 on_bytes: Callable[[int], object] | None = None) -> None:
+                 on_bytes: Callable[[int], object] | None = None,
+                 generation: Callable[[], int] = lambda: 0) -> None:
         self.on_bytes = on_bytes
+        self.generation = generation
+        """This pod's current generation (a stop asked for a newer one counts): the token goes only to
+        the peers of `peers.json` when it is that generation's."""
         self.local_dir = local_dir
         self.control_dir = control_dir
         self.read_token = read_token
@@ -450,8 +497,10 @@ class Replicator:
         self.last_error: str | None = None
 
     def plan(self) -> Iterator[tuple[int, str]]:
-        """(origin, its sidecar's address) for each origin this host holds for."""
-        peers = read_peers(self.control_dir)
+        """(origin, its sidecar's address) for each origin this host holds for, from `peers.json` only
+        while it is the current generation's: a stale file's addresses (a gone pod's IP, maybe another
+        pod's by now) never get the token."""
+        peers = current_peers(self.control_dir, self.generation())
         if peers is None:
             return
         me, hosts = peers

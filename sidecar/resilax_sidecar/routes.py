@@ -299,6 +299,11 @@ async def post_fetch_chunks(request: web.Request) -> web.Response:
         raise ApiError(404, "not_found", "this sidecar has no local tier (RESILAX_LOCAL_DIR)")
     body = await _json_body(request)
     problems = peer_chunks.check_request(body)
+    if not problems:
+        addresses = sorted({str(s["address"]) for f in body["files"] for s in f["sources"]})
+        refused = await asyncio.to_thread(peers.refuse_sources, addresses, cfg.control_dir, sidecar.peer_generation())
+        if refused is not None:
+            problems.append(refused)
     if problems:
         raise ApiError(400, "bad_request", "; ".join(problems))
     received = sidecar.metrics.peer_bytes.labels(purpose="restore", direction="received")
@@ -349,6 +354,11 @@ async def post_peer_fetch(request: web.Request) -> web.Response:
         problems.append(f"step: {step!r} must be a non-negative integer")
     if not isinstance(sources, list) or not sources or not all(isinstance(s, str) and s for s in sources):
         problems.append(f"sources: {sources!r} must be a non-empty list of 'host:port'")
+    if not problems:
+        refused = await asyncio.to_thread(peers.refuse_sources, list(sources or []), cfg.control_dir,
+                                          sidecar.peer_generation())
+        if refused is not None:
+            problems.append(refused)
     if problems:
         raise ApiError(400, "bad_request", "; ".join(problems))
     assert isinstance(step, int) and isinstance(sources, list)

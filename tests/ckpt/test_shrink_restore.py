@@ -120,7 +120,8 @@ def test_a_shrunk_generation_restores_onto_a_new_mesh_from_the_survivors_local_t
             sidecar = SidecarProcess(env, tmp_path / f"sidecar-{pid}.log")
             sidecars.append(sidecar)
             sidecar.wait_ready()
-            options.append({"sidecar_address": f"127.0.0.1:{sidecar.port}",
+            # control_dir: the trainer writes peers.json there, the only sources its sidecar fetches from
+            options.append({"sidecar_address": f"127.0.0.1:{sidecar.port}", "control_dir": env["RESILAX_CONTROL_DIR"],
                             "sidecar_token_file": env["RESILAX_SIDECAR_TOKEN_FILE"], "node_name": local.parent.name})
         restored = run_processes({"scenario": "restore", "roots": [str(n) for n in survivors],
                                   "persistent": str(persistent), "mesh": [2, 4], "latest_from_env": True,

@@ -39,6 +39,16 @@ def host_env(tmp_path: Path, name: str, process: int, count: int) -> dict[str, s
     return env
 
 
+def write_peers(envs: list[dict[str, str]], generation: int = 0) -> None:
+    """What each trainer writes at start (peers.json): the generation's hosts, one node each."""
+    hosts = [{"process": p, "slice": 0, "node": f"node-{p}", "address": f"127.0.0.1:{e['RESILAX_SIDECAR_PORT']}"}
+             for p, e in enumerate(envs)]
+    for p, env in enumerate(envs):
+        control = Path(env["RESILAX_CONTROL_DIR"])
+        control.mkdir(parents=True, exist_ok=True)
+        (control / PEERS_FILE).write_text(json.dumps({"process": p, "generation": generation, "hosts": hosts}))
+
+
 def metric(text: str, purpose: str, direction: str) -> float:
     m = re.search(rf'resilax_sidecar_peer_bytes_total{{direction="{direction}",purpose="{purpose}"}} (\S+)', text)
     assert m, text[-2000:]
@@ -55,6 +65,7 @@ def test_a_chunk_with_a_flipped_byte_is_refused_and_the_next_holder_serves_it(
     flipped = bytearray(victim.read_bytes())
     flipped[1234] ^= 0x01
     victim.write_bytes(bytes(flipped))
+    write_peers(envs)
     holders = [start_sidecar(envs[0]), start_sidecar(envs[1])]
     fetcher = start_sidecar(envs[2])
     sources = [{"address": f"127.0.0.1:{h.port}", "folder": "local"} for h in holders]
@@ -85,6 +96,12 @@ def test_a_chunk_with_a_flipped_byte_is_refused_and_the_next_holder_serves_it(
     bad = fetcher.post("/v1/peer/fetch-chunks", {"step": 30, "save": "", "dest": "../x", "files": files}, token=TOKEN)
     assert bad.status == 400 and "dest" in bad.body["error"]["message"]
     assert fetcher.post("/v1/peer/fetch-chunks", {"step": 30, "save": "", "dest": dest, "files": []}).status == 401
+    # A source that is not one of the generation's peers (peers.json) is refused, naming it: a caller
+    # with the token can neither poison the restore nor have the token sent elsewhere.
+    stranger = [{"path": "params/w/c/0/0", "to": "params/w/c/0/0", "size": SIZE,
+                 "sources": [{"address": "127.0.0.1:9", "folder": "local"}]}]
+    bad = fetcher.post("/v1/peer/fetch-chunks", {"step": 30, "save": "", "dest": dest, "files": stranger}, token=TOKEN)
+    assert bad.status == 400 and "'127.0.0.1:9' are not peers of generation 0" in bad.body["error"]["message"]
     for s in [*holders, fetcher]:
         s.close()
 
@@ -99,7 +116,7 @@ def test_no_replica_where_the_holders_own_step_has_the_same_shards(tmp_path: Pat
     for p, env in enumerate(envs):
         control = Path(env["RESILAX_CONTROL_DIR"])
         control.mkdir(parents=True, exist_ok=True)
-        (control / PEERS_FILE).write_text(json.dumps({"process": p, "hosts": hosts}))
+        (control / PEERS_FILE).write_text(json.dumps({"process": p, "generation": 0, "hosts": hosts}))
     for p in (0, 2):  # the same shards (data-parallel replicas)
         write_local_step(Path(envs[p]["RESILAX_LOCAL_DIR"]), 40, FILES, process_id=p)
     other = {f"params/w/c/{i}/1": chunk(10 + i) for i in range(2)}

@@ -31,14 +31,15 @@ def peer_env(tmp_path: Path, process: int, count: int) -> dict[str, str]:
     return env
 
 
-def write_peers(envs: list[dict[str, str]]) -> None:
-    """What each trainer writes at start: its process and every process's slice, node and sidecar."""
+def write_peers(envs: list[dict[str, str]], generation: int = 0) -> None:
+    """What each trainer writes at start: its process, its generation and every process's slice, node
+    and sidecar (the sidecars here are of generation 0: RESILAX_GENERATION unset)."""
     hosts = [{"process": p, "slice": 0, "node": f"node-{p}", "address": f"127.0.0.1:{e['RESILAX_SIDECAR_PORT']}"}
              for p, e in enumerate(envs)]
     for p, env in enumerate(envs):
         control = Path(env["RESILAX_CONTROL_DIR"])
         control.mkdir(parents=True, exist_ok=True)
-        (control / PEERS_FILE).write_text(json.dumps({"process": p, "hosts": hosts}))
+        (control / PEERS_FILE).write_text(json.dumps({"process": p, "generation": generation, "hosts": hosts}))
 
 
 def replica(env: dict[str, str], origin: int, step: int) -> Path:
@@ -92,6 +93,7 @@ def test_a_replica_with_a_flipped_byte_is_refused_and_the_next_source_is_used(
     fresh = tmp_path / "replacement"
     fresh.mkdir()
     env0 = peer_env(fresh, 0, 3)
+    write_peers([env0, *envs[1:]])  # the new generation's trainers exchange their addresses first
     replacement = start_sidecar(env0)
     sources = [f"127.0.0.1:{envs[1]['RESILAX_SIDECAR_PORT']}", f"127.0.0.1:{envs[2]['RESILAX_SIDECAR_PORT']}"]
     answer = replacement.post("/v1/peer/fetch", {"origin": 0, "step": 14, "sources": sources}, token=TOKEN)
@@ -172,6 +174,7 @@ def test_a_fetch_whose_caller_gave_up_is_cancelled_and_installs_nothing(tmp_path
     fresh.mkdir()
     env = peer_env(fresh, 0, 1)
     env["RESILAX_PEER_BYTES_PER_SECOND"] = "100000"  # 900 KB of files: ~9 s, far longer than the caller waits
+    write_peers([env, origin_env])
     replacement = start_sidecar(env)
     local = Path(env["RESILAX_LOCAL_DIR"])
     body = json.dumps({"origin": 0, "step": 20, "sources": [f"127.0.0.1:{origin.port}"]}).encode()
@@ -187,3 +190,102 @@ def test_a_fetch_whose_caller_gave_up_is_cancelled_and_installs_nothing(tmp_path
     write_local_step(local, 21, FILES)
     wait_until(lambda: replacement.get("/v1/state").body["newest_persisted_step"] == 21, 60, "step 21 uploaded")
     assert not (local / "20").exists()
+
+
+class RecordingPeer:
+    """An HTTP server on 127.0.0.1 standing for whatever now answers at a peer's old address (a pod IP
+    is reused): it records each request and the Authorization it carried, and answers no step."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.seen: list[tuple[str, str | None]] = []
+        seen = self.seen
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                seen.append((self.path, self.headers.get("Authorization")))
+                body = b'{"step": null}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_POST = do_GET
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_peer_sources_outside_the_current_peers_are_refused(tmp_path: Path, start_sidecar: Any) -> None:
+    """Issue 40, item 5: `POST /v1/peer/fetch` reads only from the sidecars that this generation's
+    peers.json lists; a source of the caller's choosing, or any source while peers.json is another
+    generation's, is a 400 naming it, and that address never hears from the sidecar (nor the token)."""
+    stranger = RecordingPeer()
+    try:
+        env = peer_env(tmp_path, 0, 2)
+        env["RESILAX_GENERATION"] = "3"
+        peer = peer_env(tmp_path, 1, 2)
+        write_peers([env, peer], generation=3)
+        sidecar = start_sidecar(env)
+        known = f"127.0.0.1:{peer['RESILAX_SIDECAR_PORT']}"
+        refused = sidecar.post("/v1/peer/fetch", {"origin": 0, "step": 8, "sources": [known, stranger.address]},
+                               token=TOKEN)
+        assert refused.status == 400, refused.body
+        message = refused.body["error"]["message"]
+        assert f"sources: '{stranger.address}' are not peers of generation 3; allowed: " in message
+        assert known in message.split("allowed: ")[1]
+        # peers.json of an older generation (the trainer of generation 3 has not written its own yet)
+        write_peers([env, peer], generation=2)
+        stale = sidecar.post("/v1/peer/fetch", {"origin": 0, "step": 8, "sources": [known]}, token=TOKEN)
+        assert stale.status == 400 and "no peers are known for generation 3" in stale.body["error"]["message"]
+        assert stranger.seen == []
+        sidecar.close()
+    finally:
+        stranger.close()
+
+
+def test_the_replicator_sends_the_token_only_to_peers_of_the_current_generation(tmp_path: Path) -> None:
+    """Issue 40, item 5: the Replicator calls the addresses of peers.json only while it is this pod's
+    generation's (a stop asked for a newer one counts): a stale file's address, maybe another pod's by
+    now, never gets `Authorization: Bearer`."""
+    from resilax_sidecar.peers import Replicator
+
+    holder = RecordingPeer()
+    try:
+        local, control = tmp_path / "local", tmp_path / "control"
+        local.mkdir()
+        control.mkdir()
+        hosts = [{"process": 0, "slice": 0, "node": "node-0", "address": holder.address},
+                 {"process": 1, "slice": 0, "node": "node-1", "address": "127.0.0.1:1"}]
+        generation = [5]
+        replicator = Replicator(local, control, lambda: "the-job-token", None, 0.01, generation=lambda: generation[0])
+
+        def peers_of(gen: int | None) -> None:
+            body: dict[str, Any] = {"process": 1, "hosts": hosts}
+            if gen is not None:
+                body["generation"] = gen
+            (control / PEERS_FILE).write_text(json.dumps(body))
+
+        for stale in (4, None):  # an older generation's file; a file that names none
+            peers_of(stale)
+            replicator.run_once()
+            assert holder.seen == [], stale
+        peers_of(5)
+        replicator.run_once()
+        assert holder.seen == [("/v1/peer/0/newest", "Bearer the-job-token")]
+        generation[0] = 6  # a stop for generation 6 was asked: generation 5's peers are on their way out
+        replicator.run_once()
+        assert len(holder.seen) == 1
+    finally:
+        holder.close()
