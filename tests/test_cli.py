@@ -107,4 +107,4 @@ def test_plan_extra_distributions(extra, want):
 def test_every_subcommand_extra_is_installed_here():
     """The dev install has every extra: no subcommand would refuse to start."""
     assert {extra: cli.missing_distributions(extra) for _, _, extra in cli.SUBCOMMANDS.values()} == {
-        "local": [], "operator": [], "sidecar": [], "": []}
+        "local": [], "operator": [], "sidecar": [], "train": [], "": []}

@@ -80,6 +80,9 @@ class AgentNode:
     uid: str = ""
     shutdown_token: int = 0
     """Bumped by each shutdown and restore: a shutdown thread whose token is stale stops."""
+    health_fault: str = ""
+    """The `unhealthy` fault: the part of `resilax health-check` this node's containers fail
+    (RESILAX_HEALTH_FAULT), "" for none; `restore` clears it."""
 
     @property
     def name(self) -> str:
@@ -129,6 +132,12 @@ class NodeAgent(NodeHeartbeat):
         with self.lock:
             n = self.nodes.get(node)
             return n.state if n else REMOVED
+
+    def node_env(self, node: str) -> dict[str, str]:
+        """What this node adds to every container's environment: its `unhealthy` fault, if any."""
+        with self.lock:
+            n = self.nodes.get(node)
+            return {"RESILAX_HEALTH_FAULT": n.health_fault} if n is not None and n.health_fault else {}
 
     def node_ip(self, node: str) -> str:
         with self.lock:

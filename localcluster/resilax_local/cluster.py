@@ -314,8 +314,14 @@ class LocalCluster:
         return self._agent("POST", f"/nodes/{name}/shutdown",
                            {"grace_seconds": grace_seconds, "critical_grace_seconds": critical_grace_seconds})
 
+    def make_node_unhealthy(self, name: str, part: str = "matmul") -> dict[str, Any]:
+        """The node stays Ready, but the containers it starts from now on fail `part` of `resilax
+        health-check` (devices, matmul, collective, hang); `restore_node` makes it healthy again."""
+        return self._agent("POST", f"/nodes/{name}/unhealthy", {"part": part})
+
     def restore_node(self, name: str) -> dict[str, Any]:
-        """The node is back: Lease and Ready status again, preemption notice removed, pods resynced."""
+        """The node is back: Lease and Ready status again, preemption notice removed, pods resynced,
+        its `unhealthy` fault cleared."""
         return self._agent("POST", f"/nodes/{name}/restore")
 
     def add_nodes(self, nodes: list[NodeSpec]) -> list[str]:

@@ -58,6 +58,8 @@ def build_handler(agent: NodeAgent) -> type[BaseHTTPRequestHandler]:
                         "kill": lambda: node_faults.kill_node(agent, name),
                         "partition": lambda: node_faults.partition_node(agent, name),
                         "restore": lambda: node_faults.restore_node(agent, name),
+                        "unhealthy": lambda: node_faults.make_node_unhealthy(agent, name,
+                                                                             str(body.get("part", "matmul"))),
                         "remove": lambda: agent.remove_node(name),
                         "preempt": lambda: node_faults.preempt_node(agent, name, float(body.get("delay_seconds", 30)),
                                                                     bool(body.get("sigterm", False))),

@@ -134,9 +134,26 @@ def _emit_node_event(agent: NodeAgent, node: AgentNode, reason: str, message: st
     agent.events.submit(send)
 
 
+HEALTH_FAULT_PARTS = ("devices", "matmul", "collective", "hang")
+
+
+def make_node_unhealthy(agent: NodeAgent, name: str, part: str = "matmul") -> dict[str, Any]:
+    """A Ready node whose hardware is bad: the containers it starts from now on fail that part of
+    `resilax health-check` (RESILAX_HEALTH_FAULT); the Lease and the kubelet stay healthy, as a flaky
+    host that still reports Ready does. `restore` makes it healthy again."""
+    if part not in HEALTH_FAULT_PARTS:
+        raise ValueError(f"part: {part!r} is not allowed; allowed: {', '.join(HEALTH_FAULT_PARTS)}")
+    node = agent.node_record(name)
+    with agent.lock:
+        node.health_fault = part
+    log.warning("node %s unhealthy: its containers fail the health check's %s part", name, part)
+    return {"node": name, "state": node.state, "health_fault": part}
+
+
 def restore_node(agent: NodeAgent, name: str) -> dict[str, Any]:
     node = agent.node_record(name)
     with agent.lock:
+        node.health_fault = ""
         if node.kill_timer:
             node.kill_timer.cancel()
             node.kill_timer = None

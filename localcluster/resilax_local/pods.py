@@ -275,6 +275,7 @@ class PodWorker:
             "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": port,
             "KUBERNETES_SERVICE_PORT_HTTPS": port, "KUBERNETES_PORT": f"tcp://127.0.0.1:{port}",
             "RESILAX_LOCAL_CLUSTER": str(self.host.run_dir),
+            **self.host.node_env(self.node),
         }
 
     def _start(self, c: ContainerRun) -> None:

@@ -29,6 +29,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("resilax_local.demo:main", "the end-to-end demo on the local cluster", "local"),
     # "": the standard library is enough (a trainer image with resilax[train], or no extra at all)
     "run": ("resilax_ckpt.supervisor:main", "run a trainer under the in-place restart supervisor", ""),
+    "health-check": ("resilax_ckpt.health_check:main",
+                     "check this host's devices, a matmul and a collective before a trainer starts", "train"),
     "job": ("resilax_operator.kubectl_plugin:main",
             "a JAXJob at a glance: status, goodput, timeline, save, suspend, resume, web (also `kubectl resilax`)",
             "operator"),
