@@ -46,6 +46,18 @@ class InflightLimiter:
         if on_done is not None:
             on_done(result)
 
+    def finish_oldest(self) -> bool:
+        """Await the oldest operation and run its callback; False when none is pending."""
+        if not self._pending:
+            return False
+        self._finish_oldest()
+        return True
+
+    def finish_done(self) -> None:
+        """Run the callbacks of the oldest operations that have already finished (no waiting)."""
+        while self._pending and self._pending[0][0].done():
+            self._finish_oldest()
+
     def drain(self) -> None:
         while self._pending:
             self._finish_oldest()

@@ -101,6 +101,18 @@ class ManagerOptions:
     io_concurrency: int = 32
     """tensorstore's `data_copy_concurrency` and `file_io_concurrency` limits."""
 
+    restore_host_buffer_bytes: int = 512 << 20
+    """A restore onto accelerators reads into one region of host memory of up to this many bytes,
+    kept by the process and reused by every restore (reader.py, "host ring"): each leaf's piece is
+    reused once its transfer to the devices is done, so no restore faults the state's size of fresh
+    memory in. 0: fresh buffers for every leaf."""
+
+    restore_reuse_host_buffers: bool | None = None
+    """Whether restores read into the host ring: None (auto) for leaves going to accelerators (on
+    CPU devices `device_put` aliases the read buffer: the restored array keeps it); True forces it
+    on CPU devices too, a device-side copy standing for the transfer (for tests: the accelerator's
+    path on CPU); False never."""
+
     gcs_retries: int | None = None
     """How often tensorstore retries a failed gs:// request (None: tensorstore's default, 32)."""
 
@@ -164,6 +176,9 @@ class ManagerOptions:
             problems.append(f"recycle_pool: {self.recycle_pool!r} must be >= 0 (0 disables recycling)")
         if self.write_threads < 1:
             problems.append(f"write_threads: {self.write_threads!r} must be >= 1")
+        if self.restore_host_buffer_bytes < 0:
+            problems.append(f"restore_host_buffer_bytes: {self.restore_host_buffer_bytes!r} must be >= 0 "
+                            "(0: no host ring)")
         if self.max_inflight_bytes < 1:
             problems.append(f"max_inflight_bytes: {self.max_inflight_bytes!r} must be >= 1")
         if problems:

@@ -2,10 +2,21 @@
 the restored array will use.
 
 Per leaf, this process reads the distinct boxes its target shards need (`planning.plan_read_boxes`:
-replicas on several local devices share one buffer). Each box gets one 64-byte-aligned host buffer
-(`aligned_empty`): XLA:CPU then *aliases* it in `jax.device_put` instead of copying (checked on jax
-0.10.2; NumPy's and tensorstore's own buffers are 16-byte aligned, which XLA copies). On GPU/TPU the
-same call is a real host-to-device transfer and the buffer is freed once it is done.
+replicas on several local devices share one buffer). Where the boxes go depends on the devices:
+- CPU devices: each box gets a fresh 64-byte-aligned host buffer (`aligned_empty`): XLA:CPU then
+  *aliases* it in `jax.device_put` instead of copying (checked on jax 0.10.2; NumPy's and
+  tensorstore's own buffers are 16-byte aligned, which XLA copies), so the buffer *is* the restored
+  array and is never reused.
+- Accelerators (`reuses_host_buffers`): the boxes are read into the process's *host ring*
+  (`HostRing`, one region of `ManagerOptions.restore_host_buffer_bytes`, 512 MiB by default, kept
+  for the life of the process): each leaf takes one piece, its `device_put` copies it to the
+  devices, and the piece is given back once that transfer is done (`HostLease`). So a restore
+  touches no fresh memory beyond the ring (on a TPU v5e, faulting 2 GiB of fresh buffers in was 86%
+  of a cold restore's main thread), and a state bigger than the ring streams through it: when it is
+  full, the restore waits for the oldest leaf's transfer. A restored array on CPU devices that
+  aliased the ring (`restore_reuse_host_buffers=True` forces the ring there, for tests, with a
+  device-side copy standing for the transfer) would retire the ring instead of having it reused.
+`host_buffer_counts` counts the allocations of restored data, for tests.
 
 The buffers are filled chunk by chunk: each saved chunk the boxes overlap is read exactly once
 (`plan_chunk_tasks`), by the backend's `ChunkReader` (backends.py: our own file reader for local
@@ -16,13 +27,16 @@ checksum and raises the typed errors naming the file. The reads run on the proce
 restored state's own); a read that needs memory of its own (a scratch buffer, or tensorstore's
 buffers: `ChunkReader.buffered_bytes`) counts against the in-flight byte limit.
 Once a leaf's reads are done it is cast (once) if the target asks for another dtype and becomes a
-jax.Array with one batched `device_put` and `make_array_from_single_device_arrays`. Box buffers of
+jax.Array with one batched `device_put` and `make_array_from_single_device_arrays`, issued by the
+main thread as soon as it sees the reads done (`InflightLimiter.finish_done` after each leaf's reads
+are queued), so a leaf's transfer overlaps the reads of the later ones. Box buffers of
 4 MiB and more take no transparent huge pages (`_no_huge_pages`; why, with figures:
 docs/benchmarks.md, "Measurements behind the fast path").
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import mmap
@@ -93,6 +107,13 @@ class LeafRead:
         self.buffers: dict[planning.Box, np.ndarray] = {}
         self.devices: dict[planning.Box, list[Any]] = {}
         self.remaining = 0
+        self.lease: HostLease | None = None
+        """The restore's lease of the process's host ring when this leaf's boxes are in it."""
+        self.region = -1
+        """Where this leaf's boxes start in the lease's ring (-1: fresh buffers)."""
+        self.copy_on_cpu = False
+        """Forced reuse on CPU devices (`reuse_host_buffers=True`): a device-side copy stands for the
+        transfer, so that no restored array aliases the ring."""
 
     @property
     def name(self) -> str:
@@ -111,20 +132,24 @@ class LeafRead:
         """Cast if asked, then build the result (called once every chunk read of the leaf is done)."""
         if self.dtype != np.dtype(self.leaf.dtype):
             for box, buf in self.buffers.items():
-                cast = aligned_empty(buf.shape, self.dtype)
+                cast = box_buffer(buf.shape, self.dtype)
                 np.copyto(cast, buf, casting="unsafe")
                 self.buffers[box] = cast
         if self.sharding is None:
             (self.result,) = self.buffers.values()
         else:
-            self.result = _build_array(self.leaf.shape, self.sharding, self.buffers, self.devices)
+            self.result, placed = _build_array(self.leaf.shape, self.sharding, self.buffers, self.devices,
+                                               self.copy_on_cpu)
+            if self.lease is not None and self.region >= 0:
+                self.lease.placed(self.region, placed)
         self.buffers = {}
 
 
 def _build_array(shape: Sequence[int], sharding: Any, buffers: dict[planning.Box, np.ndarray],
-                 devices: dict[planning.Box, list[Any]]) -> Any:
-    """One batched device_put of every box onto its devices (XLA:CPU aliases the aligned buffers)
-    and the global array from the single-device arrays."""
+                 devices: dict[planning.Box, list[Any]], copy_on_cpu: bool = False) -> tuple[Any, list[Any]]:
+    """One batched device_put of every box onto its devices (XLA:CPU aliases the aligned buffers,
+    unless `copy_on_cpu`: then each is copied on the device) and the global array from the
+    single-device arrays; (the array, the single-device arrays)."""
     import jax
 
     sources, targets = [], []
@@ -133,9 +158,11 @@ def _build_array(shape: Sequence[int], sharding: Any, buffers: dict[planning.Box
             sources.append(buffers[box])
             targets.append(device)
     placed = jax.device_put(sources, targets)
+    if copy_on_cpu:
+        placed = [x.copy() if all(d.platform == "cpu" for d in x.devices()) else x for x in placed]
     by_device = dict(zip(targets, placed, strict=True))
     ordered = [by_device[d] for d in sharding.addressable_devices]
-    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, ordered)
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, ordered), placed
 
 
 class ScratchPool:
@@ -166,6 +193,200 @@ class ScratchPool:
         with self._lock:
             self._free.clear()
             self._held = 0
+
+
+# ---------------------------------------------------------------- host buffers of restores
+
+_counts_lock = threading.Lock()
+_counts = {"allocations": 0, "bytes": 0}
+
+
+def box_buffer(shape: Sequence[int], dtype: Any, align: int | None = None) -> np.ndarray:
+    """A fresh `aligned_empty` for restored data, counted (`host_buffer_counts`)."""
+    out = aligned_empty(shape, dtype, align)
+    if not out.nbytes:
+        return out
+    with _counts_lock:
+        _counts["allocations"] += 1
+        _counts["bytes"] += out.nbytes
+    return out
+
+
+def host_buffer_counts() -> dict[str, int]:
+    """The host buffers this process's restores allocated so far for restored data (box buffers,
+    cast buffers, the ring): {"allocations", "bytes"}. Tests check reuse by these counts."""
+    with _counts_lock:
+        return dict(_counts)
+
+
+DEFAULT_HOST_RING_BYTES = 512 << 20
+"""ManagerOptions.restore_host_buffer_bytes's default."""
+
+
+class HostRing:
+    """One page-aligned region of host memory, lent out in pieces in allocation order and taken back
+    in any order (a piece's space is free again once every older piece is back too)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buf = box_buffer((nbytes,), np.uint8, DIRECT_ALIGN)
+        self.nbytes = nbytes
+        self._live: collections.deque[list[int]] = collections.deque()  # [start, end, returned]
+
+    def take(self, nbytes: int) -> int | None:
+        """The offset of `nbytes` (a multiple of DIRECT_ALIGN) of free space, or None when there is none."""
+        tail, head = (self._live[0][0], self._live[-1][1]) if self._live else (0, 0)
+        if not self._live:
+            if nbytes > self.nbytes:
+                return None
+            start = 0
+        elif self._live[-1][0] >= tail:  # not wrapped: free at [head, end) and [0, tail)
+            if self.nbytes - head >= nbytes:
+                start = head
+            elif tail >= nbytes:
+                start = 0
+            else:
+                return None
+        elif tail - head >= nbytes:  # wrapped: free at [head, tail)
+            start = head
+        else:
+            return None
+        self._live.append([start, start + nbytes, 0])
+        return start
+
+    def give(self, start: int) -> None:
+        for piece in self._live:
+            if piece[0] == start and not piece[2]:
+                piece[2] = 1
+                break
+        while self._live and self._live[0][2]:
+            self._live.popleft()
+
+    def idle(self) -> bool:
+        return not self._live
+
+
+_ring: HostRing | None = None
+_ring_busy = False
+_ring_lock = threading.Lock()
+
+
+def release_host_buffers() -> None:
+    """Drop the process's host ring (when no restore uses it); the next restore onto accelerators
+    allocates a new one."""
+    global _ring
+    with _ring_lock:
+        if not _ring_busy:
+            _ring = None
+
+
+def reuses_host_buffers(sharding: Any, reuse: bool | None) -> bool:
+    """Whether a leaf restored onto `sharding` reads into the host ring: `reuse` True or False
+    decides; None (auto): when `device_put` copies to the devices (not CPU devices, whose
+    `device_put` aliases the buffer; not host memory kinds)."""
+    if sharding is None or reuse is False:
+        return False
+    if reuse:
+        return True
+    kind = getattr(sharding, "memory_kind", None)
+    return (kind in (None, "device")
+            and all(d.platform != "cpu" for d in sharding.addressable_devices))
+
+
+class HostLease:
+    """One restore's use of the process's host ring (read_leaves): each leaf's boxes in one piece,
+    the piece given back once the leaf's transfers are done and no array it built aliases it."""
+
+    def __init__(self, want: int, limit: int) -> None:
+        global _ring, _ring_busy
+        self.ring: HostRing | None = None
+        self._placed: collections.deque[tuple[int, list[Any]]] = collections.deque()
+        size = min(limit, -(-want // DIRECT_ALIGN) * DIRECT_ALIGN)
+        if size <= 0:
+            return
+        with _ring_lock:
+            if _ring_busy:  # another restore of this process holds it: fresh buffers
+                return
+            if _ring is None or _ring.nbytes < size:
+                _ring = None  # the old one's memory goes before the new one's is touched
+                _ring = HostRing(size)
+            _ring_busy = True
+            self.ring = _ring
+
+    def take(self, read: LeafRead, stored: np.dtype) -> bool:
+        """Put `read`'s boxes in the ring; False when it has no room now."""
+        if self.ring is None:
+            return False
+        sizes = [planning.box_size(box) * stored.itemsize for box in read.devices]
+        rounded = [-(-n // DIRECT_ALIGN) * DIRECT_ALIGN for n in sizes]
+        start = self.ring.take(sum(rounded))
+        if start is None:
+            return False
+        pos = start
+        for (box, n), r in zip(zip(read.devices, sizes, strict=True), rounded, strict=True):
+            read.buffers[box] = self.ring.buf[pos:pos + n].view(stored).reshape(planning.box_shape(box))
+            pos += r
+        read.lease, read.region = self, start
+        return True
+
+    def placed(self, start: int, arrays: list[Any]) -> None:
+        """The leaf in the piece at `start` was put on its devices as `arrays` (transfers maybe in flight)."""
+        self._placed.append((start, arrays))
+
+    def give_oldest(self) -> bool:
+        """Wait for the oldest placed leaf's transfers and give its piece back; False when none is placed."""
+        if not self._placed:
+            return False
+        start, arrays = self._placed.popleft()
+        self._give(start, arrays)
+        return True
+
+    def fits(self, read: LeafRead, stored: np.dtype) -> bool:
+        """Whether `read`'s boxes fit the ring at all (False: no ring, empty boxes, or too big even for
+        an empty ring)."""
+        need = sum(-(-planning.box_size(b) * stored.itemsize // DIRECT_ALIGN) * DIRECT_ALIGN for b in read.devices)
+        return self.ring is not None and 0 < need <= self.ring.nbytes
+
+    def _give(self, start: int, arrays: list[Any]) -> None:
+        global _ring
+        import jax
+
+        jax.block_until_ready(arrays)
+        ring = self.ring
+        if ring is None:
+            return
+        lo, hi = ring.buf.ctypes.data, ring.buf.ctypes.data + ring.nbytes
+        for array in arrays:  # an array on CPU devices that aliases the ring must keep its memory
+            if any(d.platform == "cpu" for d in array.devices()) and lo <= array.unsafe_buffer_pointer() < hi:
+                with _ring_lock:
+                    if _ring is ring:
+                        _ring = None  # never lent again: the arrays keep it alive
+                self.ring = None
+                return
+        ring.give(start)
+
+    def close(self, pieces: list[int]) -> None:
+        """Give every piece back once its leaf's transfers are done: those placed, and `pieces` of
+        leaves never placed (a failed restore, whose reads have all ended); then free the ring for
+        the process's next restore."""
+        global _ring, _ring_busy
+        try:
+            while self._placed:
+                start, arrays = self._placed.popleft()
+                try:
+                    self._give(start, arrays)
+                except Exception:  # a failed transfer: the piece is ours again either way
+                    if self.ring is not None:
+                        self.ring.give(start)
+            for start in pieces:
+                if self.ring is not None:
+                    self.ring.give(start)
+        finally:
+            if self.ring is not None and not self.ring.idle():  # should not happen: start over
+                with _ring_lock:
+                    if _ring is self.ring:
+                        _ring = None
+            with _ring_lock:
+                _ring_busy = False
 
 
 def subview(array: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
@@ -258,10 +479,11 @@ _pools_lock = threading.Lock()
 
 
 def _forget_pools() -> None:
-    """In a forked child: the parent's threads are not there."""
-    global _pools_lock
+    """In a forked child: the parent's threads are not there (nor its restore that held the ring)."""
+    global _pools_lock, _ring, _ring_busy, _ring_lock
     _pools.clear()
     _pools_lock = threading.Lock()
+    _ring, _ring_busy, _ring_lock = None, False, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pools)
@@ -295,23 +517,41 @@ def warm_read_pool(threads: int) -> None:
 
 
 def read_leaves(reads: list[LeafRead], step_path: str, backend: ChunkBackendReads, max_inflight_bytes: int,
-                io_concurrency: int = 32) -> None:
+                io_concurrency: int = 32, *, reuse_host_buffers: bool | None = None,
+                host_buffer_bytes: int = DEFAULT_HOST_RING_BYTES) -> None:
     """Read, per leaf, the boxes this process's target shards need (each saved chunk once) through the
     chunk backend and fill each `LeafRead.result`. Errors name the leaf, the chunk and the file:
     MissingChunkError (a chunk file is missing), ChecksumMismatchError (a crc32c does not match),
-    CorruptCheckpointError (a file is truncated or damaged), StorageError (reading failed)."""
+    CorruptCheckpointError (a file is truncated or damaged), StorageError (reading failed).
+    Leaves that `reuses_host_buffers(sharding, reuse_host_buffers)` are read into the process's host
+    ring of up to `host_buffer_bytes` (module docstring); each leaf is put on its devices as soon as
+    its reads are done, while later leaves are read."""
     total = sum(planning.box_size(tuple((0, d) for d in r.leaf.shape)) * np.dtype(r.leaf.dtype).itemsize
                 for r in reads)
     limit = planning.scaled_inflight_limit(max_inflight_bytes, total)
+    for read in reads:
+        read.plan_boxes()
+    ring_reads = [r for r in reads if reuses_host_buffers(r.sharding, reuse_host_buffers)]
+    lease = None
+    if ring_reads and host_buffer_bytes > 0:
+        lease = HostLease(sum(-(-planning.box_size(b) * np.dtype(r.leaf.dtype).itemsize // DIRECT_ALIGN)
+                              * DIRECT_ALIGN for r in ring_reads for b in r.devices), host_buffer_bytes)
+    in_ring = {id(r) for r in ring_reads}
     runner = backend.open_reader(reads, step_path, limit)
     limiter = InflightLimiter(limit)
     executor = read_pool(io_concurrency)
     futures: list[concurrent.futures.Future[Any]] = []
     try:
         for index, read in enumerate(reads):
-            read.plan_boxes()
             stored = np.dtype(read.leaf.dtype)
-            read.buffers = {box: aligned_empty(planning.box_shape(box), stored) for box in read.devices}
+            if lease is not None and id(read) in in_ring and lease.fits(read, stored):
+                # Room in the ring: give back the pieces of leaves whose transfers are done (waiting
+                # for the oldest), or finish the oldest reads (their leaves go to their devices).
+                while not lease.take(read, stored) and (lease.give_oldest() or limiter.finish_oldest()):
+                    pass
+            read.copy_on_cpu = read.region >= 0
+            if read.region < 0:
+                read.buffers = {box: box_buffer(planning.box_shape(box), stored) for box in read.devices}
             jobs = runner.jobs(index, plan_chunk_tasks(read))
             read.remaining = len(jobs)
             if not jobs:  # empty array
@@ -325,11 +565,14 @@ def read_leaves(reads: list[LeafRead], step_path: str, backend: ChunkBackendRead
                 chunks = f"chunk {list(job[0].chunk)}" + (f" and {len(job) - 1} more" if len(job) > 1 else "")
                 limiter.add(future, nbytes, f"reading {read.name} {chunks} from {step_path}",
                             on_done=lambda _, r=read: _one_done(r))
+            limiter.finish_done()  # leaves read by now go to their devices while the next are read
         limiter.drain()
     finally:
         limiter.cancel()  # what has not started
         concurrent.futures.wait(futures)  # and what has: no read of this restore outlives it
         runner.close()
+        if lease is not None:  # every transfer from the ring done, the ring free for the next restore
+            lease.close([r.region for r in ring_reads if r.region >= 0 and r.result is None])
 
 
 def _one_done(read: LeafRead) -> None:

@@ -44,9 +44,11 @@ def read_metadata(storage: Storage, step_path: str, name: str = layout.METADATA_
 def restore_step(storage: Storage, backend: backends.ChunkBackend, step_path: str, step: int,
                  target: Mapping[str, Any] | None, items: Iterable[str] | None, max_inflight_bytes: int,
                  process_index: int, metadata_name: str = layout.METADATA_FILE,
-                 io_concurrency: int = 32) -> dict[str, Any]:
+                 io_concurrency: int = 32, *, reuse_host_buffers: bool | None = None,
+                 host_buffer_bytes: int = reader.DEFAULT_HOST_RING_BYTES) -> dict[str, Any]:
     """Restore from one committed step folder (see CheckpointManager.restore), reading the chunks
-    through `backend` (the storage's: backends.for_storage)."""
+    through `backend` (the storage's: backends.for_storage); `reuse_host_buffers` and
+    `host_buffer_bytes`: reader.read_leaves."""
     meta = read_metadata(storage, step_path, metadata_name)
     names = list(items) if items is not None else list(meta.items)
     unknown = [n for n in names if n not in meta.items]
@@ -100,7 +102,8 @@ def restore_step(storage: Storage, backend: backends.ChunkBackend, step_path: st
     if problems:
         raise ShapeMismatchError("; ".join(problems))
     try:
-        reader.read_leaves(reads, step_path, backend, max_inflight_bytes, io_concurrency)
+        reader.read_leaves(reads, step_path, backend, max_inflight_bytes, io_concurrency,
+                           reuse_host_buffers=reuse_host_buffers, host_buffer_bytes=host_buffer_bytes)
     except IncompleteStepError as e:  # a chunk file is missing (MissingChunkError)
         hint = " (a local-tier step holds only its host's shards: restore from the persistent tier)"
         raise type(e)(f"step {step}: {e}{hint if meta.local_tier else ''}") from e

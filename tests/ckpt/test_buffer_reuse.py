@@ -1,0 +1,189 @@
+"""Host buffers reused across checkpoint operations (issue 37), counted, not timed.
+
+Restore (`test_restore_*`): a restore onto accelerators reads into the process's host ring
+(reader.py) and reuses it; on CPU devices the same path is forced by
+`ManagerOptions(restore_reuse_host_buffers=True)`, a device-side copy standing for the transfer. A
+reused buffer never aliases a restored array the caller still holds."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+import resilax_ckpt as rc
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from resilax_ckpt import reader
+from resilax_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError
+
+# ---------------------------------------------------------------- restore
+
+
+def restore_state(step: int, devices):
+    """Four leaves of 8 KiB on a (4, 2) mesh (boxes of 1 KiB: a 4 KiB piece of the ring each), a
+    replicated one, a bf16 one restored as float32, a host array and a scalar."""
+    mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(4, 2), ("a", "b"))
+    rng = np.random.default_rng(step)
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    return {
+        "layers": [put(rng.standard_normal((64, 32), dtype=np.float32), P("a", "b")) for _ in range(4)],
+        "bias": put(rng.standard_normal((40,), dtype=np.float32), P()),
+        "emb": put(rng.integers(-9, 9, (16, 24), dtype=np.int32), P(None, "b")),
+        "host": rng.standard_normal((5, 7)).astype(np.float32),
+        "count": step,
+    }
+
+
+def host_copy(tree):
+    return jax.tree_util.tree_map(lambda x: np.array(x, copy=True), tree)
+
+
+def assert_same(tree, expected):
+    for got, want in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)  # bit-exact (no tolerance)
+
+
+def allocations() -> int:
+    return reader.host_buffer_counts()["allocations"]
+
+
+def ring_options(**kw) -> rc.ManagerOptions:
+    return rc.ManagerOptions(restore_reuse_host_buffers=True, recycle_pool=0, **kw)
+
+
+def test_restore_reuses_the_host_ring_from_the_second_restore_on(tmp_path, devices):
+    reader.release_host_buffers()
+    with rc.CheckpointManager(str(tmp_path), ring_options()) as mgr:
+        mgr.save(1, restore_state(1, devices))
+        mgr.wait()
+        target = restore_state(0, devices)
+        expected = host_copy(restore_state(1, devices))
+        before = allocations()
+        assert_same(mgr.restore(1, target), expected)
+        first = allocations() - before
+        assert first >= 1  # the ring (and the host array, which is the caller's own)
+        for _ in range(3):
+            before = allocations()
+            assert_same(mgr.restore(1, target), expected)
+            assert allocations() - before == first - 1  # the ring again; only the host leaf is new
+
+
+def test_restore_reuses_ring_pieces_within_one_restore_when_the_ring_is_smaller_than_the_state(tmp_path, devices):
+    """A ring of 3 leaves' pieces for 6 sharded leaves: later leaves reuse the pieces of earlier ones
+    once their transfers are done (with wrap-around), and nothing is allocated besides the ring."""
+    reader.release_host_buffers()
+    with rc.CheckpointManager(str(tmp_path), ring_options(restore_host_buffer_bytes=3 * 8 * 4096)) as mgr:
+        state = restore_state(1, devices)
+        del state["host"]
+        mgr.save(1, state)
+        mgr.wait()
+        target = restore_state(0, devices)
+        del target["host"]
+        expected = host_copy(state)
+        before = allocations()
+        assert_same(mgr.restore(1, target), expected)
+        assert allocations() - before == 1  # the ring only, though the state is twice its size
+        before = allocations()
+        assert_same(mgr.restore(1, target), expected)
+        assert allocations() == before
+
+
+def test_restore_never_changes_a_held_result_when_later_restores_reuse_its_buffers(tmp_path, devices):
+    reader.release_host_buffers()
+    with rc.CheckpointManager(str(tmp_path), ring_options(restore_host_buffer_bytes=2 * 8 * 4096)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, restore_state(step, devices))
+        mgr.wait()
+        target = restore_state(0, devices)
+        held = mgr.restore(1, target)
+        before = allocations()
+        second = mgr.restore(2, target)
+        third = mgr.restore(3, target)
+        assert allocations() - before == 2  # the host leaves: the sharded ones went through the ring
+        assert_same(held, host_copy(restore_state(1, devices)))
+        assert_same(second, host_copy(restore_state(2, devices)))
+        assert_same(third, host_copy(restore_state(3, devices)))
+
+
+def test_restore_onto_cpu_devices_by_default_leaves_the_read_buffers_to_the_arrays(tmp_path, devices):
+    """Auto mode on CPU devices: device_put aliases the read buffer, so every restore allocates its
+    own (the restored arrays are those buffers) and held results stay as they were."""
+    reader.release_host_buffers()
+    with rc.CheckpointManager(str(tmp_path), rc.ManagerOptions(recycle_pool=0)) as mgr:
+        mgr.save(1, restore_state(1, devices))
+        mgr.save(2, restore_state(2, devices))
+        mgr.wait()
+        target = restore_state(0, devices)
+        held = mgr.restore(1, target)
+        before = allocations()
+        second = mgr.restore(2, target)
+        assert allocations() - before >= 4 * 8  # every box of every sharded layer: fresh
+        shard = second["layers"][0].addressable_shards[0].data
+        assert reader.host_buffer_counts()["bytes"] > 0 and shard.unsafe_buffer_pointer() % reader.ALIGNMENT == 0
+        assert_same(held, host_copy(restore_state(1, devices)))
+        assert_same(second, host_copy(restore_state(2, devices)))
+
+
+def test_restore_results_survive_the_deletion_and_recycling_of_their_step(tmp_path, devices):
+    """Restored arrays hold no file pages: the step's files deleted, or rewritten in place by
+    recycling, leave a held result unchanged (and nothing is truncated under it)."""
+    reader.release_host_buffers()
+    opts = rc.ManagerOptions(keep_last=1, recycle_pool=1)
+    with rc.CheckpointManager(str(tmp_path), opts) as mgr:
+        mgr.save(1, restore_state(1, devices))
+        mgr.wait()
+        held = mgr.restore(1, restore_state(0, devices))
+        mgr.save(2, restore_state(2, devices))
+        mgr.wait()
+        mgr.restore(2, restore_state(0, devices))  # step 1 no longer the restored (protected) step
+        for step in (3, 4, 5):  # step 1's files recycled into a later step, then deleted
+            mgr.save(step, restore_state(step, devices))
+            mgr.wait()
+        assert 1 not in mgr.steps()
+        assert_same(held, host_copy(restore_state(1, devices)))
+
+
+def test_restore_after_a_failed_restore_reuses_the_ring(tmp_path, devices):
+    """A checksum failure midway gives every piece back: the next restore reads into the same ring."""
+    reader.release_host_buffers()
+    with rc.CheckpointManager(str(tmp_path), ring_options()) as mgr:
+        mgr.save(1, restore_state(1, devices))
+        mgr.save(2, restore_state(2, devices))
+        mgr.wait()
+        target = restore_state(0, devices)
+        mgr.restore(2, target)
+        chunk = next(os.path.join(d, f) for d, _, fs in sorted(os.walk(tmp_path / "1" / "layers" / "2"))
+                     for f in sorted(fs) if os.path.getsize(os.path.join(d, f)) >= 1024)
+        with open(chunk, "r+b") as f:  # flip a byte of a chunk's data (same size: a checksum failure)
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises((ChecksumMismatchError, CorruptCheckpointError)):
+            mgr.restore(1, target)
+        before = allocations()
+        assert_same(mgr.restore(2, target), host_copy(restore_state(2, devices)))
+        assert allocations() - before == 1  # the host leaf; the ring was given back whole
+
+
+def test_restore_host_ring_lends_pieces_in_order_and_takes_them_back_in_any_order():
+    ring = reader.HostRing(4 * 4096)
+    a, b, c = ring.take(4096), ring.take(2 * 4096), ring.take(4096)
+    assert (a, b, c) == (0, 4096, 3 * 4096)
+    assert ring.take(4096) is None  # full
+    ring.give(b)  # out of order: a still holds the front
+    assert ring.take(4096) is None
+    ring.give(a)  # a and b back: [0, 3 pages) free again, in front of c
+    assert ring.take(3 * 4096) == 0  # wraps around to the start
+    assert ring.take(4096) is None
+    ring.give(c)
+    ring.give(0)
+    assert ring.idle()
+    assert ring.take(5 * 4096) is None  # bigger than the ring
+
+
+def test_restore_host_buffer_bytes_is_validated():
+    with pytest.raises(rc.InvalidOptionsError, match="restore_host_buffer_bytes: -1 must be >= 0"):
+        rc.ManagerOptions(restore_host_buffer_bytes=-1)
