@@ -50,9 +50,34 @@ def _block(tree: Any) -> None:
     jax.block_until_ready(tree)
 
 
+def parse_options(pairs: list[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` -> ``{key: value}``, values read as JSON where they parse
+    (``true``, ``3``, ``0.5``, ``"x"``), else kept as strings (``device_copy``)."""
+    import json
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--resilax-option: {pair!r} is not KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except ValueError:
+            out[key.strip()] = raw
+    return out
+
+
 class Library:
     name: ClassVar[str] = ""
     module: ClassVar[str] = ""
+    # The meshes of the save (and plain restores) and of the reshard restore; --accel sets them from
+    # the devices present.
+    save_mesh: tuple[int, int] = st.SAVE_MESH
+    reshard_mesh: tuple[int, int] = st.RESHARD_MESH
+
+    def save_info(self) -> dict[str, Any] | None:
+        """What the library says about its last save (e.g. which transfer path it took), if anything."""
+        return None
 
     def open_save(self, directory: str, leaves: list[st.LeafSpec], seed: int) -> None:
         raise NotImplementedError
@@ -87,12 +112,12 @@ class _JaxLibrary(Library):
     def open_save(self, directory: str, leaves: list[st.LeafSpec], seed: int) -> None:
         self.directory = directory
         self.leaves = leaves
-        self.state = st.build_jax_state(leaves, st.make_mesh(st.SAVE_MESH), seed)
+        self.state = st.build_jax_state(leaves, st.make_mesh(self.save_mesh), seed)
 
     def open_restore(self, directory: str, leaves: list[st.LeafSpec]) -> None:
         self.directory = directory
         self.leaves = leaves
-        self.meshes = {"plain": st.make_mesh(st.SAVE_MESH), "reshard": st.make_mesh(st.RESHARD_MESH)}
+        self.meshes = {"plain": st.make_mesh(self.save_mesh), "reshard": st.make_mesh(self.reshard_mesh)}
 
     def target(self, kind: str) -> dict[str, Any]:
         mesh = self.meshes["reshard" if kind == "reshard" else "plain"]
@@ -117,10 +142,46 @@ class ResilaxLibrary(_JaxLibrary):
     name = "resilax"
     module = "resilax"
 
+    def __init__(self) -> None:
+        self.options: dict[str, Any] = {}
+        """Extra ``ManagerOptions`` fields (``--resilax-option KEY=VALUE``), e.g. a forced save path."""
+
+    def _options(self, rc: Any, **base: Any) -> Any:
+        import dataclasses
+
+        known = {f.name for f in dataclasses.fields(rc.ManagerOptions)}
+        unknown = sorted(set(self.options) - known)
+        if unknown:
+            raise ValueError(
+                f"--resilax-option: ManagerOptions has no field {', '.join(unknown)}; fields: {', '.join(sorted(known))}"
+            )
+        return rc.ManagerOptions(**{**base, **self.options})
+
     def open_save(self, directory: str, leaves: list[st.LeafSpec], seed: int) -> None:
         rc = _resilax()
         super().open_save(directory, leaves, seed)
-        self.mgr = rc.CheckpointManager(directory, options=rc.ManagerOptions(async_save=True, keep_last=1))
+        self.mgr = rc.CheckpointManager(directory, options=self._options(rc, async_save=True, keep_last=1))
+
+    def save_info(self) -> dict[str, Any] | None:
+        """The manager's report of its last save, under whichever name it has one (none: None)."""
+        import dataclasses
+
+        mgr = getattr(self, "mgr", None)
+        for attr in ("last_save_report", "save_report", "last_save"):
+            found = getattr(mgr, attr, None)
+            if callable(found):
+                try:
+                    found = found()
+                except TypeError:
+                    continue
+            if found is None:
+                continue
+            if dataclasses.is_dataclass(found) and not isinstance(found, type):
+                found = dataclasses.asdict(found)
+            if isinstance(found, dict):
+                return {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in found.items()}
+            return {"repr": repr(found)}
+        return None
 
     def save(self, step: int) -> None:
         saved = self.mgr.save(
@@ -135,7 +196,7 @@ class ResilaxLibrary(_JaxLibrary):
     def open_restore(self, directory: str, leaves: list[st.LeafSpec]) -> None:
         rc = _resilax()
         super().open_restore(directory, leaves)
-        self.mgr = rc.CheckpointManager(directory, options=rc.ManagerOptions(async_save=True))
+        self.mgr = rc.CheckpointManager(directory, options=self._options(rc, async_save=True))
 
     def restore(self, step: int, kind: str) -> dict[str, Any]:
         items = ["params"] if kind == "params" else None

@@ -6,7 +6,9 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-ANCHORS = ("orbax", "dcp", "numpy", "dd")
+ANCHORS = ("orbax", "dcp", "numpy", "dd", "floor")
+# The columns of the ratio table: the CPU run's four, plus the device floor where one was measured.
+CPU_ANCHORS = ANCHORS[:4]
 
 # (key, label, kind): kind "save"/"restore" says which dd figure anchors it; "x" is a memory ratio.
 METRICS: tuple[tuple[str, str, str], ...] = (
@@ -21,7 +23,13 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("rss_save_x", "peak RSS over a save, x state bytes", "x"),
     ("rss_restore_x", "peak RSS over a restore, x state bytes", "x"),
     ("rss_kept_x", "RSS kept after the first restore's arrays are freed, x state bytes", "x"),
+    # --accel only (a donating step before and after every save):
+    ("step_s", "--accel: a donating step with no save in flight", "step"),
+    ("step_after_save_s", "--accel: the donating step right after a steady save returned", "step"),
+    ("blocked_with_step_s", "--accel: loop blocked by a steady save, + the next step's extra wait", "blocked"),
+    ("first_blocked_with_step_s", "--accel: loop blocked by the first save, + the next step's extra wait", "blocked"),
 )
+ACCEL_KEYS = frozenset({"step_s", "step_after_save_s", "blocked_with_step_s", "first_blocked_with_step_s"})
 
 
 def _save(rec: dict[str, Any], index: int) -> dict[str, Any] | None:
@@ -50,6 +58,15 @@ def lib_metrics(rec: dict[str, Any]) -> dict[str, float]:
         base = rec["save"]["rss_before_state"]
         nbytes = rec["save"]["state_bytes"]
         out["rss_save_x"] = max(s["peak_rss"] - base for s in rec["save"]["saves"]) / nbytes
+        if "step_s" in first:
+            out["step_s"] = statistics.median(s["step_s"] for s in saves)
+            out["step_after_save_s"] = statistics.median(s["step_after_save_s"] for s in later)
+
+            def with_step(s: dict[str, Any]) -> float:
+                return float(s["blocked_s"] + max(0.0, s["step_after_save_s"] - s["step_s"]))
+
+            out["blocked_with_step_s"] = statistics.median(with_step(s) for s in later)
+            out["first_blocked_with_step_s"] = with_step(first)
     for key, label in (
         ("first_restore_s", "first"),
         ("cold_restore_s", "cold"),
@@ -82,10 +99,28 @@ def dd_metrics(dd: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def floor_metrics(floors: dict[str, Any], dd: dict[str, Any] | None) -> dict[str, float]:
+    """The device's own limit for each figure: a save can be no faster than one batched
+    device-to-host transfer; a restore no faster than reading the bytes (dd) plus one batched
+    host-to-device transfer."""
+    d2h, h2d = floors["d2h_batched_s"], floors["h2d_batched_s"]
+    read = dd["read_s"] if dd else 0.0
+    return {
+        "save_s": d2h,
+        "first_save_s": d2h,
+        "first_restore_s": read + h2d,
+        "cold_restore_s": read + h2d,
+        "reshard_s": read + h2d,
+        "params_s": (read + h2d) / 3,
+    }
+
+
 def round_metrics(rnd: dict[str, Any], libs: list[str]) -> dict[str, dict[str, float]]:
     out = {lib: lib_metrics(rnd["libs"][lib]) for lib in libs if lib in rnd["libs"]}
     if rnd.get("dd"):
         out["dd"] = dd_metrics(rnd["dd"])
+    if rnd.get("floors"):
+        out["floor"] = floor_metrics(rnd["floors"], rnd.get("dd"))
     return out
 
 
@@ -96,7 +131,7 @@ def _median(values: list[float]) -> float | None:
 def summarize(rounds: list[dict[str, Any]], libs: list[str]) -> dict[str, Any]:
     """Medians of each figure and medians of the per-round ratios against each anchor."""
     per_round = [round_metrics(r, libs) for r in rounds]
-    names = [*libs, "dd"]
+    names = [*libs, "dd", "floor"]
     medians: dict[str, dict[str, float | None]] = {}
     ratios: dict[str, dict[str, dict[str, float | None]]] = {}
     for lib in names:
@@ -123,7 +158,17 @@ def summarize(rounds: list[dict[str, Any]], libs: list[str]) -> dict[str, Any]:
         )
         for lib in libs
     }
-    return {"medians": medians, "ratios": ratios, "reshard_over_plain": reshard_over_plain}
+    floors = [r["floors"] for r in rounds if r.get("floors")]
+    floor_medians = {
+        k: _median([f[k] for f in floors])
+        for k in ("d2h_batched_s", "d2h_leafwise_s", "d2h_one_s", "h2d_batched_s", "h2d_leafwise_s", "h2d_one_s")
+    }
+    return {
+        "medians": medians,
+        "ratios": ratios,
+        "reshard_over_plain": reshard_over_plain,
+        "floors": floor_medians if floors else None,
+    }
 
 
 def _fmt(v: float | None, unit: str = "") -> str:
@@ -170,8 +215,72 @@ def targets(summary: dict[str, Any], lib: str = "resilax") -> list[tuple[str, fl
     return out
 
 
-def render(summary: dict[str, Any], libs: list[str], errors: dict[str, str], header: str) -> str:
+def accel_targets(
+    summary: dict[str, Any], state_bytes: int, lib: str = "resilax"
+) -> list[tuple[str, float | None, str, str]]:
+    """Issue 37's targets on an accelerator (``--accel``), as ``targets`` gives issue 2's."""
+    r, m = summary["ratios"][lib], summary["medians"][lib]
+    gib = state_bytes / (1 << 30) if state_bytes else None
+
+    def per_gib(v: float | None) -> float | None:
+        return None if v is None or not gib else v / gib
+
+    checks: list[tuple[str, float | None, float, str]] = [
+        ("steady durable save ≤ 1.5x the device-to-host floor", r["save_s"]["floor"], 1.5, "x"),
+        ("steady durable save ≤ 0.35x Orbax", r["save_s"]["orbax"], 0.35, "x"),
+        ("loop blocked by a steady save (+ next step's wait) ≤ 0.1 s per GiB", per_gib(m["blocked_with_step_s"]), 0.1, "s/GiB"),
+        ("loop blocked by the first save (+ next step's wait) ≤ 0.1 s per GiB", per_gib(m["first_blocked_with_step_s"]), 0.1, "s/GiB"),
+        ("cold restore ≤ 2x the (read + host-to-device) floor", r["cold_restore_s"]["floor"], 2.0, "x"),
+        ("cold restore ≤ 0.25x Orbax", r["cold_restore_s"]["orbax"], 0.25, "x"),
+        ("first restore of a fresh process ≤ 0.3x Orbax", r["first_restore_s"]["orbax"], 0.3, "x"),
+        ("peak host RSS during a save ≤ 1.3x state", m["rss_save_x"], 1.3, "x"),
+    ]
+    out = []
+    for name, value, limit, unit in checks:
+        verdict = "not measured" if value is None else ("met" if value <= limit else "missed")
+        shown = "—" if value is None else f"{value:.3g}{unit}"
+        out.append((name, value, shown, verdict))
+    return out
+
+
+def render_floors(summary: dict[str, Any], state_bytes: int) -> list[str]:
+    f = summary.get("floors")
+    if not f:
+        return []
+
+    def cell(key: str) -> str:
+        v = f.get(key)
+        if v is None:
+            return "—"
+        return f"{v:.3f} s ({state_bytes / v / 1e9:.2f} GB/s)" if state_bytes and v > 0 else f"{v:.3f} s"
+
+    return [
+        "",
+        "The device's own transfer limits (same leaves and shardings as the state; median of repeats):",
+        "",
+        "| transfer | batched (all leaves at once) | leaf by leaf | one array of the same size |",
+        "|---|---:|---:|---:|",
+        f"| device-to-host | {cell('d2h_batched_s')} | {cell('d2h_leafwise_s')} | {cell('d2h_one_s')} |",
+        f"| host-to-device | {cell('h2d_batched_s')} | {cell('h2d_leafwise_s')} | {cell('h2d_one_s')} |",
+        "",
+        "Floors in the ratio table (/floor): a save against the batched device-to-host time; a restore "
+        "against dd's cold read + the batched host-to-device time.",
+    ]
+
+
+def render(
+    summary: dict[str, Any],
+    libs: list[str],
+    errors: dict[str, str],
+    header: str,
+    state_bytes: int = 0,
+    notes: list[str] | None = None,
+) -> str:
+    accel = bool(summary.get("floors")) or any(
+        summary["medians"][lib].get("step_s") is not None for lib in libs
+    )
     names = [*libs, "dd"]
+    anchors = ANCHORS if accel else CPU_ANCHORS
     lines = [
         header,
         "",
@@ -182,8 +291,11 @@ def render(summary: dict[str, Any], libs: list[str], errors: dict[str, str], hea
     lines.append("| metric | " + " | ".join(names) + " |")
     lines.append("|---|" + "---:|" * len(names))
     for key, label, _ in METRICS:
+        if key in ACCEL_KEYS and not accel:
+            continue
         cells = [_fmt(summary["medians"][lib][key], "x" if key.endswith("_x") else "") for lib in names]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += render_floors(summary, state_bytes)
     lines += [
         "",
         "Ratios (median of the per-round ratios; < 1 is faster than the anchor; dd: new-file write "
@@ -191,22 +303,31 @@ def render(summary: dict[str, Any], libs: list[str], errors: dict[str, str], hea
         "third of it for params-only).",
         "",
     ]
-    lines.append("| metric | library | /orbax | /dcp | /numpy | /dd |")
-    lines.append("|---|---|---:|---:|---:|---:|")
+    lines.append("| metric | library | " + " | ".join(f"/{a}" for a in anchors) + " |")
+    lines.append("|---|---|" + "---:|" * len(anchors))
     for key, label, kind in METRICS:
-        if kind == "x" or kind == "blocked":
+        if kind in ("x", "blocked", "step"):
             continue
         for lib in libs:
             row = summary["ratios"][lib][key]
             if summary["medians"][lib][key] is None:
                 continue
-            lines.append(f"| {label} | {lib} | " + " | ".join(_fmt(row[a]) for a in ANCHORS) + " |")
+            lines.append(f"| {label} | {lib} | " + " | ".join(_fmt(row[a]) for a in anchors) + " |")
     lines += [
         "",
         "Restore onto (2,4) over plain restore, same library: "
         + ", ".join(f"{lib} {_fmt(v)}" for lib, v in summary["reshard_over_plain"].items()),
     ]
-    if "resilax" in libs:
+    if "resilax" in libs and accel:
+        lines += [
+            "",
+            "Targets for resilax_ckpt on an accelerator (issue 37):",
+            "",
+            "| target | measured | result |",
+            "|---|---:|---|",
+        ]
+        lines += [f"| {name} | {shown} | {verdict} |" for name, _, shown, verdict in accel_targets(summary, state_bytes)]
+    elif "resilax" in libs:
         lines += [
             "",
             "Targets for resilax_ckpt (issue 2):",
@@ -215,6 +336,8 @@ def render(summary: dict[str, Any], libs: list[str], errors: dict[str, str], hea
             "|---|---:|---|",
         ]
         lines += [f"| {name} | {shown} | {verdict} |" for name, _, shown, verdict in targets(summary)]
+    if notes:
+        lines += ["", *notes]
     if errors:
         lines += ["", "Not measured:"]
         lines += [f"- {lib}: {msg}" for lib, msg in errors.items()]

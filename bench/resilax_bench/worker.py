@@ -9,6 +9,15 @@ restore phase (a new process): restore step 4 four times, the checkpoint's files
 ``first`` (the first restore of this process), ``cold`` (plain, a warm process), ``reshard`` (mesh
 (2, 4), specs transposed) and ``params`` (params only); each checked against the save's checksums.
 Writes one JSON object to ``--out``; a failure is recorded there with its traceback, never hidden.
+
+``--accel`` (the devices present, any platform; ``accel.py``): the meshes are (n, 1) and (1, n) on the
+n devices there, the state changes before every save through a jitted step that donates the old state,
+and each save is timed as a loop sees it: ``save()`` (blocked), the next donating step (whose time,
+against a step without a save just before, shows any wait a save left behind), then ``wait()``
+(durable, from the start of ``save()``). ``--steady-saves`` and ``--restores`` shorten the run;
+``--profile-extra`` profiles one more save and one more cold restore, kept apart from the measured ones
+(so a profile never slows a reported figure). A third phase, ``floors``, measures the device's own
+transfer times (``accel.measure_floors``).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import Any
 SAVE_STEPS = (1, 2, 3, 4)
 REPORTED_STEP = SAVE_STEPS[-1]
 RESTORES = (("first", "plain"), ("cold", "plain"), ("reshard", "reshard"), ("params", "params"))
+STEP_FILE = "reported-step.json"
 
 
 def _checksums(named: dict[str, Any]) -> dict[str, int]:
@@ -81,7 +91,78 @@ def run_save(lib: Any, directory: str, leaves: list[Any], seed: int, result: dic
     lib.close()
 
 
-def run_restore(lib: Any, directory: str, leaves: list[Any], result: dict[str, Any]) -> None:
+def run_save_accel(
+    lib: Any, directory: str, leaves: list[Any], seed: int, steady: int, profile_extra: bool, result: dict[str, Any]
+) -> None:
+    """The ``--accel`` save phase: a donating step before each save and right after it (module doc)."""
+    import jax
+
+    from resilax_bench import accel
+    from resilax_bench import state as st
+    from resilax_bench.memory import PeakRSS, rss_bytes
+    from resilax_bench.profiling import profiled
+
+    result["rss_before_state"] = rss_bytes()
+    t0 = time.perf_counter()
+    lib.open_save(directory, leaves, seed)
+    # The first step compiles, and leaves arrays no host ever saw.
+    lib.state = jax.block_until_ready(accel.train_step(lib.state))
+    result["build_state_s"] = time.perf_counter() - t0
+    result["rss_with_state"] = rss_bytes()
+    result["hbm_with_state"] = accel.hbm_stats()
+    steps = list(range(1, 2 + steady)) + ([2 + steady] if profile_extra else [])
+    saves = []
+    for step in steps:
+        gc.collect()
+        os.sync()
+        t0 = time.perf_counter()
+        lib.state = jax.block_until_ready(accel.train_step(lib.state))
+        step_s = time.perf_counter() - t0
+        if step == steps[-1]:
+            expected = accel.device_checksums({"/".join(p): v for p, v in st.flatten(lib.state).items()})
+            with open(os.path.join(directory, "expected.json"), "w") as f:
+                json.dump(expected, f)
+            with open(os.path.join(directory, STEP_FILE), "w") as f:
+                json.dump({"step": step}, f)
+        profile = profile_extra and step == steps[-1]
+        with profiled(lib.name, "save") if profile else _nothing(), PeakRSS() as mem:
+            t0 = time.perf_counter()
+            lib.save(step)
+            t1 = time.perf_counter()
+            lib.state = jax.block_until_ready(accel.train_step(lib.state))
+            t2 = time.perf_counter()
+            lib.wait()
+            t3 = time.perf_counter()
+        entry = {
+            "step": step,
+            "blocked_s": t1 - t0,
+            "step_after_save_s": t2 - t1,
+            "step_s": step_s,
+            "durable_s": t3 - t0,
+            "peak_rss": mem.peak,
+            "rss_at_start": mem.start,
+            "rss_method": mem.method,
+            "hbm": accel.hbm_stats(),
+            "save_info": lib.save_info(),
+        }
+        if profile:
+            result["profiled_save"] = entry
+        else:
+            saves.append(entry)
+    result["saves"] = saves
+    lib.close()
+
+
+def _nothing() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def run_restore(
+    lib: Any, directory: str, leaves: list[Any], result: dict[str, Any], restores: tuple[tuple[str, str], ...] = RESTORES,
+    accel_mode: bool = False, profile_extra: bool = False,
+) -> None:
     from resilax_bench.cache import evict_from_page_cache
     from resilax_bench.libraries import NotApplicable
     from resilax_bench.memory import PeakRSS, rss_bytes
@@ -89,49 +170,81 @@ def run_restore(lib: Any, directory: str, leaves: list[Any], result: dict[str, A
 
     with open(os.path.join(directory, "expected.json")) as f:
         expected = json.load(f)
+    step = REPORTED_STEP
+    if os.path.exists(os.path.join(directory, STEP_FILE)):
+        with open(os.path.join(directory, STEP_FILE)) as f:
+            step = int(json.load(f)["step"])
+    if accel_mode:
+        from resilax_bench import accel
+
+        checksums = accel.device_checksums
+    else:
+        checksums = _checksums
     t0 = time.perf_counter()
     lib.open_restore(directory, leaves)
     result["open_s"] = time.perf_counter() - t0
     gc.collect()
     result["rss_before_restores"] = rss_bytes()
-    restores = []
-    for label, kind in RESTORES:
+    done = []
+    todo = list(restores) + ([("profiled", "plain")] if profile_extra else [])
+    for label, kind in todo:
         gc.collect()
         entry: dict[str, Any] = {
             "label": label,
             "kind": kind,
             "evicted_files": evict_from_page_cache(directory),
         }
+        # Outside --accel every restore is profiled when RESILAX_BENCH_PROFILE is set (as before);
+        # with --accel only the extra one (--profile-extra) is.
+        name = "restore" if label == "profiled" else f"restore-{label}"
+        profile = label == "profiled" or not accel_mode
         try:
-            with profiled(lib.name, f"restore-{label}"), PeakRSS() as mem:
+            with profiled(lib.name, name) if profile else _nothing(), PeakRSS() as mem:
                 t0 = time.perf_counter()
-                out = lib.restore(REPORTED_STEP, kind)
+                out = lib.restore(step, kind)
                 entry["seconds"] = time.perf_counter() - t0
         except NotApplicable as e:
             entry["not_applicable"] = str(e)
-            restores.append(entry)
+            done.append(entry)
             continue
         entry.update(peak_rss=mem.peak, rss_at_start=mem.start, rss_method=mem.method)
-        problems = _compare(expected, _checksums(out), kind)
+        problems = _compare(expected, checksums(out), kind)
         if problems:
-            raise RuntimeError(
-                f"{lib.name} {label} restore of step {REPORTED_STEP} is wrong: " + "; ".join(problems[:5])
-            )
+            raise RuntimeError(f"{lib.name} {label} restore of step {step} is wrong: " + "; ".join(problems[:5]))
+        entry["checked_leaves"] = len(out)
         del out
-        restores.append(entry)
-    result["restores"] = restores
+        done.append(entry)
+    result["restores"] = done
     lib.close()
+
+
+def run_floors(leaves: list[Any], seed: int, repeats: int, result: dict[str, Any]) -> None:
+    import jax
+
+    from resilax_bench import accel
+    from resilax_bench import state as st
+
+    save_mesh, _ = accel.mesh_shapes(jax.device_count())
+    result["floors"] = accel.measure_floors(leaves, st.make_mesh(save_mesh), repeats, seed)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--lib", required=True)
-    p.add_argument("--phase", choices=("save", "restore"), required=True)
+    p.add_argument("--phase", choices=("save", "restore", "floors"), required=True)
     p.add_argument("--dir", required=True)
     p.add_argument("--size-gib", type=float, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
+    p.add_argument("--accel", action="store_true", help="the devices present, a donating step (module doc)")
+    p.add_argument("--steady-saves", type=int, default=len(SAVE_STEPS) - 1)
+    p.add_argument("--restores", default=",".join(label for label, _ in RESTORES))
+    p.add_argument("--profile-extra", action="store_true")
+    p.add_argument("--floor-repeats", type=int, default=3)
+    p.add_argument("--resilax-option", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
+    kinds = dict(RESTORES)
+    restores = tuple((label, kinds[label]) for label in args.restores.split(",") if label)
 
     result: dict[str, Any] = {
         "lib": args.lib,
@@ -147,21 +260,40 @@ def main(argv: list[str] | None = None) -> int:
         from resilax_bench import libraries
         from resilax_bench import state as st
 
-        if jax.device_count() < 8:
+        if not args.accel and jax.device_count() < 8:
             raise RuntimeError(
                 f"need 8 devices, found {jax.device_count()}; set XLA_FLAGS=--xla_force_host_platform_device_count=8"
             )
-        __import__(libraries.IMPORTS[args.lib])
-        result["import_s"] = time.perf_counter() - t0
-        lib = libraries.LIBRARIES[args.lib]()
-        result["version"] = lib.version()
         leaves = st.build_leaf_specs(args.size_gib)
         result["state_bytes"] = sum(s.nbytes for s in leaves)
         result["leaves"] = len(leaves)
-        if args.phase == "save":
-            run_save(lib, args.dir, leaves, args.seed, result)
+        if args.accel:
+            from resilax_bench import accel
+
+            t1 = time.perf_counter()
+            result["devices"] = accel.device_facts()
+            result["open_devices_s"] = time.perf_counter() - t1
+        if args.phase == "floors":
+            result["import_s"] = time.perf_counter() - t0
+            run_floors(leaves, args.seed, args.floor_repeats, result)
         else:
-            run_restore(lib, args.dir, leaves, result)
+            __import__(libraries.IMPORTS[args.lib])
+            result["import_s"] = time.perf_counter() - t0
+            lib = libraries.LIBRARIES[args.lib]()
+            result["version"] = lib.version()
+            if args.lib == "resilax":
+                lib.options = libraries.parse_options(args.resilax_option)
+                result["resilax_options"] = {k: repr(v) for k, v in lib.options.items()}
+            if args.accel:
+                from resilax_bench import accel
+
+                lib.save_mesh, lib.reshard_mesh = accel.mesh_shapes(jax.device_count())
+            if args.phase == "save" and args.accel:
+                run_save_accel(lib, args.dir, leaves, args.seed, args.steady_saves, args.profile_extra, result)
+            elif args.phase == "save":
+                run_save(lib, args.dir, leaves, args.seed, result)
+            else:
+                run_restore(lib, args.dir, leaves, result, restores, args.accel, args.profile_extra)
     except BaseException as e:
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()
