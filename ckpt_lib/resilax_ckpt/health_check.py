@@ -1,17 +1,21 @@
 """`resilax health-check`: is this host fit to run a generation's trainer? (issue 39, "Health-checked starts")
 
 Runs in the worker image before the trainer (docs/architecture.md, "Health-checked starts"), within a
-time bound, three parts in order:
+time bound, four parts in order:
+0. `rendezvous`: when the environment describes several processes (`JAX_NUM_PROCESSES` > 1),
+   `jax.distributed.initialize` with the slice's other processes (JAX wants it before any device use).
 1. `devices`: the local devices are visible, as many as the operator planned (`RESILAX_DEVICES_PER_HOST`)
    and of the expected platform (`RESILAX_HEALTH_PLATFORM`: tpu, gpu or cpu; unset: any).
 2. `matmul`: a small deterministic matmul on every local device gives the known checksum. The inputs are
    small integers in bfloat16 (exact), the products are accumulated in float32 (every partial sum is an
    integer below 2**24: exact on every backend) and the checksum is an int32 weighted sum (no overflow),
    so one value holds on CPU, GPU and TPU; `expected_checksum` computes it with NumPy in int64.
-3. `collective`: when the environment describes several processes (`JAX_NUM_PROCESSES` > 1), after
-   `jax.distributed.initialize` a psum over all devices of the slice gives N(N+1)/2 for N devices.
-   Skipped (passed) for one process.
+3. `collective`: with several processes, a psum over all devices of the slice gives N(N+1)/2 for N
+   devices. Rendezvous and collective are skipped (passed) for one process.
 A part that fails stops the check (a host whose devices are missing does not join the collective).
+`devices` and `matmul` are this host's own (HOST_PARTS: a failure there blames the host); `rendezvous`
+and `collective` need the others (SLICE_PARTS: a failure there may be any host's, e.g. one that left
+after failing its own part).
 
 Prints one JSON line on stdout (`{"healthy": ..., "parts": [...], "seconds": ...}`), writes the same to
 `--result FILE` (the pod's termination message: the operator reads it from its watch cache) and exits
@@ -42,7 +46,10 @@ EXIT_HEALTHY: Final = 0
 EXIT_USAGE: Final = 2
 #: The exit code of a host that failed its check (resilax's own; the JSON result says which part and why).
 EXIT_UNHEALTHY: Final = 79
-PARTS: Final = ("devices", "matmul", "collective")
+PARTS: Final = ("rendezvous", "devices", "matmul", "collective")
+#: Parts whose failure is this host's own; a failure in the others (SLICE_PARTS) may be any host's.
+HOST_PARTS: Final = ("devices", "matmul")
+SLICE_PARTS: Final = ("rendezvous", "collective")
 FAULTS: Final = ("devices", "matmul", "collective", "hang")
 PLATFORMS: Final = ("tpu", "gpu", "cpu")
 DEFAULT_TIMEOUT_SECONDS: Final = 120.0
@@ -121,6 +128,8 @@ class HealthSettings:
 class Measurements:
     """What the check saw. None where a part did not run (an earlier part failed, or it timed out)."""
 
+    rendezvous_error: str | None = None
+    """The exception `jax.distributed.initialize` raised, if any."""
     platform: str | None = None
     device_kinds: tuple[str, ...] = ()
     device_error: str | None = None
@@ -154,6 +163,16 @@ def decide_health(settings: HealthSettings, m: Measurements, expected_checksum: 
         results.append(PartResult(part, False, f"did not finish within the {settings.timeout_seconds:g} s bound"))
         return True
 
+    distributed = settings.num_processes > 1
+    # rendezvous
+    if timed_out("rendezvous"):
+        return results
+    if m.rendezvous_error is not None:
+        results.append(PartResult("rendezvous", False, f"jax.distributed.initialize with "
+                                  f"{settings.num_processes} processes failed: {m.rendezvous_error}"))
+        return results
+    results.append(PartResult("rendezvous", True, f"{settings.num_processes} processes met" if distributed
+                              else "one process: no rendezvous"))
     # devices
     if timed_out("devices"):
         return results
@@ -192,7 +211,7 @@ def decide_health(settings: HealthSettings, m: Measurements, expected_checksum: 
         return results
     results.append(PartResult("matmul", True, f"checksum {expected_checksum} on {count} devices"))
     # collective
-    if settings.num_processes <= 1:
+    if not distributed:
         results.append(PartResult("collective", True, "one process: no collective to run"))
         return results
     if timed_out("collective"):
@@ -245,7 +264,8 @@ class _Progress:
 
 
 def measure(settings: HealthSettings, progress: _Progress) -> None:
-    """Run the parts in order, recording into `progress`; stops after a part that failed."""
+    """Run the parts in order, recording into `progress`; stops after a part that failed. Importing JAX
+    counts as this host's `devices` part (`_Progress` starts there)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -253,14 +273,23 @@ def measure(settings: HealthSettings, progress: _Progress) -> None:
     def finished(part: str, began: float) -> None:
         progress.seconds[part] = round(time.monotonic() - began, 3)
 
-    if settings.fault == "hang":
-        time.sleep(settings.timeout_seconds + 3600)
-    began = time.monotonic()
     distributed = settings.num_processes > 1
-    try:
-        if distributed:
+    progress.part = "rendezvous"
+    began = time.monotonic()
+    if distributed:
+        try:
             jax.distributed.initialize(settings.coordinator, settings.num_processes, settings.process_id,
                                        initialization_timeout=max(1, int(settings.timeout_seconds)))
+        except Exception as e:  # the check reports any failure
+            progress.m = dataclasses.replace(progress.m, rendezvous_error=f"{type(e).__name__}: {e}")
+            return
+        finished("rendezvous", began)
+
+    progress.part = "devices"
+    began = time.monotonic()
+    if settings.fault == "hang":
+        time.sleep(settings.timeout_seconds + 3600)
+    try:
         devices = list(jax.local_devices())
         if settings.fault == "devices":
             devices = devices[:-1]
@@ -271,8 +300,8 @@ def measure(settings: HealthSettings, progress: _Progress) -> None:
         progress.m = dataclasses.replace(progress.m, device_error=f"{type(e).__name__}: {e}")
         return
     finished("devices", began)
-    first = decide_health(settings, progress.m, 0)
-    if not first or not first[0].ok:
+    so_far = decide_health(settings, progress.m, 0)
+    if len(so_far) < 2 or not so_far[1].ok:
         return
 
     progress.part = "matmul"
@@ -298,8 +327,9 @@ def measure(settings: HealthSettings, progress: _Progress) -> None:
         progress.m = dataclasses.replace(progress.m, matmul_error=f"{type(e).__name__}: {e}")
         return
     finished("matmul", began)
-    if not distributed:
-        return
+    so_far = decide_health(settings, progress.m, expected_checksum())
+    if not distributed or len(so_far) < 3 or not so_far[2].ok:
+        return  # a host whose own part failed leaves: the others' collective fails, not blaming them
 
     progress.part = "collective"
     began = time.monotonic()
@@ -331,6 +361,7 @@ def build_result(settings: HealthSettings, progress: _Progress, results: Sequenc
     return {
         "healthy": is_healthy(results),
         "failed_part": failed.name if failed else None,
+        "host_fault": failed is not None and failed.name in HOST_PARTS,
         "reason": failed.reason if failed else None,
         "parts": [dataclasses.asdict(r) for r in results],
         "platform": progress.m.platform,

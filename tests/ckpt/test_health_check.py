@@ -40,37 +40,41 @@ def test_the_jitted_checksum_is_exact_on_each_fake_cpu_device(devices: list[jax.
 
 CASES: list[tuple[str, hc.HealthSettings, hc.Measurements, list[tuple[str, bool]], str]] = [
     ("healthy-one-process", FOUR_CPU, hc.Measurements(**SEEN_FOUR, matmul_checksums=(OK,) * 4),
-     [("devices", True), ("matmul", True), ("collective", True)], "one process: no collective"),
+     [("rendezvous", True), ("devices", True), ("matmul", True), ("collective", True)], "one process: no collective"),
     ("a-device-missing", FOUR_CPU, hc.Measurements(platform="cpu", device_kinds=("cpu",) * 3),
-     [("devices", False)], "3 devices visible, 4 expected (RESILAX_DEVICES_PER_HOST)"),
-    ("no-device", FOUR_CPU, hc.Measurements(), [("devices", False)], "no device is visible"),
-    ("listing-raised", FOUR_CPU, hc.Measurements(device_error="RuntimeError: no TPU"), [("devices", False)],
+     [("rendezvous", True), ("devices", False)], "3 devices visible, 4 expected (RESILAX_DEVICES_PER_HOST)"),
+    ("no-device", FOUR_CPU, hc.Measurements(), [("rendezvous", True), ("devices", False)], "no device is visible"),
+    ("listing-raised", FOUR_CPU, hc.Measurements(device_error="RuntimeError: no TPU"), [("rendezvous", True), ("devices", False)],
      "listing the devices failed: RuntimeError: no TPU"),
     ("wrong-platform", hc.HealthSettings(expected_devices=4, expected_platform="tpu"),
-     hc.Measurements(**SEEN_FOUR), [("devices", False)], "platform 'cpu', 'tpu' expected"),
+     hc.Measurements(**SEEN_FOUR), [("rendezvous", True), ("devices", False)], "platform 'cpu', 'tpu' expected"),
     ("any-count-when-unplanned", hc.HealthSettings(), hc.Measurements(**SEEN_FOUR, matmul_checksums=(OK,) * 4),
-     [("devices", True), ("matmul", True), ("collective", True)], "one process"),
+     [("rendezvous", True), ("devices", True), ("matmul", True), ("collective", True)], "one process"),
     ("wrong-checksum", FOUR_CPU, hc.Measurements(**SEEN_FOUR, matmul_checksums=(OK, OK + 1, OK, OK - 6)),
-     [("devices", True), ("matmul", False)], f"wrong checksum on local device 1 ({OK + 1}, expected {OK}) and 1 more"),
+     [("rendezvous", True), ("devices", True), ("matmul", False)], f"wrong checksum on local device 1 ({OK + 1}, expected {OK}) and 1 more"),
     ("matmul-raised", FOUR_CPU, hc.Measurements(**SEEN_FOUR, matmul_error="XlaRuntimeError: boom"),
-     [("devices", True), ("matmul", False)], "the matmul failed: XlaRuntimeError: boom"),
+     [("rendezvous", True), ("devices", True), ("matmul", False)], "the matmul failed: XlaRuntimeError: boom"),
     ("matmul-timed-out", FOUR_CPU, hc.Measurements(**SEEN_FOUR, timed_out_in="matmul"),
-     [("devices", True), ("matmul", False)], "did not finish within the 120 s bound"),
-    ("devices-timed-out", FOUR_CPU, hc.Measurements(timed_out_in="devices"), [("devices", False)],
+     [("rendezvous", True), ("devices", True), ("matmul", False)], "did not finish within the 120 s bound"),
+    ("devices-timed-out", FOUR_CPU, hc.Measurements(timed_out_in="devices"), [("rendezvous", True), ("devices", False)],
+     "did not finish within"),
+    ("rendezvous-raised", TWO_PROCS, hc.Measurements(rendezvous_error="DEADLINE_EXCEEDED: barrier"),
+     [("rendezvous", False)], "jax.distributed.initialize with 2 processes failed: DEADLINE_EXCEEDED: barrier"),
+    ("rendezvous-timed-out", TWO_PROCS, hc.Measurements(timed_out_in="rendezvous"), [("rendezvous", False)],
      "did not finish within"),
     ("collective-ok", TWO_PROCS, hc.Measurements(platform="cpu", device_kinds=("cpu",) * 2, matmul_checksums=(OK,) * 2,
                                                  collective_value=10, collective_expected=10),
-     [("devices", True), ("matmul", True), ("collective", True)], "psum over 2 processes gave 10"),
+     [("rendezvous", True), ("devices", True), ("matmul", True), ("collective", True)], "psum over 2 processes gave 10"),
     ("collective-wrong", TWO_PROCS, hc.Measurements(platform="cpu", device_kinds=("cpu",) * 2,
                                                     matmul_checksums=(OK,) * 2, collective_value=12,
                                                     collective_expected=10),
-     [("devices", True), ("matmul", True), ("collective", False)], "psum over the slice gave 12, expected 10"),
+     [("rendezvous", True), ("devices", True), ("matmul", True), ("collective", False)], "psum over the slice gave 12, expected 10"),
     ("collective-raised", TWO_PROCS, hc.Measurements(platform="cpu", device_kinds=("cpu",) * 2,
                                                      matmul_checksums=(OK,) * 2, collective_error="gloo: closed"),
-     [("devices", True), ("matmul", True), ("collective", False)], "the collective failed: gloo: closed"),
+     [("rendezvous", True), ("devices", True), ("matmul", True), ("collective", False)], "the collective failed: gloo: closed"),
     ("collective-timed-out", TWO_PROCS, hc.Measurements(platform="cpu", device_kinds=("cpu",) * 2,
                                                         matmul_checksums=(OK,) * 2, timed_out_in="collective"),
-     [("devices", True), ("matmul", True), ("collective", False)], "did not finish within"),
+     [("rendezvous", True), ("devices", True), ("matmul", True), ("collective", False)], "did not finish within"),
 ]
 
 
@@ -81,7 +85,7 @@ def test_decide_health(settings: hc.HealthSettings, seen: hc.Measurements, want:
     assert [(r.name, r.ok) for r in results] == want
     deciding = next((r for r in results if not r.ok), results[-1])
     assert reason in deciding.reason
-    assert hc.is_healthy(results) == (want == [("devices", True), ("matmul", True), ("collective", True)])
+    assert hc.is_healthy(results) == (want == [("rendezvous", True), ("devices", True), ("matmul", True), ("collective", True)])
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -140,15 +144,15 @@ def _finish(procs: list[subprocess.Popen[bytes]], tmp: Path, names: list[str]) -
     ("", hc.EXIT_HEALTHY, None, None),
     ("devices", hc.EXIT_UNHEALTHY, "devices", "3 devices visible, 4 expected"),
     ("matmul", hc.EXIT_UNHEALTHY, "matmul", f"wrong checksum on local device 0 ({OK - 6}, expected {OK})"),
-    ("hang", hc.EXIT_UNHEALTHY, "devices", "did not finish within the 3 s bound"),
+    ("hang", hc.EXIT_UNHEALTHY, "devices", "did not finish within the 20 s bound"),
 ], ids=["healthy", "devices", "matmul", "hang"])
 def test_one_process_on_four_fake_cpu_devices(tmp_path: Path, fault: str, code: int, part: str | None,
                                               reason: str | None) -> None:
-    proc = _start(tmp_path, 4, {"RESILAX_HEALTH_FAULT": fault}, "result.json", timeout=3 if fault == "hang" else 120)
+    proc = _start(tmp_path, 4, {"RESILAX_HEALTH_FAULT": fault}, "result.json", timeout=20 if fault == "hang" else 120)
     [(rc, result, text)] = _finish([proc], tmp_path, ["result.json"])
     assert rc == code, text
-    assert (result["healthy"], result["failed_part"], result["devices"]) == (
-        code == 0, part, 3 if fault == "devices" else 0 if fault == "hang" else 4)
+    assert (result["healthy"], result["failed_part"], result["devices"], result["host_fault"]) == (
+        code == 0, part, 3 if fault == "devices" else 0 if fault == "hang" else 4, code != 0)
     if reason is not None:
         assert reason in result["reason"]
     else:
@@ -156,19 +160,26 @@ def test_one_process_on_four_fake_cpu_devices(tmp_path: Path, fault: str, code: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["", "collective"], ids=["healthy", "collective-fault-on-process-1"])
-def test_two_processes_run_a_psum_over_the_slice(tmp_path: Path, fault: str) -> None:
+@pytest.mark.parametrize(("fault", "want"), [
+    ("", [(None, True), (None, True)]),
+    ("collective", [("collective", False), ("collective", False)]),
+    ("matmul", [("collective", False), ("matmul", True)]),
+], ids=["healthy", "collective-fault-on-process-1", "matmul-fault-on-process-1"])
+def test_two_processes_run_a_psum_over_the_slice(tmp_path: Path, fault: str,
+                                                 want: list[tuple[str | None, bool]]) -> None:
+    """Two processes of 2 fake CPU devices each; the fault on process 1 only. A host that fails its own
+    part leaves; the other fails the collective within the bound and is not blamed (host_fault)."""
     address = f"127.0.0.1:{free_port()}"
     procs = [_start(tmp_path, 2, {"JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
-                                  "RESILAX_HEALTH_FAULT": fault if i == 1 else ""}, f"result-{i}.json")
+                                  "RESILAX_HEALTH_FAULT": fault if i == 1 else ""}, f"result-{i}.json",
+                    timeout=30 if fault == "matmul" else 120)
              for i in range(2)]
     results = _finish(procs, tmp_path, ["result-0.json", "result-1.json"])
     for i, (rc, result, text) in enumerate(results):
         assert result["process_id"] == i and result["num_processes"] == 2
+        assert (result["failed_part"], result["host_fault"] or result["healthy"]) == want[i], text
+        assert rc == (hc.EXIT_HEALTHY if result["healthy"] else hc.EXIT_UNHEALTHY), text
         if not fault:
-            assert rc == hc.EXIT_HEALTHY, text
             assert result["parts"][-1]["reason"] == "psum over 2 processes gave 10"  # 1+2+3+4 over 4 devices
-        else:  # one process's wrong contribution makes the slice's psum wrong for everyone
-            assert rc == hc.EXIT_UNHEALTHY, text
-            assert result["failed_part"] == "collective"
+        elif fault == "collective":  # one process's wrong contribution makes the slice's psum wrong for everyone
             assert result["reason"] == "psum over the slice gave 12, expected 10"  # its 2 devices each +1
