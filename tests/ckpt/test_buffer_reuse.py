@@ -168,6 +168,29 @@ def test_restore_after_a_failed_restore_reuses_the_ring(tmp_path, devices):
         assert allocations() - before == 1  # the host leaf; the ring was given back whole
 
 
+def test_restore_finds_the_ring_a_manager_warmed_and_allocates_nothing(tmp_path, devices):
+    """warm_host_ring (the Restorer calls it at the manager's creation on accelerators: never on CPU
+    devices in auto mode) allocates and faults the ring in ahead; the first restore then reuses it."""
+    reader.release_host_buffers()
+    assert not reader.ring_expected(None)  # CPU devices: auto mode does not warm
+    assert not reader.ring_expected(True)  # forced (tests): the ring is sized by the restore instead
+    ring_bytes = 64 * 4096
+    before = allocations()
+    warming = reader.warm_host_ring(ring_bytes)
+    assert warming is not None
+    with rc.CheckpointManager(str(tmp_path), ring_options(restore_host_buffer_bytes=ring_bytes)) as mgr:
+        state = restore_state(1, devices)
+        del state["host"]
+        mgr.save(1, state)
+        mgr.wait()
+        target = restore_state(0, devices)
+        del target["host"]
+        assert_same(mgr.restore(1, target), host_copy(state))  # may start while the ring is warming: waits
+    warming.join()
+    assert allocations() - before == 1  # the warmed ring, nothing by the restore
+    assert reader.warm_host_ring(ring_bytes) is None  # already there
+
+
 def test_restore_host_ring_lends_pieces_in_order_and_takes_them_back_in_any_order():
     ring = reader.HostRing(4 * 4096)
     a, b, c = ring.take(4096), ring.take(2 * 4096), ring.take(4096)
