@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args(argv)
 
-    rc.initialize_distributed_from_env()  # 1. join this generation's processes
+    rc.initialize_distributed_from_env()  # 1. join this generation's processes (the restore prefetch starts here)
     mesh = make_mesh()
     optimizer = optax.adam(args.lr)
     params = init_params(mesh)

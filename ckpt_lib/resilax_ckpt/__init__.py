@@ -40,6 +40,7 @@ _LAZY = {
     "InvalidOptionsError": "resilax_ckpt.options", "ManagerOptions": "resilax_ckpt.options",
     "restore_orbax": "resilax_ckpt.orbax_import",
     "InvalidMetricsError": "resilax_ckpt.retention", "StepInfo": "resilax_ckpt.step_info",
+    "start_prefetch": "resilax_ckpt.prefetch",
 }
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     )
     from resilax_ckpt.options import InvalidOptionsError, ManagerOptions
     from resilax_ckpt.orbax_import import restore_orbax
+    from resilax_ckpt.prefetch import start_prefetch
     from resilax_ckpt.retention import InvalidMetricsError
     from resilax_ckpt.step_info import StepInfo
 
@@ -98,4 +100,5 @@ __all__ = [
     "restore",
     "restore_orbax",
     "save",
+    "start_prefetch",
 ]

@@ -31,6 +31,7 @@ from resilax_ckpt.visibility import (  # noqa: F401  (re-exported: commit.* is w
     StepsView,
     clear_bad,
     list_committed,
+    list_local_tier,
     list_superseded,
     list_visible,
     mark_bad,

@@ -19,11 +19,11 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from resilax_ckpt import commit, pytrees, tiers
+from resilax_ckpt import commit, prefetch, pytrees, tiers
 from resilax_ckpt.errors import ResilaxCkptError, StepNotFoundError
 from resilax_ckpt.multihost import Coordinator, add_exit_hook, current_coordinator, remove_exit_hook
 from resilax_ckpt.oneshot import restore, save
-from resilax_ckpt.options import ManagerOptions
+from resilax_ckpt.options import DEFAULT_LOCAL_DIRECTORY, ManagerOptions, TierDirectories
 from resilax_ckpt.requests import RequestWatcher, clear_stop_record
 from resilax_ckpt.restorer import Restorer
 from resilax_ckpt.saver import Saver
@@ -50,9 +50,6 @@ EXIT_CODE_STOPPED = 75
 """Exit code of a worker that stopped after a requested final save (operator: reschedule)."""
 
 CRASH_ENV = commit.CRASH_ENV
-
-DEFAULT_LOCAL_DIRECTORY = "resilax-checkpoints"
-"""Where `CheckpointManager.from_env` saves outside a pod (relative to the working directory)."""
 
 
 class CheckpointManager:
@@ -97,19 +94,18 @@ class CheckpointManager:
         Outside a pod (RESILAX_CHECKPOINT_DIR unset): saves go to `DEFAULT_LOCAL_DIRECTORY` under the
         working directory, and a warning on stderr says so."""
         env = os.environ if env is None else env
-        directory = env.get("RESILAX_CHECKPOINT_DIR", "").strip()
-        if not directory:
-            directory = os.path.abspath(DEFAULT_LOCAL_DIRECTORY)
+        dirs = TierDirectories.from_env(env)
+        if not dirs.in_pod:
             log.warning("RESILAX_CHECKPOINT_DIR is not set (not in a JAXJob pod): checkpoints go to %s",
-                        directory)
-        local = env.get("RESILAX_LOCAL_DIR", "").strip()
-        if local:
+                        dirs.persistent_directory or dirs.directory)
+        if dirs.persistent_directory is not None:
             fields: dict[str, Any] = {"local_tier": True, "keep_last": None, "keep_every_steps": None,
                                       "keep_every_seconds": None, "keep_best": None, "keep_best_metric": None,
                                       "keep_best_mode": None}
             fields.update(overrides)
-            return cls(local, ManagerOptions.from_env(env, **fields), persistent_directory=directory)
-        return cls(directory, ManagerOptions.from_env(env, **overrides))
+            return cls(dirs.directory, ManagerOptions.from_env(env, **fields),
+                       persistent_directory=dirs.persistent_directory)
+        return cls(dirs.directory, ManagerOptions.from_env(env, **overrides))
 
     # ------------------------------------------------------------------ queries
 
@@ -194,6 +190,7 @@ class CheckpointManager:
         steps by one of them. Raises the error of a failed earlier background save.
         Called on: all processes, same step, same metrics."""
         self._check_open()
+        prefetch.release("the trainer saves")  # a read-ahead the trainer did not restore from
         return self._saver.save(step, items, force, metrics)
 
     def delete(self, step: int) -> None:
@@ -235,7 +232,10 @@ class CheckpointManager:
         started = time.perf_counter()
         self._trainer.phase(RESTORE)
         named, unwrap = pytrees.as_target(target)
-        out = self._restorer.restore(step, named, [pytrees.STATE_ITEM] if unwrap else items)
+        try:
+            out = self._restorer.restore(step, named, [pytrees.STATE_ITEM] if unwrap else items)
+        finally:
+            prefetch.release()  # what the restore did not take (prefetch.py)
         protected = self._tiers.protected_steps
         self._trainer.restored(protected[0] if protected else None, time.perf_counter() - started)
         self._saver.prepare_first_save(out, restored=True)
@@ -260,6 +260,7 @@ class CheckpointManager:
         if self._closed:
             return
         try:
+            prefetch.release("the manager is closed")
             self._saver.close()
         finally:
             self._closed = True

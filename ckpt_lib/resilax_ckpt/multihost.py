@@ -270,8 +270,13 @@ def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> boo
     (the operator sets it when workers may wait for nodes that do not exist yet or for a queue's
     admission; JAX's default is 300 s). SIGUSR1 then writes every thread's stack to stderr (faulthandler),
     which `resilax run` asks for before it stops a hung trainer, and the persistent compilation cache's
-    requests and hits are counted into trainer.json. Called on: all processes, before any other JAX call."""
+    requests and hits are counted into trainer.json. It first starts the restore prefetch (prefetch.py:
+    this process's checkpoint is read into host memory while JAX starts; RESILAX_RESTORE_PREFETCH=0: off).
+    Called on: all processes, before any other JAX call."""
     env = os.environ if env is None else env
+    from resilax_ckpt import prefetch  # JAX-free; imported here, as the sidecar imports this module
+
+    prefetch.start_prefetch(env)
     bind_stack_dumps()
     count_compilation_cache()
     address = env.get("JAX_COORDINATOR_ADDRESS", "").strip()

@@ -234,3 +234,36 @@ class ManagerOptions:
             raise InvalidOptionsError("; ".join(problems))
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+
+DEFAULT_LOCAL_DIRECTORY = "resilax-checkpoints"
+"""Where `CheckpointManager.from_env` saves outside a pod (relative to the working directory)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TierDirectories:
+    """Where a worker's manager saves and restores, from the RESILAX_* variables (`from_env`)."""
+
+    directory: str
+    """Where saves go: RESILAX_LOCAL_DIR (the per-host local tier) when set, else RESILAX_CHECKPOINT_DIR,
+    else DEFAULT_LOCAL_DIRECTORY under the working directory (outside a pod)."""
+    persistent_directory: str | None
+    """With a local tier: RESILAX_CHECKPOINT_DIR (or its default), where restore falls back to."""
+    in_pod: bool
+    """Whether RESILAX_CHECKPOINT_DIR is set (else the default folder is used)."""
+
+    @property
+    def local_tier(self) -> bool:
+        return self.persistent_directory is not None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TierDirectories:
+        env = os.environ if env is None else env
+        directory = env.get("RESILAX_CHECKPOINT_DIR", "").strip()
+        in_pod = bool(directory)
+        if not directory:
+            directory = os.path.abspath(DEFAULT_LOCAL_DIRECTORY)
+        local = env.get("RESILAX_LOCAL_DIR", "").strip()
+        if local:
+            return cls(local, directory, in_pod)
+        return cls(directory, None, in_pod)

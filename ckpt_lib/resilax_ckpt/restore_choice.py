@@ -18,6 +18,26 @@ def local_candidates(local_steps: Iterable[int], persistent_steps: Sequence[int]
             and (newest_persistent is None or s >= newest_persistent or s == step)]
 
 
+def decide_prefetch_step(local_steps: Sequence[int], persistent_steps: Sequence[int],
+                         asked: int | None) -> tuple[int, str] | None:
+    """The step a restarting process reads ahead of its restore (prefetch.py), and from which tier
+    ("local": where saves go; "persistent": the tier behind a local tier): the step the restore will
+    try first as far as this process alone can tell. `asked`: the step RESILAX_RESTORE_STEP names
+    (None: the newest). Local steps offered as `local_candidates` offers them, the newest of the
+    two tiers, the local copy when both hold it (the restore reads its own tier first). The restore
+    may still choose another (the processes' agreement, a copy that turns out unreadable): the
+    prefetch is then unused, never restored from."""
+    local = local_candidates(local_steps, persistent_steps, asked)
+    persistent = [s for s in persistent_steps if asked is None or s == asked]
+    newest_local = max(local, default=None)
+    newest_persistent = max(persistent, default=None)
+    if newest_local is not None and (newest_persistent is None or newest_local >= newest_persistent):
+        return newest_local, "local"
+    if newest_persistent is not None:
+        return newest_persistent, "persistent"
+    return None
+
+
 def steps_to_try(agreed: Iterable[int], step: int | None, fallback: bool) -> list[int]:
     """The agreed steps a two-tier restore tries, newest first: with a fallback from `step` (the
     step `latest` resolved to), those no newer than it."""

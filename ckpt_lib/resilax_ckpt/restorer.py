@@ -24,6 +24,7 @@ from resilax_ckpt import (
     layout,
     peer_client,
     peers,
+    prefetch,
     pytrees,
     reader,
     restore_choice,
@@ -274,7 +275,8 @@ class Restorer:
         return restore_step(tier.storage, tier.backend, path, step, target, items, t.options.max_inflight_bytes,
                             t.coord.process_index,
                             layout.metadata_name(t.own_suffix) if own_metadata else layout.METADATA_FILE,
-                            t.options.io_concurrency, reuse_host_buffers=t.options.restore_reuse_host_buffers,
+                            t.options.io_concurrency, prefetch.claim(tier.storage, path, step),
+                            reuse_host_buffers=t.options.restore_reuse_host_buffers,
                             host_buffer_bytes=t.options.restore_host_buffer_bytes)
 
     def _read_either_tier(self, step: int, local_ok: bool, in_persistent: bool,

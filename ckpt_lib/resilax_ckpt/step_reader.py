@@ -7,7 +7,7 @@ No choice of step happens here: restorer.py picks the step and the tier, this mo
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -44,11 +44,14 @@ def read_metadata(storage: Storage, step_path: str, name: str = layout.METADATA_
 def restore_step(storage: Storage, backend: backends.ChunkBackend, step_path: str, step: int,
                  target: Mapping[str, Any] | None, items: Iterable[str] | None, max_inflight_bytes: int,
                  process_index: int, metadata_name: str = layout.METADATA_FILE,
-                 io_concurrency: int = 32, *, reuse_host_buffers: bool | None = None,
+                 io_concurrency: int = 32,
+                 prefilled: Callable[[reader.LeafRead], bool] | None = None, *,
+                 reuse_host_buffers: bool | None = None,
                  host_buffer_bytes: int = reader.DEFAULT_HOST_RING_BYTES) -> dict[str, Any]:
     """Restore from one committed step folder (see CheckpointManager.restore), reading the chunks
     through `backend` (the storage's: backends.for_storage); `reuse_host_buffers` and
-    `host_buffer_bytes`: reader.read_leaves."""
+    `host_buffer_bytes`: reader.read_leaves. `prefilled(read)` finishes a leaf from buffers read
+    ahead of this folder and says whether it did (prefetch.py); the others are read."""
     meta = read_metadata(storage, step_path, metadata_name)
     names = list(items) if items is not None else list(meta.items)
     unknown = [n for n in names if n not in meta.items]
@@ -101,6 +104,8 @@ def restore_step(storage: Storage, backend: backends.ChunkBackend, step_path: st
         assemble.append((name, treedef if treedef is not None else [lf.path for lf in leaves], slots))
     if problems:
         raise ShapeMismatchError("; ".join(problems))
+    if prefilled is not None:
+        reads = [r for r in reads if not prefilled(r)]
     try:
         reader.read_leaves(reads, step_path, backend, max_inflight_bytes, io_concurrency,
                            reuse_host_buffers=reuse_host_buffers, host_buffer_bytes=host_buffer_bytes)

@@ -117,16 +117,10 @@ class Tiers:
         storage, root = self.local.storage, self.local.root
         if not self.local_tier:
             return commit.list_visible(storage, root)
-        # Without the steps a restore found unreadable (`<local>/_bad/`) and those of a timeline a
-        # rollback abandoned (the persistent tier's branch records: a host that missed the rollback).
-        bad = commit.read_bad(storage, root)
-        marker = layout.commit_name(self.own_suffix)
-        committed = [s for s in commit.list_committed(storage, root, marker) if s not in bad]
-        if self.persistent is None:
-            return committed
-        return timelines.current_steps(
-            committed, lambda s: commit.read_marker_epoch(storage, storage.join(root, layout.step_name(s)), marker),
-            timelines.read_branches(self.persistent.storage, self.persistent.root))
+        # Without the steps a restore found unreadable and those of a timeline a rollback abandoned.
+        return commit.list_local_tier(storage, root, layout.commit_name(self.own_suffix),
+                                      None if self.persistent is None
+                                      else (self.persistent.storage, self.persistent.root))
 
     def superseded_steps(self) -> list[int]:
         """The steps of timelines a rollback abandoned, kept on storage (timelines.py)."""

@@ -117,6 +117,22 @@ def list_visible(storage: Storage, root: str, marker: str = layout.COMMIT_FILE,
     return scan_steps(storage, root, marker, use_fences).visible
 
 
+def list_local_tier(storage: Storage, root: str, marker: str,
+                    branches_at: tuple[Storage, str] | None) -> list[int]:
+    """A local tier's committed steps (this process's `marker`) that a restore may read: not marked
+    bad (`<local>/_bad/`) and, with the persistent tier `branches_at` (its storage and root) behind
+    it, not on a timeline a rollback abandoned (its branch records: a host that missed the rollback).
+    No fences: the local tier's are the persistent tier's and its steps are this generation's own
+    or its predecessors', which the withdrawal at restore (tiers.py) handles."""
+    bad = read_bad(storage, root)
+    committed = [s for s in list_committed(storage, root, marker) if s not in bad]
+    if branches_at is None:
+        return committed
+    return timelines.current_steps(
+        committed, lambda s: read_marker_epoch(storage, storage.join(root, layout.step_name(s)), marker),
+        timelines.read_branches(*branches_at))
+
+
 def list_superseded(storage: Storage, root: str) -> list[int]:
     """The steps of abandoned timelines kept on storage: hidden in place, or kept aside after their
     number was saved again on the current branch (timelines.py)."""

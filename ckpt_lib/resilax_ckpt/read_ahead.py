@@ -1,0 +1,340 @@
+"""The reading half of the restore prefetch (prefetch.py chooses what and starts it): the read-ahead
+of one step folder's leaves on a background thread with the restore's own reader, and their hand-over
+to the restore that reads the same folder (`RestorePrefetch.claim` and `fill`), with the pure plans
+behind it (which boxes of a leaf, how many leaves fit in memory, a box from the boxes held).
+
+JAX-free, like prefetch.py. Called on: each process by itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from resilax_ckpt import backends, chunk_format, planning, reader
+from resilax_ckpt.errors import ResilaxCkptError
+from resilax_ckpt.metadata import LeafMetadata
+from resilax_ckpt.options import ManagerOptions
+from resilax_ckpt.storage import Storage
+
+log = logging.getLogger(__name__)
+
+BATCH_BYTES = 256 << 20
+"""The leaves are read in batches of about this many bytes (one reader.read_leaves each): a cancel
+(the restore picked another step) waits for one batch at most."""
+
+EventHook = Callable[[str, dict[str, Any]], None]
+"""`on_event(name, info)`: "started" (the step is chosen and its metadata read; the chunk reads are
+queued), "leaf" (a leaf's buffers are read: item, leaf, bytes), "done" (the reads ended: stats),
+"taken" (the restore took a leaf), "released" (the rest dropped: reason). Called on the reading
+thread or the restore's; it must be quick and must not raise."""
+
+Box = planning.Box
+
+
+# ---------------------------------------------------------------------------- pure choices
+
+
+def plan_leaf_boxes(leaf: LeafMetadata, whole: bool, file_present: Callable[[tuple[str, ...]], bool]) -> list[Box]:
+    """The boxes of an array leaf to prefetch: the whole array (`whole`: one process reads all), else
+    the region of every chunk whose file `file_present` (this process's local-tier files: with an
+    unchanged mesh, the boxes its restore reads)."""
+    shape = tuple(leaf.shape)
+    if any(d == 0 for d in shape):
+        return []
+    if whole:
+        return [tuple((0, d) for d in shape)]
+    files = chunk_format.ArrayFiles.of(leaf)
+    grid = [range(-(-d // c)) for d, c in zip(shape, leaf.chunks, strict=True)]
+    chunks: list[tuple[int, ...]] = [()]
+    for r in grid:
+        chunks = [(*prefix, i) for prefix in chunks for i in r]
+    present: dict[tuple[str, ...], bool] = {}
+    boxes = []
+    for chunk in chunks:
+        key = files.locate(chunk)[0]
+        if key not in present:
+            present[key] = file_present(key)
+        if present[key]:
+            boxes.append(tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(chunk, leaf.chunks, shape, strict=True)))
+    return boxes
+
+
+def plan_within_memory(sizes: Iterable[int], limit: int) -> int:
+    """How many of the leaves (their byte sizes, in reading order) fit in `limit` bytes: the prefetch
+    stops at the first that does not."""
+    total = 0
+    count = 0
+    for size in sizes:
+        total += size
+        if total > limit:
+            break
+        count += 1
+    return count
+
+
+def find_box(held: Mapping[Box, np.ndarray], box: Box) -> np.ndarray | None:
+    """`box`'s buffer from the held boxes: the held buffer itself when it is exactly `box`, a copy of
+    its part of a held box that contains it, None when no held box does."""
+    exact = held.get(box)
+    if exact is not None:
+        return exact
+    for have, buf in held.items():
+        if all(a0 <= a and b <= b0 for (a, b), (a0, b0) in zip(box, have, strict=True)):
+            out = reader.aligned_empty(planning.box_shape(box), buf.dtype)
+            np.copyto(out, reader.subview(buf, planning.offset_index(box, have)))
+            return out
+    return None
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+class BoxesRead(reader.LeafRead):
+    """A leaf read into host buffers of the given boxes (reader.read_leaves drives it); `result` is
+    then {box: buffer}."""
+
+    def __init__(self, item: str, leaf: LeafMetadata, boxes: list[Box]) -> None:
+        super().__init__(item, leaf, np.dtype(leaf.dtype), None)
+        self._boxes = boxes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(planning.box_size(b) for b in self._boxes) * np.dtype(self.leaf.dtype).itemsize
+
+    def plan_boxes(self) -> None:
+        self.devices = {box: [] for box in self._boxes}
+
+    def finish(self) -> None:
+        self.result = dict(self.buffers)
+        self.buffers = {}
+
+
+FileState = dict[str, tuple[int, int, int, int]]
+
+
+def _file_state(folder: str) -> FileState:
+    """Every file under a leaf's local folder: (device, inode, size, mtime_ns)."""
+    out: FileState = {}
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            out[os.path.relpath(path, folder)] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
+@dataclasses.dataclass
+class _Held:
+    leaf: LeafMetadata
+    buffers: dict[Box, np.ndarray]
+    files: FileState | None
+    """The leaf's files when read (local storage; None on object stores, whose attempts are write-once)."""
+    nbytes: int
+
+
+def available_memory() -> int:
+    """MemAvailable of /proc/meminfo (else the free physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+class RestorePrefetch:
+    """One process's read-ahead of one step folder (see the module docstring). Built by `start_prefetch`.
+
+    Call order: 1. `start_prefetch` (reads begin on a background thread); 2. the manager's restore
+    `claim`s the folder it reads (waiting for the reads when it is this one, else dropping them);
+    3. `release` drops what the restore did not take. `wait` and `stats` at any time."""
+
+    def __init__(self, storage: Storage, backend: backends.ChunkBackend, step: int, tier: str, step_path: str,
+                 reads: list[BoxesRead], left: int, options: ManagerOptions, on_event: EventHook | None) -> None:
+        self.step = step
+        """The step read ahead."""
+        self.tier = tier
+        """"local" (where saves go) or "persistent" (the tier behind a local tier)."""
+        self.step_path = step_path
+        """The step folder read (the restore uses the buffers only when it reads this folder)."""
+        self._storage = storage
+        self._backend = backend
+        self._reads = reads
+        self._options = options
+        self._on_event = on_event
+        self._held: dict[tuple[str, str | None], _Held] = {}
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._released: str | None = None
+        self._error: str | None = None
+        self._stats: dict[str, Any] = {"step": step, "tier": tier, "path": step_path, "leaves": len(reads), "left_to_restore": left,
+                       "bytes": sum(r.nbytes for r in reads), "read_leaves": 0, "read_bytes": 0,
+                       "taken_leaves": 0, "taken_bytes": 0, "started": time.time(), "read_seconds": None}
+        self._thread = threading.Thread(target=self._run, name="resilax-prefetch", daemon=True)
+
+    # ------------------------------------------------------------------ queries
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the reads ended (done, failed or cancelled); whether they did within `timeout`."""
+        return self._done.wait(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """What was read and taken: step, tier, path, leaves and bytes planned, read and taken by the
+        restore, leaves left to the restore (memory), read_seconds, error, released (why)."""
+        with self._lock:
+            return {**self._stats, "error": self._error, "released": self._released}
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        self._emit("started", {"step": self.step, "tier": self.tier, "path": self.step_path,
+                               "leaves": len(self._reads), "bytes": self._stats["bytes"]})
+        self._thread.start()
+
+    def claim(self, storage: Storage, step_path: str, step: int) -> Callable[[reader.LeafRead], bool] | None:
+        """The restore reads `step` from `step_path`: when that is the prefetched folder, wait for the
+        reads and return the function that fills a restore's leaf from them (`fill`); else drop the
+        prefetch (the restore picked another step or tier) and return None."""
+        if self._released is not None:
+            return None
+        if step != self.step or storage.is_local != self._storage.is_local or not same_path(storage, step_path,
+                                                                                              self.step_path):
+            self.release(f"the restore reads step {step} from {step_path}")
+            return None
+        self._done.wait()
+        return self.fill
+
+    def fill(self, read: reader.LeafRead) -> bool:
+        """Give a restore's leaf its buffers from the prefetch and finish it (its `result` is then set):
+        True when the prefetch holds this leaf with the same metadata, unchanged files, and every box
+        the leaf's target needs (a held box or one containing it); else False (the restore reads it)."""
+        key = (read.item, read.leaf.dir)
+        with self._lock:
+            held = self._held.pop(key, None)
+        if held is None:
+            return False
+        if held.leaf != read.leaf:
+            log.info("restore prefetch: %s has other metadata than the one prefetched: read again", read.name)
+            return False
+        if held.files is not None and _file_state(self._leaf_path(read.item, read.leaf)) != held.files:
+            log.info("restore prefetch: the files of %s changed since they were prefetched: read again", read.name)
+            return False
+        read.plan_boxes()
+        buffers: dict[Box, np.ndarray] = {}
+        for box in read.devices:
+            buf = find_box(held.buffers, box)
+            if buf is None:
+                return False
+            buffers[box] = buf
+        read.buffers = buffers
+        read.remaining = 0
+        read.finish()
+        with self._lock:
+            self._stats["taken_leaves"] += 1
+            self._stats["taken_bytes"] += held.nbytes
+        self._emit("taken", {"item": read.item, "leaf": read.leaf.keystr, "bytes": held.nbytes})
+        return True
+
+    def release(self, reason: str) -> None:
+        """Stop reading (after the batch under way) and drop every buffer the restore did not take."""
+        with self._lock:
+            if self._released is not None:
+                return
+            self._released = reason
+        self._cancel.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._done.wait()
+        with self._lock:
+            unused = len(self._held)
+            self._held.clear()
+        if unused:
+            log.info("restore prefetch of step %d: %d leaves unused (%s)", self.step, unused, reason)
+        self._emit("released", {"reason": reason, "unused_leaves": unused})
+
+    # ------------------------------------------------------------------ the reading thread
+
+    def _run(self) -> None:
+        began = time.perf_counter()
+        try:
+            batch: list[BoxesRead] = []
+            size = 0
+            for read in self._reads:
+                if self._cancel.is_set():
+                    break
+                batch.append(read)
+                size += read.nbytes
+                if size >= BATCH_BYTES:
+                    self._read_batch(batch)
+                    batch, size = [], 0
+            if batch and not self._cancel.is_set():
+                self._read_batch(batch)
+        except (ResilaxCkptError, OSError) as e:  # the restore meets it again and decides (fallback)
+            self._fail(e)
+        except Exception as e:  # a read-ahead never takes the trainer down
+            log.debug("restore prefetch failed", exc_info=True)
+            self._fail(e)
+        finally:
+            with self._lock:
+                self._stats["read_seconds"] = time.perf_counter() - began
+            self._done.set()
+            self._emit("done", self.stats())
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            self._error = f"{type(e).__name__}: {e}"
+        log.warning("restore prefetch of step %d stopped (the restore reads the rest itself): %s: %s",
+                    self.step, type(e).__name__, e)
+
+    def _leaf_path(self, item: str, leaf: LeafMetadata) -> str:
+        return self._storage.join(self.step_path, item, str(leaf.dir))
+
+    def _read_batch(self, batch: list[BoxesRead]) -> None:
+        local = self._storage.is_local
+        before = [_file_state(self._leaf_path(r.item, r.leaf)) if local else None for r in batch]
+        reader.read_leaves(list(batch), self.step_path, self._backend, self._options.max_inflight_bytes,
+                           self._options.io_concurrency)
+        for read, files in zip(batch, before, strict=True):
+            after = _file_state(self._leaf_path(read.item, read.leaf)) if local else None
+            if after != files:  # changed while read: leave it to the restore
+                continue
+            with self._lock:
+                if self._released is not None:
+                    return
+                self._held[(read.item, read.leaf.dir)] = _Held(read.leaf, read.result, files, read.nbytes)
+                self._stats["read_leaves"] += 1
+                self._stats["read_bytes"] += read.nbytes
+            read.result = None
+            self._emit("leaf", {"item": read.item, "leaf": read.leaf.keystr, "bytes": read.nbytes})
+
+    def _emit(self, name: str, info: dict[str, Any]) -> None:
+        if self._on_event is not None:
+            self._on_event(name, info)
+
+
+def files_in(folder: str) -> Callable[[tuple[str, ...]], bool]:
+    def present(key: tuple[str, ...]) -> bool:
+        return os.path.exists(os.path.join(folder, *key))
+    return present
+
+
+def same_path(storage: Storage, a: str, b: str) -> bool:
+    if storage.is_local:
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a.rstrip("/") == b.rstrip("/")

@@ -1,0 +1,236 @@
+"""The restore hidden under start-up (prefetch.py, issue 38): a restarting trainer's checkpoint read
+starts before JAX initialises its backend, proven by the order of events in one log (the prefetch's
+own events, JAX's backend-initialisation hook, the trainer's steps), not by timing; what it restores
+is bit-exact; and a prefetch of a step the restore does not pick, or of files that changed since, is
+never restored from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import resilax_ckpt as rc
+from ckpt_worker import expected, global_mesh, make_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from resilax_ckpt import chunk_format, prefetch, read_ahead, restore_choice
+from resilax_ckpt.metadata import LeafMetadata
+from resilax_ckpt.options import InvalidOptionsError
+
+TRAINER = Path(__file__).with_name("prefetch_trainer.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _no_prefetch_left():
+    """Each test starts and ends without a process prefetch (start_prefetch is once per process)."""
+    prefetch.stop()
+    yield
+    prefetch.stop()
+
+
+def save_steps(directory: Path, steps: list[int], local_tier: bool = False) -> None:
+    mesh = global_mesh([4, 2])
+    with rc.CheckpointManager(str(directory), rc.ManagerOptions(async_save=False, local_tier=local_tier)) as mgr:
+        for step in steps:
+            mgr.save(step, {"params": make_state(step, mesh), "meta": {"step": step}}, force=True)
+
+
+def run_trainer(tmp_path: Path, env: dict[str, str], devices: int = 1, between: str | None = None) -> dict:
+    out = tmp_path / "out"
+    out.mkdir()
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("RESILAX_", "JAX_"))}
+    full.update(env, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                PYTHONPATH=os.pathsep.join([str(ROOT / "ckpt_lib"), str(TRAINER.parent), full.get("PYTHONPATH", "")]))
+    args = {"out": str(out), "devices": devices, "between": between}
+    proc = subprocess.run([sys.executable, str(TRAINER), json.dumps(args)], env=full, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out / "events.json").read_text())
+    with np.load(out / "restored.npz") as data:
+        result["arrays"] = {k: data[k] for k in data.files}
+    return result
+
+
+def index(events: list[dict], name: str) -> int:
+    found = [i for i, e in enumerate(events) if e["event"] == name]
+    assert found, f"no {name!r} event in {[e['event'] for e in events]}"
+    return found[0]
+
+
+def assert_bit_exact(arrays: dict[str, np.ndarray], step: int) -> None:
+    want = expected(step)
+    assert sorted(arrays) == sorted(want)
+    for name, value in want.items():
+        assert arrays[name].dtype == value.dtype, name
+        assert arrays[name].tobytes() == value.tobytes(), name
+
+
+# ---------------------------------------------------------------------------- a restarting trainer
+
+
+@pytest.mark.parametrize("devices", [1, 4], ids=["one-device", "four-devices"])
+def test_read_starts_before_the_backend_and_the_restore_takes_it(tmp_path, devices):
+    save_steps(tmp_path / "ckpt", [10, 20])
+    result = run_trainer(tmp_path, {"RESILAX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}, devices)
+    events = result["events"]
+    started = index(events, "prefetch-started")
+    # The step is chosen, its metadata read and its chunk reads queued before the trainer even imports
+    # JAX; the backend comes up later (JAX's own hook says when), after jax.devices() was entered.
+    assert events[started]["step"] == 20
+    assert started < index(events, "start_prefetch-returned") < index(events, "jax-imported")
+    assert index(events, "jax-imported") < index(events, "devices-entered") < index(events, "backend-initialized")
+    assert not events[started]["backends_initialized"]
+    assert not events[index(events, "start_prefetch-returned")]["jax_imported"]
+    leaves = [e for e in events if e["event"] == "prefetch-leaf"]
+    assert len(leaves) == 3 and all(e["thread"] == "resilax-prefetch" for e in leaves)
+    # The restore picked the prefetched step and took every leaf from it (no second read), bit-exact.
+    taken = [e for e in events if e["event"] == "prefetch-taken"]
+    assert index(events, "restore-entered") < index(events, "prefetch-taken")
+    assert sorted(e["leaf"] for e in taken) == ["['b']", "['e']", "['w']"]
+    stats = result["stats"]
+    assert (stats["step"], stats["read_leaves"], stats["taken_leaves"], stats["error"]) == (20, 3, 3, None)
+    assert stats["taken_bytes"] == stats["bytes"] == sum(v.nbytes for v in expected(20).values())
+    assert result["report"]["step"] == 20 and result["shardings_as_asked"]
+    assert_bit_exact(result["arrays"], 20)
+
+
+def test_a_pinned_step_is_the_one_read_ahead(tmp_path):
+    save_steps(tmp_path / "ckpt", [10, 20])
+    result = run_trainer(tmp_path, {"RESILAX_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "RESILAX_RESTORE_STEP": "10"})
+    assert (result["stats"]["step"], result["stats"]["taken_leaves"]) == (10, 3)
+    assert_bit_exact(result["arrays"], 10)
+
+
+def test_a_step_marked_bad_after_the_prefetch_is_not_restored_from_it(tmp_path):
+    """Between the prefetch of step 20 and the restore, step 20 is marked bad (another process could
+    not read it): the restore's choice, unchanged, falls to step 10 and reads it; the prefetched
+    buffers of step 20 are dropped unused."""
+    save_steps(tmp_path / "ckpt", [10, 20])
+    result = run_trainer(tmp_path, {"RESILAX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}, between="mark_bad")
+    events = result["events"]
+    assert result["stats"]["step"] == 20 and result["stats"]["read_leaves"] == 3
+    assert result["stats"]["taken_leaves"] == 0 and not any(e["event"] == "prefetch-taken" for e in events)
+    released = events[index(events, "prefetch-released")]
+    assert "step 10" in released["reason"]
+    assert result["report"]["step"] == 10
+    assert_bit_exact(result["arrays"], 10)
+
+
+def test_a_file_replaced_after_the_prefetch_is_read_again(tmp_path):
+    """One of step 20's chunk files is replaced with damaged bytes after the prefetch read it: the
+    restore does not take the prefetched (good) copy of that leaf; it reads the file, finds the
+    checksum wrong, marks step 20 bad and falls back to step 10, as without a prefetch."""
+    save_steps(tmp_path / "ckpt", [10, 20])
+    result = run_trainer(tmp_path, {"RESILAX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}, between="replace_file")
+    assert result["report"]["step"] == 10
+    assert [s["step"] for s in result["report"]["skipped"]] == [20]
+    assert "checksum" in result["report"]["skipped"][0]["reason"].lower()
+    assert_bit_exact(result["arrays"], 10)
+
+
+def test_off_by_environment(tmp_path):
+    save_steps(tmp_path / "ckpt", [10])
+    result = run_trainer(tmp_path, {"RESILAX_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "RESILAX_RESTORE_PREFETCH": "0"})
+    assert result["stats"] is None and not any(e["event"].startswith("prefetch-") for e in result["events"])
+    assert_bit_exact(result["arrays"], 10)
+
+
+# ---------------------------------------------------------------------------- in this process
+
+
+def test_local_tier_prefetch_restored_onto_another_mesh(tmp_path, devices):
+    """A local tier (one process): the prefetch reads the local step (whole arrays); the restore onto
+    a 2x4 mesh takes each device's box from them."""
+    save_steps(tmp_path / "local", [5, 7], local_tier=True)
+    env = {"RESILAX_LOCAL_DIR": str(tmp_path / "local"), "RESILAX_CHECKPOINT_DIR": str(tmp_path / "persistent")}
+    handle = prefetch.start_prefetch(env)
+    assert handle is not None and (handle.step, handle.tier) == (7, "local")
+    assert prefetch.start_prefetch(env) is handle, "idempotent"
+    mesh = global_mesh([2, 4])
+    specs = {"w": P("b", "a"), "b": P("b"), "e": P(None, "b")}
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[k]))
+                         for k, v in expected(0).items()}}
+    with rc.CheckpointManager.from_env(env) as mgr:
+        out = mgr.restore(mgr.restore_step_from_env(env, target=target), target=target)
+    assert handle.stats()["taken_leaves"] == 3 and mgr.restored_from == "local"
+    for name, value in expected(7).items():
+        assert out["params"][name].sharding == target["params"][name].sharding
+        np.testing.assert_array_equal(np.asarray(out["params"][name]), value)
+
+
+def test_the_prefetch_module_does_not_import_jax():
+    code = ("import sys; from resilax_ckpt import prefetch, read_ahead, multihost; "
+            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "ckpt_lib")})
+
+
+def test_malformed_settings_are_named():
+    with pytest.raises(InvalidOptionsError) as e:
+        prefetch.PrefetchSettings.from_env({"RESILAX_RESTORE_PREFETCH": "maybe", "RESILAX_RESTORE_PREFETCH_MEMORY": "2",
+                                            "RESILAX_RESTORE_STEP": "newest", "RESILAX_CHECKPOINT_DIR": "/x"})
+    for name in ("RESILAX_RESTORE_PREFETCH='maybe'", "RESILAX_RESTORE_PREFETCH_MEMORY='2'", "RESILAX_RESTORE_STEP='newest'"):
+        assert name in str(e.value)
+
+
+@pytest.mark.parametrize(("env", "on"), [
+    ({}, False),  # not configured as a worker
+    ({"RESILAX_CHECKPOINT_DIR": "/c"}, True),
+    ({"RESILAX_CHECKPOINT_DIR": "/c", "RESILAX_RESTORE_PREFETCH": "off"}, False),
+    ({"RESILAX_CHECKPOINT_DIR": "/c", "RESILAX_RESTORE_STEP": "none"}, False),
+], ids=["unconfigured", "on-by-default", "off", "no-restore"])
+def test_when_it_is_on(env, on):
+    assert (prefetch.PrefetchSettings.from_env(env) is not None) == on
+
+
+# ---------------------------------------------------------------------------- pure choices
+
+
+@pytest.mark.parametrize(("local", "persistent", "asked", "want"), [
+    ([], [], None, None),
+    ([10, 20], [], None, (20, "local")),
+    ([10, 20], [], 10, (10, "local")),
+    ([10, 20], [], 15, None),
+    ([30], [10, 20], None, (30, "local")),
+    ([20], [10, 20], None, (20, "local")),  # both hold it: the restore reads its own tier first
+    ([10], [10, 20], None, (20, "persistent")),
+    ([], [10, 20], 10, (10, "persistent")),
+], ids=["nothing", "newest", "pinned", "pinned-missing", "local-newer", "both", "persistent-newer",
+        "pinned-persistent"])
+def test_decide_prefetch_step(local, persistent, asked, want):
+    assert restore_choice.decide_prefetch_step(local, persistent, asked) == want
+
+
+def _leaf(shape, chunks, shard=()):
+    return LeafMetadata(keystr="['x']", path=[["d", "x"]], kind="array", dir="0", shape=shape, dtype="float32",
+                        chunks=chunks, shard=shard)
+
+
+def test_plan_leaf_boxes():
+    leaf = _leaf((8, 6), (4, 3))
+    assert read_ahead.plan_leaf_boxes(leaf, True, lambda key: False) == [((0, 8), (0, 6))]
+    files = chunk_format.ArrayFiles.of(leaf)
+    mine = {files.locate((0, 1))[0], files.locate((1, 1))[0]}
+    assert read_ahead.plan_leaf_boxes(leaf, False, lambda key: key in mine) == [((0, 4), (3, 6)), ((4, 8), (3, 6))]
+    assert read_ahead.plan_leaf_boxes(_leaf((0, 6), (4, 3)), True, lambda key: True) == []
+
+
+def test_plan_within_memory():
+    assert read_ahead.plan_within_memory([4, 4, 4], 8) == 2
+    assert read_ahead.plan_within_memory([9, 1], 8) == 0
+    assert read_ahead.plan_within_memory([], 8) == 0
+
+
+def test_find_box():
+    whole = np.arange(48, dtype=np.float32).reshape(8, 6)
+    held = {((0, 8), (0, 6)): whole}
+    assert read_ahead.find_box(held, ((0, 8), (0, 6))) is whole
+    part = read_ahead.find_box(held, ((4, 8), (3, 6)))
+    assert part is not None and part.tobytes() == whole[4:8, 3:6].tobytes()
+    assert read_ahead.find_box({((0, 4), (0, 6)): whole[:4]}, ((2, 6), (0, 6))) is None
