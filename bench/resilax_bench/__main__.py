@@ -420,15 +420,12 @@ def render_run(data: dict[str, Any]) -> str:
             + ", ".join(f"{k} {v[k]}" for k in ("jax", "jaxlib", "libtpu", "tensorstore", "orbax-checkpoint", "numpy") if v.get(k, "not installed") != "not installed")
             + "."
         )
-    paths = sorted(
-        {
-            json.dumps(s["save_info"], sort_keys=True)
-            for r in rounds
-            for rec in [r["libs"].get("resilax", {})]
-            for s in rec.get("save", {}).get("saves", [])
-            if s.get("save_info")
-        }
-    )
+    paths = [
+        report.save_path_line(s)
+        for r in rounds
+        for s in r["libs"].get("resilax", {}).get("save", {}).get("saves", [])
+        if s.get("save_info")
+    ]
     opts = next((r["libs"]["resilax"]["save"].get("resilax_options") for r in rounds if "resilax" in r["libs"]), None)
     if opts:
         notes.append("resilax options: " + ", ".join(f"{k}={v}" for k, v in opts.items()))

@@ -114,6 +114,20 @@ def render(paths: list[str]) -> str:
             lines.append("\nIssue 37 targets (resilax): " + "; ".join(
                 f"{name}: {shown} {verdict}" for name, _, shown, verdict in report.accel_targets(data["summary"], nbytes)
             ))
+        reports = [
+            report.save_path_line(s)
+            for r in data.get("rounds", [])
+            for s in r["libs"].get("resilax", {}).get("save", {}).get("saves", [])
+            if s.get("save_info")
+        ]
+        if reports:
+            lines.append("resilax save path: " + "; ".join(reports))
+        opts = next(
+            (r["libs"]["resilax"]["save"].get("resilax_options") for r in data.get("rounds", []) if "resilax" in r["libs"]),
+            None,
+        )
+        if opts:
+            lines.append("resilax options: " + ", ".join(f"{k}={v}" for k, v in opts.items()))
         for lib, msg in data.get("errors", {}).items():
             lines.append(f"- not measured: {lib}: {msg[:300]}")
         facts = data.get("facts", {})

@@ -215,6 +215,20 @@ def targets(summary: dict[str, Any], lib: str = "resilax") -> list[tuple[str, fl
     return out
 
 
+SAVE_PATH_KEYS = ("device_copy", "reason", "device_bytes", "host_bytes", "blocked_seconds", "transfer_seconds")
+
+
+def save_path_line(save: dict[str, Any]) -> str:
+    """One save's report from resilax (which transfer path, why, what HBM it held), short."""
+    info = save["save_info"]
+    keys = [k for k in SAVE_PATH_KEYS if k in info] or sorted(info)
+
+    def shown(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    return f"step {save['step']}: " + ", ".join(f"{k}={shown(info[k])}" for k in keys)
+
+
 def accel_targets(
     summary: dict[str, Any], state_bytes: int, lib: str = "resilax"
 ) -> list[tuple[str, float | None, str, str]]:
