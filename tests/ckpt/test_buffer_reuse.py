@@ -191,6 +191,23 @@ def test_restore_finds_the_ring_a_manager_warmed_and_allocates_nothing(tmp_path,
     assert reader.warm_host_ring(ring_bytes) is None  # already there
 
 
+@pytest.mark.gcs
+def test_restore_from_gcs_reuses_the_ring_and_keeps_a_held_result(gcs_root, devices):
+    """tensorstore's reads (gs://) fill ring pieces as the file reader's do."""
+    reader.release_host_buffers()
+    with rc.CheckpointManager(gcs_root, ring_options(restore_host_buffer_bytes=2 * 8 * 4096)) as mgr:
+        mgr.save(1, restore_state(1, devices))
+        mgr.save(2, restore_state(2, devices))
+        mgr.wait()
+        target = restore_state(0, devices)
+        held = mgr.restore(1, target)
+        before = allocations()
+        second = mgr.restore(2, target)
+        assert allocations() - before == 1  # the host leaf
+        assert_same(held, host_copy(restore_state(1, devices)))
+        assert_same(second, host_copy(restore_state(2, devices)))
+
+
 def test_restore_host_ring_lends_pieces_in_order_and_takes_them_back_in_any_order():
     ring = reader.HostRing(4 * 4096)
     a, b, c = ring.take(4096), ring.take(2 * 4096), ring.take(4096)
