@@ -367,6 +367,8 @@ class HostLease:
     def __init__(self, want: int, limit: int) -> None:
         global _ring, _ring_busy
         self.ring: HostRing | None = None
+        self._holds = False
+        """Whether this lease holds the process's ring (and frees it in `close`)."""
         self._placed: collections.deque[tuple[int, list[Any]]] = collections.deque()
         size = min(limit, -(-want // DIRECT_ALIGN) * DIRECT_ALIGN)
         if size <= 0:
@@ -379,7 +381,7 @@ class HostLease:
             if _ring is None or _ring.nbytes < size:
                 _ring = None  # the old one's memory goes before the new one's is touched
                 _ring = HostRing(size)
-            _ring_busy = True
+            _ring_busy = self._holds = True
             self.ring = _ring
 
     def take(self, read: LeafRead, stored: np.dtype) -> bool:
@@ -455,8 +457,9 @@ class HostLease:
                 with _ring_lock:
                     if _ring is self.ring:
                         _ring = None
-            with _ring_lock:
-                _ring_busy = False
+            if self._holds:
+                with _ring_lock:
+                    _ring_busy = self._holds = False
 
 
 def subview(array: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:

@@ -224,6 +224,22 @@ def test_restore_host_ring_lends_pieces_in_order_and_takes_them_back_in_any_orde
     assert ring.take(5 * 4096) is None  # bigger than the ring
 
 
+def test_restore_host_ring_is_held_by_one_restore_at_a_time():
+    """A restore that finds the ring held (another thread's restore) reads into fresh buffers, and its
+    end does not free the ring under the one that holds it."""
+    reader.release_host_buffers()
+    first = reader.HostLease(4 * 4096, 1 << 20)
+    assert first.ring is not None
+    second = reader.HostLease(4 * 4096, 1 << 20)
+    assert second.ring is None
+    second.close([])
+    assert reader.HostLease(4 * 4096, 1 << 20).ring is None  # still held by `first`
+    first.close([])
+    third = reader.HostLease(4 * 4096, 1 << 20)
+    assert third.ring is first.ring  # the same memory again
+    third.close([])
+
+
 def test_restore_host_buffer_bytes_is_validated():
     with pytest.raises(rc.InvalidOptionsError, match="restore_host_buffer_bytes: -1 must be >= 0"):
         rc.ManagerOptions(restore_host_buffer_bytes=-1)
