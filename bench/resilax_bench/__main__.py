@@ -433,7 +433,8 @@ def render_run(data: dict[str, Any]) -> str:
         notes.append(
             "resilax save report: " + ("; ".join(paths) if paths else "none (this resilax_ckpt reports no save path)")
         )
-    return report.render(summary, measured, data["errors"], header, state_bytes, notes)
+    accel = bool(data.get("args", {}).get("accel"))
+    return report.render(summary, measured, data["errors"], header, state_bytes, notes, accel)
 
 
 def _med(values: list[float]) -> str:

@@ -22,6 +22,7 @@ ROWS = (
     ("cold_restore_s", "cold restore"),
     ("first_restore_s", "first restore of a fresh process"),
     ("rss_save_x", "peak host RSS during a save, x state"),
+    ("open_restore_s", "opening the library for a restore (fresh process, not in the rows above)"),
 )
 
 
@@ -47,6 +48,9 @@ def _where(data: dict[str, Any]) -> str:
 
 def _cell(data: dict[str, Any], lib: str, key: str) -> str:
     s = data["summary"]
+    if key == "open_restore_s":
+        opened = [r["libs"][lib]["restore"]["open_s"] for r in data.get("rounds", []) if "open_s" in r["libs"].get(lib, {}).get("restore", {})]
+        return f"{min(opened):.3f} s" if opened else "—"
     v = s["medians"].get(lib, {}).get(key)
     if v is None:
         return "—"

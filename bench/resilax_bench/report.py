@@ -289,8 +289,9 @@ def render(
     header: str,
     state_bytes: int = 0,
     notes: list[str] | None = None,
+    accel: bool = False,
 ) -> str:
-    accel = bool(summary.get("floors")) or any(
+    accel = accel or bool(summary.get("floors")) or any(
         summary["medians"][lib].get("step_s") is not None for lib in libs
     )
     names = [*libs, "dd"]
