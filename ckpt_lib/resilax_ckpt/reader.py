@@ -619,10 +619,13 @@ def read_leaves(reads: list[LeafRead], step_path: str, backend: ChunkBackendRead
         for index, read in enumerate(reads):
             stored = np.dtype(read.leaf.dtype)
             if lease is not None and id(read) in in_ring and lease.fits(read, stored):
-                # Room in the ring: give back the pieces of leaves whose transfers are done (waiting
-                # for the oldest), or finish the oldest reads (their leaves go to their devices).
-                while not lease.take(read, stored) and (lease.give_oldest() or limiter.finish_oldest()):
-                    pass
+                # No room in the ring: put every leaf already read on its devices (no waiting, so
+                # several transfers are in flight), then wait for the oldest transfer and give its
+                # piece back, or, with none placed, for the oldest reads.
+                while not lease.take(read, stored):
+                    limiter.finish_done()
+                    if not lease.give_oldest() and not limiter.finish_oldest():
+                        break
             read.copy_on_cpu = read.region >= 0
             if read.region < 0:
                 read.buffers = {box: box_buffer(planning.box_shape(box), stored) for box in read.devices}
