@@ -18,6 +18,14 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.get('devices', 8)}"
     os.environ["JAX_PLATFORMS"] = "cpu"
+    if args.get("prefetch"):  # a restarting trainer's first line (resilax_ckpt.prefetch), before JAX
+        from resilax_ckpt import prefetch
+
+        pid = args.get("process_id", 0)
+        prefetch.start_prefetch({
+            "RESILAX_LOCAL_DIR": args["root"].format(pid=pid), "RESILAX_CHECKPOINT_DIR": args["persistent"],
+            "JAX_COORDINATOR_ADDRESS": args.get("coordinator", ""), "JAX_PROCESS_ID": str(pid),
+            "JAX_NUM_PROCESSES": str(args.get("num_processes", 1))})
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -127,7 +135,11 @@ def scenario_restore(args):
         for shard in arr.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
     mgr.close()
-    return {"step": step, "steps": mgr.steps(), "meta": out["meta"], "data": out["data"],
+    from resilax_ckpt import prefetch
+
+    handle = prefetch.current()
+    return {"prefetch": handle.stats() if handle is not None else None,
+            "step": step, "steps": mgr.steps(), "meta": out["meta"], "data": out["data"],
             "process": jax.process_index(), "restored_from": mgr.restored_from, "own_latest": own_latest,
             "agreed": step_arg, "report": mgr.restore_report}
 

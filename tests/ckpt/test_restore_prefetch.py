@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,14 @@ import jax
 import numpy as np
 import pytest
 import resilax_ckpt as rc
+from ckpt_procs import run_processes
 from ckpt_worker import expected, global_mesh, make_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from resilax_ckpt import chunk_format, prefetch, read_ahead, restore_choice
 from resilax_ckpt.metadata import LeafMetadata
 from resilax_ckpt.options import InvalidOptionsError
+from test_local_tier import merge_like_the_uploader
 
 TRAINER = Path(__file__).with_name("prefetch_trainer.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,6 +145,41 @@ def test_off_by_environment(tmp_path):
     assert_bit_exact(result["arrays"], 10)
 
 
+# ---------------------------------------------------------------------------- several processes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", [False, True], ids=["same-mesh", "host-1-lost-its-newest-step"])
+def test_two_processes_read_their_own_local_files_ahead(tmp_path, devices, lost):
+    """Two JAX processes, each with its own local tier (a node's), restart on the same mesh: each reads
+    ahead the chunks of its own local files of its newest step and its restore takes every leaf from
+    them (bit-exact: the worker checks every shard). When host 1 lost step 2, it reads ahead step 1
+    while process 0 reads ahead step 2; the processes agree on step 1 as always: process 0 drops its
+    prefetch unused and reads step 1, process 1 takes its prefetch."""
+    local = str(tmp_path / "local{pid}")
+    persistent = str(tmp_path / "persistent")
+    run_processes({"scenario": "save", "root": local, "mesh": [4, 2], "steps": [1, 2],
+                   "options": {"local_tier": True}}, num_processes=2)
+    merge_like_the_uploader([local.format(pid=0), local.format(pid=1)], 1, persistent)
+    if lost:
+        shutil.rmtree(tmp_path / "local1" / "2")
+    restored = run_processes({"scenario": "restore", "root": local, "persistent": persistent, "mesh": [4, 2],
+                              "latest_from_env": True, "prefetch": True, "options": {"local_tier": True}},
+                             num_processes=2)
+    stats = [r["prefetch"] for r in restored]
+    assert [r["restored_from"] for r in restored] == ["local", "local"]
+    if not lost:
+        assert [r["step"] for r in restored] == [2, 2]
+        assert [(s["step"], s["tier"], s["read_leaves"], s["taken_leaves"]) for s in stats] == [(2, "local", 3, 3)] * 2
+        # each process read its own shards only (with the replicated `b`): less than the whole state
+        whole = sum(v.nbytes for v in expected(2).values())
+        assert all(s["read_bytes"] < whole for s in stats)
+    else:
+        assert [r["step"] for r in restored] == [1, 1]
+        assert [(s["step"], s["taken_leaves"]) for s in stats] == [(2, 0), (1, 3)]
+        assert "step 1" in stats[0]["released"]
+
+
 # ---------------------------------------------------------------------------- in this process
 
 
@@ -163,6 +201,20 @@ def test_local_tier_prefetch_restored_onto_another_mesh(tmp_path, devices):
     for name, value in expected(7).items():
         assert out["params"][name].sharding == target["params"][name].sharding
         np.testing.assert_array_equal(np.asarray(out["params"][name]), value)
+
+
+def test_a_new_node_reads_the_persistent_tier_ahead(tmp_path, devices):
+    """A replaced pod (one process) with an empty local tier: the prefetch reads the persistent tier's
+    newest step, which the restore then reads from there."""
+    save_steps(tmp_path / "persistent", [3, 4])
+    env = {"RESILAX_LOCAL_DIR": str(tmp_path / "local"), "RESILAX_CHECKPOINT_DIR": str(tmp_path / "persistent")}
+    handle = prefetch.start_prefetch(env)
+    assert handle is not None and (handle.step, handle.tier) == (4, "persistent")
+    with rc.CheckpointManager.from_env(env) as mgr:
+        out = mgr.restore(mgr.restore_step_from_env(env))
+    assert mgr.restored_from == "persistent" and handle.stats()["taken_leaves"] == 3
+    for name, value in expected(4).items():
+        assert out["params"][name].tobytes() == value.tobytes()
 
 
 def test_the_prefetch_module_does_not_import_jax():
