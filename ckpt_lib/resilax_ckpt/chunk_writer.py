@@ -249,24 +249,57 @@ def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True, direct: bo
     file; None leaves the size alone: a chunk inside a shard file); when `fsync`, start its writeback
     (durable only after `make_durable`). `checksum`: the data's crc32c (4 bytes) follows it.
     `direct`: with O_DIRECT (module docstring) when the data has at least DIRECT_MIN_BYTES and
-    `offset` is aligned."""
-    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    `offset` is aligned. Data that is not C-contiguous is written (buffered) piece by piece through a
+    staging buffer, never copied whole."""
+    contiguous = data.flags.c_contiguous
+    raw = data.reshape(-1).view(np.uint8) if contiguous else None
     if size == -1:
-        size = offset + raw.nbytes + (checksums.CRC_BYTES if checksum else 0)
-    if (direct and raw.nbytes >= DIRECT_MIN_BYTES and offset % DIRECT_ALIGN == 0
+        size = offset + data.nbytes + (checksums.CRC_BYTES if checksum else 0)
+    if (raw is not None and direct and raw.nbytes >= DIRECT_MIN_BYTES and offset % DIRECT_ALIGN == 0
             and _write_direct(path, raw, offset, size, checksum)):
         return
     fd = _open_for_write(path, 0)
     try:
-        _pwrite_all(fd, raw.data, offset)
+        if raw is not None:
+            _pwrite_all(fd, raw.data, offset)
+            crc = checksums.crc32c(raw) if checksum else 0
+        else:
+            crc = _write_pieces(fd, data, offset, checksum)
         if checksum:
-            _pwrite_all(fd, memoryview(checksums.encode(checksums.crc32c(raw))), offset + raw.nbytes)
+            _pwrite_all(fd, memoryview(checksums.encode(crc)), offset + data.nbytes)
         if size is not None:
             os.ftruncate(fd, size)
         if fsync:
             start_writeback(fd)
     finally:
         os.close(fd)
+
+
+def _write_pieces(fd: int, data: np.ndarray, offset: int, checksum: bool) -> int:
+    """Write non-contiguous `data` at `offset` of `fd` in C order, a block of its leading axis at a
+    time copied into a staging buffer; the crc32c of its bytes (0 without `checksum`)."""
+    crc = 0
+    if data.ndim == 0 or data.size == 0:
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        _pwrite_all(fd, raw.data, offset)
+        return checksums.crc32c(raw) if checksum else 0
+    row = data[0].nbytes
+    rows = max(1, staging.BUFFER_BYTES // max(1, row))
+    done = 0
+    with staging.borrowed() as bounce:
+        for start in range(0, data.shape[0], rows):
+            block = data[start:start + rows]
+            if block.nbytes <= bounce.nbytes:
+                piece = bounce[:block.nbytes].view(data.dtype).reshape(block.shape)
+                np.copyto(piece, block)
+                raw = bounce[:block.nbytes]
+            else:  # one row larger than the buffer
+                raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+            _pwrite_all(fd, raw.data, offset + done)
+            if checksum:
+                crc = checksums.crc32c(raw, crc)
+            done += raw.nbytes
+    return crc
 
 
 class ChunkWriter:
@@ -329,12 +362,7 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
     (and durable when `fsync`: `make_durable`). `direct_io`: O_DIRECT where `use_direct_io` allows.
     `on_progress(i)` is called before the i-th write (test hook)."""
     limit = planning.scaled_inflight_limit(max_inflight_bytes, sum(w.nbytes for w in plan.writes))
-    remaining: dict[int, int] = {}
-    for write in plan.writes:
-        key = id(getattr(write.source, "array", write))
-        remaining[key] = remaining.get(key, 0) + 1
     writer = ChunkWriter(threads, limit, fsync, use_direct_io(step_path, direct_io))
-    shard_cache: dict[int, dict[Any, Any]] = {}
     shard_files: set[str] = set()
     try:
         if create_metadata:
@@ -347,16 +375,11 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
             if on_progress is not None:
                 on_progress(n)
             source, write.source = write.source, None
-            key = id(getattr(source, "array", write))
-            remaining[key] -= 1
+            data = resolve_source(source)  # waits for a device shard to land
+            del source
             if planning.box_size(write.box) == 0:
                 continue
             item, leaf = plan.arrays[write.array_index]
-            data = resolve_source(source, shard_cache)
-            if remaining[key] == 0:
-                # The last box of this copy: forget its shards, so each copy is freed once written.
-                shard_cache.pop(key, None)
-            del source
             index, data = chunk_data(write.box, data, leaf.shape, leaf.chunks)
             files = ArrayFiles.of(leaf)
             file_key, offset = files.locate(index)
@@ -384,4 +407,3 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
                 raise StorageError(f"making the chunk files under {step_path} durable: {e}") from e
     finally:
         writer.close()
-        shard_cache.clear()

@@ -193,6 +193,17 @@ class CheckpointManager:
         prefetch.release("the trainer saves")  # a read-ahead the trainer did not restore from
         return self._saver.save(step, items, force, metrics)
 
+    @property
+    def save_report(self) -> dict[str, Any] | None:
+        """What this process's last save did (None before any): `{"step", "device_copy", "reason",
+        "platform", "device_bytes", "host_bytes", "blocked_seconds", "transfer_seconds"}`.
+        `device_copy` is the path (`ManagerOptions.device_copy`): "on_device", "host_transfer" or ""
+        (no device arrays), `reason` why ("forced", "cpu", "room", "no room", "no memory statistics",
+        "out of memory"); `device_bytes` the device memory (HBM) its on-device copy held until drained
+        (0 for a host transfer); `blocked_seconds` how long `save()` blocked the loop;
+        `transfer_seconds` how long until every shard was on the host (None while it drains)."""
+        return self._saver.last_report
+
     def delete(self, step: int) -> None:
         """Delete committed `step` of the current branch (after the pending save committed). Only a
         step Resilax committed: `StepNotFoundError` for any other number (nothing else is touched); a

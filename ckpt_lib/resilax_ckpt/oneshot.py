@@ -28,6 +28,8 @@ def save(path: str, items: Any) -> None:
     plan = items_lib.snapshot_items(items, step=0, generation=0, process_index=coord.process_index,
                                     process_count=coord.process_count, local_tier=False, time_now=time.time(),
                                     shard_files=storage.is_local)
+    if plan.transfer is not None:
+        plan.transfer.start()  # an on-device copy drains while the writes run
     work = storage.join(root, f"{layout.TMP_PREFIX}{name}") if storage.is_local else path
     write_step_files(storage, backends.for_storage(storage, ManagerOptions()), work, plan, coord.process_index == 0,
                       coord.process_index)

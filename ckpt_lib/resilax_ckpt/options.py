@@ -15,6 +15,10 @@ class InvalidOptionsError(ResilaxCkptError, ValueError):
     """An option (or the environment variable it came from) has an invalid value."""
 
 
+DEVICE_COPY_MODES = ("auto", "on_device", "host_transfer")
+"""The values of `ManagerOptions.device_copy`."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ManagerOptions:
     """How a CheckpointManager saves, keeps and coordinates checkpoints."""
@@ -129,6 +133,16 @@ class ManagerOptions:
     restore reads a shard's chunks in runs (file_reader.RUN_BYTES). Not on gs:// or in the local tier,
     and only where the processes' shards form a regular grid (planning.plan_shard_shape)."""
 
+    device_copy: str = "auto"
+    """How a save takes its shards off the devices (docs/checkpointing.md §4; RESILAX_DEVICE_COPY):
+    "on_device": one jitted copy on the devices (costs the saved shards' size in device memory until
+    drained), `save()` returns after the dispatch and a background thread drains the copy to the host
+    in batches; "host_transfer": batched device-to-host transfers that `save()` waits for (no device
+    memory); "auto": the on-device copy on CPU devices, and on accelerators where every device's
+    memory statistics leave room for it (with a margin), else a host transfer. Forcing either on CPU
+    devices runs the same code as on an accelerator (the tests do; on CPU a host transfer also copies
+    each shard into reused host buffers, since NumPy views of CPU arrays alias the device buffers)."""
+
     fsync: bool = True
     """Make every written file durable (local chunk files: writeback started per file, one syncfs at
     the end; tensorstore: `file_io_sync`) and fsync the step folder before commit."""
@@ -179,6 +193,8 @@ class ManagerOptions:
         if self.restore_host_buffer_bytes < 0:
             problems.append(f"restore_host_buffer_bytes: {self.restore_host_buffer_bytes!r} must be >= 0 "
                             "(0: no host ring)")
+        if self.device_copy not in DEVICE_COPY_MODES:
+            problems.append(f"device_copy: {self.device_copy!r} must be one of {', '.join(map(repr, DEVICE_COPY_MODES))}")
         if self.max_inflight_bytes < 1:
             problems.append(f"max_inflight_bytes: {self.max_inflight_bytes!r} must be >= 1")
         if problems:
@@ -226,6 +242,7 @@ class ManagerOptions:
             "slice_id": number("RESILAX_SLICE_ID", int) or 0,
             "node_name": env.get("RESILAX_NODE_NAME", "").strip(),
             "sidecar_token_file": env.get("RESILAX_SIDECAR_TOKEN_FILE", "").strip() or None,
+            "device_copy": env.get("RESILAX_DEVICE_COPY", "").strip().lower() or "auto",
         }
         host, port = env.get("RESILAX_SIDECAR_HOST", "").strip(), env.get("RESILAX_SIDECAR_PORT", "").strip()
         if host and port:

@@ -17,6 +17,7 @@ files in place (the file chunk backend, backends.py).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,7 +30,7 @@ from typing import Any
 
 import jax
 
-from resilax_ckpt import backends, commit, layout, policy, pytrees, retention
+from resilax_ckpt import backends, commit, layout, policy, pytrees, retention, staging
 from resilax_ckpt import items as items_lib
 from resilax_ckpt.errors import ResilaxCkptError, SaveError, StepNotFoundError
 from resilax_ckpt.pruning import Pruner
@@ -62,6 +63,9 @@ class Saver:
         self._pruner = Pruner(tiers)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-ckpt")
         self._pending: concurrent.futures.Future[None] | None = None
+        self.arena = staging.HostArena()
+        """Host memory a host transfer on CPU devices copies shards into, reused by every save."""
+        self._last_report: tuple[int, items_lib.CopyReport, float] | None = None
         self._copy_prepared = False  # the first save's device copy compiled ahead (or tried)
         self._preparing: concurrent.futures.Future[None] | None = None
         self._last_saved_step: int | None = None
@@ -111,19 +115,44 @@ class Saver:
             items, step=step, generation=self._options.generation,
             process_index=self._coord.process_index, process_count=self._coord.process_count,
             local_tier=self._local_tier, time_now=0.0 if self._local_tier else time.time(),
-            shard_files=self._options.shard_files and self._storage.is_local)
+            shard_files=self._options.shard_files and self._storage.is_local,
+            device_copy=self._options.device_copy, arena=self.arena)
         if checked:
             plan.metadata = dataclasses.replace(plan.metadata, metrics=checked)
         self._last_saved_step = step
         self._last_save_time = self._options.clock()
+        transfer = plan.transfer
         future = self._executor.submit(self._write_and_commit, step, plan, key, requests)
         self._pending = future
+        if transfer is not None:
+            # After the hand-off, so that each shard is written as soon as it lands. A host transfer
+            # returns once every shard landed: the loop's next step may donate the arrays.
+            try:
+                transfer.start()
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    self._wait_pending()  # its writes fail on the shards that never landed
+                raise SaveError(f"step {step}: taking the shards off the devices failed: "
+                                f"{type(e).__name__}: {e}") from e
         if stop or not self._options.async_save:
             self.wait()
             if stop:
                 self._stop_after(step)
-        self._trainer.saved(time.perf_counter() - started)
+        blocked = time.perf_counter() - started
+        report = plan.report
+        self._last_report = (step, report, blocked)
+        self._trainer.saved(blocked, report.path, report.device_bytes)
         return True
+
+    @property
+    def last_report(self) -> dict[str, Any] | None:
+        """What the last save did (`CheckpointManager.save_report`), None before any."""
+        if self._last_report is None:
+            return None
+        step, report, blocked = self._last_report
+        return {"step": step, "device_copy": report.path, "reason": report.reason, "platform": report.platform,
+                "device_bytes": report.device_bytes, "host_bytes": report.host_bytes,
+                "blocked_seconds": blocked, "transfer_seconds": report.transfer_seconds}
 
     def prepare_first_save(self, items: Mapping[str, Any], *, restored: bool = False) -> None:
         """Once, before this manager's first save: compile the device-side copy a save of `items`
@@ -131,7 +160,7 @@ class Saver:
         later ones. Called with the items of a save() that did not save (one try: it costs a flatten
         of the state) and with what restore() returned (which, without device arrays, leaves the try
         to save()). A failure here only logs: the first save then compiles as usual."""
-        if self._copy_prepared:
+        if self._copy_prepared or self._options.device_copy == items_lib.HOST_TRANSFER:
             return
         try:
             signature = items_lib.copy_signature(items, process_index=self._coord.process_index,

@@ -82,6 +82,8 @@ class _Pool:
         self._free: list[np.ndarray] = []  # each a view of its own mapping, which it keeps alive
         self._slots = threading.Semaphore(MAX_BUFFERS)
         self._lock = threading.Lock()
+        self.allocations = 0
+        """Buffers allocated so far (at most MAX_BUFFERS in a process's life: tests count reuse)."""
 
     @contextlib.contextmanager
     def borrowed(self) -> Iterator[np.ndarray]:
@@ -92,6 +94,8 @@ class _Pool:
                 buf = self._free.pop() if self._free else None
             if buf is None:
                 buf = _new_buffer()
+                with self._lock:
+                    self.allocations += 1
             try:
                 yield buf
             finally:
@@ -103,3 +107,55 @@ class _Pool:
 
 _pool = _Pool()
 borrowed = _pool.borrowed
+
+
+def pool_allocations() -> int:
+    """How many staging buffers this process allocated (tests: consecutive saves allocate none)."""
+    return _pool.allocations
+
+
+ARENA_ALIGN = 64
+"""Alignment of each piece carved from a HostArena (NumPy's own, and a cache line)."""
+
+
+class HostArena:
+    """The host memory a save lands device shards in when it must copy them itself (a host transfer
+    on CPU devices, whose NumPy views alias the device buffers the training step may donate), kept
+    for the next save: one per manager, reused by each of its saves (its saves never overlap: a save
+    first waits for the previous one). Grown (a new buffer) only when a save needs more than it has.
+    Ordinary 4 KiB pages: the buffer is faulted in once, by its first save."""
+
+    total_allocations = 0
+    """Buffers allocated by every arena of the process (tests count reuse)."""
+
+    def __init__(self) -> None:
+        self._buffer: np.ndarray | None = None
+        self._used = 0
+        self.allocations = 0
+        """Buffers allocated so far (tests: consecutive saves of one state allocate one)."""
+
+    def reset(self, nbytes: int) -> None:
+        """Start a save that lands `nbytes` (plus alignment) here: the previous save's pieces are
+        free again (the caller waited for its writes)."""
+        if self._buffer is None or self._buffer.nbytes < nbytes:
+            self._buffer = None  # the old one is freed before the new one is faulted in
+            self._buffer = np.empty(max(nbytes, 1), np.uint8)
+            self.allocations += 1
+            HostArena.total_allocations += 1
+        self._used = 0
+
+    @staticmethod
+    def size_of(shapes_and_dtypes: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> int:
+        """Bytes `reset` needs for pieces of these shapes and dtypes, each aligned."""
+        return sum(-(-int(np.prod(shape)) * dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN
+                   for shape, dtype in shapes_and_dtypes)
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """A C-contiguous array of `shape` and `dtype` from the arena (after `reset`)."""
+        assert self._buffer is not None, "HostArena.take before reset"
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        start = self._used
+        self._used += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        if self._used > self._buffer.nbytes:
+            raise ValueError(f"HostArena: {self._used} bytes taken, {self._buffer.nbytes} reserved")
+        return self._buffer[start:start + nbytes].view(dtype).reshape(shape)

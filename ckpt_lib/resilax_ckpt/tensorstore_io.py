@@ -136,13 +136,12 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
         for i, store in zip(needed, opened, strict=True):
             stores[i] = store
     limiter = InflightLimiter(planning.scaled_inflight_limit(max_inflight_bytes, sum(w.nbytes for w in plan.writes)))
-    shard_cache: dict[int, dict[Any, Any]] = {}
     try:
         for n, write in enumerate(plan.writes):
             if on_progress is not None:
                 on_progress(n)
             limiter.admit(write.nbytes)
-            data = resolve_source(write.source, shard_cache)
+            data = resolve_source(write.source)
             store = stores[write.array_index]
             item, leaf = plan.arrays[write.array_index]
             future = store[tuple(slice(a, b) for a, b in write.box)].write(
@@ -153,7 +152,6 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
         limiter.drain()
     finally:
         limiter.cancel()
-        shard_cache.clear()
 
 
 class TensorstoreChunkReader:

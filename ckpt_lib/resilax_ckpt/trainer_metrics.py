@@ -59,6 +59,10 @@ class TrainerFigures:
     save_blocking_seconds: float = 0.0
     """Seconds the loop spent inside save() calls that saved (the device copy and the dispatch)."""
     last_save_blocking_seconds: float = 0.0
+    last_save_device_copy: str = ""
+    """How the last save took its shards off the devices: "on_device", "host_transfer" or "" (none)."""
+    last_save_device_bytes: int = 0
+    """Device memory (HBM on an accelerator) the last save's on-device copy held until drained."""
     restores: int = 0
     restore_seconds: float = 0.0
     last_restore_seconds: float = 0.0
@@ -201,8 +205,10 @@ class TrainerMetrics:
             self._waited += seconds
             self.figures.barrier_wait_seconds += seconds
 
-    def saved(self, blocking_seconds: float) -> None:
+    def saved(self, blocking_seconds: float, device_copy: str = "", device_bytes: int = 0) -> None:
         with self._lock:
+            self.figures.last_save_device_copy = device_copy
+            self.figures.last_save_device_bytes = device_bytes
             self._saves.append(blocking_seconds)
             self.figures.save_seconds_p99 = p99(self._saves)
             self.figures.saves += 1

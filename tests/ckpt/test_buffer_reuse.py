@@ -3,7 +3,10 @@
 Restore (`test_restore_*`): a restore onto accelerators reads into the process's host ring
 (reader.py) and reuses it; on CPU devices the same path is forced by
 `ManagerOptions(restore_reuse_host_buffers=True)`, a device-side copy standing for the transfer. A
-reused buffer never aliases a restored array the caller still holds."""
+reused buffer never aliases a restored array the caller still holds.
+
+Save (`test_save_*`, at the end): a host transfer on CPU devices copies into the manager's reused
+arena (staging.HostArena), and the writes' staging buffers come from one pool."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import reader
+from resilax_ckpt import checksums, chunk_writer, reader, staging
 from resilax_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 
 # ---------------------------------------------------------------- restore
@@ -243,3 +246,54 @@ def test_restore_host_ring_is_held_by_one_restore_at_a_time():
 def test_restore_host_buffer_bytes_is_validated():
     with pytest.raises(rc.InvalidOptionsError, match="restore_host_buffer_bytes: -1 must be >= 0"):
         rc.ManagerOptions(restore_host_buffer_bytes=-1)
+
+
+# ---------------------------------------------------------------- save (helper ckpt-save)
+
+
+def _state(devices: list[jax.Device], step: int) -> dict[str, jax.Array]:
+    mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(4, 2), ("a", "b"))
+    big = np.arange(256 * 1024, dtype=np.float32).reshape(512, 512) + step  # 1 MiB, direct writes where allowed
+    return {"w": jax.device_put(big, NamedSharding(mesh, P("a", "b"))),
+            "b": jax.device_put(np.full((8,), step, np.int32), NamedSharding(mesh, P("a")))}
+
+
+def test_save_host_transfers_reuse_their_host_buffers(tmp_path, devices):
+    """A host transfer on CPU devices copies each shard into the manager's arena: the first save
+    allocates it, the next saves of the same state reuse it."""
+    arenas = staging.HostArena.total_allocations
+    with rc.CheckpointManager(str(tmp_path), rc.ManagerOptions(device_copy="host_transfer")) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, _state(devices, step))
+        mgr.wait()
+        assert staging.HostArena.total_allocations - arenas == 1
+        assert mgr.save_report is not None and mgr.save_report["device_copy"] == "host_transfer"
+        for step in (1, 4):
+            np.testing.assert_array_equal(np.asarray(mgr.restore(step)["w"]), np.asarray(_state(devices, step)["w"]))
+
+
+def test_save_staging_buffers_are_reused_by_later_saves(tmp_path, devices):
+    """The writes' staging buffers (direct I/O, non-contiguous data) come from one pool: once a save
+    ran, more saves allocate none."""
+    with rc.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, _state(devices, 1))
+        mgr.wait()
+        after_first = staging.pool_allocations()
+        for step in range(2, 5):
+            mgr.save(step, _state(devices, step))
+        mgr.wait()
+    assert staging.pool_allocations() == after_first
+
+
+def test_save_writes_non_contiguous_data_without_a_whole_copy(tmp_path):
+    """write_chunk_file writes a strided array piece by piece through a staging buffer: the file
+    holds its C-order bytes and their crc32c."""
+    data = np.arange(3 * 1024 * 700, dtype=np.float32).reshape(3 * 1024, 700)[:, ::2].T  # 350 x 3072, strided
+    assert not data.flags.c_contiguous and data.nbytes > staging.BUFFER_BYTES
+    path = str(tmp_path / "chunk")
+    chunk_writer.write_chunk_file(path, data, fsync=False, checksum=True)
+    with open(path, "rb") as f:
+        raw = f.read()
+    want = np.ascontiguousarray(data).tobytes()
+    assert raw[:-checksums.CRC_BYTES] == want
+    assert raw[-checksums.CRC_BYTES:] == checksums.encode(checksums.crc32c(want))

@@ -1,0 +1,129 @@
+"""Saves under a training step that donates its state (issue 37): after `save()` returns, the step may
+delete every array it was given, so a save never reads a donated buffer later. Both ways of taking
+the shards off the devices run here on CPU devices, forced by `ManagerOptions.device_copy` (the same
+code as on an accelerator), and `auto`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import resilax_ckpt as rc
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from resilax_ckpt import items as items_lib
+from resilax_ckpt.options import InvalidOptionsError
+
+STEPS = 6
+
+
+def initial_state(devices: list[jax.Device]) -> dict[str, jax.Array]:
+    mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(4, 2), ("a", "b"))
+    rng = np.random.default_rng(7)
+    return {
+        "w": jax.device_put(rng.standard_normal((64, 32), dtype=np.float32), NamedSharding(mesh, P("a", "b"))),
+        "b": jax.device_put(rng.standard_normal((32,), dtype=np.float32), NamedSharding(mesh, P("b"))),
+        "replicated": jax.device_put(np.arange(40, dtype=np.int32).reshape(8, 5), NamedSharding(mesh, P())),
+        "bf16": jax.device_put(rng.standard_normal((16, 8)).astype(jnp.bfloat16), NamedSharding(mesh, P("a"))),
+    }
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def train_step(state: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Changes every value, writing over the donated buffers."""
+    return {"w": state["w"] * 1.5 + 1.0, "b": state["b"] - 0.25, "replicated": state["replicated"] * 3 + 1,
+            "bf16": state["bf16"] * 2 + 1}
+
+
+def run_loop(root: str, devices: list[jax.Device], device_copy: str) -> dict[int, dict[str, np.ndarray]]:
+    """A loop that saves every step (async) and then donates the saved state to its next step; what
+    each step held, taken before it was saved (the test's own copy, outside the library)."""
+    expected: dict[int, dict[str, np.ndarray]] = {}
+    state = initial_state(devices)
+    opts = rc.ManagerOptions(device_copy=device_copy, async_save=True)
+    with rc.CheckpointManager(root, opts) as mgr:
+        for step in range(1, STEPS + 1):
+            expected[step] = {k: np.array(v, copy=True) for k, v in state.items()}
+            assert mgr.save(step, {"state": state})
+            report = mgr.save_report
+            assert report is not None and report["step"] == step
+            assert report["device_copy"] == (items_lib.ON_DEVICE if device_copy in ("auto", "on_device")
+                                             else items_lib.HOST_TRANSFER)
+            old = state
+            state = train_step(state)  # donates: the saved arrays are deleted now
+            assert all(a.is_deleted() for a in old.values()), "the step did not donate the saved state"
+            del old
+        mgr.wait()
+        assert mgr.steps() == list(range(1, STEPS + 1))
+    return expected
+
+
+@pytest.mark.parametrize("device_copy", ["on_device", "host_transfer", "auto"])
+def test_donating_loop_restores_every_saved_step_bit_exact(tmp_path, devices, device_copy):
+    expected = run_loop(str(tmp_path), devices, device_copy)
+    assert not np.array_equal(expected[1]["w"], expected[2]["w"])  # the state really changes
+    mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(2, 4), ("x", "y"))
+    with rc.CheckpointManager(str(tmp_path)) as mgr:
+        for step, want in expected.items():
+            target = {"state": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P()))
+                                for k, v in want.items()}}
+            got = mgr.restore(step, target)["state"]
+            for key, value in want.items():
+                restored = np.asarray(got[key])
+                assert restored.dtype == value.dtype
+                assert restored.tobytes() == value.tobytes(), f"step {step}, leaf {key}"
+
+
+def test_reports_the_path_and_its_device_bytes(tmp_path, devices):
+    state = initial_state(devices)
+    saved_bytes = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize * len(a.sharding.device_set)
+                      for a in state.values())
+    with rc.CheckpointManager(str(tmp_path), rc.ManagerOptions(device_copy="on_device")) as mgr:
+        mgr.save(1, {"state": state})
+        mgr.wait()
+        report = mgr.save_report
+    assert report is not None
+    assert (report["device_copy"], report["reason"], report["platform"]) == ("on_device", "forced", "cpu")
+    assert report["device_bytes"] == saved_bytes  # every device's copy, replicas included
+    assert report["blocked_seconds"] >= 0 and report["transfer_seconds"] is not None
+    with rc.CheckpointManager(str(tmp_path / "h"), rc.ManagerOptions(device_copy="host_transfer")) as mgr:
+        mgr.save(1, {"state": state})
+        report = mgr.save_report
+    assert report is not None and (report["device_copy"], report["device_bytes"]) == ("host_transfer", 0)
+    assert report["transfer_seconds"] is not None  # the loop waited for the transfers
+
+
+def test_device_copy_option_is_validated():
+    with pytest.raises(InvalidOptionsError, match="device_copy: 'gpu' must be one of 'auto', 'on_device', 'host_transfer'"):
+        rc.ManagerOptions(device_copy="gpu")
+    with pytest.raises(InvalidOptionsError, match="device_copy: 'sideways'"):
+        rc.ManagerOptions.from_env({"RESILAX_DEVICE_COPY": "sideways"})
+    assert rc.ManagerOptions.from_env({"RESILAX_DEVICE_COPY": "Host_Transfer"}).device_copy == "host_transfer"
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(("option", "platform", "room", "need", "largest", "want"), [
+    ("host_transfer", "tpu", {}, {0: GIB}, {0: GIB}, ("host_transfer", "forced")),
+    ("on_device", "tpu", {0: None}, {0: GIB}, {0: GIB}, ("on_device", "forced")),
+    ("auto", "cpu", {}, {0: GIB}, {0: GIB}, ("on_device", "cpu")),
+    ("auto", "tpu", {0: None}, {0: GIB}, {0: GIB}, ("host_transfer", "no memory statistics")),
+    # 16 GiB, 2 GiB in use, peak 4 GiB: 2 GiB of copies fit with the margin (0.8 GiB)
+    ("auto", "tpu", {0: items_lib.DeviceRoom(16 * GIB, 2 * GIB, 4 * GIB)}, {0: 2 * GIB}, {0: GIB},
+     ("on_device", "room")),
+    # the peak (the step's temporaries) leaves too little
+    ("auto", "tpu", {0: items_lib.DeviceRoom(16 * GIB, 2 * GIB, 14 * GIB)}, {0: 2 * GIB}, {0: GIB},
+     ("host_transfer", "no room")),
+    # room in total, but one device of two is short
+    ("auto", "tpu", {0: items_lib.DeviceRoom(16 * GIB, 2 * GIB), 1: items_lib.DeviceRoom(16 * GIB, 15 * GIB)},
+     {0: GIB, 1: GIB}, {0: GIB, 1: GIB}, ("host_transfer", "no room")),
+    # fragmented: the largest copy does not fit the largest free block
+    ("auto", "tpu", {0: items_lib.DeviceRoom(16 * GIB, 2 * GIB, 2 * GIB, GIB // 2)}, {0: 2 * GIB}, {0: GIB},
+     ("host_transfer", "no room")),
+])
+def test_choose_device_copy(option, platform, room, need, largest, want):
+    assert items_lib.choose_device_copy(option, platform, room, need, largest) == want
