@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -168,6 +169,15 @@ def compile_copies(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
     the loop only for the dispatch, as later saves do (jit's caches keep the result)."""
     for group in signature:
         _device_copy.lower(group).compile()
+        _COMPILED.add(_group_key(group))
+
+
+_COMPILED: set[tuple[Any, ...]] = set()
+"""The argument signatures of the on-device copies compiled (ahead or by a save) in this process."""
+
+
+def _group_key(group: list[Any]) -> tuple[Any, ...]:
+    return tuple((tuple(a.shape), np.dtype(a.dtype).name, a.sharding, bool(a.weak_type)) for a in group)
 
 
 def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, process_index: int,
@@ -281,6 +291,14 @@ def _device_copy(arrays: list[jax.Array]) -> list[jax.Array]:
 ON_DEVICE, HOST_TRANSFER = "on_device", "host_transfer"
 """The paths of `ManagerOptions.device_copy` (options.DEVICE_COPY_MODES, with "auto")."""
 
+FORCE_ACCELERATOR_ENV = "RESILAX_CKPT_FORCE_ACCELERATOR_PATH"
+"""For tests only: `1` makes `device_copy="auto"` decide for CPU devices as for an accelerator (the
+copy's compile state, then the devices' memory statistics, which CPU devices do not give: a host
+transfer), so CI runs the accelerator's choices on CPU. Never set it in a job."""
+
+NOT_COMPILED = "copy not compiled yet"
+"""The reason of an automatic host transfer before the on-device copy was compiled."""
+
 HBM_MARGIN_FRACTION = 0.05
 HBM_MARGIN_MIN_BYTES = 256 << 20
 """What an on-device copy leaves free of a device's memory, at least (beside its peak use so far)."""
@@ -300,7 +318,8 @@ class CopyReport:
     (device-to-host transfers the loop waits for) or "" (nothing on devices)."""
     reason: str = ""
     """Why this path: "forced" (the option), "cpu" (CPU devices: the copy is host memory), "room"
-    (the devices' memory statistics leave room), "no room", "no memory statistics", "out of memory"
+    (the devices' memory statistics leave room), "no room", "no memory statistics", "copy not
+    compiled yet" (a first save: the copy compiles in the background for the next), "out of memory"
     (the on-device copy failed to allocate: this save fell back to a host transfer)."""
     platform: str = ""
     device_bytes: int = 0
@@ -323,15 +342,19 @@ class DeviceRoom:
 
 
 def choose_device_copy(option: str, platform: str, room: dict[Any, DeviceRoom | None],
-                       need: dict[Any, int], largest: dict[Any, int]) -> tuple[str, str]:
+                       need: dict[Any, int], largest: dict[Any, int], compiled: bool = True) -> tuple[str, str]:
     """(path, reason) of a save: `option` forced, else on CPU devices the on-device copy (it is host
-    memory either way), else the on-device copy where every device's statistics leave room for its
-    copies (`need`, the largest one `largest`) beside the larger of its current and peak use, with a
-    margin; a host transfer where they do not or where a device gives no statistics."""
+    memory either way), else a host transfer while the copy is not `compiled` yet (compiling it in
+    the loop costs more than the transfer: the saver compiles it in the background for the next
+    save), else the on-device copy where every device's statistics leave room for its copies
+    (`need`, the largest one `largest`) beside the larger of its current and peak use, with a margin;
+    a host transfer where they do not or where a device gives no statistics."""
     if option != "auto":
         return option, "forced"
     if platform == "cpu":
         return ON_DEVICE, "cpu"
+    if not compiled:
+        return HOST_TRANSFER, NOT_COMPILED
     for device, nbytes in need.items():
         stats = room.get(device)
         if stats is None:
@@ -363,11 +386,17 @@ def _copy_need(groups: list[list[jax.Array]]) -> tuple[dict[Any, int], dict[Any,
     largest: dict[Any, int] = {}
     for group in groups:
         for array in group:
-            nbytes = int(np.prod(array.sharding.shard_shape(array.shape))) * array.dtype.itemsize
-            for device in array.sharding.addressable_devices:
+            nbytes, devices = _shard_bytes(array.sharding, tuple(array.shape), array.dtype.itemsize)
+            for device in devices:
                 need[device] = need.get(device, 0) + nbytes
                 largest[device] = max(largest.get(device, 0), nbytes)
     return need, largest
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_bytes(sharding: Any, shape: tuple[int, ...], itemsize: int) -> tuple[int, tuple[Any, ...]]:
+    """The bytes of one shard of an array of `shape` and `sharding`, and the devices here holding one."""
+    return int(np.prod(sharding.shard_shape(shape))) * itemsize, tuple(sharding.addressable_devices)
 
 
 class Transfer:
@@ -477,17 +506,22 @@ def _snapshot_devices(writes: list[ArrayWrite], sources: list[tuple[int, jax.Arr
         return None
     started = time.perf_counter()
     platform = _platform(sources)
+    deciding = "accelerator" if platform == "cpu" and os.environ.get(FORCE_ACCELERATOR_ENV) == "1" else platform
     groups = _copy_groups(sources)
     need, largest = _copy_need(groups)
-    room = {} if device_copy != "auto" or platform == "cpu" else {d: _device_room(d) for d in need}
-    path, reason = choose_device_copy(device_copy, platform, room, need, largest)
-    report = CopyReport(path=path, reason=reason, platform=platform,
-                        host_bytes=sum(writes[w].nbytes for w, _, _ in sources))
+    room = {} if device_copy != "auto" or deciding == "cpu" else {d: _device_room(d) for d in need}
+    compiled = deciding == "cpu" or all(_group_key(group) in _COMPILED for group in groups)
+    path, reason = choose_device_copy(device_copy, deciding, room, need, largest, compiled)
+    report = CopyReport(path=path, reason=reason, platform=platform)
+    landed = threading.Condition()
     landings = []
+    host_bytes = 0
     for w, _, _ in sources:
-        landing = Landing()
+        landing = Landing(landed)
         writes[w].source = landing
         landings.append(landing)
+        host_bytes += writes[w].nbytes
+    report.host_bytes = host_bytes
     if path == ON_DEVICE:
         copies: list[jax.Array] = []
         index: dict[int, int] = {}
@@ -496,6 +530,8 @@ def _snapshot_devices(writes: list[ArrayWrite], sources: list[tuple[int, jax.Arr
                 for original, copy in zip(originals, _device_copy(originals), strict=True):
                     index[id(original)] = len(copies)
                     copies.append(copy)
+                if deciding != "cpu":
+                    _COMPILED.add(_group_key(originals))
         except Exception as e:  # only an allocation failure falls back
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                 raise

@@ -141,6 +141,9 @@ class Saver:
         blocked = time.perf_counter() - started
         report = plan.report
         self._last_report = (step, report, blocked)
+        if report.reason == items_lib.NOT_COMPILED:  # compile the copy for the next save, in the background
+            self._copy_prepared = False
+            self.prepare_first_save(items)
         self._trainer.saved(blocked, report.path, report.device_bytes)
         return True
 

@@ -5,8 +5,6 @@ code as on an accelerator), and `auto`."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,11 +29,15 @@ def initial_state(devices: list[jax.Device]) -> dict[str, jax.Array]:
     }
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def train_step(state: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Changes every value, writing over the donated buffers."""
-    return {"w": state["w"] * 1.5 + 1.0, "b": state["b"] - 0.25, "replicated": state["replicated"] * 3 + 1,
+def changed(state: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Every value changed (any leaf beyond the four: doubled)."""
+    return {**{k: v * 2 for k, v in state.items()},
+            "w": state["w"] * 1.5 + 1.0, "b": state["b"] - 0.25, "replicated": state["replicated"] * 3 + 1,
             "bf16": state["bf16"] * 2 + 1}
+
+
+train_step = jax.jit(changed, donate_argnums=0)
+"""A training step that writes over its donated state."""
 
 
 def run_loop(root: str, devices: list[jax.Device], device_copy: str) -> dict[int, dict[str, np.ndarray]]:
@@ -127,3 +129,45 @@ GIB = 1 << 30
 ])
 def test_choose_device_copy(option, platform, room, need, largest, want):
     assert items_lib.choose_device_copy(option, platform, room, need, largest) == want
+
+
+def test_a_first_save_on_an_accelerator_does_not_compile_the_copy_in_the_loop():
+    """auto: before the copy is compiled, a host transfer (the saver compiles it in the background)."""
+    roomy = {0: items_lib.DeviceRoom(16 * GIB, 2 * GIB)}
+    assert items_lib.choose_device_copy("auto", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
+        "host_transfer", items_lib.NOT_COMPILED)
+    assert items_lib.choose_device_copy("on_device", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
+        "on_device", "forced")
+    assert items_lib.choose_device_copy("auto", "cpu", {}, {0: GIB}, {0: GIB}, compiled=False) == ("on_device", "cpu")
+
+
+def test_auto_on_an_accelerator_starts_with_a_transfer_then_copies_on_device(tmp_path, devices, monkeypatch):
+    """The accelerator's choices on CPU devices (the test-only RESILAX_CKPT_FORCE_ACCELERATOR_PATH):
+    the first save transfers (the copy compiles in the background), later ones copy on the device
+    while the memory statistics leave room and transfer when they say nothing; every step restores."""
+    monkeypatch.setenv(items_lib.FORCE_ACCELERATOR_ENV, "1")
+    state = initial_state(devices)
+    state = {k: v + 0 for k, v in state.items()}  # fresh shardings' arrays: a signature no test compiled
+    state["extra"] = jax.device_put(np.ones((24, 8), np.float32), state["w"].sharding)  # a new signature
+    rooms: list[items_lib.DeviceRoom | None] = [items_lib.DeviceRoom(16 * GIB, 0)]
+    monkeypatch.setattr(items_lib, "_device_room", lambda device: rooms[0])
+    paths = []
+    expected = {}
+    with rc.CheckpointManager(str(tmp_path)) as mgr:
+        for step in range(1, 5):
+            if step == 4:
+                rooms[0] = None  # a device without memory statistics
+            expected[step] = {k: np.array(v, copy=True) for k, v in state.items()}
+            mgr.save(step, {"state": state})
+            report = mgr.save_report
+            assert report is not None
+            paths.append((report["device_copy"], report["reason"]))
+            state = train_step(state)
+        mgr.wait()
+        for step, want in expected.items():
+            got = mgr.restore(step)["state"]
+            for key, value in want.items():
+                assert np.asarray(got[key]).tobytes() == value.tobytes(), f"step {step}, leaf {key}"
+    assert paths == [("host_transfer", items_lib.NOT_COMPILED), ("on_device", "room"), ("on_device", "room"),
+                     ("host_transfer", "no memory statistics")]
+
