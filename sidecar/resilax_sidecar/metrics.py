@@ -169,6 +169,15 @@ class TrainerCollector(Collector):
             yield GaugeMetricFamily("resilax_trainer_last_save_blocking_seconds",
                                     "Seconds the loop was blocked by the last save.",
                                     value=float(f.get("last_save_blocking_seconds", 0.0)))
+            if f.get("saves"):
+                device = GaugeMetricFamily(
+                    "resilax_trainer_last_save_device_bytes",
+                    "Device memory (HBM on an accelerator) the last save's on-device copy held until drained; "
+                    "device_copy: how it took its shards off the devices (on_device, host_transfer, none).",
+                    labels=["device_copy"])
+                device.add_metric([str(f.get("last_save_device_copy") or "none")],
+                                  float(f.get("last_save_device_bytes", 0)))
+                yield device
             yield CounterMetricFamily("resilax_trainer_restores", "Restores the trainer did.",
                                       value=float(f.get("restores", 0)))
             yield GaugeMetricFamily("resilax_trainer_restore_seconds", "Seconds the last restore took.",

@@ -276,9 +276,9 @@ def test_the_trainers_figures_are_exported_and_reported(shared):
         if step == 30:
             figures.waited(0.125)
         figures.step(step)
-    figures.saved(0.25)
-    samples = {s.name: s.value for family in text_string_to_metric_families(sidecar.get("/metrics").body)
-               for s in family.samples if s.name.startswith("resilax_trainer_")}
+    figures.saved(0.25, "on_device", 3 << 20)
+    scraped = [s for family in text_string_to_metric_families(sidecar.get("/metrics").body) for s in family.samples]
+    samples = {s.name: s.value for s in scraped if s.name.startswith("resilax_trainer_")}
     assert samples["resilax_trainer_step"] == 39
     assert samples["resilax_trainer_steps_total"] == 27  # steps 13 to 39 (rate by PromQL)
     assert samples["resilax_trainer_step_seconds"] == 0.5  # this host's own median step (the straggler figure)
@@ -286,6 +286,8 @@ def test_the_trainers_figures_are_exported_and_reported(shared):
     assert "resilax_trainer_steps_per_second" not in samples
     assert samples["resilax_trainer_saves_total"] == 1
     assert samples["resilax_trainer_save_blocking_seconds_total"] == 0.25
+    assert [(s.labels, s.value) for s in scraped if s.name == "resilax_trainer_last_save_device_bytes"] == [
+        ({"device_copy": "on_device"}, 3 << 20)]
     assert samples["resilax_trainer_restore_seconds"] == 2.5
     assert samples["resilax_trainer_restores_total"] == 1
     state = sidecar.get("/v1/state").body["trainer"]
