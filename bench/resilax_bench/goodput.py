@@ -31,7 +31,9 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +42,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from resilax_local.demo import FILES, JOB_FILE, JOB_NAMESPACE, Demo, DemoError, say, stop_process_group
+from resilax_local.demo import (
+    EXAMPLES,
+    FILES,
+    JOB_FILE,
+    JOB_NAMESPACE,
+    Demo,
+    DemoError,
+    say,
+    stop_process_group,
+    use_example,
+)
 from resilax_local.timeline import Fault, parse_timestamp
 from resilax_operator import api
 
@@ -63,8 +75,10 @@ VARIANTS = ("resilax", "restart")
 STEPS = 1_000_000  # more than any run trains: the harness ends the job
 
 
-def build_variant_job(variant: str, name: str, storage: str, step_seconds: float) -> dict[str, Any]:
-    """The demo's JAXJob as `variant` runs it (see the module doc)."""
+def build_variant_job(variant: str, name: str, storage: str, step_seconds: float, example: str = "train",
+                      example_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The demo's JAXJob as `variant` runs it (see the module doc), training `example` (resilax_local.demo.
+    EXAMPLES: examples/train.py by default, or examples/transformer.py) with `example_args` appended."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     job = copy.deepcopy(yaml.safe_load(JOB_FILE.read_text()))
@@ -74,8 +88,8 @@ def build_variant_job(variant: str, name: str, storage: str, step_seconds: float
     spec["recovery"]["maxRestarts"] = 1000  # the schedule, not the restart budget, is under test
     for container in spec["template"]["spec"]["containers"]:
         container["workingDir"] = str(FILES)  # the demo's files: examples/train.py
-        container["command"] = ["python", "examples/train.py", "--steps", str(STEPS), "--step-seconds",
-                                str(step_seconds)]
+        container["command"] = use_example(["python", "examples/train.py", "--steps", str(STEPS), "--step-seconds",
+                                            str(step_seconds), *example_args], example)
     if variant == "resilax":
         spec["checkpoint"]["local"] = {}
         spec["recovery"]["inPlace"] = "Auto"  # survivors of a hard loss or a shrink restart in place
@@ -89,8 +103,10 @@ def build_variant_job(variant: str, name: str, storage: str, step_seconds: float
 class GoodputRun(Demo):
     """The demo's cluster, operator and observation (resilax_local.demo.Demo), driven by a schedule."""
 
-    def __init__(self, run_dir: Path, timeout: float) -> None:
-        super().__init__(run_dir, timeout=timeout, fault_step=0, keep=False)
+    def __init__(self, run_dir: Path, timeout: float, example: str = "train",
+                 example_args: tuple[str, ...] = ()) -> None:
+        super().__init__(run_dir, timeout=timeout, fault_step=0, keep=False, example=example)
+        self.example_args = example_args
         self.pods_seen: dict[int, dict[str, Any]] = {}  # generation -> {"created", "running"}
         self.down: set[str] = set()
 
@@ -193,7 +209,7 @@ class GoodputRun(Demo):
         ckpt = self.run_dir / "ckpt" / variant
         shutil.rmtree(ckpt, ignore_errors=True)  # a reused --run-dir: the job starts at step 0, not an old run's
         ckpt.mkdir(parents=True)
-        job = build_variant_job(variant, name, str(ckpt), step_seconds)
+        job = build_variant_job(variant, name, str(ckpt), step_seconds, self.example, self.example_args)
         (self.run_dir / f"{name}.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
         say(f"\n==> variant {variant}: JAXJob {JOB_NAMESPACE}/{name} for {duration:.0f} s, "
             f"{sum(f.kind != RESTORE for f in schedule)} faults")
@@ -291,7 +307,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kill-every", type=float, default=300.0, help="seconds between faults, ± jitter (default 300)")
     p.add_argument("--restore-after", type=float, default=90.0, help="seconds until a lost node returns (default 90)")
     p.add_argument("--jitter", type=float, default=0.2, help="fraction of --kill-every (default 0.2)")
-    p.add_argument("--step-seconds", type=float, default=0.3, help="examples/train.py --step-seconds (default 0.3)")
+    p.add_argument("--step-seconds", type=float, default=0.3, help="the example's --step-seconds (default 0.3)")
+    p.add_argument("--example", choices=sorted(EXAMPLES), default="train",
+                   help="the job's training script: train (examples/train.py, default) or transformer "
+                        "(examples/transformer.py: a step's work is split over the devices)")
+    p.add_argument("--example-args", default="",
+                   help="more flags for the example, one string (e.g. \"--preset cpu-small\")")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: resilax, restart")
     p.add_argument("--run-dir", type=Path, default=None, help="default: a temporary folder, removed afterwards")
     p.add_argument("--json", type=Path, default=None, help="default: bench/results/goodput-<time>.json")
@@ -301,6 +322,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "again with this checkout's accounting, the operator's reactions found again")
     args = p.parse_args(argv)
     args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    args.example_args = tuple(shlex.split(args.example_args))
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad or not args.variants:
         p.error(f"--variants: {bad or args.variants!r} not allowed; choose from {', '.join(VARIANTS)}")
@@ -335,6 +357,18 @@ def recompute(folder: Path) -> dict[str, Any]:
     return summarize(folder.name, result, faults, saved["start"], marks)
 
 
+def commit_of_checkout() -> str:
+    """The checkout's commit (with "-dirty" when it has changes), "unknown" without git."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (head + ("-dirty" if dirty else "")) if head else "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.recompute:
@@ -358,12 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "goodput", "started": stamp, "seed": args.seed, "minutes": args.minutes,
         "kill_every": args.kill_every, "restore_after": args.restore_after, "jitter": args.jitter,
-        "step_seconds": args.step_seconds, "schedule": [asdict(f) for f in schedule],
+        "step_seconds": args.step_seconds, "example": args.example, "example_args": list(args.example_args),
+        "commit": commit_of_checkout(), "schedule": [asdict(f) for f in schedule],
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "command": " ".join(["python -m resilax_bench.goodput", *(sys.argv[1:] if argv is None else argv)]),
         "variants": [],
     }
-    run = GoodputRun(run_dir, timeout=duration * len(args.variants) + 1800)
+    run = GoodputRun(run_dir, timeout=duration * len(args.variants) + 1800, example=args.example,
+                     example_args=args.example_args)
     code = 0
     try:
         run.start_cluster()

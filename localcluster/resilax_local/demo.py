@@ -59,6 +59,9 @@ FILES = Path(__file__).resolve().parent / "demo_files"
 JOB_FILE = FILES / "jaxjob-demo.yaml"
 CRD_DIR = FILES / "crds"
 RULES_FILE = FILES / "operator-rules.yaml"
+#: The training jobs the demo (and bench/resilax_bench/goodput.py) can run, by name: their scripts under
+#: FILES. Both take --steps and --step-seconds and print the same step and restore lines.
+EXAMPLES = {"train": "examples/train.py", "transformer": "examples/transformer.py"}
 OPERATOR_NAMESPACE = "resilax-system"
 OPERATOR_NAME = "resilax-operator"
 PEERING = "resilax"
@@ -76,8 +79,10 @@ class DemoError(RuntimeError):
 class Demo:
     """One run of the demo in `run_dir`; `run()` drives it, `finish()` always runs afterwards."""
 
-    def __init__(self, run_dir: Path, timeout: float, fault_step: int, keep: bool, dwell_steps: int = 30) -> None:
+    def __init__(self, run_dir: Path, timeout: float, fault_step: int, keep: bool, dwell_steps: int = 30,
+                 example: str = "train") -> None:
         self.run_dir = run_dir
+        self.example = example
         self.dwell_steps = dwell_steps
         self.keep = keep
         self.fault_step = fault_step
@@ -219,6 +224,7 @@ class Demo:
         job["spec"]["checkpoint"]["storage"] = str(ckpt)
         for container in job["spec"]["template"]["spec"]["containers"]:
             container["workingDir"] = str(FILES)  # the job's command runs examples/train.py
+            container["command"] = use_example(container["command"], self.example)
         (self.run_dir / "jaxjob.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
         say(f"\n==> applying {JOB_FILE.name} as {JOB_NAMESPACE}/{self.job_name} "
             f"(checkpoints in {ckpt})")
@@ -405,6 +411,14 @@ def _tail(path: Path, lines: int) -> str:
         return "(no log)"
 
 
+def use_example(command: list[str], example: str) -> list[str]:
+    """The job's command with EXAMPLES[example] in place of the example script it names."""
+    if example not in EXAMPLES:
+        raise ValueError(f"example: {example!r} is not one of {', '.join(sorted(EXAMPLES))}")
+    scripts = set(EXAMPLES.values())
+    return [EXAMPLES[example] if part in scripts else part for part in command]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resilax demo", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, default=None,
@@ -416,6 +430,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fault-step", type=int, default=25, help="kill the node once the job trained this step")
     parser.add_argument("--dwell-steps", type=int, default=30,
                         help="steps to train on the smaller shape before the node comes back")
+    parser.add_argument("--example", choices=sorted(EXAMPLES), default="train",
+                        help="the job's training script: train (examples/train.py, a small MLP) or transformer "
+                             "(examples/transformer.py, its cpu-tiny preset)")
     return parser
 
 
@@ -447,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (run_dir / RUN_DIR_MARKER).write_text("a resilax demo run folder; `resilax demo` may clear it\n")
     say(f"==> resilax demo: run folder {run_dir}")
     demo = Demo(run_dir, timeout=args.timeout, fault_step=args.fault_step, keep=args.keep,
-                dwell_steps=args.dwell_steps)
+                dwell_steps=args.dwell_steps, example=args.example)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt

@@ -194,6 +194,19 @@ def test_the_restart_baseline_has_no_local_tier_no_final_save_no_elastic_and_bot
         build_variant_job("jobset", "x", "/tmp/ckpt", 0.3)
 
 
+def test_the_jobs_train_examples_train_py_unless_the_transformer_is_asked_for() -> None:
+    from resilax_bench.goodput import build_variant_job, parse_args
+
+    default = build_variant_job("resilax", "g", "/tmp/ckpt", 0.3)["spec"]["template"]["spec"]["containers"][0]
+    assert default["command"][:2] == ["python", "examples/train.py"]
+    args = parse_args(["--example", "transformer", "--example-args", "--preset cpu-small --lr 0.001"])
+    job = build_variant_job("restart", "g", "/tmp/ckpt", 0.0, args.example, args.example_args)
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["python", "examples/transformer.py"]
+    assert command[-4:] == ["--preset", "cpu-small", "--lr", "0.001"]
+    assert parse_args([]).example == "train"
+
+
 def test_a_saved_variant_is_computed_again_with_the_reactions_found_again(tmp_path) -> None:
     """`--recompute`: the files GoodputRun.save_variant writes, read back; a wrong saved `detected`
     (as the 20-minute run's grow-back had) is replaced by the reaction found again."""
@@ -226,3 +239,93 @@ def test_a_generation_started_in_place_counts_its_kept_pods_from_its_restart() -
     assert pod_marks(2, 0.0, 276.0, events) == (273.0, 276.0)  # a new pod started after the restart
     assert pod_marks(3, 366.0, 367.0, events) == (366.0, 367.0)  # a generation of new pods
     assert pod_marks(1, 0.0, 1.0, events) == (0.0, 1.0)  # another generation's restart changes nothing
+
+
+# ---- the projection onto another trainer start (issue 38) ----------------------------------------------
+
+def test_a_projection_puts_the_given_trainer_starts_in_place_and_adds_up() -> None:
+    from resilax_bench.goodput_model import ProjectedGeneration, project_goodput
+
+    # 1000 s: generation 1 from 0; a hard loss at 300, reaction at 310, pods at 315/317 on half the
+    # devices; the node back, a grow-back reaction at 500 (the job trained until then), pods 502/503.
+    gens = [ProjectedGeneration(1, 0.0, 0.0, 0.0, 1.0, 1.0),
+            ProjectedGeneration(2, 300.0, 310.0, 315.0, 317.0, 0.5),
+            ProjectedGeneration(3, 500.0, 500.0, 502.0, 503.0, 1.0)]
+    p = project_goodput(1000.0, gens, [40.0, 20.0, 20.0], {"checkpoint_blocking": 10.0, "lost_steps_redone": 5.0})
+    trained = [300.0 - 41.0, 500.0 - 337.0, 1000.0 - 523.0]  # 259, 163, 477 = 899
+    assert p.buckets["detection"] == pytest.approx(10.0)
+    assert p.buckets["waiting"] == pytest.approx(5.0 + 2.0)
+    assert p.buckets["scheduling"] == pytest.approx(1.0 + 2.0 + 1.0)
+    assert p.buckets["trainer_start"] == pytest.approx(80.0)
+    assert p.buckets["productive"] == pytest.approx(sum(trained) - 15.0)
+    assert sum(p.buckets.values()) == pytest.approx(1000.0)  # every second in one bucket
+    kept = (sum(trained) - 15.0) / sum(trained)
+    assert p.device_weighted_goodput == pytest.approx(
+        (trained[0] + 0.5 * trained[1] + trained[2]) * kept / 1000.0)
+    assert p.goodput == pytest.approx(884.0 / 1000.0)
+
+
+def test_a_start_longer_than_its_generation_trains_nothing_and_bad_inputs_are_named() -> None:
+    from resilax_bench.goodput_model import ProjectedGeneration, project_goodput
+
+    gens = [ProjectedGeneration(1, 0.0, 0.0, 0.0, 0.0, 1.0), ProjectedGeneration(2, 100.0, 100.0, 101.0, 101.0, 1.0)]
+    p = project_goodput(120.0, gens, [200.0, 5.0], {})
+    assert p.buckets["trainer_start"] == pytest.approx(100.0 + 5.0)
+    assert p.buckets["productive"] == pytest.approx(120.0 - 106.0)
+    with pytest.raises(GoodputInputError, match=r"starts\[1\] must be >= 0 seconds, got -1"):
+        project_goodput(120.0, gens, [1.0, -1.0], {})
+    with pytest.raises(GoodputInputError, match="starts: 1 given for 2 generations"):
+        project_goodput(120.0, gens, [1.0], {})
+
+
+def test_the_recorded_generations_stop_at_a_hard_loss_or_at_the_reaction_and_shrink_until_grow_back() -> None:
+    from resilax_bench.goodput_model import build_projected_generations
+
+    marks = {"1": {"detected": None, "pods_created": -0.2, "pods_running": 0.1},
+             "2": {"detected": 263.9, "pods_created": 263.9, "pods_running": 264.0},
+             "3": {"detected": 347.2, "pods_created": 348.9, "pods_running": 349.0},
+             "4": {"detected": 641.7, "pods_created": 643.2, "pods_running": 643.2}}
+    faults = [{"at": 256.6, "kind": KILL}, {"at": 346.6, "kind": RESTORE}, {"at": 641.7, "kind": PREEMPT}]
+    gens = build_projected_generations(marks, faults, elastic=True)
+    assert [(g.stopped_previous, g.detected, g.devices_share) for g in gens] == [
+        (0.0, 0.0, 1.0), (256.6, 263.9, 0.5), (347.2, 347.2, 1.0), (641.7, 641.7, 0.5)]
+    assert (gens[0].pods_created, gens[0].pods_running) == (0.0, 0.1)
+    assert [g.devices_share for g in build_projected_generations(marks, faults, elastic=False)] == [1.0] * 4
+
+
+def test_the_projection_of_a_recorded_run_on_its_own_starts_gives_back_its_goodput() -> None:
+    """The check of the accounting on the 20-minute run of 2026-12-06 (seed 1), and a faster start
+    that can only raise goodput."""
+    import json
+    from pathlib import Path
+
+    from resilax_bench.goodput_model import project_testbed_run
+
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    testbed = json.loads((results / "goodput-20min-2026-12-06-seed1.json").read_text())
+    costs = {"first_start": ("cold", 20.0), "resilax": ("restore-overlap", 3.0), "baseline": ("restore", 3.0)}
+    rows = {r["variant"]: r for r in project_testbed_run(testbed, costs)}
+    assert rows["resilax"]["testbed_model_goodput"] == pytest.approx(rows["resilax"]["recorded_goodput"], abs=0.01)
+    assert rows["restart"]["testbed_model_goodput"] == pytest.approx(rows["restart"]["recorded_goodput"], abs=0.02)
+    # The shrunk generations (about 250 s at half the devices) weigh half.
+    assert rows["resilax"]["testbed_model_device_weighted_goodput"] < rows["resilax"]["testbed_model_goodput"] - 0.08
+    assert rows["restart"]["device_weighted_goodput"] == rows["restart"]["goodput"]
+    slower = {**costs, "resilax": ("restore", 60.0)}
+    assert project_testbed_run(testbed, slower)[0]["goodput"] < rows["resilax"]["goodput"]
+
+
+def test_the_restart_json_gives_the_phases_the_projection_uses() -> None:
+    from resilax_bench.goodput_model import restart_costs
+
+    def phase(total: float) -> dict:
+        return {"parts": [{"part": "open the devices (jax.devices())", "seconds": 6.0},
+                          {"part": "launch to first step done", "seconds": total}]}
+
+    result = {"phases": {"cold": phase(50.0), "warm": phase(18.0), "restore": phase(25.0),
+                         "restore-overlap": phase(21.0), "prefetch": {"skipped": "no API"}}}
+    assert restart_costs(result) == {"first_start": ("cold", 50.0), "resilax": ("restore-overlap", 21.0),
+                                     "baseline": ("restore", 25.0)}
+    result["phases"]["prefetch"] = phase(19.0)
+    assert restart_costs(result)["resilax"] == ("prefetch", 19.0)
+    with pytest.raises(GoodputInputError, match="no measured phase for first_start"):
+        restart_costs({"phases": {"cold": {"error": "OOM"}}})

@@ -31,10 +31,22 @@ def test_demo_files_are_the_repositorys_own() -> None:
     root = Path(demo.__file__).resolve().parents[2]
     for name, source in [("jaxjob-demo.yaml", "examples/jaxjob-demo.yaml"),
                          ("examples/train.py", "examples/train.py"),
+                         ("examples/transformer.py", "examples/transformer.py"),
                          ("operator-rules.yaml", "charts/resilax/files/operator-rules.yaml"),
                          ("crds/jaxjobs.resilax.dev.yaml", "charts/resilax/crds/jaxjobs.resilax.dev.yaml"),
                          ("crds/kopf-peering.yaml", "charts/resilax/crds/kopf-peering.yaml")]:
         assert (demo.FILES / name).resolve() == root / source, name
+
+
+def test_the_demo_can_run_the_transformer_instead() -> None:
+    job = yaml.safe_load(demo.JOB_FILE.read_text())
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert demo.use_example(command, "train") == command
+    swapped = demo.use_example(command, "transformer")
+    assert swapped == [command[0], "examples/transformer.py", *command[2:]]
+    assert (demo.FILES / swapped[1]).exists()
+    with pytest.raises(ValueError, match="'mlp' is not one of train, transformer"):
+        demo.use_example(command, "mlp")
 
 
 def test_demo_finds_the_chart_files() -> None:
@@ -44,9 +56,11 @@ def test_demo_finds_the_chart_files() -> None:
 
 
 @pytest.mark.parametrize(("argv", "want"), [
-    ([], {"keep": False, "timeout": 1200.0, "run_dir": None, "fault_step": 25, "dwell_steps": 30}),
-    (["--keep", "--timeout", "60", "--run-dir", "/tmp/x", "--fault-step", "5", "--dwell-steps", "3"],
-     {"keep": True, "timeout": 60.0, "run_dir": Path("/tmp/x"), "fault_step": 5, "dwell_steps": 3}),
+    ([], {"keep": False, "timeout": 1200.0, "run_dir": None, "fault_step": 25, "dwell_steps": 30, "example": "train"}),
+    (["--keep", "--timeout", "60", "--run-dir", "/tmp/x", "--fault-step", "5", "--dwell-steps", "3",
+      "--example", "transformer"],
+     {"keep": True, "timeout": 60.0, "run_dir": Path("/tmp/x"), "fault_step": 5, "dwell_steps": 3,
+      "example": "transformer"}),
 ])
 def test_flags(argv: list[str], want: dict) -> None:
     assert vars(demo._parser().parse_args(argv)) == want
