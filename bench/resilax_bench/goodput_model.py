@@ -27,6 +27,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 from resilax_local.timeline import Fault, JobSnapshot, LossRecord, TimelineEvent
 from resilax_operator import goodput
@@ -34,7 +35,9 @@ from resilax_operator.goodput import BUCKETS
 
 KILL, PREEMPT, RESTORE = "kill-node", "preempt-node", "restore-node"
 __all__ = ["BUCKETS", "KILL", "PREEMPT", "RESTORE", "GenerationMarks", "Goodput", "GoodputInputError", "PlannedFault",
-           "build_generation_marks", "build_schedule", "compute_goodput", "find_reaction"]
+           "ProjectedGeneration", "Projection", "build_generation_marks", "build_projected_generations",
+           "build_schedule", "compute_goodput", "find_reaction", "project_goodput", "project_testbed_run",
+           "restart_costs"]
 
 
 class GoodputInputError(ValueError):
@@ -194,3 +197,248 @@ def compute_goodput(records: Sequence[LossRecord], faults: Sequence[Fault], star
     final = max(recs, key=lambda r: r.time).step
     return Goodput(result.wall_seconds, result.buckets, final, len(recs), result.lost_steps,
                    len({r.generation for r in recs}), len(hard))
+
+
+# ---------------------------------------------------------------------------- projection on other costs
+#
+# The 20-minute bench measures a run on CPU devices, where a trainer's start (JAX, the restore, the first
+# step) costs seconds. `project_goodput` keeps what the test bed measured of the control plane (each
+# fault's detection, the teardown and the wait for capacity, the scheduling of the new pods) and of the
+# training loop (checkpoint blocking, steps redone, hangs, the rest), and puts another trainer start in
+# place of the test bed's: from the pods Running (the trainer process launched) to its first step. Fed
+# the TPU's measured restart (bench/resilax_bench/restart.py), it projects the same run on the chip.
+
+
+@dataclass(frozen=True)
+class ProjectedGeneration:
+    """One generation of a recorded run, as the projection needs it (seconds after the job started)."""
+
+    generation: int
+    stopped_previous: float
+    """When the previous generation stopped making progress: the hard loss, or, for a planned move
+    (preemption notice, grow-back) that saves first, the operator's reaction. 0 for the first."""
+    detected: float
+    """The operator's reaction (the stop itself for the first generation and planned moves)."""
+    pods_created: float
+    pods_running: float
+    devices_share: float
+    """The share of the job's full devices this generation trains on (0.5: one of two slices)."""
+
+
+@dataclass(frozen=True)
+class Projection:
+    wall_seconds: float
+    buckets: Mapping[str, float]
+    """productive, detection, waiting (teardown and the wait for capacity), scheduling, trainer_start
+    (launch to first step: the projected part), and as recorded: checkpoint_blocking,
+    lost_steps_redone, hang, other."""
+    weighted_productive_seconds: float
+
+    @property
+    def goodput(self) -> float:
+        return self.buckets["productive"] / self.wall_seconds
+
+    @property
+    def device_weighted_goodput(self) -> float:
+        return self.weighted_productive_seconds / self.wall_seconds
+
+
+#: Buckets of the recorded run that the projection carries over as they were (seconds, whole run).
+CARRIED_BUCKETS = ("checkpoint_blocking", "lost_steps_redone", "hang", "other")
+
+
+def project_goodput(wall_seconds: float, generations: Sequence[ProjectedGeneration], starts: Sequence[float],
+                    carried: Mapping[str, float]) -> Projection:
+    """Goodput of a run whose generations start as recorded but whose trainers take `starts[n]` seconds
+    from launch to their first step (`trainer_starts`: the first generation's, then every later one's).
+    Each generation trains from then until the next one's `stopped_previous` (the last: the run's end);
+    `carried` seconds (CARRIED_BUCKETS) come off the productive time in proportion to each generation's
+    share of it. Device-weighted: each generation's productive seconds times its `devices_share`."""
+    if wall_seconds <= 0:
+        raise GoodputInputError(f"wall_seconds must be > 0, got {wall_seconds!r}")
+    if not generations:
+        raise GoodputInputError("generations: none given; a run has at least its first generation")
+    if len(starts) != len(generations):
+        raise GoodputInputError(f"starts: {len(starts)} given for {len(generations)} generations; one each")
+    for name, value in (*((f"starts[{n}]", v) for n, v in enumerate(starts)), *carried.items()):
+        if value < 0:
+            raise GoodputInputError(f"{name} must be >= 0 seconds, got {value!r}")
+    buckets = dict.fromkeys(("productive", "detection", "waiting", "scheduling", "trainer_start"), 0.0)
+    trained: list[float] = []
+    for n, g in enumerate(generations):
+        start = g.pods_running + starts[n]
+        end = generations[n + 1].stopped_previous if n + 1 < len(generations) else wall_seconds
+        if n:
+            buckets["detection"] += g.detected - g.stopped_previous
+            buckets["waiting"] += g.pods_created - g.detected
+        buckets["scheduling"] += g.pods_running - g.pods_created
+        buckets["trainer_start"] += min(start, end) - g.pods_running
+        trained.append(max(0.0, end - start))
+    total = sum(trained)
+    lost = sum(carried.get(k, 0.0) for k in CARRIED_BUCKETS)
+    kept = max(0.0, total - lost) / total if total else 0.0
+    buckets["productive"] = total * kept
+    for k in CARRIED_BUCKETS:
+        buckets[k] = carried.get(k, 0.0)
+    weighted = sum(t * kept * g.devices_share for t, g in zip(trained, generations, strict=True))
+    return Projection(wall_seconds, buckets, weighted)
+
+
+def build_projected_generations(marks: Mapping[str, Mapping[str, float | None]],
+                                faults: Sequence[Mapping[str, Any]], elastic: bool,
+                                lost_share: float = 0.5) -> list[ProjectedGeneration]:
+    """A recorded variant's generations (the goodput JSON's `marks` and `faults`, seconds after the
+    start) for `project_goodput`. A generation whose reaction follows a hard loss stopped its
+    predecessor at the loss; any other (a preemption notice, a grow-back) at the reaction. An elastic
+    job runs on `lost_share` of its devices from a loss or preemption until the next grow-back (the
+    lost node's return); a non-elastic one always on all of them."""
+    out: list[ProjectedGeneration] = []
+    share = 1.0
+    for n, key in enumerate(sorted(marks, key=int)):
+        m = marks[key]
+        running = m.get("pods_running")
+        created = m.get("pods_created")
+        if running is None and created is None:
+            raise GoodputInputError(f"marks[{key}]: no pods_created nor pods_running; cannot place generation {key}")
+        created = created if created is not None else running
+        running = running if running is not None else created
+        assert created is not None and running is not None
+        if n == 0:
+            out.append(ProjectedGeneration(int(key), 0.0, 0.0, max(created, 0.0), max(running, 0.0), 1.0))
+            continue
+        detected = m.get("detected")
+        if detected is None:
+            raise GoodputInputError(f"marks[{key}].detected: missing; the projection needs each later "
+                                    "generation's reaction")
+        since = out[-1].pods_running
+        cause = max((f for f in faults if since < float(f["at"]) <= detected + 1.0), key=lambda f: float(f["at"]),
+                    default=None)
+        kind = cause["kind"] if cause is not None else None
+        stopped = float(cause["at"]) if kind == KILL and cause is not None else detected
+        if elastic:
+            share = lost_share if kind in (KILL, PREEMPT) else 1.0 if kind == RESTORE else share
+        out.append(ProjectedGeneration(int(key), min(stopped, detected), detected, created, running, share))
+    return out
+
+
+def trainer_starts(count: int, first_start: float, restart: float) -> list[float]:
+    """`project_goodput`'s starts: `first_start` for the first generation, `restart` for the others."""
+    return [first_start] + [restart] * (count - 1)
+
+
+def testbed_starts(variant: Mapping[str, Any], generations: int) -> list[float]:
+    """The recorded run's own trainer starts, as far as its JSON tells them: a later generation's
+    pods Running to its restore line, plus an equal share (every generation's) of what the recorded
+    `jax_startup` and `restore` buckets hold beyond those (the first generation's start, each restored
+    trainer's first step). Projecting a run with these must give back about its recorded goodput: the
+    check of the projection's own accounting."""
+    marks = [variant["marks"][k] for k in sorted(variant["marks"], key=int)][:generations]
+    known = [0.0] + [max(0.0, float(m["restored"]) - float(m["pods_running"]))
+                     if m.get("restored") is not None and m.get("pods_running") is not None else 0.0
+                     for m in marks[1:]]
+    recorded = sum(float(variant["buckets_seconds"].get(k, 0.0)) for k in ("jax_startup", "restore"))
+    rest = max(0.0, recorded - sum(known)) / generations
+    return [k + rest for k in known]
+
+
+def restart_costs(restart_result: Mapping[str, Any]) -> dict[str, tuple[str, float]]:
+    """From a restart bench JSON (resilax_bench.restart): the launch-to-first-step seconds that the
+    projection uses, with the phase each came from: `first_start` (cold), `resilax` (prefetch when
+    measured, else restore-overlap, else restore) and `baseline` (restore: a plain trainer that
+    restores, then compiles)."""
+    def total(phase: str) -> float | None:
+        for part in restart_result.get("phases", {}).get(phase, {}).get("parts") or []:
+            if part["part"].startswith("launch to first step"):
+                return float(part["seconds"])
+        return None
+
+    out: dict[str, tuple[str, float]] = {}
+    for role, choices in (("first_start", ("cold",)), ("resilax", ("prefetch", "restore-overlap", "restore")),
+                          ("baseline", ("restore", "restore-overlap"))):
+        for phase in choices:
+            seconds = total(phase)
+            if seconds is not None:
+                out[role] = (phase, seconds)
+                break
+        else:
+            raise GoodputInputError(f"restart JSON: no measured phase for {role} (looked for "
+                                    f"{', '.join(choices)} with a 'launch to first step' part)")
+    return out
+
+
+def project_testbed_run(testbed: Mapping[str, Any], costs: Mapping[str, tuple[str, float]]) -> list[dict[str, Any]]:
+    """Each variant of a 20-minute goodput JSON projected with `costs` (`restart_costs`): the recorded
+    goodput beside the projected plain and device-weighted goodput."""
+    rows = []
+    for v in testbed["variants"]:
+        elastic = v["variant"] == "resilax"
+        gens = build_projected_generations(v["marks"], v["faults"], elastic)
+        phase, restart = costs["resilax" if elastic else "baseline"]
+        carried = {k: float(v["buckets_seconds"].get(k, 0.0)) for k in CARRIED_BUCKETS}
+        wall = float(v["wall_seconds"])
+        p = project_goodput(wall, gens, trainer_starts(len(gens), costs["first_start"][1], restart), carried)
+        own = project_goodput(wall, gens, testbed_starts(v, len(gens)), carried)
+        rows.append({
+            "seed": testbed.get("seed"), "variant": v["variant"], "recorded_goodput": v["goodput"],
+            "testbed_model_goodput": round(own.goodput, 4),
+            "testbed_model_device_weighted_goodput": round(own.device_weighted_goodput, 4),
+            "first_start_s": costs["first_start"][1], "restart_s": restart, "restart_phase": phase,
+            "goodput": round(p.goodput, 4), "device_weighted_goodput": round(p.device_weighted_goodput, 4),
+            "buckets_seconds": {k: round(val, 1) for k, val in p.buckets.items()},
+            "generations": len(gens),
+        })
+    return rows
+
+
+def render_projection(rows: Sequence[Mapping[str, Any]], platform: str) -> str:
+    lines = [f"PROJECTION (not a measurement): the 20-minute goodput runs' control-plane times, with each "
+             f"trainer start replaced by the one measured on {platform}", "",
+             "| seed | variant | trainer start: first / restart (phase) | recorded goodput (CPU test bed) | "
+             "the model on the test bed's own starts: goodput / device-weighted | "
+             "projected goodput | projected device-weighted |", "|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['seed']} | {r['variant']} | {r['first_start_s']:.1f} s / {r['restart_s']:.1f} s "
+                     f"({r['restart_phase']}) | {100 * r['recorded_goodput']:.1f}% | "
+                     f"{100 * r['testbed_model_goodput']:.1f}% / {100 * r['testbed_model_device_weighted_goodput']:.1f}% | "
+                     f"{100 * r['goodput']:.1f}% | "
+                     f"{100 * r['device_weighted_goodput']:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(
+        prog="python -m resilax_bench.goodput_model",
+        description="Project the 20-minute goodput runs onto another trainer start (e.g. the TPU's)")
+    parser.add_argument("--restart-json", type=Path, required=True,
+                        help="a restart bench result (python -m resilax_bench.restart --json)")
+    parser.add_argument("--testbed-json", type=Path, nargs="+", required=True,
+                        help="goodput runs (bench/results/goodput-20min-*.json)")
+    parser.add_argument("--json", type=Path, help="write the projection here")
+    parser.add_argument("--markdown", type=Path, help="write the table here")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    restart_result = json.loads(args.restart_json.read_text())
+    costs = restart_costs(restart_result)
+    env = restart_result.get("environment") or {}
+    platform = f"{env.get('platform', '?')} ({env.get('device_kind', '?')})"
+    rows = []
+    for path in args.testbed_json:
+        rows += [{**r, "testbed": path.name} for r in project_testbed_run(json.loads(path.read_text()), costs)]
+    text = render_projection(rows, platform)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"projection": True, "platform": platform,
+                                         "restart_json": str(args.restart_json),
+                                         "restart_commit": restart_result.get("commit"),
+                                         "costs": {k: {"phase": p, "seconds": s} for k, (p, s) in costs.items()},
+                                         "rows": rows}, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
