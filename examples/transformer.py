@@ -265,12 +265,13 @@ class Programs:
         self.step = jax.jit(step_fn, donate_argnums=0, out_shardings=(shardings, replicated))
         self.abstract = abstract_state(cfg, mesh)
         self.tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len + 1), jnp.int32, sharding=data)
+        self.step_number = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
 
     def compile(self, marks: Marks, with_init: bool) -> dict[str, Any]:
         """Trace, lower and compile ahead of time (a persistent-cache load when the cache has them)."""
         marks.mark("lower_start")
         lowered = {"step": self.step.lower(self.abstract, self.tokens),
-                   "batch": self.batch.lower(jax.ShapeDtypeStruct((), jnp.int32))}
+                   "batch": self.batch.lower(self.step_number)}
         if with_init:
             lowered["init"] = self.init.lower()
         marks.mark("lower_done")
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         train = {"params": state["params"], "opt": state["opt"]}
 
         for step in range(start + 1, args.steps + 1):
-            tokens = make_batch(jnp.int32(step))
+            tokens = make_batch(np.int32(step))
             train, loss = train_step(train, tokens)
             state = {**train, "meta": {"step": step}}
             if jax.process_index() == 0:

@@ -16,6 +16,10 @@ its start. The parent passes its own launch time in ``RESILAX_BENCH_LAUNCH_TIME`
   the trainer does by default.
 * ``prefetch``: as restore-overlap, the checkpoint read started before the devices open (the restore
   prefetch, `--prefetch` of the trainer); reported as not available when resilax_ckpt has no prefetch.
+* ``reopen``: can one process give its devices back and open them again (what keeping a trainer
+  process across a generation needs: `jax.extend.backend.clear_backends()`, then `jax.devices()`), and
+  at what cost against the first open: a small probe, not the trainer (docs/architecture.md, "Keep
+  what can be kept").
 
 The supervisor's in-place restart (``resilax run``) is not used: it talks to the sidecar over HTTP
 and the TPU host allows no sockets, so every restart here is a fresh process, which is what a
@@ -37,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformer.py"
-PHASES = ("cold", "warm", "restore", "restore-overlap", "prefetch")
+PHASES = ("cold", "warm", "restore", "restore-overlap", "prefetch", "reopen")
 TRAIN_STEPS = 3
 """Steps of the cold phase before its save (the restore phases restore this step and run one more)."""
 PHASE_TIMEOUT_S = 300
@@ -146,12 +150,21 @@ def build_markdown(result: Mapping[str, Any]) -> str:
             cells.append(f"{hit[0]:.2f}" if hit else "")
         if any(cells):
             lines.append(f"| {part} | " + " | ".join(cells) + " |")
-    extra = [n for n in PHASES if n in phases and not phases[n].get("parts")]
+    extra = [n for n in PHASES if n in phases and not phases[n].get("parts") and n != "reopen"]
     for n in extra:
         lines.append(f"\n{n}: {phases[n].get('skipped') or phases[n].get('error')}")
     if "cold" in phases and phases["cold"].get("final_save_s") is not None:
         lines.append(f"\nSave of the trained state into the local tier (cold phase, step {TRAIN_STEPS}): "
                      f"{phases['cold']['final_save_s']:.2f} s")
+    reopen = phases.get("reopen")
+    if reopen:
+        if reopen.get("seconds"):
+            parts = ", ".join(f"{k} {v:.2f} s" for k, v in reopen["seconds"].items())
+            lines.append(f"\nreopen (one process gives its devices back and opens them again): "
+                         f"{'works' if reopen.get('reopened') else 'FAILS'}: {parts}"
+                         + (f"; error: {reopen['error']}" if reopen.get("error") else ""))
+        else:
+            lines.append(f"\nreopen: {reopen.get('error')}")
     summary = result.get("summary") or {}
     for n in ("restore", "restore-overlap", "prefetch"):
         if n in summary:
@@ -171,6 +184,56 @@ def build_markdown(result: Mapping[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------- I/O
+
+#: The `reopen` phase's probe: open the devices, run a jitted matmul, clear the backends, open and run
+#: again; one JSON line {"reopen": {...}} with the wall-clock seconds of each part.
+REOPEN_PROBE = """
+import json, time
+t = {"start": time.time()}
+import jax, jax.numpy as jnp
+from jax.extend.backend import clear_backends
+t["imports_done"] = time.time()
+jax.devices()
+t["opened"] = time.time()
+run = lambda: float(jax.jit(lambda a: (a @ a).sum())(jnp.ones((1024, 1024), jnp.float32)))
+run()
+t["first_run"] = time.time()
+kind = jax.devices()[0].device_kind
+clear_backends()
+t["cleared"] = time.time()
+out = {"device_kind": kind, "platform": jax.default_backend()}
+try:
+    jax.devices()
+    t["reopened"] = time.time()
+    run()
+    t["second_run"] = time.time()
+    out["reopened"] = True
+except Exception as e:
+    out["reopened"] = False
+    out["error"] = repr(e)[-800:]
+out["marks"] = t
+print(json.dumps({"reopen": out}), flush=True)
+"""
+
+
+def run_reopen(timeout: float) -> dict[str, Any]:
+    """The `reopen` probe in a fresh process: first open, clear, second open (seconds)."""
+    began = time.time()
+    proc = subprocess.run([sys.executable, "-c", REOPEN_PROBE], capture_output=True, text=True, timeout=timeout)
+    out: dict[str, Any] = {"returncode": proc.returncode, "process_seconds": round(time.time() - began, 3)}
+    line = next((json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"reopen"')), None)
+    if line is None:
+        out["error"] = f"exit {proc.returncode}, no result line; stderr: {proc.stderr.strip()[-3000:]}"
+        return out
+    probe = line["reopen"]
+    m = probe.pop("marks")
+    out.update(probe)
+    out["seconds"] = {name: round(m[b] - m[a], 3) for name, a, b in (
+        ("imports", "start", "imports_done"), ("first open", "imports_done", "opened"),
+        ("first jit + run", "opened", "first_run"), ("clear_backends", "first_run", "cleared"),
+        ("second open", "cleared", "reopened"), ("second jit + run", "reopened", "second_run"))
+        if a in m and b in m}
+    return out
 
 
 def prefetch_available() -> str | None:
@@ -280,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in wanted if p not in PHASES]
     if bad:
         parser.error(f"--phases: {', '.join(bad)} unknown; allowed: {', '.join(PHASES)}")
-    if any(p != "cold" for p in wanted) and "cold" not in wanted:
+    if any(p not in ("cold", "reopen") for p in wanted) and "cold" not in wanted:
         parser.error("--phases: the other phases need `cold` (it fills the cache and saves the checkpoint)")
     workdir = Path(args.workdir)
     shutil.rmtree(workdir, ignore_errors=True)
@@ -299,6 +362,13 @@ def main(argv: list[str] | None = None) -> int:
                     result["phases"][phase] = {"skipped": why}
                     print(f"restart bench: {phase}: skipped ({why})", file=sys.stderr, flush=True)
                     continue
+            if phase == "reopen":
+                try:
+                    result["phases"][phase] = run_reopen(args.timeout)
+                except subprocess.TimeoutExpired as e:
+                    result["phases"][phase] = {"error": f"timed out: {e}"}
+                print(f"restart bench: reopen: {result['phases'][phase]}", file=sys.stderr, flush=True)
+                continue
             cmd = phase_command(phase, args.preset, args.steps, args.trainer_args)
             try:
                 outcome = run_phase(phase, cmd, workdir, args.timeout)
@@ -325,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(text)
     print(text)
-    failed = [n for n, p in result["phases"].items() if "error" in p]
+    # The reopen probe answers a question (can a process reopen its devices?): "no" is a result.
+    failed = [n for n, p in result["phases"].items() if "error" in p and n != "reopen"]
     return 1 if failed else 0
 
 
