@@ -13,6 +13,8 @@ about twice as long when the step is compute-bound, and a restore onto another m
 Everything Resilax-specific is the five marked lines, as in examples/train.py: join the job's
 processes, build the checkpoint manager from the environment the operator injects, restore onto
 whatever mesh this generation has, save each step (the manager decides when), and stop when asked.
+One more, line 0, is optional: it starts the restore's reads before JAX is imported (the restore
+prefetch; line 1 starts it too, a little later), and the compile runs while the restore reads.
 The data is a pure function of the step, so the loss curve continues across generations and any lost
 step would show.
 
@@ -28,6 +30,13 @@ import time
 
 SCRIPT_START = time.time()  # before the heavy imports
 
+import resilax_ckpt as rc  # noqa: E402  (JAX-free until a JAX part of it is used)
+
+# 0. Start reading the checkpoint the restore will most likely want while JAX imports and opens the
+# devices (RESILAX_RESTORE_PREFETCH=0: off). Line 1 would start it too, after `import jax`.
+PREFETCH = rc.start_prefetch()
+PREFETCH_STARTED = time.time()
+
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -39,7 +48,6 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import resilax_ckpt as rc  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -91,7 +99,7 @@ class Marks:
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {"process_start": process_start_time(), "script_start": SCRIPT_START,
-                                        "imports_done": IMPORTS_DONE}
+                                        "line0_done": PREFETCH_STARTED, "imports_done": IMPORTS_DONE}
         launched = os.environ.get("RESILAX_BENCH_LAUNCH_TIME", "").strip()
         if launched:
             self.times["launch"] = float(launched)
@@ -316,8 +324,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-final-save", action="store_true", help="do not force a save after the last step")
     parser.add_argument("--serial-start", action="store_true",
                         help="restore, then compile (default: compile in a thread while the restore reads)")
-    parser.add_argument("--prefetch", action="store_true",
-                        help="start reading the checkpoint before the devices open (resilax_ckpt's restore prefetch)")
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="JAX's persistent compilation cache here, every program cached "
                              "(default: JAX_COMPILATION_CACHE_DIR, if set)")
@@ -332,11 +338,6 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
     rc.initialize_distributed_from_env()  # 1. join this generation's processes
-    if args.prefetch:
-        if not hasattr(rc, "prefetch_restore_from_env"):
-            raise SystemExit("examples/transformer.py: --prefetch: this resilax_ckpt has no restore prefetch")
-        rc.prefetch_restore_from_env()
-        marks.mark("prefetch_started")
     marks.mark("devices_start")
     mesh = make_mesh()  # opens the devices (the TPU runtime's start)
     marks.mark("devices_done")
@@ -440,7 +441,21 @@ def startup_report(cfg: ModelConfig, marks: Marks, restored: int | None, compile
         "compilation_cache": {"dir": getattr(jax.config, "jax_compilation_cache_dir", None),
                               "requests": COMPILATION_CACHE.requests, "hits": COMPILATION_CACHE.hits},
         "step_memory": memory,
+        "prefetch": prefetch_report(marks),
     }
+
+
+def prefetch_report(marks: Marks) -> dict[str, Any] | None:
+    """The restore prefetch's own account (what it read, when, what the restore took), its read added
+    to the marks as prefetch_read_start / prefetch_read_done. None when none ran."""
+    if PREFETCH is None:
+        return None
+    stats = PREFETCH.stats()
+    if stats.get("started") is not None:
+        marks.times["prefetch_read_start"] = float(stats["started"])
+        if stats.get("read_seconds") is not None:
+            marks.times["prefetch_read_done"] = float(stats["started"]) + float(stats["read_seconds"])
+    return {k: v for k, v in stats.items() if k != "path"}
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ its start. The parent passes its own launch time in ``RESILAX_BENCH_LAUNCH_TIME`
   few more steps and a forced save into a local tier on tmpfs (the save's time is reported too).
 * ``warm``: the cache now warm, nothing to restore (RESILAX_RESTORE_STEP=none): the floor of a
   restart of this model on this machine.
-* ``restore``: warm cache, restore of the saved step from the local tier, then the compile (serial:
-  each part on its own).
-* ``restore-overlap``: the same, the compile (a cache load) in a thread while the restore reads: what
-  the trainer does by default.
-* ``prefetch``: as restore-overlap, the checkpoint read started before the devices open (the restore
-  prefetch, `--prefetch` of the trainer); reported as not available when resilax_ckpt has no prefetch.
+* ``prefetch``: warm cache, restore of the saved step from the local tier as the trainer does it by
+  default: the restore prefetch (resilax_ckpt.start_prefetch, the trainer's line 0) reads the step into
+  host memory from the script's first lines, under the imports and the devices' opening, and the
+  compile (a cache load) runs in a thread while the restore finishes; reported as not available when
+  resilax_ckpt has no prefetch.
+* ``restore``: the same restore without the prefetch (RESILAX_RESTORE_PREFETCH=0) and serial: restore,
+  then compile (each part on its own).
+* ``restore-overlap``: without the prefetch, the compile in a thread while the restore reads.
 * ``reopen``: can one process give its devices back and open them again (what keeping a trainer
   process across a generation needs: `jax.extend.backend.clear_backends()`, then `jax.devices()`), and
   at what cost against the first open: a small probe, not the trainer (docs/architecture.md, "Keep
@@ -41,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformer.py"
-PHASES = ("cold", "warm", "restore", "restore-overlap", "prefetch", "reopen")
+PHASES = ("cold", "warm", "prefetch", "restore", "restore-overlap", "reopen")
+"""In the order they run: the ones the issue's target needs first, should a time budget cut the run."""
 TRAIN_STEPS = 3
 """Steps of the cold phase before its save (the restore phases restore this step and run one more)."""
 PHASE_TIMEOUT_S = 300
@@ -50,8 +53,9 @@ PHASE_TIMEOUT_S = 300
 #: left out of that phase (a phase that restores has no init; one that does not, no restore).
 PARTS: tuple[tuple[str, str, str], ...] = (
     ("interpreter start (launch to the script's first line)", "launch", "script_start"),
-    ("imports (jax, resilax_ckpt)", "script_start", "imports_done"),
-    ("prefetch started (before the devices open)", "script_start", "prefetch_started"),
+    ("line 0: import resilax_ckpt, start the prefetch", "script_start", "line0_done"),
+    ("imports (jax, numpy)", "line0_done", "imports_done"),
+    ("prefetch: read into host memory", "prefetch_read_start", "prefetch_read_done"),
     ("open the devices (jax.devices())", "devices_start", "devices_done"),
     ("checkpoint manager", "devices_done", "manager_done"),
     ("trace + lower", "lower_start", "lower_done"),
@@ -239,13 +243,13 @@ def run_reopen(timeout: float) -> dict[str, Any]:
 def prefetch_available() -> str | None:
     """None when the trainer can prefetch (resilax_ckpt has the API), else why not."""
     probe = ("import resilax_ckpt as rc, sys; "
-             "sys.exit(0 if hasattr(rc, 'prefetch_restore_from_env') else 3)")
+             "sys.exit(0 if hasattr(rc, 'start_prefetch') else 3)")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     if proc.returncode == 0:
         return None
     if proc.returncode == 3:
-        return "resilax_ckpt has no restore prefetch (prefetch_restore_from_env) in this checkout"
+        return "resilax_ckpt has no restore prefetch (start_prefetch) in this checkout"
     return f"resilax_ckpt cannot be imported: {proc.stderr.strip()[-500:]}"
 
 
@@ -259,8 +263,6 @@ def phase_command(phase: str, preset: str, steps: int, extra: Sequence[str]) -> 
         cmd += ["--steps", str(steps + 1), "--no-final-save"]
     if phase == "restore":
         cmd.append("--serial-start")
-    if phase == "prefetch":
-        cmd.append("--prefetch")
     return cmd + list(extra)
 
 
@@ -274,6 +276,7 @@ def run_phase(phase: str, cmd: Sequence[str], workdir: Path, timeout: float) -> 
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
         "RESILAX_RESTORE_STEP": "none" if phase in ("cold", "warm") else "latest",
+        "RESILAX_RESTORE_PREFETCH": "1" if phase == "prefetch" else "0",
         "RESILAX_EXIT_GRACE_SECONDS": "0",
     })
     # Only the cold phase's forced final save saves (without a policy every save() call would).
@@ -337,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the raw result here")
     parser.add_argument("--markdown", help="write the tables here")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (default: removed at the end)")
+    parser.add_argument("--budget", type=float, default=0.0,
+                        help="seconds for the whole run: a phase that would not fit (the longest phase after "
+                             "cold so far) is skipped and said so (0: no budget)")
     parser.add_argument("trainer_args", nargs="*", help="after --: more flags for examples/transformer.py")
     args = parser.parse_args(argv)
     wanted = [p.strip() for p in args.phases.split(",") if p.strip()]
@@ -354,20 +360,44 @@ def main(argv: list[str] | None = None) -> int:
         "trainer_args": args.trainer_args, "phases": {},
         "note": "each phase a fresh process, one after another; times are wall-clock seconds",
     }
+    began = time.monotonic()
+    longest = 0.0  # the longest phase after cold so far: what the next one may take
+
+    def write() -> str:
+        first: dict[str, Any] = next((p["startup"] for p in result["phases"].values() if "startup" in p), {})
+        result["environment"] = {k: first.get(k) for k in ("platform", "device_kind", "devices", "processes",
+                                                            "jax", "parameters", "state_bytes", "config")}
+        result["summary"] = summarize(result["phases"])
+        result["elapsed_s"] = round(time.monotonic() - began, 1)
+        text = build_markdown(result)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        if args.markdown:
+            Path(args.markdown).write_text(text)
+        return text
+
     try:
         for phase in (p for p in PHASES if p in wanted):
+            elapsed = time.monotonic() - began
+            if args.budget and phase != "cold" and elapsed + max(longest, 15.0) > args.budget:
+                why = f"time budget: {elapsed:.0f} s of --budget {args.budget:.0f} s spent"
+                result["phases"][phase] = {"skipped": why}
+                print(f"restart bench: {phase}: skipped ({why})", file=sys.stderr, flush=True)
+                continue
             if phase == "prefetch":
-                why = prefetch_available()
-                if why:
-                    result["phases"][phase] = {"skipped": why}
-                    print(f"restart bench: {phase}: skipped ({why})", file=sys.stderr, flush=True)
+                why_not = prefetch_available()
+                if why_not:
+                    result["phases"][phase] = {"skipped": why_not}
+                    print(f"restart bench: {phase}: skipped ({why_not})", file=sys.stderr, flush=True)
                     continue
+            started = time.monotonic()
             if phase == "reopen":
                 try:
                     result["phases"][phase] = run_reopen(args.timeout)
                 except subprocess.TimeoutExpired as e:
                     result["phases"][phase] = {"error": f"timed out: {e}"}
                 print(f"restart bench: reopen: {result['phases'][phase]}", file=sys.stderr, flush=True)
+                write()
                 continue
             cmd = phase_command(phase, args.preset, args.steps, args.trainer_args)
             try:
@@ -375,26 +405,21 @@ def main(argv: list[str] | None = None) -> int:
             except (RestartBenchError, subprocess.TimeoutExpired) as e:
                 result["phases"][phase] = {"error": str(e)[-4000:]}
                 print(f"restart bench: {phase}: FAILED: {e}", file=sys.stderr, flush=True)
+                write()
                 if phase == "cold":
                     break
                 continue
+            if phase != "cold":
+                longest = max(longest, time.monotonic() - started)
             result["phases"][phase] = outcome
             total = [p["seconds"] for p in outcome["parts"] if p["part"].startswith("launch to")]
             print(f"restart bench: {phase}: launch to first step {total[0] if total else '?'} s "
                   f"(process {outcome['process_seconds']} s)", file=sys.stderr, flush=True)
+            write()  # after every phase: a run cut short keeps what it measured
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    first: dict[str, Any] = next((p["startup"] for p in result["phases"].values() if "startup" in p), {})
-    result["environment"] = {k: first.get(k) for k in ("platform", "device_kind", "devices", "processes", "jax",
-                                                        "parameters", "state_bytes", "config")}
-    result["summary"] = summarize(result["phases"])
-    text = build_markdown(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-    print(text)
+    print(write())
     # The reopen probe answers a question (can a process reopen its devices?): "no" is a result.
     failed = [n for n, p in result["phases"].items() if "error" in p and n != "reopen"]
     return 1 if failed else 0

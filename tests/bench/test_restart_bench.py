@@ -18,7 +18,7 @@ from resilax_bench import restart
 
 ROOT = Path(__file__).resolve().parents[2]
 
-MARKS = {"launch": 100.0, "process_start": 100.01, "script_start": 100.1, "imports_done": 102.0,
+MARKS = {"launch": 100.0, "process_start": 100.01, "script_start": 100.1, "line0_done": 100.5, "imports_done": 102.0,
          "devices_start": 102.0, "devices_done": 108.0, "manager_done": 108.2, "lower_start": 108.2,
          "restore_start": 108.2, "lower_done": 109.0, "restore_returned": 110.0, "restore_on_device": 110.5,
          "compile_done": 112.0, "first_step_done": 113.0}
@@ -44,7 +44,7 @@ def test_overlapping_parts_are_named_with_the_time_they_share() -> None:
 
 
 def test_the_summary_compares_a_restart_with_the_warm_start_that_restores_nothing() -> None:
-    warm = {"launch": 0.0, "script_start": 0.1, "imports_done": 2.0, "devices_start": 2.0, "devices_done": 8.0,
+    warm = {"launch": 0.0, "script_start": 0.1, "line0_done": 0.2, "imports_done": 2.0, "devices_start": 2.0, "devices_done": 8.0,
             "manager_done": 8.1, "lower_start": 8.1, "lower_done": 9.0, "compile_done": 11.0, "init_start": 11.0,
             "init_done": 11.5, "first_step_done": 12.0}
     phases = {"warm": {"parts": restart.plan_parts(warm)}, "restore-overlap": {"parts": restart.plan_parts(MARKS)}}
@@ -70,17 +70,22 @@ def test_the_tpu_script_runs_every_phase_on_cpu(tmp_path: Path) -> None:
     result = json.loads((out / "restart-tpu.json").read_text())
     phases = result["phases"]
     assert result["environment"]["platform"] == "cpu"
-    for name in ("cold", "warm", "restore", "restore-overlap"):
+    for name in ("cold", "warm", "prefetch", "restore", "restore-overlap"):
         assert phases[name]["parts"], name
         assert phases[name]["startup"]["marks"]["first_step_done"] > phases[name]["startup"]["marks"]["launch"]
     assert phases["cold"]["startup"]["compilation_cache"]["hits"] == 0
     assert phases["warm"]["startup"]["compilation_cache"]["hits"] > 0
-    for name in ("restore", "restore-overlap"):
+    for name in ("prefetch", "restore", "restore-overlap"):
         assert phases[name]["restored"]["restored"] == restart.TRAIN_STEPS
         assert phases[name]["restored"]["from"] == "local"
         assert [s["step"] for s in phases[name]["steps"]] == [restart.TRAIN_STEPS + 1]
-    assert phases["restore"]["steps"] == phases["restore-overlap"]["steps"]
-    assert "prefetch" in phases  # measured, or skipped with the reason
+    assert phases["restore"]["steps"] == phases["restore-overlap"]["steps"] == phases["prefetch"]["steps"]
+    # The prefetch read the step before the devices opened and the restore took all of it; without it, none.
+    prefetched = phases["prefetch"]["startup"]["prefetch"]
+    assert prefetched["taken_leaves"] == prefetched["leaves"] > 0, prefetched
+    marks = phases["prefetch"]["startup"]["marks"]
+    assert marks["prefetch_read_start"] < marks["devices_start"]
+    assert phases["restore"]["startup"]["prefetch"] is None
     # On CPU one process can give its devices back and open them again (the TPU run answers for the chip).
     assert phases["reopen"]["reopened"] is True, phases["reopen"]
     assert set(phases["reopen"]["seconds"]) >= {"first open", "clear_backends", "second open"}
