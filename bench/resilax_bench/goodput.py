@@ -271,7 +271,8 @@ def _started_at(pod: dict[str, Any]) -> str | None:
 def summarize(variant: str, g: Goodput, faults: list[Fault], start: float,
               marks: dict[int, GenerationMarks]) -> dict[str, Any]:
     return {
-        "variant": variant, "goodput": round(g.goodput, 4), "wall_seconds": round(g.wall_seconds, 1),
+        "variant": variant, "device_weighted_goodput": round(g.device_weighted_goodput, 4),
+        "goodput": round(g.goodput, 4), "wall_seconds": round(g.wall_seconds, 1),
         "buckets_seconds": {k: round(v, 1) for k, v in g.buckets.items()},
         "final_step": g.final_step, "steps_trained": g.steps_trained, "steps_lost": g.steps_lost,
         "generations": g.generations,
@@ -289,7 +290,11 @@ def render_table(result: dict[str, Any]) -> str:
     def row(label: str, values: list[str]) -> None:
         lines.append(f"| {label} | " + " | ".join(values) + " |")
 
-    row("goodput", [f"{100 * r['goodput']:.1f}%" for r in rows])
+    # Device-weighted first (issue 39): a second at half the devices counts half. Runs recorded before
+    # it was computed have only the plain figure ("–").
+    row("**device-weighted goodput**", [f"**{100 * r['device_weighted_goodput']:.1f}%**"
+                                        if r.get("device_weighted_goodput") is not None else "–" for r in rows])
+    row("goodput (plain)", [f"{100 * r['goodput']:.1f}%" for r in rows])
     row("wall time", [f"{r['wall_seconds']:.0f} s" for r in rows])
     for bucket in BUCKETS:
         row(bucket.replace("_", " "), [f"{r['buckets_seconds'][bucket]:.1f} s" for r in rows])

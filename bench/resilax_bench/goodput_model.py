@@ -100,10 +100,19 @@ class Goodput:
     steps_lost: int  # steps a later generation trained again (the operator's accounting's count)
     generations: int  # generations that trained
     faults: int
+    #: Productive seconds, each weighted by its generation's devices over the job's full devices (the
+    #: operator accounting's device_productive; None: every generation at the full shape).
+    device_productive: float | None = None
 
     @property
     def goodput(self) -> float:
         return self.buckets["productive"] / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def device_weighted_goodput(self) -> float:
+        """A second trained at half the devices counts half (`resilax_operator.goodput.Goodput.device_ratio`)."""
+        weighted = self.buckets["productive"] if self.device_productive is None else self.device_productive
+        return weighted / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
 
 def _blocking(rs: Sequence[LossRecord]) -> float:
@@ -116,13 +125,19 @@ def _blocking(rs: Sequence[LossRecord]) -> float:
 
 
 def build_generation_marks(records: Sequence[LossRecord], faults: Sequence[Fault], end: float,
-                           marks: Mapping[int, GenerationMarks]) -> list[goodput.GenerationMarks]:
-    """The operator accounting's marks of each generation, from what the harness recorded."""
+                           marks: Mapping[int, GenerationMarks],
+                           full_devices: int | None = None) -> list[goodput.GenerationMarks]:
+    """The operator accounting's marks of each generation, from what the harness recorded. Each
+    generation's `devices_share`: the devices its step lines report over `full_devices` (None: the
+    most any generation reported, the job's full shape), at most 1; 1 for a generation without steps."""
     by_gen: dict[int, list[LossRecord]] = {}
     for r in sorted(records, key=lambda r: (r.time, r.step)):
         by_gen.setdefault(r.generation, []).append(r)
     hard = sorted(f.time for f in faults if f.kind in (KILL, PREEMPT))
     gens = sorted(set(by_gen) | set(marks))
+    full = full_devices if full_devices is not None else max((r.devices for r in records), default=0)
+    if full_devices is not None and full_devices < 1:
+        raise GoodputInputError(f"full_devices must be >= 1, got {full_devices!r}")
     out: list[goodput.GenerationMarks] = []
     for n, g in enumerate(gens):
         m = marks.get(g, GenerationMarks())
@@ -139,7 +154,8 @@ def build_generation_marks(records: Sequence[LossRecord], faults: Sequence[Fault
             generation=g, created=m.pods_created, running=m.pods_running, restore_began=m.restore_began,
             restore_ended=m.restored, first_step=rs[0].step if rs else None, first_step_time=rs[0].time if rs else None,
             last_step=rs[-1].step if rs else None, last_step_time=rs[-1].time if rs else None,
-            blocking_seconds=_blocking(rs), detected=nxt.detected if nxt is not None else None, fault=fault))
+            blocking_seconds=_blocking(rs), detected=nxt.detected if nxt is not None else None, fault=fault,
+            devices_share=min(1.0, max(r.devices for r in rs) / full) if rs and full else 1.0))
     return out
 
 
@@ -184,19 +200,21 @@ def find_reaction(previous: int, steps: Sequence[float], started: float | None, 
 
 
 def compute_goodput(records: Sequence[LossRecord], faults: Sequence[Fault], start: float, end: float,
-                    marks: Mapping[int, GenerationMarks] | None = None) -> Goodput:
-    """Goodput of the run from `start` (job applied) to `end` (measurement stopped); see the module doc."""
+                    marks: Mapping[int, GenerationMarks] | None = None, full_devices: int | None = None) -> Goodput:
+    """Goodput of the run from `start` (job applied) to `end` (measurement stopped); see the module doc.
+    Device-weighted goodput weighs each generation by its devices over `full_devices` (None: the most
+    any generation reported)."""
     if end <= start:
         raise GoodputInputError(f"end ({end!r}) must be after start ({start!r})")
     recs = [r for r in records if start <= r.time <= end]
     hard = [f for f in faults if f.kind in (KILL, PREEMPT)]
-    gens = build_generation_marks(recs, faults, end, marks or {})
+    gens = build_generation_marks(recs, faults, end, marks or {}, full_devices)
     if not recs:
         return Goodput(end - start, {**dict.fromkeys(BUCKETS, 0.0), "other": end - start}, 0, 0, 0, 0, len(hard))
     result = goodput.account(start, end, gens)
     final = max(recs, key=lambda r: r.time).step
     return Goodput(result.wall_seconds, result.buckets, final, len(recs), result.lost_steps,
-                   len({r.generation for r in recs}), len(hard))
+                   len({r.generation for r in recs}), len(hard), result.device_productive)
 
 
 # ---------------------------------------------------------------------------- projection on other costs

@@ -94,6 +94,39 @@ def test_breakdown_of_a_hard_loss_with_known_answer() -> None:
     assert (g.final_step, g.steps_trained, g.steps_lost, g.generations, g.faults) == (12, 16, 4, 2, 1)
 
 
+def test_device_weighted_goodput_counts_a_second_at_half_the_devices_half() -> None:
+    """Issue 39: gen 1 of the same run on 4 of 8 devices. The operator's accounting: each generation's own
+    steps at its share, the redone ones taken off at the share of the generation that first trained them."""
+    from dataclasses import replace
+
+    records, faults, marks = one_loss_run()
+    records = [replace(r, devices=4) if r.generation == 1 else r for r in records]
+    g = compute_goodput(records, faults, 0.0, 42.0, marks)
+    assert g.goodput == pytest.approx(12 / 42)  # the plain figure does not change
+    assert g.device_weighted_goodput == pytest.approx((10 * 1.0 + 6 * 0.5 - 4 * 1.0) / 42)
+    declared = compute_goodput(records, faults, 0.0, 42.0, marks, full_devices=16)
+    assert declared.device_weighted_goodput == pytest.approx((10 * 0.5 + 6 * 0.25 - 4 * 0.5) / 42)
+    at_full = compute_goodput(one_loss_run()[0], faults, 0.0, 42.0, marks)
+    assert at_full.device_weighted_goodput == pytest.approx(at_full.goodput)
+    with pytest.raises(GoodputInputError, match="full_devices must be >= 1, got 0"):
+        compute_goodput(records, faults, 0.0, 42.0, marks, full_devices=0)
+
+
+def test_the_table_and_json_lead_with_the_device_weighted_figure() -> None:
+    from resilax_bench.goodput import render_table, summarize
+
+    records, faults, marks = one_loss_run()
+    g = compute_goodput([r if r.generation == 0 else LossRecord(r.step, r.loss, 1, 4, r.time) for r in records],
+                        faults, 0.0, 42.0, marks)
+    row = summarize("resilax", g, faults, 0.0, marks)
+    assert list(row)[:3] == ["variant", "device_weighted_goodput", "goodput"]
+    assert row["device_weighted_goodput"] == round(9 / 42, 4)
+    table = render_table({"variants": [row, {**row, "variant": "old", "device_weighted_goodput": None}]})
+    lines = table.splitlines()
+    assert lines[2] == "| **device-weighted goodput** | **21.4%** | – |"
+    assert lines[3] == "| goodput (plain) | 28.6% | 28.6% |"
+
+
 def test_nothing_lost_when_the_new_generation_resumes_at_the_last_step() -> None:
     records, faults, marks = one_loss_run()
     gen1 = [rec(i, 24.0 + i, 1) for i in range(11, 17)]  # restored step 10: 11..16 at 35..40
