@@ -97,6 +97,9 @@ TRAINER_CONTAINER: Final = "trainer"  # the default name; the first container of
 SIDECAR_CONTAINER: Final = "resilax-sidecar"
 #: Init container that hands a scope Node local tier folder to the worker's user (chown, chmod 0700).
 LOCAL_INIT_CONTAINER: Final = "resilax-local-init"
+#: Init container of a new worker pod that runs `resilax health-check` (spec.recovery.healthCheck); its
+#: JSON result is its termination message (policies/health_check.py reads it from the watch cache).
+HEALTH_CHECK_CONTAINER: Final = "resilax-health-check"
 CONTROL_VOLUME: Final = "resilax-control"
 LOCAL_VOLUME: Final = "resilax-local"
 TOKEN_VOLUME: Final = "resilax-token"
@@ -111,7 +114,7 @@ SIDECAR_TOKEN_HEADER: Final = "X-Resilax-Token"
 #: What a sidecar's save request id looks like (resilax_sidecar.control.valid_request_id; a test holds
 #: them equal): `kubectl resilax save` refuses any other id before it goes into a proxy path.
 SAVE_ID_PATTERN: Final = r"^[A-Za-z0-9_-]{1,80}$"
-RESERVED_CONTAINER_NAMES: Final = frozenset({SIDECAR_CONTAINER, LOCAL_INIT_CONTAINER})
+RESERVED_CONTAINER_NAMES: Final = frozenset({SIDECAR_CONTAINER, LOCAL_INIT_CONTAINER, HEALTH_CHECK_CONTAINER})
 RESERVED_VOLUME_NAMES: Final = frozenset({CONTROL_VOLUME, LOCAL_VOLUME, TOKEN_VOLUME})
 
 #: The trainer's exit code for "stopped for rescheduling" (resilax_ckpt.EXIT_CODE_STOPPED).
@@ -122,6 +125,8 @@ EXIT_CODE_PEER_LOST: Final = 76
 #: The trainer's exit code for "a live JAXJob of another uid holds the checkpoint storage"
 #: (resilax_ckpt.EXIT_CODE_STORAGE_IN_USE): the job fails with StorageInUse instead of fencing it out.
 EXIT_CODE_STORAGE_IN_USE: Final = 78
+#: `resilax health-check`'s exit code for a host that failed its check (resilax_ckpt.health_check.EXIT_UNHEALTHY).
+EXIT_CODE_UNHEALTHY: Final = 79
 
 # --- phases ---
 PHASE_PENDING: Final = "Pending"
@@ -156,9 +161,12 @@ COND_STRAGGLER: Final = "Straggler"
 COND_COMPLETED: Final = "Completed"
 #: True once the job Failed; reason and message are the Ready condition's (why it failed).
 COND_FAILED: Final = "Failed"
+#: True while the job keeps nodes out of its generations because they failed the health check
+#: (status.unhealthyNodes, policies/health_check.py); absent when none is.
+COND_UNHEALTHY_NODES: Final = "UnhealthyNodes"
 CONDITION_TYPES: Final = (COND_READY, COND_SAVING, COND_DEGRADED, COND_INVALID_SPEC, COND_CHECKPOINT_FALLBACK,
                           COND_MAINTENANCE, COND_SUSPENDED, COND_NAME_CONFLICT, COND_STRAGGLER, COND_COMPLETED,
-                          COND_FAILED)
+                          COND_FAILED, COND_UNHEALTHY_NODES)
 
 
 @dataclass(frozen=True)
@@ -276,3 +284,11 @@ NAME_CONFLICT = Reason("NameConflict", "generation {generation}: {kind} {name} e
 NO_NAME_CONFLICT = Reason("NoNameConflict", "every worker of generation {generation} is this job's own and runs")
 NOT_SAVING = Reason("NotSaving", "no final save in progress")
 SAVING = Reason("FinalSaveInProgress", "final save ({reason}) of generation {generation} in progress until {deadline}")
+HEALTH_CHECK_FAILED = Reason("HealthCheckFailed",
+                             "node {node} failed the health check of generation {generation} (worker {pod}, {part}: "
+                             "{detail}); it is kept out of this and later generations ({failures} failure(s) so far)")
+HEALTH_CHECK_SLICE_FAILED = Reason("HealthCheckSliceFailed",
+                                   "worker {pod} of generation {generation} failed the health check's {part} part "
+                                   "({detail}); no host is blamed for a part that needs the others: the generation "
+                                   "starts again")
+NODES_KEPT_OUT = Reason("NodesKeptOut", "kept out of new generations after a failed health check: {nodes}")

@@ -28,7 +28,7 @@ from .podsecurity import RESTRICTED_POD, merge_security_context, restricted_cont
 from .settings import OperatorSettings, sidecar_resources_from_json
 from .spec import LOCAL_SCOPE_NODE, JobSpec
 from .topology import SliceGeometry, plan_geometry
-from .worker_env import STORAGE_MOUNT, build_env, compilation_cache_env, merge_env
+from .worker_env import STORAGE_MOUNT, TERMINATION_MESSAGE_PATH, build_env, compilation_cache_env, merge_env
 
 Manifest = dict[str, Any]
 
@@ -192,6 +192,8 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
         # The sidecar trims and uploads the worker's files in a 0700 folder: same user as the worker.
         sidecar["securityContext"] = {**sidecar["securityContext"], "runAsUser": owner[0], "runAsGroup": owner[1]}
         inits = [build_local_init(settings, owner), sidecar]
+    if spec.recovery.health_check.enabled and containers:
+        inits.append(build_health_check(containers[trainer_i], spec, geometry))
     users_inits = [{**c, "securityContext": restricted_context(c.get("securityContext"))}
                    for c in pod.get("initContainers") or []]
     pod["initContainers"] = [*inits, *users_inits]
@@ -242,6 +244,32 @@ def build_sidecar(spec: JobSpec, settings: OperatorSettings, env: Sequence[Mappi
                       else copy.deepcopy(SIDECAR_RESOURCES)),
         "securityContext": restricted_context(None),
     }
+
+
+def build_health_check(trainer: Mapping[str, Any], spec: JobSpec, geometry: SliceGeometry) -> Manifest:
+    """`resilax-health-check` (spec.recovery.healthCheck): `resilax health-check` in the trainer's image,
+    with its environment (the expected devices, the coordinator of the generation), resources (the
+    accelerator: the kubelet hands an init container's devices on to the trainer) and security context,
+    after the sidecar. Its JSON result is its termination message (the operator reads it from the pod in
+    its watch cache); it exits 79 when the host failed. Only a new pod gets it: a kept survivor of an
+    in-place restart is never rebuilt, so it is not checked again."""
+    platform = "tpu" if geometry.is_tpu else geometry.family
+    env = [dict(e) for e in trainer.get("env") or [] if e.get("name") != "RESILAX_HEALTH_PLATFORM"]
+    container: Manifest = {
+        "name": api.HEALTH_CHECK_CONTAINER,
+        "image": trainer.get("image"),
+        "command": ["resilax", "health-check", "--timeout", str(spec.recovery.health_check.timeout_seconds),
+                    "--result", TERMINATION_MESSAGE_PATH],
+        "env": [*env, {"name": "RESILAX_HEALTH_PLATFORM", "value": platform}],
+        "resources": copy.deepcopy(dict(trainer.get("resources") or {})),
+        "securityContext": copy.deepcopy(trainer.get("securityContext")),
+        "terminationMessagePath": TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": "File",
+    }
+    for key in ("imagePullPolicy", "envFrom", "workingDir"):
+        if trainer.get(key) is not None:
+            container[key] = copy.deepcopy(trainer[key])
+    return container
 
 
 def node_scoped(spec: JobSpec) -> bool:

@@ -17,6 +17,8 @@ did, not what a log line says:
 - every reconcile and every status written → `resilax_operator_job_phase{namespace,jaxjob,phase}` (1 for
   the job's phase, 0 for the others: every phase has its series) and
   `resilax_operator_job_generation{namespace,jaxjob}`;
+- a node recorded in status.unhealthyNodes (its health check failed) → the new failures in
+  `resilax_operator_node_health_check_failures_total{node}` (node names are bounded by the cluster);
 - every reconcile → `resilax_operator_goodput_ratio{namespace,jaxjob}` and
   `resilax_operator_goodput_seconds{namespace,jaxjob,bucket}` (the job's goodput accounting as of now,
   goodput.py; the buckets sum to the wall time since its first generation was created; status.goodput
@@ -67,6 +69,11 @@ JOB_PHASE: Final = Gauge("resilax_operator_job_phase", "1 for the job's current 
                          ["namespace", "jaxjob", "phase"])
 JOB_GENERATION: Final = Gauge("resilax_operator_job_generation", "The job's current generation (status.generation)",
                               ["namespace", "jaxjob"])
+NODE_HEALTH_CHECK_FAILURES: Final = Counter(
+    "resilax_operator_node_health_check_failures_total",
+    "Health checks a node failed on its own part (devices, matmul) before a generation's trainer started; the "
+    "node is kept out of that job's generations (status.unhealthyNodes). For the platform team: a node that "
+    "fails repeatedly is bad hardware", ["node"])
 BUILD_INFO: Final = Gauge("resilax_build_info", "Always 1: the running component and its version",
                           ["version", "component"])
 
@@ -109,10 +116,19 @@ def record_status(job: JobRef, before: st.JobStatus, after: st.JobStatus, now: d
             _pending[job.uid] = (t.kind, t.since, committed or (previous is not None and previous[2]))
         if after.generation > before.generation:
             GENERATIONS.inc()
+        for node, more in count_new_health_failures(before, after):
+            NODE_HEALTH_CHECK_FAILURES.labels(node).inc(more)
         if after.phase == api.PHASE_RUNNING and before.phase != api.PHASE_RUNNING and job.uid in _pending:
             kind, since, saved = _pending.pop(job.uid)
             RECOVERY_SECONDS.labels(kind).observe(max(0.0, (now - since).total_seconds()))
             _awaiting_restore[job.uid] = (after.generation, kind, saved)
+
+
+def count_new_health_failures(before: st.JobStatus, after: st.JobStatus) -> list[tuple[str, int]]:
+    """(node, failures) recorded in status.unhealthyNodes by this status write (pure)."""
+    old = {n.node: n.failures for n in before.unhealthy_nodes}
+    return [(n.node, n.failures - old.get(n.node, 0)) for n in after.unhealthy_nodes
+            if n.failures > old.get(n.node, 0)]
 
 
 def steps_lost(reached: Mapping[int, int], generation: int, restored: int | None, saved: bool) -> int | None:

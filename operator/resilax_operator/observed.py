@@ -28,7 +28,14 @@ from .observed_nodes import (
     parse_maintenance_time,
     parse_node,
 )
-from .observed_pods import STARTING_REASONS, ObservedPod, parse_pod, pick_freshness
+from .observed_pods import (
+    STARTING_REASONS,
+    HealthResult,
+    ObservedPod,
+    parse_health_result,
+    parse_pod,
+    pick_freshness,
+)
 from .observed_sidecar import (
     HostFigures,
     RestoreReport,
@@ -48,6 +55,7 @@ from .trainer_process import TrainerProcess
 __all__ = (
     "SHUTTING_DOWN_MESSAGE",
     "STARTING_REASONS",
+    "HealthResult",
     "HostFigures",
     "Observed",
     "ObservedNode",
@@ -60,6 +68,7 @@ __all__ = (
     "build_observed",
     "count_devices_in_use",
     "nodes_needing_lease",
+    "parse_health_result",
     "parse_host_figures",
     "parse_job_ref",
     "parse_lease",
@@ -120,6 +129,23 @@ class Observed:
         """The nodes the API server still shows Ready that are down for the operator (a witnessed Lease:
         `ObservedNode.down_since`): the scheduler would still place pods there. Sorted."""
         return tuple(sorted(n.name for n in self.nodes if n.ready == "True" and n.down_since(self.now) is not None))
+
+    def avoid_list(self) -> tuple[tuple[str, str], ...]:
+        """(node, why) of every node a new pod must not go to, by name: the nodes held down (a witnessed
+        Lease, `nodes_held_down`) and those the job keeps out after a failed health check
+        (`ObservedNode.kept_out`). One list, one required node anti-affinity (`GenerationPlan.avoid_nodes`)."""
+        out: dict[str, list[str]] = {}
+        for n in self.nodes:
+            if n.ready == "True" and (since := n.down_since(self.now)) is not None:
+                out.setdefault(n.name, []).append(f"NodeDown: its Lease proves the kubelet gone since "
+                                                  f"{st.format_time(since)}")
+            if n.kept_out:
+                out.setdefault(n.name, []).append(n.kept_out)
+        return tuple((name, "; ".join(why)) for name, why in sorted(out.items()))
+
+    def nodes_to_avoid(self) -> tuple[str, ...]:
+        """The names of `avoid_list`, sorted."""
+        return tuple(name for name, _ in self.avoid_list())
 
     def pods_of(self, generation: int) -> list[ObservedPod]:
         """The pods of one generation, by name."""

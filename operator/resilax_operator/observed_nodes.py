@@ -52,6 +52,9 @@ class ObservedNode:
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     #: The Ready condition's message (the kubelet's reason for NotReady).
     ready_message: str = ""
+    #: Why this job keeps the node out of its generations (it failed the health check:
+    #: policies/health_check.py marks it from status.unhealthyNodes); "" for none.
+    kept_out: str = ""
 
     @property
     def pool(self) -> str | None:
@@ -116,7 +119,7 @@ class ObservedNode:
     def schedulable(self, now: datetime, lead: timedelta = timedelta(0)) -> bool:
         """Whether a new generation may use this node: up, no notice within `lead`, not cordoned."""
         return (self.ready == "True" and self.down_since(now) is None and self.notice(now, lead) is None
-                and not self.unschedulable
+                and not self.unschedulable and not self.kept_out
                 and not any(t.key == api.NOT_READY_TAINT for t in self.taints))
 
 

@@ -4,6 +4,7 @@ waiting and start-up reasons, gates, owner) and its parser from a Pod."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -12,6 +13,34 @@ from typing import Any, Final
 from . import api
 from . import status as st
 from .ownership import owner_uid
+
+
+@dataclass(frozen=True)
+class HealthResult:
+    """What a worker pod's `resilax health-check` init container reported once it terminated."""
+
+    exit_code: int
+    #: The part that failed (rendezvous, devices, matmul, collective); None when it passed or said nothing.
+    failed_part: str | None = None
+    reason: str = ""
+    #: The failure is the host's own (devices, matmul): the check's `host_fault`.
+    host_fault: bool = False
+
+
+def parse_health_result(exit_code: int, message: str) -> HealthResult:
+    """The health-check container's exit code and termination message (its JSON result, possibly cut or
+    absent) → HealthResult. Without a readable result a non-zero exit blames no host (pure)."""
+    try:
+        raw = json.loads(message) if message else {}
+    except ValueError:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raw = {}
+    part = raw.get("failed_part")
+    reason = str(raw.get("reason") or ("" if exit_code == 0 else f"exit code {exit_code}, no readable result"))
+    return HealthResult(exit_code, str(part) if part else None, reason[:500],
+                        exit_code != 0 and raw.get("host_fault") is True)
+
 
 #: Waiting reasons of a container that is simply starting (not stuck).
 STARTING_REASONS: Final = frozenset({"ContainerCreating", "PodInitializing"})
@@ -70,6 +99,9 @@ class ObservedPod:
     queue_stop: str | None = None
     #: Its checkpoint freshness annotations (api.FRESHNESS_ANNOTATIONS), sorted (key, value) pairs.
     freshness: tuple[tuple[str, str], ...] = ()
+    #: Its health-check init container's result once that terminated (spec.recovery.healthCheck); None
+    #: before, or without one.
+    health: HealthResult | None = None
 
     @property
     def terminated(self) -> bool:
@@ -129,6 +161,12 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
                       if c.get("type") == "PodScheduled" and c.get("status") == "True"), {})
     container_exits = tuple((str(cs.get("name", "")), int(t["exitCode"])) for cs in statuses
                             if (t := (cs.get("state") or {}).get("terminated")) and t.get("exitCode") is not None)
+    health = None
+    for cs in status.get("initContainerStatuses") or []:
+        if cs.get("name") == api.HEALTH_CHECK_CONTAINER:
+            t = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
+            if t and t.get("exitCode") is not None:
+                health = parse_health_result(int(t["exitCode"]), str(t.get("message") or ""))
     grace = meta.get("deletionGracePeriodSeconds")
     stop: Mapping[str, Any] = next((c for c in status.get("conditions") or []
                                     if c.get("type") == api.KUEUE_STOP_CONDITION and c.get("status") == "True"), {})
@@ -143,7 +181,8 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         trainer_finished_at=finished_at, uid=str(meta.get("uid") or ""),
         supervised=(meta.get("annotations") or {}).get(api.ANNOTATION_SUPERVISED) == "1", trainer_ready=trainer_ready,
         owner_uid=owner_uid(raw), starting=starting, scheduled_at=_time_or_none(scheduled.get("lastTransitionTime")),
-        container_exits=container_exits, queue_stop=_queue_stop(stop), freshness=pick_freshness(meta))
+        container_exits=container_exits, queue_stop=_queue_stop(stop), freshness=pick_freshness(meta),
+        health=health)
 
 
 def pick_freshness(meta: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:

@@ -43,6 +43,7 @@ from .policies import (
     goodput_status,
     grow_back_probe,
     hang,
+    health_check,
     history_status,
     inplace,
     invalid_edit,
@@ -71,6 +72,7 @@ WATCH: Final[tuple[Check, ...]] = (
     queue_eviction.check,                # a queue (Kueue) stopped the pod group: not a failure
     suspend.check,                       # spec.suspend: final save, no workers
     node_loss.check_not_ready,           # a worker's node down within its grace: wait
+    health_check.check,                  # a new pod's host failed its health check: kept out, PodLost
     resize.check_incompatible,           # the spec no longer allows the running shape
     failure_rules.check,                 # a failed worker a spec.recovery.failureRules rule matches
     worker_exit.check,                   # stopped, failed, lost, deleted; or all done
@@ -125,6 +127,7 @@ def decide_policies(spec: JobSpec, observed: Observed, settings: OperatorSetting
     if record is not None:
         s = replace(s, last_valid_spec=record)
     s = name_conflict.settle(s, observed, now)
+    observed = health_check.mark_kept_out(observed, s)  # every decision below sees those nodes kept out
     announced: list[EmitEvent] = []
     if invalid is None:
         s = invalid_edit.mark_valid(s, now)
@@ -165,6 +168,7 @@ def watch(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     """The running generation: the first check of `WATCH` that finds something decides; else bring the
     generation up and report how it runs."""
     s = st.record_worker_nodes(s, plan_worker_nodes(s, observed.pods_of(s.generation)))
+    s = health_check.record(observed, s)
     s = capacity_wait.record_admission(observed, s)
     s, events = preemption.record_scheduled(spec, observed, s)
     if events:

@@ -43,6 +43,9 @@ IN_PLACE_AUTO: Final = "Auto"
 IN_PLACE_NEVER: Final = "Never"
 IN_PLACE_MODES: Final = (IN_PLACE_AUTO, IN_PLACE_NEVER)
 DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS: Final = 30
+#: `spec.recovery.healthCheck.timeoutSeconds` default: the bound of `resilax health-check` on a new pod.
+DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS: Final = 120
+MAX_HEALTH_CHECK_TIMEOUT_SECONDS: Final = 3600
 #: `spec.recovery.hangTimeoutSeconds: 0`: no hang detection.
 HANG_DETECTION_OFF: Final = 0
 #: An explicit hang timeout's bounds (the trainer writes its figures about once a second).
@@ -152,6 +155,16 @@ class FailureRule:
 
 
 @dataclass(frozen=True)
+class HealthCheckSpec:
+    """`spec.recovery.healthCheck`: a new pod runs `resilax health-check` (an init container) before its
+    trainer; a host that fails is kept out of this and later generations (policies/health_check.py)."""
+
+    enabled: bool = False
+    #: The check's bound: past it the host counts as failed (`resilax health-check --timeout`).
+    timeout_seconds: int = DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS
+
+
+@dataclass(frozen=True)
 class RecoverySpec:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     backoff_seconds: int = DEFAULT_BACKOFF_SECONDS
@@ -167,6 +180,8 @@ class RecoverySpec:
     #: A generation with no progress this long is hung (TrainerHung); None: automatic from the trainer's
     #: step times (policies/hang.py); HANG_DETECTION_OFF: never.
     hang_timeout_seconds: int | None = None
+    #: `healthCheck`: each new pod checks its host before its trainer starts (policies/health_check.py).
+    health_check: HealthCheckSpec = HealthCheckSpec()
 
     @property
     def in_place_auto(self) -> bool:
@@ -410,6 +425,7 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
                                               DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS),
         failure_rules=_failure_rules(r, rc, rp),
         hang_timeout_seconds=r.integer(rc, "hangTimeoutSeconds", rp, minimum=0),
+        health_check=_health_check(r, rc, rp),
     )
     cap = r.obj(raw, "capacity", p) or {}
     capacity = CapacitySpec(
@@ -479,3 +495,12 @@ def _quantity_str(r: _Reader, raw: Mapping[str, Any], key: str, path: str) -> st
         r.bad(f"{path}.{key}", f"{value!r} is not a storage quantity; use e.g. 512Mi, 64Gi, 1T")
         return None
     return text
+
+
+def _health_check(r: _Reader, recovery: Mapping[str, Any], path: str) -> HealthCheckSpec:
+    """`spec.recovery.healthCheck` (absent: off)."""
+    hc = r.obj(recovery, "healthCheck", path) or {}
+    hp = f"{path}.healthCheck"
+    return HealthCheckSpec(
+        enabled=r.boolean(hc, "enabled", hp, default=False),
+        timeout_seconds=_int_or(r.integer(hc, "timeoutSeconds", hp, minimum=1), DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS))

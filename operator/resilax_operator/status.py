@@ -140,6 +140,22 @@ class Condition:
 
 
 @dataclass(frozen=True)
+class UnhealthyNode:
+    """A node kept out of the job's generations because it failed the health check (status.unhealthyNodes)."""
+
+    node: str
+    #: The part it failed (devices, matmul) and the check's reason.
+    part: str
+    reason: str
+    #: How many of the job's health checks it failed (one per worker pod).
+    failures: int
+    last_failure_time: datetime
+    #: The generation and worker pod of its last failure (a pod is counted once).
+    generation: int
+    pod: str
+
+
+@dataclass(frozen=True)
 class JobStatus:
     phase: str = api.PHASE_PENDING
     generation: int = 0
@@ -182,6 +198,8 @@ class JobStatus:
     last_valid_spec: SpecRecord | None = None
     #: One entry per generation, oldest first (history.py; policies/history_status.py fills it).
     history: tuple[HistoryEntry, ...] = ()
+    #: Nodes that failed the health check, by name: kept out of later generations (policies/health_check.py).
+    unhealthy_nodes: tuple[UnhealthyNode, ...] = ()
 
     @property
     def workers_since(self) -> datetime | None:
@@ -258,7 +276,22 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         worker_pods=tuple(str(n) for n in raw.get("workerPods") or () if n),
         in_place=parse_in_place(raw.get("inPlace")),
         in_place_restarts=int(raw.get("inPlaceRestarts") or 0),
-        last_valid_spec=parse_spec_record(raw.get("lastValidSpec")), history=parse_history(raw.get("history")))
+        last_valid_spec=parse_spec_record(raw.get("lastValidSpec")), history=parse_history(raw.get("history")),
+        unhealthy_nodes=parse_unhealthy_nodes(raw.get("unhealthyNodes")))
+
+
+def parse_unhealthy_nodes(raw: Any) -> tuple[UnhealthyNode, ...]:
+    """status.unhealthyNodes → UnhealthyNode by node name (unreadable entries skipped)."""
+    out: list[UnhealthyNode] = []
+    for e in raw if isinstance(raw, list) else ():
+        try:
+            out.append(UnhealthyNode(str(e["node"]), str(e.get("part") or ""), str(e.get("reason") or ""),
+                                     int(e.get("failures") or 1),
+                                     parse_time(e.get("lastFailureTime")) or datetime.fromtimestamp(0, UTC),
+                                     int(e.get("generation") or 0), str(e.get("pod") or "")))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return tuple(sorted(out, key=lambda n: n.node))
 
 
 def parse_in_place(raw: Any) -> InPlace | None:
@@ -348,6 +381,9 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "lastValidSpec": None if status.last_valid_spec is None else {
             "generation": status.last_valid_spec.generation, "spec": without_nulls(status.last_valid_spec.spec)},
         "history": build_history(status.history) or None,
+        "unhealthyNodes": [{"node": n.node, "part": n.part, "reason": n.reason, "failures": n.failures,
+                            "lastFailureTime": format_time(n.last_failure_time), "generation": n.generation,
+                            "pod": n.pod} for n in status.unhealthy_nodes] or None,
         "conditions": [
             {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
              "lastTransitionTime": format_time(c.last_transition_time)} for c in status.conditions],

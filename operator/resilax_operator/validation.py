@@ -27,6 +27,7 @@ from .spec import (
     LOCAL_SCOPE_POD,
     LOCAL_SCOPES,
     MAX_HANG_TIMEOUT_SECONDS,
+    MAX_HEALTH_CHECK_TIMEOUT_SECONDS,
     MIN_HANG_TIMEOUT_SECONDS,
     PROVISIONING_MODES,
     RULE_ACTIONS,
@@ -300,6 +301,10 @@ def _check_recovery(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
         out.append(SpecProblem("spec.recovery.hangTimeoutSeconds",
                                f"{hang} is not allowed; allowed: {MIN_HANG_TIMEOUT_SECONDS}-{MAX_HANG_TIMEOUT_SECONDS} "
                                "seconds, 0 (no hang detection), or unset (automatic from the trainer's step times)"))
+    check_timeout = r.health_check.timeout_seconds
+    if "spec.recovery.healthCheck.timeoutSeconds" not in found and check_timeout > MAX_HEALTH_CHECK_TIMEOUT_SECONDS:
+        out.append(SpecProblem("spec.recovery.healthCheck.timeoutSeconds",
+                               f"{check_timeout} is not allowed; allowed: 1-{MAX_HEALTH_CHECK_TIMEOUT_SECONDS} seconds"))
     return out
 
 

@@ -11,6 +11,7 @@ On a running generation the checks run in this order and the first that finds so
 | queue_eviction     | a queue (Kueue) stopped the pod group (TerminationTarget) | QueueEviction: not counted; the workers save on SIGTERM |
 | suspend            | spec.suspend                                            | Suspend: final save, no workers |
 | node_loss          | a worker's node down within its grace                   | Degraded, wait                |
+| health_check       | a new pod's host failed its health check                | node kept out; PodLost HealthCheckFailed |
 | resize             | a spec edit the running shape no longer fits            | Resize                        |
 | failure_rules      | a failed worker a spec.recovery.failureRules rule matches | its action: WorkerFailure (counted or not) or Failed |
 | worker_exit        | a worker stopped (75), failed, lost, gone; all done     | WorkerStopped/Failure/PodLost |

@@ -52,7 +52,7 @@ from ..observed import Observed, RestoreReport
 from ..settings import OperatorSettings
 from ..spec import RESTORE_LATEST, JobSpec
 from ..status import JobStatus
-from . import Finding, capacity_wait, preemption, suspend
+from . import Finding, capacity_wait, health_check, preemption, suspend
 
 #: How soon to look again while waiting for capacity (seconds).
 CAPACITY_POLL_SECONDS: Final = 15.0
@@ -84,7 +84,7 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     if planned is None:
         planned = plan_target(spec, observed.nodes, now, lead)
     if planned is None:
-        detail = explain_shortfall(spec, observed.nodes, now, lead)
+        detail = explain_shortfall(spec, observed.nodes, now, lead) + health_check.describe_kept_out(observed)
         new = replace(s, phase=waiting_phase)
         new = st.set_condition(new, api.COND_READY, False, api.INSUFFICIENT_CAPACITY.name,
                                api.INSUFFICIENT_CAPACITY.format(detail=detail), now)
@@ -97,7 +97,7 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     restore = spec.checkpoint.restore_step if generation == 1 else RESTORE_LATEST
     plan = GenerationPlan(generation, planned.shape, planned.pools, restore, s.worker_nodes,
                           live_job_uids=tuple(uid for uid, _ in observed.storage_sharers),
-                          avoid_nodes=observed.nodes_held_down())
+                          avoid_nodes=observed.nodes_to_avoid())
     hosts = geometry_of(spec, planned.shape.topology).hosts
     workers = tuple(plan.pod_name(observed.job.name, i, hosts) for i in range(planned.hosts))
     if t is None:
@@ -147,7 +147,7 @@ def bring_up(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
     names = s.pod_names(observed.job.name)
     plan = GenerationPlan(g, s.shape or spec.spec_shape, s.pools, s.restore_step or RESTORE_LATEST, s.worker_nodes,
                           tuple(names), live_job_uids=tuple(uid for uid, _ in observed.storage_sharers),
-                          avoid_nodes=observed.nodes_held_down())
+                          avoid_nodes=observed.nodes_to_avoid())
     create: list[Action] = []
     if not s.workers_created:
         have = {p.name for p in pods}

@@ -51,7 +51,16 @@ from ..settings import OperatorSettings
 from ..spec import RESTORE_LATEST, JobSpec
 from ..status import InPlace, JobStatus, KeptPod
 from ..worker_env import build_generation_overlay
-from . import Finding, failure_rules, generation_start, node_loss, preemption, transition, worker_exit
+from . import (
+    Finding,
+    failure_rules,
+    generation_start,
+    health_check,
+    node_loss,
+    preemption,
+    transition,
+    worker_exit,
+)
 
 #: Findings an in-place restart answers at once; a worker stopped for rescheduling stays a full replacement.
 IN_PLACE_KINDS: Final = frozenset({st.NODE_LOSS, st.WORKER_FAILURE, st.POD_LOST, st.SHRINK, st.TRAINER_HUNG})
@@ -160,7 +169,7 @@ def decide_mode(spec: JobSpec, observed: Observed, s: JobStatus, finding: Findin
     if not kept:
         return Mode(why="no surviving pod qualifies (Running on a Ready node of the new plan, its sidecar answering)")
     plan = GenerationPlan(generation, planned.shape, pools, RESTORE_LATEST, s.worker_nodes, tuple(names),
-                          avoid_nodes=observed.nodes_held_down())
+                          avoid_nodes=observed.nodes_to_avoid())
     return Mode(plan, tuple(kept))
 
 
@@ -324,6 +333,9 @@ def _exits(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSe
     """A worker of the generation being started stopped, failed or was deleted (exit codes of its own
     generation's incarnations only: trainer_process.py); the failure rules first."""
     g = s.generation
+    checked = health_check.check(spec, observed, s, settings)  # a new pod's host failed its check
+    if checked is not None:
+        return checked
     ruled = failure_rules.check(spec, observed, s, settings)
     if ruled is not None:
         return ruled
@@ -347,6 +359,8 @@ def _starting(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operato
     now, g = observed.now, ip.generation
     if ip.not_before is not None and now < ip.not_before:
         return [*out, RequeueAfter(max(1.0, (ip.not_before - now).total_seconds()))]
+    s = health_check.record(observed, s)
+    assert s.shape is not None
     verdict = _exits(spec, observed, s, settings)
     if isinstance(verdict, Finding):
         return _again(spec, observed, s, settings, out, verdict)
@@ -359,7 +373,7 @@ def _starting(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operato
     names = s.pod_names(observed.job.name)
     assert s.shape is not None
     plan = GenerationPlan(g, s.shape, s.pools, s.restore_step or RESTORE_LATEST, s.worker_nodes, tuple(names),
-                          avoid_nodes=observed.nodes_held_down())
+                          avoid_nodes=observed.nodes_to_avoid())
     kept_at = {k.process: k for k in kept}
     pod0 = by_name.get(names[0])
     if pod0 is None:

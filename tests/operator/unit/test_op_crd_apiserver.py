@@ -168,6 +168,10 @@ BAD = [
      "spec.recovery.hangTimeoutSeconds"),
     ("hang-timeout-negative", lambda s: s["recovery"].update(hangTimeoutSeconds=-1),
      "spec.recovery.hangTimeoutSeconds"),
+    ("health-check-timeout-zero", lambda s: s["recovery"].update(healthCheck={"enabled": True, "timeoutSeconds": 0}),
+     "spec.recovery.healthCheck.timeoutSeconds"),
+    ("health-check-enabled-not-bool", lambda s: s["recovery"].update(healthCheck={"enabled": "yes"}),
+     "spec.recovery.healthCheck.enabled"),
 ]
 
 

@@ -102,7 +102,8 @@ def test_watch_lists_every_check_once() -> None:
     names = [f"{c.__module__.rsplit('.', 1)[-1]}.{c.__name__}" for c in WATCH]
     assert names == ["node_loss.check_guard", "node_loss.check_lost", "preemption.check", "queue_eviction.check",
                      "suspend.check",
-                     "node_loss.check_not_ready", "resize.check_incompatible", "failure_rules.check",
+                     "node_loss.check_not_ready", "health_check.check", "resize.check_incompatible",
+                     "failure_rules.check",
                      "worker_exit.check", "hang.check",
                      "capacity_wait.check", "generation_start.check_unscheduled",
                      "container_waiting.check",
