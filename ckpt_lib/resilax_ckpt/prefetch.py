@@ -155,7 +155,8 @@ def open_prefetch(settings: PrefetchSettings, on_event: read_ahead.EventHook | N
         step_storage, step_path, meta_name = (persistent[0], commit.step_data_path(*persistent, step),
                                               layout.METADATA_FILE)
     whole = settings.process_count == 1
-    if not whole and not (tier == "local" and dirs.local_tier and step_storage.is_local):
+    own_files = tier == "local" and dirs.local_tier and step_storage.is_local
+    if not whole and not own_files:
         log.info("restore prefetch: step %d is not in this host's local tier: which chunks process %d needs "
                  "is known only once its mesh exists; nothing read ahead", step, settings.process_index)
         return None
@@ -173,7 +174,8 @@ def open_prefetch(settings: PrefetchSettings, on_event: read_ahead.EventHook | N
         for leaf in item.leaves:
             if leaf.kind != "array":
                 continue
-            boxes = read_ahead.plan_leaf_boxes(leaf, whole, read_ahead.files_in(step_storage.join(step_path, name, str(leaf.dir))))
+            folder = step_storage.join(step_path, name, str(leaf.dir))
+            boxes = read_ahead.plan_leaf_boxes(leaf, whole, read_ahead.files_in(folder) if own_files else None)
             if boxes:
                 reads.append(read_ahead.BoxesRead(name, leaf, boxes))
     limit = int(settings.memory_fraction * read_ahead.available_memory())

@@ -42,15 +42,18 @@ Box = planning.Box
 # ---------------------------------------------------------------------------- pure choices
 
 
-def plan_leaf_boxes(leaf: LeafMetadata, whole: bool, file_present: Callable[[tuple[str, ...]], bool]) -> list[Box]:
-    """The boxes of an array leaf to prefetch: the whole array (`whole`: one process reads all), else
-    the region of every chunk whose file `file_present` (this process's local-tier files: with an
-    unchanged mesh, the boxes its restore reads)."""
+def plan_leaf_boxes(leaf: LeafMetadata, whole: bool,
+                    file_present: Callable[[tuple[str, ...]], bool] | None) -> list[Box]:
+    """The boxes of an array leaf to prefetch. Without `file_present` (a shared folder or the
+    persistent tier): the whole array when `whole` (one process reads all), else none. With it (this
+    host's local tier): the region of every chunk whose file is present (with an unchanged mesh, the
+    boxes this process's restore reads), as the one whole array when `whole` and every file is."""
     shape = tuple(leaf.shape)
     if any(d == 0 for d in shape):
         return []
-    if whole:
-        return [tuple((0, d) for d in shape)]
+    everything = [tuple((0, d) for d in shape)]
+    if file_present is None:
+        return everything if whole else []
     files = chunk_format.ArrayFiles.of(leaf)
     grid = [range(-(-d // c)) for d, c in zip(shape, leaf.chunks, strict=True)]
     chunks: list[tuple[int, ...]] = [()]
@@ -64,7 +67,7 @@ def plan_leaf_boxes(leaf: LeafMetadata, whole: bool, file_present: Callable[[tup
             present[key] = file_present(key)
         if present[key]:
             boxes.append(tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(chunk, leaf.chunks, shape, strict=True)))
-    return boxes
+    return everything if whole and len(boxes) == len(chunks) else boxes
 
 
 def plan_within_memory(sizes: Iterable[int], limit: int) -> int:
