@@ -98,3 +98,14 @@ def test_resilax_options_parse_as_json_or_text() -> None:
     assert parse_options(["a=1", "b=true", "c=device_copy", 'd="x"']) == {"a": 1, "b": True, "c": "device_copy", "d": "x"}
     with pytest.raises(ValueError, match="not KEY=VALUE"):
         parse_options(["novalue"])
+
+
+def test_tpu_script_is_valid_bash_and_names_a_bad_flag(tmp_path: Path) -> None:
+    script = BENCH / "tpu" / "run-all"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    proc = subprocess.run(
+        ["bash", str(script), "--sizes", "1"], cwd=BENCH.parent, env=dict(os.environ, OUT=str(tmp_path)),
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "unknown argument '--sizes'" in proc.stderr
