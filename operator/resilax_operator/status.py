@@ -384,9 +384,11 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "unhealthyNodes": [{"node": n.node, "part": n.part, "reason": n.reason, "failures": n.failures,
                             "lastFailureTime": format_time(n.last_failure_time), "generation": n.generation,
                             "pod": n.pod} for n in status.unhealthy_nodes] or None,
+        # each condition was decided against the spec of status.observedGeneration, and says so
         "conditions": [
             {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
-             "lastTransitionTime": format_time(c.last_transition_time)} for c in status.conditions],
+             "lastTransitionTime": format_time(c.last_transition_time),
+             "observedGeneration": status.observed_generation} for c in status.conditions],
     }
 
 

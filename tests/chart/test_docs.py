@@ -101,7 +101,7 @@ def test_readme_first_screen_points_a_gke_user_to_the_quickstart() -> None:
     quickstart = (ROOT / "docs" / "gke-quickstart.md").read_text()
     for step in ("gcloud container node-pools create", "--workload-pool", "gcloud storage buckets create",
                  "add-iam-policy-binding", "serviceAccountName", "docker push", "helm install", "kind: JAXJob",
-                 "get jaxjobs -w"):
+                 "get jj -w"):
         assert step in quickstart, step
 
 
@@ -115,3 +115,12 @@ def test_benchmark_changelog_and_raw_results_match() -> None:
     assert named == raw, (sorted(raw - named), sorted(named - raw))
     quoted = set(re.findall(r"bench/results/([\w.-]+\.json)", (ROOT / "docs" / "benchmarks.md").read_text()))
     assert quoted and quoted <= raw, sorted(quoted - raw)
+
+
+def test_docs_name_our_jaxjob_unambiguously() -> None:
+    """`kubectl get jaxjobs` may resolve to Kubeflow's JAXJob: the docs use `jj` or `jaxjobs.resilax.dev`."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             ROOT / "charts" / "resilax" / "templates" / "NOTES.txt"]
+    bare = re.compile(r"kubectl [a-z]+ (?:[^`|\n]* )?jaxjobs?(?![.\w])")
+    found = [f"{page.name}: {m.group(0)}" for page in pages for m in bare.finditer(page.read_text())]
+    assert found == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -141,6 +142,14 @@ class Jobs:
 
     def delete(self, name: str) -> None:
         self.kube.delete(jobs_path(self.namespace, name))
+
+    def scale(self, name: str, replicas: int) -> subprocess.CompletedProcess[str]:
+        """`kubectl scale jj/NAME --replicas N` (the /scale subresource: spec.slices.count), as a user would."""
+        kubectl = shutil.which("kubectl")
+        assert kubectl, "kubectl is needed (the test runs `kubectl scale` against the local cluster)"
+        return subprocess.run([kubectl, "--kubeconfig", str(self.cluster.kubeconfig), "-n", self.namespace,
+                               "scale", f"jj/{name}", f"--replicas={replicas}"],
+                              capture_output=True, text=True, timeout=60)
 
     def wait_status(self, name: str, predicate: Any, timeout: float, message: str) -> dict[str, Any]:
         """The job's first status that satisfies `predicate`, read from a watch: every status the

@@ -1,6 +1,6 @@
 """The recovery flows end to end with real JAX workers (examples/train.py) on the local cluster:
 a scheduled host maintenance, half the nodes Unknown at once (the
-disruption guard), a user resize (then a re-created job, and a second job refused its storage), a
+disruption guard), a user resize by `kubectl scale` (then a re-created job, and a second job refused its storage), a
 worker that keeps failing, failure rules (an exit code not counted, one failing the job), and the
 operator killed mid-recovery with a partitioned old generation that must not commit. Hard node loss and
 grow-back: test_op_e2e_history.py (with status.history), which imports this file's helpers.
@@ -156,7 +156,8 @@ def test_user_resize_saves_and_moves_to_the_new_shape(operator: OperatorProcess,
     name, storage = unique_name("resize"), tmp_path / "ckpt"
     start_training(jobs, name, storage, count=2)
     fault = time.time()
-    jobs.patch_spec(name, {"slices": {"count": 1}})
+    scaled = jobs.scale(name, 1)  # `kubectl scale jj/NAME --replicas 1`: the /scale subresource's spec.slices.count
+    assert scaled.returncode == 0, scaled.stderr
 
     wait_generation(jobs, name, 2, count=1)
     gen1, gen2 = jobs.losses(name, 1), jobs.losses(name, 2)

@@ -1,4 +1,11 @@
-"""The operator at fleet scale, lean: 20 JAXJobs x 4 hosts on 84 no-process nodes of a cluster of its own.
+"""Scale, in both senses: `kubectl scale` on a JAXJob, and the operator at fleet scale.
+
+`kubectl scale jj/NAME --replicas N` writes spec.slices.count through the CRD's /scale subresource;
+the API server checks the result against the elastic bounds (the CRD's CEL rules) and refuses a value
+outside them, naming the bound. A shrink within the bounds, with its final save, is driven through
+`kubectl scale` in test_op_e2e_faults.py (test_user_resize_saves_and_moves_to_the_new_shape).
+
+The fleet: 20 JAXJobs x 4 hosts on 84 no-process nodes of a cluster of its own.
 
 The scale benchmark's own harness (bench/resilax_bench/scale.py, `--variants after`) at CI size: one
 operator process under the chart's RBAC, all jobs Running, a steady window in which the API server's
@@ -18,9 +25,27 @@ import sys
 from pathlib import Path
 
 import pytest
+from op_cluster import Jobs, job_manifest, unique_name
 
 ROOT = Path(__file__).resolve().parents[3]
 JOBS, HOSTS, WINDOW = 20, 4, 30
+
+
+@pytest.mark.cluster
+def test_kubectl_scale_outside_the_elastic_bounds_is_refused_naming_the_bound(crds: None, jobs: Jobs,
+                                                                               tmp_path: Path) -> None:
+    """No operator and no workers: the API server alone refuses (the job is never touched)."""
+    name = unique_name("scale")
+    jobs.create(job_manifest(name, tmp_path / "ckpt", count=2, elastic={"minCount": 2, "maxCount": 3}))
+    above, below = jobs.scale(name, 4), jobs.scale(name, 1)
+    assert above.returncode != 0 and "slices.count 4 is above elastic.maxCount 3; allowed: 2..3" in above.stderr, \
+        above.stderr
+    assert below.returncode != 0 and "slices.count 1 is below elastic.minCount 2; allowed: 2..3" in below.stderr, \
+        below.stderr
+    assert jobs.get(name)["spec"]["slices"]["count"] == 2
+    within = jobs.scale(name, 3)
+    assert within.returncode == 0, within.stderr
+    assert jobs.get(name)["spec"]["slices"]["count"] == 3
 
 
 @pytest.mark.cluster

@@ -46,12 +46,14 @@ def test_identity(crd: dict[str, Any]) -> None:
     names = crd["spec"]["names"]
     assert (names["kind"], names["plural"], names["singular"]) == (api.KIND, api.PLURAL, api.SINGULAR)
     assert api.SHORT_NAME in names["shortNames"] and "resilax" in names["categories"]
+    assert "all" not in names["categories"]  # `kubectl delete all --all` must not delete training jobs
     assert crd["spec"]["group"] == api.GROUP and crd["spec"]["scope"] == "Namespaced"
 
 
 def test_version_has_status_and_printer_columns(version: dict[str, Any]) -> None:
     assert version["name"] == api.VERSION and version["served"] and version["storage"]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {
+        "status": {}, "scale": {"specReplicasPath": ".spec.slices.count", "statusReplicasPath": ".status.shape.count"}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["Phase"] == ".status.phase" and columns["Saved"] == ".status.checkpoint.step"
     assert columns["Step"] == ".status.goodput.ledger.current.lastStep"  # the trainer's, beside the saved one

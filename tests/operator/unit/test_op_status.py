@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from op_world import T0
+from op_world import T0, running_world
 from resilax_operator import api
 from resilax_operator import status as st
+from resilax_operator.actions import SetStatus
 from resilax_operator.spec import Shape
 from resilax_operator.status import CheckpointInfo, InPlace, JobStatus, KeptPod, Transition
 
@@ -86,3 +87,27 @@ def test_every_reason_has_a_message() -> None:
 def test_reason_names_are_unique() -> None:
     names = [v.name for v in vars(api).values() if isinstance(v, api.Reason)]
     assert len(names) == len(set(names))
+
+
+def test_every_condition_carries_the_observed_generation() -> None:
+    s = st.set_condition(JobStatus(observed_generation=7), api.COND_READY, True, "R", "m", T0)
+    s = st.set_condition(s, api.COND_SAVING, False, "S", "m", T0)
+    assert [c["observedGeneration"] for c in st.build_status(s)["conditions"]] == [7, 7]
+
+
+def test_an_edit_stamps_every_condition_with_its_generation_in_one_write() -> None:
+    w = running_world()
+    assert {c["observedGeneration"] for c in w.stored["conditions"]} == {1}
+    w.spec["checkpoint"]["every"]["steps"] = 2000
+    w.spec_generation = 2
+    assert len([a for a in w.step() if isinstance(a, SetStatus)]) == 1
+    assert w.stored["conditions"] and {c["observedGeneration"] for c in w.stored["conditions"]} == {2}
+
+
+def test_an_invalid_spec_condition_names_the_generation_it_judged() -> None:
+    w = running_world()
+    w.spec["slices"]["topology"] = "4x3"
+    w.spec_generation = 3
+    w.step()
+    invalid = next(c for c in w.stored["conditions"] if c["type"] == api.COND_INVALID_SPEC)
+    assert invalid["status"] == "True" and invalid["observedGeneration"] == 3, invalid
