@@ -42,7 +42,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of the Prometheus endpoint (/metrics); empty: none")
     p.add_argument("--liveness", default=None, help="kopf liveness endpoint URL, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-format", default="text", choices=["json", "text"],
+                   help="json: kopf's JSON lines (one object per line, with `severity` and the job as `object`; "
+                        "the chart's default) or text")
     return p
+
+
+class _Severity(logging.Filter):
+    """`severity` as Cloud Logging's LogSeverity names (the level's name: INFO, WARNING, ERROR, ...);
+    kopf's JSON formatter would write its own lower-case `warn` and `fatal` otherwise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.severity = record.levelname
+        return True
+
+
+def configure_logging(level: str, log_format: str) -> None:
+    """The operator's log lines on stderr. json: kopf's JSON formatter (the job's reference as `object`
+    in the lines about a job), with Cloud Logging's severity names; text: one plain line per record."""
+    if log_format != "json":
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return
+    import kopf
+
+    kopf.configure(log_format=kopf.LogFormat.JSON, log_refkey="object")
+    root = logging.getLogger()
+    root.setLevel(level)
+    for handler in root.handlers:
+        handler.addFilter(_Severity())
 
 
 class _QuietHandlerSuccess(logging.Filter):
@@ -55,15 +82,14 @@ class _QuietHandlerSuccess(logging.Filter):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.kubeconfig:
+        # Before kubernetes/kopf are imported: both read $KUBECONFIG (kopf's login handler too).
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    configure_logging(args.log_level, args.log_format)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     logging.getLogger("urllib3").setLevel(logging.WARNING)
     logging.getLogger("kopf.objects").addFilter(_QuietHandlerSuccess())
     log = logging.getLogger("resilax_operator")
-
-    if args.kubeconfig:
-        # Before kubernetes/kopf are imported: both read $KUBECONFIG (kopf's login handler too).
-        os.environ["KUBECONFIG"] = args.kubeconfig
     import kopf
 
     from . import handlers, k8s

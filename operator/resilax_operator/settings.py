@@ -34,6 +34,9 @@ class OperatorSettings:
     sidecar_resources: str = ""
     """Resources of the sidecar container as JSON (`{"requests": {...}, "limits": {...}}`); empty: the
     built-in default (`builders.SIDECAR_RESOURCES`). The chart sets it from `sidecar.resources`."""
+    sidecar_log_format: str = "text"
+    """The sidecars' log lines (`RESILAX_SIDECAR_LOG_FORMAT`): json (one object per line with a severity;
+    the chart passes its `logFormat`, json by default) or text."""
     sidecar_port: int = DEFAULT_SIDECAR_PORT
     """The sidecar's HTTP port inside each worker pod (`RESILAX_SIDECAR_PORT`). Not one of the TPU
     runtime's ports (ports.py: 8471, 8080-8081, 8431, 8476-8479), which the operator refuses at start."""
@@ -123,6 +126,8 @@ class OperatorSettings:
         if self.sidecar_resources:
             sidecar_resources_from_json(self.sidecar_resources)  # fails at start, not at the first pod
         problems = check_ports(self)
+        if self.sidecar_log_format not in ("json", "text"):
+            problems.append(f"{ENV_PREFIX}SIDECAR_LOG_FORMAT={self.sidecar_log_format!r}: allowed: json, text")
         if self.reconcile_threads < 1:
             problems.append(f"{ENV_PREFIX}RECONCILE_THREADS={self.reconcile_threads}: allowed: an integer >= 1")
         if self.max_hosts_per_job < 1:

@@ -124,6 +124,7 @@ def build_env(job: JobRef, spec: JobSpec, plan: GenerationPlan, geometry: SliceG
         _var("RESILAX_SIDECAR_HOST", OWN_IP),
         _var("RESILAX_SIDECAR_TOKEN_FILE", f"{api.TOKEN_DIR}/{api.TOKEN_KEY}"),
         _var("RESILAX_SIDECAR_GRACE_SECONDS", c.final_save.timeout_seconds),
+        _var("RESILAX_SIDECAR_LOG_FORMAT", settings.sidecar_log_format),
         # the sidecar's last words (the trainer's last step, the final save) outlive it in the pod's status
         _var("RESILAX_SIDECAR_TERMINATION_LOG", TERMINATION_MESSAGE_PATH),
     ]

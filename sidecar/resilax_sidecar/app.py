@@ -35,6 +35,7 @@ from resilax_sidecar import control, node_sweep
 from resilax_sidecar.config import SidecarConfig, log_level_number
 from resilax_sidecar.errors import ConfigError
 from resilax_sidecar.last_words import build_last_words, write_last_words
+from resilax_sidecar.log_format import configure_logging
 from resilax_sidecar.metrics import CompileCacheLog, SidecarMetrics
 from resilax_sidecar.peers import Replicator
 from resilax_sidecar.routes import build_app
@@ -490,11 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"resilax sidecar: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=log_level_number(config.log_level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(log_level_number(config.log_level), config.log_format)
     if args.check_config:
         print(config.describe())
         return 0

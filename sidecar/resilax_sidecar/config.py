@@ -18,6 +18,7 @@ from resilax_ckpt import retention
 from resilax_operator.ports import DEFAULT_SIDECAR_PORT, reserved_port_problem
 
 from resilax_sidecar.errors import ConfigError
+from resilax_sidecar.log_format import LOG_FORMATS
 
 T = TypeVar("T")
 
@@ -121,6 +122,9 @@ class SidecarConfig:
 
     log_level: str = "INFO"
     """`RESILAX_SIDECAR_LOG_LEVEL`: DEBUG, INFO, WARNING or ERROR."""
+    log_format: str = "text"
+    """`RESILAX_SIDECAR_LOG_FORMAT`: json (one object per line with a severity: the chart's default, which
+    the operator passes on) or text."""
 
     termination_log: Path | None = None
     """`RESILAX_SIDECAR_TERMINATION_LOG`: the file its container's termination message is read from
@@ -270,6 +274,7 @@ class SidecarConfig:
             log_level=get(
                 "RESILAX_SIDECAR_LOG_LEVEL", choice(LOG_LEVELS, upper=True), "INFO", f"one of {', '.join(LOG_LEVELS)}"
             ),
+            log_format=get("RESILAX_SIDECAR_LOG_FORMAT", choice(LOG_FORMATS), "text", f"one of {', '.join(LOG_FORMATS)}"),
         )
         if problems:
             raise ConfigError(problems)

@@ -36,7 +36,6 @@ import os
 import shutil
 import ssl
 import stat
-import sys
 import threading
 import time
 import urllib.error
@@ -47,6 +46,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+
+from resilax_sidecar.log_format import LOG_FORMATS, configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -325,9 +326,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--api-server", help="the API server's URL (default: in-cluster)")
     parser.add_argument("--token-file", type=Path, help="the bearer token's file (with --api-server)")
     parser.add_argument("--ca-file", type=Path, help="the API server's CA (with --api-server)")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="json (one object per line with a severity; the chart's default) or text")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging(logging.INFO, args.log_format)
     if args.api_server:
         if args.token_file is None:
             parser.error("--api-server needs --token-file")

@@ -144,6 +144,17 @@ def test_deployment_runs_the_operator_cluster_wide_with_peering(default_objects:
     assert env["RESILAX_OPERATOR_LOCAL_TIER_ROOT"]["value"] == "/var/lib/resilax/local"
     assert env["RESILAX_OPERATOR_LOCAL_TIER_MEMORY_ROOT"]["value"] == "/dev/shm/resilax"
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # JSON log lines by default, the operator's and (passed on) the sidecars' (tests/test_logging.py).
+    assert "--log-format=json" in args and env["RESILAX_OPERATOR_SIDECAR_LOG_FORMAT"]["value"] == "json"
+
+
+def test_log_format_text_reaches_the_operator_the_sidecars_and_the_sweeper(render) -> None:
+    objects = render({"logFormat": "text"}, node_sweeper=True)
+    container = deployment_container(objects)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert "--log-format=text" in container["args"] and env["RESILAX_OPERATOR_SIDECAR_LOG_FORMAT"] == "text"
+    sweeper = one([o for o in objects if is_node_sweeper(o)], "DaemonSet")["spec"]["template"]["spec"]
+    assert "--log-format=text" in sweeper["containers"][0]["args"]
 
 
 def test_pod_meets_the_restricted_profile(default_objects: list[dict[str, Any]]) -> None:
@@ -531,7 +542,8 @@ def test_node_sweeper_is_one_daemonset_with_get_on_jaxjobs_only(render) -> None:
     assert pod["serviceAccountName"] == name and pod["tolerations"] == [{"operator": "Exists"}]
     (container,) = pod["containers"]
     assert container["command"] == ["resilax"]
-    assert container["args"] == ["node-sweep", "--root", "/roots/disk", "--root", "/roots/memory", "--every", "600"]
+    assert container["args"] == ["node-sweep", "--root", "/roots/disk", "--root", "/roots/memory", "--log-format=json",
+                                 "--every", "600"]
     assert {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]} == {
         "disk-root": "/var/lib/resilax/local", "memory-root": "/dev/shm/resilax"}
     sc = container["securityContext"]

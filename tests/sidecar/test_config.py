@@ -76,6 +76,7 @@ def test_all_problems_are_reported_at_once_with_variable_value_and_what_is_allow
         "RESILAX_KEEP_BEST": "2",
         "RESILAX_KEEP_BEST_MODE": "lowest",
         "RESILAX_KEEP_EVERY_SECONDS": "0",
+        "RESILAX_SIDECAR_LOG_FORMAT": "xml",
     }
     with pytest.raises(ConfigError) as info:
         SidecarConfig.from_env(env)
@@ -90,8 +91,9 @@ def test_all_problems_are_reported_at_once_with_variable_value_and_what_is_allow
     assert "RESILAX_KEEP_BEST_METRIC='': RESILAX_KEEP_BEST needs the name of a metric" in message
     assert "RESILAX_KEEP_BEST_MODE='lowest': max (higher is better) or min (lower is better)" in message
     assert "RESILAX_KEEP_EVERY_SECONDS='0': a number of seconds > 0" in message
+    assert "RESILAX_SIDECAR_LOG_FORMAT='xml': one of json, text" in message
 
-    assert len(info.value.problems) == 10
+    assert len(info.value.problems) == 11
     assert isinstance(info.value, ValueError)
 
 

@@ -87,6 +87,13 @@ def test_the_reconcile_threads_come_from_the_environment_and_are_checked() -> No
         OperatorSettings(reconcile_threads=0)
 
 
+def test_the_sidecars_log_format_is_checked_at_start() -> None:
+    assert OperatorSettings().sidecar_log_format == "text"
+    assert OperatorSettings.from_env({"RESILAX_OPERATOR_SIDECAR_LOG_FORMAT": "json"}).sidecar_log_format == "json"
+    with pytest.raises(InvalidSettingError, match="RESILAX_OPERATOR_SIDECAR_LOG_FORMAT='xml': allowed: json, text"):
+        OperatorSettings(sidecar_log_format="xml")
+
+
 def test_an_oversized_job_is_refused_before_anything_is_built() -> None:
     """The reconcile sets InvalidSpec and Failed; no generation, no pods."""
     raw = _spec({"accelerator": "cpu", "topology": "64x64", "chipsPerHost": 1, "count": 1024})
