@@ -215,18 +215,18 @@ def targets(summary: dict[str, Any], lib: str = "resilax") -> list[tuple[str, fl
     return out
 
 
-SAVE_PATH_KEYS = ("device_copy", "reason", "device_bytes", "host_bytes", "blocked_seconds", "transfer_seconds")
-
-
 def save_path_line(save: dict[str, Any]) -> str:
     """One save's report from resilax (which transfer path, why, what HBM it held), short."""
     info = save["save_info"]
-    keys = [k for k in SAVE_PATH_KEYS if k in info] or sorted(info)
-
-    def shown(v: Any) -> str:
-        return f"{v:.3f}" if isinstance(v, float) else str(v)
-
-    return f"step {save['step']}: " + ", ".join(f"{k}={shown(info[k])}" for k in keys)
+    if "device_copy" in info:
+        parts = [f"{info['device_copy']} ({info.get('reason', '?')})"]
+        if isinstance(info.get("device_bytes"), int):
+            parts.append(f"HBM {info['device_bytes'] / (1 << 30):.2f} GiB")
+        for key, label in (("blocked_seconds", "blocked"), ("transfer_seconds", "transfer")):
+            if isinstance(info.get(key), float):
+                parts.append(f"{label} {info[key]:.3f} s")
+        return f"step {save['step']}: " + ", ".join(parts)
+    return f"step {save['step']}: " + ", ".join(f"{k}={v}" for k, v in sorted(info.items()))
 
 
 def accel_targets(
