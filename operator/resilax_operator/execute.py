@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import kopf
+
 from . import api, metrics
 from . import status as st
 from .actions import (
@@ -84,6 +86,8 @@ def reconcile_job(kube: Kube, cache: WorldCache, namespace: str, name: str, sett
         return MAX_REQUEUE_SECONDS
     world = observe(kube, cache, job, settings, logger)
     metrics.record_checkpoint(world.observed)
+    if world.pods:
+        check_token_secret(kube, world, logger)
     spec = job.get("spec") or {}
     actions = decide_raw(spec, world.observed, settings)
     try:
@@ -111,6 +115,17 @@ def reconcile_job(kube: Kube, cache: WorldCache, namespace: str, name: str, sett
         world = replace(world, observed=replace(world.observed, status=e.status))
         taken = decide_name_conflict(world.observed, e.conflict, settings, creating=e.creating)
         return execute(kube, cache, world, taken, settings, logger)
+
+
+def check_token_secret(kube: Kube, world: World, logger: Logger) -> None:
+    """While the job has pods: its token Secret, read again every TOKEN_RECHECK_SECONDS (a cached copy
+    before that); a deleted Secret is created again with a new token, which rotates it (docs/sidecar.md,
+    "Auth"). A Secret the job does not own, or the API's trouble, is left to the actions that need the
+    token (EnsureTokenSecret, CreateGeneration): logged here, never fatal to the reconcile."""
+    try:
+        kube.ensure_token_secret(job_ref(world.job))
+    except (NameConflictError, KubeError, kopf.TemporaryError) as e:
+        logger.warning("token secret of %s: %s", job_ref(world.job).name, e)
 
 
 def cleanup_job(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: OperatorSettings,

@@ -19,6 +19,7 @@ import logging
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from datetime import datetime
 from typing import Any, Final
@@ -41,6 +42,11 @@ API_TIMEOUT: Final = 20.0
 #: Seconds to connect to a sidecar.
 SIDECAR_CONNECT_SECONDS: Final = 2.0
 #: Seconds for one whole sidecar request: connect, send, the answer's headers and body.
+TOKEN_RECHECK_SECONDS: Final = api.TOKEN_RECHECK_SECONDS
+TOKEN_GRACE_SECONDS: Final = 600.0
+"""How long after a rotation the operator still tries the previous token on a sidecar that refuses the
+new one (403): the kubelet refreshes a mounted Secret's file within about a minute; until then that
+sidecar knows only the old token."""
 SIDECAR_DEADLINE_SECONDS: Final = 10.0
 #: The most bytes of a sidecar's answer the operator reads (`/v1/state` is a few KiB).
 SIDECAR_MAX_ANSWER_BYTES: Final = 1 << 20
@@ -81,6 +87,9 @@ class Kube:
         self.sidecar_deadline_seconds = SIDECAR_DEADLINE_SECONDS
         self.sidecar_max_answer_bytes = SIDECAR_MAX_ANSWER_BYTES
         self._tokens: dict[str, str] = {}  # job uid -> sidecar bearer token
+        self._token_read_at: dict[str, float] = {}  # job uid -> when its Secret was last read (monotonic)
+        self._rotated_from: dict[str, tuple[str, float]] = {}  # new token -> (the one it replaced, when)
+        self.clock = time.monotonic
 
     # ---- raw requests ----------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None, *, query: Mapping[str, Any] | None = None,
@@ -260,20 +269,23 @@ class Kube:
 
     # ---- the sidecars' token ---------------------------------------------------------------
     def ensure_token_secret(self, job: Any, *, check: bool = False) -> str:
-        """The job's sidecar token, from its Secret: created when missing (re-created with the token the
-        operator knows, so running sidecars keep accepting it; else a new random one, which the kubelet
-        passes on to their mounted file). A Secret of that name that the job does not own is a
-        NameConflictError: its token is never used. `check`: read the Secret even when the token is known
-        (before creating pods that mount it: a deleted Secret would leave them starting forever).
-        `job` is a builders.JobRef."""
+        """The job's sidecar token, from its Secret, read again when `check` or when the copy here is
+        older than TOKEN_RECHECK_SECONDS. A missing Secret (deleted: that is how a token is rotated,
+        docs/sidecar.md "Auth") is created with a new random token, never the one known here: the
+        kubelet passes it on to the sidecars' mounted file, and the old token stops working there. A
+        Secret of that name that the job does not own is a NameConflictError: its token is never used.
+        `check`: before creating pods that mount it (a deleted Secret would leave them starting
+        forever). `job` is a builders.JobRef."""
         cached = self._tokens.get(job.uid)
-        if cached and not check:
+        if cached and not check and self.clock() - self._token_read_at.get(job.uid, 0.0) < TOKEN_RECHECK_SECONDS:
             return cached
         name = build_token_secret_name(job.name)
         secret = self.request("GET", f"/api/v1/namespaces/{job.namespace}/secrets/{name}", ok=(404,))
         if secret is None:
-            secret, _ = self.create_owned(build_token_secret(job, cached or secrets.token_urlsafe(32)), job.uid)
-            log.info("token secret %s/%s created", job.namespace, name)
+            secret, created = self.create_owned(build_token_secret(job, secrets.token_urlsafe(32)), job.uid)
+            log.info("token secret %s/%s %s", job.namespace, name,
+                     "created with a new token" + (" (the old one was deleted: rotated)" if cached else "")
+                     if created else "was created meanwhile")
         elif not job.uid or owner_uid(secret) != job.uid:
             self._tokens.pop(job.uid, None)
             raise NameConflictError("Secret", name, describe_owner(secret))
@@ -281,11 +293,27 @@ class Kube:
         if not raw:
             raise KubeError(422, f"secret {job.namespace}/{name} has no key {api.TOKEN_KEY!r}")
         token = base64.b64decode(raw).decode().strip()
+        if cached and token != cached:
+            self._rotated_from[token] = (cached, self.clock())
         self._tokens[job.uid] = token
+        self._token_read_at[job.uid] = self.clock()
         return token
 
     def forget_token(self, uid: str) -> None:
-        self._tokens.pop(uid, None)
+        token = self._tokens.pop(uid, None)
+        self._token_read_at.pop(uid, None)
+        if token is not None:
+            self._rotated_from.pop(token, None)
+
+    def _previous_token(self, token: str) -> str | None:
+        """The token `token` replaced, while a sidecar may still know only that one (TOKEN_GRACE_SECONDS)."""
+        previous = self._rotated_from.get(token)
+        if previous is None:
+            return None
+        if self.clock() - previous[1] > TOKEN_GRACE_SECONDS:
+            self._rotated_from.pop(token, None)
+            return None
+        return previous[0]
 
     # ---- the sidecars' HTTP API (docs/sidecar.md) ------------------------------------------
     def sidecar(self, method: str, ip: str, port: int, path: str, body: Mapping[str, Any] | None = None,
@@ -300,9 +328,16 @@ class Kube:
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         where = f"sidecar {host}:{port} {method} {path}"
-        status, data = request_bounded(where, method, ip, port, path, None if body is None else json.dumps(body).encode(),
-                                       headers, deadline_seconds=self.sidecar_deadline_seconds,
+        sent = None if body is None else json.dumps(body).encode()
+        status, data = request_bounded(where, method, ip, port, path, sent, headers,
+                                       deadline_seconds=self.sidecar_deadline_seconds,
                                        max_bytes=self.sidecar_max_answer_bytes)
+        previous = self._previous_token(token) if status == 403 and token is not None else None
+        if previous is not None:  # rotated, and this sidecar's mounted file is not refreshed yet
+            headers["Authorization"] = f"Bearer {previous}"
+            status, data = request_bounded(where, method, ip, port, path, sent, headers,
+                                           deadline_seconds=self.sidecar_deadline_seconds,
+                                           max_bytes=self.sidecar_max_answer_bytes)
         try:
             answer = json.loads(data or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError):

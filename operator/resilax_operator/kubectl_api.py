@@ -5,7 +5,8 @@ What each command needs (docs/operations.md, "kubectl resilax"):
 - status, goodput, timeline: `get` jaxjobs, `list` events;  web: `list` jaxjobs (`-A`: in every namespace);
 - suspend, resume: `patch` jaxjobs;
 - save: `get` jaxjobs, `list` pods, `get` the job's token Secret `<job>-resilax-token`, and `create` +
-  `get` on `pods/proxy` (the request goes through the API server's pod proxy to the sidecar).
+  `get` on `pods/proxy` (the request goes through the API server's pod proxy to the sidecar);
+- rotate-token: `get` jaxjobs, `get` and `delete` the job's token Secret.
 """
 
 from __future__ import annotations
@@ -149,6 +150,22 @@ class JobAPI:
         if not raw:
             raise PluginError(f"secret {namespace}/{name} has no key {api.TOKEN_KEY!r}")
         return base64.b64decode(raw).decode().strip()
+
+    def delete_token_secret(self, namespace: str, job: str, uid: str) -> str:
+        """Delete the job's token Secret, only when the JAXJob of `uid` owns it (and only that very
+        Secret: a uid precondition). The operator then writes a new token (k8s.Kube.ensure_token_secret).
+        The Secret's name."""
+        from .ownership import describe_owner, owner_uid
+
+        name = build_token_secret_name(job)
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/secrets/{quote(name, safe='')}"
+        secret = self.request(f"secret {namespace}/{name}", "GET", path)
+        if not uid or owner_uid(secret) != uid:
+            raise PluginError(f"secret {namespace}/{name} is not jaxjob {namespace}/{job}'s ({describe_owner(secret)}); "
+                              "not deleted")
+        self.request(f"deleting secret {namespace}/{name}", "DELETE", path,
+                     {"preconditions": {"uid": (secret.get("metadata") or {}).get("uid")}})
+        return name
 
     def sidecar(self, namespace: str, pod: str, port: int, method: str, path: str, body: Any = None,
                 token: str | None = None) -> Any:

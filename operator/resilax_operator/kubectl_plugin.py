@@ -5,6 +5,7 @@
     kubectl resilax timeline NAME [--png FILE]    its generations on a time axis (status.history): shapes,
                                                   faults, checkpoints; --png draws the picture (matplotlib)
     kubectl resilax save NAME [--timeout S]       ask a worker's sidecar for a save, wait for its commit
+    kubectl resilax rotate-token NAME             a new sidecar token: delete its Secret, the operator writes a new one
     kubectl resilax suspend NAME [-n NAMESPACE]   spec.suspend=true: final save, then no workers
     kubectl resilax resume NAME [-n NAMESPACE]    spec.suspend=false: a new generation restores the newest step
     kubectl resilax web FILE [-n NS | -A]         write a static HTML page with every job's timeline
@@ -50,7 +51,7 @@ from .timeline_page import build_page, build_page_data
 #: Exit codes: 0 done, 1 the API refused or the job is missing, 2 usage.
 EXIT_ERROR = 1
 
-COMMANDS = ("status", "goodput", "timeline", "save", "suspend", "resume", "web")
+COMMANDS = ("status", "goodput", "timeline", "save", "rotate-token", "suspend", "resume", "web")
 #: Flags that take a value (`-n NS` or `--namespace=NS`).
 VALUE_FLAGS = ("-n", "--namespace", "--kubeconfig", "--context", "--png", "--timeout")
 #: Flags whose value is a file name.
@@ -317,6 +318,17 @@ def run_save(kube: JobAPI, namespace: str, name: str, timeout: float) -> str:
         time.sleep(SAVE_POLL_SECONDS)
 
 
+def run_rotate_token(kube: JobAPI, namespace: str, name: str) -> str:
+    """Rotate the job's sidecar token: delete its Secret (only the job's own); the operator writes a new
+    random token within TOKEN_RECHECK_SECONDS (k8s.py), the kubelet refreshes the sidecars' mounted
+    file, and the old token is refused from then on. The job keeps running (docs/sidecar.md, "Auth")."""
+    job = kube.get_job(namespace, name)
+    secret = kube.delete_token_secret(namespace, name, str((job.get("metadata") or {}).get("uid") or ""))
+    return (f"jaxjob {namespace}/{name}: secret {secret} deleted; the operator writes a new token within "
+            f"{api.TOKEN_RECHECK_SECONDS:.0f} s, the sidecars read it from their mounted Secret once the kubelet "
+            "refreshes it (about a minute), and the old token is refused from then on")
+
+
 def run_timeline(kube: JobAPI, namespace: str, name: str, png: Path | None) -> str:
     job = kube.get_job(namespace, name)
     now = datetime.now(UTC)
@@ -356,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"jaxjob {namespace}/{args.name} {'suspended' if suspend else 'resumed'} (spec.suspend={str(suspend).lower()})")
         elif args.command == "save":
             _print(run_save(kube, namespace, args.name, args.timeout))
+        elif args.command == "rotate-token":
+            _print(run_rotate_token(kube, namespace, args.name))
         elif args.command == "timeline":
             _print(run_timeline(kube, namespace, args.name, args.png))
         elif args.command == "web":

@@ -12,6 +12,7 @@ import base64
 import copy
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -56,6 +57,9 @@ class FakeAPI(Kube):
 
     def __init__(self) -> None:
         self._tokens: dict[str, str] = {}
+        self._token_read_at: dict[str, float] = {}
+        self._rotated_from: dict[str, tuple[str, float]] = {}
+        self.clock = time.monotonic
         self.objects: dict[str, dict[str, Any]] = {}  # object path → body
         self.requests: list[tuple[str, str]] = []
         self.cache: WorldCache | None = None

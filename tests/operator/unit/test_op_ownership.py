@@ -182,7 +182,9 @@ def test_a_token_secret_the_job_does_not_own_is_never_used() -> None:
     assert SECRET in fake.objects  # not the job's: not deleted with it either
 
 
-def test_a_deleted_token_secret_is_recreated_with_the_token_the_sidecars_know() -> None:
+def test_a_deleted_token_secret_is_recreated_with_a_new_token() -> None:
+    """Deleting the Secret rotates the token (issue 40, item 5): the operator never writes back the copy
+    it had. The real API server and a sidecar: tests/sidecar/test_token_rotation.py."""
     fake = _fake()
     for _ in range(6):
         _reconcile(fake)
@@ -195,7 +197,7 @@ def test_a_deleted_token_secret_is_recreated_with_the_token_the_sidecars_know() 
         _reconcile(fake)
         fake.run_pods()
     assert _status(fake)["phase"] == api.PHASE_RUNNING and _status(fake)["generation"] == 2
-    assert fake.objects[SECRET]["data"][api.TOKEN_KEY] == token
+    assert fake.objects[SECRET]["data"][api.TOKEN_KEY] != token
     assert fake.objects[SECRET]["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     execute.cleanup_job(fake, fake.cache, fake.cache.job(NS, "llama") or {}, SETTINGS, LOG)  # type: ignore[arg-type]
     assert SECRET not in fake.objects  # the job's own: deleted with it
