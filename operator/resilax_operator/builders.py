@@ -24,7 +24,7 @@ from .generation import (
     creates_all_at_once,
     kueue_queue,
 )
-from .podsecurity import RESTRICTED_POD, merge_security_context, restricted_context
+from .podsecurity import RESTRICTED_POD, fit_root_user, merge_security_context, restricted_context
 from .settings import OperatorSettings, sidecar_resources_from_json
 from .spec import LOCAL_SCOPE_NODE, JobSpec
 from .topology import SliceGeometry, plan_geometry
@@ -219,6 +219,7 @@ def build_pod(job: JobRef, spec: JobSpec, plan: GenerationPlan, slice_index: int
     grace = spec.checkpoint.final_save.timeout_seconds + settings.termination_margin_seconds
     pod["terminationGracePeriodSeconds"] = max(int(pod.get("terminationGracePeriodSeconds") or 0), grace)
     pod["securityContext"] = merge_security_context(RESTRICTED_POD, pod.get("securityContext") or {})
+    fit_root_user(pod, dict(template.get("spec") or {}))
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": job.namespace, "labels": labels,
                          "annotations": annotations, "ownerReferences": [build_owner_reference(job)]},

@@ -113,6 +113,31 @@ def check_pod_security(template: Mapping[str, Any], path: str = "spec.template")
     return out
 
 
+def fit_root_user(pod: dict[str, Any], template: Mapping[str, Any]) -> None:
+    """Where a container (or the pod) runs as root, user 0 (only with host access: the restricted
+    checks refuse it otherwise), the `runAsNonRoot: true` the operator injected is turned to false, so
+    the kubelet does not refuse the pod ("container has runAsNonRoot and image will run as root"): the
+    sidecar and the local-tier init of a root trainer's `scope: Node` folder, a container that inherits
+    the pod's `runAsUser: 0`. A `runAsNonRoot` the template sets itself is kept as written. In place."""
+    own_pod = template.get("securityContext") or {}
+    pod_ctx = pod.get("securityContext") or {}
+    if _is_root(pod_ctx.get("runAsUser")) and "runAsNonRoot" not in own_pod and pod_ctx.get("runAsNonRoot"):
+        pod_ctx["runAsNonRoot"] = False
+    written = {str(c.get("name")): c.get("securityContext") or {}
+               for c in [*(template.get("containers") or []), *(template.get("initContainers") or [])]}
+    for c in [*(pod.get("containers") or []), *(pod.get("initContainers") or [])]:
+        ctx = c.get("securityContext")
+        if not isinstance(ctx, dict) or not ctx.get("runAsNonRoot"):
+            continue
+        user = ctx["runAsUser"] if "runAsUser" in ctx else pod_ctx.get("runAsUser")
+        if _is_root(user) and "runAsNonRoot" not in written.get(str(c.get("name")), {}):
+            ctx["runAsNonRoot"] = False
+
+
+def _is_root(user: object) -> bool:
+    return user == 0 and not isinstance(user, bool)
+
+
 def restricted_context(context: Mapping[str, Any] | None) -> dict[str, Any]:
     """A container's securityContext: the restricted profile's defaults with the user's merged in deeply."""
     return merge_security_context(RESTRICTED_CONTAINER, context or {})

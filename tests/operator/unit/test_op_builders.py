@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -602,3 +603,44 @@ def test_the_storage_claim_settings_reach_the_workers() -> None:
 
     opts = rc.ManagerOptions.from_env({k: v for k, v in env.items() if isinstance(v, str)})
     assert opts.live_job_uids == ("uid-b", "uid-c") and opts.take_over and opts.job_name == "ml/llama"
+
+
+def _kubelet_refuses(pod: dict[str, Any]) -> list[str]:
+    """The containers the kubelet refuses for `runAsNonRoot: true` with `runAsUser: 0` (each field the
+    container's own, else the pod's)."""
+    spec = pod["spec"]
+    pod_ctx = spec.get("securityContext") or {}
+    refused = []
+    for c in [*spec.get("initContainers", []), *spec["containers"]]:
+        ctx = c.get("securityContext") or {}
+        user = ctx.get("runAsUser", pod_ctx.get("runAsUser"))
+        non_root = ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot"))
+        if non_root and user == 0:
+            refused.append(c["name"])
+    return refused
+
+
+@pytest.mark.parametrize("local", [{"scope": "Node"}, {"scope": "Pod"}, None], ids=["node-scope", "pod-scope", "no-local"])
+@pytest.mark.parametrize("trainer_user", [0, 1000, None], ids=["root-trainer", "user-trainer", "image-user"])
+@pytest.mark.parametrize("pod_user", [0, None], ids=["root-pod", "no-pod-user"])
+def test_every_container_runs_in_a_security_context_the_kubelet_accepts(
+        local: dict[str, Any] | None, trainer_user: int | None, pod_user: int | None) -> None:
+    """Issue 40, item 7: with host access allowed (the only way to a root trainer), a root trainer and
+    `scope: Node` gave the sidecar `runAsUser: 0` beside the injected `runAsNonRoot: true`, and the
+    kubelet refused the pod. Every combination now builds a pod whose every container it accepts."""
+    raw = good_spec()
+    if local is None:
+        raw["checkpoint"].pop("local", None)
+    else:
+        raw["checkpoint"]["local"] = local
+    if pod_user is not None:
+        raw["template"]["spec"]["securityContext"] = {"runAsUser": pod_user}
+    if trainer_user is not None:
+        raw["template"]["spec"]["containers"][0]["securityContext"] = {"runAsUser": trainer_user}
+    settings = replace(SETTINGS, allow_host_access=True)
+    pod = build_pod(JOB_UID, validate_spec(raw, settings=settings), PLAN, 0, 0, settings, coordinator_ip=None)
+    assert _kubelet_refuses(pod) == []
+    # what the template says itself is kept: an explicit runAsNonRoot stays as written
+    raw["template"]["spec"]["containers"][0]["securityContext"] = {"runAsUser": 1000, "runAsNonRoot": True}
+    pod = build_pod(JOB_UID, validate_spec(raw, settings=settings), PLAN, 0, 0, settings, coordinator_ip=None)
+    assert pod["spec"]["containers"][0]["securityContext"]["runAsNonRoot"] is True
