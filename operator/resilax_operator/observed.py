@@ -9,6 +9,7 @@ only the resulting `Observed` snapshot (time included: `Observed.now`, never the
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -51,6 +52,7 @@ from .ownership import owner_uid
 from .probes import ObservedProbe
 from .status import CheckpointInfo, JobStatus
 from .trainer_process import TrainerProcess
+from .worker_env import storage_dir
 
 __all__ = (
     "SHUTTING_DOWN_MESSAGE",
@@ -214,22 +216,53 @@ def assemble_observed(job: Mapping[str, Any], *, now: datetime, pods: Iterable[O
                     trainer=trainer, storage_sharers=tuple(storage_sharers), freshness=pick_freshness(meta))
 
 
+def storage_location(value: object) -> tuple[str, str] | None:
+    """`spec.checkpoint.storage` normalised (pure): (its canonical form, the path a pod sees it at).
+    `/data/./ckpt/` and `/data/ckpt` are one place, `gs://b/x//y` and `gs://b/x/y` too; a
+    `pvc://claim/sub` is mounted at `/var/run/resilax/storage/sub` (worker_env.storage_dir), where a job
+    naming that path sees the same files. None for no storage."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    value = value.strip()
+    scheme, sep, rest = value.partition("://")
+    if sep:
+        head, _, path = rest.partition("/")
+        canonical = f"{scheme}://{head}" + (posixpath.normpath("/" + path.lstrip("/")) if path.strip("/") else "")
+        if scheme == "pvc":
+            return canonical, posixpath.normpath(storage_dir(f"pvc://{head}/{path}"))
+        return canonical, canonical
+    path = posixpath.normpath(value)
+    path = "/" + path.lstrip("/") if path.startswith("//") else path  # POSIX keeps a leading '//'
+    return path, path
+
+
+def same_storage(a: tuple[str, str] | None, b: tuple[str, str] | None) -> bool:
+    """Whether two `storage_location`s are one place: the same canonical form, or a `pvc://` and the
+    plain path it is mounted at (two claims mounted at the same path are still two storages)."""
+    if a is None or b is None:
+        return False
+    if a[0] == b[0]:
+        return True
+    a_pvc, b_pvc = a[0].startswith("pvc://"), b[0].startswith("pvc://")
+    return a_pvc != b_pvc and a[1] == b[1]
+
+
 def decide_storage_sharers(job: Mapping[str, Any], jobs: Iterable[Mapping[str, Any]]) -> tuple[tuple[str, str], ...]:
     """(uid, "namespace/name") of the other JAXJobs among `jobs` (any namespace the operator sees) that
-    are live — not Succeeded or Failed, not being deleted — with the same `spec.checkpoint.storage`,
-    sorted. The workers refuse to take the storage over from one of them; only the storage's own era
-    records say whether one holds it (the same path on two volumes is two storages)."""
-    def storage(body: Mapping[str, Any]) -> str:
+    are live — not Succeeded or Failed, not being deleted — with the same `spec.checkpoint.storage`
+    after normalisation (`same_storage`), sorted. The workers refuse to take the storage over from one
+    of them; only the storage's own era records say whether one holds it (the same path on two volumes
+    is two storages)."""
+    def storage(body: Mapping[str, Any]) -> tuple[str, str] | None:
         checkpoint = (body.get("spec") or {}).get("checkpoint") or {}
-        value = checkpoint.get("storage") if isinstance(checkpoint, Mapping) else None
-        return value.rstrip("/") if isinstance(value, str) else ""
+        return storage_location(checkpoint.get("storage") if isinstance(checkpoint, Mapping) else None)
 
     mine, uid = storage(job), str((job.get("metadata") or {}).get("uid", ""))
     out = set()
     for other in jobs:
         meta = other.get("metadata") or {}
         phase = (other.get("status") or {}).get("phase")
-        if (mine and storage(other) == mine and str(meta.get("uid", "")) not in ("", uid)
+        if (same_storage(mine, storage(other)) and str(meta.get("uid", "")) not in ("", uid)
                 and phase not in api.TERMINAL_PHASES and not meta.get("deletionTimestamp")):
             out.add((str(meta["uid"]), f"{meta.get('namespace', '')}/{meta.get('name', '')}"))
     return tuple(sorted(out))

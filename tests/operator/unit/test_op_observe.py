@@ -239,6 +239,28 @@ def test_decide_storage_sharers_lists_the_other_live_jobs_on_the_same_storage() 
     assert decide_storage_sharers(_job("x", "uid-x", ""), jobs) == ()
 
 
+@pytest.mark.parametrize(("mine", "theirs", "shared"), [
+    ("/data/ckpt", "/data/./ckpt", True),
+    ("/data/ckpt", "/data/ckpt/", True),
+    ("/data/ckpt", "/data//x/../ckpt", True),
+    ("/data/ckpt", "/data/ckpt2", False),
+    ("gs://b/run", "gs://b//run/./", True),
+    ("gs://b/run", "gs://c/run", False),
+    ("pvc://claim/runs/a", "/var/run/resilax/storage/runs/a", True),
+    ("/var/run/resilax/storage/runs/./a/", "pvc://claim/runs/a", True),
+    ("pvc://claim/runs/a", "pvc://claim/runs//a", True),
+    ("pvc://claim/runs/a", "pvc://other/runs/a", False),  # two claims at the same mount: two storages
+    ("pvc://claim/runs/a", "/var/run/resilax/storage/runs/b", False),
+], ids=["dot", "trailing-slash", "dot-dot", "other-folder", "gs-normalised", "other-bucket", "pvc-and-its-mount",
+        "mount-and-pvc", "pvc-normalised", "other-claim", "other-mount-folder"])
+def test_storage_roots_are_compared_after_normalisation(mine: str, theirs: str, shared: bool) -> None:
+    """Issue 40, item 7: two jobs share a root when their storages are one place, not only one string."""
+    from resilax_operator.observed import decide_storage_sharers
+
+    jobs = [_job("a", "uid-a", mine), _job("b", "uid-b", theirs, "Running")]
+    assert decide_storage_sharers(jobs[0], jobs) == ((("uid-b", "ml/b"),) if shared else ())
+
+
 def test_the_lease_of_a_missing_pods_last_node_is_read_while_it_has_no_pod() -> None:
     """A process of the current generation with no pod yet (its pod was lost): the Lease of the Ready node
     it last ran on is read, so the new pod is kept off it while that Lease is stale (nodes_held_down)."""
