@@ -109,3 +109,51 @@ def test_tpu_script_is_valid_bash_and_names_a_bad_flag(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "unknown argument '--sizes'" in proc.stderr
+
+
+def _round(save_s: float, blocked: float, step_after: float, cold: float, orbax_save: float) -> dict:
+    gib = 1 << 30
+
+    def saves(durable: float, blocked_s: float, after: float) -> list[dict]:
+        return [
+            {"step": i + 1, "blocked_s": blocked_s, "durable_s": durable, "step_s": 0.01, "step_after_save_s": after,
+             "peak_rss": int(1.2 * gib), "rss_at_start": 0}
+            for i in range(3)
+        ]
+
+    def lib(durable: float, blocked_s: float, after: float, restore: float) -> dict:
+        return {
+            "save": {"saves": saves(durable, blocked_s, after), "rss_before_state": 0, "state_bytes": 2 * gib},
+            "restore": {
+                "state_bytes": 2 * gib, "rss_before_restores": 0,
+                "restores": [{"label": label, "seconds": restore, "peak_rss": gib, "rss_at_start": 0}
+                             for label in ("first", "cold")],
+            },
+        }
+
+    return {
+        "libs": {"resilax": lib(save_s, blocked, step_after, cold), "orbax": lib(orbax_save, 0.8, 0.01, 5.0)},
+        "dd": {"write_s": 0.5, "rewrite_s": 0.5, "read_s": 0.2},
+        "floors": {"d2h_batched_s": 0.5, "h2d_batched_s": 0.2, "d2h_leafwise_s": 1.6, "d2h_one_s": 0.5,
+                   "h2d_leafwise_s": 0.3, "h2d_one_s": 0.2},
+    }
+
+
+def test_accel_report_measures_against_the_device_floors_and_counts_the_next_steps_wait() -> None:
+    from resilax_bench import report
+
+    summary = report.summarize([_round(0.7, 0.05, 0.21, 0.6, 4.0)], ["resilax", "orbax"])
+    r, m = summary["ratios"]["resilax"], summary["medians"]["resilax"]
+    assert r["save_s"]["floor"] == pytest.approx(0.7 / 0.5)
+    assert r["cold_restore_s"]["floor"] == pytest.approx(0.6 / (0.2 + 0.2))
+    # The step after the save took 0.2 s more than one without: the loop paid it too.
+    assert m["blocked_with_step_s"] == pytest.approx(0.05 + 0.2)
+    verdicts = {name: verdict for name, _, _, verdict in report.accel_targets(summary, 2 << 30)}
+    assert verdicts["steady durable save ≤ 1.5x the device-to-host floor"] == "met"
+    assert verdicts["steady durable save ≤ 0.35x Orbax"] == "met"
+    assert verdicts["loop blocked by a steady save (+ next step's wait) ≤ 0.1 s per GiB"] == "missed"
+    assert verdicts["cold restore ≤ 2x the (read + host-to-device) floor"] == "met"
+    assert verdicts["peak host RSS during a save ≤ 1.3x state"] == "met"
+    text = report.render(summary, ["resilax", "orbax"], {}, "header", 2 << 30, accel=True)
+    assert "| metric | library | /orbax | /dcp | /numpy | /dd | /floor |" in text
+    assert "| device-to-host | 0.500 s" in text
