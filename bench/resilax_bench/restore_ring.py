@@ -69,7 +69,7 @@ def _read_floor(folder: str, threads: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     import resilax_ckpt as rc
-    from resilax_ckpt import reader
+    from resilax_ckpt import host_ring
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size-gib", type=float, default=2.03)
@@ -103,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     def restore(label: str, ring: int, step: int) -> tuple[float, list[Any]]:
         opts = rc.ManagerOptions(restore_host_buffer_bytes=ring, restore_reuse_host_buffers=reuse)
         with rc.CheckpointManager(args.workdir, opts) as m:
-            allocs = reader.host_buffer_counts()["allocations"]
+            allocs = host_ring.host_buffer_counts()["allocations"]
             with profiling.profiled("resilax", label):
                 start = time.perf_counter()
                 out = m.restore(step, target)["s"]
                 jax.block_until_ready(out)
                 took = time.perf_counter() - start
-        allocs = reader.host_buffer_counts()["allocations"] - allocs
+        allocs = host_ring.host_buffer_counts()["allocations"] - allocs
         print(f"  {label}: {took:.3f} s, {allocs} host buffer allocations", flush=True)
         return took, out
 

@@ -3,20 +3,13 @@ the restored array will use.
 
 Per leaf, this process reads the distinct boxes its target shards need (`planning.plan_read_boxes`:
 replicas on several local devices share one buffer). Where the boxes go depends on the devices:
-- CPU devices: each box gets a fresh 64-byte-aligned host buffer (`aligned_empty`): XLA:CPU then
-  *aliases* it in `jax.device_put` instead of copying (checked on jax 0.10.2; NumPy's and
-  tensorstore's own buffers are 16-byte aligned, which XLA copies), so the buffer *is* the restored
-  array and is never reused.
-- Accelerators (`reuses_host_buffers`): the boxes are read into the process's *host ring*
-  (`HostRing`, one region of `ManagerOptions.restore_host_buffer_bytes`, 512 MiB by default, kept
-  for the life of the process): each leaf takes one piece, its `device_put` copies it to the
-  devices, and the piece is given back once that transfer is done (`HostLease`). So a restore
-  touches no fresh memory beyond the ring (on a TPU v5e, faulting 2 GiB of fresh buffers in was 86%
-  of a cold restore's main thread), and a state bigger than the ring streams through it: when it is
-  full, the restore waits for the oldest leaf's transfer. A restored array on CPU devices that
-  aliased the ring (`restore_reuse_host_buffers=True` forces the ring there, for tests, with a
-  device-side copy standing for the transfer) would retire the ring instead of having it reused.
-`host_buffer_counts` counts the allocations of restored data, for tests.
+- CPU devices: each box gets a fresh 64-byte-aligned host buffer (`host_ring.aligned_empty`):
+  XLA:CPU then *aliases* it in `jax.device_put` instead of copying (checked on jax 0.10.2; NumPy's
+  and tensorstore's own buffers are 16-byte aligned, which XLA copies), so the buffer *is* the
+  restored array and is never reused.
+- Accelerators (`host_ring.reuses_host_buffers`): the boxes are read into the process's host ring
+  (host_ring.py), one piece per leaf, given back once the leaf's transfer is done; when the ring is
+  full, every leaf already read is put on its devices and the restore waits for the oldest transfer.
 
 The buffers are filled chunk by chunk: each saved chunk the boxes overlap is read exactly once
 (`plan_chunk_tasks`), by the backend's `ChunkReader` (backends.py: our own file reader for local
@@ -29,17 +22,13 @@ buffers: `ChunkReader.buffered_bytes`) counts against the in-flight byte limit.
 Once a leaf's reads are done it is cast (once) if the target asks for another dtype and becomes a
 jax.Array with one batched `device_put` and `make_array_from_single_device_arrays`, issued by the
 main thread as soon as it sees the reads done (`InflightLimiter.finish_done` after each leaf's reads
-are queued), so a leaf's transfer overlaps the reads of the later ones. Box buffers of
-4 MiB and more take no transparent huge pages (`_no_huge_pages`; why, with figures:
-docs/benchmarks.md, "Measurements behind the fast path").
+are queued), so a leaf's transfer overlaps the reads of the later ones.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
-import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -47,51 +36,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from resilax_ckpt import chunk_format, planning, staging
+from resilax_ckpt import planning
+from resilax_ckpt.host_ring import ALIGNMENT as ALIGNMENT
+from resilax_ckpt.host_ring import DEFAULT_HOST_RING_BYTES, HostLease, box_buffer, reuses_host_buffers
+from resilax_ckpt.host_ring import DIRECT_ALIGN as DIRECT_ALIGN
+from resilax_ckpt.host_ring import DIRECT_MIN_BYTES as DIRECT_MIN_BYTES
+from resilax_ckpt.host_ring import aligned_empty as aligned_empty
 from resilax_ckpt.inflight import InflightLimiter
-
-ALIGNMENT = 64
-"""Bytes: XLA:CPU aliases a host buffer aligned to this instead of copying it."""
-DIRECT_MIN_BYTES = chunk_format.DIRECT_MIN_BYTES
-"""Buffers of at least this size are aligned for O_DIRECT reads into them."""
-DIRECT_ALIGN = chunk_format.DIRECT_ALIGN
-
-
-def aligned_empty(shape: Sequence[int], dtype: Any, align: int | None = None) -> np.ndarray:
-    """An uninitialized C-order array whose data starts at a multiple of `align` bytes: by default
-    ALIGNMENT, and DIRECT_ALIGN when it has at least DIRECT_MIN_BYTES (so O_DIRECT can read into
-    it), without transparent huge pages (`_no_huge_pages`)."""
-    dtype = np.dtype(dtype)
-    nbytes = planning.box_size(tuple((0, int(d)) for d in shape)) * dtype.itemsize
-    if align is None:
-        align = DIRECT_ALIGN if nbytes >= DIRECT_MIN_BYTES else ALIGNMENT
-    raw = np.empty(nbytes + align, np.uint8)
-    offset = (-raw.ctypes.data) % align
-    out = raw[offset:offset + nbytes]
-    if nbytes >= NUMPY_HUGE_PAGE_BYTES:
-        _no_huge_pages(out)
-    return out.view(dtype).reshape(tuple(shape))
-
-
-NUMPY_HUGE_PAGE_BYTES = 4 << 20
-"""NumPy asks the kernel for transparent huge pages for allocations of this size and more."""
-
-
-def _no_huge_pages(buf: np.ndarray) -> None:
-    """Undo NumPy's `madvise(MADV_HUGEPAGE)` on the whole pages of a not yet touched buffer: on a
-    host whose THP `defrag` is `madvise` (the kernel's default) the first touch of such memory may
-    stall while the kernel compacts memory for huge pages (and where the host takes back freed
-    huge-page-sized blocks, as on our VM, faulting huge pages in is several times slower), and a
-    restored buffer is written once by a copy from a staging buffer, which huge pages do not speed
-    up (staging.py). Figures: docs/benchmarks.md, "Measurements behind the fast path"."""
-    madvise = staging.libc_madvise()
-    if madvise is None or not hasattr(mmap, "MADV_NOHUGEPAGE"):  # not Linux
-        return
-    page = mmap.PAGESIZE
-    start = -(-buf.ctypes.data // page) * page
-    end = (buf.ctypes.data + buf.nbytes) // page * page
-    if end > start:
-        madvise(start, end - start, mmap.MADV_NOHUGEPAGE)  # best effort: an error leaves huge pages on
 
 
 class LeafRead:
@@ -195,273 +146,6 @@ class ScratchPool:
             self._held = 0
 
 
-# ---------------------------------------------------------------- host buffers of restores
-
-_counts_lock = threading.Lock()
-_counts = {"allocations": 0, "bytes": 0}
-
-
-def box_buffer(shape: Sequence[int], dtype: Any, align: int | None = None) -> np.ndarray:
-    """A fresh `aligned_empty` for restored data, counted (`host_buffer_counts`)."""
-    out = aligned_empty(shape, dtype, align)
-    if not out.nbytes:
-        return out
-    with _counts_lock:
-        _counts["allocations"] += 1
-        _counts["bytes"] += out.nbytes
-    return out
-
-
-def host_buffer_counts() -> dict[str, int]:
-    """The host buffers this process's restores allocated so far for restored data (box buffers,
-    cast buffers, the ring): {"allocations", "bytes"}. Tests check reuse by these counts."""
-    with _counts_lock:
-        return dict(_counts)
-
-
-DEFAULT_HOST_RING_BYTES = 512 << 20
-"""ManagerOptions.restore_host_buffer_bytes's default."""
-
-
-class HostRing:
-    """One page-aligned region of host memory, lent out in pieces in allocation order and taken back
-    in any order (a piece's space is free again once every older piece is back too)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.buf = box_buffer((nbytes,), np.uint8, DIRECT_ALIGN)
-        _populate(self.buf)
-        self.nbytes = nbytes
-        self._live: collections.deque[list[int]] = collections.deque()  # [start, end, returned]
-
-    def take(self, nbytes: int) -> int | None:
-        """The offset of `nbytes` (a multiple of DIRECT_ALIGN) of free space, or None when there is none."""
-        tail, head = (self._live[0][0], self._live[-1][1]) if self._live else (0, 0)
-        if not self._live:
-            if nbytes > self.nbytes:
-                return None
-            start = 0
-        elif self._live[-1][0] >= tail:  # not wrapped: free at [head, end) and [0, tail)
-            if self.nbytes - head >= nbytes:
-                start = head
-            elif tail >= nbytes:
-                start = 0
-            else:
-                return None
-        elif tail - head >= nbytes:  # wrapped: free at [head, tail)
-            start = head
-        else:
-            return None
-        self._live.append([start, start + nbytes, 0])
-        return start
-
-    def give(self, start: int) -> None:
-        for piece in self._live:
-            if piece[0] == start and not piece[2]:
-                piece[2] = 1
-                break
-        while self._live and self._live[0][2]:
-            self._live.popleft()
-
-    def idle(self) -> bool:
-        return not self._live
-
-
-MADV_POPULATE_WRITE = 23
-"""Linux 5.14+: fault a range's pages in, writable, in one call."""
-
-
-def _populate(buf: np.ndarray) -> None:
-    """Fault the whole pages of a not yet touched buffer in with one `madvise(MADV_POPULATE_WRITE)`
-    (best effort: older kernels refuse it and the pages fault in on first touch): the kernel fills
-    them in bulk instead of one trap per page (512 MiB on this VM under load: 1.28 s against
-    2.0-2.4 s touched page by page), with the GIL released."""
-    madvise = staging.libc_madvise()
-    if madvise is None or not hasattr(mmap, "MADV_HUGEPAGE"):  # not Linux
-        return
-    page = mmap.PAGESIZE
-    start = -(-buf.ctypes.data // page) * page
-    end = (buf.ctypes.data + buf.nbytes) // page * page
-    if end > start:
-        madvise(start, end - start, MADV_POPULATE_WRITE)
-
-
-_ring: HostRing | None = None
-_ring_busy = False
-_ring_warming = False
-_ring_lock = threading.Lock()
-_ring_warmed = threading.Condition(_ring_lock)
-
-
-def ring_expected(reuse: bool | None) -> bool:
-    """Whether this process's restores will read into the host ring without being forced to: auto
-    (`reuse` None) and JAX's backend already started, on accelerators. Starts no backend."""
-    if reuse is not None:
-        return False
-    try:
-        from jax._src import xla_bridge
-
-        if not xla_bridge.backends_are_initialized():
-            return False
-    except (ImportError, AttributeError):  # another JAX: no warming rather than starting a backend
-        return False
-    import jax
-
-    return jax.default_backend() != "cpu"
-
-
-def warm_host_ring(nbytes: int) -> threading.Thread | None:
-    """Allocate the process's host ring of `nbytes` and fault it in on a background thread (the
-    Restorer does, at the manager's creation, when `ring_expected`), so that the first restore finds
-    it ready; a restore that starts meanwhile waits for it. None when there is nothing to do."""
-    global _ring_busy, _ring_warming
-    nbytes = -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
-    with _ring_lock:
-        if nbytes <= 0 or _ring_busy or (_ring is not None and _ring.nbytes >= nbytes):
-            return None
-        _ring_busy = _ring_warming = True
-
-    def build() -> None:
-        global _ring, _ring_busy, _ring_warming
-        try:
-            with _ring_lock:
-                _ring = None  # the old one's memory goes first
-            ring = HostRing(nbytes)
-            with _ring_lock:
-                _ring = ring
-        finally:
-            with _ring_lock:
-                _ring_busy = _ring_warming = False
-                _ring_warmed.notify_all()
-
-    thread = threading.Thread(target=build, name="resilax-host-ring-warm", daemon=True)
-    thread.start()
-    return thread
-
-
-def release_host_buffers() -> None:
-    """Drop the process's host ring (when no restore uses it); the next restore onto accelerators
-    allocates a new one."""
-    global _ring
-    with _ring_lock:
-        if not _ring_busy:
-            _ring = None
-
-
-def reuses_host_buffers(sharding: Any, reuse: bool | None) -> bool:
-    """Whether a leaf restored onto `sharding` reads into the host ring: `reuse` True or False
-    decides; None (auto): when `device_put` copies to the devices (not CPU devices, whose
-    `device_put` aliases the buffer; not host memory kinds)."""
-    if sharding is None or reuse is False:
-        return False
-    if reuse:
-        return True
-    kind = getattr(sharding, "memory_kind", None)
-    return (kind in (None, "device")
-            and all(d.platform != "cpu" for d in sharding.addressable_devices))
-
-
-class HostLease:
-    """One restore's use of the process's host ring (read_leaves): each leaf's boxes in one piece,
-    the piece given back once the leaf's transfers are done and no array it built aliases it."""
-
-    def __init__(self, want: int, limit: int) -> None:
-        global _ring, _ring_busy
-        self.ring: HostRing | None = None
-        self._holds = False
-        """Whether this lease holds the process's ring (and frees it in `close`)."""
-        self._placed: collections.deque[tuple[int, list[Any]]] = collections.deque()
-        size = min(limit, -(-want // DIRECT_ALIGN) * DIRECT_ALIGN)
-        if size <= 0:
-            return
-        with _ring_lock:
-            while _ring_warming:  # warm_host_ring is faulting it in: faster than faulting anew
-                _ring_warmed.wait()
-            if _ring_busy:  # another restore of this process holds it: fresh buffers
-                return
-            if _ring is None or _ring.nbytes < size:
-                _ring = None  # the old one's memory goes before the new one's is touched
-                _ring = HostRing(size)
-            _ring_busy = self._holds = True
-            self.ring = _ring
-
-    def take(self, read: LeafRead, stored: np.dtype) -> bool:
-        """Put `read`'s boxes in the ring; False when it has no room now."""
-        if self.ring is None:
-            return False
-        sizes = [planning.box_size(box) * stored.itemsize for box in read.devices]
-        rounded = [-(-n // DIRECT_ALIGN) * DIRECT_ALIGN for n in sizes]
-        start = self.ring.take(sum(rounded))
-        if start is None:
-            return False
-        pos = start
-        for (box, n), r in zip(zip(read.devices, sizes, strict=True), rounded, strict=True):
-            read.buffers[box] = self.ring.buf[pos:pos + n].view(stored).reshape(planning.box_shape(box))
-            pos += r
-        read.lease, read.region = self, start
-        return True
-
-    def placed(self, start: int, arrays: list[Any]) -> None:
-        """The leaf in the piece at `start` was put on its devices as `arrays` (transfers maybe in flight)."""
-        self._placed.append((start, arrays))
-
-    def give_oldest(self) -> bool:
-        """Wait for the oldest placed leaf's transfers and give its piece back; False when none is placed."""
-        if not self._placed:
-            return False
-        start, arrays = self._placed.popleft()
-        self._give(start, arrays)
-        return True
-
-    def fits(self, read: LeafRead, stored: np.dtype) -> bool:
-        """Whether `read`'s boxes fit the ring at all (False: no ring, empty boxes, or too big even for
-        an empty ring)."""
-        need = sum(-(-planning.box_size(b) * stored.itemsize // DIRECT_ALIGN) * DIRECT_ALIGN for b in read.devices)
-        return self.ring is not None and 0 < need <= self.ring.nbytes
-
-    def _give(self, start: int, arrays: list[Any]) -> None:
-        global _ring
-        import jax
-
-        jax.block_until_ready(arrays)
-        ring = self.ring
-        if ring is None:
-            return
-        lo, hi = ring.buf.ctypes.data, ring.buf.ctypes.data + ring.nbytes
-        for array in arrays:  # an array on CPU devices that aliases the ring must keep its memory
-            if any(d.platform == "cpu" for d in array.devices()) and lo <= array.unsafe_buffer_pointer() < hi:
-                with _ring_lock:
-                    if _ring is ring:
-                        _ring = None  # never lent again: the arrays keep it alive
-                self.ring = None
-                return
-        ring.give(start)
-
-    def close(self, pieces: list[int]) -> None:
-        """Give every piece back once its leaf's transfers are done: those placed, and `pieces` of
-        leaves never placed (a failed restore, whose reads have all ended); then free the ring for
-        the process's next restore."""
-        global _ring, _ring_busy
-        try:
-            while self._placed:
-                start, arrays = self._placed.popleft()
-                try:
-                    self._give(start, arrays)
-                except Exception:  # a failed transfer: the piece is ours again either way
-                    if self.ring is not None:
-                        self.ring.give(start)
-            for start in pieces:
-                if self.ring is not None:
-                    self.ring.give(start)
-        finally:
-            if self.ring is not None and not self.ring.idle():  # should not happen: start over
-                with _ring_lock:
-                    if _ring is self.ring:
-                        _ring = None
-            if self._holds:
-                with _ring_lock:
-                    _ring_busy = self._holds = False
-
-
 def subview(array: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
     """`array[index]` as a view, also for 0-d arrays (where `array[()]` is a scalar copy)."""
     full: tuple[Any, ...] = (*index, Ellipsis)
@@ -552,12 +236,10 @@ _pools_lock = threading.Lock()
 
 
 def _forget_pools() -> None:
-    """In a forked child: the parent's threads are not there (nor its restore that held the ring)."""
-    global _pools_lock, _ring, _ring_busy, _ring_warming, _ring_lock, _ring_warmed
+    """In a forked child: the parent's threads are not there."""
+    global _pools_lock
     _pools.clear()
     _pools_lock = threading.Lock()
-    _ring, _ring_busy, _ring_warming, _ring_lock = None, False, False, threading.Lock()
-    _ring_warmed = threading.Condition(_ring_lock)
 
 
 os.register_at_fork(after_in_child=_forget_pools)

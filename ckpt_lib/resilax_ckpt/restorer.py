@@ -21,6 +21,7 @@ from resilax_ckpt import (
     chunk_fetch,
     chunk_sources,
     commit,
+    host_ring,
     layout,
     peer_client,
     peers,
@@ -65,8 +66,8 @@ class Restorer:
         self._copies: dict[int, list[chunk_sources.Copy]] = {}
         """process -> what its node holds (of the last two-tier agreement; chunk_sources.py)."""
         reader.warm_read_pool(tiers.options.io_concurrency)  # while the trainer starts: restore does not wait for it
-        if reader.ring_expected(tiers.options.restore_reuse_host_buffers):  # on accelerators, the same for the ring
-            reader.warm_host_ring(tiers.options.restore_host_buffer_bytes)
+        if host_ring.ring_expected(tiers.options.restore_reuse_host_buffers):  # on accelerators, the same for the ring
+            host_ring.warm_host_ring(tiers.options.restore_host_buffer_bytes)
         self._complete: dict[int, str] = {}
         """step -> the save the in-cluster tiers hold whole (of the last two-tier agreement)."""
         self._sources: dict[str, Any] | None = None

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from resilax_ckpt import backends, chunk_format, layout, planning, pytrees, reader
+from resilax_ckpt import backends, chunk_format, host_ring, layout, planning, pytrees, reader
 from resilax_ckpt import items as items_lib
 from resilax_ckpt.errors import (
     CorruptCheckpointError,
@@ -47,7 +47,7 @@ def restore_step(storage: Storage, backend: backends.ChunkBackend, step_path: st
                  io_concurrency: int = 32,
                  prefilled: Callable[[reader.LeafRead], bool] | None = None, *,
                  reuse_host_buffers: bool | None = None,
-                 host_buffer_bytes: int = reader.DEFAULT_HOST_RING_BYTES) -> dict[str, Any]:
+                 host_buffer_bytes: int = host_ring.DEFAULT_HOST_RING_BYTES) -> dict[str, Any]:
     """Restore from one committed step folder (see CheckpointManager.restore), reading the chunks
     through `backend` (the storage's: backends.for_storage); `reuse_host_buffers` and
     `host_buffer_bytes`: reader.read_leaves. `prefilled(read)` finishes a leaf from buffers read

@@ -18,7 +18,7 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import checksums, chunk_writer, reader, staging
+from resilax_ckpt import checksums, chunk_writer, host_ring, staging
 from resilax_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 
 # ---------------------------------------------------------------- restore
@@ -49,7 +49,7 @@ def assert_same(tree, expected):
 
 
 def allocations() -> int:
-    return reader.host_buffer_counts()["allocations"]
+    return host_ring.host_buffer_counts()["allocations"]
 
 
 def ring_options(**kw) -> rc.ManagerOptions:
@@ -57,7 +57,7 @@ def ring_options(**kw) -> rc.ManagerOptions:
 
 
 def test_restore_reuses_the_host_ring_from_the_second_restore_on(tmp_path, devices):
-    reader.release_host_buffers()
+    host_ring.release_host_buffers()
     with rc.CheckpointManager(str(tmp_path), ring_options()) as mgr:
         mgr.save(1, restore_state(1, devices))
         mgr.wait()
@@ -76,7 +76,7 @@ def test_restore_reuses_the_host_ring_from_the_second_restore_on(tmp_path, devic
 def test_restore_reuses_ring_pieces_within_one_restore_when_the_ring_is_smaller_than_the_state(tmp_path, devices):
     """A ring of 3 leaves' pieces for 6 sharded leaves: later leaves reuse the pieces of earlier ones
     once their transfers are done (with wrap-around), and nothing is allocated besides the ring."""
-    reader.release_host_buffers()
+    host_ring.release_host_buffers()
     with rc.CheckpointManager(str(tmp_path), ring_options(restore_host_buffer_bytes=3 * 8 * 4096)) as mgr:
         state = restore_state(1, devices)
         del state["host"]
@@ -94,7 +94,7 @@ def test_restore_reuses_ring_pieces_within_one_restore_when_the_ring_is_smaller_
 
 
 def test_restore_never_changes_a_held_result_when_later_restores_reuse_its_buffers(tmp_path, devices):
-    reader.release_host_buffers()
+    host_ring.release_host_buffers()
     with rc.CheckpointManager(str(tmp_path), ring_options(restore_host_buffer_bytes=2 * 8 * 4096)) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, restore_state(step, devices))
@@ -113,7 +113,7 @@ def test_restore_never_changes_a_held_result_when_later_restores_reuse_its_buffe
 def test_restore_onto_cpu_devices_by_default_leaves_the_read_buffers_to_the_arrays(tmp_path, devices):
     """Auto mode on CPU devices: device_put aliases the read buffer, so every restore allocates its
     own (the restored arrays are those buffers) and held results stay as they were."""
-    reader.release_host_buffers()
+    host_ring.release_host_buffers()
     with rc.CheckpointManager(str(tmp_path), rc.ManagerOptions(recycle_pool=0)) as mgr:
         mgr.save(1, restore_state(1, devices))
         mgr.save(2, restore_state(2, devices))
@@ -124,7 +124,7 @@ def test_restore_onto_cpu_devices_by_default_leaves_the_read_buffers_to_the_arra
         second = mgr.restore(2, target)
         assert allocations() - before >= 4 * 8  # every box of every sharded layer: fresh
         shard = second["layers"][0].addressable_shards[0].data
-        assert reader.host_buffer_counts()["bytes"] > 0 and shard.unsafe_buffer_pointer() % reader.ALIGNMENT == 0
+        assert host_ring.host_buffer_counts()["bytes"] > 0 and shard.unsafe_buffer_pointer() % host_ring.ALIGNMENT == 0
         assert_same(held, host_copy(restore_state(1, devices)))
         assert_same(second, host_copy(restore_state(2, devices)))
 
@@ -132,7 +132,7 @@ def test_restore_onto_cpu_devices_by_default_leaves_the_read_buffers_to_the_arra
 def test_restore_results_survive_the_deletion_and_recycling_of_their_step(tmp_path, devices):
     """Restored arrays hold no file pages: the step's files deleted, or rewritten in place by
     recycling, leave a held result unchanged (and nothing is truncated under it)."""
-    reader.release_host_buffers()
+    host_ring.release_host_buffers()
     opts = rc.ManagerOptions(keep_last=1, recycle_pool=1)
     with rc.CheckpointManager(str(tmp_path), opts) as mgr:
         mgr.save(1, restore_state(1, devices))
@@ -150,7 +150,7 @@ def test_restore_results_survive_the_deletion_and_recycling_of_their_step(tmp_pa
 
 def test_restore_after_a_failed_restore_reuses_the_ring(tmp_path, devices):
     """A checksum failure midway gives every piece back: the next restore reads into the same ring."""
-    reader.release_host_buffers()
+    host_ring.release_host_buffers()
     with rc.CheckpointManager(str(tmp_path), ring_options()) as mgr:
         mgr.save(1, restore_state(1, devices))
         mgr.save(2, restore_state(2, devices))
@@ -174,12 +174,12 @@ def test_restore_after_a_failed_restore_reuses_the_ring(tmp_path, devices):
 def test_restore_finds_the_ring_a_manager_warmed_and_allocates_nothing(tmp_path, devices):
     """warm_host_ring (the Restorer calls it at the manager's creation on accelerators: never on CPU
     devices in auto mode) allocates and faults the ring in ahead; the first restore then reuses it."""
-    reader.release_host_buffers()
-    assert not reader.ring_expected(None)  # CPU devices: auto mode does not warm
-    assert not reader.ring_expected(True)  # forced (tests): the ring is sized by the restore instead
+    host_ring.release_host_buffers()
+    assert not host_ring.ring_expected(None)  # CPU devices: auto mode does not warm
+    assert not host_ring.ring_expected(True)  # forced (tests): the ring is sized by the restore instead
     ring_bytes = 64 * 4096
     before = allocations()
-    warming = reader.warm_host_ring(ring_bytes)
+    warming = host_ring.warm_host_ring(ring_bytes)
     assert warming is not None
     with rc.CheckpointManager(str(tmp_path), ring_options(restore_host_buffer_bytes=ring_bytes)) as mgr:
         state = restore_state(1, devices)
@@ -191,13 +191,13 @@ def test_restore_finds_the_ring_a_manager_warmed_and_allocates_nothing(tmp_path,
         assert_same(mgr.restore(1, target), host_copy(state))  # may start while the ring is warming: waits
     warming.join()
     assert allocations() - before == 1  # the warmed ring, nothing by the restore
-    assert reader.warm_host_ring(ring_bytes) is None  # already there
+    assert host_ring.warm_host_ring(ring_bytes) is None  # already there
 
 
 @pytest.mark.gcs
 def test_restore_from_gcs_reuses_the_ring_and_keeps_a_held_result(gcs_root, devices):
     """tensorstore's reads (gs://) fill ring pieces as the file reader's do."""
-    reader.release_host_buffers()
+    host_ring.release_host_buffers()
     with rc.CheckpointManager(gcs_root, ring_options(restore_host_buffer_bytes=2 * 8 * 4096)) as mgr:
         mgr.save(1, restore_state(1, devices))
         mgr.save(2, restore_state(2, devices))
@@ -212,7 +212,7 @@ def test_restore_from_gcs_reuses_the_ring_and_keeps_a_held_result(gcs_root, devi
 
 
 def test_restore_host_ring_lends_pieces_in_order_and_takes_them_back_in_any_order():
-    ring = reader.HostRing(4 * 4096)
+    ring = host_ring.HostRing(4 * 4096)
     a, b, c = ring.take(4096), ring.take(2 * 4096), ring.take(4096)
     assert (a, b, c) == (0, 4096, 3 * 4096)
     assert ring.take(4096) is None  # full
@@ -230,15 +230,15 @@ def test_restore_host_ring_lends_pieces_in_order_and_takes_them_back_in_any_orde
 def test_restore_host_ring_is_held_by_one_restore_at_a_time():
     """A restore that finds the ring held (another thread's restore) reads into fresh buffers, and its
     end does not free the ring under the one that holds it."""
-    reader.release_host_buffers()
-    first = reader.HostLease(4 * 4096, 1 << 20)
+    host_ring.release_host_buffers()
+    first = host_ring.HostLease(4 * 4096, 1 << 20)
     assert first.ring is not None
-    second = reader.HostLease(4 * 4096, 1 << 20)
+    second = host_ring.HostLease(4 * 4096, 1 << 20)
     assert second.ring is None
     second.close([])
-    assert reader.HostLease(4 * 4096, 1 << 20).ring is None  # still held by `first`
+    assert host_ring.HostLease(4 * 4096, 1 << 20).ring is None  # still held by `first`
     first.close([])
-    third = reader.HostLease(4 * 4096, 1 << 20)
+    third = host_ring.HostLease(4 * 4096, 1 << 20)
     assert third.ring is first.ring  # the same memory again
     third.close([])
 
