@@ -19,6 +19,8 @@ from resilax_ckpt.errors import ResilaxCkptError
 log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_SECONDS = 600.0
+ANSWER_CAP = 16 << 20
+"""The most bytes of the sidecar's answer read (a fetch-chunks answer lists refused and missing files)."""
 
 
 class PeerFetchError(ResilaxCkptError, OSError):
@@ -74,12 +76,18 @@ def _post(sidecar: str, token_file: str | None, path: str, body: dict[str, Any],
                                               "Authorization": f"Bearer {_token(token_file)}"})
     try:
         with urllib.request.urlopen(request, timeout=FETCH_TIMEOUT_SECONDS) as response:
-            return json.loads(response.read())
+            data = response.read(ANSWER_CAP + 1)
     except urllib.error.HTTPError as e:
         raise PeerFetchError(f"sidecar {sidecar}: {what}: HTTP {e.code}: "
-                             f"{e.read()[:1000].decode('utf-8', 'replace')}") from e
-    except (urllib.error.URLError, OSError, ValueError) as e:
+                             f"{e.read(1000).decode('utf-8', 'replace')}") from e
+    except (urllib.error.URLError, OSError) as e:
         raise PeerFetchError(f"sidecar {sidecar}: {what}: {e}") from e
+    if len(data) > ANSWER_CAP:
+        raise PeerFetchError(f"sidecar {sidecar}: {what}: the answer is over {ANSWER_CAP} bytes; not read")
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise PeerFetchError(f"sidecar {sidecar}: {what}: not JSON: {e}") from e
 
 
 def request_fetch_chunks(sidecar: str, token_file: str | None, step: int, save: str, dest: str,

@@ -143,12 +143,27 @@ def _require_token(request: web.Request) -> None:
         raise ApiError(403, "forbidden", "the token is not the one this sidecar accepts")
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+BODY_CAP = 64 * 1024
+"""The most bytes of a request body read (a fetch-chunks body, which lists files: FETCH_BODY_CAP)."""
+FETCH_BODY_CAP = 16 << 20
+
+
+async def _json_body(request: web.Request, cap: int = BODY_CAP) -> dict[str, Any]:
+    """The request's JSON object, read up to `cap` bytes whether its length is announced or it comes
+    chunked (413 beyond: never read further)."""
     if not request.can_read_body:
         return {}
-    if request.content_length is not None and request.content_length > 64 * 1024:
-        raise ApiError(413, "request_too_large", "the body must be under 64 KiB")
-    raw = await request.read()
+    too_large = ApiError(413, "request_too_large", f"the body must be at most {cap} bytes")
+    if request.content_length is not None and request.content_length > cap:
+        raise too_large
+    raw = await request.content.read(cap + 1)
+    while len(raw) <= cap and not request.content.at_eof():
+        piece = await request.content.read(cap + 1 - len(raw))
+        if not piece:
+            break
+        raw += piece
+    if len(raw) > cap:
+        raise too_large
     if not raw.strip():
         return {}
     try:
@@ -297,7 +312,7 @@ async def post_fetch_chunks(request: web.Request) -> web.Response:
     cfg = sidecar.config
     if cfg.local_dir is None:
         raise ApiError(404, "not_found", "this sidecar has no local tier (RESILAX_LOCAL_DIR)")
-    body = await _json_body(request)
+    body = await _json_body(request, FETCH_BODY_CAP)
     problems = peer_chunks.check_request(body)
     if not problems:
         addresses = sorted({str(s["address"]) for f in body["files"] for s in f["sources"]})
@@ -452,7 +467,7 @@ def caller_gone(request: web.Request) -> bool:
 
 def build_app(sidecar: Sidecar) -> web.Application:
     """The aiohttp application for one sidecar."""
-    app = web.Application(middlewares=[json_errors], client_max_size=16 << 20)  # a fetch-chunks body lists files
+    app = web.Application(middlewares=[json_errors], client_max_size=FETCH_BODY_CAP)  # a fetch-chunks body lists files
     app[SIDECAR_KEY] = sidecar
     app.router.add_post("/v1/save", post_save)
     app.router.add_get("/v1/save/{id}", get_save)

@@ -154,6 +154,30 @@ def test_bad_bodies_are_json_400s(shared, raw, message):
     assert message in result.body["error"]["message"]
 
 
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "with-a-length"])
+def test_a_body_over_its_cap_is_refused_unread(shared, chunked):
+    """Issue 40, item 7: a request body is read up to 64 KiB whether it announces its length or comes
+    chunked (it was read up to 16 MiB then); the fetch-chunks body alone may be longer."""
+    import http.client
+
+    sidecar, _ = shared
+    body = b'{"reason": "manual", "pad": "' + b"x" * (100 * 1024) + b'"}'
+    conn = http.client.HTTPConnection("127.0.0.1", sidecar.port, timeout=30)
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    try:
+        if chunked:
+            conn.request("POST", "/v1/save", body=iter([body[i:i + 8192] for i in range(0, len(body), 8192)]),
+                         headers=headers, encode_chunked=True)
+        else:
+            conn.request("POST", "/v1/save", body=body, headers=headers)
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+    finally:
+        conn.close()
+    assert response.status == 413, answer
+    assert answer["error"] == {"code": "request_too_large", "message": "the body must be at most 65536 bytes"}
+
+
 def test_unknown_paths_methods_and_ids_are_json_errors(shared):
     sidecar, _ = shared
     _assert_json_error(sidecar.get("/nope"), 404, "not_found")
