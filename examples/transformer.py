@@ -319,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, help="the global batch, split over the devices")
     parser.add_argument("--dtype", help="float32 or bfloat16 (parameters and activations)")
     parser.add_argument("--steps", type=int, default=200, help="train until this step")
+    parser.add_argument("--extra-steps", type=int, metavar="N",
+                        help="train N steps past the restored one (instead of until --steps)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (to watch faults)")
     parser.add_argument("--no-final-save", action="store_true", help="do not force a save after the last step")
@@ -384,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         train_step, make_batch = compiling["step"], compiling["batch"]
         train = {"params": state["params"], "opt": state["opt"]}
 
-        for step in range(start + 1, args.steps + 1):
+        last = start + args.extra_steps if args.extra_steps is not None else args.steps
+        for step in range(start + 1, last + 1):
             tokens = make_batch(np.int32(step))
             train, loss = train_step(train, tokens)
             state = {**train, "meta": {"step": step}}
@@ -396,21 +399,25 @@ def main(argv: list[str] | None = None) -> int:
                 marks.mark("first_step_done")
                 if args.report_startup and jax.process_index() == 0:
                     print(json.dumps({"startup": startup_report(cfg, marks, restored, compiling["step"])}), flush=True)
+            saving = time.time()
             mgr.save(step, state)  # 4. saves when the policy or a save request says so
             if mgr.should_stop:  # 5. a preemption or resize asked us to stop after a final save
                 mgr.wait()
+                if args.report_startup and jax.process_index() == 0:
+                    print(json.dumps({"stopped": {"step": step, "save_start": saving, "done": time.time()}}),
+                          flush=True)
                 return rc.EXIT_CODE_STOPPED
             if args.step_seconds:
                 time.sleep(args.step_seconds)
-        if not args.no_final_save and args.steps > start:
+        if not args.no_final_save and last > start:
             marks.mark("final_save_start")
-            mgr.save(args.steps, state, force=True)
+            mgr.save(last, state, force=True)
             mgr.wait()
             marks.mark("final_save_done")
             if args.report_startup and jax.process_index() == 0:
                 print(json.dumps({"final_save": {"start": marks.times["final_save_start"],
                                                  "done": marks.times["final_save_done"],
-                                                 "step": args.steps}}), flush=True)
+                                                 "step": last}}), flush=True)
     return 0
 
 

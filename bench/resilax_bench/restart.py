@@ -15,6 +15,10 @@ its start. The parent passes its own launch time in ``RESILAX_BENCH_LAUNCH_TIME`
   host memory from the script's first lines, under the imports and the devices' opening, and the
   compile (a cache load) runs in a thread while the restore finishes; reported as not available when
   resilax_ckpt has no prefetch.
+* ``inplace``: run with ``prefetch``: that phase's trainer is incarnation 1 under the supervisor
+  (`resilax run`, its control files written here as the sidecar writes them in a pod); after its first
+  step a stop request and an assignment for generation 2: SIGTERM, the trainer's final save, its exit,
+  incarnation 2 in the same "container", restored from that save, to its first step.
 * ``restore``: the same restore without the prefetch (RESILAX_RESTORE_PREFETCH=0) and serial: restore,
   then compile (each part on its own).
 * ``restore-overlap``: without the prefetch, the compile in a thread while the restore reads.
@@ -23,18 +27,19 @@ its start. The parent passes its own launch time in ``RESILAX_BENCH_LAUNCH_TIME`
   at what cost against the first open: a small probe, not the trainer (docs/architecture.md, "Keep
   what can be kept").
 
-The supervisor's in-place restart (``resilax run``) is not used: it talks to the sidecar over HTTP
-and the TPU host allows no sockets, so every restart here is a fresh process, which is what a
-replaced pod pays anyway (docs/architecture.md, "Keep what can be kept").
+The supervisor needs no sidecar and no socket (its control is files), so it runs on the TPU host too;
+each of its incarnations is still a fresh process (docs/architecture.md, "Keep what can be kept").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -43,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformer.py"
-PHASES = ("cold", "warm", "prefetch", "restore", "reopen", "restore-overlap")
+PHASES = ("cold", "warm", "prefetch", "inplace", "restore", "reopen", "restore-overlap")
 """In the order they run: the ones the issue's target needs first, should a time budget cut the run."""
 TRAIN_STEPS = 3
 """Steps of the cold phase before its save (the restore phases restore this step and run one more)."""
@@ -126,7 +131,7 @@ def summarize(phases: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
                                          "first step"))
     out["warm_launch_to_first_step_s"] = by.get("launch to first step done")
     out["warm_open_compile_first_step_s"] = round(floor, 3)
-    for name in ("restore", "restore-overlap", "prefetch"):
+    for name in ("prefetch", "inplace", "restore", "restore-overlap"):
         parts = phases.get(name, {}).get("parts")
         if not parts:
             continue
@@ -174,7 +179,13 @@ def build_markdown(result: Mapping[str, Any]) -> str:
         else:
             lines.append(f"\nreopen: {reopen.get('error')}")
     summary = result.get("summary") or {}
-    for n in ("restore", "restore-overlap", "prefetch"):
+    stop = phases.get("inplace", {}).get("stop")
+    if stop and stop.get("request_to_first_step_s") is not None:
+        lines.append(f"\nIn-place restart under the supervisor (`resilax run`): stop requested -> incarnation 2's "
+                     f"process started {stop['request_to_new_process_s']:.2f} s (SIGTERM, the final save of step "
+                     f"{stop['saved_step']} in {stop['final_save_s']} s, the old process's exit, the respawn) -> "
+                     f"its first step {stop['request_to_first_step_s']:.2f} s")
+    for n in ("prefetch", "inplace", "restore", "restore-overlap"):
         if n in summary:
             s = summary[n]
             lines.append(f"\n{n}: launch to first step {s['launch_to_first_step_s']:.2f} s = "
@@ -263,15 +274,17 @@ def phase_command(phase: str, preset: str, steps: int, extra: Sequence[str]) -> 
         cmd += ["--steps", str(steps)]
     elif phase == "warm":
         cmd += ["--steps", "1", "--no-final-save"]
+    elif phase == "inplace":
+        cmd += ["--extra-steps", "1000000", "--no-final-save"]  # until stopped (incarnation 1) or killed (2)
     else:
-        cmd += ["--steps", str(steps + 1), "--no-final-save"]
+        cmd += ["--extra-steps", "1", "--no-final-save"]
     if phase == "restore":
         cmd.append("--serial-start")
     return cmd + list(extra)
 
 
-def run_phase(phase: str, cmd: Sequence[str], workdir: Path, timeout: float) -> dict[str, Any]:
-    """One fresh trainer process; its startup report, restore line and save time."""
+def phase_env(phase: str, workdir: Path) -> dict[str, str]:
+    """The trainer's environment for `phase`: the tiers and the compilation cache under `workdir`."""
     env = dict(os.environ)
     env.update({
         "RESILAX_CHECKPOINT_DIR": str(workdir / "persistent"),
@@ -280,32 +293,22 @@ def run_phase(phase: str, cmd: Sequence[str], workdir: Path, timeout: float) -> 
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
         "RESILAX_RESTORE_STEP": "none" if phase in ("cold", "warm") else "latest",
-        "RESILAX_RESTORE_PREFETCH": "1" if phase == "prefetch" else "0",
+        "RESILAX_RESTORE_PREFETCH": "1" if phase in ("prefetch", "inplace") else "0",
         "RESILAX_EXIT_GRACE_SECONDS": "0",
     })
-    # Only the cold phase's forced final save saves (without a policy every save() call would).
+    # Only forced saves save: the cold phase's final one, a stop's (without a policy every save() would).
     env["RESILAX_SAVE_EVERY_STEPS"] = "1000000000"
-    for name in ("RESILAX_SAVE_EVERY_SECONDS", "RESILAX_CONTROL_DIR"):
+    for name in ("RESILAX_SAVE_EVERY_SECONDS", "RESILAX_CONTROL_DIR", "RESILAX_GENERATION"):
         env.pop(name, None)
-    env["RESILAX_BENCH_LAUNCH_TIME"] = repr(time.time())
-    began = time.time()
-    proc = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout)
-    ended = time.time()
-    out: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": proc.returncode,
-                           "process_seconds": round(ended - began, 3)}
-    records = []
-    for line in proc.stdout.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    return env
+
+
+def outcome_of(phase: str, records: Sequence[Mapping[str, Any]], stderr: str) -> dict[str, Any]:
+    """A trainer's startup report, parts, steps, restore line and save time, from its JSON lines."""
     startup = next((r["startup"] for r in records if "startup" in r), None)
-    if proc.returncode != 0 or startup is None:
-        raise RestartBenchError(f"phase {phase}: exit {proc.returncode}, "
-                                f"{'no startup line' if startup is None else 'startup line printed'}; "
-                                f"stderr: {proc.stderr.strip()[-3000:]}")
-    out["startup"] = startup
-    out["parts"] = plan_parts(startup["marks"])
+    if startup is None:
+        raise RestartBenchError(f"phase {phase}: no startup line; stderr: {stderr.strip()[-3000:]}")
+    out: dict[str, Any] = {"startup": startup, "parts": plan_parts(startup["marks"])}
     out["overlaps"] = overlaps(out["parts"])
     out["steps"] = [{"step": r["step"], "loss": r["loss"]} for r in records if "step" in r]
     restored = [r for r in records if "restored" in r]
@@ -315,10 +318,127 @@ def run_phase(phase: str, cmd: Sequence[str], workdir: Path, timeout: float) -> 
     if save:
         out["final_save_s"] = round(save["done"] - save["start"], 3)
     # The TPU runtime's own warnings about the host (transparent huge pages: docs/operations.md).
-    out["runtime_warnings"] = [line.strip()[-400:] for line in proc.stderr.splitlines()
-                               if "huge" in line.lower()][:5]
-    out["exit_after_first_step_s"] = round(ended - startup["marks"]["first_step_done"], 3)
+    out["runtime_warnings"] = [line.strip()[-400:] for line in stderr.splitlines() if "huge" in line.lower()][:5]
     return out
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def run_phase(phase: str, cmd: Sequence[str], workdir: Path, timeout: float) -> dict[str, Any]:
+    """One fresh trainer process; its startup report, restore line and save time."""
+    env = phase_env(phase, workdir)
+    env["RESILAX_BENCH_LAUNCH_TIME"] = repr(time.time())
+    began = time.time()
+    proc = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout)
+    ended = time.time()
+    if proc.returncode != 0:
+        raise RestartBenchError(f"phase {phase}: exit {proc.returncode}; stderr: {proc.stderr.strip()[-3000:]}")
+    out = {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "process_seconds": round(ended - began, 3),
+           **outcome_of(phase, json_lines(proc.stdout), proc.stderr)}
+    out["exit_after_first_step_s"] = round(ended - out["startup"]["marks"]["first_step_done"], 3)
+    return out
+
+
+SUPERVISOR = "import sys; from resilax_ckpt.supervisor import main; sys.exit(main(sys.argv[1:]))"
+"""`resilax run` without the console script (the TPU host has the packages on PYTHONPATH only)."""
+
+
+def run_inplace(cmd: Sequence[str], workdir: Path, timeout: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The prefetch phase as incarnation 1 under the supervisor (`resilax run`, which needs no sidecar:
+    its control is files in RESILAX_CONTROL_DIR, which the sidecar writes in a pod and this bench writes
+    here), then an in-place restart: once incarnation 1 reported its first step, a stop request and an
+    assignment for generation 2 (the supervisor SIGTERMs it, the trainer saves and exits, the supervisor
+    starts incarnation 2 in the same container), up to incarnation 2's first step; then the supervisor
+    and its child are killed. Returns (incarnation 1 as the `prefetch` phase, the `inplace` phase)."""
+    import queue
+    import threading
+
+    from resilax_ckpt import trainer_control as tc
+
+    control = workdir / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    env = phase_env("inplace", workdir)
+    env.update({"RESILAX_CONTROL_DIR": str(control), "RESILAX_GENERATION": "1",
+                "RESILAX_RESTART_GRACE_SECONDS": str(int(timeout))})  # the stop's final save may finish
+    env["RESILAX_BENCH_LAUNCH_TIME"] = repr(time.time())
+    stderr_path = workdir / "inplace.stderr"
+    lines: queue.Queue[str | None] = queue.Queue()
+    deadline = time.time() + timeout
+    with stderr_path.open("w") as err, subprocess.Popen(
+            [sys.executable, "-c", SUPERVISOR, "--", *cmd], env=env, stdout=subprocess.PIPE, stderr=err,
+            text=True, start_new_session=True) as proc:
+        assert proc.stdout is not None
+        stdout = proc.stdout
+
+        def pump() -> None:
+            for line in stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        records: list[dict[str, Any]] = []
+
+        def until(done: Any, what: str) -> None:
+            while not done():
+                try:
+                    line = lines.get(timeout=max(0.1, deadline - time.time()))
+                except queue.Empty:
+                    line = None
+                if line is None or time.time() > deadline:
+                    raise RestartBenchError(f"phase inplace: no {what} (supervisor exit {proc.poll()}); stderr: "
+                                            f"{stderr_path.read_text(errors='replace').strip()[-3000:]}")
+                records.extend(json_lines(line))
+
+        second_error = None
+        try:
+            until(lambda: any("startup" in r for r in records), "startup line of incarnation 1")
+            first = list(records)
+            stop_at = time.time()
+            # Incarnation 2's launch is its own process start (the supervisor spawns it), not the bench's.
+            tc.write_json(str(control), tc.ASSIGNMENT_FILE,
+                          {"generation": 2, "env": {"RESILAX_BENCH_LAUNCH_TIME": ""}})
+            tc.write_json(str(control), tc.STOP_FILE, {"generation": 2, "reason": "bench: in-place restart"})
+            try:
+                until(lambda: sum("startup" in r for r in records) >= 2, "startup line of incarnation 2")
+            except RestartBenchError as e:
+                second_error = str(e)
+        finally:
+            incarnation = tc.read_incarnation(str(control)) or {}
+            for target in (incarnation.get("pid"), proc.pid):  # the child's own group, then the supervisor's
+                if isinstance(target, int):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(target, signal.SIGKILL)
+            proc.wait(timeout=60)
+    stderr = stderr_path.read_text(errors="replace")
+    prefetch = {"command": "resilax run -- " + " ".join(cmd[1:]), "under_supervisor": True,
+                **outcome_of("prefetch", first, stderr)}
+    second = records[len(first):]
+    stopped = next((r["stopped"] for r in second if "stopped" in r), None)
+    stop: dict[str, Any] = {"requested": stop_at, "saved_step": stopped["step"] if stopped else None,
+                            "final_save_s": round(stopped["done"] - stopped["save_start"], 3) if stopped else None}
+    if second_error is not None:
+        return prefetch, {"command": prefetch["command"], "stop": stop, "error": second_error[-4000:]}
+    own = [r for r in second if r.get("generation", 2) == 2]  # incarnation 1's steps after the stop left out
+    inplace = {"command": prefetch["command"], **outcome_of("inplace", own, stderr)}
+    marks = inplace["startup"]["marks"]
+    inplace["stop"] = {
+        **stop,
+        # the stop's request to the new incarnation's process start: SIGTERM, the final save, the old
+        # process's exit (the TPU runtime's shutdown among it), the supervisor's reaping and spawn
+        "request_to_new_process_s": round(marks["process_start"] - stop_at, 3),
+        "request_to_first_step_s": round(marks["first_step_done"] - stop_at, 3),
+    }
+    return prefetch, inplace
 
 
 def commit_of_checkout() -> str:
@@ -353,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in wanted if p not in PHASES]
     if bad:
         parser.error(f"--phases: {', '.join(bad)} unknown; allowed: {', '.join(PHASES)}")
+    if "inplace" in wanted and "prefetch" not in wanted:
+        parser.error("--phases: inplace runs as the prefetch phase's second incarnation: name prefetch too")
     if any(p not in ("cold", "reopen") for p in wanted) and "cold" not in wanted:
         parser.error("--phases: the other phases need `cold` (it fills the cache and saves the checkpoint)")
     workdir = Path(args.workdir)
@@ -384,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         for phase in (p for p in PHASES if p in wanted):
             elapsed = time.monotonic() - began
             needs = REOPEN_ESTIMATE_S if phase == "reopen" else max(longest, 15.0)
+            if phase == "prefetch" and "inplace" in wanted:
+                needs *= 2.5  # incarnation 1, the stop's final save, incarnation 2
             if args.budget and phase != "cold" and elapsed + needs > args.budget:
                 why = f"time budget: {elapsed:.0f} s of --budget {args.budget:.0f} s spent"
                 result["phases"][phase] = {"skipped": why}
@@ -396,6 +520,23 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"restart bench: {phase}: skipped ({why_not})", file=sys.stderr, flush=True)
                     continue
             started = time.monotonic()
+            if phase == "inplace":
+                continue  # run with the prefetch phase (its incarnation 1)
+            if phase == "prefetch" and "inplace" in wanted:
+                cmd = phase_command("inplace", args.preset, args.steps, args.trainer_args)
+                try:
+                    result["phases"]["prefetch"], result["phases"]["inplace"] = run_inplace(cmd, workdir, args.timeout)
+                except (RestartBenchError, subprocess.TimeoutExpired, OSError) as e:
+                    result["phases"]["prefetch"] = {"error": f"under the supervisor: {str(e)[-4000:]}"}
+                    print(f"restart bench: prefetch + inplace: FAILED: {e}", file=sys.stderr, flush=True)
+                longest = max(longest, (time.monotonic() - started) / 2)
+                for name in ("prefetch", "inplace"):
+                    got = result["phases"].get(name, {})
+                    total = [p["seconds"] for p in got.get("parts", []) if p["part"].startswith("launch to")]
+                    print(f"restart bench: {name}: launch to first step {total[0] if total else '?'} s "
+                          f"{got.get('stop', '')}", file=sys.stderr, flush=True)
+                write()
+                continue
             if phase == "reopen":
                 try:
                     result["phases"][phase] = run_reopen(min(args.timeout, REOPEN_TIMEOUT_S))

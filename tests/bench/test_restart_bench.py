@@ -71,21 +71,30 @@ def test_the_tpu_script_runs_every_phase_on_cpu(tmp_path: Path) -> None:
     result = json.loads((out / "restart-tpu.json").read_text())
     phases = result["phases"]
     assert result["environment"]["platform"] == "cpu"
-    for name in ("cold", "warm", "prefetch", "restore", "restore-overlap"):
+    for name in ("cold", "warm", "prefetch", "inplace", "restore", "restore-overlap"):
         assert phases[name]["parts"], name
-        assert phases[name]["startup"]["marks"]["first_step_done"] > phases[name]["startup"]["marks"]["launch"]
+        marks = phases[name]["startup"]["marks"]  # incarnation 2's launch is its own process start
+        assert marks["first_step_done"] > marks.get("launch", marks["process_start"]), name
     assert phases["cold"]["startup"]["compilation_cache"]["hits"] == 0
     assert phases["warm"]["startup"]["compilation_cache"]["hits"] > 0
-    for name in ("prefetch", "restore", "restore-overlap"):
-        assert phases[name]["restored"]["restored"] == restart.TRAIN_STEPS
-        assert phases[name]["restored"]["from"] == "local"
-        assert [s["step"] for s in phases[name]["steps"]] == [restart.TRAIN_STEPS + 1]
-    assert phases["restore"]["steps"] == phases["restore-overlap"]["steps"] == phases["prefetch"]["steps"]
+    # The prefetch phase restored the cold phase's save, as incarnation 1 under the supervisor; the stop's
+    # final save is what incarnation 2 and the later phases restore, each training one step past it.
+    assert phases["prefetch"]["restored"] == {"restored": restart.TRAIN_STEPS, "from": "local", "sources": None}
+    assert phases["prefetch"]["under_supervisor"] is True
+    saved = phases["inplace"]["stop"]["saved_step"]
+    assert saved > restart.TRAIN_STEPS
+    for name in ("inplace", "restore", "restore-overlap"):
+        assert phases[name]["restored"]["restored"] == saved, name
+        assert phases[name]["restored"]["from"] == "local", name
+        assert [s["step"] for s in phases[name]["steps"]] == [saved + 1], name
+    assert phases["restore"]["steps"] == phases["restore-overlap"]["steps"] == phases["inplace"]["steps"]
+    assert phases["inplace"]["startup"]["marks"]["first_step_done"] > phases["inplace"]["stop"]["requested"]
     # The prefetch read the step before the devices opened and the restore took all of it; without it, none.
-    prefetched = phases["prefetch"]["startup"]["prefetch"]
-    assert prefetched["taken_leaves"] == prefetched["leaves"] > 0, prefetched
-    marks = phases["prefetch"]["startup"]["marks"]
-    assert marks["prefetch_read_start"] < marks["devices_start"]
+    for name in ("prefetch", "inplace"):
+        prefetched = phases[name]["startup"]["prefetch"]
+        assert prefetched["taken_leaves"] == prefetched["leaves"] > 0, (name, prefetched)
+        marks = phases[name]["startup"]["marks"]
+        assert marks["prefetch_read_start"] < marks["devices_start"], name
     assert phases["restore"]["startup"]["prefetch"] is None
     # On CPU one process can give its devices back and open them again (the TPU run answers for the chip).
     assert phases["reopen"]["reopened"] is True, phases["reopen"]
