@@ -3,20 +3,21 @@ job's namespace and name (one series per JAXJob, removed when the job goes); nev
 
 Fed from the status changes the operator writes (`record_status`), so they follow what the operator
 did, not what a log line says:
-- a transition recorded → `resilax_operator_recoveries_total{kind}`;
+- a transition recorded → `resilax_operator_recoveries_total{namespace,jaxjob,kind}`;
 - the generation bumps → `resilax_operator_generations_total`;
 - the first time a new generation is Running after a transition → `resilax_operator_recovery_seconds`
   (from the transition's start, i.e. when the fault was noticed, to all workers Running);
 - pod 0's sidecar state (`record_worker_state`, every reconcile that reads it): the step the old
   generation's trainer last reported (`trainer.step`) and the step the new generation restored
-  (`restore.step`, else `trainer.restored_step`) → `resilax_operator_steps_lost{kind}` = reached − restored, once per transition
+  (`restore.step`, else `trainer.restored_step`) → `resilax_operator_steps_lost{namespace,jaxjob,kind}` = reached − restored, once per transition
   (reached also from the sidecars' last words, `record_reached`: the trainers' real last step, however
   fast their pods ended). Without a trainer report, 0 when a final save committed, else not observed;
 - every reconcile → `resilax_operator_checkpoint_age_seconds{namespace,jaxjob}` (now − when the
   operator first saw the newest checkpoint);
 - every reconcile and every status written → `resilax_operator_job_phase{namespace,jaxjob,phase}` (1 for
   the job's phase, 0 for the others: every phase has its series) and
-  `resilax_operator_job_generation{namespace,jaxjob}`;
+  `resilax_operator_job_generation{namespace,jaxjob}` and `resilax_operator_job_invalid_spec{namespace,jaxjob}`
+  (1 while InvalidSpec is True); the job's recovery series, every kind, at 0 from its first status;
 - a node recorded in status.unhealthyNodes (its health check failed) → the new failures in
   `resilax_operator_node_health_check_failures_total{node}` (node names are bounded by the cluster);
 - every reconcile → `resilax_operator_goodput_ratio{namespace,jaxjob}` and
@@ -49,13 +50,15 @@ from . import status as st
 from .builders import JobRef
 from .observed import Observed
 
+#: The per-job recovery metrics' labels: the job, and the transition kind (st.TRANSITION_KINDS, bounded).
+RECOVERY_LABELS: Final = ("namespace", "jaxjob", "kind")
 RECOVERIES: Final = Counter("resilax_operator_recoveries_total",
-                            "Moves to a new generation, by why (NodeLoss, Preemption, Resize, ...)", ["kind"])
+                            "Moves to a new generation, by why (NodeLoss, Preemption, Resize, ...)", RECOVERY_LABELS)
 RECOVERY_SECONDS: Final = Histogram(
     "resilax_operator_recovery_seconds", "From a transition's start (fault noticed) to the new generation Running",
-    ["kind"], buckets=(5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600, 1200))
+    RECOVERY_LABELS, buckets=(5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600, 1200))
 STEPS_LOST: Final = Histogram("resilax_operator_steps_lost", "Training steps redone after a transition, where known",
-                              ["kind"], buckets=(0, 1, 10, 100, 1000, 10000))
+                              RECOVERY_LABELS, buckets=(0, 1, 10, 100, 1000, 10000))
 CHECKPOINT_AGE: Final = Gauge("resilax_operator_checkpoint_age_seconds",
                               "Seconds since the operator first saw the job's newest checkpoint", ["namespace", "jaxjob"])
 GOODPUT_RATIO: Final = Gauge("resilax_operator_goodput_ratio",
@@ -69,6 +72,9 @@ JOB_PHASE: Final = Gauge("resilax_operator_job_phase", "1 for the job's current 
                          ["namespace", "jaxjob", "phase"])
 JOB_GENERATION: Final = Gauge("resilax_operator_job_generation", "The job's current generation (status.generation)",
                               ["namespace", "jaxjob"])
+JOB_INVALID_SPEC: Final = Gauge("resilax_operator_job_invalid_spec",
+                                "1 while the job's InvalidSpec condition is True (its spec, or an edit of it, is refused)",
+                                ["namespace", "jaxjob"])
 NODE_HEALTH_CHECK_FAILURES: Final = Counter(
     "resilax_operator_node_health_check_failures_total",
     "Health checks a node failed on its own part (devices, matmul) before a generation's trainer started; the "
@@ -87,10 +93,6 @@ def package_version() -> str:
 
 
 BUILD_INFO.labels(package_version(), "operator").set(1)
-for _kind in st.TRANSITION_KINDS:  # every kind has its series (at 0) from the start: dashboards and alerts see them
-    RECOVERIES.labels(_kind)
-    RECOVERY_SECONDS.labels(_kind)
-    STEPS_LOST.labels(_kind)
 
 _lock = threading.Lock()
 #: job uid -> (kind, since, final save committed) of the last transition, until its generation runs.
@@ -99,6 +101,8 @@ _pending: dict[str, tuple[str, datetime, bool]] = {}
 _reached: dict[str, dict[int, int]] = {}
 #: job uid -> (generation, kind, final save committed): a Running generation whose restore is awaited.
 _awaiting_restore: dict[str, tuple[int, str, bool]] = {}
+#: the jobs whose recovery series (every kind, at 0) exist.
+_series_made: set[str] = set()
 
 
 def record_status(job: JobRef, before: st.JobStatus, after: st.JobStatus, now: datetime) -> None:
@@ -108,7 +112,7 @@ def record_status(job: JobRef, before: st.JobStatus, after: st.JobStatus, now: d
         t = after.transition
         if t is not None and (before.transition is None or before.transition.since != t.since
                               or before.transition.kind != t.kind):
-            RECOVERIES.labels(t.kind).inc()
+            RECOVERIES.labels(job.namespace, job.name, t.kind).inc()
         if t is not None:
             committed = t.save_done and after.checkpoint is not None and (
                 before.checkpoint is None or after.checkpoint.step != before.checkpoint.step)
@@ -120,7 +124,7 @@ def record_status(job: JobRef, before: st.JobStatus, after: st.JobStatus, now: d
             NODE_HEALTH_CHECK_FAILURES.labels(node).inc(more)
         if after.phase == api.PHASE_RUNNING and before.phase != api.PHASE_RUNNING and job.uid in _pending:
             kind, since, saved = _pending.pop(job.uid)
-            RECOVERY_SECONDS.labels(kind).observe(max(0.0, (now - since).total_seconds()))
+            RECOVERY_SECONDS.labels(job.namespace, job.name, kind).observe(max(0.0, (now - since).total_seconds()))
             _awaiting_restore[job.uid] = (after.generation, kind, saved)
 
 
@@ -175,7 +179,7 @@ def record_worker_state(job: JobRef, generation: int, state: Mapping[str, Any]) 
         lost = steps_lost(_reached.get(job.uid, {}), generation, restored if isinstance(restored, int) else None,
                           saved)
         if lost is not None:
-            STEPS_LOST.labels(kind).observe(lost)
+            STEPS_LOST.labels(job.namespace, job.name, kind).observe(lost)
         _reached[job.uid] = {g: s for g, s in _reached.get(job.uid, {}).items() if g >= generation}
 
 
@@ -184,6 +188,15 @@ def record_job_status(job: JobRef, status: st.JobStatus) -> None:
     for phase in api.PHASES:
         JOB_PHASE.labels(job.namespace, job.name, phase).set(1 if status.phase == phase else 0)
     JOB_GENERATION.labels(job.namespace, job.name).set(status.generation)
+    invalid = status.condition(api.COND_INVALID_SPEC)
+    JOB_INVALID_SPEC.labels(job.namespace, job.name).set(1 if invalid is not None and invalid.status == "True" else 0)
+    with _lock:
+        if job.uid in _series_made:
+            return
+        _series_made.add(job.uid)
+        for kind in st.TRANSITION_KINDS:  # every kind's series at 0 from the job's start: increase() sees the first
+            for metric in (RECOVERIES, RECOVERY_SECONDS, STEPS_LOST):
+                metric.labels(job.namespace, job.name, kind)
 
 
 def record_checkpoint(observed: Observed) -> None:
@@ -210,6 +223,7 @@ def forget_job(job: JobRef) -> None:
         _pending.pop(job.uid, None)
         _reached.pop(job.uid, None)
         _awaiting_restore.pop(job.uid, None)
+        _series_made.discard(job.uid)
     with contextlib.suppress(KeyError):
         CHECKPOINT_AGE.remove(job.namespace, job.name)
     with contextlib.suppress(KeyError):
@@ -220,5 +234,10 @@ def forget_job(job: JobRef) -> None:
     for phase in api.PHASES:
         with contextlib.suppress(KeyError):
             JOB_PHASE.remove(job.namespace, job.name, phase)
-    with contextlib.suppress(KeyError):
-        JOB_GENERATION.remove(job.namespace, job.name)
+    for gauge in (JOB_GENERATION, JOB_INVALID_SPEC):
+        with contextlib.suppress(KeyError):
+            gauge.remove(job.namespace, job.name)
+    for kind in st.TRANSITION_KINDS:
+        for metric in (RECOVERIES, RECOVERY_SECONDS, STEPS_LOST):
+            with contextlib.suppress(KeyError):
+                metric.remove(job.namespace, job.name, kind)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from chart_helpers import ROOT
 from prometheus_tool import ALERT_TESTS, ALERTS
 
 GROUPS: list[dict[str, Any]] = yaml.safe_load(ALERTS.read_text())["groups"]
@@ -46,3 +47,19 @@ def test_every_alert_is_tested_firing_and_silent(group: dict[str, Any]) -> None:
                 assert rule["labels"].items() <= alert["exp_labels"].items(), (name, alert)
                 assert set(alert["exp_annotations"]) == set(rule["annotations"]), (name, alert)
     assert {case["alertname"] for case in cases} <= {r["alert"] for r in group["rules"]}
+
+
+REPO_DOCS = "https://github.com/resilax/resilax/blob/main/"
+
+
+@pytest.mark.parametrize("rule", [r for g in GROUPS for r in g["rules"]], ids=lambda r: r["alert"])
+def test_every_alert_has_a_runbook_url_resolving_to_an_anchor_in_the_docs(rule: dict[str, Any]) -> None:
+    """The runbook is the alert's row of the troubleshooting table (docs/operations.md, "Alerts: what to
+    do"): the page exists in the repository and holds the anchor, and the row names the alert."""
+    url = rule["annotations"].get("runbook_url", "")
+    assert url.startswith(REPO_DOCS) and "#" in url, (rule["alert"], url)
+    page, anchor = url.removeprefix(REPO_DOCS).split("#", 1)
+    text = (ROOT / page).read_text()
+    row = next((line for line in text.splitlines() if f'<a id="{anchor}"></a>' in line), None)
+    assert row is not None, f"{rule['alert']}: no anchor {anchor!r} in {page}"
+    assert row.startswith("| ") and f"`{rule['alert']}`" in row, row

@@ -12,8 +12,8 @@ from resilax_operator.builders import JobRef
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def _lost(kind: str) -> tuple[float, float]:
-    labels = {"kind": kind}
+def _lost(kind: str, job: JobRef) -> tuple[float, float]:
+    labels = {"namespace": job.namespace, "jaxjob": job.name, "kind": kind}
     return (REGISTRY.get_sample_value("resilax_operator_steps_lost_sum", labels) or 0.0,
             REGISTRY.get_sample_value("resilax_operator_steps_lost_count", labels) or 0.0)
 
@@ -46,15 +46,16 @@ def _recover(job: JobRef, kind: str, reached: int, restored: int | None, saved: 
 
 
 def test_a_recovery_observes_the_steps_it_lost_once() -> None:
-    before = _lost(st.NODE_LOSS)
-    _recover(JobRef("a", "ns", "uid-a"), st.NODE_LOSS, reached=37, restored=20)
-    after = _lost(st.NODE_LOSS)
+    job = JobRef("a", "ns", "uid-a")
+    before = _lost(st.NODE_LOSS, job)
+    _recover(job, st.NODE_LOSS, reached=37, restored=20)
+    after = _lost(st.NODE_LOSS, job)
     assert (after[0] - before[0], after[1] - before[1]) == (17.0, 1.0)
 
 
 def test_without_trainer_reports_a_committed_final_save_counts_as_nothing_lost() -> None:
     job = JobRef("b", "ns", "uid-b")
-    before = _lost(st.PREEMPTION)
+    before = _lost(st.PREEMPTION, job)
     running1 = st.JobStatus(phase=api.PHASE_RUNNING, generation=1)
     moving = st.JobStatus(phase=api.PHASE_RECOVERING, generation=1,
                           transition=st.Transition(kind=st.PREEMPTION, generation=1, since=T0, save_done=True),
@@ -62,16 +63,23 @@ def test_without_trainer_reports_a_committed_final_save_counts_as_nothing_lost()
     metrics.record_status(job, running1, moving, T0)
     metrics.record_status(job, moving, st.JobStatus(phase=api.PHASE_RUNNING, generation=2), T0)
     metrics.record_worker_state(job, 2, {"restore": {"step": 40, "skipped": []}})
-    after = _lost(st.PREEMPTION)
+    after = _lost(st.PREEMPTION, job)
     assert (after[0] - before[0], after[1] - before[1]) == (0.0, 1.0)
 
 
 def test_every_transition_kind_has_series_and_job_labels_are_namespace_and_jaxjob() -> None:
+    job = JobRef("kinds", "team-k", "uid-kinds")
+    metrics.record_job_status(job, st.JobStatus(phase=api.PHASE_RUNNING, generation=1))
     text = generate_latest(REGISTRY).decode()
-    for kind in st.TRANSITION_KINDS:
-        assert f'resilax_operator_recoveries_total{{kind="{kind}"}}' in text
-        assert f'resilax_operator_steps_lost_count{{kind="{kind}"}}' in text
+    for kind in st.TRANSITION_KINDS:  # at 0 from the job's start, so increase() sees its first recovery
+        labels = f'jaxjob="kinds",kind="{kind}",namespace="team-k"'
+        assert f"resilax_operator_recoveries_total{{{labels}}} 0.0" in text
+        assert f"resilax_operator_steps_lost_count{{{labels}}} 0.0" in text
+        assert f"resilax_operator_recovery_seconds_count{{{labels}}} 0.0" in text
     assert metrics.CHECKPOINT_AGE._labelnames == ("namespace", "jaxjob")
+    for metric in (metrics.RECOVERIES, metrics.RECOVERY_SECONDS, metrics.STEPS_LOST):
+        assert metric._labelnames == ("namespace", "jaxjob", "kind")
+    metrics.forget_job(job)
     for metric in REGISTRY.collect():
         if metric.name.startswith("resilax_operator"):
             for sample in metric.samples:
@@ -81,16 +89,16 @@ def test_every_transition_kind_has_series_and_job_labels_are_namespace_and_jaxjo
 def test_the_trainers_figures_tell_the_restored_step_without_a_restore_report() -> None:
     """A trainer that restored an explicit step writes no restore report; its figures say the step."""
     job = JobRef("c", "ns", "uid-c")
-    before = _lost(st.WORKER_FAILURE)
+    before = _lost(st.WORKER_FAILURE, job)
     metrics.record_worker_state(job, 1, {"trainer": {"step": 30}, "restore": None})
     moving = st.JobStatus(phase=api.PHASE_RECOVERING, generation=1,
                           transition=st.Transition(kind=st.WORKER_FAILURE, generation=1, since=T0))
     metrics.record_status(job, st.JobStatus(phase=api.PHASE_RUNNING, generation=1), moving, T0)
     metrics.record_status(job, moving, st.JobStatus(phase=api.PHASE_RUNNING, generation=2), T0)
     metrics.record_worker_state(job, 2, {"trainer": None, "restore": None})  # not restored yet: nothing
-    assert _lost(st.WORKER_FAILURE) == before
+    assert _lost(st.WORKER_FAILURE, job) == before
     metrics.record_worker_state(job, 2, {"trainer": {"step": 26, "restores": 1, "restored_step": 25}, "restore": None})
-    after = _lost(st.WORKER_FAILURE)
+    after = _lost(st.WORKER_FAILURE, job)
     assert (after[0] - before[0], after[1] - before[1]) == (5.0, 1.0)
 
 
@@ -139,3 +147,27 @@ def test_build_info_names_the_operator_and_the_installed_version() -> None:
 
     version = importlib.metadata.version("resilax")
     assert REGISTRY.get_sample_value("resilax_build_info", {"version": version, "component": "operator"}) == 1
+
+
+def test_recovery_series_and_invalid_spec_name_the_job_and_go_with_it() -> None:
+    """Alerts name the job (issue 41): the recovery metrics carry namespace and jaxjob; a deleted job's
+    series go (bounded label sets), those of another job stay."""
+    job, other = JobRef("rj", "team-r", "uid-rj"), JobRef("keep", "team-r", "uid-keep")
+    labels = {"namespace": "team-r", "jaxjob": "rj"}
+    _recover(job, st.RESIZE, reached=30, restored=30, saved=True)
+    _recover(other, st.RESIZE, reached=30, restored=30, saved=True)
+    resize = {**labels, "kind": st.RESIZE}
+    assert REGISTRY.get_sample_value("resilax_operator_recoveries_total", resize) == 1
+    assert REGISTRY.get_sample_value("resilax_operator_recovery_seconds_count", resize) == 1
+    assert REGISTRY.get_sample_value("resilax_operator_steps_lost_count", resize) == 1
+    invalid = st.set_condition(st.JobStatus(phase=api.PHASE_RUNNING), api.COND_INVALID_SPEC, True, "R", "m", T0)
+    metrics.record_job_status(job, invalid)
+    assert REGISTRY.get_sample_value("resilax_operator_job_invalid_spec", labels) == 1
+    metrics.record_job_status(job, st.set_condition(invalid, api.COND_INVALID_SPEC, False, "R", "m", T0))
+    assert REGISTRY.get_sample_value("resilax_operator_job_invalid_spec", labels) == 0
+    metrics.forget_job(job)
+    text = generate_latest(REGISTRY).decode()
+    assert 'jaxjob="rj"' not in text
+    assert REGISTRY.get_sample_value("resilax_operator_recoveries_total",
+                                     {"namespace": "team-r", "jaxjob": "keep", "kind": st.RESIZE}) == 1
+    metrics.forget_job(other)
