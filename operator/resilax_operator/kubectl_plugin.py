@@ -9,6 +9,11 @@
     kubectl resilax suspend NAME [-n NAMESPACE]   spec.suspend=true: final save, then no workers
     kubectl resilax resume NAME [-n NAMESPACE]    spec.suspend=false: a new generation restores the newest step
     kubectl resilax web FILE [-n NS | -A]         write a static HTML page with every job's timeline
+    kubectl resilax list [-n NAMESPACE | -A]      the jobs: phase, generation, shape, saved step, goodput
+    kubectl resilax version                       this plugin's version and the JAXJob API it speaks
+
+The read commands (status, goodput, timeline, list, version) take `-o json|yaml` for programs
+(kubectl_output.py).
 
 Shell completion (kubectl 1.26+): kubectl asks the `kubectl_complete-resilax` executable, installed beside
 `kubectl-resilax`, for the words that may follow (Cobra's `__complete` protocol: one per line, then
@@ -43,6 +48,16 @@ from urllib.parse import quote
 from . import api
 from . import goodput as gp
 from .kubectl_api import JobAPI, PluginError
+from .kubectl_output import (
+    OUTPUT_FORMATS,
+    build_goodput_data,
+    build_list_data,
+    build_list_screen,
+    build_status_data,
+    build_timeline_data,
+    build_version_data,
+    render,
+)
 from .ownership import owner_uid
 from .status import BREAKDOWN_KEYS
 from .timeline import build_gantt, build_plot, parse_history, parse_time
@@ -51,9 +66,13 @@ from .timeline_page import build_page, build_page_data
 #: Exit codes: 0 done, 1 the API refused or the job is missing, 2 usage.
 EXIT_ERROR = 1
 
-COMMANDS = ("status", "goodput", "timeline", "save", "rotate-token", "suspend", "resume", "web")
+COMMANDS = ("status", "goodput", "timeline", "save", "rotate-token", "suspend", "resume", "web", "list",
+            "version")
+#: The commands that only read, which take `-o json|yaml`; those that need no job name.
+READ_COMMANDS = ("status", "goodput", "timeline", "list", "version")
+NAMELESS_COMMANDS = ("list", "version")
 #: Flags that take a value (`-n NS` or `--namespace=NS`).
-VALUE_FLAGS = ("-n", "--namespace", "--kubeconfig", "--context", "--png", "--timeout")
+VALUE_FLAGS = ("-n", "--namespace", "--kubeconfig", "--context", "--png", "--timeout", "-o", "--output")
 #: Flags whose value is a file name.
 FILE_FLAGS = ("--png",)
 #: Cobra's ShellCompDirectiveNoFileComp: no file names when nothing matches; Default: the shell's files.
@@ -270,15 +289,19 @@ def plan_completion(words: Sequence[str]) -> tuple[str, str, dict[str, str]]:
     if len(positionals) == 1 and positionals[0] == "web":
         return "file", current, flags
     kind = {0: "command", 1: "job"}.get(len(positionals), "none")
+    if kind == "job" and positionals[0] in NAMELESS_COMMANDS:
+        kind = "none"
     return kind, current, flags
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kubectl resilax", description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=COMMANDS)
-    p.add_argument("name", help="the JAXJob's name (web: the HTML file to write)")
+    p.add_argument("name", nargs="?", help="the JAXJob's name (web: the HTML file to write; list, version: none)")
     p.add_argument("-n", "--namespace", default=None, help="its namespace (default: the context's, else default)")
-    p.add_argument("-A", "--all-namespaces", action="store_true", help="web: the jobs of every namespace")
+    p.add_argument("-A", "--all-namespaces", action="store_true", help="web, list: the jobs of every namespace")
+    p.add_argument("-o", "--output", choices=OUTPUT_FORMATS, default=None,
+                   help=f"{', '.join(READ_COMMANDS)}: print json or yaml instead of the screen")
     p.add_argument("--png", type=Path, default=None, metavar="FILE",
                    help="timeline: also draw the picture into this PNG file (needs the 'plot' extra)")
     p.add_argument("--timeout", type=float, default=SAVE_TIMEOUT_SECONDS, metavar="SECONDS",
@@ -288,8 +311,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = p.parse_args(list(argv))
     if args.png is not None and args.command != "timeline":
         p.error("--png goes with timeline")
-    if args.all_namespaces and args.command != "web":
-        p.error("-A/--all-namespaces goes with web")
+    if args.all_namespaces and args.command not in ("web", "list"):
+        p.error("-A/--all-namespaces goes with web and list")
+    if args.output is not None and args.command not in READ_COMMANDS:
+        p.error(f"-o/--output goes with {', '.join(READ_COMMANDS)}")
+    if args.command in NAMELESS_COMMANDS and args.name is not None:
+        p.error(f"{args.command} takes no job name")
+    if args.command not in NAMELESS_COMMANDS and args.name is None:
+        p.error(f"{args.command} needs the JAXJob's name")
     return args
 
 
@@ -329,8 +358,7 @@ def run_rotate_token(kube: JobAPI, namespace: str, name: str) -> str:
             "refreshes it (about a minute), and the old token is refused from then on")
 
 
-def run_timeline(kube: JobAPI, namespace: str, name: str, png: Path | None) -> str:
-    job = kube.get_job(namespace, name)
+def run_timeline(kube: JobAPI, namespace: str, name: str, png: Path | None, job: Mapping[str, Any]) -> str:
     now = datetime.now(UTC)
     generations = parse_history(job)
     lines = build_gantt(f"{namespace}/{name}", generations, now)
@@ -357,8 +385,33 @@ def _print(screen: str) -> None:
     print(escape_controls(screen, keep_newlines=True))
 
 
+def run_read(kube: JobAPI, namespace: str, args: argparse.Namespace) -> str:
+    """A read command's screen, or with `-o` its document."""
+    if args.command == "list":
+        jobs = kube.list_jobs(None if args.all_namespaces else namespace)
+        if args.output:
+            return render(build_list_data(jobs), args.output)
+        return build_list_screen(jobs, args.all_namespaces)
+    job = kube.get_job(namespace, args.name)
+    if args.command == "goodput":
+        return render(build_goodput_data(job), args.output) if args.output else build_goodput_screen(job)
+    if args.command == "timeline":
+        if args.output:
+            return render(build_timeline_data(job), args.output)
+        return run_timeline(kube, namespace, args.name, args.png, job)
+    events = kube.job_events(namespace, args.name)
+    if args.output:
+        return render(build_status_data(job, last_fault(job.get("status") or {}, events)), args.output)
+    return build_status_screen(job, events, datetime.now(UTC))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "version":  # needs no cluster
+        data = build_version_data()
+        print(render(data, args.output) if args.output else f"kubectl-resilax {data['clientVersion']} "
+              f"(JAXJob {data['apiVersion']})")
+        return 0
     try:
         kube = JobAPI(args.kubeconfig, args.context)
         namespace = args.namespace or kube.default_namespace
@@ -370,15 +423,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print(run_save(kube, namespace, args.name, args.timeout))
         elif args.command == "rotate-token":
             _print(run_rotate_token(kube, namespace, args.name))
-        elif args.command == "timeline":
-            _print(run_timeline(kube, namespace, args.name, args.png))
         elif args.command == "web":
             print(run_web(kube, None if args.all_namespaces else namespace, Path(args.name)))
-        elif args.command == "goodput":
-            _print(build_goodput_screen(kube.get_job(namespace, args.name)))
+        elif args.output:
+            print(run_read(kube, namespace, args))  # json.dumps / yaml.safe_dump escape control characters
         else:
-            job = kube.get_job(namespace, args.name)
-            _print(build_status_screen(job, kube.job_events(namespace, args.name), datetime.now(UTC)))
+            _print(run_read(kube, namespace, args))
         return 0
     except (PluginError, OSError) as e:
         print(escape_controls(f"kubectl resilax {args.command}: {e}"), file=sys.stderr)

@@ -108,3 +108,39 @@ def test_completion_plans_what_follows(words: list[str], expected: tuple[str, st
 def test_completion_of_commands_prints_cobras_protocol(capsys: pytest.CaptureFixture[str]) -> None:
     assert kubectl_plugin.complete_main(["s"]) == 0
     assert capsys.readouterr().out.splitlines() == ["status", "save", "suspend", ":4"]
+
+
+def test_output_documents_round_trip_and_the_list_table() -> None:
+    """`-o json|yaml` (kubectl_output.py): each read command's document parses back equal; `list` without
+    -A leaves out the namespace column; a control character from the cluster stays escaped."""
+    import json
+
+    import yaml
+    from resilax_operator import kubectl_output as out
+
+    job = {"metadata": {"namespace": "ml", "name": "llama", "uid": "u1"}, "spec": {"suspend": False},
+           "status": {"phase": "Running", "generation": 3, "shape": {"topology": "2x4", "count": 2, "hosts": 4},
+                      "checkpoint": {"step": 40}, "goodput": {"ratio": 0.9}, "history": [{"generation": 3}],
+                      "lastValidSpec": {"generation": 1, "spec": {}}}}
+    docs = [out.build_status_data(job, "NodeLoss \x1b[31m"), out.build_goodput_data(job), out.build_timeline_data(job),
+            out.build_list_data([job]), out.build_version_data()]
+    for doc in docs:
+        assert json.loads(out.render(doc, "json")) == doc
+        assert yaml.safe_load(out.render(doc, "yaml")) == doc
+    assert "\x1b" not in out.render(docs[0], "json") and "\x1b" not in out.render(docs[0], "yaml")
+    assert "lastValidSpec" not in docs[0]["status"]
+    assert docs[3]["items"][0] == {"namespace": "ml", "name": "llama", "uid": "u1", "phase": "Running", "generation": 3,
+                                   "count": 2, "topology": "2x4", "savedStep": 40, "goodput": 0.9, "created": None}
+    assert out.build_list_screen([job], all_namespaces=False).splitlines() == [
+        "NAME    PHASE     GENERATION   SHAPE     SAVED   GOODPUT", "llama   Running   3            2 x 2x4   40      90.0%"]
+    assert out.build_list_screen([job], all_namespaces=True).startswith("NAMESPACE")
+    assert out.build_list_screen([], all_namespaces=True) == "No JAXJobs found."
+
+
+@pytest.mark.parametrize("argv", [["list", "llama"], ["status"], ["save", "llama", "-o", "json"],
+                                  ["status", "llama", "-A"], ["version", "-o", "xml"]],
+                         ids=["list-with-name", "status-without-name", "output-on-a-write", "A-on-status", "bad-format"])
+def test_bad_plugin_arguments_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        kubectl_plugin.parse_args(argv)
+    assert info.value.code == 2 and "kubectl resilax" in capsys.readouterr().err
