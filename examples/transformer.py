@@ -343,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     marks.mark("devices_start")
     mesh = make_mesh()  # opens the devices (the TPU runtime's start)
     marks.mark("devices_done")
+    if cfg.batch % mesh.devices.size:
+        raise SystemExit(f"examples/transformer.py: --batch {cfg.batch} does not split over this generation's "
+                         f"{mesh.devices.size} devices; allowed: a multiple of the device count")
     programs = Programs(cfg, mesh, args.lr)
 
     generation = int(os.environ.get("RESILAX_GENERATION", "0"))

@@ -97,3 +97,8 @@ def test_bad_sizes_are_named_with_what_is_allowed(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "--width 60 is not a multiple of --heads 8" in proc.stderr
     assert "--dtype 'float16'; allowed: float32, bfloat16" in proc.stderr
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--batch", "6"],
+                          env=example_env(tmp_path / "c", tmp_path / "jax-cache", 4), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--batch 6 does not split over this generation's 4 devices" in proc.stderr
