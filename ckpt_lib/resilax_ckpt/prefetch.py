@@ -38,7 +38,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 
-from resilax_ckpt import backends, commit, layout, read_ahead, reader, restore_choice
+from resilax_ckpt import commit, layout, read_ahead, reader, restore_choice
 from resilax_ckpt.errors import MetadataError, ResilaxCkptError
 from resilax_ckpt.metadata import StepMetadata
 from resilax_ckpt.options import InvalidOptionsError, ManagerOptions, TierDirectories
@@ -127,6 +127,14 @@ class PrefetchSettings:
         return cls(dirs, options, index, count, asked, fraction)
 
 
+def _chunk_backend(storage: Storage, options: ManagerOptions) -> reader.ChunkBackendReads:
+    """The storage's chunk backend, imported here, on the reading thread: backends.py imports
+    tensorstore (and its ml_dtypes), which the trainer's main thread need not wait for first."""
+    from resilax_ckpt import backends
+
+    return backends.for_storage(storage, options)
+
+
 def open_prefetch(settings: PrefetchSettings, on_event: read_ahead.EventHook | None = None) -> read_ahead.RestorePrefetch | None:
     """Choose the step, read its metadata and plan the reads (not started); None when there is
     nothing to read ahead."""
@@ -185,7 +193,7 @@ def open_prefetch(settings: PrefetchSettings, on_event: read_ahead.EventHook | N
                  "the restore reads the rest", fit, len(reads), step, limit / 2**30, MEMORY_ENV, settings.memory_fraction)
     if not fit:
         return None
-    return read_ahead.RestorePrefetch(step_storage, backends.for_storage(step_storage, options), step, tier, step_path,
+    return read_ahead.RestorePrefetch(step_storage, lambda: _chunk_backend(step_storage, options), step, tier, step_path,
                            reads[:fit], len(reads) - fit, options, on_event)
 
 

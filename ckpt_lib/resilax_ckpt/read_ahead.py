@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from resilax_ckpt import backends, chunk_format, planning, reader
+from resilax_ckpt import chunk_format, planning, reader
 from resilax_ckpt.errors import ResilaxCkptError
 from resilax_ckpt.metadata import LeafMetadata
 from resilax_ckpt.options import ManagerOptions
@@ -168,8 +168,9 @@ class RestorePrefetch:
     `claim`s the folder it reads (waiting for the reads when it is this one, else dropping them);
     3. `release` drops what the restore did not take. `wait` and `stats` at any time."""
 
-    def __init__(self, storage: Storage, backend: backends.ChunkBackend, step: int, tier: str, step_path: str,
-                 reads: list[BoxesRead], left: int, options: ManagerOptions, on_event: EventHook | None) -> None:
+    def __init__(self, storage: Storage, backend: Callable[[], reader.ChunkBackendReads], step: int, tier: str,
+                 step_path: str, reads: list[BoxesRead], left: int, options: ManagerOptions,
+                 on_event: EventHook | None) -> None:
         self.step = step
         """The step read ahead."""
         self.tier = tier
@@ -177,7 +178,9 @@ class RestorePrefetch:
         self.step_path = step_path
         """The step folder read (the restore uses the buffers only when it reads this folder)."""
         self._storage = storage
-        self._backend = backend
+        self._make_backend = backend
+        """Builds the chunk backend on the reading thread (its imports, tensorstore's, happen there)."""
+        self._backend: reader.ChunkBackendReads | None = None
         self._reads = reads
         self._options = options
         self._on_event = on_event
@@ -276,6 +279,7 @@ class RestorePrefetch:
     def _run(self) -> None:
         began = time.perf_counter()
         try:
+            self._backend = self._make_backend()
             batch: list[BoxesRead] = []
             size = 0
             for read in self._reads:
@@ -311,6 +315,7 @@ class RestorePrefetch:
     def _read_batch(self, batch: list[BoxesRead]) -> None:
         local = self._storage.is_local
         before = [_file_state(self._leaf_path(r.item, r.leaf)) if local else None for r in batch]
+        assert self._backend is not None
         reader.read_leaves(list(batch), self.step_path, self._backend, self._options.max_inflight_bytes,
                            self._options.io_concurrency)
         for read, files in zip(batch, before, strict=True):
@@ -327,8 +332,13 @@ class RestorePrefetch:
             self._emit("leaf", {"item": read.item, "leaf": read.leaf.keystr, "bytes": read.nbytes})
 
     def _emit(self, name: str, info: dict[str, Any]) -> None:
-        if self._on_event is not None:
+        if self._on_event is None:
+            return
+        try:
             self._on_event(name, info)
+        except Exception:  # an observer's bug must not stop the reads nor the restore
+            log.warning("restore prefetch: on_event(%r) raised; no more events", name, exc_info=True)
+            self._on_event = None
 
 
 def files_in(folder: str) -> Callable[[tuple[str, ...]], bool]:

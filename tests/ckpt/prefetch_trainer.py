@@ -23,8 +23,9 @@ _lock = threading.Lock()
 def record(event: str, **info) -> None:
     """One event, in the order they happened (one lock: the log's order is the order of the calls)."""
     bridge = sys.modules.get("jax._src.xla_bridge")
-    # Its dict of initialised backends, read without its lock (JAX calls the init hook holding it).
-    initialized = bool(bridge is not None and bridge._backends)
+    # Its dict of initialised backends, read without its lock (JAX calls the init hook holding it); the
+    # module may still be importing on the main thread while the prefetch's thread records an event.
+    initialized = bool(getattr(bridge, "_backends", None))
     with _lock:
         _events.append({"event": event, "thread": threading.current_thread().name,
                         "backends_initialized": initialized, **info})

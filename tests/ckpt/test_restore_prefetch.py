@@ -233,6 +233,21 @@ def test_a_gcs_persistent_tier_is_read_ahead_through_tensorstore(gcs_root, tmp_p
         assert out["params"][name].tobytes() == value.tobytes()
 
 
+def test_an_observer_that_raises_stops_nothing(tmp_path, devices):
+    save_steps(tmp_path / "ckpt", [2])
+    env = {"RESILAX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+
+    def broken(name, info):
+        raise RuntimeError("observer bug")
+
+    handle = prefetch.start_prefetch(env, on_event=broken)
+    assert handle is not None and handle.wait(60)
+    with rc.CheckpointManager.from_env(env) as mgr:
+        out = mgr.restore()
+    assert (handle.stats()["error"], handle.stats()["taken_leaves"]) == (None, 3)
+    assert out["params"]["w"].tobytes() == expected(2)["w"].tobytes()
+
+
 def test_the_prefetch_module_does_not_import_jax():
     code = ("import sys; from resilax_ckpt import prefetch, read_ahead, multihost; "
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))")
