@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -404,22 +404,31 @@ class Transfer:
     thread waits for (so a shard is written as soon as it lands). `start()` is called by the saver
     once the writes are handed off: a host transfer returns once every shard landed (the loop waits
     for that: a donating step may delete the arrays next); an on-device copy returns at once and
-    drains on a thread of its own."""
+    drains on a thread of its own, except on CPU devices (`lazy`), where the copy already is host
+    memory: there the writing thread takes each shard's NumPy view (zero-copy) when it needs it, and
+    no thread competes with the loop."""
 
     def __init__(self, path: str, pieces: list[tuple[Landing, Any]], copies: list[jax.Array],
-                 arena: staging.HostArena | None, report: CopyReport, started: float) -> None:
+                 arena: staging.HostArena | None, report: CopyReport, started: float, lazy: bool = False) -> None:
         self._path = path
+        self._lazy = lazy
+        if lazy:  # wired now: after the hand-off the writing thread may already want a shard
+            views = _views(pieces, copies, report, started)
+            pull = _Puller(views, [landing for landing, _ in pieces])
+            for landing, _ in pieces:
+                landing.pull = pull
+            pieces, copies = [], []
         self._pieces = pieces  # (landing, shard data: a single-device jax.Array, or a global copy and device)
         self._copies = copies
         self._arena = arena
         self.report = report
         self._started = started
-        self.done = threading.Event()
-        """Set once every shard landed (or failed)."""
 
     def start(self) -> None:
         if self._path == HOST_TRANSFER:
             self._run()
+            return
+        if self._lazy:
             return
         threading.Thread(target=self._run, name="resilax-drain", daemon=True).start()
 
@@ -441,8 +450,50 @@ class Transfer:
             if self._path == HOST_TRANSFER:
                 raise
             log.warning("draining a save's on-device copy to the host failed: %s", e)
-        finally:
-            self.done.set()
+
+
+class _Puller:
+    """Lands the shards of a lazy transfer on the thread that waits for one, up to that one."""
+
+    def __init__(self, steps: Iterator[None], landings: list[Landing]) -> None:
+        self._steps = steps
+        self._landings = landings
+        self._lock = threading.Lock()
+
+    def __call__(self, wanted: Landing) -> None:
+        with self._lock:
+            try:
+                while not wanted.landed and next(self._steps, False) is not False:
+                    pass
+                if not wanted.landed:
+                    raise RuntimeError("a write's shard is not among its save's on-device copies")
+            except BaseException as e:
+                for landing in self._landings:
+                    landing.fail(e)
+                raise
+
+
+def _views(pieces: list[tuple[Landing, Any]], copies: list[jax.Array], report: CopyReport,
+           started: float) -> Iterator[None]:
+    """CPU devices: each shard's NumPy view of its copy, in write order, one per step; a copy's
+    shards are looked up when its first piece is wanted (that waits for the copy to be computed) and
+    forgotten after its last."""
+    remaining: dict[int, int] = {}
+    for _, (n, _) in pieces:
+        remaining[n] = remaining.get(n, 0) + 1
+    shards: dict[int, dict[Any, Any]] = {}
+    for i, (landing, (n, device)) in enumerate(pieces):
+        if n not in shards:
+            shards[n] = {shard.device: shard.data for shard in copies[n].addressable_shards}
+        landing.set(np.asarray(shards[n][device]))
+        pieces[i] = (landing, (n, None))
+        remaining[n] -= 1
+        if remaining[n] == 0:
+            del shards[n]
+            copies[n] = None  # type: ignore[call-overload]
+        if i == len(pieces) - 1:
+            report.transfer_seconds = time.perf_counter() - started
+        yield None
 
 
 def _shards_of(copies: list[jax.Array]) -> dict[tuple[int, Any], Any]:
@@ -542,7 +593,7 @@ def _snapshot_devices(writes: list[ArrayWrite], sources: list[tuple[int, jax.Arr
             report.device_bytes = sum(need.values())
             pieces = [(landing, (index[id(array)], shard.device))
                       for landing, (_, array, shard) in zip(landings, sources, strict=True)]
-            return Transfer(ON_DEVICE, pieces, copies, None, report, started)
+            return Transfer(ON_DEVICE, pieces, copies, None, report, started, lazy=platform == "cpu")
     pieces = [(landing, shard.data) for landing, (_, _, shard) in zip(landings, sources, strict=True)]
     return Transfer(HOST_TRANSFER, pieces, [], arena if platform == "cpu" else None, report, started)
 

@@ -122,6 +122,7 @@ class Saver:
         self._last_saved_step = step
         self._last_save_time = self._options.clock()
         transfer = plan.transfer
+        report = plan.report
         future = self._executor.submit(self._write_and_commit, step, plan, key, requests)
         self._pending = future
         if transfer is not None:
@@ -139,7 +140,6 @@ class Saver:
             if stop:
                 self._stop_after(step)
         blocked = time.perf_counter() - started
-        report = plan.report
         self._last_report = (step, report, blocked)
         if report.reason == items_lib.NOT_COMPILED:  # compile the copy for the next save, in the background
             self._copy_prepared = False

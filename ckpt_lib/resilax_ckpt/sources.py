@@ -4,6 +4,7 @@ resolved to NumPy on the writing thread by either chunk backend."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,10 +16,12 @@ class Landing:
     by the writing thread, which waits for them: a shard is written as soon as it lands. The
     landings of one save share one condition (`landed`): cheap to make by the thousand."""
 
-    __slots__ = ("_done", "_error", "_landed", "_value")
+    __slots__ = ("_done", "_error", "_landed", "_value", "pull")
 
     def __init__(self, landed: threading.Condition) -> None:
         self._landed = landed
+        self.pull: Callable[[Landing], None] | None = None
+        """Lands this shard (and the ones before it) on the calling thread: a lazy transfer's."""
         self._done = False
         self._value: np.ndarray | None = None
         self._error: BaseException | None = None
@@ -40,6 +43,8 @@ class Landing:
         return self._done
 
     def get(self) -> np.ndarray:
+        if not self._done and self.pull is not None:
+            self.pull(self)
         if not self._done:
             with self._landed:
                 self._landed.wait_for(lambda: self._done)
