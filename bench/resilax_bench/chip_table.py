@@ -79,7 +79,7 @@ def _limit(data: dict[str, Any], key: str) -> str:
         if f.get("d2h_batched_s") is not None:
             parts.append(f"device-to-host {f['d2h_batched_s']:.3f} s ({gbps(f['d2h_batched_s'])})")
         if dd.get("save_s") is not None:
-            parts.append(f"dd rewrite {dd['save_s']:.3f} s")
+            parts.append(f"dd write {dd['first_save_s']:.3f} s new, {dd['save_s']:.3f} s in place")
         return "; ".join(parts) or "—"
     if key == "cold_restore_s":
         parts = []
