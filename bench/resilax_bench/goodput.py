@@ -42,17 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from resilax_local.demo import (
-    EXAMPLES,
-    FILES,
-    JOB_FILE,
-    JOB_NAMESPACE,
-    Demo,
-    DemoError,
-    say,
-    stop_process_group,
-    use_example,
-)
+from resilax_local.demo import FILES, JOB_FILE, JOB_NAMESPACE, Demo, DemoError, say, stop_process_group
+from resilax_local.demo_examples import EXAMPLES, use_example
 from resilax_local.timeline import Fault, parse_timestamp
 from resilax_operator import api
 

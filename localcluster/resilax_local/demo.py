@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 from resilax_operator import api
 
+from .demo_examples import EXAMPLES, use_example
 from .demo_outputs import render_plot, say, write_run_outputs
 from .processes import stop_process_group
 from .rbac import build_operator_rbac
@@ -59,9 +60,6 @@ FILES = Path(__file__).resolve().parent / "demo_files"
 JOB_FILE = FILES / "jaxjob-demo.yaml"
 CRD_DIR = FILES / "crds"
 RULES_FILE = FILES / "operator-rules.yaml"
-#: The training jobs the demo (and bench/resilax_bench/goodput.py) can run, by name: their scripts under
-#: FILES. Both take --steps and --step-seconds and print the same step and restore lines.
-EXAMPLES = {"train": "examples/train.py", "transformer": "examples/transformer.py"}
 OPERATOR_NAMESPACE = "resilax-system"
 OPERATOR_NAME = "resilax-operator"
 PEERING = "resilax"
@@ -409,14 +407,6 @@ def _tail(path: Path, lines: int) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def use_example(command: list[str], example: str) -> list[str]:
-    """The job's command with EXAMPLES[example] in place of the example script it names."""
-    if example not in EXAMPLES:
-        raise ValueError(f"example: {example!r} is not one of {', '.join(sorted(EXAMPLES))}")
-    scripts = set(EXAMPLES.values())
-    return [EXAMPLES[example] if part in scripts else part for part in command]
 
 
 def _parser() -> argparse.ArgumentParser:

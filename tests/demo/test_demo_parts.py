@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from resilax_local import demo
+from resilax_local.demo_examples import use_example
 from resilax_local.timeline import Fault, LossRecord, build_plot_data
 from resilax_operator.validation import validate_spec
 
@@ -41,12 +42,12 @@ def test_demo_files_are_the_repositorys_own() -> None:
 def test_the_demo_can_run_the_transformer_instead() -> None:
     job = yaml.safe_load(demo.JOB_FILE.read_text())
     command = job["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert demo.use_example(command, "train") == command
-    swapped = demo.use_example(command, "transformer")
+    assert use_example(command, "train") == command
+    swapped = use_example(command, "transformer")
     assert swapped == [command[0], "examples/transformer.py", *command[2:]]
     assert (demo.FILES / swapped[1]).exists()
     with pytest.raises(ValueError, match="'mlp' is not one of train, transformer"):
-        demo.use_example(command, "mlp")
+        use_example(command, "mlp")
 
 
 def test_demo_finds_the_chart_files() -> None:
