@@ -557,7 +557,7 @@ def _snapshot_devices(writes: list[ArrayWrite], sources: list[tuple[int, jax.Arr
         return None
     started = time.perf_counter()
     platform = _platform(sources)
-    deciding = "accelerator" if platform == "cpu" and os.environ.get(FORCE_ACCELERATOR_ENV) == "1" else platform
+    deciding = _deciding_platform(platform)
     groups = _copy_groups(sources)
     need, largest = _copy_need(groups)
     room = {} if device_copy != "auto" or deciding == "cpu" else {d: _device_room(d) for d in need}
@@ -596,6 +596,22 @@ def _snapshot_devices(writes: list[ArrayWrite], sources: list[tuple[int, jax.Arr
             return Transfer(ON_DEVICE, pieces, copies, None, report, started, lazy=platform == "cpu")
     pieces = [(landing, shard.data) for landing, (_, _, shard) in zip(landings, sources, strict=True)]
     return Transfer(HOST_TRANSFER, pieces, [], arena if platform == "cpu" else None, report, started)
+
+
+def _deciding_platform(platform: str) -> str:
+    """The platform `auto` decides for: CPU devices count as an accelerator under FORCE_ACCELERATOR_ENV."""
+    return "accelerator" if platform == "cpu" and os.environ.get(FORCE_ACCELERATOR_ENV) == "1" else platform
+
+
+def decides_as_accelerator(signature: list[list[jax.ShapeDtypeStruct]]) -> bool:
+    """Whether `auto` decides for the devices of a `copy_signature` as for an accelerator (then a
+    save takes a host transfer until the copy is compiled, instead of waiting for the compile)."""
+    for group in signature:
+        for struct in group:
+            sharding = struct.sharding
+            if sharding is not None:
+                return _deciding_platform(str(next(iter(sharding.device_set)).platform)) != "cpu"
+    return False
 
 
 def _platform(sources: list[tuple[int, jax.Array, Any]]) -> str:

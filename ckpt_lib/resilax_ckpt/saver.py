@@ -68,6 +68,8 @@ class Saver:
         self._last_report: tuple[int, items_lib.CopyReport, float] | None = None
         self._copy_prepared = False  # the first save's device copy compiled ahead (or tried)
         self._preparing: concurrent.futures.Future[None] | None = None
+        self._preparing_waits = True  # a save waits for that compile (CPU devices; see save())
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
         self._last_saved_step: int | None = None
         self._last_save_time: float = self._options.clock()
         self._poll_count = 0
@@ -106,8 +108,10 @@ class Saver:
         requests, self._pending_requests = self._pending_requests, []
         stop = self._stop_requested_locally
         self._wait_pending()
-        if self._preparing is not None:
-            self._preparing.result()  # never raises; its compile is this save's
+        if self._preparing is not None and (self._preparing_waits or self._preparing.done()):
+            # Never raises; its compile is this save's. On an accelerator a save does not wait for
+            # it: until it is done, `auto` takes a host transfer (items.choose_device_copy).
+            self._preparing.result()
             self._preparing = None
         self._copy_prepared = True
         key = f"{self._key}/save{self._tiers.next_ordinal()}"
@@ -136,7 +140,7 @@ class Saver:
                 raise SaveError(f"step {step}: taking the shards off the devices failed: "
                                 f"{type(e).__name__}: {e}") from e
         if stop or not self._options.async_save:
-            self.wait()
+            self._wait_pending()
             if stop:
                 self._stop_after(step)
         blocked = time.perf_counter() - started
@@ -174,12 +178,19 @@ class Saver:
             signature = []
         if signature or not restored:
             self._copy_prepared = True
-        if signature:
-            self._preparing = self._executor.submit(_compile_quietly, signature)
+        if signature and self._preparing is None:
+            # A thread of its own: it runs while a save's writes do (the first save on an accelerator).
+            if self._compiler is None:
+                self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-ckpt-compile")
+            self._preparing_waits = not items_lib.decides_as_accelerator(signature)
+            self._preparing = self._compiler.submit(_compile_quietly, signature)
 
     def wait(self) -> None:
-        """Block until the pending save committed; re-raise its failure."""
+        """Block until the pending save committed (re-raise its failure) and a compile of the
+        on-device copy in progress is done (so the next save can take that path)."""
         self._wait_pending()
+        if self._preparing is not None:
+            self._preparing.result()  # never raises
 
     def _wait_pending(self) -> None:
         future, self._pending = self._pending, None
@@ -221,7 +232,7 @@ class Saver:
             # Answer the request with the step already saved (it is committed or committing).
             self._answer_with_last_save()
             if stop:
-                self.wait()
+                self._wait_pending()
                 self._stop_after(self._last_saved_step)
             return False
         return force or step_due or time_due or requested or stop
@@ -269,7 +280,7 @@ class Saver:
             return
         step = self._last_saved_step
         try:
-            self.wait()
+            self._wait_pending()
             self._write_results(requests, step, None)
         except Exception as e:
             self._write_results(requests, step, str(e))
@@ -440,6 +451,8 @@ class Saver:
             self._wait_pending()
         finally:
             self._executor.shutdown(wait=True)
+            if self._compiler is not None:
+                self._compiler.shutdown(wait=True)
             self._uninstall_sigterm()
 
     def install_sigterm(self) -> None:

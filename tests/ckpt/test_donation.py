@@ -143,7 +143,8 @@ def test_a_first_save_on_an_accelerator_does_not_compile_the_copy_in_the_loop():
 
 def test_auto_on_an_accelerator_starts_with_a_transfer_then_copies_on_device(tmp_path, devices, monkeypatch):
     """The accelerator's choices on CPU devices (the test-only RESILAX_CKPT_FORCE_ACCELERATOR_PATH):
-    the first save transfers (the copy compiles in the background), later ones copy on the device
+    the first save transfers (the copy compiles in the background, and a save does not wait for
+    it: `wait()` does), later ones copy on the device
     while the memory statistics leave room and transfer when they say nothing; every step restores."""
     monkeypatch.setenv(items_lib.FORCE_ACCELERATOR_ENV, "1")
     state = initial_state(devices)
@@ -162,6 +163,7 @@ def test_auto_on_an_accelerator_starts_with_a_transfer_then_copies_on_device(tmp
             report = mgr.save_report
             assert report is not None
             paths.append((report["device_copy"], report["reason"]))
+            mgr.wait()  # also waits for the copy's compile, which the first save started
             state = train_step(state)
         mgr.wait()
         for step, want in expected.items():
