@@ -227,7 +227,8 @@ class CheckpointManager:
                                 f"committed steps: {', '.join(map(str, self.steps())) or 'none'}")
 
     def wait(self) -> None:
-        """Block until the pending save committed; re-raise its failure."""
+        """Block until the pending save committed (re-raise its failure) and a compile of the save's
+        on-device copy in progress is done (docs/checkpointing.md §4)."""
         self._saver.wait()
 
     # ------------------------------------------------------------------ restore
