@@ -395,6 +395,7 @@ class NodeAgent(NodeHeartbeat):
         with self.lock:
             return [{"name": n.name, "state": n.state, "ip": n.ip, "run_pods": n.spec.run_pods,
                      "kill_pending": n.kill_timer is not None and n.kill_timer.is_alive(),
+                     "health_fault": n.health_fault or None,
                      "pods": sum(1 for w in self.workers.values() if w.node == n.name)} for n in self.nodes.values()]
 
     def describe_pods(self) -> list[dict[str, Any]]:

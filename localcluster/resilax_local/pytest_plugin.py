@@ -4,8 +4,8 @@ Fixtures:
 - `local_cluster` (session): a `LocalCluster` started once per test session (profile `default`: 2 TPU
   slices x 2 hosts + `cpu-0`), stopped at the end. With `RESILAX_TEST_CLUSTER_DIR` set to the run
   folder of a cluster started by `resilax local up --dir ...`, that cluster is reused and left running.
-- `cluster` (function): the same cluster; after the test every node the test killed, partitioned or
-  preempted (even with the kill still pending) is restored, so tests do not leak faults.
+- `cluster` (function): the same cluster; after the test every node the test killed, partitioned,
+  preempted (even with the kill still pending) or made unhealthy is restored, so tests do not leak faults.
 - `kube` (session): a dict-based admin REST client (`resilax_local.kubeapi.KubeClient`).
 - `namespace` (function): a fresh namespace (its `default` ServiceAccount ready), deleted afterwards.
 - `fake_gcs` (session): a `FakeGCS` server; `gcs_bucket` (function): a fresh bucket, yields `gs://<name>`.
@@ -85,7 +85,7 @@ def cluster(local_cluster: LocalCluster) -> Iterator[LocalCluster]:
     yield local_cluster
     restored = []
     for node in local_cluster.nodes():
-        if node["state"] != NodeState.READY or node.get("kill_pending"):
+        if node["state"] != NodeState.READY or node.get("kill_pending") or node.get("health_fault"):
             local_cluster.restore_node(node["name"])
             restored.append(node["name"])
     # Ready again in the API (and free of the unreachable taints) before the next test plans on them:

@@ -254,14 +254,16 @@ def build_health_check(trainer: Mapping[str, Any], spec: JobSpec, geometry: Slic
     after the sidecar. Its JSON result is its termination message (the operator reads it from the pod in
     its watch cache); it exits 79 when the host failed. Only a new pod gets it: a kept survivor of an
     in-place restart is never rebuilt, so it is not checked again."""
-    platform = "tpu" if geometry.is_tpu else geometry.family
-    env = [dict(e) for e in trainer.get("env") or [] if e.get("name") != "RESILAX_HEALTH_PLATFORM"]
+    env = [dict(e) for e in trainer.get("env") or []]
+    given = {str(e.get("name")): e.get("value") for e in env}
+    if "RESILAX_HEALTH_PLATFORM" not in given:
+        env.append({"name": "RESILAX_HEALTH_PLATFORM", "value": plan_expected_platform(geometry, given.get("JAX_PLATFORMS"))})
     container: Manifest = {
         "name": api.HEALTH_CHECK_CONTAINER,
         "image": trainer.get("image"),
         "command": ["resilax", "health-check", "--timeout", str(spec.recovery.health_check.timeout_seconds),
                     "--result", TERMINATION_MESSAGE_PATH],
-        "env": [*env, {"name": "RESILAX_HEALTH_PLATFORM", "value": platform}],
+        "env": env,
         "resources": copy.deepcopy(dict(trainer.get("resources") or {})),
         "securityContext": copy.deepcopy(trainer.get("securityContext")),
         "terminationMessagePath": TERMINATION_MESSAGE_PATH,
@@ -271,6 +273,20 @@ def build_health_check(trainer: Mapping[str, Any], spec: JobSpec, geometry: Slic
         if trainer.get(key) is not None:
             container[key] = copy.deepcopy(trainer[key])
     return container
+
+
+#: JAX_PLATFORMS names → the health check's platforms.
+_JAX_PLATFORMS: Final = {"tpu": "tpu", "cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu"}
+
+
+def plan_expected_platform(geometry: SliceGeometry, jax_platforms: str | None) -> str:
+    """The platform the health check expects (RESILAX_HEALTH_PLATFORM, unless the trainer sets it): the
+    first of the trainer's literal JAX_PLATFORMS when it names one (the local cluster's fake TPU slices
+    run `cpu`), else the accelerator's (tpu, gpu, cpu)."""
+    first = (jax_platforms or "").split(",")[0].strip().lower()
+    if first in _JAX_PLATFORMS:
+        return _JAX_PLATFORMS[first]
+    return "tpu" if geometry.is_tpu else geometry.family
 
 
 def node_scoped(spec: JobSpec) -> bool:

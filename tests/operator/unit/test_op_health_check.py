@@ -224,6 +224,11 @@ def test_the_init_container_runs_the_check_with_the_trainers_image_environment_a
     assert env["RESILAX_HEALTH_PLATFORM"] == "tpu" and env["RESILAX_DEVICES_PER_HOST"] == "4"
     assert env["JAX_NUM_PROCESSES"] == "4" and env["JAX_PROCESS_ID"] == "0"
     assert "restartPolicy" not in check  # a plain init container: its failure fails the pod
+    local = _checked(fixed_spec(count=1))
+    local["template"]["spec"]["containers"][0]["env"] = [{"name": "JAX_PLATFORMS", "value": "cpu"}]
+    fake = next(a for a in World.make(local, tpu_pool("pool-a", 4)).step() if isinstance(a, CreateGeneration))
+    env = {e["name"]: e.get("value") for e in fake.pods[0]["spec"]["initContainers"][1]["env"]}
+    assert env["RESILAX_HEALTH_PLATFORM"] == "cpu"  # the trainer's JAX_PLATFORMS: the local cluster's fake TPUs
     off = World.make(fixed_spec(count=1), tpu_pool("pool-a", 4))
     plain = next(a for a in off.step() if isinstance(a, CreateGeneration))
     assert api.HEALTH_CHECK_CONTAINER not in _inits(plain.pods[0])
