@@ -414,6 +414,7 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
 
     rc = r.obj(raw, "recovery", p) or {}
     rp = f"{p}.recovery"
+    hc = r.obj(rc, "healthCheck", rp) or {}
     recovery = RecoverySpec(
         max_restarts=_int_or(r.integer(rc, "maxRestarts", rp, minimum=0), DEFAULT_MAX_RESTARTS),
         backoff_seconds=_int_or(r.integer(rc, "backoffSeconds", rp, minimum=0), DEFAULT_BACKOFF_SECONDS),
@@ -425,7 +426,8 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
                                               DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS),
         failure_rules=_failure_rules(r, rc, rp),
         hang_timeout_seconds=r.integer(rc, "hangTimeoutSeconds", rp, minimum=0),
-        health_check=_health_check(r, rc, rp),
+        health_check=HealthCheckSpec(r.boolean(hc, "enabled", f"{rp}.healthCheck", default=False), _int_or(
+            r.integer(hc, "timeoutSeconds", f"{rp}.healthCheck", minimum=1), DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS)),
     )
     cap = r.obj(raw, "capacity", p) or {}
     capacity = CapacitySpec(
@@ -495,12 +497,3 @@ def _quantity_str(r: _Reader, raw: Mapping[str, Any], key: str, path: str) -> st
         r.bad(f"{path}.{key}", f"{value!r} is not a storage quantity; use e.g. 512Mi, 64Gi, 1T")
         return None
     return text
-
-
-def _health_check(r: _Reader, recovery: Mapping[str, Any], path: str) -> HealthCheckSpec:
-    """`spec.recovery.healthCheck` (absent: off)."""
-    hc = r.obj(recovery, "healthCheck", path) or {}
-    hp = f"{path}.healthCheck"
-    return HealthCheckSpec(
-        enabled=r.boolean(hc, "enabled", hp, default=False),
-        timeout_seconds=_int_or(r.integer(hc, "timeoutSeconds", hp, minimum=1), DEFAULT_HEALTH_CHECK_TIMEOUT_SECONDS))

@@ -16,7 +16,9 @@ from . import api
 from . import goodput as gp
 from .generation import worker_pod_names
 from .history import HistoryEntry, build_history, parse_history
+from .merge_patch import merge_patch
 from .spec import Shape
+from .unhealthy_nodes import UnhealthyNode, build_unhealthy_nodes, parse_unhealthy_nodes
 
 # Transition kinds: why the current generation is being replaced.
 PREEMPTION: Final = "Preemption"
@@ -137,22 +139,6 @@ class Condition:
     reason: str
     message: str
     last_transition_time: datetime | None = None
-
-
-@dataclass(frozen=True)
-class UnhealthyNode:
-    """A node kept out of the job's generations because it failed the health check (status.unhealthyNodes)."""
-
-    node: str
-    #: The part it failed (devices, matmul) and the check's reason.
-    part: str
-    reason: str
-    #: How many of the job's health checks it failed (one per worker pod).
-    failures: int
-    last_failure_time: datetime
-    #: The generation and worker pod of its last failure (a pod is counted once).
-    generation: int
-    pod: str
 
 
 @dataclass(frozen=True)
@@ -280,20 +266,6 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         unhealthy_nodes=parse_unhealthy_nodes(raw.get("unhealthyNodes")))
 
 
-def parse_unhealthy_nodes(raw: Any) -> tuple[UnhealthyNode, ...]:
-    """status.unhealthyNodes → UnhealthyNode by node name (unreadable entries skipped)."""
-    out: list[UnhealthyNode] = []
-    for e in raw if isinstance(raw, list) else ():
-        try:
-            out.append(UnhealthyNode(str(e["node"]), str(e.get("part") or ""), str(e.get("reason") or ""),
-                                     int(e.get("failures") or 1),
-                                     parse_time(e.get("lastFailureTime")) or datetime.fromtimestamp(0, UTC),
-                                     int(e.get("generation") or 0), str(e.get("pod") or "")))
-        except (KeyError, TypeError, ValueError):
-            continue
-    return tuple(sorted(out, key=lambda n: n.node))
-
-
 def parse_in_place(raw: Any) -> InPlace | None:
     """status.inPlace → InPlace (None when absent or unreadable)."""
     if not isinstance(raw, Mapping) or not raw.get("phase"):
@@ -381,9 +353,7 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "lastValidSpec": None if status.last_valid_spec is None else {
             "generation": status.last_valid_spec.generation, "spec": without_nulls(status.last_valid_spec.spec)},
         "history": build_history(status.history) or None,
-        "unhealthyNodes": [{"node": n.node, "part": n.part, "reason": n.reason, "failures": n.failures,
-                            "lastFailureTime": format_time(n.last_failure_time), "generation": n.generation,
-                            "pod": n.pod} for n in status.unhealthy_nodes] or None,
+        "unhealthyNodes": build_unhealthy_nodes(status.unhealthy_nodes),
         # each condition was decided against the spec of status.observedGeneration, and says so
         "conditions": [
             {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
@@ -399,22 +369,6 @@ def build_status_patch(stored: Mapping[str, Any] | None, new: JobStatus) -> dict
     (lastValidSpec, a copy of the spec, only when the spec changes). Against what is stored, not its
     parse: a member the parse defaults (phase Pending, generation 0) is written all the same."""
     return merge_patch(stored or {}, build_status(new))
-
-
-def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON merge patch from `old` to `new` (objects merged member by member, arrays replaced)."""
-    out: dict[str, Any] = {}
-    for key in [*new, *(k for k in old if k not in new)]:
-        a, b = old.get(key), new.get(key)
-        if a == b:
-            continue
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            inner = merge_patch(a, b)
-            if inner:
-                out[key] = inner
-        else:
-            out[key] = b
-    return out
 
 
 def set_condition(status: JobStatus, type_: str, true: bool, reason: str, message: str,

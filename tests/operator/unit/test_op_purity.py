@@ -11,7 +11,7 @@ import resilax_operator
 PACKAGE = Path(resilax_operator.__file__).parent
 PURE = ["api", "errors", "spec", "validation", "podtemplate", "topology", "builders", "status", "observed", "observed_nodes",
         "observed_pods", "observed_sidecar", "actions",
-        "capacity", "reconcile", "goodput", "history", *sorted(f"policies/{p.stem}" for p in (PACKAGE / "policies").glob("*.py"))]
+        "capacity", "reconcile", "goodput", "history", "unhealthy_nodes", "merge_patch", *sorted(f"policies/{p.stem}" for p in (PACKAGE / "policies").glob("*.py"))]
 FORBIDDEN_MODULES = ("kopf", "kubernetes", "aiohttp", "requests", "urllib3", "threading", "time",
                      *(f"resilax_operator.{m}" for m in ("k8s", "cache", "observe", "execute", "handlers", "main",
                                                          "metrics")))
