@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from resilax_ckpt import chunk_format, chunk_writer, file_reader
 from resilax_ckpt import tensorstore_io as tsio
-from resilax_ckpt.reader import ChunkBackendReads, ChunkReader, LeafRead, ScratchPool
+from resilax_ckpt.reader import ChunkBackendReads, ChunkReader, LeafRead
 
 if TYPE_CHECKING:
     from resilax_ckpt.items import SnapshotPlan
@@ -91,10 +91,7 @@ class FileChunkBackend:
                                     self._max_inflight_bytes, on_progress, self._direct_io)
 
     def open_reader(self, reads: list[LeafRead], step_path: str, memory_limit: int) -> ChunkReader:
-        paths = [self._storage.join(step_path, r.item, str(r.leaf.dir)) for r in reads]
-        return file_reader.FileChunkReader(paths, [chunk_format.ArrayFiles.of(r.leaf) for r in reads],
-                                           ScratchPool(memory_limit),
-                                           chunk_writer.use_direct_io(step_path, self._direct_io))
+        return file_reader.FileReads(self._storage, self._direct_io).open_reader(reads, step_path, memory_limit)
 
 
 def for_storage(storage: Storage, options: ManagerOptions, *, use_tensorstore: bool = False) -> ChunkBackend:

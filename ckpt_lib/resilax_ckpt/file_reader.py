@@ -33,9 +33,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from resilax_ckpt import checksums, chunk_format, planning, staging
+from resilax_ckpt import checksums, chunk_format, chunk_writer, planning, staging
 from resilax_ckpt.errors import CorruptCheckpointError, MissingChunkError, StorageError
-from resilax_ckpt.reader import ChunkTask, ScratchPool, aligned_empty, c_offset, is_contiguous, subview
+from resilax_ckpt.reader import (
+    ChunkTask,
+    LeafRead,
+    ScratchPool,
+    aligned_empty,
+    c_offset,
+    is_contiguous,
+    subview,
+)
+from resilax_ckpt.storage import Storage
 
 DIRECT_MIN_BYTES = chunk_format.DIRECT_MIN_BYTES
 """Chunk files of at least this size are read with O_DIRECT."""
@@ -45,6 +54,21 @@ RUN_BYTES = 16 << 20
 many bytes..."""
 RUN_CHUNKS = 1024
 """...and of up to this many iovecs (Linux's limit per preadv; with checksums two per chunk)."""
+
+
+class FileReads:
+    """The read half of the file chunk backend (reader.ChunkBackendReads): backends.FileChunkBackend
+    reads through it, and the restore prefetch uses it alone (prefetch.py: backends.py imports
+    tensorstore, which a trainer's first line should not wait for)."""
+
+    def __init__(self, storage: Storage, direct_io: bool = True) -> None:
+        self._storage = storage
+        self._direct_io = direct_io
+
+    def open_reader(self, reads: list[LeafRead], step_path: str, memory_limit: int) -> FileChunkReader:
+        paths = [self._storage.join(step_path, r.item, str(r.leaf.dir)) for r in reads]
+        return FileChunkReader(paths, [chunk_format.ArrayFiles.of(r.leaf) for r in reads], ScratchPool(memory_limit),
+                               chunk_writer.use_direct_io(step_path, self._direct_io))
 
 
 class FileChunkReader:

@@ -38,7 +38,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 
-from resilax_ckpt import commit, layout, read_ahead, reader, restore_choice
+from resilax_ckpt import commit, file_reader, layout, read_ahead, reader, restore_choice
 from resilax_ckpt.errors import MetadataError, ResilaxCkptError
 from resilax_ckpt.metadata import StepMetadata
 from resilax_ckpt.options import InvalidOptionsError, ManagerOptions, TierDirectories
@@ -128,8 +128,11 @@ class PrefetchSettings:
 
 
 def _chunk_backend(storage: Storage, options: ManagerOptions) -> reader.ChunkBackendReads:
-    """The storage's chunk backend, imported here, on the reading thread: backends.py imports
-    tensorstore (and its ml_dtypes), which the trainer's main thread need not wait for first."""
+    """The reads of the storage's chunk backend: a local folder's without backends.py, whose
+    tensorstore import (with ml_dtypes: seconds on a busy host) the trainer's first line should not
+    wait for; an object store's through it (tensorstore)."""
+    if storage.is_local:
+        return file_reader.FileReads(storage, options.direct_io)
     from resilax_ckpt import backends
 
     return backends.for_storage(storage, options)
@@ -193,7 +196,7 @@ def open_prefetch(settings: PrefetchSettings, on_event: read_ahead.EventHook | N
                  "the restore reads the rest", fit, len(reads), step, limit / 2**30, MEMORY_ENV, settings.memory_fraction)
     if not fit:
         return None
-    return read_ahead.RestorePrefetch(step_storage, lambda: _chunk_backend(step_storage, options), step, tier, step_path,
+    return read_ahead.RestorePrefetch(step_storage, _chunk_backend(step_storage, options), step, tier, step_path,
                            reads[:fit], len(reads) - fit, options, on_event)
 
 

@@ -168,7 +168,7 @@ class RestorePrefetch:
     `claim`s the folder it reads (waiting for the reads when it is this one, else dropping them);
     3. `release` drops what the restore did not take. `wait` and `stats` at any time."""
 
-    def __init__(self, storage: Storage, backend: Callable[[], reader.ChunkBackendReads], step: int, tier: str,
+    def __init__(self, storage: Storage, backend: reader.ChunkBackendReads, step: int, tier: str,
                  step_path: str, reads: list[BoxesRead], left: int, options: ManagerOptions,
                  on_event: EventHook | None) -> None:
         self.step = step
@@ -178,9 +178,7 @@ class RestorePrefetch:
         self.step_path = step_path
         """The step folder read (the restore uses the buffers only when it reads this folder)."""
         self._storage = storage
-        self._make_backend = backend
-        """Builds the chunk backend on the reading thread (its imports, tensorstore's, happen there)."""
-        self._backend: reader.ChunkBackendReads | None = None
+        self._backend = backend
         self._reads = reads
         self._options = options
         self._on_event = on_event
@@ -279,7 +277,6 @@ class RestorePrefetch:
     def _run(self) -> None:
         began = time.perf_counter()
         try:
-            self._backend = self._make_backend()
             batch: list[BoxesRead] = []
             size = 0
             for read in self._reads:
@@ -315,7 +312,6 @@ class RestorePrefetch:
     def _read_batch(self, batch: list[BoxesRead]) -> None:
         local = self._storage.is_local
         before = [_file_state(self._leaf_path(r.item, r.leaf)) if local else None for r in batch]
-        assert self._backend is not None
         reader.read_leaves(list(batch), self.step_path, self._backend, self._options.max_inflight_bytes,
                            self._options.io_concurrency)
         for read, files in zip(batch, before, strict=True):
