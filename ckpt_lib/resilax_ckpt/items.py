@@ -372,12 +372,12 @@ def _device_room(device: Any) -> DeviceRoom | None:
         stats = device.memory_stats()
     except Exception:  # some backends raise instead of returning None
         return None
-    if not stats or "bytes_limit" not in stats:
+    if not stats or not stats.get("bytes_limit"):
         return None
+    largest = int(stats.get("largest_free_block_bytes", 0) or 0)
     return DeviceRoom(limit=int(stats["bytes_limit"]), in_use=int(stats.get("bytes_in_use", 0)),
                       peak=int(stats.get("peak_bytes_in_use", 0)),
-                      largest_free_block=(int(stats["largest_free_block_bytes"])
-                                          if "largest_free_block_bytes" in stats else None))
+                      largest_free_block=largest if largest > 0 else None)  # 0: not reported
 
 
 def _copy_need(groups: list[list[jax.Array]]) -> tuple[dict[Any, int], dict[Any, int]]:

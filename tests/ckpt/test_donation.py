@@ -173,3 +173,30 @@ def test_auto_on_an_accelerator_starts_with_a_transfer_then_copies_on_device(tmp
     assert paths == [("host_transfer", items_lib.NOT_COMPILED), ("on_device", "room"), ("on_device", "room"),
                      ("host_transfer", "no memory statistics")]
 
+
+
+class StatsDevice:
+    """Something with `memory_stats()`, as a device has (a TPU's keys)."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        if isinstance(self.stats, Exception):
+            raise self.stats
+        return self.stats
+
+
+@pytest.mark.parametrize(("stats", "want"), [
+    (None, None),  # CPU devices
+    ({}, None),
+    (RuntimeError("not implemented"), None),
+    ({"bytes_limit": 0, "bytes_in_use": 0}, None),
+    ({"bytes_limit": 16 * GIB, "bytes_in_use": GIB, "peak_bytes_in_use": 3 * GIB, "largest_free_block_bytes": 12 * GIB},
+     items_lib.DeviceRoom(16 * GIB, GIB, 3 * GIB, 12 * GIB)),
+    ({"bytes_limit": 16 * GIB, "bytes_in_use": GIB, "largest_free_block_bytes": 0},  # 0: not reported
+     items_lib.DeviceRoom(16 * GIB, GIB, 0, None)),
+])
+def test_device_room_reads_memory_stats(stats, want):
+    assert items_lib._device_room(StatsDevice(stats)) == want
+    assert items_lib._device_room(jax.devices()[0]) is None  # CPU devices give no statistics
