@@ -183,3 +183,18 @@ def test_two_processes_run_a_psum_over_the_slice(tmp_path: Path, fault: str,
             assert result["parts"][-1]["reason"] == "psum over 2 processes gave 10"  # 1+2+3+4 over 4 devices
         elif fault == "collective":  # one process's wrong contribution makes the slice's psum wrong for everyone
             assert result["reason"] == "psum over the slice gave 12, expected 10"  # its 2 devices each +1
+
+
+@pytest.mark.slow
+def test_the_tpu_script_runs_the_same_code_path_on_cpu(tmp_path: Path) -> None:
+    """bench/tpu/health-check, as the TPU run calls it, with JAX_PLATFORMS=cpu (one CPU device)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "RESILAX_", "TPU_", "XLA_"))}
+    env.update(JAX_PLATFORMS="cpu", OUT=str(tmp_path), PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(root / "bench" / "tpu" / "health-check")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=DEADLINE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    healthy = json.loads((tmp_path / "health-check" / "healthy.json").read_text())
+    fault = json.loads((tmp_path / "health-check" / "matmul-fault.json").read_text())
+    assert (healthy["healthy"], healthy["platform"], healthy["devices"]) == (True, "cpu", 1)
+    assert (fault["failed_part"], fault["host_fault"]) == ("matmul", True)
