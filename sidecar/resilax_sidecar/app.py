@@ -318,7 +318,7 @@ class Sidecar:
     replicator: Replicator | None = None
 
     def peer_generation(self) -> int:
-        """The generation whose peers this pod may call (peers.current_peers): its own, or the newer one a
+        """The generation whose peers this pod may call (peer_list.current_peers): its own, or the newer one a
         stop already asked for (the old generation's peers are then on their way out)."""
         stop = tc.read_stop(str(self.config.control_dir))
         return max(self.config.generation, stop.generation if stop is not None else 0)

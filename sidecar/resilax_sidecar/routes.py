@@ -35,7 +35,7 @@ from aiohttp import web
 from resilax_ckpt import layout
 from resilax_ckpt import trainer_control as tc
 
-from resilax_sidecar import control, peer_chunks, peers
+from resilax_sidecar import control, peer_chunks, peer_list, peers
 from resilax_sidecar import trainer_control as trainer
 from resilax_sidecar.errors import ConfigError, SidecarError
 from resilax_sidecar.metrics import CONTENT_TYPE, SAVE_REASONS
@@ -316,7 +316,7 @@ async def post_fetch_chunks(request: web.Request) -> web.Response:
     problems = peer_chunks.check_request(body)
     if not problems:
         addresses = sorted({str(s["address"]) for f in body["files"] for s in f["sources"]})
-        refused = await asyncio.to_thread(peers.refuse_sources, addresses, cfg.control_dir, sidecar.peer_generation())
+        refused = await asyncio.to_thread(peer_list.refuse_sources, addresses, cfg.control_dir, sidecar.peer_generation())
         if refused is not None:
             problems.append(refused)
     if problems:
@@ -370,7 +370,7 @@ async def post_peer_fetch(request: web.Request) -> web.Response:
     if not isinstance(sources, list) or not sources or not all(isinstance(s, str) and s for s in sources):
         problems.append(f"sources: {sources!r} must be a non-empty list of 'host:port'")
     if not problems:
-        refused = await asyncio.to_thread(peers.refuse_sources, list(sources or []), cfg.control_dir,
+        refused = await asyncio.to_thread(peer_list.refuse_sources, list(sources or []), cfg.control_dir,
                                           sidecar.peer_generation())
         if refused is not None:
             problems.append(refused)
