@@ -7,6 +7,7 @@
     resilax local kill-node NODE | partition-node NODE | restore-node NODE
     resilax local preempt-node NODE [--delay 30] [--sigterm]
     resilax local shutdown-node NODE [--grace 30] [--critical-grace 15]
+    resilax local unhealthy-node NODE [--part matmul]  # Ready, but its containers fail `resilax health-check`
     resilax local add-nodes --slice POOL [--accelerator A] [--topology T] | --cpu NAME [--no-processes]
     resilax local images                        # the registry table
     resilax local set-image IMAGE [--unpullable [--error TEXT]] [--user USER]
@@ -71,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     down.add_argument("--grace", type=float, default=30.0, help="the kubelet's shutdownGracePeriod (seconds)")
     down.add_argument("--critical-grace", type=float, default=15.0,
                       help="its shutdownGracePeriodCriticalPods: the part kept for system-critical pods")
+    sick = with_dir(sub.add_parser("unhealthy-node", help="the node stays Ready, but the containers it starts "
+                                   "fail a part of `resilax health-check` (restore-node heals it)"))
+    sick.add_argument("node")
+    sick.add_argument("--part", default="matmul", choices=("devices", "matmul", "collective", "hang"),
+                      help="the part its containers fail (RESILAX_HEALTH_FAULT)")
     add = with_dir(sub.add_parser("add-nodes", help="register more nodes"))
     group = add.add_mutually_exclusive_group(required=True)
     group.add_argument("--slice", metavar="POOL", help="a TPU slice (node pool) named POOL")
@@ -168,6 +174,8 @@ def _run(args: argparse.Namespace) -> int:
         _print(cluster.preempt_node(args.node, args.delay, args.sigterm))
     elif args.command == "shutdown-node":
         _print(cluster.shutdown_node(args.node, args.grace, args.critical_grace))
+    elif args.command == "unhealthy-node":
+        _print(cluster.make_node_unhealthy(args.node, args.part))
     elif args.command == "images":
         _print(cluster.images())
     elif args.command == "set-image":
