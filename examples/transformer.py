@@ -275,17 +275,39 @@ class Programs:
         self.tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len + 1), jnp.int32, sharding=data)
         self.step_number = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
 
-    def compile(self, marks: Marks, with_init: bool) -> dict[str, Any]:
-        """Trace, lower and compile ahead of time (a persistent-cache load when the cache has them)."""
+    def compile(self, marks: Marks) -> dict[str, Any]:
+        """Trace, lower and compile the step and the batch ahead of time (a persistent-cache load when
+        the cache has them): only shapes are needed, so it can run before the state exists."""
         marks.mark("lower_start")
         lowered = {"step": self.step.lower(self.abstract, self.tokens),
                    "batch": self.batch.lower(self.step_number)}
-        if with_init:
-            lowered["init"] = self.init.lower()
         marks.mark("lower_done")
         compiled = {name: low.compile() for name, low in lowered.items()}
         marks.mark("compile_done")
         return compiled
+
+
+class Background:
+    """A function run on a thread; `join` returns its result or raises its error."""
+
+    def __init__(self, fn: Any) -> None:
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._result = fn()
+            except BaseException as e:  # re-raised on the caller's thread by join()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="compile", daemon=True)
+        self._thread.start()
+
+    def join(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def config_from_args(args: argparse.Namespace) -> ModelConfig:
@@ -325,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (to watch faults)")
     parser.add_argument("--no-final-save", action="store_true", help="do not force a save after the last step")
     parser.add_argument("--serial-start", action="store_true",
-                        help="restore, then compile (default: compile in a thread while the restore reads)")
+                        help="restore (or make the fresh state), then compile (default: the compile runs in a "
+                             "thread from the moment the devices are open)")
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="JAX's persistent compilation cache here, every program cached "
                              "(default: JAX_COMPILATION_CACHE_DIR, if set)")
@@ -347,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"examples/transformer.py: --batch {cfg.batch} does not split over this generation's "
                          f"{mesh.devices.size} devices; allowed: a multiple of the device count")
     programs = Programs(cfg, mesh, args.lr)
+    # The step's compile (or cache load) needs only shapes: it runs while the manager starts and the
+    # restore reads (or the fresh state is made), unless --serial-start.
+    compiling = None if args.serial_start else Background(lambda: programs.compile(marks))
 
     generation = int(os.environ.get("RESILAX_GENERATION", "0"))
     restored: int | None = None
@@ -354,14 +380,6 @@ def main(argv: list[str] | None = None) -> int:
         marks.mark("manager_done")
         target = {**programs.abstract, "meta": {"step": 0}}
         restore_step = mgr.restore_step_from_env(target=target)  # the step all processes can read
-        compiling: dict[str, Any] = {}
-        worker = None
-        if restore_step is not None and not args.serial_start:
-            # The compile (or cache load) needs only shapes: it runs while the restore reads.
-            worker = threading.Thread(target=lambda: compiling.update(programs.compile(marks, with_init=False)))
-            worker.start()
-        elif restore_step is None:
-            compiling.update(programs.compile(marks, with_init=True))
         if restore_step is not None:  # 3. restore onto this generation's mesh
             began = time.time()
             marks.mark("restore_start")
@@ -376,17 +394,14 @@ def main(argv: list[str] | None = None) -> int:
                               "process": jax.process_index(), "node": os.environ.get("RESILAX_NODE_NAME", ""),
                               "began": began, "time": time.time()}),
                   flush=True)
-            if worker is not None:
-                worker.join()
-            else:
-                compiling.update(programs.compile(marks, with_init=False))
         else:
             marks.mark("init_start")
-            state = {**compiling["init"](), "meta": {"step": 0}}
+            state = {**programs.init.lower().compile()(), "meta": {"step": 0}}  # its own compile or cache load
             jax.block_until_ready(state)
             marks.mark("init_done")
+        compiled = programs.compile(marks) if compiling is None else compiling.join()
         start = int(state["meta"]["step"])
-        train_step, make_batch = compiling["step"], compiling["batch"]
+        train_step, make_batch = compiled["step"], compiled["batch"]
         train = {"params": state["params"], "opt": state["opt"]}
 
         last = start + args.extra_steps if args.extra_steps is not None else args.steps
@@ -401,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             if step == start + 1:
                 marks.mark("first_step_done")
                 if args.report_startup and jax.process_index() == 0:
-                    print(json.dumps({"startup": startup_report(cfg, marks, restored, compiling["step"])}), flush=True)
+                    print(json.dumps({"startup": startup_report(cfg, marks, restored, compiled["step"])}), flush=True)
             saving = time.time()
             mgr.save(step, state)  # 4. saves when the policy or a save request says so
             if mgr.should_stop:  # 5. a preemption or resize asked us to stop after a final save

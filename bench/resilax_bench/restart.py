@@ -69,7 +69,7 @@ PARTS: tuple[tuple[str, str, str], ...] = (
     ("checkpoint manager", "devices_done", "manager_done"),
     ("trace + lower", "lower_start", "lower_done"),
     ("compile or compilation-cache load", "lower_done", "compile_done"),
-    ("init a fresh state", "init_start", "init_done"),
+    ("init a fresh state (its own compile or cache load + run)", "init_start", "init_done"),
     ("restore: read (transfers issued)", "restore_start", "restore_returned"),
     ("restore: host-to-device wait", "restore_returned", "restore_on_device"),
     ("first step", "ready", "first_step_done"),

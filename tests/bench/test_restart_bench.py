@@ -33,7 +33,7 @@ def test_parts_are_measured_from_launch_and_the_first_step_waits_for_the_later_o
     first = parts["first step"]
     assert (first["start_s"], first["end_s"], first["seconds"]) == (12.0, 13.0, 1.0)
     assert parts["launch to first step done"]["seconds"] == pytest.approx(13.0)
-    assert "init a fresh state" not in parts  # a restoring start has no init
+    assert "init a fresh state (its own compile or cache load + run)" not in parts  # a restoring start has none
 
 
 def test_overlapping_parts_are_named_with_the_time_they_share() -> None:
