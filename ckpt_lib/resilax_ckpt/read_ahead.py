@@ -165,7 +165,8 @@ class RestorePrefetch:
     """One process's read-ahead of one step folder (see the module docstring). Built by `start_prefetch`.
 
     Call order: 1. `start_prefetch` (reads begin on a background thread); 2. the manager's restore
-    `claim`s the folder it reads (waiting for the reads when it is this one, else dropping them);
+    `claim`s the folder it reads (taking each leaf once it is read when it is this one, else dropping
+    the prefetch);
     3. `release` drops what the restore did not take. `wait` and `stats` at any time."""
 
     def __init__(self, storage: Storage, backend: reader.ChunkBackendReads, step: int, tier: str,
@@ -184,6 +185,10 @@ class RestorePrefetch:
         self._on_event = on_event
         self._held: dict[tuple[str, str | None], _Held] = {}
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
+        """Notified as each leaf's read ends (held or not) and when the reads end."""
+        self._pending = {(r.item, r.leaf.dir) for r in reads}
+        """The leaves whose reads have not ended yet."""
         self._cancel = threading.Event()
         self._done = threading.Event()
         self._released: str | None = None
@@ -213,8 +218,9 @@ class RestorePrefetch:
         self._thread.start()
 
     def claim(self, storage: Storage, step_path: str, step: int) -> Callable[[reader.LeafRead], bool] | None:
-        """The restore reads `step` from `step_path`: when that is the prefetched folder, wait for the
-        reads and return the function that fills a restore's leaf from them (`fill`); else drop the
+        """The restore reads `step` from `step_path`: when that is the prefetched folder, the function
+        that fills a restore's leaf from the prefetch (`fill`, which waits for that leaf's read: the
+        restore puts the leaves read on their devices while the later ones are read); else drop the
         prefetch (the restore picked another step or tier) and return None."""
         if self._released is not None:
             return None
@@ -222,7 +228,6 @@ class RestorePrefetch:
                                                                                               self.step_path):
             self.release(f"the restore reads step {step} from {step_path}")
             return None
-        self._done.wait()
         return self.fill
 
     def fill(self, read: reader.LeafRead) -> bool:
@@ -230,7 +235,9 @@ class RestorePrefetch:
         True when the prefetch holds this leaf with the same metadata, unchanged files, and every box
         the leaf's target needs (a held box or one containing it); else False (the restore reads it)."""
         key = (read.item, read.leaf.dir)
-        with self._lock:
+        with self._settled:
+            while key in self._pending and not self._done.is_set():
+                self._settled.wait()
             held = self._held.pop(key, None)
         if held is None:
             return False
@@ -295,9 +302,11 @@ class RestorePrefetch:
             log.debug("restore prefetch failed", exc_info=True)
             self._fail(e)
         finally:
-            with self._lock:
+            with self._settled:
                 self._stats["read_seconds"] = time.perf_counter() - began
-            self._done.set()
+                self._pending.clear()
+                self._done.set()
+                self._settled.notify_all()
             self._emit("done", self.stats())
 
     def _fail(self, e: BaseException) -> None:
@@ -316,12 +325,15 @@ class RestorePrefetch:
                            self._options.io_concurrency)
         for read, files in zip(batch, before, strict=True):
             after = _file_state(self._leaf_path(read.item, read.leaf)) if local else None
-            if after != files:  # changed while read: leave it to the restore
-                continue
-            with self._lock:
+            key = (read.item, read.leaf.dir)
+            with self._settled:
+                self._pending.discard(key)
+                self._settled.notify_all()
                 if self._released is not None:
                     return
-                self._held[(read.item, read.leaf.dir)] = _Held(read.leaf, read.result, files, read.nbytes)
+                if after != files:  # changed while read: leave it to the restore
+                    continue
+                self._held[key] = _Held(read.leaf, read.result, files, read.nbytes)
                 self._stats["read_leaves"] += 1
                 self._stats["read_bytes"] += read.nbytes
             read.result = None

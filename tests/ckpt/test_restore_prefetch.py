@@ -233,6 +233,24 @@ def test_a_gcs_persistent_tier_is_read_ahead_through_tensorstore(gcs_root, tmp_p
         assert out["params"][name].tobytes() == value.tobytes()
 
 
+def test_the_restore_takes_leaves_while_later_ones_are_read(tmp_path, devices, monkeypatch):
+    """One leaf per batch, and the restore starts at once: whichever leaves are read by then or later,
+    each is taken as its read ends (or read by the restore when the prefetch ended without it), and
+    the result is bit-exact."""
+    monkeypatch.setattr(read_ahead, "BATCH_BYTES", 1)
+    state = {f"l{i:02d}": np.arange(64 * 1024, dtype=np.float32) * (i + 1) for i in range(24)}
+    with rc.CheckpointManager(str(tmp_path / "ckpt"), rc.ManagerOptions(async_save=False)) as mgr:
+        mgr.save(1, {"params": state})
+    env = {"RESILAX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    handle = prefetch.start_prefetch(env)
+    assert handle is not None
+    with rc.CheckpointManager.from_env(env) as mgr:
+        out = mgr.restore()
+    assert handle.stats()["taken_leaves"] == 24 and handle.stats()["error"] is None
+    for name, value in state.items():
+        assert out["params"][name].tobytes() == value.tobytes(), name
+
+
 def test_an_observer_that_raises_stops_nothing(tmp_path, devices):
     save_steps(tmp_path / "ckpt", [2])
     env = {"RESILAX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
