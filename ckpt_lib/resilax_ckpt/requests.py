@@ -28,6 +28,8 @@ import json
 import logging
 import os
 
+from resilax_ckpt.control_files import load_control_json
+
 log = logging.getLogger(__name__)
 
 REQUESTS_DIR = "requests"
@@ -51,11 +53,7 @@ def write_restore_report(control_dir: str, report: dict[str, object]) -> None:
 
 def read_restore_report(control_dir: str) -> dict[str, object] | None:
     """The trainer's last restore report, or None (no restore yet, or unreadable)."""
-    try:
-        with open(os.path.join(control_dir, RESTORE_REPORT)) as f:
-            raw = json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
+    raw = load_control_json(os.path.join(control_dir, RESTORE_REPORT))
     return raw if isinstance(raw, dict) else None
 
 
@@ -72,11 +70,7 @@ def write_stop_record(control_dir: str, step: int, sigterm: bool) -> None:
 
 def read_stop_record(control_dir: str) -> int | None:
     """The step of the trainer's committed final save, or None (it has not stopped after one)."""
-    try:
-        with open(os.path.join(control_dir, STOP_RECORD)) as f:
-            raw = json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
+    raw = load_control_json(os.path.join(control_dir, STOP_RECORD))
     step = raw.get("step") if isinstance(raw, dict) else None
     return step if isinstance(step, int) else None
 

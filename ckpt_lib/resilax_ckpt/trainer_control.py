@@ -19,6 +19,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from resilax_ckpt.control_files import load_control_json
+
 INCARNATION_FILE = "incarnation.json"
 STOP_FILE = "trainer-stop.json"
 ASSIGNMENT_FILE = "assignment.json"
@@ -92,11 +94,7 @@ def parse_assignment(raw: object, where: str = "assignment") -> Assignment:
 
 def read_json(control_dir: str, name: str) -> dict[str, Any] | None:
     """A control file's object, or None when it is missing or not (yet) a JSON object."""
-    try:
-        with open(os.path.join(control_dir, name)) as f:
-            raw = json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
+    raw = load_control_json(os.path.join(control_dir, name))
     return raw if isinstance(raw, dict) else None
 
 

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from resilax_ckpt.control_files import load_control_json
+
 TRAINER_FILE = "trainer.json"
 WRITE_INTERVAL_SECONDS = 1.0
 HEARTBEAT_SECONDS = 1.0
@@ -256,9 +258,5 @@ class TrainerMetrics:
 
 def read_trainer_figures(control_dir: str) -> dict[str, Any] | None:
     """The trainer's last figures, or None (no trainer yet, or unreadable). Called on: the sidecar."""
-    try:
-        with open(os.path.join(control_dir, TRAINER_FILE)) as f:
-            raw = json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
+    raw = load_control_json(os.path.join(control_dir, TRAINER_FILE))
     return raw if isinstance(raw, dict) else None

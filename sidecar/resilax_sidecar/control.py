@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from resilax_ckpt.control_files import load_control_json
 from resilax_ckpt.requests import REQUESTS_DIR, RESULTS_DIR, TRAINER_LOCK
 
 # The file protocol's names are defined once, in the library (resilax_ckpt.requests). A live trainer
@@ -79,10 +80,7 @@ def withdraw_request(control_dir: Path, request_id: str) -> None:
 def read_result(control_dir: Path, request_id: str) -> SaveResult | None:
     """The trainer's answer, or None while there is none (or it is being written)."""
     path = control_dir / RESULTS_DIR / f"{request_id}.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
+    raw = load_control_json(str(path))
     if not isinstance(raw, dict):
         return None
     step = raw.get("step")

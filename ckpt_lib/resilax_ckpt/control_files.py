@@ -1,0 +1,48 @@
+"""Reading the control folder's small JSON files (restore.json, stopped.json, trainer.json,
+assignment.json, the save requests and results): written by the trainer or the sidecar of the same pod,
+read by the other. A read never waits (`O_NONBLOCK`: a FIFO there answers at once), never follows a
+link (`O_NOFOLLOW`), takes only a regular file (fstat) and reads at most `CONTROL_FILE_CAP` bytes, so
+a file in the wrong shape costs a missing report, never a blocked or swollen reader (issue 40)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from typing import Any
+
+CONTROL_FILE_CAP = 1 << 20
+"""The most bytes of a control file read; a longer one counts as unreadable."""
+
+
+def load_control_json(path: str) -> Any | None:
+    """The parsed JSON of the control file at `path`, or None when it is missing, not a regular file,
+    a link, over CONTROL_FILE_CAP bytes, or not (yet) valid JSON. Other OS errors are raised."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO or socket nobody writes
+            return None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while size <= CONTROL_FILE_CAP:
+            chunk = os.read(fd, CONTROL_FILE_CAP + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > CONTROL_FILE_CAP:
+        return None
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError:
+        return None
