@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from resilax_ckpt import backends, commit, layout, policy, pytrees, retention, staging
+from resilax_ckpt import backends, commit, device_snapshot, layout, policy, pytrees, retention, staging
 from resilax_ckpt import items as items_lib
 from resilax_ckpt.errors import ResilaxCkptError, SaveError, StepNotFoundError
 from resilax_ckpt.pruning import Pruner
@@ -65,7 +65,7 @@ class Saver:
         self._pending: concurrent.futures.Future[None] | None = None
         self.arena = staging.HostArena()
         """Host memory a host transfer on CPU devices copies shards into, reused by every save."""
-        self._last_report: tuple[int, items_lib.CopyReport, float] | None = None
+        self._last_report: tuple[int, device_snapshot.CopyReport, float] | None = None
         self._copy_prepared = False  # the first save's device copy compiled ahead (or tried)
         self._preparing: concurrent.futures.Future[None] | None = None
         self._preparing_waits = True  # a save waits for that compile (CPU devices; see save())
@@ -145,7 +145,7 @@ class Saver:
                 self._stop_after(step)
         blocked = time.perf_counter() - started
         self._last_report = (step, report, blocked)
-        if report.reason == items_lib.NOT_COMPILED:  # compile the copy for the next save, in the background
+        if report.reason == device_snapshot.NOT_COMPILED:  # compile the copy for the next save, in the background
             self._copy_prepared = False
             self.prepare_first_save(items)
         self._trainer.saved(blocked, report.path, report.device_bytes)
@@ -154,12 +154,7 @@ class Saver:
     @property
     def last_report(self) -> dict[str, Any] | None:
         """What the last save did (`CheckpointManager.save_report`), None before any."""
-        if self._last_report is None:
-            return None
-        step, report, blocked = self._last_report
-        return {"step": step, "device_copy": report.path, "reason": report.reason, "platform": report.platform,
-                "device_bytes": report.device_bytes, "host_bytes": report.host_bytes,
-                "blocked_seconds": blocked, "transfer_seconds": report.transfer_seconds}
+        return None if self._last_report is None else self._last_report[1].as_dict(*self._last_report[::2])
 
     def prepare_first_save(self, items: Mapping[str, Any], *, restored: bool = False) -> None:
         """Once, before this manager's first save: compile the device-side copy a save of `items`
@@ -167,7 +162,7 @@ class Saver:
         later ones. Called with the items of a save() that did not save (one try: it costs a flatten
         of the state) and with what restore() returned (which, without device arrays, leaves the try
         to save()). A failure here only logs: the first save then compiles as usual."""
-        if self._copy_prepared or self._options.device_copy == items_lib.HOST_TRANSFER:
+        if self._copy_prepared or self._options.device_copy == device_snapshot.HOST_TRANSFER:
             return
         try:
             signature = items_lib.copy_signature(items, process_index=self._coord.process_index,
@@ -182,7 +177,7 @@ class Saver:
             # A thread of its own: it runs while a save's writes do (the first save on an accelerator).
             if self._compiler is None:
                 self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-ckpt-compile")
-            self._preparing_waits = not items_lib.decides_as_accelerator(signature)
+            self._preparing_waits = not device_snapshot.decides_as_accelerator(signature)
             self._preparing = self._compiler.submit(_compile_quietly, signature)
 
     def wait(self) -> None:
@@ -485,7 +480,7 @@ _DELETE_ERRORS: dict[str, type[ResilaxCkptError]] = {"not_found": StepNotFoundEr
 
 def _compile_quietly(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
     try:
-        items_lib.compile_copies(signature)
+        device_snapshot.compile_copies(signature)
     except Exception as e:
         log.warning("compiling the snapshot copy ahead failed (the first save will compile it): %s", e)
 

@@ -12,7 +12,7 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import items as items_lib
+from resilax_ckpt import device_snapshot as snap
 from resilax_ckpt.options import InvalidOptionsError
 
 STEPS = 6
@@ -52,8 +52,8 @@ def run_loop(root: str, devices: list[jax.Device], device_copy: str) -> dict[int
             assert mgr.save(step, {"state": state})
             report = mgr.save_report
             assert report is not None and report["step"] == step
-            assert report["device_copy"] == (items_lib.ON_DEVICE if device_copy in ("auto", "on_device")
-                                             else items_lib.HOST_TRANSFER)
+            assert report["device_copy"] == (snap.ON_DEVICE if device_copy in ("auto", "on_device")
+                                             else snap.HOST_TRANSFER)
             old = state
             state = train_step(state)  # donates: the saved arrays are deleted now
             assert all(a.is_deleted() for a in old.values()), "the step did not donate the saved state"
@@ -115,30 +115,30 @@ GIB = 1 << 30
     ("auto", "cpu", {}, {0: GIB}, {0: GIB}, ("on_device", "cpu")),
     ("auto", "tpu", {0: None}, {0: GIB}, {0: GIB}, ("host_transfer", "no memory statistics")),
     # 16 GiB, 2 GiB in use, peak 4 GiB: 2 GiB of copies fit with the margin (0.8 GiB)
-    ("auto", "tpu", {0: items_lib.DeviceRoom(16 * GIB, 2 * GIB, 4 * GIB)}, {0: 2 * GIB}, {0: GIB},
+    ("auto", "tpu", {0: snap.DeviceRoom(16 * GIB, 2 * GIB, 4 * GIB)}, {0: 2 * GIB}, {0: GIB},
      ("on_device", "room")),
     # the peak (the step's temporaries) leaves too little
-    ("auto", "tpu", {0: items_lib.DeviceRoom(16 * GIB, 2 * GIB, 14 * GIB)}, {0: 2 * GIB}, {0: GIB},
+    ("auto", "tpu", {0: snap.DeviceRoom(16 * GIB, 2 * GIB, 14 * GIB)}, {0: 2 * GIB}, {0: GIB},
      ("host_transfer", "no room")),
     # room in total, but one device of two is short
-    ("auto", "tpu", {0: items_lib.DeviceRoom(16 * GIB, 2 * GIB), 1: items_lib.DeviceRoom(16 * GIB, 15 * GIB)},
+    ("auto", "tpu", {0: snap.DeviceRoom(16 * GIB, 2 * GIB), 1: snap.DeviceRoom(16 * GIB, 15 * GIB)},
      {0: GIB, 1: GIB}, {0: GIB, 1: GIB}, ("host_transfer", "no room")),
     # fragmented: the largest copy does not fit the largest free block
-    ("auto", "tpu", {0: items_lib.DeviceRoom(16 * GIB, 2 * GIB, 2 * GIB, GIB // 2)}, {0: 2 * GIB}, {0: GIB},
+    ("auto", "tpu", {0: snap.DeviceRoom(16 * GIB, 2 * GIB, 2 * GIB, GIB // 2)}, {0: 2 * GIB}, {0: GIB},
      ("host_transfer", "no room")),
 ])
 def test_choose_device_copy(option, platform, room, need, largest, want):
-    assert items_lib.choose_device_copy(option, platform, room, need, largest) == want
+    assert snap.choose_device_copy(option, platform, room, need, largest) == want
 
 
 def test_a_first_save_on_an_accelerator_does_not_compile_the_copy_in_the_loop():
     """auto: before the copy is compiled, a host transfer (the saver compiles it in the background)."""
-    roomy = {0: items_lib.DeviceRoom(16 * GIB, 2 * GIB)}
-    assert items_lib.choose_device_copy("auto", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
-        "host_transfer", items_lib.NOT_COMPILED)
-    assert items_lib.choose_device_copy("on_device", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
+    roomy = {0: snap.DeviceRoom(16 * GIB, 2 * GIB)}
+    assert snap.choose_device_copy("auto", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
+        "host_transfer", snap.NOT_COMPILED)
+    assert snap.choose_device_copy("on_device", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
         "on_device", "forced")
-    assert items_lib.choose_device_copy("auto", "cpu", {}, {0: GIB}, {0: GIB}, compiled=False) == ("on_device", "cpu")
+    assert snap.choose_device_copy("auto", "cpu", {}, {0: GIB}, {0: GIB}, compiled=False) == ("on_device", "cpu")
 
 
 def test_auto_on_an_accelerator_starts_with_a_transfer_then_copies_on_device(tmp_path, devices, monkeypatch):
@@ -146,12 +146,12 @@ def test_auto_on_an_accelerator_starts_with_a_transfer_then_copies_on_device(tmp
     the first save transfers (the copy compiles in the background, and a save does not wait for
     it: `wait()` does), later ones copy on the device
     while the memory statistics leave room and transfer when they say nothing; every step restores."""
-    monkeypatch.setenv(items_lib.FORCE_ACCELERATOR_ENV, "1")
+    monkeypatch.setenv(snap.FORCE_ACCELERATOR_ENV, "1")
     state = initial_state(devices)
     state = {k: v + 0 for k, v in state.items()}  # fresh shardings' arrays: a signature no test compiled
     state["extra"] = jax.device_put(np.ones((24, 8), np.float32), state["w"].sharding)  # a new signature
-    rooms: list[items_lib.DeviceRoom | None] = [items_lib.DeviceRoom(16 * GIB, 0)]
-    monkeypatch.setattr(items_lib, "_device_room", lambda device: rooms[0])
+    rooms: list[snap.DeviceRoom | None] = [snap.DeviceRoom(16 * GIB, 0)]
+    monkeypatch.setattr(snap, "_device_room", lambda device: rooms[0])
     paths = []
     expected = {}
     with rc.CheckpointManager(str(tmp_path)) as mgr:
@@ -170,7 +170,7 @@ def test_auto_on_an_accelerator_starts_with_a_transfer_then_copies_on_device(tmp
             got = mgr.restore(step)["state"]
             for key, value in want.items():
                 assert np.asarray(got[key]).tobytes() == value.tobytes(), f"step {step}, leaf {key}"
-    assert paths == [("host_transfer", items_lib.NOT_COMPILED), ("on_device", "room"), ("on_device", "room"),
+    assert paths == [("host_transfer", snap.NOT_COMPILED), ("on_device", "room"), ("on_device", "room"),
                      ("host_transfer", "no memory statistics")]
 
 
@@ -193,10 +193,10 @@ class StatsDevice:
     (RuntimeError("not implemented"), None),
     ({"bytes_limit": 0, "bytes_in_use": 0}, None),
     ({"bytes_limit": 16 * GIB, "bytes_in_use": GIB, "peak_bytes_in_use": 3 * GIB, "largest_free_block_bytes": 12 * GIB},
-     items_lib.DeviceRoom(16 * GIB, GIB, 3 * GIB, 12 * GIB)),
+     snap.DeviceRoom(16 * GIB, GIB, 3 * GIB, 12 * GIB)),
     ({"bytes_limit": 16 * GIB, "bytes_in_use": GIB, "largest_free_block_bytes": 0},  # 0: not reported
-     items_lib.DeviceRoom(16 * GIB, GIB, 0, None)),
+     snap.DeviceRoom(16 * GIB, GIB, 0, None)),
 ])
 def test_device_room_reads_memory_stats(stats, want):
-    assert items_lib._device_room(StatsDevice(stats)) == want
-    assert items_lib._device_room(jax.devices()[0]) is None  # CPU devices give no statistics
+    assert snap._device_room(StatsDevice(stats)) == want
+    assert snap._device_room(jax.devices()[0]) is None  # CPU devices give no statistics

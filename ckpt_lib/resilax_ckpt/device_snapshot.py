@@ -1,0 +1,396 @@
+"""How a save takes its shards off the devices (docs/checkpointing.md §4, issue 37): the choice between an
+on-device copy drained in the background and a host transfer the loop waits for
+(`ManagerOptions.device_copy`, `choose_device_copy`), and the `Transfer` that lands every shard on
+the host into its write's `sources.Landing`. The training step may donate the saved arrays as soon
+as `save()` returns: nothing here reads one after that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resilax_ckpt import staging
+from resilax_ckpt.sources import Landing
+
+log = logging.getLogger(__name__)
+
+
+@jax.jit
+def _device_copy(arrays: list[jax.Array]) -> list[jax.Array]:
+    # Outputs of a jitted program never alias inputs it was not given to donate: each is a new buffer.
+    return [jnp.copy(a) for a in arrays]
+
+
+ON_DEVICE, HOST_TRANSFER = "on_device", "host_transfer"
+"""The paths of `ManagerOptions.device_copy` (options.DEVICE_COPY_MODES, with "auto")."""
+
+FORCE_ACCELERATOR_ENV = "RESILAX_CKPT_FORCE_ACCELERATOR_PATH"
+"""For tests only: `1` makes `device_copy="auto"` decide for CPU devices as for an accelerator (the
+copy's compile state, then the devices' memory statistics, which CPU devices do not give: a host
+transfer), so CI runs the accelerator's choices on CPU. Never set it in a job."""
+
+NOT_COMPILED = "copy not compiled yet"
+"""The reason of an automatic host transfer before the on-device copy was compiled."""
+
+HBM_MARGIN_FRACTION = 0.05
+HBM_MARGIN_MIN_BYTES = 256 << 20
+"""What an on-device copy leaves free of a device's memory, at least (beside its peak use so far)."""
+
+DRAIN_BATCH_BYTES = 512 << 20
+"""An on-device copy drains to the host in batches of about this many bytes, each batch's transfers
+started together (one batched transfer is ~3x faster than leaf by leaf on a TPU v5e) and the next
+batch started before the current one is consumed."""
+
+
+@dataclasses.dataclass
+class CopyReport:
+    """How a save took its shards off the devices (`CheckpointManager.save_report`)."""
+
+    path: str = ""
+    """"on_device" (a jitted copy on the devices, drained to the host in the background), "host_transfer"
+    (device-to-host transfers the loop waits for) or "" (nothing on devices)."""
+    reason: str = ""
+    """Why this path: "forced" (the option), "cpu" (CPU devices: the copy is host memory), "room"
+    (the devices' memory statistics leave room), "no room", "no memory statistics", "copy not
+    compiled yet" (a first save: the copy compiles in the background for the next), "out of memory"
+    (the on-device copy failed to allocate: this save fell back to a host transfer)."""
+    platform: str = ""
+    device_bytes: int = 0
+    """Device memory (HBM on an accelerator) the on-device copy holds until drained, all devices
+    together; 0 for a host transfer."""
+    host_bytes: int = 0
+    """Bytes of the shards taken off the devices."""
+    transfer_seconds: float | None = None
+    """Seconds from the start of the snapshot until every shard was on the host (None until then)."""
+
+    def as_dict(self, step: int, blocked_seconds: float) -> dict[str, Any]:
+        """`CheckpointManager.save_report`: this report, the step and how long save() blocked the loop."""
+        return {"step": step, "device_copy": self.path, "reason": self.reason, "platform": self.platform,
+                "device_bytes": self.device_bytes, "host_bytes": self.host_bytes,
+                "blocked_seconds": blocked_seconds, "transfer_seconds": self.transfer_seconds}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRoom:
+    """One device's memory as `Device.memory_stats()` reports it (bytes)."""
+
+    limit: int
+    in_use: int
+    peak: int = 0
+    largest_free_block: int | None = None
+
+
+def choose_device_copy(option: str, platform: str, room: dict[Any, DeviceRoom | None],
+                       need: dict[Any, int], largest: dict[Any, int], compiled: bool = True) -> tuple[str, str]:
+    """(path, reason) of a save: `option` forced, else on CPU devices the on-device copy (it is host
+    memory either way), else a host transfer while the copy is not `compiled` yet (compiling it in
+    the loop costs more than the transfer: the saver compiles it in the background for the next
+    save), else the on-device copy where every device's statistics leave room for its copies
+    (`need`, the largest one `largest`) beside the larger of its current and peak use, with a margin;
+    a host transfer where they do not or where a device gives no statistics."""
+    if option != "auto":
+        return option, "forced"
+    if platform == "cpu":
+        return ON_DEVICE, "cpu"
+    if not compiled:
+        return HOST_TRANSFER, NOT_COMPILED
+    for device, nbytes in need.items():
+        stats = room.get(device)
+        if stats is None:
+            return HOST_TRANSFER, "no memory statistics"
+        margin = max(HBM_MARGIN_MIN_BYTES, int(stats.limit * HBM_MARGIN_FRACTION))
+        if nbytes + margin > stats.limit - max(stats.in_use, stats.peak):
+            return HOST_TRANSFER, "no room"
+        if stats.largest_free_block is not None and largest.get(device, 0) > stats.largest_free_block:
+            return HOST_TRANSFER, "no room"
+    return ON_DEVICE, "room"
+
+
+def _device_room(device: Any) -> DeviceRoom | None:
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+    if not stats or not stats.get("bytes_limit"):
+        return None
+    largest = int(stats.get("largest_free_block_bytes", 0) or 0)
+    return DeviceRoom(limit=int(stats["bytes_limit"]), in_use=int(stats.get("bytes_in_use", 0)),
+                      peak=int(stats.get("peak_bytes_in_use", 0)),
+                      largest_free_block=largest if largest > 0 else None)  # 0: not reported
+
+
+def _copy_need(groups: list[list[jax.Array]]) -> tuple[dict[Any, int], dict[Any, int]]:
+    """Bytes an on-device copy of `groups` allocates per device, and its largest buffer per device."""
+    need: dict[Any, int] = {}
+    largest: dict[Any, int] = {}
+    for group in groups:
+        for array in group:
+            nbytes, devices = _shard_bytes(array.sharding, tuple(array.shape), array.dtype.itemsize)
+            for device in devices:
+                need[device] = need.get(device, 0) + nbytes
+                largest[device] = max(largest.get(device, 0), nbytes)
+    return need, largest
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_bytes(sharding: Any, shape: tuple[int, ...], itemsize: int) -> tuple[int, tuple[Any, ...]]:
+    """The bytes of one shard of an array of `shape` and `sharding`, and the devices here holding one."""
+    return int(np.prod(sharding.shard_shape(shape))) * itemsize, tuple(sharding.addressable_devices)
+
+
+class Transfer:
+    """Takes a save's device shards to the host, each into its write's `Landing`, which the writing
+    thread waits for (so a shard is written as soon as it lands). `start()` is called by the saver
+    once the writes are handed off: a host transfer returns once every shard landed (the loop waits
+    for that: a donating step may delete the arrays next); an on-device copy returns at once and
+    drains on a thread of its own, except on CPU devices (`lazy`), where the copy already is host
+    memory: there the writing thread takes each shard's NumPy view (zero-copy) when it needs it, and
+    no thread competes with the loop."""
+
+    def __init__(self, path: str, pieces: list[tuple[Landing, Any]], copies: list[jax.Array],
+                 arena: staging.HostArena | None, report: CopyReport, started: float, lazy: bool = False) -> None:
+        self._path = path
+        self._lazy = lazy
+        if lazy:  # wired now: after the hand-off the writing thread may already want a shard
+            views = _views(pieces, copies, report, started)
+            pull = _Puller(views, [landing for landing, _ in pieces])
+            for landing, _ in pieces:
+                landing.pull = pull
+            pieces, copies = [], []
+        self._pieces = pieces  # (landing, shard data: a single-device jax.Array, or a global copy and device)
+        self._copies = copies
+        self._arena = arena
+        self.report = report
+        self._started = started
+
+    def start(self) -> None:
+        if self._path == HOST_TRANSFER:
+            self._run()
+            return
+        if self._lazy:
+            return
+        threading.Thread(target=self._run, name="resilax-drain", daemon=True).start()
+
+    def _run(self) -> None:
+        pieces, self._pieces = self._pieces, []
+        landings = [landing for landing, _ in pieces]
+        try:
+            if self._path == HOST_TRANSFER:
+                _land_all(pieces, self._arena)
+            else:
+                copies, self._copies = self._copies, []
+                shards = _shards_of(copies)
+                del copies  # each shard's device buffer is now freed once it landed
+                _drain(pieces, shards)
+            self.report.transfer_seconds = time.perf_counter() - self._started
+        except BaseException as e:
+            for landing in landings:
+                landing.fail(e)
+            if self._path == HOST_TRANSFER:
+                raise
+            log.warning("draining a save's on-device copy to the host failed: %s", e)
+
+
+class _Puller:
+    """Lands the shards of a lazy transfer on the thread that waits for one, up to that one."""
+
+    def __init__(self, steps: Iterator[None], landings: list[Landing]) -> None:
+        self._steps = steps
+        self._landings = landings
+        self._lock = threading.Lock()
+
+    def __call__(self, wanted: Landing) -> None:
+        with self._lock:
+            try:
+                while not wanted.landed and next(self._steps, False) is not False:
+                    pass
+                if not wanted.landed:
+                    raise RuntimeError("a write's shard is not among its save's on-device copies")
+            except BaseException as e:
+                for landing in self._landings:
+                    landing.fail(e)
+                raise
+
+
+def _views(pieces: list[tuple[Landing, Any]], copies: list[jax.Array], report: CopyReport,
+           started: float) -> Iterator[None]:
+    """CPU devices: each shard's NumPy view of its copy, in write order, one per step; a copy's
+    shards are looked up when its first piece is wanted (that waits for the copy to be computed) and
+    forgotten after its last."""
+    remaining: dict[int, int] = {}
+    for _, (n, _) in pieces:
+        remaining[n] = remaining.get(n, 0) + 1
+    shards: dict[int, dict[Any, Any]] = {}
+    for i, (landing, (n, device)) in enumerate(pieces):
+        if n not in shards:
+            shards[n] = {shard.device: shard.data for shard in copies[n].addressable_shards}
+        landing.set(np.asarray(shards[n][device]))
+        pieces[i] = (landing, (n, None))
+        remaining[n] -= 1
+        if remaining[n] == 0:
+            del shards[n]
+            copies[n] = None  # type: ignore[call-overload]
+        if i == len(pieces) - 1:
+            report.transfer_seconds = time.perf_counter() - started
+        yield None
+
+
+def _shards_of(copies: list[jax.Array]) -> dict[tuple[int, Any], Any]:
+    """The single-device shards of the on-device copies, by (index of the copy, device) (waits for
+    the copies to be computed)."""
+    return {(n, shard.device): shard.data for n, copy in enumerate(copies) for shard in copy.addressable_shards}
+
+
+def _land_all(pieces: list[tuple[Landing, Any]], arena: staging.HostArena | None) -> None:
+    """Host transfer: every shard's transfer started first, then each consumed as it lands. CPU
+    devices (`arena` given): NumPy views alias the device buffers, which a donating step may reuse,
+    so each shard is copied into the arena (reused by the next save)."""
+    for _, data in pieces:
+        data.copy_to_host_async()
+    if arena is not None:
+        arena.reset(staging.HostArena.size_of([(tuple(d.shape), np.dtype(d.dtype)) for _, d in pieces]))
+    for n, (landing, data) in enumerate(pieces):
+        host = np.asarray(data)
+        if arena is not None:
+            private = arena.take(tuple(host.shape), host.dtype)
+            np.copyto(private, host)
+            host = private
+        landing.set(host)
+        pieces[n] = (landing, None)  # the shard itself is no longer needed here
+
+
+def _drain(pieces: list[tuple[Landing, Any]], shards: dict[tuple[int, Any], Any]) -> None:
+    """On-device copy: the copies' shards to the host in batches of DRAIN_BATCH_BYTES, each batch's
+    transfers started together and the next batch's started before the current one is consumed."""
+    batches: list[list[tuple[Landing, Any]]] = [[]]
+    size = 0
+    for landing, key in pieces:
+        data = shards[key]
+        if size >= DRAIN_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append((landing, data))
+        size += data.nbytes
+    shards.clear()
+    pieces.clear()
+    for _, data in batches[0]:
+        data.copy_to_host_async()
+    for b in range(len(batches)):
+        if b + 1 < len(batches):
+            for _, data in batches[b + 1]:
+                data.copy_to_host_async()
+        batch, batches[b] = batches[b], []
+        while batch:
+            landing, data = batch.pop(0)
+            landing.set(np.asarray(data))
+            del data
+
+
+def snapshot_devices(writes: list[Any], sources: list[tuple[int, jax.Array, Any]], device_copy: str,
+                      arena: staging.HostArena | None) -> Transfer | None:
+    """Choose the path (`choose_device_copy`) and set up the private copies of the shards to write:
+    each write's source becomes a `Landing`, filled by the returned Transfer once started. The
+    on-device copy is dispatched here (the loop waits only for the dispatch). `sources` holds
+    (index into writes: items.ArrayWrite, global array, its shard)."""
+    if not sources:
+        return None
+    started = time.perf_counter()
+    platform = _platform(sources)
+    deciding = _deciding_platform(platform)
+    groups = copy_groups(sources)
+    need, largest = _copy_need(groups)
+    room = {} if device_copy != "auto" or deciding == "cpu" else {d: _device_room(d) for d in need}
+    compiled = deciding == "cpu" or all(_group_key(group) in _COMPILED for group in groups)
+    path, reason = choose_device_copy(device_copy, deciding, room, need, largest, compiled)
+    report = CopyReport(path=path, reason=reason, platform=platform)
+    landed = threading.Condition()
+    landings = []
+    host_bytes = 0
+    for w, _, _ in sources:
+        landing = Landing(landed)
+        writes[w].source = landing
+        landings.append(landing)
+        host_bytes += writes[w].nbytes
+    report.host_bytes = host_bytes
+    if path == ON_DEVICE:
+        copies: list[jax.Array] = []
+        index: dict[int, int] = {}
+        try:
+            for originals in groups:
+                for original, copy in zip(originals, _device_copy(originals), strict=True):
+                    index[id(original)] = len(copies)
+                    copies.append(copy)
+                if deciding != "cpu":
+                    _COMPILED.add(_group_key(originals))
+        except Exception as e:  # only an allocation failure falls back
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            log.warning("the on-device copy of a save did not fit (%s); taking a host transfer instead", e)
+            copies = []
+            path, report.path, report.reason = HOST_TRANSFER, HOST_TRANSFER, "out of memory"
+        if path == ON_DEVICE:
+            report.device_bytes = sum(need.values())
+            pieces = [(landing, (index[id(array)], shard.device))
+                      for landing, (_, array, shard) in zip(landings, sources, strict=True)]
+            return Transfer(ON_DEVICE, pieces, copies, None, report, started, lazy=platform == "cpu")
+    pieces = [(landing, shard.data) for landing, (_, _, shard) in zip(landings, sources, strict=True)]
+    return Transfer(HOST_TRANSFER, pieces, [], arena if platform == "cpu" else None, report, started)
+
+
+def _deciding_platform(platform: str) -> str:
+    """The platform `auto` decides for: CPU devices count as an accelerator under FORCE_ACCELERATOR_ENV."""
+    return "accelerator" if platform == "cpu" and os.environ.get(FORCE_ACCELERATOR_ENV) == "1" else platform
+
+
+def decides_as_accelerator(signature: list[list[jax.ShapeDtypeStruct]]) -> bool:
+    """Whether `auto` decides for the devices of a `copy_signature` as for an accelerator (then a
+    save takes a host transfer until the copy is compiled, instead of waiting for the compile)."""
+    for group in signature:
+        for struct in group:
+            sharding = struct.sharding
+            if sharding is not None:
+                return _deciding_platform(str(next(iter(sharding.device_set)).platform)) != "cpu"
+    return False
+
+
+def _platform(sources: list[tuple[int, jax.Array, Any]]) -> str:
+    return str(next(iter(sources[0][1].devices())).platform)
+
+
+def copy_groups(sources: list[tuple[int, jax.Array, Any]]) -> list[list[jax.Array]]:
+    """The arrays of `sources`, each once, grouped by device set: the arguments of the on-device
+    copies, in the order a save dispatches them."""
+    groups: dict[frozenset[Any], dict[int, jax.Array]] = {}
+    last = None
+    for _, array, _ in sources:
+        if array is not last:
+            groups.setdefault(frozenset(array.sharding.device_set), {})[id(array)] = array
+            last = array
+    return [list(group.values()) for group in groups.values()]
+
+
+def compile_copies(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
+    """Compile, without running, the copies of `copy_signature`, so that a job's first save blocks
+    the loop only for the dispatch, as later saves do (jit's caches keep the result)."""
+    for group in signature:
+        _device_copy.lower(group).compile()
+        _COMPILED.add(_group_key(group))
+
+
+_COMPILED: set[tuple[Any, ...]] = set()
+"""The argument signatures of the on-device copies compiled (ahead or by a save) in this process."""
+
+
+def _group_key(group: list[Any]) -> tuple[Any, ...]:
+    return tuple((tuple(a.shape), np.dtype(a.dtype).name, a.sharding, bool(a.weak_type)) for a in group)
