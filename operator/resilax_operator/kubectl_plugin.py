@@ -166,6 +166,9 @@ def build_status_screen(job: Mapping[str, Any], events: Sequence[Mapping[str, An
         ("Restarts", str(status.get("restarts", 0))),
         ("Last fault", last_fault(status, events)),
     ]
+    kept_out = [n for n in status.get("unhealthyNodes") or [] if isinstance(n, Mapping) and n.get("node")]
+    if kept_out:  # failed the health check (spec.recovery.healthCheck): no new worker goes there
+        rows.append(("Kept out", ", ".join(f"{n['node']} ({n.get('part')}, {n.get('failures', 1)}x)" for n in kept_out)))
     conditions = [c for c in status.get("conditions") or [] if c.get("status") == "True"]
     if conditions:
         rows.append(("Conditions", ", ".join(f"{c.get('type')} ({c.get('reason')})" for c in conditions)))

@@ -144,3 +144,12 @@ def test_bad_plugin_arguments_are_usage_errors(argv: list[str], capsys: pytest.C
     with pytest.raises(SystemExit) as info:
         kubectl_plugin.parse_args(argv)
     assert info.value.code == 2 and "kubectl resilax" in capsys.readouterr().err
+
+
+def test_status_screen_names_the_nodes_kept_out_after_a_failed_health_check() -> None:
+    job = _job(phase="Running", generation=2, unhealthyNodes=[
+        {"node": "tpu-slice-0-h1", "part": "matmul", "reason": "wrong checksum", "failures": 2,
+         "lastFailureTime": "2026-12-04T11:58:00Z", "generation": 2, "pod": "llama-g2-s0-h1"}])
+    lines = dict(line.split(":", 1) for line in kubectl_plugin.build_status_screen(job, [], NOW).splitlines())
+    assert lines["Kept out"].strip() == "tpu-slice-0-h1 (matmul, 2x)"
+    assert "Kept out" not in kubectl_plugin.build_status_screen(_job(), [], NOW)
