@@ -6,7 +6,7 @@ checked again: only new pods get the init container, and a kept pod is never reb
 | the current generation's pods                              | decision                                        |
 |------------------------------------------------------------|-------------------------------------------------|
 | a pod's check failed on its own part (devices, matmul)     | its node goes to status.unhealthyNodes (failures counted once per pod) and the UnhealthyNodes condition; PodLost HealthCheckFailed naming the node (not a worker failure): the next generation avoids it |
-| only parts that need the others failed (rendezvous, collective), a check still running | wait: the host at fault leaves first and reports its own part |
+| only parts that need the others failed (rendezvous, collective), a check still running (within its bound + CHECK_SLACK_SECONDS of the generation's start) | wait: the host at fault leaves first and reports its own part |
 | only such parts failed, no check running                   | PodLost HealthCheckSliceFailed: no host blamed   |
 | otherwise                                                  | nothing (the next check runs)                   |
 
@@ -20,6 +20,8 @@ message names the nodes kept out (`describe_kept_out`).
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import timedelta
+from typing import Final
 
 from .. import api
 from .. import status as st
@@ -29,6 +31,10 @@ from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus, UnhealthyNode
 from . import Finding, Verdict
+
+#: How long past `healthCheck.timeoutSeconds` (counted from the generation's start) a slice failure waits
+#: for checks still running to report a host fault: the last pods start after pod 0 has its IP.
+CHECK_SLACK_SECONDS: Final = 120
 
 
 def kept_out_reason(n: UnhealthyNode) -> str:
@@ -102,8 +108,9 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
         return Finding(st.POD_LOST, api.HEALTH_CHECK_FAILED.name, messages[0],
                        events=tuple(EmitEvent("Warning", api.HEALTH_CHECK_FAILED.name, m) for m in messages[1:]))
     still_checking = [p for p in pods if p.health is None and p.phase == "Pending" and p.node_name
-                      and p.deletion_timestamp is None]
-    if still_checking:
+                      and p.deletion_timestamp is None and not p.waiting]
+    bound = timedelta(seconds=spec.recovery.health_check.timeout_seconds + CHECK_SLACK_SECONDS)
+    if still_checking and observed.now - (s.workers_since or observed.now) < bound:
         return [RequeueAfter(POLL_SECONDS)]
     first = failed[0]
     assert first.health is not None

@@ -123,6 +123,16 @@ def test_a_failed_collective_blames_no_host_and_waits_for_the_checks_still_runni
     assert "no host is blamed" in w.status.transition.message
 
 
+def test_a_check_that_never_reports_does_not_hold_a_slice_failure_past_its_bound() -> None:
+    w = World.make(_checked(fixed_spec(count=2)), tpu_pool("pool-a", 4), tpu_pool("pool-b", 4))
+    _started(w)
+    _check_fails(w, "llama-g1-s0-h0", COLLECTIVE)
+    assert [type(a) for a in w.step()] == [RequeueAfter]
+    w.advance(60 + health_check.CHECK_SLACK_SECONDS)  # timeoutSeconds 60: no check runs that long
+    w.step()
+    assert w.status.transition is not None and w.status.transition.reason == api.HEALTH_CHECK_SLICE_FAILED.name
+
+
 def test_a_pod_counts_once_and_a_later_failure_of_the_node_adds_one() -> None:
     w = World.make(_checked(fixed_spec(count=2)), tpu_pool("pool-a", 4), tpu_pool("pool-b", 4))
     _started(w)
