@@ -38,6 +38,8 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 
+import numpy as np
+
 from resilax_ckpt import commit, file_reader, layout, read_ahead, reader, restore_choice
 from resilax_ckpt.errors import MetadataError, ResilaxCkptError
 from resilax_ckpt.metadata import StepMetadata
@@ -138,6 +140,21 @@ def _chunk_backend(storage: Storage, options: ManagerOptions) -> reader.ChunkBac
     return backends.for_storage(storage, options)
 
 
+def _register_dtypes(meta: StepMetadata) -> None:
+    """NumPy names JAX's own dtypes (bfloat16, float8_*, int4) only once ml_dtypes is imported, which
+    `import jax` does; the prefetch runs before it: import ml_dtypes when the step has one."""
+    for item in meta.items.values():
+        for leaf in item.leaves:
+            if leaf.kind != "array":
+                continue
+            try:
+                np.dtype(leaf.dtype)
+            except TypeError:
+                import ml_dtypes  # noqa: F401  (registers its dtypes with NumPy)
+
+                return
+
+
 def open_prefetch(settings: PrefetchSettings, on_event: read_ahead.EventHook | None = None) -> read_ahead.RestorePrefetch | None:
     """Choose the step, read its metadata and plan the reads (not started); None when there is
     nothing to read ahead."""
@@ -178,6 +195,7 @@ def open_prefetch(settings: PrefetchSettings, on_event: read_ahead.EventHook | N
         return None  # deleted since the listing: the restore will not pick it either
     except OSError as e:
         raise MetadataError(f"{where}: unreadable ({e})") from e
+    _register_dtypes(meta)
     reads: list[read_ahead.BoxesRead] = []
     for name, item in meta.items.items():
         if item.kind != "pytree":
@@ -225,8 +243,9 @@ def start_prefetch(env: Mapping[str, str] | None = None, *, on_event: read_ahead
             return None
         try:
             handle = open_prefetch(settings, on_event)
-        except (ResilaxCkptError, OSError) as e:
-            log.warning("no restore prefetch (the restore reads as always): %s: %s", type(e).__name__, e)
+        except Exception as e:  # a read-ahead never takes the trainer down: the restore reads as always
+            log.warning("no restore prefetch (the restore reads as always): %s: %s", type(e).__name__, e,
+                        exc_info=not isinstance(e, (ResilaxCkptError, OSError)))
             return None
         if handle is None:
             return None

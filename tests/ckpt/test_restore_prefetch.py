@@ -266,6 +266,25 @@ def test_an_observer_that_raises_stops_nothing(tmp_path, devices):
     assert out["params"]["w"].tobytes() == expected(2)["w"].tobytes()
 
 
+def test_jax_dtypes_are_read_ahead_before_jax_is_imported(tmp_path):
+    """bfloat16 (and JAX's other ml_dtypes) are NumPy dtypes only once ml_dtypes is imported, which
+    `import jax` does: the prefetch, before JAX, imports it itself."""
+    import ml_dtypes
+
+    value = (np.arange(4096, dtype=np.float32) / 7).astype(ml_dtypes.bfloat16)
+    with rc.CheckpointManager(str(tmp_path / "ckpt"), rc.ManagerOptions(async_save=False)) as mgr:
+        mgr.save(3, {"params": {"w": value, "n": np.arange(5, dtype=np.int32)}})
+    code = ("import json, sys; from resilax_ckpt import prefetch; h = prefetch.start_prefetch(); h.wait(); "
+            "print(json.dumps({**h.stats(), 'jax': 'jax' in sys.modules}))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RESILAX_")}
+    env.update(RESILAX_CHECKPOINT_DIR=str(tmp_path / "ckpt"), PYTHONPATH=str(ROOT / "ckpt_lib"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)
+    assert (stats["error"], stats["read_leaves"], stats["jax"]) == (None, 2, False)
+    assert stats["read_bytes"] == value.nbytes + 5 * 4
+
+
 def test_the_prefetch_module_does_not_import_jax():
     code = ("import sys; from resilax_ckpt import prefetch, read_ahead, multihost; "
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))")
