@@ -21,7 +21,14 @@ FIXTURE_MARKS = {
     "helm": "helm", "helm_env": "helm", "render": "helm",  # helm, built from its Go module (tests/chart)
     "promtool": "prometheus",  # Debian's prometheus (scripts/setup-prometheus)
     "chromium": "browser",  # Debian's chromium, headless (scripts/setup-chromium, tests/web)
+    "container_privileges": "cluster",  # root (CAP_SYS_ADMIN), as the local cluster's node agent needs
 }
+
+
+@pytest.fixture
+def container_privileges() -> None:
+    """A test that needs what the local cluster's containers need (root: CAP_SYS_ADMIN for their mount
+    and UTS namespaces). Marked `cluster` (FIXTURE_MARKS): the fast tier runs without root."""
 
 #: The test process's JAX: 8 fake CPU devices (the checkpoint tests save on a 4x2 mesh and restore on
 #: others). Set once for the whole process, before any test imports JAX, whichever folders run.

@@ -1,5 +1,6 @@
 """The `resilax` console script dispatches to lazily imported subcommands."""
 
+import os
 import subprocess
 import sys
 
@@ -51,11 +52,18 @@ def test_demo_refuses_a_non_empty_folder_it_did_not_create(tmp_path, capsys):
     assert (mine / "notes.txt").read_text() == "keep me"
 
 
+def _without_cap_sys_admin(*argv: str) -> list[str]:
+    """`argv` run without CAP_SYS_ADMIN: as root, with it dropped (setpriv); a non-root user lacks it already."""
+    if os.geteuid() != 0:
+        return list(argv)
+    return ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", *argv]
+
+
 def test_local_up_without_cap_sys_admin_stops_before_starting_anything(tmp_path):
     """As root without CAP_SYS_ADMIN (as a non-root user), `local up` says why at once and starts nothing."""
     run_dir = tmp_path / "cluster"
-    proc = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-m",
-                           "resilax_operator.cli", "local", "up", "--dir", str(run_dir)],
+    proc = subprocess.run(_without_cap_sys_admin(sys.executable, "-m", "resilax_operator.cli", "local", "up",
+                                                 "--dir", str(run_dir)),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "resilax local up: cannot create a mount namespace" in proc.stderr and "root" in proc.stderr
@@ -64,15 +72,17 @@ def test_local_up_without_cap_sys_admin_stops_before_starting_anything(tmp_path)
 
 def test_demo_without_cap_sys_admin_stops_before_creating_its_folder(tmp_path):
     run_dir = tmp_path / "demo"
-    proc = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-m",
-                           "resilax_operator.cli", "demo", "--run-dir", str(run_dir)],
+    proc = subprocess.run(_without_cap_sys_admin(sys.executable, "-m", "resilax_operator.cli", "demo", "--run-dir",
+                                                 str(run_dir)),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "resilax demo: cannot create a mount namespace" in proc.stderr
     assert not run_dir.exists()
 
 
-def test_isolation_probe_passes_where_the_cluster_tests_run():
+def test_isolation_probe_passes_where_the_cluster_tests_run(container_privileges):
+    """Where the cluster tests run (root: the `container_privileges` fixture marks it `cluster`, which
+    keeps it out of the fast tier, which runs without root)."""
     from resilax_local.launch import isolation_problem
 
     assert isolation_problem() is None

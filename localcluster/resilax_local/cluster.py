@@ -40,6 +40,7 @@ from .kueue import Kueue, KueueState
 from .pods import map_host_path, memory_root
 from .processes import alive, spawn, stop_group
 from .profiles import NodeSpec, build_cpu_node, build_profile, build_tpu_slice
+from .tier_guard import refuse_in_fast_tier
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class LocalCluster:
     def start(self, timeout: float = 240.0) -> LocalCluster:
         """Start etcd, the API server, controller manager, scheduler and the node agent; return when
         every node is Ready and schedulable. The run folder is wiped first (a fresh cluster each time)."""
+        refuse_in_fast_tier("a local cluster", "cluster")
         if (self.run_dir / STATE_FILE).exists():
             with contextlib.suppress(NotRunningError):
                 LocalCluster.attach(self.run_dir).stop()

@@ -26,3 +26,7 @@ class KubeAPIError(LocalClusterError, RuntimeError):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.body = body or {}
+
+
+class FastTierError(LocalClusterError, RuntimeError):
+    """A local cluster or fake-gcs-server started in the fast test tier (`scripts/test --fast`)."""

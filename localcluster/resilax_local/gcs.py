@@ -19,6 +19,7 @@ import urllib3
 from .binaries import ensure_fake_gcs_server
 from .errors import StartError
 from .processes import PortTaken, on_free_port, spawn, stop_group
+from .tier_guard import refuse_in_fast_tier
 
 
 class FakeGCS:
@@ -48,6 +49,7 @@ class FakeGCS:
         }
 
     def start(self, timeout: float = 30.0) -> FakeGCS:
+        refuse_in_fast_tier("fake-gcs-server", "gcs")
         return on_free_port(lambda port: self._start_on(port, timeout))
 
     def _start_on(self, port: int, timeout: float) -> FakeGCS:

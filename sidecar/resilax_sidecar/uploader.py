@@ -44,6 +44,7 @@ of a pass lives in a module of its own, over one shared `UploadMemory`:
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -147,6 +148,14 @@ def plan_listing(since_listing: float | None, idle_seconds: float) -> bool:
     return since_listing is None or since_listing >= idle_seconds
 
 
+def plan_retry_wait(backoff: float, draw: float) -> float:
+    """Seconds before the retry after a failed pass (pure): "equal jitter" on the exponential back-off,
+    half of it fixed and half drawn (`draw` uniform in [0, 1)), so that after a storage incident the
+    sidecars of a fleet spread their retries over the window instead of retrying in lockstep, and none
+    retries sooner than half its back-off."""
+    return backoff / 2 + backoff / 2 * draw
+
+
 class Uploader:
     """Copies this host's local steps to the persistent tier. Thread-safe to read `state`."""
 
@@ -156,6 +165,7 @@ class Uploader:
         store: BlobStore,
         metrics: SidecarMetrics,
         clock: Callable[[], float] = time.monotonic,
+        draw: Callable[[], float] = random.random,
     ) -> None:
         if config.local_dir is None:
             raise ValueError("the uploader needs RESILAX_LOCAL_DIR")
@@ -165,6 +175,7 @@ class Uploader:
         self.metrics = metrics
         self.state = UploadState()
         self._clock = clock
+        self._draw = draw
         self._wake = threading.Event()
         self.urgent = threading.Event()
         """Set when a final save is coming (SIGTERM, a stop request): a newer local step then
@@ -208,7 +219,7 @@ class Uploader:
         self._wake.set()
 
     def run_forever(self, stop: threading.Event) -> None:
-        """Passes until `stop` is set; errors back off exponentially and never escape."""
+        """Passes until `stop` is set; errors back off exponentially, with jitter, and never escape."""
         while not stop.is_set():
             self._wake.wait(self.tick())
             self._woken = self._wake.is_set()
@@ -232,7 +243,7 @@ class Uploader:
             self._last_full = None  # the next turn is a full pass
             self._last_listing = None  # that lists the persistent root
             self._record_failure(e)
-            wait = self._retry_delay
+            wait = plan_retry_wait(self._retry_delay, self._draw())
             self._retry_delay = min(self._retry_delay * 2, self.config.retry_max_seconds)
             return wait
         self._retry_delay = self.config.retry_initial_seconds

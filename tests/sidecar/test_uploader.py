@@ -16,7 +16,7 @@ from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import StoreError, VerifyError
 from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.store import BlobStore, GcsStore, LocalFolderStore
-from resilax_sidecar.uploader import Uploader
+from resilax_sidecar.uploader import Uploader, plan_retry_wait
 from sidecar_harness import attempt_files, committed_attempt, step_files, wait_until, write_local_step
 
 
@@ -239,6 +239,26 @@ def test_storage_errors_are_retried_with_back_off_and_counted(tmp_path, store):
     attempt = committed_attempt(store, 4)
     for key, data in files.items():
         assert store.read_bytes(f"4/{attempt}/{key}") == data
+
+
+@pytest.mark.parametrize(("backoff", "draw", "wait"), [(8.0, 0.0, 4.0), (8.0, 0.5, 6.0), (8.0, 0.999, 7.996)],
+                         ids=["least", "middle", "most"])
+def test_the_retry_wait_is_half_the_back_off_plus_a_random_half(backoff, draw, wait):
+    assert plan_retry_wait(backoff, draw) == pytest.approx(wait)
+
+
+def test_failed_passes_wait_a_jittered_exponential_back_off(tmp_path):
+    """After a storage incident, sidecars that failed together retry spread over the back-off window:
+    each failed pass waits half its back-off plus a drawn share of the other half (injected draws)."""
+    store = LocalFolderStore(tmp_path / "persistent")
+    config = make_config(tmp_path, checkpoint_dir=store.url, upload_concurrency=1, retry_initial_seconds=1.0,
+                         retry_max_seconds=4.0)
+    write_local_step(config.local_dir, 4, step_files(1, 100))
+    draws = iter([0.0, 1.0, 0.5, 0.25])
+    uploader = Uploader(config, FailingStore(store, failures=4), SidecarMetrics(), draw=lambda: next(draws))
+    waits = [uploader.tick() for _ in range(4)]
+    assert waits == pytest.approx([0.5, 2.0, 3.0, 2.5])  # back-off 1, 2, 4, 4 (the max)
+    assert uploader.tick() == config.poll_seconds and uploader.state.newest_persisted == 4
 
 
 def test_a_bad_copy_fails_verification_and_is_redone(tmp_path):
