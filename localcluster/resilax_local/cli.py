@@ -127,14 +127,14 @@ def _run(args: argparse.Namespace) -> int:
         from .controlplane import ControlPlaneSettings
         from .launch import isolation_problem
 
+        cluster = LocalCluster(args.dir, name=args.name, profile=args.profile,
+                               settings=ControlPlaneSettings(node_monitor_grace_seconds=args.node_monitor_grace),
+                               kueue=args.kueue)
+        cluster.check_run_dir()  # a folder it must not wipe: said first, whoever runs it
         problem = isolation_problem()
         if problem is not None:
             print(f"resilax local up: {problem}", file=sys.stderr)
             return 1
-
-        cluster = LocalCluster(args.dir, name=args.name, profile=args.profile,
-                               settings=ControlPlaneSettings(node_monitor_grace_seconds=args.node_monitor_grace),
-                               kueue=args.kueue)
         cluster.start()
         print(f"local cluster up in {cluster._state['startup_seconds']} s ({cluster.run_dir})")
         kueue = cluster.kueue_state()

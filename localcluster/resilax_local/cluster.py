@@ -74,17 +74,22 @@ class LocalCluster:
         self._http = urllib3.PoolManager(retries=False)
 
     # ---- life cycle ---------------------------------------------------------------------------
+    def check_run_dir(self) -> None:
+        """Raise StartError when the run folder holds something that is not a local cluster's (start
+        wipes the folder: it never wipes one it did not make). Reads only."""
+        if self.run_dir.exists() and any(self.run_dir.iterdir()) and not (self.run_dir / "pki").is_dir():
+            raise StartError(f"{self.run_dir} is not empty and not a local cluster's folder: "
+                             "refusing to wipe it; pick an empty or new --dir")
+
     def start(self, timeout: float = 240.0) -> LocalCluster:
         """Start etcd, the API server, controller manager, scheduler and the node agent; return when
         every node is Ready and schedulable. The run folder is wiped first (a fresh cluster each time)."""
+        self.check_run_dir()
         refuse_in_fast_tier("a local cluster", "cluster")
         if (self.run_dir / STATE_FILE).exists():
             with contextlib.suppress(NotRunningError):
                 LocalCluster.attach(self.run_dir).stop()
         if self.run_dir.exists():
-            if any(self.run_dir.iterdir()) and not (self.run_dir / "pki").is_dir():
-                raise StartError(f"{self.run_dir} is not empty and not a local cluster's folder: "
-                                 "refusing to wipe it; pick an empty or new --dir")
             shutil.rmtree(self.run_dir)
         shutil.rmtree(memory_root(self.run_dir), ignore_errors=True)
         self.run_dir.mkdir(parents=True)

@@ -435,20 +435,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="    %(message)s")
     from resilax_local.launch import isolation_problem
 
-    problem = isolation_problem()  # the demo's cluster runs pods as `local up` does: ask before starting
-    if problem is not None:
-        print(f"resilax demo: {problem}", file=sys.stderr)
-        return 1
     if args.run_dir is None:
         from resilax_local.binaries import cache_dir
 
         args.run_dir = cache_dir() / "demo" / time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = args.run_dir.resolve()
+    if run_dir.exists() and any(run_dir.iterdir()) and not (run_dir / RUN_DIR_MARKER).is_file():
+        print(f"resilax demo: --run-dir {run_dir} is not empty and was not made by a demo run; the demo "
+              "never deletes a folder it did not create: name a new or empty folder", file=sys.stderr)
+        return 2
+    problem = isolation_problem()  # the demo's cluster runs pods as `local up` does: ask before starting
+    if problem is not None:
+        print(f"resilax demo: {problem}", file=sys.stderr)
+        return 1
     if run_dir.exists() and any(run_dir.iterdir()):
-        if not (run_dir / RUN_DIR_MARKER).is_file():
-            print(f"resilax demo: --run-dir {run_dir} is not empty and was not made by a demo run; the demo "
-                  "never deletes a folder it did not create: name a new or empty folder", file=sys.stderr)
-            return 2
         shutil.rmtree(run_dir)  # a previous demo run's folder (it carries the marker)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RUN_DIR_MARKER).write_text("a resilax demo run folder; `resilax demo` may clear it\n")
