@@ -38,7 +38,8 @@ ON_DEVICE, HOST_TRANSFER = "on_device", "host_transfer"
 FORCE_ACCELERATOR_ENV = "RESILAX_CKPT_FORCE_ACCELERATOR_PATH"
 """For tests only: `1` makes `device_copy="auto"` decide for CPU devices as for an accelerator (the
 copy's compile state, then the devices' memory statistics, which CPU devices do not give: a host
-transfer), so CI runs the accelerator's choices on CPU. Never set it in a job."""
+transfer) and drain an on-device copy on a thread in batches as on an accelerator, so CI runs the
+accelerator's choices and ordering code on CPU. Never set it in a job."""
 
 NOT_COMPILED = "copy not compiled yet"
 """The reason of an automatic host transfer before the on-device copy was compiled."""
@@ -343,7 +344,7 @@ def snapshot_devices(writes: list[Any], sources: list[tuple[int, jax.Array, Any]
             report.device_bytes = sum(need.values())
             pieces = [(landing, (index[id(array)], shard.device))
                       for landing, (_, array, shard) in zip(landings, sources, strict=True)]
-            return Transfer(ON_DEVICE, pieces, copies, None, report, started, lazy=platform == "cpu")
+            return Transfer(ON_DEVICE, pieces, copies, None, report, started, lazy=deciding == "cpu")
     pieces = [(landing, shard.data) for landing, (_, _, shard) in zip(landings, sources, strict=True)]
     return Transfer(HOST_TRANSFER, pieces, [], arena if platform == "cpu" else None, report, started)
 

@@ -63,8 +63,15 @@ def run_loop(root: str, devices: list[jax.Device], device_copy: str) -> dict[int
     return expected
 
 
-@pytest.mark.parametrize("device_copy", ["on_device", "host_transfer", "auto"])
-def test_donating_loop_restores_every_saved_step_bit_exact(tmp_path, devices, device_copy):
+@pytest.mark.parametrize(("device_copy", "as_accelerator"), [
+    ("on_device", False), ("host_transfer", False), ("auto", False),
+    ("on_device", True),  # the accelerator's drain thread, in batches of 4 KiB
+    ("host_transfer", True),
+])
+def test_donating_loop_restores_every_saved_step_bit_exact(tmp_path, devices, device_copy, as_accelerator, monkeypatch):
+    if as_accelerator:
+        monkeypatch.setenv(snap.FORCE_ACCELERATOR_ENV, "1")
+        monkeypatch.setattr(snap, "DRAIN_BATCH_BYTES", 4096)
     expected = run_loop(str(tmp_path), devices, device_copy)
     assert not np.array_equal(expected[1]["w"], expected[2]["w"])  # the state really changes
     mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(2, 4), ("x", "y"))
