@@ -110,7 +110,7 @@ class Saver:
         self._wait_pending()
         if self._preparing is not None and (self._preparing_waits or self._preparing.done()):
             # Never raises; its compile is this save's. On an accelerator a save does not wait for
-            # it: until it is done, `auto` takes a host transfer (items.choose_device_copy).
+            # it: until it is done, `auto` takes a host transfer (device_snapshot.choose_device_copy).
             self._preparing.result()
             self._preparing = None
         self._copy_prepared = True
@@ -125,10 +125,8 @@ class Saver:
             plan.metadata = dataclasses.replace(plan.metadata, metrics=checked)
         self._last_saved_step = step
         self._last_save_time = self._options.clock()
-        transfer = plan.transfer
-        report = plan.report
-        future = self._executor.submit(self._write_and_commit, step, plan, key, requests)
-        self._pending = future
+        transfer, report = plan.transfer, plan.report
+        self._pending = self._executor.submit(self._write_and_commit, step, plan, key, requests)
         if transfer is not None:
             # After the hand-off, so that each shard is written as soon as it lands. A host transfer
             # returns once every shard landed: the loop's next step may donate the arrays.
