@@ -326,18 +326,20 @@ class RestorePrefetch:
         for read, files in zip(batch, before, strict=True):
             after = _file_state(self._leaf_path(read.item, read.leaf)) if local else None
             key = (read.item, read.leaf.dir)
+            if after == files:  # else changed while read: left to the restore
+                # Told before the restore can take it: an event log has each "leaf" before its "taken".
+                self._emit("leaf", {"item": read.item, "leaf": read.leaf.keystr, "bytes": read.nbytes})
             with self._settled:
                 self._pending.discard(key)
                 self._settled.notify_all()
                 if self._released is not None:
                     return
-                if after != files:  # changed while read: leave it to the restore
+                if after != files:
                     continue
                 self._held[key] = _Held(read.leaf, read.result, files, read.nbytes)
                 self._stats["read_leaves"] += 1
                 self._stats["read_bytes"] += read.nbytes
             read.result = None
-            self._emit("leaf", {"item": read.item, "leaf": read.leaf.keystr, "bytes": read.nbytes})
 
     def _emit(self, name: str, info: dict[str, Any]) -> None:
         if self._on_event is None:

@@ -96,6 +96,10 @@ def test_read_starts_before_the_backend_and_the_restore_takes_it(tmp_path, devic
     # The restore picked the prefetched step and took every leaf from it (no second read), bit-exact.
     taken = [e for e in events if e["event"] == "prefetch-taken"]
     assert index(events, "restore-entered") < index(events, "prefetch-taken")
+    for leaf in ("['b']", "['e']", "['w']"):  # each leaf read before the restore took it
+        read_at = next(i for i, e in enumerate(events) if e["event"] == "prefetch-leaf" and e["leaf"] == leaf)
+        taken_at = next(i for i, e in enumerate(events) if e["event"] == "prefetch-taken" and e["leaf"] == leaf)
+        assert read_at < taken_at, leaf
     assert sorted(e["leaf"] for e in taken) == ["['b']", "['e']", "['w']"]
     stats = result["stats"]
     assert (stats["step"], stats["read_leaves"], stats["taken_leaves"], stats["error"]) == (20, 3, 3, None)
