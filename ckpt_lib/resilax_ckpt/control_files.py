@@ -28,12 +28,13 @@ def load_control_json(path: str) -> Any | None:
             return None
         raise
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > CONTROL_FILE_CAP:
             return None
         chunks: list[bytes] = []
         size = 0
-        while size <= CONTROL_FILE_CAP:
-            chunk = os.read(fd, CONTROL_FILE_CAP + 1 - size)
+        while size <= CONTROL_FILE_CAP:  # the file may grow meanwhile: still never past the cap
+            chunk = os.read(fd, min(CONTROL_FILE_CAP + 1 - size, max(info.st_size - size, 0) + 4096))
             if not chunk:
                 break
             chunks.append(chunk)

@@ -207,9 +207,11 @@ def test_a_stop_sends_sigterm_then_sigkill_after_the_grace_and_reaps_grandchildr
     run.write(tc.STOP_FILE, {"generation": 3, "reason": "stale"})
     run.write(tc.STOP_FILE, {"generation": 4, "reason": "NodeLoss", "stacks": False})
     run.wait_for("the child reaped", lambda: "1's pid" in run.log() and "waiting for its leftover" in run.log())
+    # `stopping`, not `exited`, while the killed grandchild is unreaped (checked before the test reaps it:
+    # read after, the supervisor may already have seen it go and written `exited`)
+    record = run.wait_state(1, "stopping")
+    assert run.incarnation()["state"] == "stopping", "not `exited` while a descendant was unreaped"
     assert os.waitpid(grandchild, 0) == (grandchild, signal.SIGKILL), "the supervisor SIGKILLed the grandchild"
-    record = run.incarnation()
-    assert record is not None and record["state"] == "stopping", "not `exited` while a descendant was unreaped"
     record = run.wait_state(1, "exited")
     assert not _exists(child["pid"]) and not _exists(grandchild)
     assert (record["exit_code"], record["signal"], record["reason"]) == (128 + 9, 9, "NodeLoss")
