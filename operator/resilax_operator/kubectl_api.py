@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any, Final
 from urllib.parse import quote
 
@@ -141,6 +142,26 @@ class JobAPI:
                               query={"labelSelector": selector})
         items: list[dict[str, Any]] = answer.get("items") or []
         return items
+
+    def pod_log(self, namespace: str, pod: str, container: str, follow: bool) -> Iterator[str]:
+        """The container's log lines (`follow`: until the container ends); the stream ending early (the
+        pod deleted under it) ends the lines."""
+        core = self._kubernetes.client.CoreV1Api(self.client)
+        response = self._call(f"log of {namespace}/{pod}", core.read_namespaced_pod_log, pod, namespace,
+                              container=container, follow=follow, _preload_content=False)
+        pending = b""
+        try:
+            for chunk in response.stream(65536):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    yield line.decode(errors="replace")
+        except Exception:  # the connection dropped with the pod: what came is printed, the caller looks again
+            pass
+        finally:
+            response.release_conn()
+        if pending:
+            yield pending.decode(errors="replace")
 
     def sidecar_token(self, namespace: str, job: str) -> str:
         """The job's sidecar token, from its Secret (`get` secrets). Never printed."""

@@ -10,6 +10,8 @@
     kubectl resilax resume NAME [-n NAMESPACE]    spec.suspend=false: a new generation restores the newest step
     kubectl resilax web FILE [-n NS | -A]         write a static HTML page with every job's timeline
     kubectl resilax list [-n NAMESPACE | -A]      the jobs: phase, generation, shape, saved step, goodput
+    kubectl resilax logs NAME [-f] [--process N]  the trainer log of process N (default 0); -f follows it
+                                                  across generations until the job ends
     kubectl resilax version                       this plugin's version and the JAXJob API it speaks
 
 The read commands (status, goodput, timeline, list, version) take `-o json|yaml` for programs
@@ -48,6 +50,7 @@ from urllib.parse import quote
 from . import api
 from . import goodput as gp
 from .kubectl_api import JobAPI, PluginError
+from .kubectl_logs import run_logs
 from .kubectl_output import (
     OUTPUT_FORMATS,
     build_goodput_data,
@@ -67,12 +70,13 @@ from .timeline_page import build_page, build_page_data
 EXIT_ERROR = 1
 
 COMMANDS = ("status", "goodput", "timeline", "save", "rotate-token", "suspend", "resume", "web", "list",
-            "version")
+            "version", "logs")
 #: The commands that only read, which take `-o json|yaml`; those that need no job name.
 READ_COMMANDS = ("status", "goodput", "timeline", "list", "version")
 NAMELESS_COMMANDS = ("list", "version")
 #: Flags that take a value (`-n NS` or `--namespace=NS`).
-VALUE_FLAGS = ("-n", "--namespace", "--kubeconfig", "--context", "--png", "--timeout", "-o", "--output")
+VALUE_FLAGS = ("-n", "--namespace", "--kubeconfig", "--context", "--png", "--timeout", "-o", "--output",
+               "--process")
 #: Flags whose value is a file name.
 FILE_FLAGS = ("--png",)
 #: Cobra's ShellCompDirectiveNoFileComp: no file names when nothing matches; Default: the shell's files.
@@ -309,6 +313,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="timeline: also draw the picture into this PNG file (needs the 'plot' extra)")
     p.add_argument("--timeout", type=float, default=SAVE_TIMEOUT_SECONDS, metavar="SECONDS",
                    help=f"save: how long to wait for the commit (default {SAVE_TIMEOUT_SECONDS:.0f})")
+    p.add_argument("-f", "--follow", action="store_true", help="logs: follow, across generations, until the job ends")
+    p.add_argument("--process", type=int, default=0, metavar="N", help="logs: whose trainer (default 0)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
     p.add_argument("--context", default=None, help="kubeconfig context (default: the current one)")
     args = p.parse_args(list(argv))
@@ -318,6 +324,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error("-A/--all-namespaces goes with web and list")
     if args.output is not None and args.command not in READ_COMMANDS:
         p.error(f"-o/--output goes with {', '.join(READ_COMMANDS)}")
+    if (args.follow or args.process) and args.command != "logs":
+        p.error("-f/--follow and --process go with logs")
     if args.command in NAMELESS_COMMANDS and args.name is not None:
         p.error(f"{args.command} takes no job name")
     if args.command not in NAMELESS_COMMANDS and args.name is None:
@@ -428,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print(run_rotate_token(kube, namespace, args.name))
         elif args.command == "web":
             print(run_web(kube, None if args.all_namespaces else namespace, Path(args.name)))
+        elif args.command == "logs":
+            run_logs(kube, namespace, args.name, args.process, args.follow)
         elif args.output:
             print(run_read(kube, namespace, args))  # json.dumps / yaml.safe_dump escape control characters
         else:

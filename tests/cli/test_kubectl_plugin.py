@@ -4,13 +4,15 @@ one job run (CI is serial): `status` shows the operator's view (phase, generatio
 reached, the saved step, goodput), `goodput` its breakdown, `save` asks process 0's sidecar through the
 API server's pod proxy and prints the newer step once committed (the token never printed), `suspend`
 makes the operator save and stop the workers (Suspended), `resume` starts a new generation that restores
-the saved step, `timeline` (and `--png`) shows both generations from status.history;
+the saved step, `timeline` (and `--png`) shows both generations from status.history; `logs -f`,
+started in generation 1, follows process 0 into generation 2's pod (a new name);
 `kubectl_complete-resilax` completes the namespace's jobs and the namespaces; a missing job is an error
 naming it."""
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import shutil
@@ -88,6 +90,11 @@ def test_status_goodput_save_suspend_resume_and_timeline(operator: OperatorProce
     token = base64.b64decode(secret["data"]["token"]).decode().strip()
     assert token not in proc.stdout + proc.stderr
 
+    # logs -f: process 0's trainer log, followed across the generation change that suspend and resume make.
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    follower = subprocess.Popen([_plugin(), "logs", name, "-n", namespace, "-f"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+
     # suspend: the operator saves, stops the workers and says Suspended.
     proc = _run(cluster, "suspend", name, "-n", namespace)
     assert proc.returncode == 0, proc.stderr
@@ -106,6 +113,14 @@ def test_status_goodput_save_suspend_resume_and_timeline(operator: OperatorProce
                      "generation 2 Running")
     wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
     assert min(jobs.losses(name, 2)) - 1 == final
+    try:  # it follows until the job ends (not in this test): 30 s to print generation 2's lines, then stopped
+        out, err = follower.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        follower.terminate()
+        out, err = follower.communicate(timeout=30)
+    followed = [json.loads(line)["step"] for line in out.splitlines() if line.startswith("{") and '"loss"' in line]
+    assert f"==> {namespace}/{name}-g1-s0-h0 " in err and f"==> {namespace}/{name}-g2-s0-h0 " in err, err
+    assert final in followed and final + 1 in followed, (final, followed[-5:], err)
     assert _fields(_run(cluster, "status", name, "-n", namespace).stdout)["Generation"].startswith("2 ")
 
     # timeline: status.history's two generations, the first ended by the suspend, the second restored

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from resilax_operator import api, kubectl_plugin
@@ -153,3 +154,21 @@ def test_status_screen_names_the_nodes_kept_out_after_a_failed_health_check() ->
     lines = dict(line.split(":", 1) for line in kubectl_plugin.build_status_screen(job, [], NOW).splitlines())
     assert lines["Kept out"].strip() == "tpu-slice-0-h1 (matmul, 2x)"
     assert "Kept out" not in kubectl_plugin.build_status_screen(_job(), [], NOW)
+
+
+def test_logs_picks_process_n_of_the_newest_generation_the_job_owns() -> None:
+    from resilax_operator.kubectl_logs import plan_log_pod
+
+    def pod(name: str, generation: int, process: int, owner: str = "u1", deleting: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": name, "uid": f"uid-{name}", "ownerReferences": [
+            {"uid": owner, "controller": True, "kind": "JAXJob", "apiVersion": "resilax.dev/v1alpha1", "name": "j"}],
+            "labels": {api.LABEL_PROCESS: str(process), api.LABEL_GENERATION: str(generation)}}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-12-06T00:00:00Z"
+        return {"metadata": meta, "spec": {"containers": [{"name": "resilax-sidecar"}, {"name": "trainer"}]}}
+
+    pods = [pod("j-g1-s0-h0", 1, 0), pod("j-g2-s0-h0", 2, 0), pod("j-g2-s0-h1", 2, 1), pod("x-g3-s0-h0", 3, 0, "other"),
+            pod("j-g3-s0-h0", 3, 0, deleting=True)]
+    assert plan_log_pod(pods, 0, "u1") == ("j-g2-s0-h0", "uid-j-g2-s0-h0", "trainer")
+    assert plan_log_pod(pods, 1, "u1") == ("j-g2-s0-h1", "uid-j-g2-s0-h1", "trainer")
+    assert plan_log_pod(pods, 2, "u1") is None
