@@ -117,6 +117,17 @@ def test_benchmark_changelog_and_raw_results_match() -> None:
     assert quoted and quoted <= raw, sorted(quoted - raw)
 
 
+def test_crd_applies_take_over_helms_fields() -> None:
+    """A server-side apply of the CRDs over a helm-installed CRD conflicts on field ownership unless it
+    forces: every documented one does (issue 41)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "charts" / "resilax" / "README.md",
+             ROOT / "charts" / "resilax" / "templates" / "NOTES.txt"]
+    applies = [(page.name, line) for page in pages for line in page.read_text().splitlines()
+               if "kubectl apply --server-side" in line]
+    assert applies, "no documented CRD apply"
+    assert [(name, line) for name, line in applies if "--force-conflicts" not in line] == []
+
+
 def test_docs_name_our_jaxjob_unambiguously() -> None:
     """`kubectl get jaxjobs` may resolve to Kubeflow's JAXJob: the docs use `jj` or `jaxjobs.resilax.dev`."""
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
