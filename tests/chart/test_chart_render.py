@@ -524,6 +524,22 @@ def test_notes_name_no_repository_path(helm, tmp_path: Path) -> None:
     assert "charts/resilax" not in notes and "docs/" not in notes.replace("/blob/main/docs/", "")
 
 
+@pytest.mark.parametrize(("values", "said"), [
+    ([], ["nodeSweeper.namespace=<namespace>", "nodeSweeper.enabled=false", "Autopilot"]),
+    (["--set", "nodeSweeper.namespace=rx-nodes"], ['namespace rx-nodes, which must allow "privileged"']),
+    (["--set", "nodeSweeper.enabled=false"], ["You may enforce it on this namespace"]),
+], ids=["sweeper-here", "sweeper-elsewhere", "no-sweeper"])
+def test_notes_pod_security_advice_names_the_sweepers_exception(helm, values: list[str], said: list[str]) -> None:
+    """Enforcing `restricted` on the release namespace, as the notes advise, must not break the sweeper
+    (root, hostPath) that runs there by default (issue 41)."""
+    proc = helm("install", RELEASE, str(CHART), "--dry-run", "--namespace", "resilax-system", *values)
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "pod-security.kubernetes.io/enforce=restricted" in notes
+    for text in said:
+        assert text in notes, (text, notes)
+
+
 # ---- the node sweeper (issue 25, item 10) -----------------------------------------------------------
 
 
