@@ -117,6 +117,22 @@ def test_benchmark_changelog_and_raw_results_match() -> None:
     assert quoted and quoted <= raw, sorted(quoted - raw)
 
 
+def test_operations_guide_lists_every_condition_bucket_and_transition_kind() -> None:
+    """docs/operations.md names the operator's conditions, goodput buckets and transition kinds as the
+    code defines them (issue 41: it listed 5 conditions of 11, and missed `hang` and `TrainerHung`)."""
+    from resilax_operator import api
+    from resilax_operator import goodput as gp
+    from resilax_operator import status as st
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    conditions = text[text.index("The conditions are "):].split("; their reasons", 1)[0]
+    assert set(re.findall(r"`(\w+)`", conditions)) == set(api.CONDITION_TYPES)
+    buckets = text[text.index("`bucket`: "):].split(" (they sum", 1)[0]
+    assert re.findall(r"`(\w+)`", buckets)[1:] == list(gp.BUCKETS)
+    kinds = text[text.index("The `kind` label ranges over the transition kinds ("):].split(").", 1)[0]
+    assert set(re.findall(r"`(\w+)`", kinds)) - {"kind"} == set(st.TRANSITION_KINDS)
+
+
 def test_crd_applies_take_over_helms_fields() -> None:
     """A server-side apply of the CRDs over a helm-installed CRD conflicts on field ownership unless it
     forces: every documented one does (issue 41)."""
