@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from resilax_ckpt import layout
 from resilax_ckpt.errors import FencedError, StorageInUseError
-from resilax_ckpt.storage import Storage
+from resilax_ckpt.storage import ReadStorage, Storage
 
 #: (era, generation): what orders the sets of workers that ever wrote to one storage.
 Epoch = tuple[int, int]
@@ -191,7 +191,7 @@ def write_fence(storage: Storage, root: str, generation: int | Epoch, latest_ste
     storage.write_bytes(storage.join(root, layout.FENCES_DIR, fence_name((era, gen))), data.encode())
 
 
-def read_fences(storage: Storage, root: str) -> dict[Epoch, int | None]:
+def read_fences(storage: ReadStorage, root: str) -> dict[Epoch, int | None]:
     """All fences: epoch to the latest step it saw (None: none)."""
     fences: dict[Epoch, int | None] = {}
     folder = storage.join(root, layout.FENCES_DIR)

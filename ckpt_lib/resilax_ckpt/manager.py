@@ -255,8 +255,8 @@ class CheckpointManager:
 
     @property
     def restore_report(self) -> dict[str, Any] | None:
-        """What the last `restore()` of the newest step did: `{"step": N, "skipped": [{"step", "reason"}],
-        "generation": G, "source": "local"|"peer"|"persistent"}` (None before any; `source`, the farthest
+        """What the last `restore()` did (of the newest step or a pinned one): `{"step": N, "skipped":
+        [{"step", "reason"}], "generation": G, "source": "local"|"peer"|"persistent"}` (None before any; `source`, the farthest
         tier any process read the step from, once a step was restored). With a local tier each entry also has "tier": "local" (this host's copy
         could not be read, marked bad, the persistent tier's copy of that step was read instead) or
         "all" (no tier could serve it on some process: skipped); and "local_misses" lists this

@@ -114,6 +114,7 @@ class Restorer:
         out = self._read(t.local, t.local.data_path(step), step, target, items)
         if step == self.asked_from_env and t.is_primary:
             timelines.record_rollback(t.local.storage, t.local.root, t.epoch, step, committed[-1])
+        self._report(step, [], source="persistent")  # a pinned step reports like any other (status.history)
         return out
 
     def newest_good(self, target: Mapping[str, Any] | None, items: Iterable[str] | None) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from resilax_ckpt import fencing, layout
-from resilax_ckpt.storage import Storage
+from resilax_ckpt.storage import ReadStorage, Storage
 
 #: Why a hidden step's copy is kept: it failed to restore, or it belongs to an abandoned timeline.
 BAD = "bad"
@@ -175,7 +175,7 @@ def kept_attempts(kept: Iterable[Kept], step: int) -> set[str]:
 # ---------------------------------------------------------------- records on a library Storage
 
 
-def read_branches(storage: Storage, root: str) -> list[Branch]:
+def read_branches(storage: ReadStorage, root: str) -> list[Branch]:
     folder = storage.join(root, layout.BRANCHES_DIR)
     out = []
     for name in storage.list_dir(folder):

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 
 from resilax_ckpt import fencing, layout, timelines
-from resilax_ckpt.storage import Storage
+from resilax_ckpt.storage import ReadStorage, Storage
 
 
-def read_marker_epoch(storage: Storage, step_path: str, marker: str = layout.COMMIT_FILE) -> fencing.Epoch:
+def read_marker_epoch(storage: ReadStorage, step_path: str, marker: str = layout.COMMIT_FILE) -> fencing.Epoch:
     return fencing.parse_marker_epoch(storage.read_bytes(storage.join(step_path, marker)))
 
 
@@ -31,7 +31,7 @@ def list_committed(storage: Storage, root: str, marker: str = layout.COMMIT_FILE
     return sorted(steps)
 
 
-def read_bad(storage: Storage, root: str) -> dict[int, str]:
+def read_bad(storage: ReadStorage, root: str) -> dict[int, str]:
     """Steps marked bad (a restore found them corrupt): step to the reason."""
     out: dict[int, str] = {}
     folder = storage.join(root, layout.BAD_DIR)
@@ -84,30 +84,66 @@ def scan_steps(storage: Storage, root: str, marker: str = layout.COMMIT_FILE, us
     committed = list_committed(storage, root, marker)
     if not use_fences:
         return StepsView([s for s in committed if s not in bad], {s: r for s, r in bad.items() if s in committed})
-    fences = fencing.read_fences(storage, root)
-    branches = timelines.read_branches(storage, root)
-    floors = [f for f in (fencing.min_fenceable_step(fences), timelines.min_branch_parent(branches)) if f is not None]
-    floor = min(floors) if floors else None
+    hiding = _Hiding.read(storage, root)
     view = StepsView([], {s: r for s, r in bad.items() if s in committed})
     for step in committed:
-        if floor is None or step <= floor:
+        hiding.place(view, storage, root, step, marker, bad)
+    return view
+
+
+def newest_visible(storage: ReadStorage, root: str, marker: str = layout.COMMIT_FILE) -> int | None:
+    """The newest visible committed step (the last of `list_visible`), or None: the step folders are
+    looked at newest first and the walk stops at the first visible one, so a reader that wants only
+    the newest (the sidecar's state, the operator's status through it) reads a few markers, not all."""
+    bad = read_bad(storage, root)
+    hiding = _Hiding.read(storage, root)
+    view = StepsView([])
+    names = (layout.parse_step(n) for n in storage.list_dir(root))
+    for step in sorted((s for s in names if s is not None), reverse=True):
+        if storage.exists(storage.join(root, layout.step_name(step), marker)):
+            hiding.place(view, storage, root, step, marker, bad)
+            if view.visible:
+                return view.visible[0]
+    return None
+
+
+@dataclass(frozen=True)
+class _Hiding:
+    """The fences and branch records of a root, and the step at or below which neither hides anything."""
+
+    fences: dict[fencing.Epoch, int | None]
+    branches: list[timelines.Branch]
+    floor: int | None
+
+    @staticmethod
+    def read(storage: ReadStorage, root: str) -> _Hiding:
+        fences = fencing.read_fences(storage, root)
+        branches = timelines.read_branches(storage, root)
+        floors = [f for f in (fencing.min_fenceable_step(fences), timelines.min_branch_parent(branches))
+                  if f is not None]
+        return _Hiding(fences, branches, min(floors) if floors else None)
+
+    def place(self, view: StepsView, storage: ReadStorage, root: str, step: int, marker: str,
+              bad: dict[int, str]) -> None:
+        """Add the committed `step` to the part of `view` it belongs to (read its marker's epoch only
+        above the floor; a step deleted since the listing is left out)."""
+        if self.floor is None or step <= self.floor:
             if step not in bad:
                 view.visible.append(step)
-            continue
+            return
         try:
             epoch = read_marker_epoch(storage, storage.join(root, layout.step_name(step)), marker)
         except FileNotFoundError:
-            continue  # deleted since the listing (retention, a sidecar's): no longer committed
-        branch = timelines.decide_superseded(step, epoch, branches)
+            return  # deleted since the listing (retention, a sidecar's): no longer committed
+        branch = timelines.decide_superseded(step, epoch, self.branches)
         if branch is not None:  # also when bad: both hide it, both keep it
             view.superseded[step] = branch
         elif step in bad:
-            continue
-        elif fencing.decide_visible(step, epoch, fences):
+            return
+        elif fencing.decide_visible(step, epoch, self.fences):
             view.visible.append(step)
         else:
             view.fenced.append(step)
-    return view
 
 
 def list_visible(storage: Storage, root: str, marker: str = layout.COMMIT_FILE,

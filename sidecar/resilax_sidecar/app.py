@@ -22,17 +22,16 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from resilax_ckpt import layout
 from resilax_ckpt import trainer_control as tc
 from resilax_ckpt.requests import read_restore_report
 from resilax_ckpt.trainer_metrics import read_trainer_figures
 
 from resilax_sidecar import control, node_sweep
 from resilax_sidecar.config import SidecarConfig, log_level_number
+from resilax_sidecar.direct_view import DirectView
 from resilax_sidecar.errors import ConfigError
 from resilax_sidecar.last_words import build_last_words, write_last_words
 from resilax_sidecar.log_format import configure_logging
@@ -40,29 +39,11 @@ from resilax_sidecar.metrics import CompileCacheLog, SidecarMetrics
 from resilax_sidecar.peers import Replicator
 from resilax_sidecar.routes import build_app
 from resilax_sidecar.store import BlobStore, open_store
-from resilax_sidecar.uploader import (
-    IDLE_SCAN_SECONDS,
-    SAVE_SETTLE_SECONDS,
-    Uploader,
-    list_local_steps,
-    plan_direct_listing,
-)
+from resilax_sidecar.uploader import Uploader, list_local_steps
 
 log = logging.getLogger(__name__)
 
 _WATCH_SECONDS = 0.2
-
-
-@dataclass
-class DirectView:
-    """What a sidecar without an uploader last listed of the persistent tier (`Sidecar._newest_persisted`)."""
-
-    listed_at: float | None = None
-    newest: int | None = None
-    saves: int | None = None
-    """The trainer's save count at the last look."""
-    looking_until: float = 0.0
-    """Until then (monotonic), a save of the trainer's may be committing: listed once a poll."""
 
 
 class Sidecar:
@@ -184,27 +165,11 @@ class Sidecar:
     # ---- state ---------------------------------------------------------------------------------
 
     def _newest_persisted(self) -> int | None:
-        """Without an uploader: the persistent tier's newest committed step, listed as
-        `uploader.plan_direct_listing` says (once a poll while the trainer's newest save may be
-        committing, else once every IDLE_SCAN_SECONDS)."""
+        """Without an uploader: the persistent tier's newest visible committed step (direct_view.py)."""
         if self.store is None:
             return None
-        now, view = time.monotonic(), self._direct_view
         saves = (read_trainer_figures(str(self.config.control_dir)) or {}).get("saves")
-        if saves != view.saves:
-            if view.saves is not None:  # a save since the last look: its commit comes within seconds
-                view.looking_until = now + SAVE_SETTLE_SECONDS
-            view.saves = saves
-        since = None if view.listed_at is None else now - view.listed_at
-        if not plan_direct_listing(since, self.stopping or now < view.looking_until, self.config.poll_seconds,
-                                   IDLE_SCAN_SECONDS):
-            return view.newest
-        steps = sorted((s for s in map(layout.parse_step, self.store.list_dir("")) if s is not None), reverse=True)
-        newest = next((s for s in steps if self.store.stat(f"{s}/{layout.COMMIT_FILE}") is not None), None)
-        if view.listed_at is not None and newest != view.newest:
-            view.looking_until = 0.0  # the save's commit is seen
-        view.listed_at, view.newest = now, newest
-        return newest
+        return self._direct_view.look(self.store, time.monotonic(), saves, self.stopping, self.config.poll_seconds)
 
     async def state_json(self) -> dict[str, Any]:
         cfg = self.config

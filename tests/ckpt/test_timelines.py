@@ -23,7 +23,7 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import commit, fencing, layout, timelines
+from resilax_ckpt import commit, fencing, layout, requests, timelines, visibility
 from resilax_ckpt.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
@@ -127,6 +127,7 @@ def test_a_rollback_on_one_tier_hides_and_keeps_the_old_timeline(how: str, where
             mgr.save(step, _state(step, NEW))
             assert step in mgr.steps(), f"retention deleted the new branch's step {step}: {mgr.steps()}"
         assert mgr.steps() == [parent, *new_steps[-2:]]
+        assert visibility.newest_visible(storage, root) == new_steps[-1]
 
     with _manager(root, 3, keep_last=2) as mgr:  # a later generation: the new branch, restored whole
         assert mgr.steps() == [parent, *new_steps[-2:]]
@@ -149,6 +150,22 @@ def test_a_rollback_on_one_tier_hides_and_keeps_the_old_timeline(how: str, where
     branches = timelines.read_branches(storage, root)
     assert [(b.epoch[1], b.parent) for b in branches] == [(2, parent)]
     assert fencing.claim_era(storage, root, "uid-a") == branches[0].epoch[0]
+
+
+def test_a_pinned_restore_writes_its_report_like_any_restore(tmp_path: Path, devices) -> None:
+    """RESILAX_RESTORE_STEP=<n> (a rollback) reports the restored step and its source, in the manager
+    and in `$RESILAX_CONTROL_DIR/restore.json` (what the sidecar serves and status.history shows as
+    restoredStep/restoredFrom), as a restore of the newest step does (issue 40, item 6)."""
+    root, control = str(tmp_path / "run"), tmp_path / "control"
+    with _manager(root, 1) as mgr:
+        for step in (100, 200, 300):
+            mgr.save(step, _state(step))
+    with _manager(root, 2, control_dir=str(control)) as mgr:
+        _check(mgr.restore(mgr.restore_step_from_env({"RESILAX_RESTORE_STEP": "100"})), 100, 0)
+        want = {"step": 100, "skipped": [], "generation": 2, "source": "persistent"}
+        assert mgr.restore_report == want
+        assert requests.read_restore_report(str(control)) == want
+        assert visibility.newest_visible(open_storage(root), root) == 100  # 200 and 300 are superseded
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """The sidecar reads and writes the checkpoint format through the library's JAX-free format modules
-(layout, fencing, requests): one source of the names and rules, and no JAX in the sidecar."""
+(layout, fencing, requests, visibility): one source of the names and rules, and no JAX in the sidecar."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import sys
 
 from resilax_ckpt import layout as ckpt_layout
 from resilax_ckpt import requests as ckpt_requests
-from resilax_sidecar import app, control, uploader
+from resilax_ckpt import visibility as ckpt_visibility
+from resilax_sidecar import control, direct_view, uploader
 
 
 def test_the_sidecar_uses_the_library_format_modules():
-    assert uploader.layout is ckpt_layout and app.layout is ckpt_layout
+    assert uploader.layout is ckpt_layout and direct_view.visibility is ckpt_visibility
     assert (control.REQUESTS_DIR, control.RESULTS_DIR, control.TRAINER_LOCK) == (
         ckpt_requests.REQUESTS_DIR, ckpt_requests.RESULTS_DIR, ckpt_requests.TRAINER_LOCK)
 
