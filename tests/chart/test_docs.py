@@ -10,7 +10,9 @@ import pytest
 from chart_helpers import ROOT, doc_jaxjobs, operator_rules
 
 DOCS = [ROOT / "README.md", ROOT / "docs" / "user-guide.md", ROOT / "docs" / "operations.md",
-        ROOT / "docs" / "benchmarks.md", ROOT / "bench" / "results" / "CHANGELOG.md"]
+        ROOT / "docs" / "benchmarks.md", ROOT / "bench" / "results" / "CHANGELOG.md",
+        *(ROOT / "docs" / page for page in ("uninstall.md", "faq.md", "comparison.md", "api-versioning.md")),
+        ROOT / "CHANGELOG.md"]
 
 
 def github_anchor(heading: str) -> str:
