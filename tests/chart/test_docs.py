@@ -153,3 +153,30 @@ def test_docs_name_our_jaxjob_unambiguously() -> None:
     bare = re.compile(r"kubectl (?:[^`|\n]* )?jaxjobs?(?![.\w])")
     found = [f"{page.name}: {m.group(0)}" for page in pages for m in bare.finditer(page.read_text())]
     assert found == []
+
+
+def test_uninstall_page_names_the_operators_finalizer_and_the_charts_crds() -> None:
+    """docs/uninstall.md's finalizer and CRD names are the ones the operator sets and the chart installs
+    (issue 41): a renamed finalizer or a new CRD would leave the documented uninstall incomplete."""
+    import yaml
+    from resilax_operator.handlers import FINALIZER
+
+    text = (ROOT / "docs" / "uninstall.md").read_text()
+    assert f"`{FINALIZER}`" in text
+    assert """--type=merge -p '{"metadata":{"finalizers":null}}'""" in text
+    crds = {doc["metadata"]["name"] for path in sorted((ROOT / "charts" / "resilax" / "crds").glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc}
+    deleted = {name for line in text.splitlines() if line.startswith("kubectl delete crd ")
+               for name in line.split("#")[0].split()[3:]}
+    assert deleted == crds
+
+
+def test_goodput_name_mapping_covers_every_bucket_once() -> None:
+    """operations.md's table from our goodput buckets to ml-goodput-measurement's names has a row for
+    every bucket of goodput.BUCKETS and no other (issue 41)."""
+    from resilax_operator import goodput as gp
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = text[text.index("| our bucket | ml-goodput-measurement |"):].split("\n\n", 1)[0]
+    named = [name for row in table.splitlines()[2:] for name in re.findall(r"`(\w+)`", row.split("|")[1])]
+    assert sorted(named) == sorted(gp.BUCKETS)
