@@ -411,11 +411,28 @@ def run_check(settings: HealthSettings, result_path: str | None) -> int:
 
     threading.Thread(target=watchdog, name="health-check-bound", daemon=True).start()
     measure(settings, progress)
-    done.set()
     code = finish(None)
     if settings.num_processes > 1:
-        os._exit(code)  # jax.distributed's shutdown would wait for every peer; the result is out
+        if code == EXIT_HEALTHY:
+            _leave_together()
+        os._exit(code)  # an unhealthy one leaves at once: jax.distributed's shutdown would wait for every peer
+    done.set()
     return code
+
+
+def _leave_together() -> None:
+    """A healthy process of several leaves through jax.distributed's shutdown barrier, still within the
+    watchdog's bound: one that exits as soon as its own psum returned can close its collective
+    connections while a peer still reads its last message ("Gloo all-reduce failed: Connection
+    closed by peer"), which failed that peer's check. Every process reaches the barrier only after its
+    psum completed, so none leaves while a collective is in flight."""
+    import jax
+
+    try:
+        jax.distributed.shutdown()
+    except Exception as e:  # the result is out already; a peer that left early is no reason to fail
+        print(f"resilax health-check: leaving the slice's processes: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str]) -> int:
