@@ -20,6 +20,7 @@ import secrets
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Iterator, Mapping
 from datetime import datetime
 from typing import Any, Final
@@ -43,6 +44,15 @@ API_TIMEOUT: Final = 20.0
 SIDECAR_CONNECT_SECONDS: Final = 2.0
 #: Seconds for one whole sidecar request: connect, send, the answer's headers and body.
 TOKEN_RECHECK_SECONDS: Final = api.TOKEN_RECHECK_SECONDS
+
+
+def token_recheck_due(uid: str, read_at: float | None, now: float, period: float = TOKEN_RECHECK_SECONDS) -> bool:
+    """Whether a job's token Secret is read again (pure): once per `period`, at the job's own phase of it
+    (from its uid), so that jobs started together do not all read at once."""
+    if read_at is None:
+        return True
+    phase = zlib.crc32(uid.encode()) % max(1, int(period))
+    return (now + phase) // period > (read_at + phase) // period
 TOKEN_GRACE_SECONDS: Final = 600.0
 """How long after a rotation the operator still tries the previous token on a sidecar that refuses the
 new one (403): the kubelet refreshes a mounted Secret's file within about a minute; until then that
@@ -270,14 +280,14 @@ class Kube:
     # ---- the sidecars' token ---------------------------------------------------------------
     def ensure_token_secret(self, job: Any, *, check: bool = False) -> str:
         """The job's sidecar token, from its Secret, read again when `check` or when the copy here is
-        older than TOKEN_RECHECK_SECONDS. A missing Secret (deleted: that is how a token is rotated,
+        due again (`token_recheck_due`). A missing Secret (deleted: that is how a token is rotated,
         docs/sidecar.md "Auth") is created with a new random token, never the one known here: the
         kubelet passes it on to the sidecars' mounted file, and the old token stops working there. A
         Secret of that name that the job does not own is a NameConflictError: its token is never used.
         `check`: before creating pods that mount it (a deleted Secret would leave them starting
         forever). `job` is a builders.JobRef."""
         cached = self._tokens.get(job.uid)
-        if cached and not check and self.clock() - self._token_read_at.get(job.uid, 0.0) < TOKEN_RECHECK_SECONDS:
+        if cached and not check and not token_recheck_due(job.uid, self._token_read_at.get(job.uid), self.clock()):
             return cached
         name = build_token_secret_name(job.name)
         secret = self.request("GET", f"/api/v1/namespaces/{job.namespace}/secrets/{name}", ok=(404,))

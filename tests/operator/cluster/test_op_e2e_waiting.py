@@ -104,7 +104,7 @@ def test_ownership_by_uid_a_squatter_pod_a_deleted_token_secret_a_missing_volume
     """1. A pod created beforehand with the first worker's name and labels (no owner) is not adopted:
     NameConflict names it, nothing touches it; once it is gone the job runs with a pod of its own.
     2. The token Secret deleted while the job runs: the next generation (a worker pod deleted) re-creates
-    it before its pods, which start (without, they would wait in PodInitializing: the node agent keeps a
+    it, with a new token (a deleted Secret rotates the token: docs/sidecar.md, "Auth"), before its pods, which start (without, they would wait in PodInitializing: the node agent keeps a
     pod with a missing Secret volume there, as a kubelet does), so no ContainerWaiting report comes.
     3. A template mounting a Secret that does not exist: past the timeout (20 s here) Ready=False
     ContainerWaiting names the start-up state; nothing is torn down; the Secret created, the job runs."""
@@ -146,7 +146,7 @@ def test_ownership_by_uid_a_squatter_pod_a_deleted_token_secret_a_missing_volume
     status = jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 180,
                               "generation 2 Running")
     recreated = kube.get(secret)
-    assert recreated["data"]["token"] == token and recreated["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert recreated["data"]["token"] != token and recreated["metadata"]["ownerReferences"][0]["uid"] == uid
     assert "ContainerWaiting" not in jobs.event_reasons(name), jobs.event_reasons(name)
 
     volume = unique_name("later")

@@ -245,3 +245,23 @@ def test_a_pod_recreated_under_a_workers_name_since_it_was_observed_is_not_delet
     execute.execute(fake, fake.cache, world, [action], SETTINGS, LOG)  # type: ignore[arg-type]
     assert fake.objects[path]["metadata"]["uid"] == "uid-squatter"
     assert ("DELETE", f"/api/v1/namespaces/{NS}/pods/other") not in fake.requests  # not a pod of the job's
+
+
+def test_token_rechecks_of_jobs_started_together_spread_over_the_period() -> None:
+    """Each job reads its token Secret again once per period at its own phase (k8s.token_recheck_due):
+    a first read is always due, a job is due exactly once per period, and twenty jobs read at the same
+    moment come due at different times, never all in one 30 s window (issue 27's request budget)."""
+    from resilax_operator.k8s import token_recheck_due
+
+    period = 600.0
+    assert token_recheck_due("uid-a", None, 5.0, period)
+    uids = [f"00000000-0000-0000-0000-{n:012d}" for n in range(20)]
+    due_at = {}
+    for uid in uids:
+        times = [t for t in range(1, 1201) if token_recheck_due(uid, 0.0, float(t), period)]
+        assert times and times[0] <= period, (uid, times[:3])
+        due_at[uid] = times[0]
+        assert not token_recheck_due(uid, float(times[0]), float(times[0]) + period - 1, period)
+        assert token_recheck_due(uid, float(times[0]), float(times[0]) + period, period)
+    window_counts = [sum(1 for t in due_at.values() if start <= t < start + 30) for start in range(0, 600)]
+    assert len(set(due_at.values())) > 10 and max(window_counts) <= 10, sorted(due_at.values())
