@@ -32,7 +32,8 @@ def test_a_node_that_fails_its_check_gets_no_trainer_of_the_new_generation(
                               "generation 2 Running after the failed check")
     [entry] = status["unhealthyNodes"]
     assert entry["node"] == BAD_NODE and entry["part"] == "matmul" and entry["failures"] == 1, entry
-    assert entry["generation"] == 1 and entry["pod"] == f"{name}-g1-s0-h1", entry
+    # the scheduler places either host of slice 0 on the bad node
+    assert entry["generation"] == 1 and entry["pod"] in {f"{name}-g1-s0-h0", f"{name}-g1-s0-h1"}, entry
     assert "wrong checksum on local device 0" in entry["reason"], entry
     condition = next(c for c in status["conditions"] if c["type"] == "UnhealthyNodes")
     assert condition["status"] == "True" and condition["reason"] == "NodesKeptOut", condition
