@@ -100,6 +100,21 @@ def min_branch_parent(branches: Iterable[Branch]) -> int | None:
     return min((b.parent for b in branches), default=None)
 
 
+def newest_branch(branches: Iterable[Branch]) -> Branch | None:
+    """The rollback the current branch comes from: the branch record of the newest epoch, or None when
+    the root never rolled back (pure). Readers that report a newest step report it with this, so that
+    a step seen before a rollback is never taken for newer than one seen after it."""
+    return max(branches, key=lambda b: b.epoch, default=None)
+
+
+def describe_branch(branch: Branch | None) -> dict[str, int] | None:
+    """`newest_branch` as the sidecar's state and last words say it: {"era", "generation", "parent"}."""
+    if branch is None:
+        return None
+    era, generation = branch.epoch
+    return {"era": era, "generation": generation, "parent": branch.parent}
+
+
 def decide_branch(restored: int, newest_visible: int | None, epoch: fencing.Epoch) -> Branch | None:
     """The branch record a restore of `restored` needs, or None when it restores the newest visible
     step (nothing to hide) (pure)."""

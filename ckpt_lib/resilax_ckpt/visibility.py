@@ -95,16 +95,24 @@ def newest_visible(storage: ReadStorage, root: str, marker: str = layout.COMMIT_
     """The newest visible committed step (the last of `list_visible`), or None: the step folders are
     looked at newest first and the walk stops at the first visible one, so a reader that wants only
     the newest (the sidecar's state, the operator's status through it) reads a few markers, not all."""
+    return newest_visible_on_branch(storage, root, marker)[0]
+
+
+def newest_visible_on_branch(storage: ReadStorage, root: str, marker: str = layout.COMMIT_FILE
+                             ) -> tuple[int | None, timelines.Branch | None]:
+    """`newest_visible`, and the rollback its branch comes from (`timelines.newest_branch`; None: the
+    root never rolled back), read in the same pass."""
     bad = read_bad(storage, root)
     hiding = _Hiding.read(storage, root)
+    branch = timelines.newest_branch(hiding.branches)
     view = StepsView([])
     names = (layout.parse_step(n) for n in storage.list_dir(root))
     for step in sorted((s for s in names if s is not None), reverse=True):
         if storage.exists(storage.join(root, layout.step_name(step), marker)):
             hiding.place(view, storage, root, step, marker, bad)
             if view.visible:
-                return view.visible[0]
-    return None
+                return view.visible[0], branch
+    return None, branch
 
 
 @dataclass(frozen=True)

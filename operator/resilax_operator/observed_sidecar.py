@@ -13,8 +13,8 @@ from typing import Any, Final
 
 from . import api
 from . import status as st
+from .checkpoint_status import CheckpointInfo, parse_branch
 from .ownership import owner_uid
-from .status import CheckpointInfo
 
 
 @dataclass(frozen=True)
@@ -149,10 +149,11 @@ def parse_sidecar_state(body: Mapping[str, Any], now: datetime) -> CheckpointInf
     """The sidecar's `GET /v1/state` answer → the newest checkpoint it knows (persisted beats local).
     `time` is when the operator first saw the step (the status keeps the first time it saw it)."""
     persisted, local = body.get("newest_persisted_step"), body.get("newest_local_step")
+    branch = parse_branch(body.get("branch"))  # the rollback its branch comes from (checkpoint_status.py)
     if persisted is not None:
-        return CheckpointInfo(int(persisted), st.truncate(now), True, "persistent")
+        return CheckpointInfo(int(persisted), st.truncate(now), True, "persistent", branch)
     if local is not None:
-        return CheckpointInfo(int(local), st.truncate(now), True, "local")
+        return CheckpointInfo(int(local), st.truncate(now), True, "local", branch)
     return None
 
 

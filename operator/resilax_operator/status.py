@@ -14,6 +14,9 @@ from typing import Any, Final
 
 from . import api
 from . import goodput as gp
+from .checkpoint_status import CheckpointInfo as CheckpointInfo
+from .checkpoint_status import build_branch, parse_branch
+from .checkpoint_status import newer_checkpoint as newer_checkpoint
 from .generation import worker_pod_names
 from .history import HistoryEntry, build_history, parse_history
 from .merge_patch import merge_patch
@@ -100,16 +103,6 @@ class InPlace:
     not_before: datetime | None = None
     reason: str = ""  #: the Event reason of the finding that started it (status.history's endReason)
     message: str = ""  #: and its message
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """The newest checkpoint the operator knows of."""
-
-    step: int
-    time: datetime | None = None
-    committed: bool = True
-    tier: str = "persistent"
 
 
 @dataclass(frozen=True)
@@ -238,7 +231,7 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
     checkpoint = None
     if ck and ck.get("step") is not None:
         checkpoint = CheckpointInfo(int(ck["step"]), parse_time(ck.get("time")), bool(ck.get("committed", True)),
-                                    str(ck.get("tier", "persistent")))
+                                    str(ck.get("tier", "persistent")), parse_branch(ck.get("branch")))
     conditions = tuple(
         Condition(str(c["type"]), str(c.get("status", "Unknown")), str(c.get("reason", "")),
                   str(c.get("message", "")), parse_time(c.get("lastTransitionTime")))
@@ -348,7 +341,8 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "timings": {"finalSaveSeconds": status.final_save_seconds, "restartSeconds": status.restart_seconds}
         if status.final_save_seconds is not None or status.restart_seconds is not None else None,
         "checkpoint": None if ck is None else {
-            "step": ck.step, "time": format_time(ck.time), "committed": ck.committed, "tier": ck.tier},
+            "step": ck.step, "time": format_time(ck.time), "committed": ck.committed, "tier": ck.tier,
+            "branch": build_branch(ck.branch)},
         "goodput": None if status.goodput is None else build_goodput(status.goodput),
         "lastValidSpec": None if status.last_valid_spec is None else {
             "generation": status.last_valid_spec.generation, "spec": without_nulls(status.last_valid_spec.spec)},
@@ -398,16 +392,6 @@ def phase_for(transition: Transition | None, *, first: bool) -> str:
     if transition.kind == SUSPEND:
         return api.PHASE_SUSPENDED
     return api.PHASE_RESIZING if transition.kind in RESHAPE_KINDS else api.PHASE_RECOVERING
-
-
-def newer_checkpoint(current: CheckpointInfo | None, seen: CheckpointInfo | None) -> CheckpointInfo | None:
-    """The newer of two checkpoints (committed persistent beats local at the same step)."""
-    if seen is None:
-        return current
-    if current is None or (seen.step, seen.committed, seen.tier == "persistent") > (
-            current.step, current.committed, current.tier == "persistent"):
-        return seen
-    return current
 
 
 # ---- status.goodput -------------------------------------------------------------------------------------

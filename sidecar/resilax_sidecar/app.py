@@ -207,8 +207,9 @@ class Sidecar:
             )
             try:
                 state["newest_persisted_step"] = await asyncio.to_thread(self._newest_persisted)
+                state["branch"] = self._direct_view.branch
             except OSError as e:
-                state["newest_persisted_step"] = None
+                state["newest_persisted_step"] = state["branch"] = None
                 state["last_error"] = str(e)
         return state
 

@@ -1,8 +1,8 @@
 """What a sidecar without an uploader tells of the persistent tier: its newest visible step.
 
 Without a local tier the trainer saves straight into the persistent tier and no uploader lists it; the
-sidecar's state (`newest_persisted_step`, which the operator's status.checkpoint.step, history,
-freshness annotation and steps at risk follow) comes from here. The step is the one a restore would
+sidecar's state (`newest_persisted_step` and the rollback its `branch` comes from, which the operator's
+status.checkpoint, history, freshness annotation and steps at risk follow) comes from here. The step is the one a restore would
 see newest, by the library's own rules (resilax_ckpt.visibility.newest_visible): a step on a timeline
 a rollback abandoned, one a restore marked bad and one a replaced generation committed after a newer
 one started are never reported (docs/checkpointing.md, "Timelines").
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from resilax_ckpt import visibility
+from resilax_ckpt import timelines, visibility
 
 from resilax_sidecar.store import BlobStore
 from resilax_sidecar.uploader import IDLE_SCAN_SECONDS, SAVE_SETTLE_SECONDS, plan_direct_listing
@@ -44,6 +44,8 @@ class DirectView:
 
     listed_at: float | None = None
     newest: int | None = None
+    branch: dict[str, int] | None = None
+    """The rollback `newest`'s branch comes from (resilax_ckpt.timelines.describe_branch), same listing."""
     saves: int | None = None
     """The trainer's save count at the last look."""
     looking_until: float = 0.0
@@ -60,8 +62,8 @@ class DirectView:
         since = None if self.listed_at is None else now - self.listed_at
         if not plan_direct_listing(since, stopping or now < self.looking_until, poll_seconds, IDLE_SCAN_SECONDS):
             return self.newest
-        newest = visibility.newest_visible(StoreReader(store), "")
+        newest, branch = visibility.newest_visible_on_branch(StoreReader(store), "")
         if self.listed_at is not None and newest != self.newest:
             self.looking_until = 0.0  # the save's commit is seen
-        self.listed_at, self.newest = now, newest
+        self.listed_at, self.newest, self.branch = now, newest, timelines.describe_branch(branch)
         return newest

@@ -7,7 +7,8 @@ trainer exited), often before the operator's next look at `/v1/state`. Its last 
 operator's accounting (docs/architecture.md, "Exact accounting"):
 * the trainer's last step and when it reached it (`trainer`: the figures of resilax_ckpt.trainer_metrics,
   the ones the operator reads), so the steps a recovery lost are counted exactly;
-* the newest committed steps (`newest_persisted_step`, `newest_local_step`);
+* the newest committed steps (`newest_persisted_step`, `newest_local_step`) and the rollback their branch
+  comes from (`branch`), so that words left before a rollback never outrank a step seen after it;
 * the final save (`final_save`: the sidecar's id of the stop request it waited for, as `GET /v1/save/{id}`
   answers it), so a final save committed just before the workers exited is recorded.
 
@@ -30,7 +31,7 @@ MAX_BYTES: Final = 4096
 #: The trainer figures the operator reads (observed_sidecar.parse_trainer_report, parse_host_figures).
 TRAINER_KEYS: Final = ("generation", "step", "step_time", "first_step", "first_step_time", "save_blocking_seconds",
                        "restores", "last_restore_seconds", "restored_time", "heartbeat", "phase")
-STATE_KEYS: Final = ("generation", "process_id", "newest_persisted_step", "newest_local_step")
+STATE_KEYS: Final = ("generation", "process_id", "newest_persisted_step", "newest_local_step", "branch")
 SAVE_KEYS: Final = ("id", "status", "step", "committed", "error")
 
 

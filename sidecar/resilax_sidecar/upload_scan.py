@@ -343,6 +343,10 @@ class TierView:
                           if isinstance(r, timelines.Branch)]
         return self._branches
 
+    def newest_branch(self) -> timelines.Branch | None:
+        """The newest rollback of the branch records last read (no storage I/O)."""
+        return timelines.newest_branch(self._branches or [])
+
     _branches: list[timelines.Branch] | None = None
     _branches_local: tuple[int, ...] = ()
 

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilax_ckpt import fencing, layout
+from resilax_ckpt import fencing, layout, timelines
 from resilax_ckpt.requests import read_stop_record
 
 from resilax_sidecar.config import SidecarConfig
@@ -86,6 +86,8 @@ class UploadState:
 
     newest_local: int | None = None
     newest_persisted: int | None = None
+    branch: dict[str, int] | None = None
+    """The rollback the newest steps' branch comes from (resilax_ckpt.timelines.describe_branch)."""
     in_flight: int | None = None
     last_error: str | None = None
     last_error_time: float | None = None
@@ -98,6 +100,7 @@ class UploadState:
         return {
             "newest_local_step": self.newest_local,
             "newest_persisted_step": self.newest_persisted,
+            "branch": self.branch,
             "upload_in_flight": self.in_flight,
             "last_error": self.last_error,
             "last_error_time": self.last_error_time,
@@ -361,6 +364,7 @@ class Uploader:
         newest_persisted = max(persisted, default=None)
         self.state.newest_local = newest_local
         self.state.newest_persisted = newest_persisted
+        self.state.branch = timelines.describe_branch(self.view.newest_branch())
         self.state.committed_steps = sorted(persisted)
         self.metrics.newest_step.labels(tier="local").set(-1 if newest_local is None else newest_local)
         self.metrics.newest_step.labels(tier="persistent").set(

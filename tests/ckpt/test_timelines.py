@@ -350,6 +350,7 @@ def test_persisted_means_this_saves_own_attempt_not_a_step_number(tmp_path: Path
     uploaders = start_uploaders()
     uploaders[0].run_once()  # without a branch record 300 is the newest persisted step: 250 waits
     assert uploaders[0].state.committed_steps == [300]
+    assert uploaders[0].state.to_json()["branch"] is None  # no rollback yet
     assert not uploaders[0].wait_persisted(250, 0), "an older generation's step 300 made save 250 'persisted'"
     # The rollback recorded (generation 3 restored 200, before saving 250; its sidecars start): 300 is
     # superseded, 250 is uploaded and persisted.
@@ -361,5 +362,7 @@ def test_persisted_means_this_saves_own_attempt_not_a_step_number(tmp_path: Path
     uploaders[1].run_once()
     uploaders[0].run_once()
     assert uploaders[0].wait_persisted(250, 0) and uploaders[1].wait_persisted(250, 0)
+    # The state says the rollback its steps' branch comes from (the operator orders by it).
+    assert uploaders[0].state.to_json()["branch"] == {"era": 0, "generation": 3, "parent": 200}
     assert commit.list_visible(storage, str(persistent)) == [250]
     assert commit.list_superseded(storage, str(persistent)) == [300]

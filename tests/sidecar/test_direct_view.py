@@ -31,15 +31,20 @@ def _state(step: int) -> dict:
     return {"w": jnp.arange(8, dtype=jnp.float32) + step}
 
 
-def _reported(root: Path, home: Path) -> int | None:
-    """What a fresh sidecar of the job (no local tier) reports as its newest persisted step."""
+def _state_of(root: Path, home: Path) -> dict:
+    """The state of a fresh sidecar of the job (no local tier)."""
     home.mkdir(exist_ok=True)
     config = SidecarConfig.from_env({**build_sidecar_env(home), "RESILAX_CHECKPOINT_DIR": str(root)})
     sidecar = Sidecar(config)
     sidecar.store = LocalFolderStore(root)
     state = asyncio.run(sidecar.state_json())
     assert state["last_error"] is None
-    return state["newest_persisted_step"]
+    return state
+
+
+def _reported(root: Path, home: Path) -> int | None:
+    """What a fresh sidecar of the job (no local tier) reports as its newest persisted step."""
+    return _state_of(root, home)["newest_persisted_step"]
 
 
 def test_after_a_rollback_the_sidecar_reports_the_new_branch_never_the_abandoned_timeline(tmp_path: Path) -> None:
@@ -48,6 +53,7 @@ def test_after_a_rollback_the_sidecar_reports_the_new_branch_never_the_abandoned
         for step in (4, 8, 40, 44):
             mgr.save(step, _state(step))
     assert _reported(root, tmp_path / "s1") == 44
+    assert _state_of(root, tmp_path / "s1")["branch"] is None  # never rolled back
 
     with _manager(root, 2) as mgr:  # applied again with checkpoint.restore.step: 8
         out = mgr.restore(mgr.restore_step_from_env({"RESILAX_RESTORE_STEP": "8"}))
@@ -55,6 +61,9 @@ def test_after_a_rollback_the_sidecar_reports_the_new_branch_never_the_abandoned
         assert mgr.superseded_steps() == [40, 44]
         # The branch record is written before the restore returns: 40 and 44 are hidden at once.
         assert _reported(root, tmp_path / "s2") == 8
+        # ... and the state names the rollback (era of job uid-a, generation 2, parent 8): the operator
+        # never takes the 44 that words left before it for newer (operator/checkpoint_status.py).
+        assert _state_of(root, tmp_path / "s2")["branch"] == {"era": 1, "generation": 2, "parent": 8}
         for step in (12, 16):
             mgr.save(step, _state(step))
             assert _reported(root, tmp_path / f"s2-{step}") == step

@@ -76,7 +76,9 @@ def progress(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
             generation=g, detail="the workers exited" if all_ended else "a node was lost"))
     checkpoint, took = s.checkpoint, s.final_save_seconds
     if outcome is not None and outcome.committed and outcome.step is not None:
-        checkpoint = st.newer_checkpoint(checkpoint, CheckpointInfo(outcome.step, st.truncate(now), True))
+        # the current generation's own step: on the branch the status knows (checkpoint_status.py)
+        checkpoint = st.newer_checkpoint(checkpoint, CheckpointInfo(
+            outcome.step, st.truncate(now), True, branch=checkpoint.branch if checkpoint else None))
         took = math.ceil((now - t.since).total_seconds())
     done = replace(t, save_done=True, teardown_since=st.truncate(now))
     new = replace(s, transition=done, checkpoint=checkpoint, phase=st.phase_for(done, first=False),
