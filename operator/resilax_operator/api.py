@@ -279,6 +279,8 @@ STRAGGLER_DETECTED = Reason(
 IN_PLACE_UNAVAILABLE = Reason("InPlaceUnavailable", "generation {generation}: every pod replaced, not in place: {why}")
 IN_PLACE_STOP_TIMEOUT = Reason("InPlaceStopTimeout", "generation {generation}: the old trainer of {pods} was not "
                                "proven gone within {seconds}s (recovery.inPlaceStopTimeoutSeconds); replacing those pods")
+#: A generation Recovering (or Resizing) for minutes: what it waits for (policies/recovery_wait.py).
+RECOVERY_WAITING = Reason("RecoveryWaiting", "generation {generation} has been {phase} for {waited}: waiting for {what}")
 RESUMED = Reason("Resumed", "spec.suspend is false: generation {generation} restores {restore}")
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
 SPEC_INVALID = Reason("SpecInvalid", "{problems}")

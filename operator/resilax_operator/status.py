@@ -20,6 +20,7 @@ from .checkpoint_status import newer_checkpoint as newer_checkpoint
 from .generation import worker_pod_names
 from .history import HistoryEntry, build_history, parse_history
 from .merge_patch import merge_patch
+from .recovery_notice import RecoveryNotice, build_recovery_notice, parse_recovery_notice
 from .spec import Shape
 from .unhealthy_nodes import UnhealthyNode, build_unhealthy_nodes, parse_unhealthy_nodes
 
@@ -179,6 +180,8 @@ class JobStatus:
     history: tuple[HistoryEntry, ...] = ()
     #: Nodes that failed the health check, by name: kept out of later generations (policies/health_check.py).
     unhealthy_nodes: tuple[UnhealthyNode, ...] = ()
+    #: The last Event about a long recovery and what it waited for (policies/recovery_wait.py).
+    recovery_notice: RecoveryNotice | None = None
 
     @property
     def workers_since(self) -> datetime | None:
@@ -256,7 +259,8 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         in_place=parse_in_place(raw.get("inPlace")),
         in_place_restarts=int(raw.get("inPlaceRestarts") or 0),
         last_valid_spec=parse_spec_record(raw.get("lastValidSpec")), history=parse_history(raw.get("history")),
-        unhealthy_nodes=parse_unhealthy_nodes(raw.get("unhealthyNodes")))
+        unhealthy_nodes=parse_unhealthy_nodes(raw.get("unhealthyNodes")),
+        recovery_notice=parse_recovery_notice(raw.get("recoveryNotice")))
 
 
 def parse_in_place(raw: Any) -> InPlace | None:
@@ -348,6 +352,7 @@ def build_status(status: JobStatus) -> dict[str, Any]:
             "generation": status.last_valid_spec.generation, "spec": without_nulls(status.last_valid_spec.spec)},
         "history": build_history(status.history) or None,
         "unhealthyNodes": build_unhealthy_nodes(status.unhealthy_nodes),
+        "recoveryNotice": build_recovery_notice(status.recovery_notice),
         # each condition was decided against the spec of status.observedGeneration, and says so
         "conditions": [
             {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
