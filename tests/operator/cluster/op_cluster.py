@@ -4,8 +4,10 @@ process, JAXJob manifests and reads, the workers' loss lines, the recovery time 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -202,26 +204,41 @@ class Jobs:
         except TimeoutError:
             return [e["reason"] for e in self.events(name)]  # the caller's assert shows what is there
 
-    def losses(self, name: str, generation: int) -> dict[int, dict[str, Any]]:
-        """Process 0's JSON loss lines of `generation` (step → record), from the pod's trainer log."""
-        pod = f"{name}-g{generation}-s0-h0"
-        try:
-            text = self.cluster.logs(self.namespace, pod, "trainer")
-        except (FileNotFoundError, ValueError):
-            return {}
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("{") and '"loss"' in line:
-                with contextlib.suppress(json.JSONDecodeError):
-                    record = json.loads(line)
-                    out[int(record["step"])] = record
+    def trainer_logs(self, name: str) -> list[str]:
+        """Every trainer log (each run) of every worker pod of `name` that ran on this cluster, deleted
+        pods' too, oldest pod first. Which pod holds process 0 of a generation is not told by its name:
+        an in-place restart keeps the survivors' pods (and their names) across generations."""
+        root = self.cluster.run_dir / "pods" / self.namespace
+        worker = re.compile(rf"{re.escape(name)}-g\d+-s\d+-h\d+-[0-9a-f]{{8}}")
+        folders = sorted((d for d in root.glob(f"{glob.escape(name)}-g*") if worker.fullmatch(d.name)),
+                         key=lambda d: d.stat().st_mtime)
+        out = []
+        for folder in folders:
+            runs = sorted((folder / "logs" / "trainer").glob("*.log"), key=lambda p: int(p.stem))
+            out.extend(run.read_text(errors="replace") for run in runs)
         return out
 
-    def trainer_log(self, name: str, generation: int, slice_index: int = 0, host: int = 0) -> str:
-        try:
-            return self.cluster.logs(self.namespace, f"{name}-g{generation}-s{slice_index}-h{host}", "trainer")
-        except (FileNotFoundError, ValueError) as e:
-            return f"<no log: {e}>"
+    def trainer_records(self, name: str, generation: int, key: str) -> list[dict[str, Any]]:
+        """The JSON lines carrying `key` that the trainers of `generation` printed (examples/train.py names
+        the generation in each), wherever they ran."""
+        out = []
+        for text in self.trainer_logs(name):
+            for line in text.splitlines():
+                if line.startswith("{") and f'"{key}"' in line:
+                    with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError, ValueError):
+                        record = json.loads(line)
+                        if key in record and int(record["generation"]) == generation:
+                            out.append(record)
+        return out
+
+    def losses(self, name: str, generation: int) -> dict[int, dict[str, Any]]:
+        """Process 0's JSON loss lines of `generation` (step → record): only process 0 prints them."""
+        return {int(r["step"]): r for r in self.trainer_records(name, generation, "loss")}
+
+    def restores(self, name: str, generation: int) -> dict[int, dict[str, Any]]:
+        """Each process's `{"restored", "from", "sources", "process", "node", ...}` line of `generation`
+        (process id → record)."""
+        return {int(r["process"]): r for r in self.trainer_records(name, generation, "restored")}
 
 
 def committed_steps(storage: Path) -> list[int]:

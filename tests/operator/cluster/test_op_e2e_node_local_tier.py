@@ -71,13 +71,9 @@ def commit_generation(storage: Path, step: int) -> int:
 
 
 def restored(jobs: Jobs, name: str, generation: int) -> dict[str, dict[str, Any]]:
-    """`s<slice>-h<host>` → the worker's `{"restored", "from", "process", "node"}` line, once all printed one."""
-    out = {}
-    for s, h in WORKERS:
-        for line in jobs.trainer_log(name, generation, s, h).splitlines():
-            if line.startswith("{") and '"restored"' in line:
-                out[f"s{s}-h{h}"] = json.loads(line)
-    return out
+    """`s<slice>-h<host>` → the worker's `{"restored", "from", "process", "node"}` line (process id =
+    slice x 2 + host), wherever the process ran (an in-place restart keeps pods of older generations)."""
+    return {f"s{p // 2}-h{p % 2}": r for p, r in jobs.restores(name, generation).items()}
 
 
 def wait_restored(jobs: Jobs, name: str, generation: int) -> dict[str, dict[str, Any]]:
@@ -301,11 +297,8 @@ def test_node_loss_the_replacement_restores_from_its_peers_and_two_lost_still_do
 def restore_lines(jobs: Jobs, name: str, generation: int, workers: list[tuple[int, int]]) -> dict[str, dict[str, Any]]:
     """`s<slice>-h<host>` → the `{"restored", "from", "sources", ...}` line of each of `workers`, once all printed one."""
     def lines() -> dict[str, dict[str, Any]] | None:
-        out = {}
-        for s, h in workers:
-            for line in jobs.trainer_log(name, generation, s, h).splitlines():
-                if line.startswith("{") and '"restored"' in line:
-                    out[f"s{s}-h{h}"] = json.loads(line)
+        every = restored(jobs, name, generation)
+        out = {f"s{s}-h{h}": every[f"s{s}-h{h}"] for s, h in workers if f"s{s}-h{h}" in every}
         return out if len(out) == len(workers) else None
     return wait_for(lines, timeout=900, interval=1, message=f"{name}: every worker of generation {generation} restored")
 
