@@ -281,6 +281,10 @@ IN_PLACE_STOP_TIMEOUT = Reason("InPlaceStopTimeout", "generation {generation}: t
                                "proven gone within {seconds}s (recovery.inPlaceStopTimeoutSeconds); replacing those pods")
 #: A generation Recovering (or Resizing) for minutes: what it waits for (policies/recovery_wait.py).
 RECOVERY_WAITING = Reason("RecoveryWaiting", "generation {generation} has been {phase} for {waited}: waiting for {what}")
+#: A Ready node held down by a witnessed Lease not yet expired in full would change the plan: wait, do not shrink.
+LEASE_LAGGING = Reason("WaitingForLease", "generation {generation}: node(s) {nodes} still Ready but held down by a "
+                       "witnessed Lease; planning waits until {until} (the Lease's full duration) before running "
+                       "without them")
 RESUMED = Reason("Resumed", "spec.suspend is false: generation {generation} restores {restore}")
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
 SPEC_INVALID = Reason("SpecInvalid", "{problems}")

@@ -97,6 +97,34 @@ def plan_target(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime,
     return ShapePlan(declared, pools, geometry.hosts * declared.count)
 
 
+@dataclass(frozen=True)
+class LeaseWait:
+    """`plan_lease_wait`'s answer: plan again at `until`; `nodes` are the Ready nodes whose Lease lags."""
+
+    until: datetime
+    nodes: tuple[str, ...]
+
+
+def plan_lease_wait(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime,
+                    lead: timedelta = timedelta(0)) -> LeaseWait | None:
+    """Whether planning must wait rather than shrink: a Ready node held down by a witnessed Lease whose
+    full duration has not passed (`ObservedNode.lease_lags`: its kubelet's renewals may merely lag) would
+    give a larger shape if it renewed. Then wait until the earliest such Lease expires in full (or the
+    node lifecycle controller marks the node, or a renewal is read); None: plan now, the node changes
+    nothing (a spare host, or the shape is the same without it)."""
+    nodes = tuple(nodes)
+    lagging = [n for n in nodes if n.lease_lags(now)]
+    if not lagging:
+        return None
+    renewed = tuple(replace(n, lease_live_until=None) if n.lease_lags(now) else n for n in nodes)
+    planned, hoped = plan_target(spec, nodes, now, lead), plan_target(spec, renewed, now, lead)
+    if hoped is None or (planned is not None and shape_chips(spec, planned.shape) >= shape_chips(spec, hoped.shape)
+                         and not planned.waiting_slices):
+        return None
+    until = min(n.lease_live_until for n in lagging if n.lease_live_until is not None)
+    return LeaseWait(until, tuple(sorted(n.name for n in lagging)))
+
+
 def describe_slice_need(spec: JobSpec, topology: str) -> str:
     """What one slice of `topology` needs from a node pool, for messages: hosts, devices, node labels."""
     g = geometry_of(spec, topology)

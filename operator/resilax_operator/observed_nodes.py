@@ -116,6 +116,16 @@ class ObservedNode:
             return None
         return self.lease_live_until - timedelta(seconds=self.lease_seconds * (1 - WITNESSED_LEASE_FRACTION))
 
+    def lease_lags(self, now: datetime) -> bool:
+        """Held down only by a witnessed Lease whose full duration has not passed: Ready for the node
+        lifecycle controller, no unreachable taint, `lease_proof_at` reached but `lease_live_until` not. Its
+        kubelet's renewals may merely lag: capacity planning does not shrink the job for it yet
+        (`capacity.plan_lease_wait`), while new pods still avoid it (`Observed.avoid_list`)."""
+        proof = self.lease_proof_at()
+        return (self.ready == "True" and proof is not None and self.lease_live_until is not None
+                and proof <= now < self.lease_live_until
+                and not any(t.key == api.UNREACHABLE_TAINT for t in self.taints))
+
     def schedulable(self, now: datetime, lead: timedelta = timedelta(0)) -> bool:
         """Whether a new generation may use this node: up, no notice within `lead`, not cordoned."""
         return (self.ready == "True" and self.down_since(now) is None and self.notice(now, lead) is None

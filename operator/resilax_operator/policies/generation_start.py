@@ -47,7 +47,16 @@ from ..builders import (
     geometry_of,
     node_scoped,
 )
-from ..capacity import explain_shortfall, fingerprint, plan_shape, plan_target, record_pools, shape_chips
+from ..capacity import (
+    LeaseWait,
+    explain_shortfall,
+    fingerprint,
+    plan_lease_wait,
+    plan_shape,
+    plan_target,
+    record_pools,
+    shape_chips,
+)
 from ..observed import Observed, RestoreReport
 from ..settings import OperatorSettings
 from ..spec import RESTORE_LATEST, JobSpec
@@ -76,6 +85,9 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
         return [*actions, *status_change(observed.status, new),
                 RequeueAfter(max(1.0, (t.not_before - now).total_seconds()))]
     lead = preemption.maintenance_lead(spec, s)
+    lagging = plan_lease_wait(spec, observed.nodes, now, lead)
+    if lagging is not None:  # a Ready node whose Lease merely lags must not shrink the job
+        return wait_for_lease(observed, replace(s, phase=waiting_phase), lagging, actions)
     # After a Shrink only what the Ready nodes fit (else the job would wait for the same nodes again);
     # otherwise, with capacity.provisioning Autoscaled, the declared shape even where nodes lack.
     planned = None
@@ -120,6 +132,16 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
     new, resumed = suspend.resumed(new, generation, restore, now)
     return [*actions, SetStatus(new), EmitEvent("Normal", api.GENERATION_CREATED.name, message), *resumed,
             CreateGeneration(generation, build_service(observed.job, settings), tuple(pods))]
+
+
+def wait_for_lease(observed: Observed, s: JobStatus, lagging: LeaseWait, actions: list[Action]) -> list[Action]:
+    """Plan again when the lagging Lease expires in full (`capacity.plan_lease_wait`); Ready=False
+    `WaitingForLease` says so."""
+    message = api.LEASE_LAGGING.format(generation=s.generation + 1, nodes=", ".join(lagging.nodes),
+                                       until=st.format_time(lagging.until))
+    new = st.set_condition(s, api.COND_READY, False, api.LEASE_LAGGING.name, message, observed.now)
+    return [*actions, *status_change(observed.status, new),
+            RequeueAfter(max(0.5, min(POLL_SECONDS, (lagging.until - observed.now).total_seconds())))]
 
 
 def check_unscheduled(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings) -> Finding | None:

@@ -44,7 +44,7 @@ from ..actions import (
     status_change,
 )
 from ..builders import GenerationPlan, build_pod, build_service, geometry_of, in_place_unavailable
-from ..capacity import fingerprint, plan_shape, plan_target
+from ..capacity import LeaseWait, fingerprint, plan_lease_wait, plan_shape, plan_target
 from ..generation import build_pod_name
 from ..observed import Observed, ObservedPod
 from ..settings import OperatorSettings
@@ -77,6 +77,8 @@ class Mode:
     plan: GenerationPlan | None = None
     kept: tuple[KeptPod, ...] = ()
     why: str = ""
+    #: Neither yet: a Ready node's Lease merely lags and would change the plan (`capacity.plan_lease_wait`).
+    lease_wait: LeaseWait | None = None
 
 
 def begin_transition(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
@@ -84,6 +86,8 @@ def begin_transition(spec: JobSpec, observed: Observed, s: JobStatus, settings: 
     """A finding against the running generation: in place when `decide_mode` says so, else
     transition.begin (with an `InPlaceUnavailable` event when inPlace is Auto)."""
     mode = decide_mode(spec, observed, s, finding)
+    if mode.lease_wait is not None:  # the finding stands: decided again once the Lease renews or expires
+        return generation_start.wait_for_lease(observed, s, mode.lease_wait, actions)
     if mode.plan is None:
         if mode.why:
             event = EmitEvent("Normal", api.IN_PLACE_UNAVAILABLE.name,
@@ -114,6 +118,8 @@ def after_final_save(spec: JobSpec, observed: Observed, s: JobStatus, settings: 
     assert t is not None and not t.saving
     finding = Finding(t.kind, t.reason, t.message, event_type="Normal", not_before=t.not_before)
     mode = decide_mode(spec, observed, s, finding, kinds=AFTER_SAVE_KINDS)
+    if mode.lease_wait is not None:
+        return generation_start.wait_for_lease(observed, s, mode.lease_wait, actions)
     if mode.plan is None:
         return None
     return begin(spec, observed, replace(s, transition=None), settings, actions, finding, mode, announce=False)
@@ -133,6 +139,8 @@ def decide_mode(spec: JobSpec, observed: Observed, s: JobStatus, finding: Findin
     if why or s.shape is None:
         return Mode(why=why or "the running shape is unknown")
     now, lead = observed.now, preemption.maintenance_lead(spec, s)
+    if (lagging := plan_lease_wait(spec, observed.nodes, now, lead)) is not None:
+        return Mode(lease_wait=lagging)
     planned = plan_shape(spec, observed.nodes, now, lead) if finding.kind == st.SHRINK else None
     planned = planned or plan_target(spec, observed.nodes, now, lead)
     if planned is None:
