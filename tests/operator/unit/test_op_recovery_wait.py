@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from op_world import T0, World, fixed_spec, running_world, tpu_pool
+from op_world import T0, fixed_spec, running_world, tpu_pool
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import EmitEvent, SetStatus
