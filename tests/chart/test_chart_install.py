@@ -14,15 +14,21 @@ chart's command line, peering CRDs and RBAC work for the real operator.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from chart_helpers import CHART, ROOT, doc_jaxjobs, operator_rules, write_values
 from resilax_local.errors import KubeAPIError
 from resilax_local.kubeapi import KubeClient
 from resilax_local.testing import wait_for
+from resilax_operator.api import LABEL_JOB
+from resilax_operator.handlers import FINALIZER
 
 pytestmark = pytest.mark.cluster
 
@@ -65,8 +71,10 @@ def release(helm, cluster, namespace: str, tmp_path: Path):
     assert proc.returncode == 0, f"helm install failed:\n{proc.stdout}{proc.stderr}"
     assert "resilax" in proc.stdout  # NOTES.txt rendered
     yield name
-    proc = helm("uninstall", name, "--namespace", namespace, "--kubeconfig", kubeconfig, "--timeout", "120s")
-    assert proc.returncode == 0, f"helm uninstall failed:\n{proc.stdout}{proc.stderr}"
+    if helm("status", name, "--namespace", namespace, "--kubeconfig", kubeconfig).returncode == 0:
+        # (A test may have uninstalled it itself, following docs/uninstall.md.)
+        proc = helm("uninstall", name, "--namespace", namespace, "--kubeconfig", kubeconfig, "--timeout", "120s")
+        assert proc.returncode == 0, f"helm uninstall failed:\n{proc.stdout}{proc.stderr}"
     # The release's objects are gone; the CRDs stay (helm never deletes crds/), and so do users' JAXJobs.
     kube = cluster.client()
     with pytest.raises(KubeAPIError) as gone:
@@ -259,3 +267,154 @@ def test_node_sweeper_may_only_get_jaxjobs_and_sweeps_with_that_against_the_api_
         assert (root / "{}_{}_{}".format(*folders["deleted"]) / OWNER_MARKER).is_file()
     finally:
         kube.delete(f"/api/v1/namespaces/{other}")
+
+
+def kubectl(cluster, *args: str, stdin: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """kubectl, as the docs run it, against the local cluster."""
+    binary = shutil.which("kubectl")
+    assert binary, "kubectl is needed (the test runs the commands docs/uninstall.md and the chart's NOTES give)"
+    return subprocess.run([binary, "--kubeconfig", str(cluster.kubeconfig), *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def upgraded_chart(into: Path) -> Path:
+    """A copy of the chart one release later whose JAXJob CRD changed: a new optional field
+    (`spec.upgradeProbe`) and an edited description (a value the first install's field manager owns,
+    which `kubectl apply --server-side` refuses to take over without --force-conflicts)."""
+    chart = into / "resilax"
+    shutil.copytree(CHART, chart)
+    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+    meta["version"], meta["appVersion"] = "0.1.1-upgrade", "0.1.1-upgrade"
+    (chart / "Chart.yaml").write_text(yaml.safe_dump(meta))
+    path = chart / "crds" / "jaxjobs.resilax.dev.yaml"
+    crd = yaml.safe_load(path.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    spec["suspend"]["description"] += " (edited by the upgrade)"
+    spec["upgradeProbe"] = {"type": "string", "description": "A field the upgraded CRD adds."}
+    path.write_text(yaml.safe_dump(crd))
+    return chart
+
+
+def schema_fields(kube: KubeClient) -> dict[str, Any]:
+    crd = kube.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/jaxjobs.resilax.dev")
+    return dict(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"])
+
+
+def test_crd_upgrade_and_uninstall_with_live_jaxjobs_follow_the_docs_and_leave_nothing_terminating(
+        helm, cluster, kube: KubeClient, namespace: str, release: str, tmp_path: Path) -> None:
+    """Issue 41: a chart upgrade that changes the CRD (CRDs first with `--force-conflicts`, as NOTES.txt
+    and docs/api-versioning.md say, then `helm upgrade`), then docs/uninstall.md with two live JAXJobs:
+    one running is deleted while the operator runs (its finalizer goes, its pods go), one suspended is
+    kept past `helm uninstall`, shows Terminating when deleted with no operator, and goes with the
+    documented finalizer patch. Step 4 (deleting the CRDs) is not run: the cluster is shared by the
+    session's tests."""
+    kubeconfig = str(cluster.kubeconfig)
+    operator = f"{release}-resilax-operator"
+    jobs_path = f"/apis/resilax.dev/v1alpha1/namespaces/{namespace}/jaxjobs"
+    operator_pods = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=operator"
+    wait_for(lambda: kube.get(f"/apis/kopf.dev/v1/namespaces/{namespace}/kopfpeerings/{release}-resilax").get("status"),
+             timeout=120, message="the operator's keep-alive in its KopfPeering")
+
+    def job(name: str, suspend: bool) -> dict[str, Any]:
+        body = doc_jaxjobs(ROOT / "README.md")[0]
+        body["metadata"] = {"name": name, "namespace": namespace}
+        body["spec"]["slices"] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x4", "count": 1,
+                                 "machineType": "ct5lp-hightpu-4t"}
+        body["spec"].pop("elastic", None)
+        body["spec"]["checkpoint"] = {"storage": str(tmp_path / name), "every": {"steps": 10},
+                                      "finalSave": {"timeoutSeconds": 10}}
+        body["spec"]["template"] = {"spec": {"containers": [{
+            "name": "trainer", "image": "resilax-worker:local",
+            "command": [sys.executable, "-c", "import time; time.sleep(3600)"]}]}}
+        body["spec"]["suspend"] = suspend
+        return body
+
+    kube.create(jobs_path, job("running", suspend=False))
+    kube.create(jobs_path, job("kept", suspend=True))
+
+    def phase(name: str) -> str | None:
+        body = kube.get(f"{jobs_path}/{name}")
+        assert FINALIZER in (body["metadata"].get("finalizers") or []) or not body.get("status"), body["metadata"]
+        return (body.get("status") or {}).get("phase")
+
+    def wait_phase(name: str, wanted: str) -> None:
+        try:
+            wait_for(lambda: phase(name) == wanted, timeout=120, message=f"job {name!r} {wanted}")
+        except TimeoutError as e:
+            pods = kube.get(f"/api/v1/namespaces/{namespace}/pods")["items"]
+            raise AssertionError(f"{e}\nstatus: {kube.get(f'{jobs_path}/{name}').get('status')}\npods: "
+                                 f"{[(p['metadata']['name'], p.get('status', {}).get('phase')) for p in pods]}") from e
+
+    wait_phase("running", "Running")
+    wait_phase("kept", "Suspended")
+    assert kube.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector=f"{LABEL_JOB}=running")["items"]
+
+    # The upgrade: CRDs first. Without --force-conflicts the server-side apply is refused on the fields
+    # the install's manager owns; with it the new schema is served.
+    chart = upgraded_chart(tmp_path)
+    crds = helm("show", "crds", str(chart))
+    assert crds.returncode == 0, crds.stderr
+    original = helm("show", "crds", str(CHART)).stdout
+    try:
+        refused = kubectl(cluster, "apply", "--server-side", "-f", "-", stdin=crds.stdout)
+        assert refused.returncode != 0 and "conflict" in refused.stderr.lower(), refused
+        applied = kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-f", "-", stdin=crds.stdout)
+        assert applied.returncode == 0, applied.stderr
+        wait_for(lambda: "upgradeProbe" in schema_fields(kube), timeout=30, message="the new CRD schema")
+        probe = job("probe", suspend=True)
+        probe["spec"]["upgradeProbe"] = "kept"
+        served = wait_for(lambda: kube.request("POST", jobs_path, probe, params={"dryRun": "All"})["spec"].get("upgradeProbe"),
+                          timeout=30, message="the new field kept (not pruned) on a write")
+        assert served == "kept"
+
+        proc = helm("upgrade", release, str(chart), "--namespace", namespace, "--kubeconfig", kubeconfig,
+                    "--reuse-values", "--timeout", "180s")
+        assert proc.returncode == 0, f"helm upgrade failed:\n{proc.stdout}{proc.stderr}"
+        deployment = kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/{operator}")
+        assert deployment["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.1.1-upgrade")
+
+        def upgraded_pod_only() -> bool:
+            pods = kube.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector=operator_pods)["items"]
+            return bool(pods) and all(p["spec"]["containers"][0]["image"].endswith(":0.1.1-upgrade")
+                                      and (p.get("status") or {}).get("phase") == "Running" for p in pods)
+
+        wait_for(upgraded_pod_only, timeout=180, message="the upgraded operator pod alone, Running")
+        assert phase("running") == "Running" and phase("kept") == "Suspended"  # the jobs lived through it
+
+        # docs/uninstall.md step 2b: delete the running job while the operator runs.
+        deleted = kubectl(cluster, "-n", namespace, "delete", "jj", "running", "--wait", "--timeout=180s",
+                          timeout=240)
+        assert deleted.returncode == 0, deleted
+        def job_pods() -> list[dict[str, Any]]:
+            return list(kube.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector=f"{LABEL_JOB}=running")["items"])
+
+        try:
+            wait_for(lambda: not job_pods(), timeout=180, message="the deleted job's pods gone")
+        except TimeoutError as e:
+            raise AssertionError(f"{e}\n{[(p['metadata'], p.get('status')) for p in job_pods()]}") from e
+
+        # Step 3: helm uninstall; the suspended job stays (the CRDs stay), with the finalizer.
+        proc = helm("uninstall", release, "--namespace", namespace, "--kubeconfig", kubeconfig, "--timeout", "120s")
+        assert proc.returncode == 0, f"helm uninstall failed:\n{proc.stdout}{proc.stderr}"
+        wait_for(lambda: not kube.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector=operator_pods)["items"],
+                 timeout=120, message="the operator pod gone")
+        kept = kube.get(f"{jobs_path}/kept")
+        assert kept["metadata"]["finalizers"] == [FINALIZER]
+
+        # "Jobs stuck in Terminating after the operator is gone": a delete now waits on the finalizer ...
+        assert kubectl(cluster, "-n", namespace, "delete", "jj", "kept", "--wait=false").returncode == 0
+        stuck = kube.get(f"{jobs_path}/kept")
+        assert stuck["metadata"].get("deletionTimestamp") and stuck["metadata"]["finalizers"] == [FINALIZER]
+        # ... and the documented patch lets it go.
+        patched = kubectl(cluster, "-n", namespace, "patch", "jaxjobs.resilax.dev", "kept", "--type=merge",
+                          "-p", '{"metadata":{"finalizers":null}}')
+        assert patched.returncode == 0, patched
+        wait_for(lambda: not kube.get(jobs_path)["items"], timeout=30, message="no JAXJob left")
+        left = kube.get(f"/api/v1/namespaces/{namespace}/pods")["items"]
+        assert not [p["metadata"]["name"] for p in left if p["metadata"].get("deletionTimestamp")]
+    finally:
+        # The session's other tests use the chart's CRD as it is: put it back (the new field goes with
+        # the manager that applied it).
+        restored = kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-f", "-", stdin=original)
+        assert restored.returncode == 0, restored.stderr
+    assert "upgradeProbe" not in schema_fields(kube)
