@@ -129,6 +129,24 @@ class DeleteProbes:
 
 
 @dataclass(frozen=True)
+class CreateSpares:
+    """Create these spare placeholder pods (policies/spares.py); one of the name the job owns (409) is
+    success; one it does not own, or a refusal (a missing PriorityClass, a quota), is logged and left:
+    a spare is never worth failing a reconcile for (status.spares shows it not ready)."""
+
+    pods: tuple[Manifest, ...]
+
+
+@dataclass(frozen=True)
+class DeleteSpares:
+    """Delete these placeholder pods of the job (grace 0, each of the uid observed); 404 is success.
+    Placed before a CreateGeneration whose workers take their nodes."""
+
+    names: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class StopTrainers:
     """POST `/v1/trainer/stop` {"generation", "reason", "stacks"} (bearer token) to each pod's sidecar:
     its supervisor stops a trainer older than `generation` and reports it `exited` once it and every
@@ -185,7 +203,8 @@ class RequeueAfter:
 
 
 Action = (SetStatus | CreateGeneration | DeleteGeneration | RequestFinalSave | PatchWorkerPods | PublishFreshness
-          | CreateProbes | DeleteProbes | StopTrainers | StartTrainers | EnsureTokenSecret | EmitEvent | DeleteJob
+          | CreateProbes | DeleteProbes | CreateSpares | DeleteSpares | StopTrainers | StartTrainers | EnsureTokenSecret
+          | EmitEvent | DeleteJob
           | RequeueAfter)
 
 

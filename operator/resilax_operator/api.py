@@ -34,6 +34,10 @@ ROLE_PROBE: Final = "probe"
 #: On a probe pod: the probe set (`g<generation>r<round>`) and the probe slice it holds a place for.
 LABEL_PROBE_SET: Final = "resilax.dev/probe-set"
 LABEL_PROBE_SLICE: Final = "resilax.dev/probe-slice"
+#: A spare slice's placeholder pod (spec.recovery.spareSlices, policies/spares.py): holds a slice's
+#: nodes for the job, never a worker; `resilax.dev/spare-slice` is the spare slot it belongs to.
+ROLE_SPARE: Final = "spare"
+LABEL_SPARE_SLICE: Final = "resilax.dev/spare-slice"
 ANNOTATION_SHAPE: Final = "resilax.dev/shape"
 ANNOTATION_RESTORE_STEP: Final = "resilax.dev/restore-step"
 #: On a worker pod: "1" when its trainer runs under `resilax run` (the supervisor), so an in-place restart
@@ -304,3 +308,5 @@ HEALTH_CHECK_SLICE_FAILED = Reason("HealthCheckSliceFailed",
                                    "({detail}); no host is blamed for a part that needs the others: the generation "
                                    "starts again")
 NODES_KEPT_OUT = Reason("NodesKeptOut", "kept out of new generations after a failed health check: {nodes}")
+SPARE_TAKEN = Reason("SpareTaken", "generation {generation} takes the spare slice(s) on node pool(s) {pools} at "
+                    "full size; their placeholder pods are deleted and replaced where capacity allows")

@@ -42,8 +42,10 @@ class ShapePlan:
 def plan_pools(geometry: SliceGeometry, nodes: Iterable[ObservedNode], now: datetime,
                lead: timedelta = timedelta(0)) -> tuple[str, ...]:
     """Node pools that can host one slice of `geometry` now: enough schedulable nodes carrying the
-    slice's labels, each with free devices for one worker. Sorted by name. A node whose scheduled host
-    maintenance is within `lead` is not schedulable (`ObservedNode.schedulable`)."""
+    slice's labels, each with free devices for one worker. Sorted by name, the pools the job's own
+    spare slices hold last (`ObservedNode.spare`: taken only when the others do not suffice). A node
+    whose scheduled host maintenance is within `lead` is not schedulable (`ObservedNode.schedulable`)."""
+    nodes = tuple(nodes)
     by_pool: dict[str, int] = {}
     for n in nodes:
         if n.pool is None or not n.schedulable(now, lead):
@@ -58,7 +60,9 @@ def plan_pools(geometry: SliceGeometry, nodes: Iterable[ObservedNode], now: date
             if free < geometry.chips_per_host:
                 continue
         by_pool[n.pool] = by_pool.get(n.pool, 0) + 1
-    return tuple(sorted(p for p, count in by_pool.items() if count >= geometry.hosts))
+    spare = {n.pool for n in nodes if n.spare}
+    # The spare choice: pools no spare of the job holds first, then its spares' pools, each by name.
+    return tuple(sorted((p for p, count in by_pool.items() if count >= geometry.hosts), key=lambda p: (p in spare, p)))
 
 
 def plan_shape(spec: JobSpec, nodes: Iterable[ObservedNode], now: datetime,

@@ -23,9 +23,11 @@ from .actions import (
     Action,
     CreateGeneration,
     CreateProbes,
+    CreateSpares,
     DeleteGeneration,
     DeleteJob,
     DeleteProbes,
+    DeleteSpares,
     EmitEvent,
     EnsureTokenSecret,
     PatchWorkerPods,
@@ -175,6 +177,8 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
             publish_freshness(kube, cache, world, action)
         elif isinstance(action, CreateProbes | DeleteProbes):
             change_probes(kube, cache, world, action, logger)
+        elif isinstance(action, CreateSpares | DeleteSpares):
+            change_spares(kube, cache, world, action, logger)
         elif isinstance(action, EmitEvent):
             log = logger.warning if action.type == "Warning" else logger.info
             log("%s: %s", action.reason, action.message)
@@ -328,6 +332,32 @@ def change_probes(kube: Kube, cache: WorldCache, world: World, action: CreatePro
             continue
         cache.remember(made)
     logger.info("grow-back probes created: %s", ", ".join(m["metadata"]["name"] for m in action.pods))
+
+
+def change_spares(kube: Kube, cache: WorldCache, world: World, action: CreateSpares | DeleteSpares,
+                  logger: Logger) -> None:
+    """Create or delete spare placeholder pods. A deletion is forced (grace 0: a placeholder holds only
+    a place) and leaves the cache at once, so the workers created next find the nodes free. A create the
+    API refuses, or a name another owner holds, is logged and left (the status shows the spare not ready)."""
+    ref = job_ref(world.job)
+    if isinstance(action, DeleteSpares):
+        uids = {p.name: p.uid for p in world.observed.spares}
+        for name in action.names:
+            kube.delete_pod(ref.namespace, name, force=True, uid=uids.get(name, ""))
+            cache.forget_pod(ref.namespace, name)
+        logger.info("spare placeholders deleted (%s): %s", action.reason, ", ".join(action.names))
+        return
+    made_names = []
+    for manifest in action.pods:
+        try:
+            made, _ = kube.create_owned(manifest, ref.uid)
+        except (NameConflictError, KubeError) as e:
+            logger.warning("spare placeholder %s not created: %s", manifest["metadata"]["name"], e)
+            continue
+        cache.remember(made)
+        made_names.append(str(manifest["metadata"]["name"]))
+    if made_names:
+        logger.info("spare placeholders created: %s", ", ".join(made_names))
 
 
 def call_trainers(kube: Kube, world: World, action: StopTrainers | StartTrainers, settings: OperatorSettings,

@@ -173,6 +173,12 @@ def build_status_screen(job: Mapping[str, Any], events: Sequence[Mapping[str, An
     kept_out = [n for n in status.get("unhealthyNodes") or [] if isinstance(n, Mapping) and n.get("node")]
     if kept_out:  # failed the health check (spec.recovery.healthCheck): no new worker goes there
         rows.append(("Kept out", ", ".join(f"{n['node']} ({n.get('part')}, {n.get('failures', 1)}x)" for n in kept_out)))
+    spares = status.get("spares")
+    if isinstance(spares, Mapping):  # spec.recovery.spareSlices: placeholders holding slices for the job
+        where = f" on {', '.join(spares.get('pools') or [])}" if spares.get("pools") else ""
+        why = f" ({spares['message']})" if spares.get("message") else ""
+        rows.append(("Spares", f"{spares.get('ready', 0)}/{spares.get('desired', 0)} ready{where}{why}, "
+                               f"{spares.get('takenTotal', 0)} taken"))
     conditions = [c for c in status.get("conditions") or [] if c.get("status") == "True"]
     if conditions:
         rows.append(("Conditions", ", ".join(f"{c.get('type')} ({c.get('reason')})" for c in conditions)))

@@ -20,6 +20,8 @@ did, not what a log line says:
   (1 while InvalidSpec is True); the job's recovery series, every kind, at 0 from its first status;
 - a node recorded in status.unhealthyNodes (its health check failed) → the new failures in
   `resilax_operator_node_health_check_failures_total{node}` (node names are bounded by the cluster);
+- every reconcile and every status written, for a job with `recovery.spareSlices` →
+  `resilax_operator_spare_slices{namespace,jaxjob,state}` (state `desired` or `ready`: status.spares);
 - every reconcile → `resilax_operator_goodput_ratio{namespace,jaxjob}` and
   `resilax_operator_goodput_seconds{namespace,jaxjob,bucket}` (the job's goodput accounting as of now,
   goodput.py; the buckets sum to the wall time since its first generation was created; status.goodput
@@ -80,6 +82,9 @@ NODE_HEALTH_CHECK_FAILURES: Final = Counter(
     "Health checks a node failed on its own part (devices, matmul) before a generation's trainer started; the "
     "node is kept out of that job's generations (status.unhealthyNodes). For the platform team: a node that "
     "fails repeatedly is bad hardware", ["node"])
+SPARE_SLICES: Final = Gauge("resilax_operator_spare_slices",
+                            "The job's spare slices (spec.recovery.spareSlices): desired, and ready (every placeholder running)",
+                            ("namespace", "jaxjob", "state"))
 BUILD_INFO: Final = Gauge("resilax_build_info", "Always 1: the running component and its version",
                           ["version", "component"])
 
@@ -190,6 +195,9 @@ def record_job_status(job: JobRef, status: st.JobStatus) -> None:
     JOB_GENERATION.labels(job.namespace, job.name).set(status.generation)
     invalid = status.condition(api.COND_INVALID_SPEC)
     JOB_INVALID_SPEC.labels(job.namespace, job.name).set(1 if invalid is not None and invalid.status == "True" else 0)
+    if status.spares is not None:
+        SPARE_SLICES.labels(job.namespace, job.name, "desired").set(status.spares.desired)
+        SPARE_SLICES.labels(job.namespace, job.name, "ready").set(status.spares.ready)
     with _lock:
         if job.uid in _series_made:
             return
@@ -231,6 +239,9 @@ def forget_job(job: JobRef) -> None:
     for bucket in gp.BUCKETS:
         with contextlib.suppress(KeyError):
             GOODPUT_SECONDS.remove(job.namespace, job.name, bucket)
+    for state in ("desired", "ready"):
+        with contextlib.suppress(KeyError):
+            SPARE_SLICES.remove(job.namespace, job.name, state)
     for phase in api.PHASES:
         with contextlib.suppress(KeyError):
             JOB_PHASE.remove(job.namespace, job.name, phase)

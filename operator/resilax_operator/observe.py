@@ -44,6 +44,7 @@ from .observed_sidecar import LastWords, newest_trainer_report, worth_asking_eve
 from .ownership import owner_uid
 from .probes import parse_probe
 from .settings import OperatorSettings
+from .spare_pods import parse_spare
 from .trainer_process import TrainerProcess, parse_trainer_process, pods_to_poll, with_trainer_processes
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
@@ -106,6 +107,10 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
                           key=lambda p: p.name))
     if probes:
         observed = replace(observed, probes=probes)
+    spares = tuple(sorted((p for p in (parse_spare(raw, ref.uid) for raw in pods) if p is not None),
+                          key=lambda p: p.name))
+    if spares:
+        observed = replace(observed, spares=spares)
     read = nodes_needing_lease(observed)  # before the sidecars: none is asked on a node known down
     if read:
         observed = with_leases(observed, *observe_leases(kube, read, logger))

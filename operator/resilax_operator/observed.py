@@ -50,6 +50,7 @@ from .observed_sidecar import (
 )
 from .ownership import owner_uid
 from .probes import ObservedProbe
+from .spare_pods import ObservedSpare
 from .status import CheckpointInfo, JobStatus
 from .trainer_process import TrainerProcess
 from .worker_env import storage_dir
@@ -117,6 +118,8 @@ class Observed:
     storage_sharers: tuple[tuple[str, str], ...] = ()
     #: The job's grow-back probe pods (probes.py; observe.py adds them).
     probes: tuple[ObservedProbe, ...] = ()
+    #: The job's spare slices' placeholder pods (spare_pods.py; observe.py adds them).
+    spares: tuple[ObservedSpare, ...] = ()
     #: The JAXJob's checkpoint freshness annotations (`observed_pods.pick_freshness`).
     freshness: tuple[tuple[str, str], ...] = ()
 

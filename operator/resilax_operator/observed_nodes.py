@@ -55,6 +55,9 @@ class ObservedNode:
     #: Why this job keeps the node out of its generations (it failed the health check:
     #: policies/health_check.py marks it from status.unhealthyNodes); "" for none.
     kept_out: str = ""
+    #: A placeholder of the job's own spare slice holds it (policies/spares.py `mark_spare_nodes`): free
+    #: for the job's next generation, which takes such pools last (a restart keeps off its spares).
+    spare: bool = False
 
     @property
     def pool(self) -> str | None:

@@ -53,6 +53,7 @@ from .policies import (
     queue_eviction,
     recovery_wait,
     resize,
+    spares,
     straggler,
     suspend,
     transition,
@@ -105,15 +106,18 @@ def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings, *, rec
     Failed conditions following the phase (policies/finished.py), status.goodput and status.history
     brought up to date (policies/goodput_status.py, policies/history_status.py), and the checkpoint
     freshness annotations published (policies/freshness.py), the Autoscaled grow-back's probe pods
-    kept as the status calls for (policies/grow_back_probe.py), and a long recovery told what it waits
-    for (policies/recovery_wait.py).
+    kept as the status calls for (policies/grow_back_probe.py), the spare slices' placeholders held,
+    taken and replenished (policies/spares.py), and a long recovery told what it waits for
+    (policies/recovery_wait.py).
     `record`: `spec` as status.lastValidSpec keeps it; `invalid`: the problems of the job's own spec,
     when `spec` is the last valid one."""
+    observed = spares.mark_spare_nodes(observed)  # the planner takes the pools the job's spares hold last
     actions = decide_policies(spec, observed, settings, record=record, invalid=invalid)
     actions = finished.with_outcomes(goodput_status.with_goodput(actions, observed, settings, spec.spec_shape),
                                      observed.now)
     actions = freshness.with_freshness(history_status.with_history(actions, observed), observed)
     actions = grow_back_probe.with_probes(actions, spec, observed, settings)
+    actions = spares.with_spares(actions, spec, observed, settings)
     return recovery_wait.with_notice(actions, observed)
 
 

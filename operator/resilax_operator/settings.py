@@ -61,6 +61,12 @@ class OperatorSettings:
     """priorityClassName of the probe pods; empty: the cluster's default priority. A class with a low
     value that the cluster autoscaler still scales up for (at least its
     `--expendable-pods-priority-cutoff`, default -10) keeps probes from preempting anything."""
+    spare_priority_class: str = ""
+    """priorityClassName of the spare slices' placeholder pods (spec.recovery.spareSlices,
+    policies/spares.py); empty: the cluster's default priority. The chart ships `resilax-spare` (value
+    -10, below every job's, preemptionPolicy Never) and sets it: any pod of a higher priority may take a
+    spare's nodes, and the cluster autoscaler still counts the placeholders (its default expendable
+    cutoff is -10), so it keeps their nodes. The placeholders run `sleep infinity` in the sidecar's image."""
     stuck_terminating_seconds: int = 60
     """A pod still Terminating this long after its grace period on a Ready node is force-deleted."""
     schedule_timeout_seconds: int = 300

@@ -182,6 +182,8 @@ class RecoverySpec:
     hang_timeout_seconds: int | None = None
     #: `healthCheck`: each new pod checks its host before its trainer starts (policies/health_check.py).
     health_check: HealthCheckSpec = HealthCheckSpec()
+    #: `spareSlices`: slices of the job's shape held by placeholder pods, taken at once on a loss (policies/spares.py).
+    spare_slices: int = 0
 
     @property
     def in_place_auto(self) -> bool:
@@ -415,7 +417,7 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
     rc = r.obj(raw, "recovery", p) or {}
     rp = f"{p}.recovery"
     hc = r.obj(rc, "healthCheck", rp) or {}
-    recovery = RecoverySpec(
+    recovery = RecoverySpec(spare_slices=r.integer(rc, "spareSlices", rp, minimum=0) or 0,
         max_restarts=_int_or(r.integer(rc, "maxRestarts", rp, minimum=0), DEFAULT_MAX_RESTARTS),
         backoff_seconds=_int_or(r.integer(rc, "backoffSeconds", rp, minimum=0), DEFAULT_BACKOFF_SECONDS),
         node_loss_grace_seconds=_int_or(r.integer(rc, "nodeLossGraceSeconds", rp, minimum=0),
@@ -435,10 +437,9 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
         shrink_after_seconds=r.integer(cap, "shrinkAfterSeconds", f"{p}.capacity", minimum=0))
     # Nulls anywhere in the template are absent (as the API server treats them): no reader trips on one.
     template = drop_nulls(r.obj(raw, "template", p, required=True) or {})
-    cc = r.obj(raw, "compilationCache", p) or {}
-    compilation_cache = CompilationCacheSpec(
-        enabled=r.boolean(cc, "enabled", f"{p}.compilationCache", default=True),
-        path=r.string(cc, "path", f"{p}.compilationCache", default="") or "")
+    cc, ccp = r.obj(raw, "compilationCache", p) or {}, f"{p}.compilationCache"
+    compilation_cache = CompilationCacheSpec(enabled=r.boolean(cc, "enabled", ccp, default=True),
+                                             path=r.string(cc, "path", ccp, default="") or "")
     return JobSpec(slices=slices, checkpoint=checkpoint, recovery=recovery, elastic=elastic, capacity=capacity,
                    suspend=r.boolean(raw, "suspend", p, default=False), template=template,
                    compilation_cache=compilation_cache,

@@ -21,6 +21,7 @@ from .generation import worker_pod_names
 from .history import HistoryEntry, build_history, parse_history
 from .merge_patch import merge_patch
 from .recovery_notice import RecoveryNotice, build_recovery_notice, parse_recovery_notice
+from .spare_pods import SpareStatus, build_spare_status, parse_spare_status
 from .spec import Shape
 from .unhealthy_nodes import UnhealthyNode, build_unhealthy_nodes, parse_unhealthy_nodes
 
@@ -182,6 +183,8 @@ class JobStatus:
     unhealthy_nodes: tuple[UnhealthyNode, ...] = ()
     #: The last Event about a long recovery and what it waited for (policies/recovery_wait.py).
     recovery_notice: RecoveryNotice | None = None
+    #: status.spares: the spare slices held and taken (policies/spares.py); None: the job asks for none.
+    spares: SpareStatus | None = None
 
     @property
     def workers_since(self) -> datetime | None:
@@ -259,7 +262,7 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         in_place=parse_in_place(raw.get("inPlace")),
         in_place_restarts=int(raw.get("inPlaceRestarts") or 0),
         last_valid_spec=parse_spec_record(raw.get("lastValidSpec")), history=parse_history(raw.get("history")),
-        unhealthy_nodes=parse_unhealthy_nodes(raw.get("unhealthyNodes")),
+        unhealthy_nodes=parse_unhealthy_nodes(raw.get("unhealthyNodes")), spares=parse_spare_status(raw.get("spares")),
         recovery_notice=parse_recovery_notice(raw.get("recoveryNotice")))
 
 
@@ -351,8 +354,8 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "lastValidSpec": None if status.last_valid_spec is None else {
             "generation": status.last_valid_spec.generation, "spec": without_nulls(status.last_valid_spec.spec)},
         "history": build_history(status.history) or None,
-        "unhealthyNodes": build_unhealthy_nodes(status.unhealthy_nodes),
         "recoveryNotice": build_recovery_notice(status.recovery_notice),
+        "unhealthyNodes": build_unhealthy_nodes(status.unhealthy_nodes), "spares": build_spare_status(status.spares),
         # each condition was decided against the spec of status.observedGeneration, and says so
         "conditions": [
             {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,

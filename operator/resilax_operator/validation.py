@@ -305,7 +305,23 @@ def _check_recovery(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
     if "spec.recovery.healthCheck.timeoutSeconds" not in found and check_timeout > MAX_HEALTH_CHECK_TIMEOUT_SECONDS:
         out.append(SpecProblem("spec.recovery.healthCheck.timeoutSeconds",
                                f"{check_timeout} is not allowed; allowed: 1-{MAX_HEALTH_CHECK_TIMEOUT_SECONDS} seconds"))
-    return out
+    return out + _check_spares(spec, found)
+
+
+#: The most spare slices a job may hold (`spec.recovery.spareSlices`; the CRD says the same).
+MAX_SPARE_SLICES: Final = 8
+
+
+def _check_spares(spec: JobSpec, found: set[str]) -> list[SpecProblem]:
+    spares, path = spec.recovery.spare_slices, "spec.recovery.spareSlices"
+    if path in found or spares == 0:
+        return []
+    if spares > MAX_SPARE_SLICES:
+        return [SpecProblem(path, f"{spares} is not allowed; allowed: 0-{MAX_SPARE_SLICES} spare slices")]
+    if topology.accelerator_family(spec.slices.accelerator) == "cpu":
+        return [SpecProblem(path, f"{spares} spare slice(s) of accelerator 'cpu' hold nothing (a placeholder "
+                            "holds a slice's TPUs or GPUs); allowed with cpu: 0")]
+    return []
 
 
 def _check_compilation_cache(spec: JobSpec, found: set[str]) -> list[SpecProblem]:

@@ -172,3 +172,15 @@ def test_logs_picks_process_n_of_the_newest_generation_the_job_owns() -> None:
     assert plan_log_pod(pods, 0, "u1") == ("j-g2-s0-h0", "uid-j-g2-s0-h0", "trainer")
     assert plan_log_pod(pods, 1, "u1") == ("j-g2-s0-h1", "uid-j-g2-s0-h1", "trainer")
     assert plan_log_pod(pods, 2, "u1") is None
+
+
+def test_status_screen_shows_the_spare_slices() -> None:
+    job = _job(phase="Running", generation=2, spares={"desired": 1, "ready": 1, "pools": ["tpu-slice-0"], "takenTotal": 1,
+                                                      "lastTaken": {"generation": 2, "pools": ["tpu-slice-1"]}})
+    lines = dict(line.split(":", 1) for line in kubectl_plugin.build_status_screen(job, [], NOW).splitlines())
+    assert lines["Spares"].strip() == "1/1 ready on tpu-slice-0, 1 taken"
+    waiting = _job(phase="Suspended", spares={"desired": 1, "ready": 0, "pools": [], "takenTotal": 0,
+                                             "message": "the job is suspended (spec.suspend)"})
+    lines = dict(line.split(":", 1) for line in kubectl_plugin.build_status_screen(waiting, [], NOW).splitlines())
+    assert lines["Spares"].strip() == "0/1 ready (the job is suspended (spec.suspend)), 0 taken"
+    assert "Spares" not in kubectl_plugin.build_status_screen(_job(), [], NOW)

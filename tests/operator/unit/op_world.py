@@ -20,8 +20,10 @@ from resilax_operator.actions import (
     Action,
     CreateGeneration,
     CreateProbes,
+    CreateSpares,
     DeleteGeneration,
     DeleteProbes,
+    DeleteSpares,
     EmitEvent,
     PatchWorkerPods,
     PublishFreshness,
@@ -45,6 +47,7 @@ from resilax_operator.observed_sidecar import worth_asking_every_host
 from resilax_operator.probes import ObservedProbe
 from resilax_operator.reconcile import decide_raw
 from resilax_operator.settings import OperatorSettings
+from resilax_operator.spare_pods import ObservedSpare
 from resilax_operator.status import CheckpointInfo, JobStatus, build_status, build_status_patch, parse_status
 from resilax_operator.trainer_process import (
     EXITED,
@@ -132,6 +135,9 @@ class World:
     probe_manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Every CreateProbes/DeleteProbes executed, in order.
     probe_calls: list[CreateProbes | DeleteProbes] = field(default_factory=list)
+    #: The spare slices' placeholder pods (Observed.spares) and their manifests, as CreateSpares/DeleteSpares left them.
+    spares: dict[str, ObservedSpare] = field(default_factory=dict)
+    spare_manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def make(cls, spec: dict[str, Any], *pools: list[ObservedNode]) -> World:
@@ -146,6 +152,7 @@ class World:
                             restore=self.restore, storage_sharers=self.storage_sharers,
                             freshness=tuple(sorted(self.freshness.items())),
                             probes=tuple(sorted(self.probes.values(), key=lambda p: p.name)),
+                            spares=tuple(sorted(self.spares.values(), key=lambda p: p.name)),
                             hosts={n: f for n, f in self.hosts.items() if n in self.pods and n not in self.unreachable})
         # As observe.py: the sidecars asked (pods_to_poll) that answer report their trainer.
         polled = pods_to_poll(observed)
@@ -241,6 +248,18 @@ class World:
             for name in a.names:  # grace 0: gone at once
                 self.probes.pop(name, None)
                 self.probe_manifests.pop(name, None)
+        elif isinstance(a, CreateSpares):
+            for m in a.pods:
+                name, labels = m["metadata"]["name"], m["metadata"]["labels"]
+                if name not in self.spares:
+                    self.spares[name] = ObservedSpare(
+                        name, int(labels[api.LABEL_SPARE_SLICE]), int(labels[api.LABEL_HOST]), uid=f"uid-{name}",
+                        pinned=m["spec"]["nodeSelector"].get(api.NODE_POOL_LABEL, ""))
+                    self.spare_manifests[name] = m
+        elif isinstance(a, DeleteSpares):
+            for name in a.names:  # grace 0: gone at once
+                self.spares.pop(name, None)
+                self.spare_manifests.pop(name, None)
         elif isinstance(a, StopTrainers):
             self.trainer_calls.append(("stop", a.generation, a.pods))
             for name in a.pods:
@@ -260,7 +279,7 @@ class World:
         """Bind each schedulable pod: a pod of a placed slice on a free node of its pool; a pod of a waiting
         slice (pool "") on a free node carrying its node selector, in the pool its slice's bound pods use,
         else in a pool no other slice of its generation uses (the builders' pod affinity rules)."""
-        used = {p.node_name for p in self.pods.values() if p.node_name}
+        used = {p.node_name for p in [*self.pods.values(), *self.spares.values()] if p.node_name}
         for name, p in sorted(self.pods.items()):
             if p.node_name is not None or p.deletion_timestamp is not None or p.gates:
                 continue
@@ -276,6 +295,28 @@ class World:
             self.next_ip += 1
             if p.supervised:
                 self.processes[name] = TrainerProcess(1, p.generation, RUNNING)
+
+        self.schedule_spares(used)
+
+    def schedule_spares(self, used: set[str | None]) -> None:
+        """Bind each placeholder on a free schedulable node: the pool its slot's bound placeholders use, else
+        one no other slot uses, never one its node affinity excludes (the workers' pools)."""
+        for name, p in sorted(self.spares.items()):
+            if p.node_name is not None:
+                continue
+            terms = self.spare_manifests[name]["spec"]["affinity"].get("nodeAffinity", {}).get(
+                "requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [{}])
+            excluded = {v for t in terms for e in t.get("matchExpressions", []) if e["operator"] == "NotIn"
+                        for v in e["values"]}
+            pool_of = {q.slot: self.nodes[q.node_name].pool for q in self.spares.values() if q.node_name}
+            pinned = self.spare_manifests[name]["spec"]["nodeSelector"].get(api.NODE_POOL_LABEL)
+            pools = {pool_of[p.slot]} if p.slot in pool_of else {pinned} if pinned else {
+                n.pool for n in self.nodes.values() if n.pool not in excluded and n.pool not in pool_of.values()}
+            free = sorted((n for n in self.nodes.values() if n.pool in pools and n.name not in used
+                           and n.schedulable(self.now)), key=lambda n: n.name)
+            if free:
+                used.add(free[0].name)
+                self.spares[name] = replace(p, node_name=free[0].name, running=True)
 
     def _pools_for(self, name: str, p: ObservedPod) -> set[str | None]:
         if self.pool_of[name]:

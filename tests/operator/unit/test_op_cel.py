@@ -87,6 +87,9 @@ GOOD = [
         {"action": "FailJob", "exitCodes": [42], "containerName": "trainer"},
         {"action": "RestartWithoutCounting", "podReasons": ["Evicted"]}])),
     ("keep-best", lambda s: s["checkpoint"]["keep"].update(best=3, metric="loss", mode="min", everyMinutes=60)),
+    ("spare-slices-tpu", lambda s: s["recovery"].update(spareSlices=2)),
+    ("spare-slices-0-cpu", lambda s: (s["slices"].update(accelerator="cpu", topology="2x4"), s.pop("elastic"),
+                                      s["recovery"].update(spareSlices=0))),
 ]
 
 
@@ -133,6 +136,9 @@ BAD = [
      "keep.best needs keep.metric (a metric the script passes to save(..., metrics=)) and keep.mode (max or min)"),
     ("keep-metric-without-best", lambda s: s["checkpoint"]["keep"].update(metric="loss"),
      "keep.metric and keep.mode need keep.best"),
+    ("spare-slices-cpu", lambda s: (s["slices"].update(accelerator="cpu", topology="2x4"), s.pop("elastic"),
+                                    s["recovery"].update(spareSlices=1)),
+     "recovery.spareSlices must be 0 with accelerator cpu: a spare's placeholders hold a slice's TPUs or GPUs"),
 ]
 
 

@@ -172,6 +172,9 @@ BAD = [
      "spec.recovery.healthCheck.timeoutSeconds"),
     ("health-check-enabled-not-bool", lambda s: s["recovery"].update(healthCheck={"enabled": "yes"}),
      "spec.recovery.healthCheck.enabled"),
+    ("spare-slices-too-many", lambda s: s["recovery"].update(spareSlices=9), "spec.recovery.spareSlices"),
+    ("spare-slices-on-cpu", lambda s: (s["slices"].update(accelerator="cpu", topology="2x4"), s.pop("elastic"),
+                                       s["recovery"].update(spareSlices=1)), "spec.recovery.spareSlices"),
 ]
 
 
@@ -255,6 +258,9 @@ def test_status_round_trip(kube: Any) -> None:
                    transition=replace(full.transition, reason=api.PREEMPTION_NOTICE.name),  # type: ignore[arg-type]
                    in_place=st.InPlace(3, 2, st.IN_PLACE_STOPPING, t0, t0, kind=st.NODE_LOSS, reason="NodeLost",
                                        message="m"))
+    from resilax_operator.spare_pods import SpareStatus
+
+    full = replace(full, spares=SpareStatus(2, 1, ("d",), "", 2, ("c",), 1))
     got = kube.patch(f"{BASE}/status/status", {"status": st.build_status(full)})
     assert st.parse_status(got["status"]) == full
     assert got["status"]["history"] == st.build_status(full)["history"]

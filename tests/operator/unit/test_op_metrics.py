@@ -8,6 +8,7 @@ from prometheus_client import REGISTRY, generate_latest
 from resilax_operator import api, metrics
 from resilax_operator import status as st
 from resilax_operator.builders import JobRef
+from resilax_operator.spare_pods import SpareStatus
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -171,3 +172,19 @@ def test_recovery_series_and_invalid_spec_name_the_job_and_go_with_it() -> None:
     assert REGISTRY.get_sample_value("resilax_operator_recoveries_total",
                                      {"namespace": "team-r", "jaxjob": "keep", "kind": st.RESIZE}) == 1
     metrics.forget_job(other)
+
+
+def test_spare_slice_gauges_follow_status_spares_and_go_with_the_job() -> None:
+    job = JobRef("sp", "team-c", "uid-sp")
+
+    def value(state: str) -> float | None:
+        return REGISTRY.get_sample_value("resilax_operator_spare_slices",
+                                         {"namespace": "team-c", "jaxjob": "sp", "state": state})
+
+    metrics.record_status(job, st.JobStatus(), st.JobStatus(phase=api.PHASE_RUNNING, generation=1), T0)
+    assert value("desired") is None  # a job without spares has no series
+    held = st.JobStatus(phase=api.PHASE_RUNNING, generation=1, spares=SpareStatus(desired=2, ready=1))
+    metrics.record_status(job, st.JobStatus(), held, T0)
+    assert (value("desired"), value("ready")) == (2.0, 1.0)
+    metrics.forget_job(job)
+    assert (value("desired"), value("ready")) == (None, None)
