@@ -2,31 +2,25 @@
 
 One local cluster (resilax_local, the demo's profile: 2 TPU slices tpu-v5-lite-podslice 2x4 of 2 hosts
 each + cpu-0) and one operator (started as `resilax demo` starts it: the chart's RBAC, a ServiceAccount
-token). For each variant in turn, on the same cluster and with the same schedule (`goodput_model.
-build_schedule(seed)`: a hard node loss every ~`--kill-every` s, the second one a preemption notice
-instead, each node back `--restore-after` s later):
-
-* ``resilax``: the demo's JAXJob (examples/jaxjob-demo.yaml: 2 slices, elastic 1..2 with growBack, a
-  checkpoint every 10 steps, final saves on preemption and resize) plus a node-local tier
-  (`checkpoint.local: {}`, every step persisted too) and in-place restarts of the survivors
-  (`recovery.inPlace: Auto`);
-* ``restart``: what a JobSet-style restart has: the same job with no local tier, no final saves
-  (`finalSave: {onPreemption: false, onResize: false}`) and no elastic shapes (every fault restarts all
-  workers at the full shape from the persistent checkpoint, once the capacity is there).
+token). For each variant in turn (goodput_variants.py: ``restart`` from the persistent checkpoint,
+``resilax`` with shrink, ``resilax-spare`` with one spare slice, whose third slice of nodes the harness
+adds for it alone), on the same cluster and with the same schedule (`goodput_model.build_schedule(seed)`:
+a hard node loss every ~`--kill-every` s, the second one a preemption notice instead, each node back
+`--restore-after` s later). The victim of each fault is the host of a worker process drawn from the seed
+(`goodput_variants.plan_victims`: process 0's host is one of them), found by the job's status.workerPods.
 
 The job trains examples/train.py (real JAX processes, 2 CPU devices each) for `--minutes`; the harness
-applies the faults at their times (the victim: the node of the job's last worker then), polls the job,
-its pods and Events every ~second, then deletes the job and restores every node. From process 0's step
-lines, the restore lines, the pods' times and the job's status it computes goodput and its breakdown
-(`goodput_model.compute_goodput`), and writes the JSON (`--json`, default bench/results/goodput-<time>.json)
-and the markdown table (printed; `--markdown FILE`).
+applies the faults at their times, polls the job, its pods and Events every ~second, then deletes the job
+and restores every node. From process 0's step lines, the restore lines, the pods' times and the job's
+status it computes goodput and its breakdown (`goodput_model.compute_goodput`), and writes the JSON
+(`--json`, default bench/results/goodput-<time>.json; it records the commit and the victims) and the
+markdown table (printed; `--markdown FILE`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import datetime
 import json
 import os
@@ -42,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from resilax_local.demo import FILES, JOB_FILE, JOB_NAMESPACE, Demo, DemoError, say, stop_process_group
-from resilax_local.demo_examples import EXAMPLES, use_example
+from resilax_local.demo import JOB_NAMESPACE, Demo, DemoError, say, stop_process_group
+from resilax_local.demo_examples import EXAMPLES
 from resilax_local.timeline import Fault, parse_timestamp
 from resilax_operator import api
 
@@ -59,36 +53,19 @@ from .goodput_model import (
     find_reaction,
     pod_marks,
 )
+from .goodput_variants import (
+    RESILAX_SPARE,
+    SPARE_POOL,
+    VARIANTS,
+    build_variant_job,
+    plan_victims,
+    spare_problem,
+)
+
+__all__ = ("GoodputRun", "build_variant_job", "main", "recompute", "render_table", "summarize")
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
-VARIANTS = ("resilax", "restart")
-STEPS = 1_000_000  # more than any run trains: the harness ends the job
-
-
-def build_variant_job(variant: str, name: str, storage: str, step_seconds: float, example: str = "train",
-                      example_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The demo's JAXJob as `variant` runs it (see the module doc), training `example` (resilax_local.demo.
-    EXAMPLES: examples/train.py by default, or examples/transformer.py) with `example_args` appended."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-    job = copy.deepcopy(yaml.safe_load(JOB_FILE.read_text()))
-    job["metadata"] = {"name": name, "namespace": JOB_NAMESPACE}
-    spec = job["spec"]
-    spec["checkpoint"]["storage"] = storage
-    spec["recovery"]["maxRestarts"] = 1000  # the schedule, not the restart budget, is under test
-    for container in spec["template"]["spec"]["containers"]:
-        container["workingDir"] = str(FILES)  # the demo's files: examples/train.py
-        container["command"] = use_example(["python", "examples/train.py", "--steps", str(STEPS), "--step-seconds",
-                                            str(step_seconds), *example_args], example)
-    if variant == "resilax":
-        spec["checkpoint"]["local"] = {}
-        spec["recovery"]["inPlace"] = "Auto"  # survivors of a hard loss or a shrink restart in place
-    else:
-        spec["checkpoint"]["finalSave"] = {**spec["checkpoint"].get("finalSave", {}),
-                                           "onPreemption": False, "onResize": False}
-        spec.pop("elastic", None)
-    return job
 
 
 class GoodputRun(Demo):
@@ -100,6 +77,8 @@ class GoodputRun(Demo):
         self.example_args = example_args
         self.pods_seen: dict[int, dict[str, Any]] = {}  # generation -> {"created", "running"}
         self.down: set[str] = set()
+        #: The worker process whose host each fault hits (by fault index; goodput_variants.plan_victims).
+        self.victim_processes: tuple[int, ...] = ()
 
     def reset(self, name: str) -> None:
         self.job_name = name
@@ -175,8 +154,9 @@ class GoodputRun(Demo):
                 say(f"    {self.elapsed():6.0f}s  restore-node {node}")
             return
         gen = self.snapshots[-1].generation if self.snapshots else None
+        process = self.victim_processes[planned.victim] if planned.victim < len(self.victim_processes) else None
         try:
-            node = self.pick_victim(gen)
+            node = self.pick_victim(gen) if process is None else self.node_of_process(process)
         except DemoError as e:
             self.note("fault", f"{planned.kind} skipped: {e}")
             say(f"    {self.elapsed():6.0f}s  {planned.kind} skipped: {e}")
@@ -188,7 +168,20 @@ class GoodputRun(Demo):
         self.down.add(node)
         victims[planned.victim] = node
         self.faults.append(Fault(time.time(), planned.kind, node))
-        say(f"    {self.elapsed():6.0f}s  {planned.kind} {node} (generation {gen})")
+        say(f"    {self.elapsed():6.0f}s  {planned.kind} {node} (generation {gen}, process {process})")
+
+    def node_of_process(self, process: int) -> str:
+        """The node of worker `process` of the current generation (status.workerPods: by process id; a
+        shrunk generation's `process mod its size`)."""
+        pods = list((self.client.get(self.job_path()).get("status") or {}).get("workerPods") or [])
+        if not pods:
+            raise DemoError("the job's status names no worker pods yet")
+        name = pods[process % len(pods)]
+        pod = self.client.get(f"/api/v1/namespaces/{JOB_NAMESPACE}/pods/{name}")
+        node = (pod.get("spec") or {}).get("nodeName")
+        if not node:
+            raise DemoError(f"worker pod {name} (process {process % len(pods)}) is bound to no node")
+        return str(node)
 
     def elapsed(self) -> float:
         return time.time() - self.variant_start
@@ -201,6 +194,10 @@ class GoodputRun(Demo):
         shutil.rmtree(ckpt, ignore_errors=True)  # a reused --run-dir: the job starts at step 0, not an old run's
         ckpt.mkdir(parents=True)
         job = build_variant_job(variant, name, str(ckpt), step_seconds, self.example, self.example_args)
+        if variant == RESILAX_SPARE:  # one more slice of nodes, for this variant's spare alone
+            spare = self.cluster.add_tpu_slice(SPARE_POOL)
+            self.cluster.wait_nodes_ready(spare, timeout=180)
+            say(f"    spare slice nodes {', '.join(spare)}")
         (self.run_dir / f"{name}.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
         say(f"\n==> variant {variant}: JAXJob {JOB_NAMESPACE}/{name} for {duration:.0f} s, "
             f"{sum(f.kind != RESTORE for f in schedule)} faults")
@@ -248,6 +245,8 @@ class GoodputRun(Demo):
             return not self.client.get(f"/api/v1/namespaces/{JOB_NAMESPACE}/pods", labelSelector=selector)["items"]
 
         self.poll_until(gone, f"the pods of {self.job_name} gone", 180)
+        for node in [n["name"] for n in self.cluster.nodes() if n["name"].startswith(f"{SPARE_POOL}-")]:
+            self.cluster.remove_node(node)  # the spare variant's extra slice: no other variant may use it
         names = [n["name"] for n in self.cluster.nodes()]
         self.cluster.wait_nodes_ready(names, timeout=180)
 
@@ -309,7 +308,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(examples/transformer.py: a step's work is split over the devices)")
     p.add_argument("--example-args", default="",
                    help="more flags for the example, one string (e.g. \"--preset cpu-small\")")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: resilax, restart")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, run in this order (default {','.join(VARIANTS)}; resilax-spare needs "
+                        "the operator's spec.recovery.spareSlices)")
     p.add_argument("--run-dir", type=Path, default=None, help="default: a temporary folder, removed afterwards")
     p.add_argument("--json", type=Path, default=None, help="default: bench/results/goodput-<time>.json")
     p.add_argument("--markdown", type=Path, default=None)
@@ -374,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps(again, indent=1) + "\n")
         return 0
+    no_spares = spare_problem(args.variants)  # before anything starts
+    if no_spares is not None:
+        print(f"resilax_bench.goodput: {no_spares}", file=sys.stderr)
+        return 2
     from resilax_local.launch import isolation_problem
 
     problem = isolation_problem()  # the cluster runs pods as `resilax local up` does: ask before starting
@@ -382,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     duration = args.minutes * 60
     schedule = build_schedule(args.seed, duration, args.kill_every, args.restore_after, args.jitter)
+    victims = plan_victims(args.seed, sum(f.kind != RESTORE for f in schedule))
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="resilax-goodput-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H%M%SZ")
@@ -389,13 +395,14 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "goodput", "started": stamp, "seed": args.seed, "minutes": args.minutes,
         "kill_every": args.kill_every, "restore_after": args.restore_after, "jitter": args.jitter,
         "step_seconds": args.step_seconds, "example": args.example, "example_args": list(args.example_args),
-        "commit": commit_of_checkout(), "schedule": [asdict(f) for f in schedule],
+        "commit": commit_of_checkout(), "schedule": [asdict(f) for f in schedule], "victim_processes": list(victims),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "command": " ".join(["python -m resilax_bench.goodput", *(sys.argv[1:] if argv is None else argv)]),
         "variants": [],
     }
     run = GoodputRun(run_dir, timeout=duration * len(args.variants) + 1800, example=args.example,
                      example_args=args.example_args)
+    run.victim_processes = victims
     code = 0
     try:
         run.start_cluster()

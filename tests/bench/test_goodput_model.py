@@ -362,3 +362,52 @@ def test_the_restart_json_gives_the_phases_the_projection_uses() -> None:
     assert restart_costs(result)["resilax"] == ("prefetch", 19.0)
     with pytest.raises(GoodputInputError, match="no measured phase for first_start"):
         restart_costs({"phases": {"cold": {"error": "OOM"}}})
+
+
+# ---- issue 39: victims from the seed, three variants --------------------------------------------------
+
+def test_victims_vary_with_the_seed_and_always_include_process_0() -> None:
+    from resilax_bench.goodput_variants import PROCESSES, plan_victims
+
+    plans = {seed: plan_victims(seed, 3) for seed in range(1, 9)}
+    assert plans[1] == plan_victims(1, 3)  # the same seed, the same victims
+    assert len(set(plans.values())) > 1, plans  # other seeds, other victims
+    for plan in plans.values():
+        assert len(plan) == 3 and 0 in plan and all(0 <= p < PROCESSES for p in plan), plan
+    assert plan_victims(1, 0) == () and plan_victims(5, 1) == (0,) and plan_victims(2, 4, processes=1) == (0,) * 4
+    with pytest.raises(GoodputInputError, match="processes"):
+        plan_victims(1, 2, processes=0)
+
+
+def test_the_victims_leave_the_schedule_as_it_was() -> None:
+    """The victims have their own random stream: the 20-minute runs' fault times stay comparable."""
+    assert build_schedule(1, 1200.0) == build_schedule(1, 1200.0)
+    assert [f.at for f in build_schedule(1, 1200.0)] == [f.at for f in build_schedule(1, 1200.0)]
+
+
+def test_the_three_variants_jobs_and_the_spare_one_fails_clearly_without_spares() -> None:
+    from resilax_bench.goodput_variants import VARIANTS, build_variant_job, spare_problem
+
+    assert VARIANTS == ("restart", "resilax", "resilax-spare")
+    restart, shrink, spare = (build_variant_job(v, f"g-{v}", "/tmp/ckpt", 0.3)["spec"] for v in VARIANTS)
+    assert restart["recovery"]["inPlace"] == "Never" and "elastic" not in restart  # explicit, whatever the default
+    assert shrink["recovery"]["inPlace"] == "Auto" and "spareSlices" not in shrink["recovery"]
+    assert spare["recovery"]["spareSlices"] == 1 and spare["elastic"] == shrink["elastic"]
+    assert spare["checkpoint"] == shrink["checkpoint"]
+    without = "spec:\n  versions:\n  - schema:\n      openAPIV3Schema:\n        properties:\n          spec:\n" \
+              "            properties:\n              recovery:\n                properties:\n" \
+              "                  inPlace: {type: string}\n"
+    message = spare_problem(VARIANTS, without)
+    assert message is not None and "spec.recovery.spareSlices" in message and "--variants restart,resilax" in message
+    assert spare_problem(VARIANTS, without.replace("inPlace", "spareSlices")) is None
+    assert spare_problem(("restart", "resilax"), without) is None
+
+
+def test_the_harness_refuses_the_spare_variant_before_starting_anything(tmp_path, monkeypatch, capsys) -> None:
+    from resilax_bench import goodput, goodput_variants
+
+    crd = tmp_path / "crd.yaml"
+    crd.write_text("spec: {versions: []}\n")
+    monkeypatch.setattr(goodput_variants, "CRD_FILE", crd)
+    assert goodput.main(["--variants", "resilax-spare", "--json", str(tmp_path / "out.json")]) == 2
+    assert "spareSlices" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
