@@ -338,11 +338,13 @@ def test_operator_restart_mid_recovery_and_fenced_old_generation(operator: Opera
     fault = time.time()
     cluster.partition_node(victim)  # its worker keeps running, unseen: a zombie of generation 1
 
-    jobs.wait_status(name, lambda s: s.get("transition") is not None, 300, "a transition recorded")
+    # a transition, or an in-place restart (recovery.inPlace is Auto by default): its own status block
+    jobs.wait_status(name, lambda s: s.get("transition") is not None or s.get("inPlace") is not None, 300,
+                     "a transition or an in-place restart recorded")
     operator.kill()  # SIGKILL in the middle of the recovery
     mid = jobs.status(name)
     print(f"\noperator killed in phase {mid.get('phase')}, generation {mid.get('generation')}, "
-          f"transition {mid.get('transition', {}).get('kind')}")
+          f"transition {(mid.get('transition') or {}).get('kind')}, in place {(mid.get('inPlace') or {}).get('phase')}")
     operator.start()
 
     wait_generation(jobs, name, 2, count=1)
