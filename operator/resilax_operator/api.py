@@ -290,6 +290,12 @@ LEASE_LAGGING = Reason("WaitingForLease", "generation {generation}: node(s) {nod
                        "witnessed Lease; planning waits until {until} (the Lease's full duration) before running "
                        "without them")
 RESUMED = Reason("Resumed", "spec.suspend is false: generation {generation} restores {restore}")
+ROLLBACK_ASKED = Reason("RollbackAsked", "spec.checkpoint.restore.step is now {step}: generation {generation} saves "
+                        "its current step, then generation {next} restores step {step}; the newer steps are "
+                        "kept on their own branch (superseded, never deleted)")
+ROLLBACK_REFUSED = Reason("RollbackRefused", "spec.checkpoint.restore.step: {step} is not a committed step of this job: "
+                          "the newest visible committed step is {newest}; a rollback names a step at or below it "
+                          "(`kubectl resilax timeline` lists them); the job runs on")
 SPEC_VALID = Reason("SpecValid", "the spec is valid")
 SPEC_INVALID = Reason("SpecInvalid", "{problems}")
 #: An invalid edit of a job that has run: it keeps running under status.lastValidSpec until fixed.

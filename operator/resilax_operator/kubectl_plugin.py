@@ -8,6 +8,7 @@
     kubectl resilax rotate-token NAME             a new sidecar token: delete its Secret, the operator writes a new one
     kubectl resilax suspend NAME [-n NAMESPACE]   spec.suspend=true: final save, then no workers
     kubectl resilax resume NAME [-n NAMESPACE]    spec.suspend=false: a new generation restores the newest step
+    kubectl resilax rollback NAME --step N        save the current step, then a new generation restores N
     kubectl resilax web FILE [-n NS | -A]         write a static HTML page with every job's timeline
     kubectl resilax list [-n NAMESPACE | -A]      the jobs: phase, generation, shape, saved step, goodput
     kubectl resilax logs NAME [-f] [--process N]  the trainer log of process N (default 0); -f follows it
@@ -22,7 +23,8 @@ Shell completion (kubectl 1.26+): kubectl asks the `kubectl_complete-resilax` ex
 `:<directive>`): the commands, then the namespace's JAXJobs, or its namespaces after `-n`.
 
 Everything comes from the JAXJob itself (its status, which the operator keeps) and its Events; suspend
-and resume patch `spec.suspend` (a JSON merge patch), as Kueue does; save goes through the API server's
+and resume patch `spec.suspend` (a JSON merge patch), as Kueue does, rollback `spec.checkpoint.restore.step`
+(kubectl_rollback.py); save goes through the API server's
 pod proxy to the sidecar of the current generation's first worker, with the job's token read from its
 Secret and sent in the sidecar's own header (never printed). The kubeconfig is kubectl's (`--kubeconfig`,
 else `$KUBECONFIG`, else `~/.kube/config`; `--context`); the namespace is `-n`, else the context's, else
@@ -61,6 +63,7 @@ from .kubectl_output import (
     build_version_data,
     render,
 )
+from .kubectl_rollback import run_rollback
 from .ownership import owner_uid
 from .status import BREAKDOWN_KEYS
 from .timeline import build_gantt, build_plot, parse_history, parse_time
@@ -69,14 +72,14 @@ from .timeline_page import build_page, build_page_data
 #: Exit codes: 0 done, 1 the API refused or the job is missing, 2 usage.
 EXIT_ERROR = 1
 
-COMMANDS = ("status", "goodput", "timeline", "save", "rotate-token", "suspend", "resume", "web", "list",
-            "version", "logs")
+COMMANDS = ("status", "goodput", "timeline", "save", "rotate-token", "suspend", "resume", "rollback", "web",
+            "list", "version", "logs")
 #: The commands that only read, which take `-o json|yaml`; those that need no job name.
 READ_COMMANDS = ("status", "goodput", "timeline", "list", "version")
 NAMELESS_COMMANDS = ("list", "version")
 #: Flags that take a value (`-n NS` or `--namespace=NS`).
 VALUE_FLAGS = ("-n", "--namespace", "--kubeconfig", "--context", "--png", "--timeout", "-o", "--output",
-               "--process")
+               "--process", "--step")
 #: Flags whose value is a file name.
 FILE_FLAGS = ("--png",)
 #: Cobra's ShellCompDirectiveNoFileComp: no file names when nothing matches; Default: the shell's files.
@@ -321,6 +324,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help=f"save: how long to wait for the commit (default {SAVE_TIMEOUT_SECONDS:.0f})")
     p.add_argument("-f", "--follow", action="store_true", help="logs: follow, across generations, until the job ends")
     p.add_argument("--process", type=int, default=0, metavar="N", help="logs: whose trainer (default 0)")
+    p.add_argument("--step", type=int, default=None, metavar="N", help="rollback: the committed step to restore")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
     p.add_argument("--context", default=None, help="kubeconfig context (default: the current one)")
     args = p.parse_args(list(argv))
@@ -332,6 +336,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"-o/--output goes with {', '.join(READ_COMMANDS)}")
     if (args.follow or args.process) and args.command != "logs":
         p.error("-f/--follow and --process go with logs")
+    if (args.step is None) == (args.command == "rollback"):
+        p.error("rollback needs --step N" if args.command == "rollback" else "--step goes with rollback")
     if args.command in NAMELESS_COMMANDS and args.name is not None:
         p.error(f"{args.command} takes no job name")
     if args.command not in NAMELESS_COMMANDS and args.name is None:
@@ -440,6 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print(run_save(kube, namespace, args.name, args.timeout))
         elif args.command == "rotate-token":
             _print(run_rotate_token(kube, namespace, args.name))
+        elif args.command == "rollback":
+            _print(run_rollback(kube, namespace, args.name, args.step))
         elif args.command == "web":
             print(run_web(kube, None if args.all_namespaces else namespace, Path(args.name)))
         elif args.command == "logs":

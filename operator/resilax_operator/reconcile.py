@@ -53,6 +53,7 @@ from .policies import (
     queue_eviction,
     recovery_wait,
     resize,
+    rollback,
     spares,
     straggler,
     suspend,
@@ -82,6 +83,7 @@ WATCH: Final[tuple[Check, ...]] = (
     capacity_wait.check,                 # workers waited for new nodes past shrinkAfterSeconds: shrink
     generation_start.check_unscheduled,  # workers no node takes
     container_waiting.check,             # a container stuck waiting (image, config, crash loop)
+    rollback.check,                      # spec.checkpoint.restore.step edited: final save, restore that step
     resize.check,                        # a larger shape: spec edit or capacity back
 )
 

@@ -37,8 +37,9 @@ SHRINK: Final = "Shrink"  # capacity.provisioning Autoscaled: no node came for w
 SUSPEND: Final = "Suspend"  # spec.suspend became true
 QUEUE_EVICTION: Final = "QueueEviction"  # a queue (Kueue) preempted or evicted the pod group: not a failure
 TRAINER_HUNG: Final = "TrainerHung"  # no progress past the hang timeout (policies/hang.py): not a failure
+ROLLBACK: Final = "Rollback"  # spec.checkpoint.restore.step edited on a running job (policies/rollback.py)
 TRANSITION_KINDS: Final = (PREEMPTION, NODE_LOSS, POD_LOST, WORKER_FAILURE, WORKER_STOPPED, RESIZE, GROW_BACK, SHRINK,
-                           SUSPEND, QUEUE_EVICTION, TRAINER_HUNG)
+                           SUSPEND, QUEUE_EVICTION, TRAINER_HUNG, ROLLBACK)
 #: Kinds whose final save `checkpoint.finalSave.onResize` governs.
 RESIZE_KINDS: Final = frozenset({RESIZE, GROW_BACK})
 #: Kinds that move to another shape on purpose (phase Resizing).
@@ -144,6 +145,9 @@ class JobStatus:
     hosts: int = 0
     pools: tuple[str, ...] = ()
     restore_step: str = ""
+    #: spec.checkpoint.restore.step as the operator last acted on it (written at each generation start):
+    #: an edit to another step number rolls the running job back (policies/rollback.py). "": not yet known.
+    restore_asked: str = ""
     generation_start_time: datetime | None = None
     #: True once every worker pod of the current generation has been created.
     workers_created: bool = False
@@ -246,6 +250,7 @@ def parse_status(raw: Mapping[str, Any] | None) -> JobStatus:
         phase=str(raw.get("phase") or api.PHASE_PENDING), generation=int(raw.get("generation") or 0),
         shape=shape, hosts=int(shape_raw.get("hosts") or 0), pools=tuple(raw.get("pools") or ()),
         restore_step=str(raw.get("restoreStep") or ""),
+        restore_asked=str(raw.get("restoreAsked") or ""),
         generation_start_time=parse_time(raw.get("generationStartTime")),
         workers_created=bool(raw.get("workersCreated", False)),
         restarts=int(raw.get("restarts") or 0), failures=int(raw.get("failures") or 0),
@@ -332,6 +337,7 @@ def build_status(status: JobStatus) -> dict[str, Any]:
         "inPlace": None if status.in_place is None else build_in_place(status.in_place),
         "inPlaceRestarts": status.in_place_restarts or None,
         "restoreStep": status.restore_step or None,
+        "restoreAsked": status.restore_asked or None,
         "generationStartTime": format_time(status.generation_start_time),
         "admittedTime": format_time(status.admitted_time),
         "workersCreated": status.workers_created,

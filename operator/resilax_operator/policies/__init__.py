@@ -19,6 +19,7 @@ On a running generation the checks run in this order and the first that finds so
 | capacity_wait      | workers waited for new nodes past shrinkAfterSeconds    | Shrink to what Ready nodes fit |
 | generation_start   | workers no node takes within scheduleTimeoutSeconds     | PodLost: replan               |
 | container_waiting  | a container stuck waiting (image, config, crash loop)   | ContainerWaiting; past the timeout Failed or WorkerFailure |
+| rollback           | spec.checkpoint.restore.step edited to another step     | Rollback: final save, the next generation restores that step |
 | resize             | a spec edit to a larger shape; capacity came back       | Resize / GrowBack: final save |
 
 Which spec they all decide on is invalid_edit.py's: the job's own when it validates, else the last

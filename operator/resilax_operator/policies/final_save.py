@@ -37,7 +37,8 @@ from . import node_loss
 def wanted(spec: JobSpec, kind: str) -> bool:
     """Whether a transition of `kind` asks the workers for a final save (if any runs)."""
     on = spec.checkpoint.final_save
-    return (kind in (st.PREEMPTION, st.SUSPEND) and on.on_preemption) or (kind in st.RESIZE_KINDS and on.on_resize)
+    return (kind in (st.PREEMPTION, st.SUSPEND) and on.on_preemption) or (kind in st.RESIZE_KINDS and on.on_resize) \
+        or kind == st.ROLLBACK  # always: the current step is kept on its own branch (policies/rollback.py)
 
 
 def progress(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,

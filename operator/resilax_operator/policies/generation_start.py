@@ -16,7 +16,8 @@ watch it come to Running.
 | every worker Running                              | Running, Ready=True (event once); the restart time |
 |                                                   | (creation to Running) in status.timings           |
 
-The first generation restores `checkpoint.restoreStep`, every later one the latest step. A restore
+The first generation restores `checkpoint.restore.step`, every later one the latest step, or the step a
+rollback asks (policies/rollback.py: an edit of `checkpoint.restore.step` on a running job). A restore
 that skipped unreadable steps sets CheckpointFallback (`decide_restore_fallback`).
 """
 
@@ -61,7 +62,7 @@ from ..observed import Observed, RestoreReport
 from ..settings import OperatorSettings
 from ..spec import RESTORE_LATEST, JobSpec
 from ..status import JobStatus
-from . import Finding, capacity_wait, health_check, preemption, suspend
+from . import Finding, capacity_wait, health_check, preemption, rollback, suspend
 
 #: How soon to look again while waiting for capacity (seconds).
 CAPACITY_POLL_SECONDS: Final = 15.0
@@ -106,7 +107,7 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
                 RequeueAfter(CAPACITY_POLL_SECONDS)]
 
     generation = s.generation + 1
-    restore = spec.checkpoint.restore_step if generation == 1 else RESTORE_LATEST
+    restore = rollback.plan_restore(spec, s, generation)
     plan = GenerationPlan(generation, planned.shape, planned.pools, restore, s.worker_nodes,
                           live_job_uids=tuple(uid for uid, _ in observed.storage_sharers),
                           avoid_nodes=observed.nodes_to_avoid())
@@ -120,8 +121,8 @@ def start(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
         phase = api.PHASE_RESIZING if t.kind in st.RESHAPE_KINDS else api.PHASE_RECOVERING
     pods = build_lead_pods(observed.job, spec, plan, settings)  # the rest in bring_up, outside the planning lock
     new = replace(s, phase=phase, generation=generation, shape=planned.shape, hosts=planned.hosts, pools=planned.pools,
-                  restore_step=restore, generation_start_time=st.truncate(now), admitted_time=None,
-                  workers_created=len(pods) == planned.hosts,
+                  restore_step=restore, restore_asked=spec.checkpoint.restore_step,
+                  generation_start_time=st.truncate(now), admitted_time=None, workers_created=len(pods) == planned.hosts,
                   restarts=s.restarts + (0 if first else 1), planned_from=fingerprint(spec), transition=None,
                   worker_pods=workers)
     message = api.GENERATION_CREATED.format(generation=generation, count=planned.shape.count,

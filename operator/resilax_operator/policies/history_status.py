@@ -41,7 +41,7 @@ KIND_REASONS: Final = {
     st.PREEMPTION: api.PREEMPTION_NOTICE.name, st.NODE_LOSS: api.NODE_LOST.name, st.POD_LOST: api.POD_LOST.name,
     st.WORKER_FAILURE: api.WORKER_FAILED.name, st.WORKER_STOPPED: api.WORKER_STOPPED.name,
     st.RESIZE: api.SPEC_RESIZED.name, st.GROW_BACK: api.GROW_BACK.name, st.SHRINK: api.CAPACITY_TIMEOUT.name,
-    st.SUSPEND: api.SUSPENDED.name,
+    st.SUSPEND: api.SUSPENDED.name, st.ROLLBACK: api.ROLLBACK_ASKED.name,
 }
 
 

@@ -63,7 +63,8 @@ STOPPING_TRAINER_WAIT_SECONDS: Final = 15
 #: a Shrink's generation never all ran, so it has no save to make either; a hung one cannot finish one.
 PEER_GONE_KINDS: Final = frozenset({st.NODE_LOSS, st.WORKER_FAILURE, st.SHRINK, st.TRAINER_HUNG})
 #: Transitions the operator chose (not forced on it): their workers may stop by themselves.
-PLANNED_KINDS: Final = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK, st.WORKER_STOPPED, st.SUSPEND})
+PLANNED_KINDS: Final = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK, st.WORKER_STOPPED, st.SUSPEND,
+                                  st.ROLLBACK})
 #: Transitions that are pod-level losses (not the worker's own failure, not a node's; a hang too): they back off
 #: exponentially (`pod_loss_backoff`) and fail the job past `max_pod_losses` in a row.
 POD_LOSS_KINDS: Final = frozenset({st.POD_LOST, st.WORKER_STOPPED, st.TRAINER_HUNG})

@@ -23,6 +23,7 @@ from op_samples import (
 )
 from resilax_operator import api
 from resilax_operator import status as st
+from resilax_operator.checkpoint_status import CheckpointBranch
 from resilax_operator.spec import Shape
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -236,10 +237,10 @@ def test_status_round_trip(kube: Any) -> None:
     kube.create(BASE, _job("status"))
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
     full = st.JobStatus(phase=api.PHASE_SAVING, generation=2, shape=Shape("4x4", 3), hosts=12, pools=("a", "b", "c"),
-                        restore_step="latest", generation_start_time=t0, workers_created=True, restarts=1,
-                        planned_from="x/y", observed_generation=1,
+                        restore_step="latest", restore_asked="800", generation_start_time=t0, workers_created=True,
+                        restarts=1, planned_from="x/y", observed_generation=1,
                         transition=st.Transition(st.PREEMPTION, 2, t0, "m", "status-g2-preemption", t0),
-                        checkpoint=st.CheckpointInfo(1200, t0))
+                        checkpoint=st.CheckpointInfo(1200, t0, branch=CheckpointBranch(1, 2, 800)))
     from resilax_operator import goodput as gp
 
     ledger = gp.advance(gp.advance(None, gp.GenerationMarks(1, created=10.0, running=12.5, first_step=1,

@@ -106,5 +106,5 @@ def test_watch_lists_every_check_once() -> None:
                      "failure_rules.check",
                      "worker_exit.check", "hang.check",
                      "capacity_wait.check", "generation_start.check_unscheduled",
-                     "container_waiting.check",
+                     "container_waiting.check", "rollback.check",
                      "resize.check"]

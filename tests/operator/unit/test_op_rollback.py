@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from op_samples import good_spec
 from op_world import running_world
+from resilax_operator import api
 from resilax_operator import status as st
+from resilax_operator.actions import CreateGeneration, DeleteGeneration, RequestFinalSave
 from resilax_operator.checkpoint_status import (
     CheckpointBranch,
     CheckpointInfo,
@@ -19,8 +23,11 @@ from resilax_operator.checkpoint_status import (
     parse_branch,
 )
 from resilax_operator.observe import observe_sidecars
+from resilax_operator.observed import RestoreReport, SaveOutcome
 from resilax_operator.observed_sidecar import LastWords, parse_sidecar_state
+from resilax_operator.policies import rollback
 from resilax_operator.settings import OperatorSettings
+from resilax_operator.validation import validate_spec
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 G2 = CheckpointBranch(era=1, generation=2, parent=8)   # generation 2 restored step 8
@@ -108,3 +115,124 @@ def test_words_left_before_a_rollback_never_raise_the_checkpoint_above_it() -> N
     w.advance(5)
     w.step()
     assert w.status.checkpoint is not None and w.status.checkpoint.step == 12
+
+
+# ---- rollback of a running job: spec.checkpoint.restore.step edited (policies/rollback.py) -------------
+
+def _settle(w: Any, steps: int = 12) -> list[Any]:
+    """`World.settle`, keeping the actions."""
+    out: list[Any] = []
+    for _ in range(steps):
+        out += w.step()
+        w.schedule()
+        w.kubelets()
+    return out
+
+
+def _restore_of(actions: list[Any], generation: int) -> set[str]:
+    """The restore step each pod created for `generation` was told (its annotation and its env)."""
+    told = set()
+    for a in actions:
+        if isinstance(a, CreateGeneration) and a.generation == generation:
+            for pod in a.pods:
+                told.add(pod["metadata"]["annotations"][api.ANNOTATION_RESTORE_STEP])
+                for c in pod["spec"]["containers"]:
+                    told |= {e["value"] for e in c.get("env") or [] if e["name"] == "RESILAX_RESTORE_STEP"}
+    return told
+
+
+def _edit(w: Any, step: Any) -> None:
+    w.spec["checkpoint"].setdefault("restore", {})["step"] = step
+    w.spec_generation += 1
+
+
+def test_editing_restore_step_on_a_running_job_saves_then_restores_that_step_in_the_next_generation() -> None:
+    w = running_world()
+    assert w.status.restore_asked == "latest"  # what generation 1 was started with
+    w.checkpoint = ck(44)
+    w.step()
+    _edit(w, 8)
+    actions = w.step()
+    t = w.status.transition
+    assert t is not None and t.kind == st.ROLLBACK and t.saving, w.status  # the current step saved first
+    assert any(isinstance(a, RequestFinalSave) for a in actions)
+    assert api.ROLLBACK_ASKED.name in w.reasons()
+    w.outcomes.append(SaveOutcome(t.save_request_id or "", 50, True, None))  # the final save commits 50
+    w.exit_workers(75)
+    actions = _settle(w)
+    assert w.status.generation == 2 and w.status.phase == api.PHASE_RUNNING, w.status
+    assert _restore_of(actions, 2) == {"8"}
+    assert (w.status.restore_step, w.status.restore_asked) == ("8", "8")
+    assert w.status.checkpoint is not None and w.status.checkpoint.step == 50  # saved, on the old branch
+    # Generation 2 restored 8 (its report) and its sidecar names the branch record: status follows it,
+    # history carries the restored step and its source, and the old generation ended for the rollback.
+    w.restore = RestoreReport(8, (), generation=2, source="persistent")
+    w.checkpoint = ck(12, CheckpointBranch(0, 2, 8))
+    w.advance(5)
+    assert not any(isinstance(a, (RequestFinalSave, DeleteGeneration)) for a in _settle(w, 3))  # acted on once
+    assert w.status.checkpoint is not None and w.status.checkpoint.step == 12
+    e1, e2 = w.status.history[-2:]
+    assert e1.end_reason == api.ROLLBACK_ASKED.name
+    assert (e2.generation, e2.restored_step, e2.restored_from) == (2, 8, "persistent")
+
+
+@pytest.mark.parametrize(("edit", "event"), [
+    (100, api.ROLLBACK_REFUSED.name),  # above the newest committed step 44
+    ("latest", None),
+    ("none", None),
+    (44, None),  # the newest step itself: a rollback to it (nothing after it to supersede but the final save)
+], ids=["above-newest-refused", "latest", "none", "the-newest"])
+def test_what_an_edit_that_is_no_rollback_does(edit: Any, event: str | None) -> None:
+    w = running_world()
+    w.checkpoint = ck(44)
+    w.step()
+    _edit(w, edit)
+    w.step()
+    if edit == 44:
+        assert w.status.transition is not None and w.status.transition.kind == st.ROLLBACK
+        return
+    assert w.status.transition is None and w.status.generation == 1
+    assert w.status.restore_asked == str(edit)  # recorded: never acted on again
+    assert (event in w.reasons()) if event else api.ROLLBACK_REFUSED.name not in w.reasons()
+    if event:
+        assert "44" in next(e.message for e in w.events if e.reason == event)
+    assert not any(isinstance(a, (RequestFinalSave, DeleteGeneration)) for a in w.step())
+
+
+def test_a_status_from_before_restore_asked_records_the_spec_and_rolls_nothing_back() -> None:
+    w = running_world()
+    w.status = replace(w.status, restore_asked="")
+    _edit(w, 8)
+    w.step()
+    assert w.status.transition is None and w.status.restore_asked == "8"
+
+
+@pytest.mark.parametrize(("asked", "spec_step", "generation", "checkpoint", "want"), [
+    ("latest", "latest", 1, None, "latest"),
+    ("", "12", 1, None, "12"),           # the first generation: the spec's, as always
+    ("latest", "latest", 3, 44, "latest"),
+    ("latest", "8", 3, 44, "8"),         # an edit waiting while another transition started the generation
+    ("8", "8", 3, 44, "latest"),         # acted on already
+    ("latest", "100", 3, 44, "latest"),  # refused: above the newest
+    ("", "8", 3, 44, "latest"),          # unknown before: not an edit
+], ids=["first-latest", "first-pinned", "later", "pending-edit", "done", "refused", "unknown"])
+def test_plan_restore(asked: str, spec_step: str, generation: int, checkpoint: int | None, want: str) -> None:
+    raw = good_spec()
+    raw["checkpoint"]["restore"] = {"step": spec_step}
+    spec = validate_spec(raw, name="llama", settings=OperatorSettings())
+    s = st.JobStatus(restore_asked=asked, checkpoint=None if checkpoint is None else ck(checkpoint))
+    assert rollback.plan_restore(spec, s, generation) == want
+
+
+def test_a_failure_while_a_rollback_waits_starts_the_next_generation_on_the_step_asked() -> None:
+    w = running_world()
+    w.checkpoint = ck(44)
+    w.step()
+    _edit(w, 8)
+    w.exit_workers(1)  # a worker fails in the same instant: the failure decides first
+    actions = _settle(w, 3)
+    assert w.status.transition is not None and w.status.transition.kind == st.WORKER_FAILURE
+    w.advance(60)  # past the failure's backoff
+    actions += _settle(w)
+    assert w.status.generation == 2, w.status
+    assert _restore_of(actions, 2) == {"8"} and w.status.restore_asked == "8"
