@@ -97,6 +97,7 @@ def test_default_renders_the_expected_objects(default_objects: list[dict[str, An
     assert kinds == sorted([
         "CustomResourceDefinition", "CustomResourceDefinition", "CustomResourceDefinition",
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ClusterKopfPeering",
+        "PriorityClass",
     ])
     for obj in default_objects:
         labels = obj["metadata"].get("labels") or {}
@@ -377,7 +378,8 @@ def test_service_monitor_needs_metrics(helm, tmp_path: Path) -> None:
 def test_features_off(render) -> None:
     objects = render({"metrics": {"enabled": False}, "operator": {"leaderElection": {"enabled": False},
                                                                   "healthPort": 0},
-                      "rbac": {"create": False}, "serviceAccount": {"create": False, "name": "mine"}})
+                      "rbac": {"create": False}, "serviceAccount": {"create": False, "name": "mine"},
+                      "spares": {"priorityClass": {"create": False}}})
     assert sorted({o["kind"] for o in objects}) == ["CustomResourceDefinition", "Deployment"]
     container = deployment_container(objects)
     assert "--standalone" in container["args"]
@@ -579,3 +581,19 @@ def test_node_sweeper_follows_the_local_tier_roots_and_can_be_turned_off(render)
     assert {o["metadata"].get("namespace") for o in moved if o["kind"] in ("ServiceAccount", "DaemonSet")} == {
         "rx-nodes"}
     assert one(moved, "ClusterRoleBinding")["subjects"][0]["namespace"] == "rx-nodes"
+
+
+def test_the_spare_priority_class_is_below_every_job_and_named_to_the_operator(
+        default_objects: list[dict[str, Any]], render) -> None:
+    klass = one(default_objects, "PriorityClass")
+    assert klass["metadata"]["name"] == "resilax-spare" and klass["value"] == -10  # <fullname>-spare: one per release
+    assert klass["preemptionPolicy"] == "Never" and klass["globalDefault"] is False
+    env = {e["name"]: e.get("value") for e in deployment_container(default_objects)["env"]}
+    assert env["RESILAX_OPERATOR_SPARE_PRIORITY_CLASS"] == "resilax-spare"
+    # the operator needs no access to PriorityClasses (the API server's Priority admission resolves the name)
+    rules = one(default_objects, "ClusterRole")["rules"]
+    assert not any("priorityclasses" in r.get("resources", []) for r in rules)
+    own = render({"spares": {"priorityClass": {"create": False, "name": "team-balloons"}}})
+    assert not [o for o in own if o["kind"] == "PriorityClass"]
+    env = {e["name"]: e.get("value") for e in deployment_container(own)["env"]}
+    assert env["RESILAX_OPERATOR_SPARE_PRIORITY_CLASS"] == "team-balloons"

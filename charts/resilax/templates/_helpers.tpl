@@ -88,6 +88,14 @@ app.kubernetes.io/component: operator
 {{/*
 Whether the operator watches a list of namespaces ("true") or the whole cluster ("").
 */}}
+{{/*
+The spare slices' PriorityClass: spares.priorityClass.name, else `<fullname>-spare` (one per release:
+two releases never fight over one cluster-scoped name).
+*/}}
+{{- define "resilax.sparePriorityClass" -}}
+{{- .Values.spares.priorityClass.name | default (printf "%s-spare" (include "resilax.fullname" .)) -}}
+{{- end -}}
+
 {{- define "resilax.namespaced" -}}
 {{- if .Values.operator.watchNamespaces }}true{{ end }}
 {{- end }}

@@ -1,0 +1,92 @@
+"""Spare slices end to end (issue 39): real placeholder pods of a low PriorityClass, real JAX workers
+(examples/train.py), the sidecars and the operator on the local cluster (2 pools of tpu-v5-lite-podslice
+2x4: 2 hosts of 4 chips each).
+
+Job: 1 slice of 2x4 with `recovery.spareSlices: 1`. Generation 1 goes on tpu-slice-0; the spare's two
+placeholders hold tpu-slice-1 (the test's PriorityClass, value -10). A hard loss of one of generation 1's
+nodes: generation 2 takes the spare's pool at once, at the spec's shape (no generation ever ran shrunk),
+and trains on from the checkpoint. The new spare waits for capacity (one pool is short a node); when the
+node returns it is placed there and ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from op_cluster import Jobs, OperatorProcess, job_manifest, unique_name, worker_template
+from resilax_local.cluster import LocalCluster
+from resilax_local.errors import KubeAPIError
+from resilax_local.kubeapi import KubeClient
+from resilax_local.testing import wait_for
+
+PRIORITY_CLASSES = "/apis/scheduling.k8s.io/v1/priorityclasses"
+
+
+def _spares(jobs: Jobs, name: str) -> list[dict[str, Any]]:
+    return [p for p in jobs.pods(name) if p["metadata"]["labels"].get("resilax.dev/role") == "spare"]
+
+
+def _pool(node: str | None) -> str:
+    return (node or "").rsplit("-h", 1)[0]  # tpu-slice-1-h0 -> tpu-slice-1 (profiles.build_tpu_slice)
+
+
+def test_a_hard_loss_takes_the_spare_at_full_size_and_the_spare_is_replenished(
+        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, kube: KubeClient, namespace: str,
+        tmp_path: Path) -> None:
+    klass = f"{namespace}-spare"[:63]
+    kube.create(PRIORITY_CLASSES, {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                                   "metadata": {"name": klass}, "value": -10, "preemptionPolicy": "Never"})
+    try:
+        operator.settings_env["RESILAX_OPERATOR_SPARE_PRIORITY_CLASS"] = klass
+        operator.restart()
+        _flow(operator, jobs, cluster, tmp_path, klass)
+    finally:
+        with contextlib.suppress(KubeAPIError):
+            kube.delete(f"{PRIORITY_CLASSES}/{klass}")
+
+
+def _flow(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path: Path, klass: str) -> None:
+    name = unique_name("spares")
+    manifest = job_manifest(name, tmp_path / "ckpt", count=1, every_steps=4, recovery={"spareSlices": 1},
+                            template=worker_template(steps=100000, step_seconds=0.2, devices=4))
+    jobs.create(manifest)
+    status = jobs.wait_status(name, lambda s: s.get("phase") == "Running" and (s.get("spares") or {}).get("ready") == 1,
+                              600, "generation 1 Running with its spare ready")
+    assert status["generation"] == 1 and status["pools"] == ["tpu-slice-0"], status
+    assert status["spares"]["desired"] == 1 and status["spares"]["pools"] == ["tpu-slice-1"], status
+    placeholders = _spares(jobs, name)
+    assert sorted(p["metadata"]["name"] for p in placeholders) == [f"{name}-spare-s0-h0", f"{name}-spare-s0-h1"]
+    for p in placeholders:
+        assert _pool(p["spec"].get("nodeName")) == "tpu-slice-1" and p["status"]["phase"] == "Running", p["status"]
+        assert p["spec"]["priorityClassName"] == klass and p["spec"]["priority"] == -10, p["spec"]
+        assert p["spec"]["containers"][0]["resources"]["requests"]["google.com/tpu"] == "4"
+    jobs.wait_status(name, lambda s: (s.get("checkpoint") or {}).get("step", 0) >= 4, 600, "a committed checkpoint")
+
+    # A hard loss of one of generation 1's hosts: the next generation takes the spare's pool at once.
+    victim = next(p["spec"]["nodeName"] for p in jobs.pods(name, 1) if p["metadata"]["name"] == f"{name}-g1-s0-h1")
+    cluster.kill_node(victim)
+    status = jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 600,
+                              "generation 2 Running on the spare")
+    assert status["shape"]["count"] == 1 and status["pools"] == ["tpu-slice-1"], status
+    assert status["spares"]["takenTotal"] == 1 and status["spares"]["lastTaken"] == {
+        "generation": 2, "pools": ["tpu-slice-1"]}, status
+    # no generation ever ran below the spec's shape: 0 s shrunk
+    assert [h["shape"]["count"] for h in status["history"]] == [1, 1], status["history"]
+    assert "SpareTaken" in jobs.event_reasons(name, "SpareTaken")
+    nodes = {p["spec"].get("nodeName") for p in jobs.pods(name, 2)}
+    assert {_pool(n) for n in nodes} == {"tpu-slice-1"} and len(nodes) == 2, nodes
+    wait_for(lambda: jobs.losses(name, 2), timeout=600, interval=1, message=f"{name}: a step of generation 2")
+    assert min(jobs.losses(name, 2)) > 4  # it restored a checkpoint of generation 1, not from scratch
+
+    # The new spare waits: tpu-slice-0 is short a node, tpu-slice-1 has the workers.
+    status = jobs.wait_status(name, lambda s: len(_spares(jobs, name)) == 2, 120, "the new placeholders")
+    assert status["spares"]["ready"] == 0, status
+    cluster.restore_node(victim)
+    status = jobs.wait_status(name, lambda s: (s.get("spares") or {}).get("ready") == 1, 300,
+                              "the spare replenished on the returned node")
+    assert status["spares"]["pools"] == ["tpu-slice-0"] and status["generation"] == 2, status
+    assert {_pool(p["spec"].get("nodeName")) for p in _spares(jobs, name)} == {"tpu-slice-0"}
+    metric = f'resilax_operator_spare_slices{{jaxjob="{name}",namespace="{jobs.namespace}",state="ready"}} 1.0'
+    assert metric in operator.metrics(), operator.metrics()[-3000:]
