@@ -23,6 +23,16 @@ ENV_PREFIX: Final = "RESILAX_OPERATOR_"
 #: Slices of the largest TPU slice the default `max_hosts_per_job` allows.
 MAX_SLICES_SIZED: Final = 32
 MAX_HOSTS_PER_JOB: Final = largest_tpu_slice_hosts() * MAX_SLICES_SIZED
+#: Pull policies a container may have (the sidecar's `image_pull_policy`).
+PULL_POLICIES: Final = ("Always", "IfNotPresent", "Never")
+#: Inclusive bounds of the integer settings (None: no upper bound); any other integer setting is >= 0.
+#: The chart's values.schema.json states the same bounds (tests/chart/test_chart_settings.py).
+INTEGER_BOUNDS: Final[dict[str, tuple[int, int | None]]] = {
+    "sidecar_port": (1, 65535), "coordinator_port": (1, 65535), "megascale_port": (1, 65535),
+    "node_loss_guard_percent": (0, 100), "reconcile_threads": (1, None), "max_hosts_per_job": (1, None),
+}
+#: The port settings: check_ports names their problems (range, the TPU runtime's ports, clashes).
+PORT_SETTINGS: Final = ("sidecar_port", "coordinator_port", "megascale_port")
 
 
 @dataclass(frozen=True)
@@ -129,32 +139,65 @@ class OperatorSettings:
     metrics follow every reconcile."""
 
     def __post_init__(self) -> None:
+        problems = check_bounds(self) + check_ports(self)
         if self.sidecar_resources:
-            sidecar_resources_from_json(self.sidecar_resources)  # fails at start, not at the first pod
-        problems = check_ports(self)
+            try:  # fails at start, not at the first pod
+                sidecar_resources_from_json(self.sidecar_resources)
+            except InvalidSettingError as e:
+                problems.append(str(e))
         if self.sidecar_log_format not in ("json", "text"):
             problems.append(f"{ENV_PREFIX}SIDECAR_LOG_FORMAT={self.sidecar_log_format!r}: allowed: json, text")
-        if self.reconcile_threads < 1:
-            problems.append(f"{ENV_PREFIX}RECONCILE_THREADS={self.reconcile_threads}: allowed: an integer >= 1")
-        if self.max_hosts_per_job < 1:
-            problems.append(f"{ENV_PREFIX}MAX_HOSTS_PER_JOB={self.max_hosts_per_job}: allowed: an integer >= 1")
+        if self.image_pull_policy not in PULL_POLICIES:
+            problems.append(f"{ENV_PREFIX}IMAGE_PULL_POLICY={self.image_pull_policy!r}: allowed: "
+                            + ", ".join(PULL_POLICIES))
         if problems:
             raise InvalidSettingError("; ".join(problems))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:
-        """Read `RESILAX_OPERATOR_<FIELD>` (upper-case field names) over the defaults."""
+        """Read `RESILAX_OPERATOR_<FIELD>` (upper-case field names) over the defaults. Every bad
+        variable is named in one InvalidSettingError, with its value and what is allowed."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
+        problems: list[str] = []
         for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
+            name = ENV_PREFIX + f.name.upper()
+            raw = env.get(name)
             if raw is None or raw == "":
                 continue
-            if f.type in ("bool", bool):
-                values[f.name] = _boolean(ENV_PREFIX + f.name.upper(), raw)
-            else:
-                values[f.name] = int(raw) if f.type in ("int", int) else raw
-        return cls(**values)  # type: ignore[arg-type]
+            try:
+                if f.type in ("bool", bool):
+                    values[f.name] = _boolean(name, raw)
+                else:
+                    values[f.name] = _integer(name, raw, f.name) if f.type in ("int", int) else raw
+            except InvalidSettingError as e:
+                problems.append(str(e))
+        try:
+            settings = cls(**values)  # type: ignore[arg-type]
+        except InvalidSettingError as e:
+            problems.append(str(e))
+        if problems:
+            raise InvalidSettingError("; ".join(problems))
+        return settings
+
+
+def allowed_integers(field: str) -> str:
+    """What an integer setting allows, as the error messages say it."""
+    low, high = INTEGER_BOUNDS.get(field, (0, None))
+    return f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+
+
+def check_bounds(settings: OperatorSettings) -> list[str]:
+    """Each integer setting within INTEGER_BOUNDS (>= 0 when it has no entry); the ports: check_ports."""
+    out = []
+    for f in fields(settings):
+        if f.type not in ("int", int) or f.name in PORT_SETTINGS:
+            continue
+        value = getattr(settings, f.name)
+        low, high = INTEGER_BOUNDS.get(f.name, (0, None))
+        if value < low or (high is not None and value > high):
+            out.append(f"{ENV_PREFIX}{f.name.upper()}={value}: allowed: {allowed_integers(f.name)}")
+    return out
 
 
 def check_ports(settings: OperatorSettings) -> list[str]:
@@ -174,6 +217,13 @@ def check_ports(settings: OperatorSettings) -> list[str]:
         out.append(f"{ENV_PREFIX}SIDECAR_PORT={settings.sidecar_port}, COORDINATOR_PORT={settings.coordinator_port} "
                    f"and MEGASCALE_PORT={settings.megascale_port} must differ (one network namespace per pod)")
     return out
+
+
+def _integer(name: str, raw: str, field: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise InvalidSettingError(f"{name}={raw!r} is not an integer; allowed: {allowed_integers(field)}") from None
 
 
 def _boolean(name: str, raw: str) -> bool:
