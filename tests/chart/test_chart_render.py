@@ -597,3 +597,23 @@ def test_the_spare_priority_class_is_below_every_job_and_named_to_the_operator(
     assert not [o for o in own if o["kind"] == "PriorityClass"]
     env = {e["name"]: e.get("value") for e in deployment_container(own)["env"]}
     assert env["RESILAX_OPERATOR_SPARE_PRIORITY_CLASS"] == "team-balloons"
+
+
+def test_node_sweeper_carries_the_common_labels_and_the_pull_secrets(render) -> None:
+    """Issue 41: the sweeper's objects and pods carry `commonLabels`, its pods `image.pullSecrets` (a
+    private registry), as the operator's do; a common label never replaces the selector's labels."""
+    objects = render({"commonLabels": {"team": "ml-platform", "app.kubernetes.io/component": "clash"},
+                      "image": {"pullSecrets": [{"name": "regcred"}]}}, node_sweeper=True)
+    sweeper = [o for o in objects if is_node_sweeper(o)]
+    assert sorted(o["kind"] for o in sweeper) == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "ServiceAccount"]
+    for obj in sweeper:
+        assert obj["metadata"]["labels"]["team"] == "ml-platform", obj["kind"]
+    daemonset = one(sweeper, "DaemonSet")
+    template = daemonset["spec"]["template"]
+    assert template["metadata"]["labels"]["team"] == "ml-platform"
+    assert template["metadata"]["labels"]["app.kubernetes.io/component"] == "node-sweeper"
+    assert all(template["metadata"]["labels"][k] == v for k, v in daemonset["spec"]["selector"]["matchLabels"].items())
+    assert template["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    operator_pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert operator_pod["imagePullSecrets"] == template["spec"]["imagePullSecrets"]
+    assert "imagePullSecrets" not in one(render(node_sweeper=True), "DaemonSet")["spec"]["template"]["spec"]
