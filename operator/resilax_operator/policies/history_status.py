@@ -16,7 +16,7 @@ stored status and what the decision observed).
 | phase Succeeded or Failed                                   | the current generation ends now, endReason = the Ready condition's reason (Completed, MaxRestartsExceeded, ...) |
 | pod 0's restore report of generation G (`/v1/state` restore) | G's restoredStep and restoredFrom                |
 | the goodput marks of G (first and newest step seen)          | G's firstStep and lastStep                       |
-| pod 0's newest committed step, at or after G's first step   | added to G's checkpoints (the newest 20)         |
+| pod 0's newest committed step, from G's first step to the newest it reached | added to G's checkpoints (the newest 20) |
 | the goodput ledger: G's window open, or closed by G+1        | G's goodput (the window's seconds by bucket; a window whose productive time is less than the earlier lost steps it redid shows 0 productive, the rest in lostStepsRedone) |
 | a later generation restored step R (or first stepped at R+1) | lostSteps of the last generation before it that stepped = its last step - R |
 """
@@ -138,8 +138,10 @@ def _observed_facts(e: HistoryEntry, observed: Observed) -> HistoryEntry:
         e = replace(e, first_step=marks.first_step if marks.first_step is not None else e.first_step,
                     last_step=marks.last_step if marks.last_step is not None else e.last_step)
     c = observed.checkpoint
+    # A step it committed: one it reached. A newer step a sidecar still names (a listing from before its
+    # generation's rollback wrote the branch record) belongs to the abandoned timeline, never to it.
     if c is not None and c.committed and e.first_step is not None and c.step >= e.first_step \
-            and c.step not in e.checkpoints:
+            and e.last_step is not None and c.step <= e.last_step and c.step not in e.checkpoints:
         e = replace(e, checkpoints=tuple(sorted((*e.checkpoints, c.step)))[-MAX_CHECKPOINTS:])
     return e
 

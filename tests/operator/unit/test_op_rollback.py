@@ -15,7 +15,7 @@ from op_samples import good_spec
 from op_world import running_world
 from resilax_operator import api
 from resilax_operator import status as st
-from resilax_operator.actions import CreateGeneration, DeleteGeneration, RequestFinalSave
+from resilax_operator.actions import CreateGeneration, DeleteGeneration, RequestFinalSave, SetStatus
 from resilax_operator.checkpoint_status import (
     CheckpointBranch,
     CheckpointInfo,
@@ -24,7 +24,7 @@ from resilax_operator.checkpoint_status import (
 )
 from resilax_operator.observe import observe_sidecars
 from resilax_operator.observed import RestoreReport, SaveOutcome
-from resilax_operator.observed_sidecar import LastWords, parse_sidecar_state
+from resilax_operator.observed_sidecar import LastWords, TrainerReport, parse_sidecar_state
 from resilax_operator.policies import rollback
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.validation import validate_spec
@@ -164,16 +164,25 @@ def test_editing_restore_step_on_a_running_job_saves_then_restores_that_step_in_
     assert _restore_of(actions, 2) == {"8"}
     assert (w.status.restore_step, w.status.restore_asked) == ("8", "8")
     assert w.status.checkpoint is not None and w.status.checkpoint.step == 50  # saved, on the old branch
-    # Generation 2 restored 8 (its report) and its sidecar names the branch record: status follows it,
-    # history carries the restored step and its source, and the old generation ended for the rollback.
+    # Generation 2 restored 8 and reached 12; its sidecar's listing from before the branch record still
+    # names 50: no step of generation 2 (it never reached it), kept out of its history.
     w.restore = RestoreReport(8, (), generation=2, source="persistent")
+    t = w.now.timestamp()
+    w.trainer = TrainerReport(2, step=12, step_time=t + 8, first_step=9, first_step_time=t + 5, restores=1,
+                              restored_time=t + 3, last_restore_seconds=1.0)
+    w.checkpoint = ck(50)
+    w.advance(400)  # a status write (the goodput's refresh) that records what was seen
+    assert any(isinstance(a, SetStatus) for a in w.step())
+    assert w.status.history[-1].restored_step == 8 and w.status.history[-1].checkpoints == ()
+    # Then its sidecar names the branch record: status follows it, history carries the restored step
+    # and its source, and the old generation ended for the rollback.
     w.checkpoint = ck(12, CheckpointBranch(0, 2, 8))
     w.advance(5)
     assert not any(isinstance(a, (RequestFinalSave, DeleteGeneration)) for a in _settle(w, 3))  # acted on once
     assert w.status.checkpoint is not None and w.status.checkpoint.step == 12
     e1, e2 = w.status.history[-2:]
     assert e1.end_reason == api.ROLLBACK_ASKED.name
-    assert (e2.generation, e2.restored_step, e2.restored_from) == (2, 8, "persistent")
+    assert (e2.generation, e2.restored_step, e2.restored_from, e2.checkpoints) == (2, 8, "persistent", (12,))
 
 
 @pytest.mark.parametrize(("edit", "event"), [
