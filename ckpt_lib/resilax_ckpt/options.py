@@ -137,7 +137,8 @@ class ManagerOptions:
     """How a save takes its shards off the devices (docs/checkpointing.md §4; RESILAX_DEVICE_COPY):
     "on_device": one jitted copy on the devices (costs the saved shards' size in device memory until
     drained), `save()` returns after the dispatch and a background thread drains the copy to the host
-    in batches; "host_transfer": batched device-to-host transfers that `save()` waits for (no device
+    a few shards in flight at a time (on an accelerator a save before the jitted copy is compiled
+    takes a runtime copy, `jax.device_put`); "host_transfer": batched device-to-host transfers that `save()` waits for (no device
     memory); "auto": the on-device copy on CPU devices, and on accelerators where every device's
     memory statistics leave room for it (with a margin), else a host transfer. Forcing either on CPU
     devices runs the same code as on an accelerator (the tests do; on CPU a host transfer also copies

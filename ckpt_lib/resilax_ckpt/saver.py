@@ -110,7 +110,7 @@ class Saver:
         self._wait_pending()
         if self._preparing is not None and (self._preparing_waits or self._preparing.done()):
             # Never raises; its compile is this save's. On an accelerator a save does not wait for
-            # it: until it is done, `auto` takes a host transfer (device_snapshot.choose_device_copy).
+            # it: until it is done, a save takes a runtime copy (device_snapshot.plan_runtime_copy).
             self._preparing.result()
             self._preparing = None
         self._copy_prepared = True
@@ -143,7 +143,7 @@ class Saver:
                 self._stop_after(step)
         blocked = time.perf_counter() - started
         self._last_report = (step, report, blocked)
-        if report.reason == device_snapshot.NOT_COMPILED:  # compile the copy for the next save, in the background
+        if report.runtime_copy:  # compile the jitted copy for the next save, in the background
             self._copy_prepared = False
             self.prepare_first_save(items)
         self._trainer.saved(blocked, report.path, report.device_bytes)

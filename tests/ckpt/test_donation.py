@@ -65,13 +65,13 @@ def run_loop(root: str, devices: list[jax.Device], device_copy: str) -> dict[int
 
 @pytest.mark.parametrize(("device_copy", "as_accelerator"), [
     ("on_device", False), ("host_transfer", False), ("auto", False),
-    ("on_device", True),  # the accelerator's drain thread, in batches of 4 KiB
+    ("on_device", True),  # the accelerator's drain thread, two transfers in flight
     ("host_transfer", True),
 ])
 def test_donating_loop_restores_every_saved_step_bit_exact(tmp_path, devices, device_copy, as_accelerator, monkeypatch):
     if as_accelerator:
         monkeypatch.setenv(snap.FORCE_ACCELERATOR_ENV, "1")
-        monkeypatch.setattr(snap, "DRAIN_BATCH_BYTES", 4096)
+        monkeypatch.setattr(snap, "DRAIN_WINDOW", 2)
     expected = run_loop(str(tmp_path), devices, device_copy)
     assert not np.array_equal(expected[1]["w"], expected[2]["w"])  # the state really changes
     mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(2, 4), ("x", "y"))
@@ -139,21 +139,33 @@ def test_choose_device_copy(option, platform, room, need, largest, want):
 
 
 def test_a_first_save_on_an_accelerator_does_not_compile_the_copy_in_the_loop():
-    """auto: before the copy is compiled, a host transfer (the saver compiles it in the background)."""
+    """auto: before the jitted copy is compiled, a runtime copy where there is room (the saver
+    compiles the jitted one in the background), a host transfer where there is not."""
     roomy = {0: snap.DeviceRoom(16 * GIB, 2 * GIB)}
     assert snap.choose_device_copy("auto", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
-        "host_transfer", snap.NOT_COMPILED)
+        "on_device", snap.NOT_COMPILED)
+    full = {0: snap.DeviceRoom(16 * GIB, 15 * GIB)}
+    assert snap.choose_device_copy("auto", "tpu", full, {0: GIB}, {0: GIB}, compiled=False) == (
+        "host_transfer", "no room")
     assert snap.choose_device_copy("on_device", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
         "on_device", "forced")
     assert snap.choose_device_copy("auto", "cpu", {}, {0: GIB}, {0: GIB}, compiled=False) == ("on_device", "cpu")
+    assert snap.plan_runtime_copy("on_device", "tpu", compiled=False)
+    assert not snap.plan_runtime_copy("on_device", "tpu", compiled=True)
+    assert not snap.plan_runtime_copy("on_device", "cpu", compiled=False)  # CPU: the jit compiles fast
+    assert not snap.plan_runtime_copy("host_transfer", "tpu", compiled=False)
 
 
-def test_auto_on_an_accelerator_starts_with_a_transfer_then_copies_on_device(tmp_path, devices, monkeypatch):
+def test_auto_on_an_accelerator_starts_with_a_runtime_copy_then_the_jitted_one(tmp_path, devices, monkeypatch):
     """The accelerator's choices on CPU devices (the test-only RESILAX_CKPT_FORCE_ACCELERATOR_PATH):
-    the first save transfers (the copy compiles in the background, and a save does not wait for
-    it: `wait()` does), later ones copy on the device
-    while the memory statistics leave room and transfer when they say nothing; every step restores."""
+    the first save takes a runtime copy (device_put, nothing compiled; the jitted copy compiles in
+    the background, and a save does not wait for it: `wait()` does) and the step after it donates
+    the saved arrays; later saves take the jitted copy while the memory statistics leave room and a
+    host transfer when they say nothing; every step restores bit-exact."""
     monkeypatch.setenv(snap.FORCE_ACCELERATOR_ENV, "1")
+    compiles = []
+    real_compile = snap.compile_copies
+    monkeypatch.setattr(snap, "compile_copies", lambda signature: (compiles.append(1), real_compile(signature)))
     state = initial_state(devices)
     state = {k: v + 0 for k, v in state.items()}  # fresh shardings' arrays: a signature no test compiled
     state["extra"] = jax.device_put(np.ones((24, 8), np.float32), state["w"].sharding)  # a new signature
@@ -169,17 +181,61 @@ def test_auto_on_an_accelerator_starts_with_a_transfer_then_copies_on_device(tmp
             mgr.save(step, {"state": state})
             report = mgr.save_report
             assert report is not None
-            paths.append((report["device_copy"], report["reason"]))
-            mgr.wait()  # also waits for the copy's compile, which the first save started
+            paths.append((report["device_copy"], report["reason"], report["runtime_copy"]))
+            old = state
             state = train_step(state)
+            assert all(a.is_deleted() for a in old.values()), "the step did not donate the saved state"
+            del old
+            mgr.wait()  # also waits for the copy's compile, which the first save started
         mgr.wait()
         for step, want in expected.items():
             got = mgr.restore(step)["state"]
             for key, value in want.items():
                 assert np.asarray(got[key]).tobytes() == value.tobytes(), f"step {step}, leaf {key}"
-    assert paths == [("host_transfer", snap.NOT_COMPILED), ("on_device", "room"), ("on_device", "room"),
-                     ("host_transfer", "no memory statistics")]
+    assert paths == [("on_device", snap.NOT_COMPILED, True), ("on_device", "room", False),
+                     ("on_device", "room", False), ("host_transfer", "no memory statistics", False)]
+    assert compiles == [1]  # compiled once, in the background, after the first save
 
+
+class FakeShard:
+    """A device shard whose transfer to the host is recorded (`events`), as `_drain` uses one."""
+
+    def __init__(self, n: int, events: list[tuple[str, int]]) -> None:
+        self.n = n
+        self.events = events
+        self.nbytes = 4
+
+    def copy_to_host_async(self) -> None:
+        self.events.append(("start", self.n))
+
+    def __array__(self, dtype=None, copy=None):
+        self.events.append(("land", self.n))
+        return np.full(1, self.n, np.int32)
+
+
+@pytest.mark.parametrize("window", [1, 2, 4, 50])
+def test_drain_lands_in_write_order_with_a_window_of_transfers(window, monkeypatch):
+    """The drain never starts every transfer at once (on a TPU v5e that burst held the GIL 0.23 s and
+    slowed the loop's steps 7-14x): at most `DRAIN_WINDOW` are in flight, landed in write order."""
+    import threading
+
+    from resilax_ckpt.sources import Landing
+    monkeypatch.setattr(snap, "DRAIN_WINDOW", window)
+    events: list[tuple[str, int]] = []
+    landed = threading.Condition()
+    landings = [Landing(landed) for _ in range(10)]
+    shards = {(n, "d"): FakeShard(n, events) for n in range(10)}
+    snap._drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards)
+    assert [int(landing.get()[0]) for landing in landings] == list(range(10))
+    assert [n for kind, n in events if kind == "land"] == list(range(10))
+    started: set[int] = set()
+    for kind, n in events:
+        if kind == "start":
+            started.add(n)
+        else:
+            in_flight = {m for m in started if m >= n} | {n}  # np.asarray transfers n itself if not started
+            assert in_flight == set(range(n, min(n + window, 10))), events  # a full window, never more
+    assert started == (set() if window == 1 else set(range(10)))
 
 
 class StatsDevice:
