@@ -3,7 +3,8 @@ job's namespace and name (one series per JAXJob, removed when the job goes); nev
 
 Fed from the status changes the operator writes (`record_status`), so they follow what the operator
 did, not what a log line says:
-- a transition recorded → `resilax_operator_recoveries_total{namespace,jaxjob,kind}`;
+- a transition recorded, or an in-place restart begun from a finding (status.inPlace, its `kind`) →
+  `resilax_operator_recoveries_total{namespace,jaxjob,kind}`;
 - the generation bumps → `resilax_operator_generations_total`;
 - the first time a new generation is Running after a transition → `resilax_operator_recovery_seconds`
   (from the transition's start, i.e. when the fault was noticed, to all workers Running);
@@ -123,6 +124,12 @@ def record_status(job: JobRef, before: st.JobStatus, after: st.JobStatus, now: d
                 before.checkpoint is None or after.checkpoint.step != before.checkpoint.step)
             previous = _pending.get(job.uid)
             _pending[job.uid] = (t.kind, t.since, committed or (previous is not None and previous[2]))
+        ip = after.in_place
+        if ip is not None and before.transition is None and (
+                before.in_place is None or (before.in_place.since, before.in_place.kind) != (ip.since, ip.kind)):
+            # an in-place restart begun from a finding (a planned move's transition was counted above)
+            RECOVERIES.labels(job.namespace, job.name, ip.kind).inc()
+            _pending[job.uid] = (ip.kind, ip.since, False)
         if after.generation > before.generation:
             GENERATIONS.inc()
         for node, more in count_new_health_failures(before, after):

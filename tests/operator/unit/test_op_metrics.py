@@ -188,3 +188,41 @@ def test_spare_slice_gauges_follow_status_spares_and_go_with_the_job() -> None:
     assert (value("desired"), value("ready")) == (2.0, 1.0)
     metrics.forget_job(job)
     assert (value("desired"), value("ready")) == (None, None)
+
+
+def test_an_in_place_restart_is_a_recovery_with_its_seconds_and_steps_lost() -> None:
+    """recovery.inPlace Auto (the default): a node loss records status.inPlace, no transition; it is
+    counted, timed and its steps lost observed like a full replacement's (issue 39)."""
+    job = JobRef("ip", "ns", "uid-ip")
+    labels = {"namespace": "ns", "jaxjob": "ip", "kind": st.NODE_LOSS}
+    count = REGISTRY.get_sample_value("resilax_operator_recoveries_total", labels) or 0.0
+    seconds = REGISTRY.get_sample_value("resilax_operator_recovery_seconds_count", labels) or 0.0
+    lost = _lost(st.NODE_LOSS, job)
+    running1 = st.JobStatus(phase=api.PHASE_RUNNING, generation=1)
+    metrics.record_worker_state(job, 1, {"trainer": {"step": 37}, "restore": None})
+    ip = st.InPlace(2, 1, st.IN_PLACE_STOPPING, T0, T0 + timedelta(seconds=30), kind=st.NODE_LOSS)
+    stopping = st.JobStatus(phase=api.PHASE_RECOVERING, generation=2, in_place=ip)
+    starting = st.JobStatus(phase=api.PHASE_RECOVERING, generation=2, in_place=st.InPlace(
+        2, 1, st.IN_PLACE_STARTING, T0, T0 + timedelta(seconds=30), kind=st.NODE_LOSS))
+    metrics.record_status(job, running1, stopping, T0)
+    metrics.record_status(job, stopping, starting, T0 + timedelta(seconds=2))  # the same restart: counted once
+    metrics.record_status(job, starting, st.JobStatus(phase=api.PHASE_RUNNING, generation=2), T0 + timedelta(seconds=9))
+    metrics.record_worker_state(job, 2, {"trainer": {"step": 21}, "restore": {"step": 20, "skipped": []}})
+    assert REGISTRY.get_sample_value("resilax_operator_recoveries_total", labels) == count + 1
+    assert REGISTRY.get_sample_value("resilax_operator_recovery_seconds_count", labels) == seconds + 1
+    after = _lost(st.NODE_LOSS, job)
+    assert (after[0] - lost[0], after[1] - lost[1]) == (17.0, 1.0)
+
+
+def test_an_in_place_restart_after_a_planned_moves_final_save_is_counted_once() -> None:
+    job = JobRef("pm", "ns", "uid-pm")
+    labels = {"namespace": "ns", "jaxjob": "pm", "kind": st.GROW_BACK}
+    count = REGISTRY.get_sample_value("resilax_operator_recoveries_total", labels) or 0.0
+    running1 = st.JobStatus(phase=api.PHASE_RUNNING, generation=1)
+    saving = st.JobStatus(phase=api.PHASE_RESIZING, generation=1,
+                          transition=st.Transition(kind=st.GROW_BACK, generation=1, since=T0, save_done=True))
+    ip = st.InPlace(2, 1, st.IN_PLACE_STOPPING, T0 + timedelta(seconds=5), T0 + timedelta(seconds=35),
+                    kind=st.GROW_BACK)
+    metrics.record_status(job, running1, saving, T0)
+    metrics.record_status(job, saving, st.JobStatus(phase=api.PHASE_RESIZING, generation=2, in_place=ip), T0)
+    assert REGISTRY.get_sample_value("resilax_operator_recoveries_total", labels) == count + 1
