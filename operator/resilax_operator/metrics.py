@@ -173,10 +173,16 @@ def record_worker_state(job: JobRef, generation: int, state: Mapping[str, Any]) 
     trainer, restore = state.get("trainer"), state.get("restore")
     with _lock:
         if isinstance(trainer, Mapping) and isinstance(trainer.get("step"), int):
-            _reach(job, generation, int(trainer["step"]))
+            _reach(job, _generation_of(trainer, generation), int(trainer["step"]))
         awaiting = _awaiting_restore.get(job.uid)
         if awaiting is None or awaiting[0] != generation:
             return
+        # A pod kept by an in-place restart reports its old incarnation's figures until the new trainer
+        # writes its own: evidence of `generation`'s restore only when they name it (or name none).
+        if isinstance(trainer, Mapping) and _generation_of(trainer, generation) != generation:
+            trainer = None
+        if isinstance(restore, Mapping) and _generation_of(restore, generation) != generation:
+            restore = None
         # The step restored: the manager's restore report (a restore of the newest step), else the
         # trainer's figures (any restore; a trainer stepping without one started from scratch).
         if isinstance(restore, Mapping):
@@ -193,6 +199,12 @@ def record_worker_state(job: JobRef, generation: int, state: Mapping[str, Any]) 
         if lost is not None:
             STEPS_LOST.labels(job.namespace, job.name, kind).observe(lost)
         _reached[job.uid] = {g: s for g, s in _reached.get(job.uid, {}).items() if g >= generation}
+
+
+def _generation_of(report: Mapping[str, Any], default: int) -> int:
+    """The generation a sidecar's `trainer` or `restore` report names (`default` when it names none)."""
+    value = report.get("generation")
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def record_job_status(job: JobRef, status: st.JobStatus) -> None:

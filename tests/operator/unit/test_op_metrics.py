@@ -226,3 +226,22 @@ def test_an_in_place_restart_after_a_planned_moves_final_save_is_counted_once() 
     metrics.record_status(job, running1, saving, T0)
     metrics.record_status(job, saving, st.JobStatus(phase=api.PHASE_RESIZING, generation=2, in_place=ip), T0)
     assert REGISTRY.get_sample_value("resilax_operator_recoveries_total", labels) == count + 1
+
+
+def test_a_kept_pods_old_figures_are_not_taken_for_the_new_generations_restore() -> None:
+    """In place, pod 0 is kept: its sidecar reports generation 1's trainer (step 10, no restore) until
+    generation 2's trainer restores step 8; only then are the steps lost observed: 2, not 10."""
+    job = JobRef("kp", "ns", "uid-kp")
+    lost = _lost(st.NODE_LOSS, job)
+    running1 = st.JobStatus(phase=api.PHASE_RUNNING, generation=1)
+    metrics.record_worker_state(job, 1, {"trainer": {"step": 10, "generation": 1}, "restore": None})
+    ip = st.InPlace(2, 1, st.IN_PLACE_STOPPING, T0, T0 + timedelta(seconds=30), kind=st.NODE_LOSS)
+    moving = st.JobStatus(phase=api.PHASE_RECOVERING, generation=2, in_place=ip)
+    metrics.record_status(job, running1, moving, T0)
+    metrics.record_status(job, moving, st.JobStatus(phase=api.PHASE_RUNNING, generation=2), T0)
+    metrics.record_worker_state(job, 2, {"trainer": {"step": 10, "generation": 1}, "restore": None})  # stale
+    assert _lost(st.NODE_LOSS, job) == lost
+    metrics.record_worker_state(job, 2, {"trainer": {"step": 9, "generation": 2, "restores": 1, "restored_step": 8},
+                                         "restore": {"step": 8, "skipped": [], "generation": 2}})
+    after = _lost(st.NODE_LOSS, job)
+    assert (after[0] - lost[0], after[1] - lost[1]) == (2.0, 1.0)
