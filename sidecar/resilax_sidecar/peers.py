@@ -33,7 +33,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +90,18 @@ def save_identity(marker: Path) -> str:
     return str(body.get("save", "")) if isinstance(body, dict) else ""
 
 
-def newest_own_step(local_dir: Path, process_id: int) -> tuple[int, str] | None:
-    """(step, save identity) of this host's newest committed local step of `process_id`."""
+def newest_own_step(local_dir: Path, process_id: int,
+                    current: Collection[int] | None = None) -> tuple[int, str] | None:
+    """(step, save identity) of this host's newest committed local step of `process_id`; with `current`
+    (the uploader's view of the local tier: not bad, on the current branch), only one of those, so a
+    node that missed a rollback never offers its peers the abandoned timeline's step."""
     try:
         names = os.listdir(local_dir)
     except FileNotFoundError:
         return None
     for step in sorted((s for s in map(layout.parse_step, names) if s is not None), reverse=True):
+        if current is not None and step not in current:
+            continue
         marker = _commit_marker(local_dir / layout.step_name(step), process_id)
         if marker is not None:
             return step, save_identity(marker)

@@ -249,7 +249,9 @@ async def get_peer_newest(request: web.Request) -> web.Response:
     assert cfg.local_dir is not None
     if origin != cfg.process_id:
         raise ApiError(404, "not_found", f"this sidecar serves the newest step of process {cfg.process_id} only")
-    newest = await asyncio.to_thread(peers.newest_own_step, cfg.local_dir, cfg.process_id)
+    uploader = request.app[SIDECAR_KEY].uploader  # its view: the steps not bad, on the current branch
+    current = None if uploader is None else set(await asyncio.to_thread(uploader.view.scan_local))
+    newest = await asyncio.to_thread(peers.newest_own_step, cfg.local_dir, cfg.process_id, current)
     if newest is None:
         return web.json_response({"step": None, "save": None})
     files = await asyncio.to_thread(peers.data_files, cfg.local_dir / layout.step_name(newest[0]))

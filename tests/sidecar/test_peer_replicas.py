@@ -289,3 +289,29 @@ def test_the_replicator_sends_the_token_only_to_peers_of_the_current_generation(
         assert len(holder.seen) == 1
     finally:
         holder.close()
+
+
+def test_the_newest_step_offered_to_peers_is_on_the_current_branch_and_not_bad(tmp_path: Path,
+                                                                                start_sidecar: Any) -> None:
+    """A host that missed a rollback (issue 40, item 6): its local tier still holds the old timeline's
+    step 12, which generation 1's branch record (restored 8) supersedes; and a step a restore marked
+    bad. Neither is offered as this host's newest to the peers that replicate it: step 8 is."""
+    from resilax_ckpt import layout, timelines
+    from resilax_ckpt.storage import open_storage
+
+    env = peer_env(tmp_path, 0, 2)
+    local = Path(env["RESILAX_LOCAL_DIR"])
+    for step in (8, 12):
+        write_local_step(local, step, FILES, generation=0)
+    persistent = tmp_path / "persistent"
+    persistent.mkdir()
+    timelines.write_branch(open_storage(str(persistent)), str(persistent), timelines.Branch((0, 1), 8, 12))
+    env["RESILAX_GENERATION"] = "1"
+    sidecar = start_sidecar(env)
+    wait_until(lambda: sidecar.get("/v1/state").body.get("branch") is not None, 60, "the branch record read")
+    assert http("GET", sidecar.url + "/v1/peer/0/newest", token=TOKEN).body["step"] == 8
+
+    write_local_step(local, 16, FILES, generation=1)  # the new branch's step, then marked bad by a restore
+    (local / layout.BAD_DIR).mkdir(exist_ok=True)
+    (local / layout.BAD_DIR / "16.json").write_text(json.dumps({"step": 16, "reason": "a restore could not read it"}))
+    assert http("GET", sidecar.url + "/v1/peer/0/newest", token=TOKEN).body["step"] == 8
