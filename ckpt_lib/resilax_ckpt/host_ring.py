@@ -11,7 +11,8 @@ the process's host ring, reused by every restore.
   devices, and the piece is given back once that transfer is done. So a restore touches no fresh
   memory beyond the ring (on a TPU v5e, faulting 2 GiB of fresh buffers in was 86% of a cold
   restore's main thread), and a state bigger than the ring streams through it. The ring is faulted
-  in with one `madvise(MADV_POPULATE_WRITE)` (`_populate`), ahead of the first restore when the
+  in ahead of any read into it (`populate_pages`: one `madvise(MADV_POPULATE_WRITE)`, else a write
+  per page in user space), ahead of the first restore when the
   manager is created on accelerators (`warm_host_ring`). A piece goes back only after
   `block_until_ready` on every array built from it, and only when none aliases it: on CPU devices
   (whose `device_put` aliases 64-byte-aligned buffers) one that did would retire the ring, which its
@@ -81,23 +82,28 @@ def _no_huge_pages(buf: np.ndarray) -> None:
 
 
 _counts_lock = threading.Lock()
-_counts = {"allocations": 0, "bytes": 0}
+_counts = {"allocations": 0, "bytes": 0, "populated_bytes": 0, "touched_bytes": 0}
 
 
-def box_buffer(shape: Sequence[int], dtype: Any, align: int | None = None) -> np.ndarray:
-    """A fresh `aligned_empty` for restored data, counted (`host_buffer_counts`)."""
+def box_buffer(shape: Sequence[int], dtype: Any, align: int | None = None, *, populate: bool = False) -> np.ndarray:
+    """A fresh `aligned_empty` for restored data, counted (`host_buffer_counts`); with `populate`,
+    faulted in before it is returned (`populate_pages`: in user space, never inside a read)."""
     out = aligned_empty(shape, dtype, align)
     if not out.nbytes:
         return out
     with _counts_lock:
         _counts["allocations"] += 1
         _counts["bytes"] += out.nbytes
+    if populate:
+        populate_pages(out)
     return out
 
 
 def host_buffer_counts() -> dict[str, int]:
     """The host buffers this process's restores allocated so far for restored data (box buffers,
-    cast buffers, the ring): {"allocations", "bytes"}. Tests check reuse by these counts."""
+    cast buffers, the ring): {"allocations", "bytes"}, and the bytes faulted in ahead of the reads
+    into them (`populate_pages`): "populated_bytes" (all), "touched_bytes" (page by page in user
+    space, where `madvise(MADV_POPULATE_WRITE)` is refused). Tests check reuse by these counts."""
     with _counts_lock:
         return dict(_counts)
 
@@ -111,8 +117,7 @@ class HostRing:
     in any order (a piece's space is free again once every older piece is back too)."""
 
     def __init__(self, nbytes: int) -> None:
-        self.buf = box_buffer((nbytes,), np.uint8, DIRECT_ALIGN)
-        _populate(self.buf)
+        self.buf = box_buffer((nbytes,), np.uint8, DIRECT_ALIGN, populate=True)
         self.nbytes = nbytes
         self._live: collections.deque[list[int]] = collections.deque()  # [start, end, returned]
 
@@ -153,19 +158,42 @@ MADV_POPULATE_WRITE = 23
 """Linux 5.14+: fault a range's pages in, writable, in one call."""
 
 
-def _populate(buf: np.ndarray) -> None:
-    """Fault the whole pages of a not yet touched buffer in with one `madvise(MADV_POPULATE_WRITE)`
-    (best effort: older kernels refuse it and the pages fault in on first touch): the kernel fills
-    them in bulk instead of one trap per page (512 MiB on this VM under load: 1.28 s against
-    2.0-2.4 s touched page by page), with the GIL released."""
-    madvise = staging.libc_madvise()
-    if madvise is None or not hasattr(mmap, "MADV_HUGEPAGE"):  # not Linux
+def populate_pages(buf: np.ndarray) -> None:
+    """Fault a not yet touched buffer's pages in before anything reads into it: one
+    `madvise(MADV_POPULATE_WRITE)` (the kernel fills them in bulk, the GIL released: 512 MiB on our
+    CPU VM under load 1.28 s against 2.0-2.4 s page by page), else, where the kernel refuses it
+    (older kernels; gVisor, as on our TPU test host, returns -1), one byte written per page
+    (`touch_pages`). Never left to the first `read()` into the buffer: on the gVisor test host a
+    page faulted inside `read()` costs as much as one touched (~1 s per GiB of fresh memory) but
+    stalls the other threads' address-space work, so a prefetch reading into fresh buffers slowed
+    the trainer's `import jax` from 0.96 s to 7.05 s, and pages touched first did not (TPU host probes,
+    docs/checkpointing.md)."""
+    if not buf.nbytes:
         return
+    madvise = staging.libc_madvise()
     page = mmap.PAGESIZE
     start = -(-buf.ctypes.data // page) * page
     end = (buf.ctypes.data + buf.nbytes) // page * page
-    if end > start:
-        madvise(start, end - start, MADV_POPULATE_WRITE)
+    done = False
+    if madvise is not None and hasattr(mmap, "MADV_HUGEPAGE") and end > start:  # Linux
+        done = madvise(start, end - start, MADV_POPULATE_WRITE) == 0
+    if not done:
+        touch_pages(buf)
+    with _counts_lock:
+        _counts["populated_bytes"] += buf.nbytes
+        if not done:
+            _counts["touched_bytes"] += buf.nbytes
+
+
+def touch_pages(buf: np.ndarray) -> None:
+    """Write a zero into every page of `buf` (contents undefined afterwards: for buffers about to
+    be filled): the page faults happen here, in user space, NumPy's strided fill with the GIL released."""
+    flat = buf.reshape(-1).view(np.uint8)
+    page = mmap.PAGESIZE
+    first = (-flat.ctypes.data) % page  # the first byte on a page boundary
+    flat[:min(first + 1, flat.nbytes)] = 0  # the partial page at the start (or everything)
+    flat[first::page] = 0
+    flat[-1:] = 0  # the partial page at the end
 
 
 _ring: HostRing | None = None

@@ -321,8 +321,10 @@ class RestorePrefetch:
     def _read_batch(self, batch: list[BoxesRead]) -> None:
         local = self._storage.is_local
         before = [_file_state(self._leaf_path(r.item, r.leaf)) if local else None for r in batch]
+        # populate: this thread faults each leaf's buffers in (user space) before its reads are queued;
+        # a page faulted inside read() stalls the trainer's start-up on some hosts (host_ring.populate_pages).
         reader.read_leaves(list(batch), self.step_path, self._backend, self._options.max_inflight_bytes,
-                           self._options.io_concurrency)
+                           self._options.io_concurrency, populate=True)
         for read, files in zip(batch, before, strict=True):
             after = _file_state(self._leaf_path(read.item, read.leaf)) if local else None
             key = (read.item, read.leaf.dir)

@@ -243,6 +243,53 @@ def test_restore_host_ring_is_held_by_one_restore_at_a_time():
     third.close([])
 
 
+def test_restore_leaf_bigger_than_the_ring_gets_a_ring_of_its_size_not_fresh_buffers(tmp_path, devices):
+    """A ring set to one 4 KiB piece and leaves of 32 KiB pieces (8 boxes of 1 KiB, each page-rounded):
+    the ring grows to the largest leaf's piece, once, and every leaf streams through it (no fresh
+    buffer read into while the devices wait); the next restore allocates nothing."""
+    host_ring.release_host_buffers()
+    with rc.CheckpointManager(str(tmp_path), ring_options(restore_host_buffer_bytes=4096)) as mgr:
+        state = restore_state(1, devices)
+        del state["host"]
+        mgr.save(1, state)
+        mgr.wait()
+        target = restore_state(0, devices)
+        del target["host"]
+        expected = host_copy(state)
+        before = host_ring.host_buffer_counts()
+        assert_same(mgr.restore(1, target), expected)
+        after = host_ring.host_buffer_counts()
+        assert (after["allocations"] - before["allocations"], after["bytes"] - before["bytes"]) == (1, 8 * 4096)
+        assert after["populated_bytes"] - before["populated_bytes"] == 8 * 4096  # faulted in before any read
+        before = allocations()
+        assert_same(mgr.restore(1, target), expected)
+        assert allocations() == before
+
+
+def test_populate_pages_touches_every_page_in_user_space_where_madvise_is_refused(monkeypatch):
+    """Where `madvise(MADV_POPULATE_WRITE)` returns -1 (gVisor, old kernels) every page of the buffer,
+    the partial ones at both ends too, is written once (and counted); where it works, nothing is touched."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    raw = np.ones(5 * page + 300, np.uint8)
+    buf = raw[123:123 + 4 * page + 7]  # starts and ends inside a page
+    monkeypatch.setattr(staging, "libc_madvise", lambda: (lambda addr, length, advice: -1))
+    before = host_ring.host_buffer_counts()
+    host_ring.populate_pages(buf)
+    after = host_ring.host_buffer_counts()
+    assert after["touched_bytes"] - before["touched_bytes"] == buf.nbytes
+    assert after["populated_bytes"] - before["populated_bytes"] == buf.nbytes
+    start = buf.ctypes.data
+    pages_written = {(start + i) // page for i in np.flatnonzero(buf == 0)}
+    assert pages_written == {a // page for a in range(start, start + buf.nbytes)}
+    assert (raw[:123] == 1).all() and (raw[123 + buf.nbytes:] == 1).all()  # nothing outside the buffer
+    monkeypatch.setattr(staging, "libc_madvise", lambda: (lambda addr, length, advice: 0))
+    buf[:] = 1
+    before = host_ring.host_buffer_counts()
+    host_ring.populate_pages(buf)
+    assert host_ring.host_buffer_counts()["touched_bytes"] == before["touched_bytes"]
+    assert (buf == 1).all()
+
+
 def test_restore_host_buffer_bytes_is_validated():
     with pytest.raises(rc.InvalidOptionsError, match="restore_host_buffer_bytes: -1 must be >= 0"):
         rc.ManagerOptions(restore_host_buffer_bytes=-1)

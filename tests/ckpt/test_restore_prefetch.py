@@ -363,3 +363,59 @@ def test_find_box():
     part = read_ahead.find_box(held, ((4, 8), (3, 6)))
     assert part is not None and part.tobytes() == whole[4:8, 3:6].tobytes()
     assert read_ahead.find_box({((0, 4), (0, 6)): whole[:4]}, ((2, 6), (0, 6))) is None
+
+
+def test_the_prefetch_faults_its_buffers_in_before_reading_into_them(tmp_path, devices, monkeypatch):
+    """No page of a prefetch buffer is first touched inside `read()` (on the gVisor TPU test host such
+    faults stalled the trainer's start-up; docs/checkpointing.md): every buffer a read fills was
+    populated first, here with `madvise(MADV_POPULATE_WRITE)` refused, as there, so page by page in
+    user space. Proven by the order of calls (populate, then the reads into it), not by timing."""
+    from resilax_ckpt import chunk_writer, file_reader, host_ring, staging
+
+    state = {f"l{i}": np.arange(96 * 1024 + i * 999, dtype=np.float32) * (i + 1) for i in range(3)}
+    with rc.CheckpointManager(str(tmp_path / "ckpt"), rc.ManagerOptions(async_save=False)) as mgr:
+        mgr.save(2, {"params": state})
+    refused = []
+
+    def refusing_madvise():
+        def madvise(addr, length, advice):
+            if advice == host_ring.MADV_POPULATE_WRITE:
+                refused.append(length)
+                return -1
+            return 0
+        return madvise
+
+    populated: list[tuple[int, int]] = []
+    real_touch, real_read = host_ring.touch_pages, file_reader._preadv_exact
+    unpopulated = []
+
+    def touch(buf):
+        populated.append((buf.ctypes.data, buf.ctypes.data + buf.nbytes))
+        real_touch(buf)
+
+    def read(fd, views, offset, path):
+        for v in views:
+            lo, hi = v.ctypes.data, v.ctypes.data + v.nbytes
+            if v.nbytes > 4096 and not any(a <= lo and hi <= b for a, b in populated):
+                unpopulated.append((path, v.nbytes))
+        real_read(fd, views, offset, path)
+
+    monkeypatch.setattr(staging, "libc_madvise", refusing_madvise)
+    # Buffered reads, as from tmpfs (the local tier there); O_DIRECT reads go through reused staging buffers.
+    monkeypatch.setattr(chunk_writer, "use_direct_io", lambda folder, wanted: False)
+    monkeypatch.setattr(host_ring, "touch_pages", touch)
+    monkeypatch.setattr(file_reader, "_preadv_exact", read)
+    before = host_ring.host_buffer_counts()
+    env = {"RESILAX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    handle = prefetch.start_prefetch(env)
+    assert handle is not None and handle.wait(60)
+    stats = handle.stats()
+    after = host_ring.host_buffer_counts()
+    assert stats["read_leaves"] == 3 and stats["error"] is None
+    assert refused and not unpopulated, unpopulated
+    assert after["touched_bytes"] - before["touched_bytes"] >= stats["read_bytes"] > 0
+    with rc.CheckpointManager.from_env(env) as mgr:
+        out = mgr.restore()
+    assert handle.stats()["taken_leaves"] == 3
+    for name, value in state.items():
+        assert out["params"][name].tobytes() == value.tobytes(), name
