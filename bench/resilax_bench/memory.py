@@ -2,14 +2,21 @@
 
 Linux keeps the high-water mark of RSS in ``/proc/self/status`` (``VmHWM``) and resets it when "5" is
 written to ``/proc/self/clear_refs``: exact, free, and blind to nothing a sampler would miss. Where the
-reset is refused, a thread samples ``VmRSS`` every 2 ms instead (and says so).
+reset is refused (gVisor, e.g. the TPU host), a thread samples the resident size every 20 ms instead
+(and says so), from ``/proc/self/statm`` through one open descriptor: on the TPU v5e host a sampler
+reading ``/proc/self/status`` every 2 ms spent ~0.8 s of a 2 GiB save's wall time on its thread, time
+taken from the save it measured; one ``pread`` of statm every 20 ms costs a small fraction of that.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-import time
 from types import TracebackType
+
+SAMPLE_SECONDS = 0.02
+"""How often the sampler reads the resident size where the high-water mark cannot be reset."""
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _status_kib(field: str) -> int:
@@ -55,9 +62,15 @@ class PeakRSS:
         return self
 
     def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(0.002)
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+        try:
+            while True:
+                # statm: size resident shared ... (pages); one small read, no parsing of a long file.
+                self.peak = max(self.peak, int(os.pread(fd, 128, 0).split()[1]) * _PAGE)
+                if self._stop.wait(SAMPLE_SECONDS):
+                    return
+        finally:
+            os.close(fd)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

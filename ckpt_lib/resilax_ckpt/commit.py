@@ -413,12 +413,28 @@ def take_recycled(root: str, work: str, metadata: StepMetadata) -> str | None:
             log.warning("could not reuse %s in %s: %s", name, root, e)
             continue
         kill_point("recycle_taken")
+        expected = expected_files(metadata)
+        had = _recycled_files(work)
         for entry in os.listdir(work):
             if entry.startswith((layout.COMMIT_FILE, "_METADATA", layout.UPLOADED_PREFIX)):
                 os.remove(os.path.join(work, entry))
-        prune_to(work, expected_files(metadata))
+        if had is None or not had <= expected:
+            prune_to(work, expected)
         return name
     return None
+
+
+def _recycled_files(folder: str) -> set[str] | None:
+    """The files of the committed step a recycle folder holds, from its `_METADATA.json`: a steady
+    save of the same tree expects all of them, and then nothing needs pruning, which spares a walk of
+    the whole folder (on a TPU v5e host, under gVisor, that walk took ~0.5 s of a 2 GiB save of 154
+    leaves). None where the metadata is missing or unreadable (a folder taken before, or written
+    by several processes, each with its own metadata): then the folder is walked and pruned."""
+    try:
+        with open(os.path.join(folder, layout.METADATA_FILE), "rb") as f:
+            return expected_files(StepMetadata.from_bytes(f.read(), folder))
+    except Exception:  # any doubt: prune
+        return None
 
 
 def clean_recycled(root: str, pool: int) -> list[str]:

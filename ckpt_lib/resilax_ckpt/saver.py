@@ -354,8 +354,8 @@ class Saver:
                     failures = [v for v in self._coord.fetch_dir(f"{key}/written/").values() if v != "ok"]
                     if failures:
                         raise SaveError(f"step {step}: not committed; writes failed: {'; '.join(failures)}")
-                if recycled is not None:
-                    # Nothing the new step lacks may survive from the recycled step.
+                if recycled is not None and not isinstance(self._backend, backends.FileChunkBackend):
+                    # Nothing the new step lacks may survive (our chunk files: only the plan's paths).
                     stale = commit.prune_to(work, commit.expected_files(plan.metadata))
                     if stale:
                         log.warning("step %d: deleted %d unexpected files from %s after the writes: %s",

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -157,3 +158,20 @@ def test_accel_report_measures_against_the_device_floors_and_counts_the_next_ste
     text = report.render(summary, ["resilax", "orbax"], {}, "header", 2 << 30, accel=True)
     assert "| metric | library | /orbax | /dcp | /numpy | /dd | /floor |" in text
     assert "| device-to-host | 0.500 s" in text
+
+
+def test_peak_rss_sampler_sees_an_allocation_where_the_high_water_mark_cannot_be_reset(monkeypatch):
+    """The sampled mode (gVisor: the TPU host) reads /proc/self/statm through one descriptor at
+    memory.SAMPLE_SECONDS and still sees a 256 MiB allocation held for a few samples."""
+    from resilax_bench import memory
+
+    monkeypatch.setattr(memory, "_reset_hwm", lambda: False)
+    with memory.PeakRSS() as peak:
+        held = np.ones(32 << 20)  # 256 MiB, faulted in
+        deadline = time.monotonic() + 30
+        while peak.peak - peak.start < 200 << 20 and time.monotonic() < deadline:
+            time.sleep(memory.SAMPLE_SECONDS)  # the sampler thread, not the exit, must see it
+        del held
+        seen = peak.peak
+    assert peak.method == "sampled"
+    assert seen - peak.start >= 200 << 20

@@ -317,6 +317,33 @@ def test_retention_recycles_the_retired_step_and_rewrites_its_files_in_place(tmp
             mgr.restore(2)
 
 
+def test_steady_saves_of_one_tree_recycle_without_walking_the_folder(tmp_path, devices, monkeypatch):
+    """A recycled step of the same tree holds only files the new step rewrites: its metadata says
+    so, and no walk of the folder runs (counted; on a TPU v5e host the walks cost ~0.5 s a save).
+    A changed tree, or a recycled folder without readable metadata, is still walked and pruned."""
+    walks: list[str] = []
+    real_prune = commit.prune_to
+    monkeypatch.setattr(commit, "prune_to", lambda folder, expected: (walks.append(folder), real_prune(folder, expected))[1])
+    root = tmp_path / "ck"
+    with rc.CheckpointManager(str(root), rc.ManagerOptions(keep_last=1, async_save=False)) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, {"p": mixed_state(step)})
+        assert walks == []
+        inode = os.stat(root / ".recycle-3" / "p" / "w" / "c" / "0" / "0").st_ino
+        mgr.save(5, {"p": mixed_state(5)})
+        assert os.stat(root / "5" / "p" / "w" / "c" / "0" / "0").st_ino == inode  # rewritten in place
+        assert walks == []
+        mgr.save(6, {"p": {"w": mixed_state(6)["w"]}})  # fewer leaves: the recycled folder is pruned
+        assert len(walks) == 1
+        os.remove(root / ".recycle-5" / layout.METADATA_FILE)  # no metadata: pruned whatever it holds
+        (root / ".recycle-5" / "stray").write_bytes(b"x")
+        mgr.save(7, {"p": mixed_state(7)})
+        assert len(walks) == 2
+        meta = rc.manager.read_metadata(mgr._storage, str(root / "7"))
+        assert files_of(root / "7") == commit.expected_files(meta) | {layout.METADATA_FILE, layout.COMMIT_FILE}
+        assert_equal_trees(mgr.restore(7)["p"], host(mixed_state(7)))
+
+
 def test_recycled_folder_with_another_tree_leaves_no_stale_file(tmp_path, devices):
     root = tmp_path / "ck"
     big = {"a": put(np.ones((16, 8), np.float32), ("a", "b")), "b": put(np.ones((8,), np.int32), ("a",)),
