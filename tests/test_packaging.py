@@ -206,6 +206,26 @@ def test_bare_install_names_the_extra_each_command_needs(wheel: Path, tmp_path: 
 
 
 @pytest.mark.slow
+def test_cli_extra_alone_runs_the_kubectl_plugin(wheel: Path, tmp_path: Path) -> None:
+    """`pip install "resilax[cli]"` (issue 41: the slim plugin install): the kubernetes client and YAML,
+    no JAX, tensorstore, numpy or kopf; `kubectl-resilax` answers --help and `version -o json` (its own
+    version; the server's is reported missing without a cluster), and a read command reaches the
+    kubeconfig, not an import error."""
+    python = fresh_venv(tmp_path / "venv")
+    pip_install(python, wheel, "resilax[cli]")
+    have = installed(python)
+    assert {"resilax", "kubernetes", "pyyaml"} <= have, have
+    assert not have & {"jax", "jaxlib", "tensorstore", "numpy", "kopf", "prometheus-client", "gcsfs"}, have
+    plugin = str(python.parent / "kubectl-resilax")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "no-such-kubeconfig")}
+    proc = subprocess.run([plugin, "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "list" in proc.stdout and "logs" in proc.stdout, proc.stdout + proc.stderr
+    proc = subprocess.run([plugin, "list"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "No module named" not in proc.stderr and "pip install" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
 def test_operator_and_sidecar_extras_resolve_without_jax(wheel: Path, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed",

@@ -55,11 +55,16 @@ class JobAPI:
         try:
             import kubernetes
         except ImportError as e:
-            raise PluginError("needs the kubernetes client: pip install 'resilax[operator]'") from e
+            raise PluginError("needs the kubernetes client: pip install 'resilax[cli]'") from e
 
         self._kubernetes = kubernetes
-        self.client = kubernetes.config.new_client_from_config(config_file=kubeconfig, context=context)
-        contexts, active = kubernetes.config.list_kube_config_contexts(config_file=kubeconfig)
+        try:
+            self.client = kubernetes.config.new_client_from_config(config_file=kubeconfig, context=context)
+            contexts, active = kubernetes.config.list_kube_config_contexts(config_file=kubeconfig)
+        except (kubernetes.config.ConfigException, OSError) as e:  # no kubeconfig, an unknown context
+            where = kubeconfig or "$KUBECONFIG or ~/.kube/config"
+            raise PluginError(f"kubeconfig {where}: {e}; allowed: a kubeconfig with a current context "
+                              "(or --kubeconfig/--context)") from None
         chosen = next((c for c in contexts if c["name"] == context), active) if context else active
         self.default_namespace = str(((chosen or {}).get("context") or {}).get("namespace") or "default")
 
