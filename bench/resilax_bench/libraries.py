@@ -179,6 +179,7 @@ class ResilaxLibrary(_JaxLibrary):
             if dataclasses.is_dataclass(found) and not isinstance(found, type):
                 found = dataclasses.asdict(found)
             if isinstance(found, dict):
+                found = {**found, **_bounced_writes()}
                 return {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in found.items()}
             return {"repr": repr(found)}
         return None
@@ -208,6 +209,18 @@ class ResilaxLibrary(_JaxLibrary):
         mgr = getattr(self, "mgr", None)
         if mgr is not None:
             mgr.close()
+
+
+def _bounced_writes() -> dict[str, Any]:
+    """resilax_ckpt's count of chunk writes copied through its staging buffer so far in this process
+    (chunk_writer.bounced_writes; {} where this resilax_ckpt has none)."""
+    try:
+        from resilax_ckpt import chunk_writer
+
+        counts = chunk_writer.bounced_writes()
+    except (ImportError, AttributeError):
+        return {}
+    return {"bounced_writes": counts["writes"], "bounced_bytes": counts["bytes"], "bounced_layout": counts["layout"]}
 
 
 class OrbaxLibrary(_JaxLibrary):

@@ -225,6 +225,10 @@ def save_path_line(save: dict[str, Any]) -> str:
         for key, label in (("blocked_seconds", "blocked"), ("transfer_seconds", "transfer")):
             if isinstance(info.get(key), float):
                 parts.append(f"{label} {info[key]:.3f} s")
+        if info.get("runtime_copy"):
+            parts.append("runtime copy")
+        if info.get("bounced_writes"):
+            parts.append(f"bounce copies so far {info['bounced_writes']} ({info.get('bounced_layout', '')})")
         return f"step {save['step']}: " + ", ".join(parts)
     return f"step {save['step']}: " + ", ".join(f"{k}={v}" for k, v in sorted(info.items()))
 

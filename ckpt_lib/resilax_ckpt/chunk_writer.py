@@ -43,6 +43,7 @@ import errno
 import functools
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -249,8 +250,10 @@ def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True, direct: bo
     file; None leaves the size alone: a chunk inside a shard file); when `fsync`, start its writeback
     (durable only after `make_durable`). `checksum`: the data's crc32c (4 bytes) follows it.
     `direct`: with O_DIRECT (module docstring) when the data has at least DIRECT_MIN_BYTES and
-    `offset` is aligned. Data that is not C-contiguous is written (buffered) piece by piece through a
-    staging buffer, never copied whole."""
+    `offset` is aligned. Data that is not C-contiguous is written (buffered) without a copy where it
+    is made of contiguous blocks of at least MIN_BLOCK_BYTES (a slice along a non-leading axis:
+    `pwritev` of the blocks), else piece by piece through a staging buffer (counted:
+    `bounced_writes`), never copied whole."""
     contiguous = data.flags.c_contiguous
     raw = data.reshape(-1).view(np.uint8) if contiguous else None
     if size == -1:
@@ -263,7 +266,10 @@ def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True, direct: bo
         if raw is not None:
             _pwrite_all(fd, raw.data, offset)
             crc = checksums.crc32c(raw) if checksum else 0
+        elif (blocks := _contiguous_blocks(data)) is not None:
+            crc = _write_blocks(fd, blocks, offset, checksum)
         else:
+            _count_bounce(data)
             crc = _write_pieces(fd, data, offset, checksum)
         if checksum:
             _pwrite_all(fd, memoryview(checksums.encode(crc)), offset + data.nbytes)
@@ -273,6 +279,73 @@ def write_chunk_file(path: str, data: np.ndarray, fsync: bool = True, direct: bo
             start_writeback(fd)
     finally:
         os.close(fd)
+
+
+MIN_BLOCK_BYTES = 4096
+"""The smallest contiguous block `write_chunk_file` writes as one piece of a `pwritev`; data made of
+smaller blocks goes through the staging buffer."""
+_IOV_MAX = 1024
+_bounces = {"writes": 0, "bytes": 0}
+_bounce_layout: list[str] = []
+_bounce_lock = threading.Lock()
+
+
+def bounced_writes() -> dict[str, Any]:
+    """Writes this process made through the staging buffer (a copy of their data piece by piece):
+    {"writes", "bytes", "layout" (shape, dtype and strides of the first, "" if none)}. On a TPU v5e
+    the bench's profile showed 0.7 s of a 2 GiB save in such copies: the bench reports this count."""
+    with _bounce_lock:
+        return {**_bounces, "layout": _bounce_layout[0] if _bounce_layout else ""}
+
+
+def _count_bounce(data: np.ndarray) -> None:
+    with _bounce_lock:
+        _bounces["writes"] += 1
+        _bounces["bytes"] += data.nbytes
+        if not _bounce_layout:
+            _bounce_layout.append(f"shape {data.shape} {data.dtype} strides {data.strides}")
+
+
+def _contiguous_blocks(data: np.ndarray) -> list[np.ndarray] | None:
+    """`data` (not C-contiguous) as its C-contiguous blocks in C order, each a uint8 view of at
+    least MIN_BLOCK_BYTES (the trailing axes that are laid out contiguously), or None."""
+    if data.ndim == 0 or data.size == 0:
+        return None
+    expected = data.itemsize
+    split = data.ndim
+    for axis in range(data.ndim - 1, -1, -1):
+        if data.shape[axis] != 1 and data.strides[axis] != expected:
+            break
+        expected *= data.shape[axis]
+        split = axis
+    if split == data.ndim or expected < MIN_BLOCK_BYTES:
+        return None
+    return [data[index].reshape(-1).view(np.uint8) for index in np.ndindex(*data.shape[:split])]
+
+
+def _write_blocks(fd: int, blocks: list[np.ndarray], offset: int, checksum: bool) -> int:
+    """Write `blocks` one after the other at `offset` of `fd` with `pwritev` (no copy); their crc32c
+    (0 without `checksum`)."""
+    crc = 0
+    done = 0
+    for start in range(0, len(blocks), _IOV_MAX):
+        group = blocks[start:start + _IOV_MAX]
+        size = sum(b.nbytes for b in group)
+        written = os.pwritev(fd, [b.data for b in group], offset + done)
+        if written < size:  # short write: the rest block by block
+            skip = written
+            for b in group:
+                if skip >= b.nbytes:
+                    skip -= b.nbytes
+                    continue
+                _pwrite_all(fd, b[skip:].data, offset + done + written)
+                written += b.nbytes - skip
+                skip = 0
+        if checksum:
+            for b in group:
+                crc = checksums.crc32c(b, crc)
+        done += size
+    return crc
 
 
 def _write_pieces(fd: int, data: np.ndarray, offset: int, checksum: bool) -> int:

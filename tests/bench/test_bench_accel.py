@@ -175,3 +175,16 @@ def test_peak_rss_sampler_sees_an_allocation_where_the_high_water_mark_cannot_be
         seen = peak.peak
     assert peak.method == "sampled"
     assert seen - peak.start >= 200 << 20
+
+
+def test_save_path_line_names_a_runtime_copy_and_bounce_copies():
+    from resilax_bench import report
+
+    info = {"device_copy": "on_device", "reason": "copy not compiled yet", "device_bytes": 1 << 30,
+            "blocked_seconds": 0.01, "transfer_seconds": 0.5, "runtime_copy": True, "bounced_writes": 3,
+            "bounced_layout": "shape (4, 8) float32 strides (4, 16)"}
+    line = report.save_path_line({"step": 1, "save_info": info})
+    assert line.startswith("step 1: on_device (copy not compiled yet), HBM 1.00 GiB, blocked 0.010 s")
+    assert "runtime copy" in line and "bounce copies so far 3 (shape (4, 8) float32 strides (4, 16))" in line
+    quiet = report.save_path_line({"step": 2, "save_info": {**info, "runtime_copy": False, "bounced_writes": 0}})
+    assert "runtime copy" not in quiet and "bounce" not in quiet
