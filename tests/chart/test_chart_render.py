@@ -617,3 +617,35 @@ def test_node_sweeper_carries_the_common_labels_and_the_pull_secrets(render) -> 
     operator_pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     assert operator_pod["imagePullSecrets"] == template["spec"]["imagePullSecrets"]
     assert "imagePullSecrets" not in one(render(node_sweeper=True), "DaemonSet")["spec"]["template"]["spec"]
+
+
+def test_managed_prometheus_keeps_only_the_sidecar_series_the_alerts_and_dashboard_read(render) -> None:
+    """`metrics.managedPrometheus.sidecarMetrics: alerts` (issue 41, scrape cost): the sidecars'
+    PodMonitorings keep by name exactly what files/alerts.yaml and files/dashboard.json read from the
+    workers (every such series matches, the histograms' buckets and the rest do not); `all` keeps all."""
+    import re
+
+    read = set()
+    for name in ("alerts.yaml", "dashboard.json"):
+        read |= set(re.findall(r"resilax_(?:sidecar|trainer)_[a-z_]+", (CHART / "files" / name).read_text()))
+    assert read, "the alerts and the dashboard read no sidecar series?"
+    values = {"metrics": {"managedPrometheus": {"enabled": True, "sidecarMetrics": "alerts"}}}
+    for chart_values in (values, {**values, "operator": {"watchNamespaces": ["team-a", "team-b"]}}):
+        monitors = [o for o in render(chart_values) if o["kind"] in ("PodMonitoring", "ClusterPodMonitoring")
+                    and o["metadata"]["name"].endswith("-sidecars")]
+        assert monitors
+        for monitor in monitors:
+            (endpoint,) = monitor["spec"]["endpoints"]
+            (rule,) = endpoint["metricRelabeling"]
+            assert (rule["action"], rule["sourceLabels"]) == ("keep", ["__name__"])
+            kept = re.compile(rule["regex"])  # Prometheus anchors the regex: fullmatch
+            assert not [n for n in read if not kept.fullmatch(n)]
+            for dropped in ("resilax_sidecar_upload_seconds_bucket", "resilax_sidecar_requests_total",
+                            "resilax_trainer_step_seconds_bucket", "python_gc_objects_collected_total"):
+                assert not kept.fullmatch(dropped), dropped
+    operator_monitor = next(o for o in render(values) if o["kind"] == "ClusterPodMonitoring"
+                            and not o["metadata"]["name"].endswith("-sidecars"))
+    assert "metricRelabeling" not in operator_monitor["spec"]["endpoints"][0]
+    everything = render({"metrics": {"managedPrometheus": {"enabled": True}}})
+    assert all("metricRelabeling" not in o["spec"]["endpoints"][0] for o in everything
+               if o["kind"] in ("PodMonitoring", "ClusterPodMonitoring"))

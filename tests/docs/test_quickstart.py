@@ -90,3 +90,38 @@ def test_the_quickstart_names_prerequisites_cleanup_and_an_amd64_build() -> None
                    'if [ "$NODE_SA" = default ]', "grep -qxE 'Succeeded|Failed'", "jsonpath='{.spec.nodeName}'"):
         assert needed in text, needed
     assert "docker build -t" not in text and "docker build --target" not in text  # every build names the platform
+
+
+def test_the_validated_on_table_names_the_versions_the_project_pins() -> None:
+    """The "Validated on" table states the versions that actually ran: the local cluster's binaries as
+    resilax_local.binaries pins them, the worker image's JAX, and the TPU runs' versions as
+    docs/benchmarks.md records them; and it says that nothing ran on GKE."""
+    from resilax_local import binaries
+
+    text = QUICKSTART.read_text()
+    section = text.split("## Validated on", 1)[1].split("\n## ", 1)[0]
+    for version in (binaries.KUBERNETES_VERSION, binaries.ETCD_VERSION, binaries.HELM_VERSION,
+                    binaries.KUEUE_VERSION, binaries.FAKE_GCS_SERVER_VERSION):
+        assert version.lstrip("v") in section, version
+    jax = re.search(r"^ARG JAX_VERSION=(\S+)$", (ROOT / "Dockerfile").read_text(), flags=re.M)
+    assert jax and f"JAX {jax.group(1)}" in section
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
+    for fact in ("libtpu 0.0.42.1", "tensorstore 0.1.85", "Orbax 0.12.4"):
+        assert fact in section and fact in benchmarks, fact
+    assert "Nothing of Resilax has run on a GKE cluster yet" in section
+    assert "| not run |" in section
+
+
+def test_the_managed_prometheus_step_sets_only_values_the_chart_has() -> None:
+    """Every `--set` of the quickstart's helm commands names a key of the chart's values.yaml (a typo
+    would pass `helm upgrade --reuse-values` only to fail the schema at the reader's cluster)."""
+    import yaml
+
+    values = yaml.safe_load((ROOT / "charts" / "resilax" / "values.yaml").read_text())
+    sets = [s for block in shell_blocks() for s in re.findall(r"--set(?:-string)? ([\w.]+)=", block)]
+    assert "metrics.managedPrometheus.sidecarMetrics" in sets and "metrics.managedPrometheus.enabled" in sets
+    for key in sets:
+        node = values
+        for part in key.split("."):
+            assert isinstance(node, dict) and part in node, f"--set {key}: no such value in values.yaml"
+            node = node[part]
