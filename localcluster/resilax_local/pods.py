@@ -96,6 +96,7 @@ class PodWorker:
         self.finished = False
         self.prepare_error: str | None = None
         self.next_prepare = 0.0
+        self.next_refresh = time.monotonic() + volumes.REFRESH_SECONDS  # configMap/secret volumes read again
         self.conditions: dict[str, Condition] = {}
         self.last_status: str | None = None
         self.shutdown_grace: int | None = None
@@ -225,6 +226,9 @@ class PodWorker:
             self._prepare()
         self._reap()
         if self.volumes is not None and self.terminal is None:
+            if api and time.monotonic() >= self.next_refresh:
+                self.next_refresh = time.monotonic() + volumes.REFRESH_SECONDS
+                volumes.refresh_volumes(self.host, self.pod, self.volumes, self._lookup)
             self._probe()
             self._advance()
         if api:

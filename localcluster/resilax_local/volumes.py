@@ -1,15 +1,19 @@
 """A pod's volumes as host folders, the way a kubelet mounts them: emptyDir (memory medium on tmpfs),
 hostPath (each fake node has its own root: all nodes are one machine), PersistentVolumeClaim (a folder
 per claim), and the files of configMap, secret, downwardAPI and projected volumes (with bound
-service-account tokens from the TokenRequest API). launch.py binds them at their `mountPath`."""
+service-account tokens from the TokenRequest API). launch.py binds them at their `mountPath`. While the
+pod runs, its configMap and secret volumes follow their objects (`refresh_volumes`, every
+REFRESH_SECONDS), as a kubelet's sync does: a rotated Secret reaches the running containers."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
+import os
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Final
 
 from . import podspec
 from .errors import KubeAPIError
@@ -22,6 +26,10 @@ Lookup = Callable[[str, str], "dict[str, Any] | None"]
 class PrepareError(Exception):
     """The pod cannot start yet (a ConfigMap, Secret or key is missing); retried like the kubelet does."""
 
+
+#: How often a running pod's configMap and secret volumes are read again (a kubelet's sync period is about a
+#: minute; a GET per volume and pod each time).
+REFRESH_SECONDS: Final = 20.0
 
 #: Memory-medium volumes live under this tmpfs folder (`emptyDir` per pod uid, hostPath per cluster and node).
 MEMORY_ROOT = Path("/dev/shm/resilax-local")
@@ -91,17 +99,48 @@ def build_volumes(host: PodHost, pod: Pod, pod_dir: Path, lookup: Lookup, memory
             except PrepareError as e:
                 raise PrepareError(f'MountVolume.SetUp failed for volume "{name}" : {e}') from e
             path.mkdir(parents=True, exist_ok=True)
-            mode = default_mode(vol)
-            for rel, (content, file_mode) in files.items():
-                target = path / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(content)
-                target.chmod(file_mode if file_mode is not None else mode)
+            write_files(path, files, default_mode(vol))
         else:
             kinds = ", ".join(k for k in vol if k != "name")
             raise PrepareError(f"volume {name!r}: type {kinds} is not supported by the local node agent")
         volumes[name] = path
     return volumes
+
+def write_files(path: Path, files: dict[str, tuple[bytes, int | None]], mode: int) -> list[str]:
+    """Write each file under `path` whose content differs, atomically (a temporary file renamed over it,
+    so a container never reads half a file); the paths written."""
+    written = []
+    for rel, (content, file_mode) in files.items():
+        target = path / rel
+        with contextlib.suppress(OSError):
+            if target.read_bytes() == content:
+                continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_name(f".{target.name}.tmp")
+        temporary.write_bytes(content)
+        temporary.chmod(file_mode if file_mode is not None else mode)
+        os.replace(temporary, target)
+        written.append(rel)
+    return written
+
+
+def refresh_volumes(host: PodHost, pod: Pod, volumes: dict[str, Path], lookup: Lookup) -> list[str]:
+    """A running pod's configMap and secret volumes written again where their object changed (each
+    changed file replaced atomically); an object or key gone leaves the files as they were. Projected
+    and downwardAPI volumes are left alone (their tokens are not re-issued here). The volumes changed."""
+    changed = []
+    for vol in pod["spec"].get("volumes") or []:
+        name = vol["name"]
+        if ("configMap" not in vol and "secret" not in vol) or name not in volumes:
+            continue
+        try:
+            files = projected_files(host, pod, vol, lookup)
+        except PrepareError:
+            continue
+        if write_files(volumes[name], files, default_mode(vol)):
+            changed.append(name)
+    return changed
+
 
 def default_mode(vol: dict[str, Any]) -> int:
     for key in ("configMap", "secret", "downwardAPI", "projected"):

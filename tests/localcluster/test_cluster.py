@@ -153,6 +153,36 @@ def test_pod_runs_as_a_process_with_env_and_volumes(cluster, kube, namespace, tm
     assert not Path("/scratch/x").exists(), "volumes are mounted in the pod's own mount namespace only"
 
 
+def test_a_secret_volume_follows_its_secret_while_the_pod_runs(cluster, kube, namespace):
+    """As a kubelet refreshes a mounted Secret (issue 40: the sidecar token's rotation reaches running
+    sidecars): the running container reads the new value from the same file, never half a file."""
+    kube.create(f"/api/v1/namespaces/{namespace}/secrets",
+                {"metadata": {"name": "rotating"}, "stringData": {"token": "old-token"}})
+    script = """
+        import sys, time
+        seen = set()
+        for _ in range(400):
+            value = open("/etc/tok/token").read()
+            if value not in seen:
+                print("read", value, flush=True)
+                seen.add(value)
+            if value == "new-token":
+                sys.exit(0)
+            if value != "old-token":
+                sys.exit(2)
+            time.sleep(0.25)
+        sys.exit(1)
+    """
+    create_pod(kube, namespace, python_pod("reader", script, node="cpu-0", restartPolicy="Never", container={
+        "volumeMounts": [{"name": "tok", "mountPath": "/etc/tok"}]},
+        volumes=[{"name": "tok", "secret": {"secretName": "rotating"}}]))
+    wait_for_pod_phase(kube, namespace, "reader", "Running", timeout=60)
+    kube.patch(f"/api/v1/namespaces/{namespace}/secrets/rotating", {"data": {"token": "bmV3LXRva2Vu"}})  # new-token
+    pod = wait_for_pod_phase(kube, namespace, "reader", ("Succeeded", "Failed"), timeout=90)
+    assert container_status(pod, "main")["state"]["terminated"]["exitCode"] == 0, cluster.logs(namespace, "reader", "main")
+    assert cluster.logs(namespace, "reader", "main").split() == ["read", "old-token", "read", "new-token"]
+
+
 def test_restart_policy_on_failure_restarts_then_succeeds(cluster, kube, namespace):
     script = """
         import os, sys
