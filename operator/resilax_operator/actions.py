@@ -147,6 +147,19 @@ class DeleteSpares:
 
 
 @dataclass(frozen=True)
+class SuspendSpareJob:
+    """Set `spec.suspend` of the JAXJob `name` of the job's namespace (only the object of `uid`) and its
+    `resilax.dev/suspended-for` annotation (`lent_to`; "" removes it): a lower-priority job that serves
+    as this job's spare is suspended (its own final save first) or resumed (policies/spare_jobs.py).
+    A job gone (404, 409) is success."""
+
+    name: str
+    uid: str
+    suspend: bool
+    lent_to: str
+
+
+@dataclass(frozen=True)
 class StopTrainers:
     """POST `/v1/trainer/stop` {"generation", "reason", "stacks"} (bearer token) to each pod's sidecar:
     its supervisor stops a trainer older than `generation` and reports it `exited` once it and every
@@ -203,7 +216,7 @@ class RequeueAfter:
 
 
 Action = (SetStatus | CreateGeneration | DeleteGeneration | RequestFinalSave | PatchWorkerPods | PublishFreshness
-          | CreateProbes | DeleteProbes | CreateSpares | DeleteSpares | StopTrainers | StartTrainers | EnsureTokenSecret
+          | CreateProbes | DeleteProbes | CreateSpares | DeleteSpares | SuspendSpareJob | StopTrainers | StartTrainers | EnsureTokenSecret
           | EmitEvent | DeleteJob
           | RequeueAfter)
 

@@ -316,3 +316,7 @@ HEALTH_CHECK_SLICE_FAILED = Reason("HealthCheckSliceFailed",
 NODES_KEPT_OUT = Reason("NodesKeptOut", "kept out of new generations after a failed health check: {nodes}")
 SPARE_TAKEN = Reason("SpareTaken", "generation {generation} takes the spare slice(s) on node pool(s) {pools} at "
                     "full size; their placeholder pods are deleted and replaced where capacity allows")
+SPARE_JOB_SUSPENDED = Reason("SpareJobSuspended", "generation {generation} waits for capacity: suspending JAXJob {job} "
+                             "(annotated resilax.dev/spare-for: {name}) after its final save, to take its nodes")
+SPARE_JOB_RESUMED = Reason("SpareJobResumed", "JAXJob {job}, suspended to serve as this job's spare, is resumed "
+                           "({why}); it waits for capacity of its own")

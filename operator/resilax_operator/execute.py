@@ -17,7 +17,7 @@ from typing import Any
 
 import kopf
 
-from . import api, metrics
+from . import api, metrics, spare_jobs
 from . import status as st
 from .actions import (
     Action,
@@ -37,6 +37,7 @@ from .actions import (
     SetStatus,
     StartTrainers,
     StopTrainers,
+    SuspendSpareJob,
 )
 from .cache import WorldCache
 from .errors import NameConflictError, ResilaxOperatorError
@@ -179,6 +180,12 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
             change_probes(kube, cache, world, action, logger)
         elif isinstance(action, CreateSpares | DeleteSpares):
             change_spares(kube, cache, world, action, logger)
+        elif isinstance(action, SuspendSpareJob):
+            made = kube.suspend_job(ref.namespace, action.name, action.uid, action.suspend, {
+                spare_jobs.ANNOTATION_SUSPENDED_FOR: action.lent_to or None})
+            cache.remember(made)
+            logger.info("spare job %s: spec.suspend %s (%s)", action.name, action.suspend,
+                        f"lent to {action.lent_to}" if action.lent_to else "resumed")
         elif isinstance(action, EmitEvent):
             log = logger.warning if action.type == "Warning" else logger.info
             log("%s: %s", action.reason, action.message)

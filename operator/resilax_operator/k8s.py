@@ -258,6 +258,14 @@ class Kube:
         return self.request("PATCH", path, {"metadata": {"uid": uid, "annotations": dict(annotations)}},
                             content_type=MERGE_PATCH, ok=(404, 409))
 
+    def suspend_job(self, namespace: str, name: str, uid: str, suspend: bool,
+                    annotations: Mapping[str, str | None]) -> dict[str, Any] | None:
+        """Merge `spec.suspend` and annotations into the JAXJob of `uid` (a precondition); the object as
+        written, or None when it is gone or another object holds its name (404, 409)."""
+        return self.request("PATCH", _job_path(namespace, name), {
+            "metadata": {"uid": uid, "annotations": dict(annotations)}, "spec": {"suspend": suspend}},
+            content_type=MERGE_PATCH, ok=(404, 409))
+
     def create_event(self, job: Mapping[str, Any], type_: str, reason: str, message: str, now: datetime) -> None:
         """A core/v1 Event on the JAXJob (what `kubectl describe jaxjob` shows)."""
         meta = job.get("metadata") or {}

@@ -44,6 +44,7 @@ from .observed_sidecar import LastWords, newest_trainer_report, worth_asking_eve
 from .ownership import owner_uid
 from .probes import parse_probe
 from .settings import OperatorSettings
+from .spare_jobs import parse_spare_jobs, suspended_for_gone
 from .spare_pods import parse_spare
 from .trainer_process import TrainerProcess, parse_trainer_process, pods_to_poll, with_trainer_processes
 
@@ -111,6 +112,10 @@ def observe(kube: Kube, cache: WorldCache, job: Mapping[str, Any], settings: Ope
                           key=lambda p: p.name))
     if spares:
         observed = replace(observed, spares=spares)
+    everyone = cache.all_jobs()
+    spare_jobs, gone = parse_spare_jobs(job, everyone), suspended_for_gone(job, everyone)
+    if spare_jobs or gone:
+        observed = replace(observed, spare_jobs=spare_jobs, lent_to_gone=gone)
     read = nodes_needing_lease(observed)  # before the sidecars: none is asked on a node known down
     if read:
         observed = with_leases(observed, *observe_leases(kube, read, logger))

@@ -50,6 +50,7 @@ from .observed_sidecar import (
 )
 from .ownership import owner_uid
 from .probes import ObservedProbe
+from .spare_jobs import SpareJob
 from .spare_pods import ObservedSpare
 from .status import CheckpointInfo, JobStatus
 from .trainer_process import TrainerProcess
@@ -120,6 +121,10 @@ class Observed:
     probes: tuple[ObservedProbe, ...] = ()
     #: The job's spare slices' placeholder pods (spare_pods.py; observe.py adds them).
     spares: tuple[ObservedSpare, ...] = ()
+    #: The lower-priority JAXJobs annotated as this job's spares (spare_jobs.py; observe.py adds them), and
+    #: the job this one was suspended for when that job is gone ("" otherwise).
+    spare_jobs: tuple[SpareJob, ...] = ()
+    lent_to_gone: str = ""
     #: The JAXJob's checkpoint freshness annotations (`observed_pods.pick_freshness`).
     freshness: tuple[tuple[str, str], ...] = ()
 

@@ -54,6 +54,7 @@ from .policies import (
     recovery_wait,
     resize,
     rollback,
+    spare_jobs,
     spares,
     straggler,
     suspend,
@@ -109,8 +110,8 @@ def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings, *, rec
     brought up to date (policies/goodput_status.py, policies/history_status.py), and the checkpoint
     freshness annotations published (policies/freshness.py), the Autoscaled grow-back's probe pods
     kept as the status calls for (policies/grow_back_probe.py), the spare slices' placeholders held,
-    taken and replenished (policies/spares.py), and a long recovery told what it waits for
-    (policies/recovery_wait.py).
+    taken and replenished (policies/spares.py), lower-priority jobs lent as spares suspended and resumed
+    (policies/spare_jobs.py), and a long recovery told what it waits for (policies/recovery_wait.py).
     `record`: `spec` as status.lastValidSpec keeps it; `invalid`: the problems of the job's own spec,
     when `spec` is the last valid one."""
     observed = spares.mark_spare_nodes(observed)  # the planner takes the pools the job's spares hold last
@@ -119,7 +120,7 @@ def decide(spec: JobSpec, observed: Observed, settings: OperatorSettings, *, rec
                                      observed.now)
     actions = freshness.with_freshness(history_status.with_history(actions, observed), observed)
     actions = grow_back_probe.with_probes(actions, spec, observed, settings)
-    actions = spares.with_spares(actions, spec, observed, settings)
+    actions = spare_jobs.with_spare_jobs(spares.with_spares(actions, spec, observed, settings), spec, observed)
     return recovery_wait.with_notice(actions, observed)
 
 

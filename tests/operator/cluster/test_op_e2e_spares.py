@@ -90,3 +90,44 @@ def _flow(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path
     assert {_pool(p["spec"].get("nodeName")) for p in _spares(jobs, name)} == {"tpu-slice-0"}
     metric = f'resilax_operator_spare_slices{{jaxjob="{name}",namespace="{jobs.namespace}",state="ready"}} 1.0'
     assert metric in operator.metrics(), operator.metrics()[-3000:]
+
+
+def test_a_lower_priority_job_serves_as_the_spare_and_resumes_with_no_step_lost(
+        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path: Path) -> None:
+    """A (1 slice) runs on tpu-slice-0; B (1 slice, `resilax.dev/spare-for: A`) on tpu-slice-1. A hard loss
+    of A's host leaves A nothing to plan on: B is suspended with its final save, A's generation 2 takes
+    B's pool at full size, B is resumed and waits; when the node returns B runs again from its final
+    save, no step lost."""
+    high, low = unique_name("high"), unique_name("low")
+    template = worker_template(steps=100000, step_seconds=0.2, devices=4)
+    jobs.create(job_manifest(high, tmp_path / "high", count=1, template=template))
+    jobs.wait_status(high, lambda s: s.get("phase") == "Running", 600, "A Running")
+    spare = job_manifest(low, tmp_path / "low", count=1, template=template)
+    spare["metadata"]["annotations"] = {"resilax.dev/spare-for": high}
+    jobs.create(spare)
+    status = jobs.wait_status(low, lambda s: s.get("phase") == "Running" and (s.get("checkpoint") or {}).get("step", 0) >= 4,
+                              600, "B Running with a checkpoint")
+    assert jobs.status(high)["pools"] == ["tpu-slice-0"] and status["pools"] == ["tpu-slice-1"], status
+    jobs.wait_status(high, lambda s: (s.get("checkpoint") or {}).get("step", 0) >= 4, 600, "A's checkpoint")
+
+    victim = next(p["spec"]["nodeName"] for p in jobs.pods(high, 1) if p["metadata"]["name"] == f"{high}-g1-s0-h1")
+    cluster.kill_node(victim)
+    status = jobs.wait_status(high, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 600,
+                              "A's generation 2 Running on B's nodes")
+    assert status["shape"]["count"] == 1 and status["pools"] == ["tpu-slice-1"], status
+    assert [h["shape"]["count"] for h in status["history"]] == [1, 1], status["history"]
+    assert {"SpareJobSuspended", "SpareJobResumed"} <= set(jobs.event_reasons(high, "SpareJobSuspended", "SpareJobResumed"))
+    wait_for(lambda: jobs.losses(high, 2), timeout=600, interval=1, message=f"{high}: a step of generation 2")
+    # B was suspended after its final save, then resumed: it waits for capacity of its own
+    b = jobs.get(low)
+    assert b["spec"]["suspend"] is False and "resilax.dev/suspended-for" not in b["metadata"].get("annotations", {}), b
+    assert "Suspended" in jobs.event_reasons(low, "Suspended")
+    assert not jobs.pods(low, 2)
+
+    cluster.restore_node(victim)
+    status = jobs.wait_status(low, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 600,
+                              "B Running again on the returned capacity")
+    assert status["pools"] == ["tpu-slice-0"], status
+    wait_for(lambda: jobs.losses(low, 2), timeout=600, interval=1, message=f"{low}: a step of generation 2")
+    reached, resumed = max(jobs.losses(low, 1)), min(jobs.losses(low, 2))
+    assert resumed == reached + 1, (reached, resumed)  # from its final save: no step lost
