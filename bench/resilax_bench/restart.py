@@ -1,5 +1,5 @@
 """A trainer restart measured part by part (issue 38): ``python -m resilax_bench.restart [--preset tpu-v5e]
-[--workdir /dev/shm/resilax-restart] [--phases cold,warm,restore,restore-overlap,prefetch] [--json F]
+[--workdir /dev/shm/resilax-restart] [--phases cold,warm,prefetch,inplace,restore,restore-overlap,reopen] [--json F]
 [--markdown F]`` (on the TPU host: ``bash bench/tpu/restart``).
 
 Each phase is a fresh process of examples/transformer.py, one after another (one program at a time
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformer.py"
-PHASES = ("cold", "warm", "prefetch", "inplace", "restore", "reopen", "restore-overlap")
+PHASES = ("cold", "warm", "prefetch", "inplace", "restore", "restore-overlap", "reopen")
 """In the order they run: the ones the issue's target needs first, should a time budget cut the run."""
 TRAIN_STEPS = 3
 """Steps of the cold phase before its save (the restore phases restore this step and run one more)."""

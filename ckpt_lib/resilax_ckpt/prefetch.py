@@ -262,6 +262,16 @@ def current() -> read_ahead.RestorePrefetch | None:
     return _active
 
 
+def reads_every_leaf() -> bool:
+    """Whether this process's prefetch is reading (or read) every leaf of its step, none left to the
+    restore for lack of memory, and has neither failed nor been dropped."""
+    handle = _active
+    if handle is None:
+        return False
+    stats = handle.stats()
+    return not stats["left_to_restore"] and stats["error"] is None and stats["released"] is None
+
+
 def claim(storage: Storage, step_path: str, step: int) -> Callable[[reader.LeafRead], bool] | None:
     """For a restore about to read `step` from `step_path`: the process prefetch's `fill` when it read
     that folder, else None (and a prefetch of another folder is dropped). See RestorePrefetch.claim."""

@@ -66,7 +66,9 @@ class Restorer:
         self._copies: dict[int, list[chunk_sources.Copy]] = {}
         """process -> what its node holds (of the last two-tier agreement; chunk_sources.py)."""
         reader.warm_read_pool(tiers.options.io_concurrency)  # while the trainer starts: restore does not wait for it
-        if host_ring.ring_expected(tiers.options.restore_reuse_host_buffers):  # on accelerators, the same for the ring
+        # On accelerators, the same for the ring, unless the restore prefetch holds every leaf (then the
+        # ring would be faulted in, ~1 s per GiB on some hosts, for nothing).
+        if host_ring.ring_expected(tiers.options.restore_reuse_host_buffers) and not prefetch.reads_every_leaf():
             host_ring.warm_host_ring(tiers.options.restore_host_buffer_bytes)
         self._complete: dict[int, str] = {}
         """step -> the save the in-cluster tiers hold whole (of the last two-tier agreement)."""

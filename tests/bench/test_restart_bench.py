@@ -101,3 +101,32 @@ def test_the_tpu_script_runs_every_phase_on_cpu(tmp_path: Path) -> None:
     assert set(phases["reopen"]["seconds"]) >= {"first open", "clear_backends", "second open"}
     assert "| launch to first step done |" in (out / "restart-tpu.md").read_text()
     assert not (tmp_path / "w").exists()  # the tmpfs folder is not left behind
+
+
+def test_the_tpu_script_spends_at_most_its_device_time_budget_and_runs_the_bench_once(tmp_path: Path) -> None:
+    """bench/tpu/restart hands the bench what is left of RESILAX_TPU_RESTART_S (default 270 s, 4.5 min
+    of device time, its installs included) and runs it once: no second try at another size, even
+    after an out-of-memory failure (the exit code is the bench's)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    "case \"$*\" in *resilax_bench.restart*) echo \"$*\" >> " + str(calls) + ";"
+                    " echo '{\"error\": \"RESOURCE_EXHAUSTED\"}' > " + str(out / "restart-tpu.json") + "; exit 3;; esac\n"
+                    "exit 0\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RESILAX_", "JAX_"))}
+    env.update(OUT=str(out), PYTHON=str(fake))
+    for budget, most in ((None, 270), ("120", 120), ("0", 0)):
+        calls.unlink(missing_ok=True)
+        if budget is not None:
+            env["RESILAX_TPU_RESTART_S"] = budget
+        proc = subprocess.run(["bash", str(ROOT / "bench" / "tpu" / "restart")], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 3, proc.stderr
+        (line,) = calls.read_text().splitlines()
+        given = float(line.split("--budget ")[1].split()[0])
+        assert (given == 0) if most == 0 else (most - 10 <= given <= most), (budget, line)
+        assert "--phases" not in line  # every phase, in restart.PHASES' order
+    assert restart.PHASES.index("restore-overlap") < restart.PHASES.index("reopen")  # reopen is the one cut first

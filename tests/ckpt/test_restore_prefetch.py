@@ -419,3 +419,27 @@ def test_the_prefetch_faults_its_buffers_in_before_reading_into_them(tmp_path, d
     assert handle.stats()["taken_leaves"] == 3
     for name, value in state.items():
         assert out["params"][name].tobytes() == value.tobytes(), name
+
+
+def test_no_host_ring_is_warmed_when_the_prefetch_holds_every_leaf(tmp_path, devices, monkeypatch):
+    """On accelerators a manager warms the restore's host ring at its creation, unless the prefetch
+    reads every leaf (the restore then reads none into the ring); with leaves left to the restore it does."""
+    from resilax_ckpt import host_ring
+
+    save_steps(tmp_path / "ckpt", [2])
+    warmed: list[int] = []
+    monkeypatch.setattr(host_ring, "ring_expected", lambda reuse: True)
+    monkeypatch.setattr(host_ring, "warm_host_ring", lambda nbytes: warmed.append(nbytes))
+    env = {"RESILAX_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    handle = prefetch.start_prefetch(env)
+    assert handle is not None and prefetch.reads_every_leaf()
+    with rc.CheckpointManager.from_env(env) as mgr:
+        mgr.restore(mgr.restore_step_from_env(env))
+    assert warmed == [] and handle.stats()["taken_leaves"] == 3
+    prefetch.stop()
+    monkeypatch.setattr(read_ahead, "plan_within_memory", lambda sizes, limit: 1)  # two leaves left
+    handle = prefetch.start_prefetch(env)
+    assert handle is not None and handle.stats()["left_to_restore"] == 2 and not prefetch.reads_every_leaf()
+    with rc.CheckpointManager.from_env(env) as mgr:
+        mgr.restore(mgr.restore_step_from_env(env))
+    assert len(warmed) == 1
