@@ -19,6 +19,20 @@ CONTROL_FILE_CAP = 1 << 20
 def load_control_json(path: str) -> Any | None:
     """The parsed JSON of the control file at `path`, or None when it is missing, not a regular file,
     a link, over CONTROL_FILE_CAP bytes, or not (yet) valid JSON. Other OS errors are raised."""
+    data = read_regular_file(path, CONTROL_FILE_CAP)
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def read_regular_file(path: str, cap: int) -> bytes | None:
+    """The bytes of the regular file at `path`, read without waiting or following a link; None when it
+    is missing, a link, not a regular file (a FIFO, a socket, a device, a folder) or over `cap` bytes
+    (also one that grows past it while read). Other OS errors are raised. Also for the sidecar's reads of
+    the trainer's step markers and metadata (resilax_sidecar.upload_scan)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -29,21 +43,16 @@ def load_control_json(path: str) -> Any | None:
         raise
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > CONTROL_FILE_CAP:
+        if not stat.S_ISREG(info.st_mode) or info.st_size > cap:
             return None
         chunks: list[bytes] = []
         size = 0
-        while size <= CONTROL_FILE_CAP:  # the file may grow meanwhile: still never past the cap
-            chunk = os.read(fd, min(CONTROL_FILE_CAP + 1 - size, max(info.st_size - size, 0) + 4096))
+        while size <= cap:  # the file may grow meanwhile: still never past the cap
+            chunk = os.read(fd, min(cap + 1 - size, max(info.st_size - size, 0) + 4096))
             if not chunk:
                 break
             chunks.append(chunk)
             size += len(chunk)
     finally:
         os.close(fd)
-    if size > CONTROL_FILE_CAP:
-        return None
-    try:
-        return json.loads(b"".join(chunks))
-    except ValueError:
-        return None
+    return None if size > cap else b"".join(chunks)

@@ -10,17 +10,49 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from resilax_ckpt import fencing, layout, timelines
+from resilax_ckpt.control_files import CONTROL_FILE_CAP, read_regular_file
 
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.store import BlobStore
 
 log = logging.getLogger(__name__)
+
+
+MARKER_CAP = CONTROL_FILE_CAP
+"""The most bytes of a local commit marker the uploader reads (a longer one is no marker)."""
+METADATA_CAP = 256 << 20
+"""The most bytes of a local step's metadata the uploader reads (a longer one fails the step's upload)."""
+
+
+class NotRegularFileError(OSError):
+    """A local step holds a file the uploader will not read: a link, a FIFO, a device (or one too long)."""
+
+
+def regular_file(path: Path) -> bool:
+    """`path` is a regular file itself, not a link to one (the trainer owns the local tier; the sidecar
+    never follows its links nor waits on its FIFOs)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def read_step_file(path: Path, cap: int) -> bytes:
+    """A local step's marker or metadata, read without waiting or following a link (FileNotFoundError:
+    gone; NotRegularFileError: not a regular file, or over `cap`)."""
+    data = read_regular_file(str(path), cap)
+    if data is None:
+        if not os.path.lexists(path):
+            raise FileNotFoundError(path)
+        raise NotRegularFileError(f"{path}: not a regular file, or over {cap} bytes: not read, its step not uploaded")
+    return data
 
 
 HIDING_REFRESH_SECONDS = 600.0
@@ -87,7 +119,7 @@ class UploadMemory:
 def local_commit_marker(folder: Path, process_id: int) -> Path | None:
     """The marker that makes a local step folder committed for this process, or None."""
     for name in (layout.commit_name(None), layout.commit_name(process_id)):
-        if (folder / name).is_file():
+        if regular_file(folder / name):
             return folder / name
     return None
 
@@ -191,8 +223,8 @@ class TierView:
         """The epoch in this process's local commit marker of `step` ((-1, -1) when unreadable)."""
         marker = local_commit_marker(self.local_dir / str(step), self.config.process_id)
         try:
-            return fencing.parse_marker_epoch(marker.read_bytes()) if marker is not None else (-1, -1)
-        except FileNotFoundError:
+            return fencing.parse_marker_epoch(read_step_file(marker, MARKER_CAP)) if marker is not None else (-1, -1)
+        except (FileNotFoundError, NotRegularFileError):
             return (-1, -1)
 
     def local_attempt(self, step: int) -> str | None:
@@ -200,8 +232,8 @@ class TierView:
         or None when the local step is gone."""
         marker = local_commit_marker(self.local_dir / str(step), self.config.process_id)
         try:
-            body = marker.read_bytes() if marker is not None else None
-        except FileNotFoundError:
+            body = read_step_file(marker, MARKER_CAP) if marker is not None else None
+        except (FileNotFoundError, NotRegularFileError):
             body = None
         if body is None:
             return None
@@ -219,22 +251,28 @@ class TierView:
         files: dict[str, Path] = {}
         for dirpath, dirnames, filenames in os.walk(folder):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            linked = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+            if linked:  # os.walk would skip it: the step would be uploaded without its files
+                raise NotRegularFileError(f"step {step}: {Path(dirpath) / linked[0]} is a link: the step is not uploaded")
             rel_dir = Path(dirpath).relative_to(folder)
             for name in sorted(filenames):
                 if name.startswith("."):
                     continue
                 if rel_dir == Path(".") and _is_local_only(name, own_metadata):
                     continue
+                if not regular_file(Path(dirpath) / name):  # never uploaded through a link, never a FIFO read
+                    raise NotRegularFileError(f"step {step}: {Path(dirpath) / name} is not a regular file (a link, "
+                                              "a FIFO, a device): the step is not uploaded")
                 files[(rel_dir / name).as_posix()] = Path(dirpath) / name
         # Several processes sharing one host folder (tests) each write _METADATA.<id>.json; the
         # persistent step has one _METADATA.json.
-        if layout.METADATA_FILE not in files and (folder / own_metadata).is_file():
+        if layout.METADATA_FILE not in files and regular_file(folder / own_metadata):
             files[layout.METADATA_FILE] = folder / own_metadata
         commit_path = local_commit_marker(folder, pid)
-        commit_body = commit_path.read_bytes() if commit_path is not None else b""
+        commit_body = read_step_file(commit_path, MARKER_CAP) if commit_path is not None else b""
         era, generation = self._epoch_of(commit_body, files.get(layout.METADATA_FILE))
         if layout.METADATA_FILE in files:
-            digest = hashlib.sha256(files[layout.METADATA_FILE].read_bytes()).hexdigest()
+            digest = hashlib.sha256(read_step_file(files[layout.METADATA_FILE], METADATA_CAP)).hexdigest()
         else:
             listing = "\n".join(f"{k}\t{p.stat().st_size}" for k, p in sorted(files.items()))
             digest = hashlib.sha256(listing.encode()).hexdigest()
@@ -252,7 +290,7 @@ class TierView:
         epoch = fencing.parse_marker_epoch(commit_body)
         if epoch != (-1, -1):
             return epoch
-        for raw in (metadata.read_bytes() if metadata is not None else b"",):
+        for raw in (read_step_file(metadata, METADATA_CAP) if metadata is not None else b"",):
             with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
                 return 0, int(json.loads(raw)["generation"])
         return 0, self.config.generation

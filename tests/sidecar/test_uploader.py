@@ -599,3 +599,62 @@ def test_a_local_step_a_restore_marked_bad_is_never_uploaded(tmp_path):
         write_local_step(config.local_dir, step, step_files(1, 10, seed=step))
         uploader.run_once()
     assert sorted(p.name for p in config.local_dir.iterdir() if p.name.isdigit()) == ["7", "8"]
+
+
+def test_a_link_or_a_fifo_in_a_local_step_is_never_followed_nor_waited_on(tmp_path):
+    """Issue 40: the trainer owns the local tier. A data file that is a link (here to a file the sidecar
+    may read and the trainer may not) is never uploaded through it, and a FIFO named as the metadata or
+    as the commit marker never blocks the pass: the step is not uploaded, the error says why, and the
+    uploader carries on."""
+    import os
+
+    from resilax_sidecar.upload_scan import NotRegularFileError
+
+    store = LocalFolderStore(tmp_path / "persistent")
+    config = make_config(tmp_path)
+    uploader = Uploader(config, store, SidecarMetrics())
+    write_local_step(config.local_dir, 4, step_files(2, 64))
+    uploader.run_once()
+    assert uploader.state.committed_steps == [4]
+
+    secret = tmp_path / "node-secret"
+    secret.write_bytes(b"not the trainer's to read")
+    linked = write_local_step(config.local_dir, 8, step_files(2, 64))
+    data = next(p for p in sorted(linked.rglob("*")) if p.is_file() and not p.name.startswith("_"))
+    data.unlink()
+    data.symlink_to(secret)
+    with pytest.raises(NotRegularFileError, match="is not a regular file"):
+        uploader.run_once()
+    assert uploader.state.committed_steps == [4] and store.stat("8/_COMMIT") is None
+    assert secret.read_bytes() == b"not the trainer's to read"
+    shutil.rmtree(linked)
+
+    folder = write_local_step(config.local_dir, 12, step_files(2, 64))
+    (folder / layout.METADATA_FILE).unlink()
+    os.mkfifo(folder / layout.METADATA_FILE)  # nobody ever writes it: a read would wait forever
+    outcome: list[BaseException | None] = []
+
+    def one_pass() -> None:
+        try:
+            uploader.run_once()
+            outcome.append(None)
+        except BaseException as e:  # handed to the test's thread
+            outcome.append(e)
+
+    worker = threading.Thread(target=one_pass, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the pass blocked on a FIFO named as the metadata"
+    assert outcome and isinstance(outcome[0], NotRegularFileError), outcome
+    assert store.stat("12/_COMMIT") is None
+    shutil.rmtree(folder)
+    # A commit marker that is a link (to a committed step's marker) commits nothing.
+    folder = write_local_step(config.local_dir, 16, step_files(2, 64))
+    (folder / layout.COMMIT_FILE).unlink()
+    (folder / layout.COMMIT_FILE).symlink_to(config.local_dir / "4" / layout.COMMIT_FILE)
+    uploader.run_once()
+    assert store.stat("16/_COMMIT") is None
+    shutil.rmtree(folder)
+    write_local_step(config.local_dir, 20, step_files(2, 64))
+    uploader.run_once()  # and it carries on with the next good step
+    assert uploader.state.committed_steps == [4, 20]
