@@ -1,5 +1,6 @@
 """A trainer restart measured part by part (issue 38): ``python -m resilax_bench.restart [--preset tpu-v5e]
-[--workdir /dev/shm/resilax-restart] [--phases cold,warm,prefetch,inplace,restore,restore-overlap,reopen] [--json F]
+[--workdir /dev/shm/resilax-restart] [--phases cold,warm,prefetch,inplace,restore,restore-overlap,prefetch-read,reopen]
+[--json F]
 [--markdown F]`` (on the TPU host: ``bash bench/tpu/restart``).
 
 Each phase is a fresh process of examples/transformer.py, one after another (one program at a time
@@ -22,6 +23,9 @@ its start. The parent passes its own launch time in ``RESILAX_BENCH_LAUNCH_TIME`
 * ``restore``: the same restore without the prefetch (RESILAX_RESTORE_PREFETCH=0) and serial: restore,
   then compile (each part on its own).
 * ``restore-overlap``: without the prefetch, the compile in a thread while the restore reads.
+* ``prefetch-read``: as ``prefetch`` (no supervisor) with RESILAX_RESTORE_PREFETCH=read: the step read
+  ahead into host memory even where, on accelerators with the local tier on tmpfs, the default only
+  faults the restore's host ring in (prefetch.PrefetchSettings.ring_only): the two side by side.
 * ``reopen``: can one process give its devices back and open them again (what keeping a trainer
   process across a generation needs: `jax.extend.backend.clear_backends()`, then `jax.devices()`), and
   at what cost against the first open: a small probe, not the trainer (docs/architecture.md, "Keep
@@ -48,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformer.py"
-PHASES = ("cold", "warm", "prefetch", "inplace", "restore", "restore-overlap", "reopen")
+PHASES = ("cold", "warm", "prefetch", "inplace", "restore", "restore-overlap", "prefetch-read", "reopen")
 """In the order they run: the ones the issue's target needs first, should a time budget cut the run."""
 TRAIN_STEPS = 3
 """Steps of the cold phase before its save (the restore phases restore this step and run one more)."""
@@ -131,7 +135,7 @@ def summarize(phases: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
                                          "first step"))
     out["warm_launch_to_first_step_s"] = by.get("launch to first step done")
     out["warm_open_compile_first_step_s"] = round(floor, 3)
-    for name in ("prefetch", "inplace", "restore", "restore-overlap"):
+    for name in ("prefetch", "inplace", "restore", "restore-overlap", "prefetch-read"):
         parts = phases.get(name, {}).get("parts")
         if not parts:
             continue
@@ -185,7 +189,7 @@ def build_markdown(result: Mapping[str, Any]) -> str:
                      f"process started {stop['request_to_new_process_s']:.2f} s (SIGTERM, the final save of step "
                      f"{stop['saved_step']} in {stop['final_save_s']} s, the old process's exit, the respawn) -> "
                      f"its first step {stop['request_to_first_step_s']:.2f} s")
-    for n in ("prefetch", "inplace", "restore", "restore-overlap"):
+    for n in ("prefetch", "inplace", "restore", "restore-overlap", "prefetch-read"):
         if n in summary:
             s = summary[n]
             lines.append(f"\n{n}: launch to first step {s['launch_to_first_step_s']:.2f} s = "
@@ -293,7 +297,7 @@ def phase_env(phase: str, workdir: Path) -> dict[str, str]:
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
         "RESILAX_RESTORE_STEP": "none" if phase in ("cold", "warm") else "latest",
-        "RESILAX_RESTORE_PREFETCH": "1" if phase in ("prefetch", "inplace") else "0",
+        "RESILAX_RESTORE_PREFETCH": {"prefetch": "1", "inplace": "1", "prefetch-read": "read"}.get(phase, "0"),
         "RESILAX_EXIT_GRACE_SECONDS": "0",
     })
     # Only forced saves save: the cold phase's final one, a stop's (without a policy every save() would).
@@ -513,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["phases"][phase] = {"skipped": why}
                 print(f"restart bench: {phase}: skipped ({why})", file=sys.stderr, flush=True)
                 continue
-            if phase == "prefetch":
+            if phase in ("prefetch", "prefetch-read"):
                 why_not = prefetch_available()
                 if why_not:
                     result["phases"][phase] = {"skipped": why_not}

@@ -12,7 +12,10 @@ reads its arrays with the restore's own reader (reader.read_leaves: the same ali
 chunk's checksum verified) into host buffers on a background thread. What it reads: whole arrays in a
 one-process job; with several processes, the chunks of this process's local-tier files (with an
 unchanged mesh, what its restore reads); nothing otherwise (a shared folder or the persistent tier
-with several processes: which chunks a process needs is unknown before its mesh exists).
+with several processes: which chunks a process needs is unknown before its mesh exists). With
+accelerators expected and the step on tmpfs it reads nothing and faults the restore's host ring in
+instead (`PrefetchSettings.ring_only`). Its buffers are faulted in before any read into them
+(host_ring.populate_pages).
 
 The restore's choice of step is unchanged and stays fenced: `CheckpointManager.restore` picks its step
 as before (agreement across processes, fallback to older steps, pinned steps). When it reads a step
@@ -33,6 +36,7 @@ Called on: each process by itself (no collective).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import threading
@@ -40,7 +44,16 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from resilax_ckpt import commit, file_reader, layout, read_ahead, reader, restore_choice
+from resilax_ckpt import (
+    chunk_writer,
+    commit,
+    file_reader,
+    host_ring,
+    layout,
+    read_ahead,
+    reader,
+    restore_choice,
+)
 from resilax_ckpt.errors import MetadataError, ResilaxCkptError
 from resilax_ckpt.metadata import StepMetadata
 from resilax_ckpt.options import InvalidOptionsError, ManagerOptions, TierDirectories
@@ -52,7 +65,8 @@ __all__ = ["ENV", "MEMORY_ENV", "PrefetchSettings", "claim", "current", "open_pr
 log = logging.getLogger(__name__)
 
 ENV = "RESILAX_RESTORE_PREFETCH"
-"""`0` (or false/no/off) turns the prefetch off; on by default."""
+"""`0` (or false/no/off) turns the prefetch off; on by default; `read` reads ahead even where it
+would only warm the host ring (`PrefetchSettings.ring_only`)."""
 MEMORY_ENV = "RESILAX_RESTORE_PREFETCH_MEMORY"
 """The most host memory the prefetch takes, as a fraction of the memory available at start (0, 1]."""
 DEFAULT_MEMORY_FRACTION = 0.5
@@ -76,6 +90,13 @@ class PrefetchSettings:
     """The step RESILAX_RESTORE_STEP names (None: `latest`)."""
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     """RESILAX_RESTORE_PREFETCH_MEMORY."""
+    ring_only: bool = False
+    """Accelerators expected (`accelerator_expected`) and RESILAX_RESTORE_PREFETCH not `read`: a step
+    in a memory filesystem (tmpfs: the local tier) is not read ahead; the restore's host ring is
+    faulted in instead, sized for its largest leaf (`open_prefetch`). The restore then reads from
+    memory into memory already faulted in (~18 GB/s on the TPU test host) while the transfers run,
+    where reading ahead needs the whole state in fresh memory (~1 s per GiB to fault in there, under
+    gVisor: longer than the chip's start-up for a 6.25 GiB state)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PrefetchSettings | None:
@@ -85,8 +106,8 @@ class PrefetchSettings:
         env = os.environ if env is None else env
         problems: list[str] = []
         enabled = env.get(ENV, "").strip().lower()
-        if enabled not in _TRUE + _FALSE:
-            problems.append(f"{ENV}={enabled!r} is not a switch; allowed: 1, true, yes, on, 0, false, no, off")
+        if enabled not in (*_TRUE, *_FALSE, "read"):
+            problems.append(f"{ENV}={enabled!r} is not a switch; allowed: 1, true, yes, on, 0, false, no, off, read")
         fraction = DEFAULT_MEMORY_FRACTION
         raw = env.get(MEMORY_ENV, "").strip()
         if raw:
@@ -126,7 +147,16 @@ class PrefetchSettings:
         options = ManagerOptions.from_env(env, local_tier=dirs.local_tier, keep_last=None, keep_every_steps=None,
                                           keep_every_seconds=None, keep_best=None, keep_best_metric=None,
                                           keep_best_mode=None)
-        return cls(dirs, options, index, count, asked, fraction)
+        return cls(dirs, options, index, count, asked, fraction, enabled != "read" and accelerator_expected(env))
+
+
+def accelerator_expected(env: Mapping[str, str]) -> bool:
+    """Whether JAX will most likely run on accelerators, told without importing it: JAX_PLATFORMS's
+    first platform when set (not `cpu`), else whether a TPU or CUDA plugin is installed."""
+    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return platforms[0].lower() != "cpu"
+    return any(importlib.util.find_spec(name) is not None for name in ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin"))
 
 
 def _chunk_backend(storage: Storage, options: ManagerOptions) -> reader.ChunkBackendReads:
@@ -212,10 +242,19 @@ def open_prefetch(settings: PrefetchSettings, on_event: read_ahead.EventHook | N
     if fit < len(reads):
         log.info("restore prefetch: %d of %d leaves of step %d fit in %.1f GiB (%s=%s of the available memory); "
                  "the restore reads the rest", fit, len(reads), step, limit / 2**30, MEMORY_ENV, settings.memory_fraction)
-    if not fit:
+    ring_bytes = 0
+    if (settings.ring_only and options.restore_host_buffer_bytes and step_storage.is_local
+            and chunk_writer.filesystem_type(step_path) in ("tmpfs", "ramfs")):
+        # The restore's own sizing (reader.read_leaves): its set size, or its largest leaf when bigger.
+        pieces = [-(-r.nbytes // host_ring.DIRECT_ALIGN) * host_ring.DIRECT_ALIGN for r in reads]
+        ring_bytes = min(max(options.restore_host_buffer_bytes, *pieces), sum(pieces)) if pieces else 0
+        log.info("restore prefetch: step %d is in memory (%s): the restore's host ring (%.0f MiB) is faulted "
+                 "in instead of reading it ahead", step, step_path, ring_bytes / 2**20)
+        fit = 0
+    elif not fit:
         return None
     return read_ahead.RestorePrefetch(step_storage, _chunk_backend(step_storage, options), step, tier, step_path,
-                           reads[:fit], len(reads) - fit, options, on_event)
+                           reads[:fit], len(reads) - fit, options, on_event, ring_bytes)
 
 
 # ---------------------------------------------------------------------------- the process's prefetch

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from resilax_ckpt import chunk_format, planning, reader
+from resilax_ckpt import chunk_format, host_ring, planning, reader
 from resilax_ckpt.errors import ResilaxCkptError
 from resilax_ckpt.metadata import LeafMetadata
 from resilax_ckpt.options import ManagerOptions
@@ -171,7 +171,7 @@ class RestorePrefetch:
 
     def __init__(self, storage: Storage, backend: reader.ChunkBackendReads, step: int, tier: str,
                  step_path: str, reads: list[BoxesRead], left: int, options: ManagerOptions,
-                 on_event: EventHook | None) -> None:
+                 on_event: EventHook | None, ring_bytes: int = 0) -> None:
         self.step = step
         """The step read ahead."""
         self.tier = tier
@@ -181,6 +181,8 @@ class RestorePrefetch:
         self._storage = storage
         self._backend = backend
         self._reads = reads
+        self._ring_bytes = ring_bytes
+        """The host ring to fault in first, on the reading thread (host_ring.warm_host_ring): 0 for none."""
         self._options = options
         self._on_event = on_event
         self._held: dict[tuple[str, str | None], _Held] = {}
@@ -195,7 +197,8 @@ class RestorePrefetch:
         self._error: str | None = None
         self._stats: dict[str, Any] = {"step": step, "tier": tier, "path": step_path, "leaves": len(reads), "left_to_restore": left,
                        "bytes": sum(r.nbytes for r in reads), "read_leaves": 0, "read_bytes": 0,
-                       "taken_leaves": 0, "taken_bytes": 0, "started": time.time(), "read_seconds": None}
+                       "taken_leaves": 0, "taken_bytes": 0, "started": time.time(), "read_seconds": None,
+                       "ring_bytes": ring_bytes}
         self._thread = threading.Thread(target=self._run, name="resilax-prefetch", daemon=True)
 
     # ------------------------------------------------------------------ queries
@@ -206,7 +209,8 @@ class RestorePrefetch:
 
     def stats(self) -> dict[str, Any]:
         """What was read and taken: step, tier, path, leaves and bytes planned, read and taken by the
-        restore, leaves left to the restore (memory), read_seconds, error, released (why)."""
+        restore, leaves left to the restore (memory, or all with a ring), ring_bytes (the host ring
+        faulted in instead of reading: PrefetchSettings.ring_only), read_seconds, error, released (why)."""
         with self._lock:
             return {**self._stats, "error": self._error, "released": self._released}
 
@@ -284,6 +288,10 @@ class RestorePrefetch:
     def _run(self) -> None:
         began = time.perf_counter()
         try:
+            if self._ring_bytes:
+                warming = host_ring.warm_host_ring(self._ring_bytes)
+                if warming is not None:
+                    warming.join()
             batch: list[BoxesRead] = []
             size = 0
             for read in self._reads:

@@ -71,7 +71,7 @@ def test_the_tpu_script_runs_every_phase_on_cpu(tmp_path: Path) -> None:
     result = json.loads((out / "restart-tpu.json").read_text())
     phases = result["phases"]
     assert result["environment"]["platform"] == "cpu"
-    for name in ("cold", "warm", "prefetch", "inplace", "restore", "restore-overlap"):
+    for name in ("cold", "warm", "prefetch", "inplace", "restore", "restore-overlap", "prefetch-read"):
         assert phases[name]["parts"], name
         marks = phases[name]["startup"]["marks"]  # incarnation 2's launch is its own process start
         assert marks["first_step_done"] > marks.get("launch", marks["process_start"]), name
@@ -83,14 +83,14 @@ def test_the_tpu_script_runs_every_phase_on_cpu(tmp_path: Path) -> None:
     assert phases["prefetch"]["under_supervisor"] is True
     saved = phases["inplace"]["stop"]["saved_step"]
     assert saved > restart.TRAIN_STEPS
-    for name in ("inplace", "restore", "restore-overlap"):
+    for name in ("inplace", "restore", "restore-overlap", "prefetch-read"):
         assert phases[name]["restored"]["restored"] == saved, name
         assert phases[name]["restored"]["from"] == "local", name
         assert [s["step"] for s in phases[name]["steps"]] == [saved + 1], name
     assert phases["restore"]["steps"] == phases["restore-overlap"]["steps"] == phases["inplace"]["steps"]
     assert phases["inplace"]["startup"]["marks"]["first_step_done"] > phases["inplace"]["stop"]["requested"]
     # The prefetch read the step before the devices opened and the restore took all of it; without it, none.
-    for name in ("prefetch", "inplace"):
+    for name in ("prefetch", "inplace", "prefetch-read"):
         prefetched = phases[name]["startup"]["prefetch"]
         assert prefetched["taken_leaves"] == prefetched["leaves"] > 0, (name, prefetched)
         marks = phases[name]["startup"]["marks"]

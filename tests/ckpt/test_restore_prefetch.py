@@ -443,3 +443,50 @@ def test_no_host_ring_is_warmed_when_the_prefetch_holds_every_leaf(tmp_path, dev
     with rc.CheckpointManager.from_env(env) as mgr:
         mgr.restore(mgr.restore_step_from_env(env))
     assert len(warmed) == 1
+
+
+@pytest.mark.parametrize(("platforms", "ring"), [("tpu", True), ("cpu", False), ("", False)])
+def test_accelerator_expected_without_importing_jax(platforms, ring):
+    assert prefetch.accelerator_expected({"JAX_PLATFORMS": platforms}) is ring  # "": no TPU/CUDA plugin here
+
+
+def test_a_local_tier_in_memory_on_accelerators_warms_the_ring_instead_of_reading_ahead(devices):
+    """The local tier on tmpfs with accelerators expected: nothing is read ahead (the state is in memory
+    already); the prefetch thread faults in the host ring, sized as the restore sizes it (its set size
+    or the largest leaf when bigger), and the restore then reads through that ring, allocating nothing.
+    RESILAX_RESTORE_PREFETCH=read reads ahead as elsewhere."""
+    from resilax_ckpt import host_ring
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    folder = Path("/dev/shm") / f"resilax-test-ring-{os.getpid()}"
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        state = {f"l{i}": np.arange(8192 * (i + 1), dtype=np.float32) * (i + 1) for i in range(3)}
+        with rc.CheckpointManager(str(folder), rc.ManagerOptions(async_save=False)) as mgr:
+            mgr.save(4, {"params": state})
+        env = {"RESILAX_CHECKPOINT_DIR": str(folder), "JAX_PLATFORMS": "tpu"}
+        host_ring.release_host_buffers()
+        handle = prefetch.start_prefetch(env)
+        assert handle is not None and handle.wait(60)
+        stats = handle.stats()
+        assert stats["read_leaves"] == 0 and stats["left_to_restore"] == 3 and stats["error"] is None
+        ring = stats["ring_bytes"]
+        assert ring == (32 + 64 + 96) * 1024  # the default 512 MiB, as the restore caps it: the whole state
+        before = host_ring.host_buffer_counts()
+        assert host_ring.warm_host_ring(ring) is None  # warmed already, of that size
+        options = rc.ManagerOptions(restore_reuse_host_buffers=True)
+        with rc.CheckpointManager(str(folder), options) as mgr:
+            out = mgr.restore(4, {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                                      sharding=jax.sharding.SingleDeviceSharding(devices[0]))
+                                             for k, v in state.items()}})
+        assert host_ring.host_buffer_counts()["allocations"] == before["allocations"]  # the prefetch's ring
+        assert handle.stats()["taken_leaves"] == 0
+        for name, value in state.items():
+            assert np.asarray(out["params"][name]).tobytes() == value.tobytes(), name
+        prefetch.stop()
+        handle = prefetch.start_prefetch({**env, "RESILAX_RESTORE_PREFETCH": "read"})
+        assert handle is not None and handle.wait(60)
+        assert handle.stats()["read_leaves"] == 3 and handle.stats()["ring_bytes"] == 0
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
