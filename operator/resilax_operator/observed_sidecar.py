@@ -159,7 +159,8 @@ def parse_sidecar_state(body: Mapping[str, Any], now: datetime) -> CheckpointInf
 
 def parse_trainer_report(body: Mapping[str, Any], generation: int) -> TrainerReport | None:
     """`trainer` of the sidecar's `GET /v1/state` (pod 0 of `generation`) → TrainerReport (None if
-    absent or malformed)."""
+    absent or malformed). Its generation is the one the figures name, else `generation`: a pod kept by an
+    in-place restart reports its old incarnation's figures until the new trainer writes its own."""
     raw = body.get("trainer")
     if not isinstance(raw, Mapping):
         return None
@@ -172,7 +173,8 @@ def parse_trainer_report(body: Mapping[str, Any], generation: int) -> TrainerRep
         value = raw.get(key)
         return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
-    return TrainerReport(generation=generation, step=whole("step"), step_time=num("step_time"),
+    own = whole("generation")
+    return TrainerReport(generation=generation if own is None else own, step=whole("step"), step_time=num("step_time"),
                          first_step=whole("first_step"), first_step_time=num("first_step_time"),
                          save_blocking_seconds=num("save_blocking_seconds") or 0.0, restores=whole("restores") or 0,
                          last_restore_seconds=num("last_restore_seconds") or 0.0, restored_time=num("restored_time"))

@@ -44,6 +44,9 @@ def test_preemption_final_save_goes_local_then_persistent_and_restores(
     # scope Pod (an emptyDir on node disk; the local cluster keeps its folder after the pod for the asserts):
     # generation 2 may land on generation 1's nodes, and must still restore from the persistent tier
     manifest["spec"]["checkpoint"]["local"] = {"scope": "Pod"}
+    # every pod replaced (the flow under test: new pods with empty local tiers restore from the persistent
+    # tier); an in-place restart would keep the survivors and their local tiers (test_op_e2e_inplace.py)
+    manifest["spec"]["recovery"]["inPlace"] = "Never"
     jobs.create(manifest)
     jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1, 600,
                      "generation 1 Running")

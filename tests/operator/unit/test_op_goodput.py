@@ -272,6 +272,10 @@ def test_the_marks_come_from_the_trainer_containers_and_pod_0s_figures() -> None
     # a trainer of an older library (no wall times) or garbage: what is there, nothing more
     assert parse_trainer_report({"trainer": {"step": "x", "step_time": True}}, 2) == TrainerReport(2)
     assert parse_trainer_report({"trainer": None}, 2) is None
+    # a pod kept by an in-place restart still shows its old incarnation's figures: they name generation 2,
+    # not the generation 3 the pod now belongs to, so generation 3's marks (firstStep) never take them
+    kept = parse_trainer_report({"trainer": {**body["trainer"], "generation": 2}}, 3)
+    assert kept is not None and kept.generation == 2 and kept.first_step == 31
 
 
 def test_a_suspension_is_left_out_of_the_wall_time() -> None:
