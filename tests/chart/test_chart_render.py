@@ -616,6 +616,13 @@ def test_node_sweeper_carries_the_common_labels_and_the_pull_secrets(render) -> 
     assert template["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     operator_pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     assert operator_pod["imagePullSecrets"] == template["spec"]["imagePullSecrets"]
+    # The operator's objects too: the common label is added, the clashing one leaves theirs alone.
+    for obj in objects:
+        labels = obj["metadata"].get("labels") or {}
+        if obj["kind"] != "CustomResourceDefinition" and labels.get("app.kubernetes.io/component"):
+            assert labels["app.kubernetes.io/component"] != "clash" and labels["team"] == "ml-platform", obj["kind"]
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
     assert "imagePullSecrets" not in one(render(node_sweeper=True), "DaemonSet")["spec"]["template"]["spec"]
 
 

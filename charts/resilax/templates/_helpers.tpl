@@ -41,7 +41,8 @@ helm.sh/chart: {{ include "resilax.chart" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: resilax
-{{- with .Values.commonLabels }}
+{{- /* commonLabels, less the keys above (a duplicate key would replace the selector's labels). */}}
+{{- with omit (.Values.commonLabels | default dict) "helm.sh/chart" "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" "app.kubernetes.io/version" "app.kubernetes.io/managed-by" "app.kubernetes.io/part-of" }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
