@@ -45,6 +45,8 @@ class ObservedSpare:
     uid: str = ""
     #: The node pool its nodeSelector pins it to ("" for the scheduler's choice).
     pinned: str = ""
+    #: The slice it holds (`spare_shape` when created; "" on one that predates the annotation).
+    shape: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,13 @@ class SpareStatus:
     taken_total: int = 0
 
 
+def spare_shape(spec: JobSpec) -> str:
+    """`<accelerator>/<topology>/<devices per host>`: what a placeholder holds; one of another shape (a
+    `slices` edit) is replaced."""
+    geometry = geometry_of(spec, spec.slices.topology)
+    return f"{spec.slices.accelerator}/{spec.slices.topology}/{geometry.chips_per_host}"
+
+
 def spare_name(job: str, slot: int, host: int) -> str:
     return f"{job}-spare-s{slot}-h{host}"
 
@@ -82,7 +91,8 @@ def parse_spare(raw: Mapping[str, Any], job_uid: str) -> ObservedSpare | None:
     spec = raw.get("spec") or {}
     return ObservedSpare(str(meta.get("name", "")), slot, host, spec.get("nodeName") or None,
                          (raw.get("status") or {}).get("phase") == "Running", bool(meta.get("deletionTimestamp")),
-                         str(meta.get("uid") or ""), str((spec.get("nodeSelector") or {}).get(api.NODE_POOL_LABEL) or ""))
+                         str(meta.get("uid") or ""), str((spec.get("nodeSelector") or {}).get(api.NODE_POOL_LABEL) or ""),
+                         str((meta.get("annotations") or {}).get(api.ANNOTATION_SHAPE) or ""))
 
 
 def build_spare_pods(job: JobRef, spec: JobSpec, slot: int, avoid_pools: tuple[str, ...],
@@ -130,6 +140,7 @@ def build_spare_pods(job: JobRef, spec: JobSpec, slot: int, avoid_pools: tuple[s
         out.append({"apiVersion": "v1", "kind": "Pod",
                     "metadata": {"name": spare_name(job.name, slot, h), "namespace": job.namespace,
                                  "labels": {**same, api.LABEL_SPARE_SLICE: str(slot), api.LABEL_HOST: str(h)},
+                                 "annotations": {api.ANNOTATION_SHAPE: spare_shape(spec)},
                                  "ownerReferences": [build_owner_reference(job)]},
                     "spec": copy.deepcopy(pod)})
     return out

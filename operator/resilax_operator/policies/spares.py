@@ -14,7 +14,8 @@ placeholders are deleted (forced: grace 0) in the same decision, before the work
 | the first generation not planned yet                                          | none yet (a spare never takes the first generation's pools) |
 | a spare slot beyond spareSlices                                               | delete its placeholders |
 | a slot with a placeholder on (or pinned to) a pool the job's workers use (`s.pools`) | taken: delete the slot's placeholders; one SpareTaken event per generation |
-| a slot with a placeholder on a node down, gone or kept out (health check)     | delete the slot's placeholders (placed again elsewhere) |
+| a slot with a placeholder on a node down past nodeLossGraceSeconds, gone, cordoned, kept out (health check) or noticed (preemption, maintenance) | delete the slot's placeholders (placed again elsewhere) |
+| a slot of another shape (a `slices` edit: `resilax.dev/shape` differs)        | delete the slot's placeholders (placed again) |
 | a slot with hosts missing (none deleted by this decision)                     | create them, off the workers' pools: a whole slot pinned to the first free pool that fits it (capacity.plan_pools), else left to the scheduler, Pending until capacity returns (replenishment) |
 
 status.spares: desired, ready (slots whose every placeholder runs on a node that is up) and their pools,
@@ -25,6 +26,7 @@ placeholders carry an owner reference (the garbage collector removes them with t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from datetime import timedelta
 
 from .. import api
 from ..actions import Action, CreateGeneration, CreateSpares, DeleteSpares, EmitEvent, SetStatus
@@ -33,7 +35,7 @@ from ..capacity import plan_pools
 from ..generation import kueue_queue
 from ..observed import Observed
 from ..settings import OperatorSettings
-from ..spare_pods import ObservedSpare, SpareStatus, build_spare_pods
+from ..spare_pods import ObservedSpare, SpareStatus, build_spare_pods, spare_shape
 from ..spec import JobSpec
 from ..status import JobStatus
 
@@ -84,7 +86,8 @@ def plan(spec: JobSpec, observed: Observed, s: JobStatus) -> SparePlan:
         return SparePlan(None, (), None)  # status.spares goes with the field
     live = [p for p in observed.spares if not p.deleting]
     workers = {p for p in s.pools if p}
-    hosts = geometry_of(spec, spec.slices.topology).hosts
+    hosts, shape = geometry_of(spec, spec.slices.topology).hosts, spare_shape(spec)
+    grace = timedelta(seconds=spec.recovery.node_loss_grace_seconds)
     by_slot: dict[int, list[ObservedSpare]] = {}
     for p in live:
         by_slot.setdefault(p.slot, []).append(p)
@@ -96,7 +99,7 @@ def plan(spec: JobSpec, observed: Observed, s: JobStatus) -> SparePlan:
     for slot, pods in sorted(by_slot.items()):
         pools = {_pool(observed, p) for p in pods if p.node_name or p.pinned}
         on_workers = sorted(p for p in pools if p in workers)
-        bad = [p.name for p in pods if p.node_name and _down(observed, p.node_name)]
+        bad = [p.name for p in pods if p.node_name and _down(observed, p.node_name, grace)]
         if slot >= want:
             doomed += [p.name for p in pods]
             reasons.append(f"slot {slot} not asked for")
@@ -104,9 +107,12 @@ def plan(spec: JobSpec, observed: Observed, s: JobStatus) -> SparePlan:
             doomed += [p.name for p in pods]
             taken.update(on_workers)
             reasons.append(f"slot {slot} taken by generation {s.generation} on {', '.join(on_workers)}")
-        elif bad or any(p.host >= hosts for p in pods):
+        elif bad:
             doomed += [p.name for p in pods]
-            reasons.append(f"slot {slot} on a node down or kept out ({', '.join(bad) or 'shape changed'})")
+            reasons.append(f"slot {slot} on a node down, gone, cordoned, kept out or noticed ({', '.join(bad)})")
+        elif any(p.host >= hosts or p.shape != shape for p in pods):
+            doomed += [p.name for p in pods]
+            reasons.append(f"slot {slot} holds another shape than {shape}")
         elif len(pods) == hosts and all(p.running and p.node_name for p in pods) and len(pools) == 1:
             healthy[slot] = next(iter(pools)) or ""
     create: list[tuple[int, tuple[int, ...], str]] = []
@@ -174,7 +180,14 @@ def _pool(observed: Observed, p: ObservedSpare) -> str | None:
     return None if node is None else node.pool
 
 
-def _down(observed: Observed, name: str) -> bool:
+def _down(observed: Observed, name: str, grace: timedelta) -> bool:
+    """The node cannot serve the job's next generation: down past `grace` (the job's
+    recovery.nodeLossGraceSeconds: a NotReady blip within it leaves the spare alone), gone, cordoned,
+    kept out after a failed health check, or with a preemption or maintenance notice."""
     node = observed.node(name)
-    return node is None or node.down_since(observed.now) is not None or bool(node.kept_out)
+    if node is None:
+        return True
+    down = node.down_since(observed.now)
+    return ((down is not None and observed.now - down >= grace) or bool(node.kept_out) or node.unschedulable
+            or node.notice(observed.now, timedelta(0)) is not None)
 

@@ -254,7 +254,8 @@ class World:
                 if name not in self.spares:
                     self.spares[name] = ObservedSpare(
                         name, int(labels[api.LABEL_SPARE_SLICE]), int(labels[api.LABEL_HOST]), uid=f"uid-{name}",
-                        pinned=m["spec"]["nodeSelector"].get(api.NODE_POOL_LABEL, ""))
+                        pinned=m["spec"]["nodeSelector"].get(api.NODE_POOL_LABEL, ""),
+                        shape=m["metadata"]["annotations"][api.ANNOTATION_SHAPE])
                     self.spare_manifests[name] = m
         elif isinstance(a, DeleteSpares):
             for name in a.names:  # grace 0: gone at once

@@ -81,7 +81,9 @@ def test_a_spare_is_held_off_the_workers_pools_and_shows_in_the_status() -> None
     with_class = build_spare_pods(w.job, validate_spec(spare_spec()), 0, (),
                                          replace(SETTINGS, spare_priority_class="resilax-spare"))
     assert with_class[0]["spec"]["priorityClassName"] == "resilax-spare"
-    assert parse_spare(pod, "uid-1") == ObservedSpare("llama-spare-s0-h0", 0, 0, pinned="pool-b")
+    assert meta["annotations"] == {api.ANNOTATION_SHAPE: "tpu-v5-lite-podslice/4x4/4"}
+    assert parse_spare(pod, "uid-1") == ObservedSpare("llama-spare-s0-h0", 0, 0, pinned="pool-b",
+                                                      shape="tpu-v5-lite-podslice/4x4/4")
     assert parse_spare(pod, "uid-other") is None
     # a steady job: nothing more to do
     assert not [a for a in w.step() if isinstance(a, CreateSpares | DeleteSpares)]
@@ -194,7 +196,7 @@ def test_a_placeholder_on_a_node_gone_is_replaced_elsewhere() -> None:
     del w.nodes[node]
     actions = w.step()
     (delete,) = [a for a in actions if isinstance(a, DeleteSpares)]
-    assert len(delete.names) == 4 and "down or kept out" in delete.reason
+    assert len(delete.names) == 4 and "node down, gone" in delete.reason
     w.settle()
     assert spare_pools(w) == {0: {"pool-c"}} and w.status.spares is not None and w.status.spares.ready == 1
 
@@ -248,3 +250,40 @@ def test_a_new_slot_never_gets_the_pool_a_pending_slot_is_pinned_to() -> None:
     (create,) = [a for a in w.step() if isinstance(a, CreateSpares)]
     assert {m["spec"]["nodeSelector"][api.NODE_POOL_LABEL] for m in create.pods} == {"pool-c"}
     assert {m["metadata"]["labels"][api.LABEL_SPARE_SLICE] for m in create.pods} == {"1"}
+
+
+def test_a_preemption_notice_takes_the_spare_after_the_final_save() -> None:
+    w = world(pools="ab")
+    doomed = w.gen_pods()[0].node_name or ""
+    w.set_node(doomed, taints=(*w.nodes[doomed].taints, Taint(api.IMPENDING_TERMINATION_TAINT, "", "NoSchedule")))
+    w.step()
+    assert w.status.transition is not None and w.status.transition.kind == st.PREEMPTION
+    w.exit_workers(75)  # the trainers stop after their final save
+    w.settle()
+    assert w.status.generation == 2 and w.status.phase == api.PHASE_RUNNING, w.status
+    assert w.status.pools == ("pool-b",) and w.status.shape == Shape("4x4", 1)
+    assert w.reasons().count(api.SPARE_TAKEN.name) == 1
+
+
+def test_a_placeholder_on_a_cordoned_or_noticed_node_is_placed_again_but_a_not_ready_blip_is_not() -> None:
+    w = world(pools="abcd")
+    node = next(p.node_name for p in w.spares.values() if p.host == 0) or ""
+    w.set_node(node, ready="False", ready_since=w.now)  # a kubelet blip within its grace
+    assert not [a for a in w.step() if isinstance(a, DeleteSpares)]
+    w.advance(31)  # past recovery.nodeLossGraceSeconds (30): down
+    (delete,) = [a for a in w.step() if isinstance(a, DeleteSpares)]
+    assert "node down" in delete.reason
+    w.settle()
+    node = next(p.node_name for p in w.spares.values() if p.host == 0) or ""
+    w.set_node(node, unschedulable=True)  # cordoned: the planner would not use it
+    (delete,) = [a for a in w.step() if isinstance(a, DeleteSpares)]
+    assert "cordoned" in delete.reason and len(delete.names) == 4
+
+
+def test_a_slices_edit_replaces_the_placeholders_of_the_old_shape() -> None:
+    w = world(pools="abc")
+    spec = validate_spec(w.spec)
+    old = replace(w.observed(), spares=tuple(replace(p, shape="tpu-v5-lite-podslice/2x4/4") for p in w.spares.values()))
+    plan = spares.plan(spec, old, w.status)
+    assert plan.delete is not None and len(plan.delete[0]) == 4 and "another shape" in plan.delete[1]
+    assert spares.plan(spec, w.observed(), w.status).delete is None
