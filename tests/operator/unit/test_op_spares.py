@@ -287,3 +287,44 @@ def test_a_slices_edit_replaces_the_placeholders_of_the_old_shape() -> None:
     plan = spares.plan(spec, old, w.status)
     assert plan.delete is not None and len(plan.delete[0]) == 4 and "another shape" in plan.delete[1]
     assert spares.plan(spec, w.observed(), w.status).delete is None
+
+
+def _spare_flow(crash_at: int | None, keep: int) -> tuple[World, int]:
+    """A hard loss that takes the spare, then the node's return, with the operator dying at decision
+    `crash_at` after executing `keep` of its actions."""
+    w = World.make(spare_spec(), tpu_pool("pool-a", 4), tpu_pool("pool-b", 4))
+    n = 0
+
+    def tick(times: int) -> None:
+        nonlocal n
+        for _ in range(times):
+            w.step(only=keep if n == crash_at else None)
+            n += 1
+            w.schedule()
+            w.kubelets()
+
+    tick(8)
+    dead = w.gen_pods()[1].node_name or ""
+    kill(w, dead)
+    w.advance(31)
+    tick(10)
+    w.set_node(dead, ready="True", ready_since=w.now, taints=())
+    tick(8)
+    return w, n
+
+
+def _spare_end(w: World) -> tuple[object, ...]:
+    s = w.status
+    return (s.phase, s.generation, s.pools, s.shape, s.spares, spare_pools(w), len(w.gen_pods()))
+
+
+@pytest.mark.parametrize("keep", [0, 1], ids=["dies-before-acting", "dies-after-first-action"])
+def test_operator_dies_at_every_step_of_taking_and_replenishing_a_spare(keep: int) -> None:
+    clean, decisions = _spare_flow(None, 0)
+    expected = _spare_end(clean)
+    assert expected[:4] == (api.PHASE_RUNNING, 2, ("pool-b",), Shape("4x4", 1)), expected
+    assert expected[4] == SpareStatus(desired=1, ready=1, pools=("pool-a",), taken_generation=2,
+                                      taken_pools=("pool-b",), taken_total=1)
+    for crash_at in range(decisions):
+        w, _ = _spare_flow(crash_at, keep)
+        assert _spare_end(w) == expected, f"crash at decision {crash_at}"
