@@ -55,7 +55,26 @@ consumed). Measured on a TPU v5e (1.74 GiB in 154 leaves, a donating step of 0.0
 the drain): starting every transfer at once (`copy_to_host_async` on all) holds the GIL 0.23 s on
 the drain thread and slows the loop's steps to 0.05-0.10 s while it drains (0.49 s); one shard at a
 time (`np.asarray`, nothing in flight ahead) leaves the steps at 0.007-0.009 s but drains in 0.85 s.
-A small window spreads those calls (one per shard consumed) and keeps a few transfers overlapping."""
+A small window spreads those calls (one per shard consumed) and keeps a few transfers overlapping.
+`RESILAX_CKPT_DRAIN_WINDOW` overrides it (1: one shard at a time, nothing started ahead), so that a
+bench run on a chip can compare."""
+
+DRAIN_WINDOW_ENV = "RESILAX_CKPT_DRAIN_WINDOW"
+
+
+def drain_window() -> int:
+    """DRAIN_WINDOW, or a positive integer from DRAIN_WINDOW_ENV."""
+    raw = os.environ.get(DRAIN_WINDOW_ENV, "").strip()
+    if not raw:
+        return DRAIN_WINDOW
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{DRAIN_WINDOW_ENV}: {raw!r} is not a positive integer (the transfers a save's "
+                         f"drain keeps in flight; default {DRAIN_WINDOW})")
+    return value
 
 @dataclasses.dataclass
 class CopyReport:
@@ -301,7 +320,7 @@ def _drain(pieces: list[tuple[Landing, Any]], shards: dict[tuple[int, Any], Any]
     queue: list[tuple[Landing, Any] | None] = [(landing, shards[key]) for landing, key in pieces]
     shards.clear()
     pieces.clear()
-    ahead = max(1, DRAIN_WINDOW) - 1  # transfers started beyond the one being consumed
+    ahead = max(1, drain_window()) - 1  # transfers started beyond the one being consumed
     for entry in queue[:ahead]:
         assert entry is not None
         entry[1].copy_to_host_async()

@@ -263,3 +263,13 @@ class StatsDevice:
 def test_device_room_reads_memory_stats(stats, want):
     assert snap._device_room(StatsDevice(stats)) == want
     assert snap._device_room(jax.devices()[0]) is None  # CPU devices give no statistics
+
+
+def test_drain_window_env_is_validated(monkeypatch):
+    monkeypatch.setenv(snap.DRAIN_WINDOW_ENV, "1")
+    assert snap.drain_window() == 1
+    monkeypatch.setenv(snap.DRAIN_WINDOW_ENV, "0")
+    with pytest.raises(ValueError, match="RESILAX_CKPT_DRAIN_WINDOW: '0' is not a positive integer"):
+        snap.drain_window()
+    monkeypatch.delenv(snap.DRAIN_WINDOW_ENV)
+    assert snap.drain_window() == snap.DRAIN_WINDOW
