@@ -44,6 +44,10 @@ accelerator's choices and ordering code on CPU. Never set it in a job."""
 NOT_COMPILED = "copy not compiled yet"
 """The reason of an automatic host transfer before the on-device copy was compiled."""
 
+RUNTIME_COPY_FAILED = "runtime copy failed"
+"""The reason of a host transfer after `jax.device_put`'s copy raised (e.g. a sharding it cannot copy
+as is); the saver still compiles the jitted copy for the next save."""
+
 HBM_MARGIN_FRACTION = 0.05
 HBM_MARGIN_MIN_BYTES = 256 << 20
 """What an on-device copy leaves free of a device's memory, at least (beside its peak use so far)."""
@@ -375,13 +379,15 @@ def snapshot_devices(writes: list[Any], sources: list[tuple[int, jax.Array, Any]
                     copies.append(copy)
                 if deciding != "cpu" and not report.runtime_copy:
                     _COMPILED.add(_group_key(originals))
-        except Exception as e:  # only an allocation failure falls back
-            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+        except Exception as e:  # an allocation failure falls back, and so does any runtime copy's
+            oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+            if not oom and not report.runtime_copy:
                 raise
-            log.warning("the on-device copy of a save did not fit (%s); taking a host transfer instead", e)
+            log.warning("the on-device copy of a save failed (%s: %s); taking a host transfer instead",
+                        type(e).__name__, e)
             copies = []
-            path, report.path, report.reason = HOST_TRANSFER, HOST_TRANSFER, "out of memory"
-            report.runtime_copy = False
+            path, report.path = HOST_TRANSFER, HOST_TRANSFER
+            report.reason = "out of memory" if oom else RUNTIME_COPY_FAILED
         if path == ON_DEVICE:
             report.device_bytes = sum(need.values())
             pieces = [(landing, (index[id(array)], shard.device))

@@ -143,7 +143,7 @@ class Saver:
                 self._stop_after(step)
         blocked = time.perf_counter() - started
         self._last_report = (step, report, blocked)
-        if report.runtime_copy:  # compile the jitted copy for the next save, in the background
+        if report.runtime_copy or report.reason == device_snapshot.RUNTIME_COPY_FAILED:  # compile for the next save
             self._copy_prepared = False
             self.prepare_first_save(items)
         self._trainer.saved(blocked, report.path, report.device_bytes)

@@ -273,3 +273,33 @@ def test_drain_window_env_is_validated(monkeypatch):
         snap.drain_window()
     monkeypatch.delenv(snap.DRAIN_WINDOW_ENV)
     assert snap.drain_window() == snap.DRAIN_WINDOW
+
+
+def test_a_runtime_copy_that_fails_falls_back_to_a_host_transfer(tmp_path, devices, monkeypatch):
+    """Should `jax.device_put` refuse a first save's copy (some sharding it cannot copy as is), the
+    save takes a host transfer instead of failing, the jitted copy still compiles for the next save,
+    and both steps restore bit-exact under the donating step."""
+    monkeypatch.setenv(snap.FORCE_ACCELERATOR_ENV, "1")
+    monkeypatch.setattr(snap, "_device_room", lambda device: snap.DeviceRoom(16 * GIB, 0))
+
+    def refuse(arrays):
+        raise ValueError("cannot copy this sharding")
+
+    monkeypatch.setattr(snap, "_runtime_copy", refuse)
+    state = {k: v + 0 for k, v in initial_state(devices).items()}
+    state["odd"] = jax.device_put(np.ones((40, 8), np.float32), state["w"].sharding)  # a signature of its own
+    paths, expected = [], {}
+    with rc.CheckpointManager(str(tmp_path)) as mgr:
+        for step in (1, 2):
+            expected[step] = {k: np.array(v, copy=True) for k, v in state.items()}
+            mgr.save(step, {"state": state})
+            report = mgr.save_report
+            assert report is not None
+            paths.append((report["device_copy"], report["reason"]))
+            state = train_step(state)
+            mgr.wait()
+        for step, want in expected.items():
+            got = mgr.restore(step)["state"]
+            for key, value in want.items():
+                assert np.asarray(got[key]).tobytes() == value.tobytes(), f"step {step}, leaf {key}"
+    assert paths == [("host_transfer", snap.RUNTIME_COPY_FAILED), ("on_device", "room")]
