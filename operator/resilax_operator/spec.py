@@ -36,10 +36,10 @@ PROVISIONING_READY: Final = "Ready"
 #: auto-provisioning, flex-start): create the generation at the declared shape even without the nodes.
 PROVISIONING_AUTOSCALED: Final = "Autoscaled"
 PROVISIONING_MODES: Final = (PROVISIONING_READY, PROVISIONING_AUTOSCALED)
-#: `spec.recovery.inPlace`: after a worker failure, a hard node loss or a shrink, keep the surviving pods
-#: and restart only their trainer process (docs/architecture.md, "In-place restart of the survivors").
+#: `spec.recovery.inPlace` (the default): after a worker failure, a hard node loss or a shrink, keep the surviving
+#: pods and restart only their trainer process (docs/architecture.md, "In-place restart of the survivors").
 IN_PLACE_AUTO: Final = "Auto"
-#: `spec.recovery.inPlace`: every restart replaces every pod (the default until the e2e tests pass).
+#: `spec.recovery.inPlace`: every restart replaces every pod.
 IN_PLACE_NEVER: Final = "Never"
 IN_PLACE_MODES: Final = (IN_PLACE_AUTO, IN_PLACE_NEVER)
 DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS: Final = 30
@@ -172,7 +172,7 @@ class RecoverySpec:
     #: Save and move this long before a scheduled host maintenance; None: sized from measurements.
     maintenance_lead_seconds: int | None = None
     #: IN_PLACE_AUTO or IN_PLACE_NEVER.
-    in_place: str = IN_PLACE_NEVER
+    in_place: str = IN_PLACE_AUTO
     #: How long a kept pod's old trainer may take to be proven gone before the pod is replaced.
     in_place_stop_timeout_seconds: int = DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS
     #: `failureRules`, in order: the first that matches a failed worker decides.
@@ -423,7 +423,7 @@ def parse_spec(raw: Mapping[str, Any], problems: list[SpecProblem]) -> JobSpec:
         node_loss_grace_seconds=_int_or(r.integer(rc, "nodeLossGraceSeconds", rp, minimum=0),
                                         DEFAULT_NODE_LOSS_GRACE_SECONDS),
         maintenance_lead_seconds=r.integer(rc, "maintenanceLeadSeconds", rp, minimum=0),
-        in_place=r.string(rc, "inPlace", rp, default=IN_PLACE_NEVER) or IN_PLACE_NEVER,
+        in_place=r.string(rc, "inPlace", rp, default=IN_PLACE_AUTO) or IN_PLACE_AUTO,
         in_place_stop_timeout_seconds=_int_or(r.integer(rc, "inPlaceStopTimeoutSeconds", rp, minimum=1),
                                               DEFAULT_IN_PLACE_STOP_TIMEOUT_SECONDS),
         failure_rules=_failure_rules(r, rc, rp),

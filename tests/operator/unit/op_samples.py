@@ -17,7 +17,9 @@ def good_spec() -> dict[str, Any]:
             "finalSave": {"onPreemption": True, "onResize": True, "timeoutSeconds": 300},
             "restore": {"step": "latest"},
         },
-        "recovery": {"maxRestarts": 20, "backoffSeconds": 10, "nodeLossGraceSeconds": 30},
+        # inPlace is Auto by default; these samples drive the full replacement's flows (every pod
+        # replaced), and test_op_inplace.py / test_op_hang.py drive the in-place ones with Auto.
+        "recovery": {"maxRestarts": 20, "backoffSeconds": 10, "nodeLossGraceSeconds": 30, "inPlace": "Never"},
         "template": {"spec": {"containers": [{"name": "trainer", "image": "example/train:1",
                                               "command": ["python", "train.py"]}]}},
     }
