@@ -42,6 +42,7 @@ from resilax_ckpt import peers as rules
 from resilax_ckpt.peer_client import held_replicas
 
 from resilax_sidecar.errors import SidecarError
+from resilax_sidecar.peer_auth import credential_for
 from resilax_sidecar.peer_list import current_peers
 
 log = logging.getLogger(__name__)
@@ -476,7 +477,8 @@ class Replicator:
     def run_once(self) -> None:
         for origin, source in list(self.plan()):
             try:
-                step = replicate_once(self.local_dir, source, origin, self.read_token(),
+                step = replicate_once(self.local_dir, source, origin,
+                                      credential_for(self.read_token(), self.generation()),
                                       Pacer(self.bytes_per_second, on_bytes=self.on_bytes))
             except (PeerError, OSError) as e:
                 self.last_error = str(e)

@@ -39,6 +39,7 @@ from resilax_sidecar import control, peer_chunks, peer_list, peers
 from resilax_sidecar import trainer_control as trainer
 from resilax_sidecar.errors import ConfigError, SidecarError
 from resilax_sidecar.metrics import CONTENT_TYPE, SAVE_REASONS
+from resilax_sidecar.peer_auth import accepts_peer_credential, credential_for
 
 if TYPE_CHECKING:
     from resilax_sidecar.app import Sidecar
@@ -115,9 +116,10 @@ def presented_token(headers: Mapping[str, str]) -> str | None:
     return own or None
 
 
-def _require_token(request: web.Request) -> None:
+def _require_token(request: web.Request, peer: bool = False) -> None:
     """Constant-time check of the presented token (presented_token) against the token file; 401 without
-    a token, 403 with a wrong one. Never logs the token."""
+    a token, 403 with a wrong one. Never logs the token. `peer`: a read-only peer endpoint, which also
+    takes the peer credential of this sidecar's generation (peer_auth.py)."""
     sidecar = request.app[SIDECAR_KEY]
     provided = presented_token(request.headers)
     if provided is None:
@@ -137,6 +139,8 @@ def _require_token(request: web.Request) -> None:
             "forbidden",
             "mutating calls are disabled: RESILAX_SIDECAR_TOKEN_FILE is not set or not readable",
         )
+    if peer and accepts_peer_credential(provided, expected, sidecar.peer_generation()):
+        return
     if not hmac.compare_digest(provided.encode(), expected.encode()):
         sidecar.metrics.http_unauthorized.inc()
         log.warning("refused %s %s from %s: wrong token", request.method, request.path, request.remote)
@@ -233,7 +237,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def _peer_target(request: web.Request) -> tuple[int, int | None]:
     """(origin, step) of a peer call, after the token check; 404 without a local tier."""
-    _require_token(request)
+    _require_token(request, peer=True)
     sidecar = request.app[SIDECAR_KEY]
     if sidecar.config.local_dir is None:
         raise ApiError(404, "not_found", "this sidecar has no local tier (RESILAX_LOCAL_DIR), so no peer replicas")
@@ -293,7 +297,7 @@ def _send_file(request: web.Request, path: Any, purpose: str) -> web.StreamRespo
 
 
 async def get_chunk_file(request: web.Request) -> web.StreamResponse:
-    _require_token(request)
+    _require_token(request, peer=True)
     cfg = request.app[SIDECAR_KEY].config
     if cfg.local_dir is None:
         raise ApiError(404, "not_found", "this sidecar has no local tier (RESILAX_LOCAL_DIR)")
@@ -326,7 +330,7 @@ async def post_fetch_chunks(request: web.Request) -> web.Response:
     received = sidecar.metrics.peer_bytes.labels(purpose="restore", direction="received")
     local_dir = cfg.local_dir
     answer = await _cancellable(request, f"chunk fetch of step {body['step']}", lambda cancel: peer_chunks.fetch_chunks(
-        local_dir, body, sidecar.read_token(),
+        local_dir, body, credential_for(sidecar.read_token(), sidecar.peer_generation()),
         peers.Pacer(cfg.peer_bytes_per_second, sleep=cancel.wait, on_bytes=received.inc), cancel))
     return web.json_response(answer)
 
@@ -382,7 +386,7 @@ async def post_peer_fetch(request: web.Request) -> web.Response:
     received = sidecar.metrics.peer_bytes.labels(purpose="restore", direction="received")
     local_dir = cfg.local_dir
     source, manifest = await _cancellable(request, f"peer fetch of step {step}", lambda cancel: peers.fetch_for_restore(
-        local_dir, cfg.process_id, step, sources, sidecar.read_token(),
+        local_dir, cfg.process_id, step, sources, credential_for(sidecar.read_token(), sidecar.peer_generation()),
         peers.Pacer(cfg.peer_bytes_per_second, sleep=cancel.wait, on_bytes=received.inc), cancel))
     return web.json_response({"origin": cfg.process_id, "step": step, "source": source,
                               "files": len(manifest["files"]),

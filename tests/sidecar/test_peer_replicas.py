@@ -259,6 +259,7 @@ def test_the_replicator_sends_the_token_only_to_peers_of_the_current_generation(
     """Issue 40, item 5: the Replicator calls the addresses of peers.json only while it is this pod's
     generation's (a stop asked for a newer one counts): a stale file's address, maybe another pod's by
     now, never gets `Authorization: Bearer`."""
+    from resilax_sidecar.peer_auth import derive_peer_credential
     from resilax_sidecar.peers import Replicator
 
     holder = RecordingPeer()
@@ -283,7 +284,8 @@ def test_the_replicator_sends_the_token_only_to_peers_of_the_current_generation(
             assert holder.seen == [], stale
         peers_of(5)
         replicator.run_once()
-        assert holder.seen == [("/v1/peer/0/newest", "Bearer the-job-token")]
+        # not the job's token: generation 5's peer credential (peer_auth.py), good for peer reads only
+        assert holder.seen == [("/v1/peer/0/newest", f"Bearer {derive_peer_credential('the-job-token', 5)}")]
         generation[0] = 6  # a stop for generation 6 was asked: generation 5's peers are on their way out
         replicator.run_once()
         assert len(holder.seen) == 1
@@ -315,3 +317,31 @@ def test_the_newest_step_offered_to_peers_is_on_the_current_branch_and_not_bad(t
     (local / layout.BAD_DIR).mkdir(exist_ok=True)
     (local / layout.BAD_DIR / "16.json").write_text(json.dumps({"step": 16, "reason": "a restore could not read it"}))
     assert http("GET", sidecar.url + "/v1/peer/0/newest", token=TOKEN).body["step"] == 8
+
+
+def test_the_peer_credential_opens_the_peer_reads_of_its_generation_only(tmp_path: Path, start_sidecar: Any) -> None:
+    """Issue 40: what the sidecars send one another (peer_auth.py) reads this sidecar's peer endpoints
+    for its generation (and the next or previous: an in-place restart moves the sidecars a moment
+    apart), and nothing else: no save, no trainer stop, no peer fetch that would make this sidecar call
+    out; another generation's credential is refused like a wrong token."""
+    from resilax_sidecar.peer_auth import derive_peer_credential
+
+    env = peer_env(tmp_path, 0, 2)
+    env["RESILAX_GENERATION"] = "5"
+    write_local_step(Path(env["RESILAX_LOCAL_DIR"]), 8, FILES, generation=5)
+    sidecar = start_sidecar(env)
+    url = sidecar.url
+    reads = ["/v1/peer/0/newest", "/v1/peer/0/8/manifest", "/v1/peer/0/8/files/state/leaf0/c/0"]
+    for generation in (4, 5, 6):
+        credential = derive_peer_credential(TOKEN, generation)
+        for path in reads:
+            assert http("GET", url + path, token=credential).status == 200, (generation, path)
+    credential = derive_peer_credential(TOKEN, 5)
+    for method, path, body in [("POST", "/v1/save", {"reason": "manual"}), ("POST", "/v1/trainer/stop", {}),
+                               ("POST", "/v1/peer/fetch", {"origin": 0, "step": 8, "sources": ["127.0.0.1:1"]})]:
+        refused = http(method, url + path, body, token=credential)
+        assert refused.status == 403, (path, refused.body)
+    for generation in (3, 7):
+        stale = http("GET", url + "/v1/peer/0/newest", token=derive_peer_credential(TOKEN, generation))
+        assert stale.status == 403, generation
+    assert http("GET", url + "/v1/peer/0/newest", token=derive_peer_credential("another-token", 5)).status == 403
