@@ -58,6 +58,7 @@ from . import (
     health_check,
     node_loss,
     preemption,
+    rollback,
     transition,
     worker_exit,
 )
@@ -176,8 +177,9 @@ def decide_mode(spec: JobSpec, observed: Observed, s: JobStatus, finding: Findin
                 names.append(build_pod_name(observed.job.name, generation, i, h))
     if not kept:
         return Mode(why="no surviving pod qualifies (Running on a Ready node of the new plan, its sidecar answering)")
-    plan = GenerationPlan(generation, planned.shape, pools, RESTORE_LATEST, s.worker_nodes, tuple(names),
-                          avoid_nodes=observed.nodes_to_avoid())
+    # the latest step, or the one a rollback waiting for its turn asks (policies/rollback.py)
+    plan = GenerationPlan(generation, planned.shape, pools, rollback.plan_restore(spec, s, generation), s.worker_nodes,
+                          tuple(names), avoid_nodes=observed.nodes_to_avoid())
     return Mode(plan, tuple(kept))
 
 
@@ -195,7 +197,8 @@ def begin(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
                        finding.kind, finding.not_before, finding.reason, finding.message)
     phase = api.PHASE_RESIZING if finding.kind in st.RESHAPE_KINDS else api.PHASE_RECOVERING
     new = replace(s, phase=phase, generation=plan.generation, shape=plan.shape, hosts=hosts, pools=plan.pools,
-                  restore_step=RESTORE_LATEST, generation_start_time=since, admitted_time=None, workers_created=False,
+                  restore_step=plan.restore_step, restore_asked=spec.checkpoint.restore_step,
+                  generation_start_time=since, admitted_time=None, workers_created=False,
                   restarts=s.restarts + 1, in_place_restarts=s.in_place_restarts + 1, planned_from=fingerprint(spec),
                   transition=None, worker_pods=plan.worker_pods, in_place=in_place)
     message = api.RESTARTING_IN_PLACE.format(generation=plan.generation, cause=finding.message, kept=len(mode.kept),

@@ -15,7 +15,13 @@ from op_samples import good_spec
 from op_world import running_world
 from resilax_operator import api
 from resilax_operator import status as st
-from resilax_operator.actions import CreateGeneration, DeleteGeneration, RequestFinalSave, SetStatus
+from resilax_operator.actions import (
+    CreateGeneration,
+    DeleteGeneration,
+    RequestFinalSave,
+    SetStatus,
+    StartTrainers,
+)
 from resilax_operator.checkpoint_status import (
     CheckpointBranch,
     CheckpointInfo,
@@ -245,3 +251,22 @@ def test_a_failure_while_a_rollback_waits_starts_the_next_generation_on_the_step
     actions += _settle(w)
     assert w.status.generation == 2, w.status
     assert _restore_of(actions, 2) == {"8"} and w.status.restore_asked == "8"
+
+
+def test_an_in_place_restart_while_a_rollback_waits_restores_the_step_asked() -> None:
+    """recovery.inPlace Auto: a node lost while an edit of restore.step waits (the loss decides first);
+    the survivors' trainers are started again with the step asked, and the edit is then acted on."""
+    from test_op_inplace import _lose_node, _world, tick
+
+    w = _world()
+    w.checkpoint = ck(44)
+    tick(w)
+    _edit(w, 8)
+    _lose_node(w, "llama-g1-s1-h1")
+    actions = [a for _ in range(15) for a in tick(w)]
+    assert w.status.generation == 2 and w.status.in_place is None and w.status.in_place_restarts == 1, w.status
+    assert (w.status.restore_step, w.status.restore_asked) == ("8", "8")
+    started = [dict(env) for a in actions if isinstance(a, StartTrainers) for _, env in a.pods]
+    assert started and all(env.get("RESILAX_RESTORE_STEP") == "8" for env in started), started
+    assert _restore_of(actions, 2) == {"8"}  # the pod created for the lost one
+    assert w.status.transition is None and w.status.phase == api.PHASE_RUNNING  # acted on once
