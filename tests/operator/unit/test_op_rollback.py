@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from op_restart import KEEP, Driver
 from op_samples import good_spec
 from op_world import running_world
 from resilax_operator import api
@@ -270,3 +271,32 @@ def test_an_in_place_restart_while_a_rollback_waits_restores_the_step_asked() ->
     assert started and all(env.get("RESILAX_RESTORE_STEP") == "8" for env in started), started
     assert _restore_of(actions, 2) == {"8"}  # the pod created for the lost one
     assert w.status.transition is None and w.status.phase == api.PHASE_RUNNING  # acted on once
+
+
+def _rollback_flow(d: Any) -> None:
+    d.tick(8)  # generation 1 Running
+    d.w.checkpoint = ck(44)
+    d.tick()
+    _edit(d.w, 8)
+    d.tick(2)  # the Rollback transition and its final save asked
+    d.w.exit_workers(75)  # the workers saved and stopped
+    d.tick(10)
+
+
+@pytest.mark.parametrize("keep", list(KEEP.values()), ids=list(KEEP))
+def test_operator_dies_at_every_step_of_a_rollback(keep: int) -> None:
+    """The operator dies at any decision of the flow (after none or the first of its actions): it resumes
+    from the status and ends the same, the rollback done once, generation 2 restoring step 8."""
+    clean = Driver(None, 0)
+    _rollback_flow(clean)
+    want = (api.PHASE_RUNNING, 2, 1, "8", "8", None)
+
+    def end(d: Driver) -> tuple[object, ...]:
+        s = d.w.status
+        return (s.phase, s.generation, s.restarts, s.restore_step, s.restore_asked, s.transition)
+
+    assert end(clean) == want, clean.w.status
+    for crash_at in range(clean.n):
+        d = Driver(crash_at, keep)
+        _rollback_flow(d)
+        assert end(d) == want, f"crash at decision {crash_at}: {d.w.status}"
