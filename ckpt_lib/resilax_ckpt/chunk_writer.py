@@ -59,7 +59,7 @@ from resilax_ckpt.chunk_format import (
     zarr_json,
 )
 from resilax_ckpt.errors import StorageError
-from resilax_ckpt.sources import resolve_source
+from resilax_ckpt.sources import Landing, resolve_source
 
 
 @functools.cache
@@ -375,6 +375,16 @@ def _write_pieces(fd: int, data: np.ndarray, offset: int, checksum: bool) -> int
     return crc
 
 
+def _write_then(done: Callable[[], None] | None, *args: Any) -> None:
+    """write_chunk_file(*args), then `done()` (before the future completes: whoever waits for the
+    write sees its data given back)."""
+    try:
+        write_chunk_file(*args)
+    finally:
+        if done is not None:
+            done()
+
+
 class ChunkWriter:
     """Writes chunk files on a thread pool, keeping at most `limit` bytes in flight (always admits
     one). A write's data stays referenced only until its file is written."""
@@ -385,28 +395,29 @@ class ChunkWriter:
         self._fsync = fsync
         self._direct = direct
         self._inflight = 0
-        self._pending: list[tuple[concurrent.futures.Future[None], int, str]] = []
+        self._pending: list[tuple[concurrent.futures.Future[None], int, str, Callable[[], None] | None]] = []
         self.written: list[str] = []
         """The paths of every file submitted (each written once `drain` returned), each once."""
         self._seen: set[str] = set()
 
     def submit(self, path: str, data: np.ndarray, what: str, offset: int = 0, size: int | None = -1,
-               checksum: bool = False) -> None:
+               checksum: bool = False, done: Callable[[], None] | None = None) -> None:
         """Write `data` (and with `checksum` its crc32c) at `offset` of `path`, then truncate it to
-        `size` (write_chunk_file)."""
+        `size` (write_chunk_file). `done()` is called once the write is over with `data` (written,
+        failed or cancelled)."""
         nbytes = data.nbytes
         if path not in self._seen:
             self._seen.add(path)
             self.written.append(path)
         while self._pending and self._inflight + nbytes > self._limit:
             self._finish_oldest()
-        future = self._pool.submit(write_chunk_file, path, data, self._fsync, self._direct, offset, size,
+        future = self._pool.submit(_write_then, done, path, data, self._fsync, self._direct, offset, size,
                                    checksum)
-        self._pending.append((future, nbytes, what))
+        self._pending.append((future, nbytes, what, done))
         self._inflight += nbytes
 
     def _finish_oldest(self) -> None:
-        future, nbytes, what = self._pending.pop(0)
+        future, nbytes, what, _ = self._pending.pop(0)
         self._inflight -= nbytes
         try:
             future.result()
@@ -419,8 +430,9 @@ class ChunkWriter:
 
     def close(self) -> None:
         """Stop: cancel what has not started, wait for what has (no thread writes after this)."""
-        for future, _, _ in self._pending:
-            future.cancel()
+        for future, _, _, done in self._pending:
+            if future.cancel() and done is not None:  # never runs: its data is given back here
+                done()
         self._pending.clear()
         self._inflight = 0
         self._pool.shutdown(wait=True)
@@ -449,8 +461,12 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
                 on_progress(n)
             source, write.source = write.source, None
             data = resolve_source(source)  # waits for a device shard to land
+            # gives the shard's bytes back to the drain's budget once written (Landing.release)
+            done = source.release if isinstance(source, Landing) else None
             del source
             if planning.box_size(write.box) == 0:
+                if done is not None:
+                    done()
                 continue
             item, leaf = plan.arrays[write.array_index]
             index, data = chunk_data(write.box, data, leaf.shape, leaf.chunks)
@@ -459,7 +475,7 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
             path = os.path.join(step_path, item, leaf.dir, *file_key)
             what = f"writing {item}/{leaf.keystr} box {write.box} to {path}"
             if not files.shard:
-                writer.submit(path, data, what, checksum=files.checksum)
+                writer.submit(path, data, what, checksum=files.checksum, done=done)
             else:
                 if path not in shard_files:  # this process writes the whole shard: its index too
                     shard_files.add(path)
@@ -470,8 +486,8 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
                     index_bytes = np.frombuffer(files.shard_index(file_key), np.uint8)
                     writer.submit(path, index_bytes, f"writing the shard index of {path}", files.index_offset,
                                   files.file_size())
-                writer.submit(path, data, what, offset, None, files.checksum)
-            del data
+                writer.submit(path, data, what, offset, None, files.checksum, done)
+            del data, done
         writer.drain()
         if fsync and writer.written:
             try:

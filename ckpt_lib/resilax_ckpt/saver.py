@@ -293,6 +293,9 @@ class Saver:
         except BaseException as e:
             self._write_results(requests, step, f"{type(e).__name__}: {e}")
             raise
+        finally:
+            if plan.transfer is not None:  # a drain waiting for writes that will not come goes on
+                plan.transfer.close()
         self._write_results(requests, step, None)
 
     def _write_and_commit_inner(self, step: int, plan: items_lib.SnapshotPlan, key: str) -> None:

@@ -24,7 +24,7 @@ from resilax_ckpt import checksums, planning
 from resilax_ckpt.chunk_format import ArrayFiles
 from resilax_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError, StorageError
 from resilax_ckpt.inflight import InflightLimiter, short_error
-from resilax_ckpt.sources import resolve_source
+from resilax_ckpt.sources import Landing, resolve_source
 
 if TYPE_CHECKING:
     from resilax_ckpt.reader import ChunkTask
@@ -142,6 +142,8 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
                 on_progress(n)
             limiter.admit(write.nbytes)
             data = resolve_source(write.source)
+            if isinstance(write.source, Landing):  # the limiter bounds what this holds from here on
+                write.source.release()
             store = stores[write.array_index]
             item, leaf = plan.arrays[write.array_index]
             future = store[tuple(slice(a, b) for a, b in write.box)].write(

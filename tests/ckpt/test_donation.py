@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from resilax_ckpt import device_snapshot as snap
 from resilax_ckpt.options import InvalidOptionsError
+from resilax_ckpt.sources import HostBudget
 
 STEPS = 6
 
@@ -63,16 +64,30 @@ def run_loop(root: str, devices: list[jax.Device], device_copy: str) -> dict[int
     return expected
 
 
-@pytest.mark.parametrize(("device_copy", "as_accelerator"), [
-    ("on_device", False), ("host_transfer", False), ("auto", False),
-    ("on_device", True),  # the accelerator's drain thread, two transfers in flight
-    ("host_transfer", True),
+@pytest.mark.parametrize(("device_copy", "as_accelerator", "drain_bytes"), [
+    ("on_device", False, None), ("host_transfer", False, None), ("auto", False, None),
+    ("on_device", True, None),  # the accelerator's drain thread, two transfers in flight
+    ("on_device", True, 1),  # and its back-pressure at every shard: the chunk writer gives the bytes back
+    ("host_transfer", True, None),
 ])
-def test_donating_loop_restores_every_saved_step_bit_exact(tmp_path, devices, device_copy, as_accelerator, monkeypatch):
+def test_donating_loop_restores_every_saved_step_bit_exact(tmp_path, devices, device_copy, as_accelerator, drain_bytes,
+                                                           monkeypatch):
+    budgets: list[HostBudget] = []
     if as_accelerator:
         monkeypatch.setenv(snap.FORCE_ACCELERATOR_ENV, "1")
         monkeypatch.setattr(snap, "DRAIN_WINDOW", 2)
+    if drain_bytes is not None:
+        class Recorded(HostBudget):
+            def __init__(self, limit):
+                super().__init__(limit)
+                budgets.append(self)
+        monkeypatch.setattr(snap, "DRAIN_HOST_BYTES", drain_bytes)
+        monkeypatch.setattr(snap, "HostBudget", Recorded)
     expected = run_loop(str(tmp_path), devices, device_copy)
+    if drain_bytes is not None:
+        assert len(budgets) == STEPS
+        assert all(b.held == 0 for b in budgets)  # every landed byte given back once written
+        assert all(0 < b.peak <= max(a.nbytes for a in expected[1].values()) for b in budgets)  # one shard at most
     assert not np.array_equal(expected[1]["w"], expected[2]["w"])  # the state really changes
     mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(2, 4), ("x", "y"))
     with rc.CheckpointManager(str(tmp_path)) as mgr:
@@ -200,10 +215,10 @@ def test_auto_on_an_accelerator_starts_with_a_runtime_copy_then_the_jitted_one(t
 class FakeShard:
     """A device shard whose transfer to the host is recorded (`events`), as `_drain` uses one."""
 
-    def __init__(self, n: int, events: list[tuple[str, int]]) -> None:
+    def __init__(self, n: int, events: list[tuple[str, int]], nbytes: int = 4) -> None:
         self.n = n
         self.events = events
-        self.nbytes = 4
+        self.nbytes = nbytes
 
     def copy_to_host_async(self) -> None:
         self.events.append(("start", self.n))
@@ -225,7 +240,8 @@ def test_drain_lands_in_write_order_with_a_window_of_transfers(window, monkeypat
     landed = threading.Condition()
     landings = [Landing(landed) for _ in range(10)]
     shards = {(n, "d"): FakeShard(n, events) for n in range(10)}
-    snap._drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards)
+    snap._drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards,
+                HostBudget(snap.DRAIN_HOST_BYTES))
     assert [int(landing.get()[0]) for landing in landings] == list(range(10))
     assert [n for kind, n in events if kind == "land"] == list(range(10))
     started: set[int] = set()
@@ -236,6 +252,115 @@ def test_drain_lands_in_write_order_with_a_window_of_transfers(window, monkeypat
             in_flight = {m for m in started if m >= n} | {n}  # np.asarray transfers n itself if not started
             assert in_flight == set(range(n, min(n + window, 10))), events  # a full window, never more
     assert started == (set() if window == 1 else set(range(10)))
+
+
+SHARD_BYTES = [30, 10, 40, 10, 50, 90, 20, 60, 50, 30, 10, 10, 10, 40]
+"""A save's shards for the back-pressure tests: one (90) larger than their bound (64)."""
+
+
+@pytest.mark.parametrize("window", [1, 2, 4, 50])
+def test_drain_waits_for_the_writer_while_landed_bytes_exceed_its_bound(window, monkeypatch):
+    """Back-pressure (DRAIN_HOST_BYTES): under a writer that writes (releases) a shard only when the
+    drain cannot go on without it, the bytes landed on the host and not yet written never exceed
+    the bound plus one shard, every shard still lands, in write order, and the window still starts
+    transfers ahead where they fit. Counted, never timed: the fake writer is told when the drain
+    waits (a budget that records it)."""
+    import collections
+    import threading
+
+    from resilax_ckpt.sources import Landing
+
+    class WatchedBudget(HostBudget):
+        """Records that the drain waits in `take` (so the slow writer knows it must write one)."""
+
+        stuck = False
+        taking = False
+
+        def take(self, nbytes):
+            with self._cond:
+                self.taking = True
+                try:
+                    super().take(nbytes)
+                finally:
+                    self.taking = False
+
+        def _fits(self, nbytes):
+            fits = super()._fits(nbytes)
+            if not fits and self.taking:
+                self.stuck, self.waits = True, getattr(self, "waits", 0) + 1
+                self._cond.notify_all()
+            return fits
+
+    monkeypatch.setattr(snap, "DRAIN_WINDOW", window)
+    limit, count = 64, len(SHARD_BYTES)
+    budget = WatchedBudget(limit)
+    cond = budget._cond  # the landings share it, so the writer wakes on a landing as on a wait
+    events: list[tuple[str, int]] = []
+    landings = [Landing(cond) for _ in range(count)]
+    unwritten = {"now": 0, "max": 0}
+
+    class CountedShard(FakeShard):
+        def __array__(self, dtype=None, copy=None):
+            with cond:
+                unwritten["now"] += self.nbytes
+                unwritten["max"] = max(unwritten["max"], unwritten["now"])
+            return super().__array__(dtype, copy)
+
+    shards = {(n, "d"): CountedShard(n, events, size) for n, size in enumerate(SHARD_BYTES)}
+    drained = []
+    got: list[int] = []
+
+    def slow_writer():
+        pending: collections.deque[int] = collections.deque()
+        k = 0
+        with cond:
+            while k < count or pending:
+                cond.wait_for(lambda k=k: (k < count and landings[k].landed) or bool(pending and (budget.stuck or drained)))
+                if k < count and landings[k].landed:
+                    got.append(int(landings[k].get()[0]))
+                    pending.append(k)
+                    k += 1
+                    continue
+                budget.stuck = False
+                done = pending.popleft()
+                unwritten["now"] -= SHARD_BYTES[done]
+                landings[done].release()
+
+    writer = threading.Thread(target=slow_writer)
+    writer.start()
+    snap._drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards, budget)
+    with cond:
+        drained.append(True)
+        cond.notify_all()
+    writer.join()
+    assert got == list(range(count))
+    assert [n for kind, n in events if kind == "land"] == list(range(count))
+    assert unwritten["max"] <= limit + max(SHARD_BYTES), unwritten
+    assert budget.peak <= max(limit, max(SHARD_BYTES))  # in flight + landed, never written yet
+    assert budget.held == 0 and unwritten["now"] == 0
+    assert getattr(budget, "waits", 0) > 0  # the bound did hold the drain back
+    started = [n for kind, n in events if kind == "start"]
+    assert (started == []) if window == 1 else (len(started) > 0)
+    for kind, n in events:  # never more than the window in flight
+        if kind == "start":
+            landed = sum(1 for k2, _ in events[:events.index((kind, n))] if k2 == "land")
+            assert n < landed + window
+
+
+def test_a_closed_budget_never_holds_the_drain_back():
+    """A save whose writes ended (failed) closes its budget: the drain lands the rest without a
+    writer giving bytes back (else it would wait for ever, holding the device copies)."""
+    import threading
+
+    from resilax_ckpt.sources import Landing
+    budget = HostBudget(1)
+    budget.close()
+    events: list[tuple[str, int]] = []
+    landings = [Landing(threading.Condition()) for _ in SHARD_BYTES]
+    shards = {(n, "d"): FakeShard(n, events, size) for n, size in enumerate(SHARD_BYTES)}
+    snap._drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards, budget)
+    assert all(landing.landed for landing in landings)
+    assert budget.held == sum(SHARD_BYTES)
 
 
 class StatsDevice:
