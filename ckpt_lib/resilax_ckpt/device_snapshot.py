@@ -65,17 +65,18 @@ bench run on a chip can compare."""
 
 DRAIN_WINDOW_ENV = "RESILAX_CKPT_DRAIN_WINDOW"
 
-DRAIN_HOST_BYTES = 256 << 20
+DRAIN_HOST_BYTES = 512 << 20
 """Back-pressure on the drain (`sources.HostBudget`): the host bytes it may have taken off the
 devices (in flight or landed) that the writer has not yet written. A shard's transfer starts only
 when its bytes fit (the window's transfers too), or, with nothing started left to land, once the
 writer has written enough; a shard larger than this still moves alone. Why: with the window of 4 the
 drain landed shards far ahead of the writes on a TPU v5e (2.03 GiB in 154 leaves on tmpfs), and peak
-host RSS during a save rose from 1.24x to 1.51x the state (issue 37 target: 1.3x). 256 MiB = 0.12x
-of that state, twice the writer's own in-flight bound (ManagerOptions.max_inflight_bytes 128 MiB,
-which covers the bytes it is writing), and above most shards so the window still overlaps; the
-bench's largest shard (52992x1472 float32, 312 MB) moves alone. A constant, not an option: a
-save's memory is bounded by it plus the writer's bound, whatever the state's size."""
+host RSS during a save rose from 1.24x to 1.51x the state (issue 37 target: 1.3x). 512 MiB = 0.25x
+of that state (4x the writer's own in-flight bound, ManagerOptions.max_inflight_bytes 128 MiB, which
+the bytes it is writing count in): room for the bench's largest shards (52992x1472 float32, 312 MB)
+to land beside the next ones, so the window keeps overlapping (256 MiB would move each alone, the
+drain idle while it is written). A constant, not an option: a save's host memory for the snapshot
+is bounded by it (or one shard), whatever the state's size."""
 
 
 def drain_window() -> int:
