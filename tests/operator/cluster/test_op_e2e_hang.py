@@ -11,13 +11,11 @@ count a failure. (Every other e2e flow checks that a healthy job never gets `Tra
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from op_cluster import Jobs, OperatorProcess, committed_steps, event_time, job_manifest, unique_name
@@ -49,23 +47,6 @@ def trainer_pid(job: str, process: int, generation: int) -> int | None:
     return None
 
 
-def losses(jobs: Jobs, pod: str, generation: int) -> dict[int, dict[str, Any]]:
-    """step → record of process 0's loss lines of `generation` in `pod`'s trainer log (a pod kept in
-    place has every incarnation's lines under the name of the generation that created it)."""
-    try:
-        text = jobs.cluster.logs(jobs.namespace, pod, "trainer")
-    except (FileNotFoundError, ValueError):
-        return {}
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("{") and '"loss"' in line:
-            with contextlib.suppress(json.JSONDecodeError, KeyError):
-                record = json.loads(line)
-                if record["generation"] == generation:
-                    out[int(record["step"])] = record
-    return out
-
-
 def test_a_stopped_trainer_is_detected_and_restarted(operator: OperatorProcess, jobs: Jobs, tmp_path: Path) -> None:
     name, storage = unique_name("hang"), tmp_path / "ckpt"
     jobs.create(job_manifest(name, storage, count=1, every_steps=4, steps=100000, step_seconds=0.2,
@@ -74,7 +55,7 @@ def test_a_stopped_trainer_is_detected_and_restarted(operator: OperatorProcess, 
                      "generation 1 Running")
     pod0, pod1 = f"{name}-g1-s0-h0", f"{name}-g1-s0-h1"
     # past the warm-up (10 steps) with a p99 step time, and a checkpoint to restart from
-    wait_for(lambda: max(losses(jobs, pod0, 1), default=0) >= 30 and committed_steps(storage), timeout=600,
+    wait_for(lambda: max(jobs.losses(name, 1), default=0) >= 30 and committed_steps(storage), timeout=600,
              interval=1, message=f"{name}: generation 1 past step 30 with a checkpoint")
     before = jobs.status(name)
     uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in jobs.pods(name)}
@@ -91,7 +72,7 @@ def test_a_stopped_trainer_is_detected_and_restarted(operator: OperatorProcess, 
         status = jobs.wait_status(
             name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running" and not s.get("inPlace"), 600,
             "generation 2 Running")
-        wait_for(lambda: losses(jobs, pod0, 2), timeout=600, interval=1, message=f"{name}: a step of generation 2")
+        wait_for(lambda: jobs.losses(name, 2), timeout=600, interval=1, message=f"{name}: a step of generation 2")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
@@ -110,7 +91,7 @@ def test_a_stopped_trainer_is_detected_and_restarted(operator: OperatorProcess, 
     log = jobs.cluster.logs(jobs.namespace, pod1, "trainer")
     # the hung process's stacks: py-spy's (when on PATH) or faulthandler's
     assert re.search(r'Thread \d+ \(\w+\): "MainThread"', log) or "most recent call first" in log, log[-3000:]
-    records = losses(jobs, pod0, 2)
+    records = jobs.losses(name, 2)  # process 0's, by generation (op_cluster.Jobs.losses)
     assert min(records) - 1 in committed_steps(storage)
     hang_seconds = ((status.get("goodput") or {}).get("breakdown") or {}).get("hang")
     print(f"{name}: restarted in place, generation 2 restored step {min(records) - 1}; goodput hang bucket "

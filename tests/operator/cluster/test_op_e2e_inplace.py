@@ -95,19 +95,16 @@ def trainer_processes(job: str) -> list[tuple[int, int]]:
     return out
 
 
-def losses(jobs: Jobs, pod: str) -> dict[int, dict[int, dict[str, Any]]]:
-    """generation → step → record, from the loss lines of `pod`'s trainer log (process 0; a kept pod's
-    log has every incarnation's lines)."""
-    try:
-        text = jobs.cluster.logs(jobs.namespace, pod, "trainer")
-    except (FileNotFoundError, ValueError):
-        return {}
+def losses(jobs: Jobs, name: str) -> dict[int, dict[int, dict[str, Any]]]:
+    """generation → step → record of process 0's loss lines, read by generation from every trainer log
+    of the job's pods (op_cluster.Jobs.losses), whichever pod process 0 ran in."""
     out: dict[int, dict[int, dict[str, Any]]] = {}
-    for line in text.splitlines():
-        if line.startswith("{") and '"loss"' in line:
-            with contextlib.suppress(json.JSONDecodeError, KeyError):
-                record = json.loads(line)
-                out.setdefault(int(record["generation"]), {})[int(record["step"])] = record
+    for text in jobs.trainer_logs(name):
+        for line in text.splitlines():
+            if line.startswith("{") and '"loss"' in line:
+                with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    record = json.loads(line)
+                    out.setdefault(int(record["generation"]), {})[int(record["step"])] = record
     return out
 
 
@@ -131,8 +128,7 @@ def start(jobs: Jobs, name: str, storage: Path, elastic: dict[str, Any] | None =
     jobs.create(manifest)
     jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1, 600,
                      "generation 1 Running")
-    pod0 = f"{name}-g1-s0-h0"
-    wait_for(lambda: max(losses(jobs, pod0).get(1, {}), default=0) >= 10 and committed_steps(storage), timeout=600,
+    wait_for(lambda: max(losses(jobs, name).get(1, {}), default=0) >= 10 and committed_steps(storage), timeout=600,
              interval=1, message=f"{name}: generation 1 past step 10 with a checkpoint")
     supervised = [p["metadata"]["annotations"].get("resilax.dev/supervised") for p in jobs.pods(name)]
     assert supervised == ["1"] * 4, supervised
@@ -142,7 +138,7 @@ def finish(jobs: Jobs, name: str, pod0: str, generation: int) -> dict[str, Any]:
     status = jobs.wait_status(
         name, lambda s: s.get("generation") == generation and s.get("phase") == "Running" and not s.get("inPlace")
         and (s.get("shape") or {}).get("count") == 2, 600, f"generation {generation} Running in place")
-    wait_for(lambda: losses(jobs, pod0).get(generation), timeout=600, interval=1,
+    wait_for(lambda: losses(jobs, name).get(generation), timeout=600, interval=1,
              message=f"{name}: a training step of generation {generation}")
     return status
 
@@ -216,7 +212,7 @@ def test_hard_loss_keeps_the_survivors_pods_and_restarts_their_trainers(
     assert new == [f"{name}-g2-s1-h1"] and after[new[0]][1] != victim, after
     assert status["workerPods"] == [f"{name}-g1-s0-h0", f"{name}-g1-s0-h1", f"{name}-g1-s1-h0", new[0]], status
     assert status["inPlaceRestarts"] == 1 and status["restarts"] == 1, status
-    records = losses(jobs, pod0)
+    records = losses(jobs, name)
     restored = min(records[2]) - 1
     assert restored in committed_steps(storage)
     redone = assert_redone_steps_match(records, 1, 2)
@@ -231,11 +227,9 @@ def test_hard_loss_keeps_the_survivors_pods_and_restarts_their_trainers(
     print_timeline(jobs, name, operator, fault)
     print(f"\nin-place recovery of {name}: {figures}; {len(records[1])} steps of generation 1, restored {restored}, "
           f"{redone} redone steps match; {sampler.samples} samples, no two generations alive")
-    for line in jobs.cluster.logs(jobs.namespace, pod0, "trainer").splitlines():
-        if line.startswith("{") and '"restored"' in line:
-            r = json.loads(line)
-            print(f"  process 0 restore of generation {r.get('generation')}: began +{r['began'] - fault:.1f}s, "
-                  f"done +{r['time'] - fault:.1f}s")
+    r = jobs.restores(name, 2).get(0)  # process 0's restore line of generation 2, wherever it ran
+    if r is not None:
+        print(f"  process 0 restore of generation 2: began +{r['began'] - fault:.1f}s, done +{r['time'] - fault:.1f}s")
     cache = storage / "_jax_cache"  # spec.compilationCache's default for folder storage
     hits, compilations = assert_compilation_cache_hit(jobs, name, pod0, 2)
     print(f"compilation cache: {len(list(cache.iterdir())) if cache.exists() else 0} entries in {cache}; process 0 "
@@ -271,7 +265,7 @@ def test_operator_killed_mid_inplace_restart_resumes_from_status(
     assert {n: after.get(n) for n in before if n != lost} == {n: v for n, v in before.items() if n != lost}
     assert sorted(set(after) - set(before)) == [f"{name}-g2-s1-h1"], after
     assert status["inPlaceRestarts"] == 1 and status["generation"] == 2, status
-    records = losses(jobs, pod0)
+    records = losses(jobs, name)
     assert_redone_steps_match(records, 1, 2)
     assert sampler.samples >= 10 and not sampler.violations, sampler.violations[:3]
 
@@ -295,7 +289,7 @@ def test_a_shrink_and_its_grow_back_keep_the_surviving_slices_pods(
         shrunk = jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running"
                                   and not s.get("inPlace"), 600, "generation 2 Running in place on one slice")
         assert shrunk["shape"]["count"] == 1 and shrunk["workerPods"] == sorted(slice0), shrunk
-        wait_for(lambda: losses(jobs, pod0).get(2), timeout=600, interval=1, message="a step of generation 2")
+        wait_for(lambda: losses(jobs, name).get(2), timeout=600, interval=1, message="a step of generation 2")
         cluster.restore_node(victim)
         status = finish(jobs, name, pod0, 3)
     finally:
@@ -307,7 +301,7 @@ def test_a_shrink_and_its_grow_back_keep_the_surviving_slices_pods(
     assert {n: after.get(n) for n in slice0} == slice0  # the same pods on the same nodes, all along
     assert status["workerPods"] == [*sorted(slice0), f"{name}-g3-s1-h0", f"{name}-g3-s1-h1"], status
     assert status["inPlaceRestarts"] == 2 and status["restarts"] == 2, status
-    records = losses(jobs, pod0)
+    records = losses(jobs, name)
     assert min(records[3]) - 1 == max(records[2])  # the grow-back's final save: nothing trained twice
     assert all(r["devices"] == 8 for r in records[3].values())
     assert sampler.samples >= 10 and not sampler.violations, sampler.violations[:3]
