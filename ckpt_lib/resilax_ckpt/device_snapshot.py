@@ -32,6 +32,53 @@ def _device_copy(arrays: list[jax.Array]) -> list[jax.Array]:
     return [jnp.copy(a) for a in arrays]
 
 
+ROW_MAJOR_ENV = "RESILAX_CKPT_ROW_MAJOR_COPY"
+"""Opt-in (`1`), to be measured on a chip before it becomes the default (issue 37): the on-device copy
+(jitted or runtime) of a device set holding a leaf whose device layout is not row major asks for
+row-major outputs, so that the device transposes it and the leaf lands on the host C-contiguous
+(else the writer bounces it through a host transpose: on a TPU v5e the bench's (52992, 1472) float32
+leaves land with strides (4, 211968), 15 bounced writes a save; bench/tpu/probes/layout.py). Not
+compiled ahead (compile_copies knows no layouts): the first jitted copy with it compiles in the loop."""
+
+
+def _row_major_formats(group: list[jax.Array]) -> list[Any] | None:
+    """With ROW_MAJOR_ENV set: row-major output formats for `group` when one of its arrays' device
+    layouts is not row major; else None (the plain copy)."""
+    if os.environ.get(ROW_MAJOR_ENV, "").strip() != "1":
+        return None
+    from jax.experimental.layout import Format, Layout
+
+    def row_major(a: jax.Array) -> bool:
+        layout = getattr(getattr(a, "format", None), "layout", None)
+        order = getattr(layout, "major_to_minor", None)
+        return order is None or tuple(order) == tuple(range(a.ndim))
+
+    if all(row_major(a) for a in group):
+        return None
+    return [Format(Layout(major_to_minor=tuple(range(a.ndim))), a.sharding) for a in group]
+
+
+@functools.lru_cache(maxsize=256)
+def _row_major_copy(formats: tuple[Any, ...]) -> Any:
+    return jax.jit(lambda arrays: [jnp.copy(a) for a in arrays], out_shardings=list(formats))
+
+
+def _copy(originals: list[jax.Array], runtime: bool) -> list[jax.Array]:
+    """The on-device copy of one device set: the runtime's or the jitted one, row major where asked
+    (ROW_MAJOR_ENV); a row-major copy that fails falls back to the plain one (logged)."""
+    formats = _row_major_formats(originals)
+    if formats is not None:
+        try:
+            if runtime:
+                made: list[jax.Array] = jax.device_put(originals, formats, may_alias=False)
+                return made
+            made = _row_major_copy(tuple(formats))(originals)
+            return made
+        except Exception as e:
+            log.warning("a row-major on-device copy failed (%s: %s); taking the plain copy", type(e).__name__, e)
+    return _runtime_copy(originals) if runtime else _device_copy(originals)
+
+
 ON_DEVICE, HOST_TRANSFER = "on_device", "host_transfer"
 """The paths of `ManagerOptions.device_copy` (options.DEVICE_COPY_MODES, with "auto")."""
 
@@ -410,7 +457,7 @@ def snapshot_devices(writes: list[Any], sources: list[tuple[int, jax.Array, Any]
         report.runtime_copy = plan_runtime_copy(path, deciding, compiled)
         try:
             for originals in groups:
-                made = _runtime_copy(originals) if report.runtime_copy else _device_copy(originals)
+                made = _copy(originals, report.runtime_copy)
                 for original, copy in zip(originals, made, strict=True):
                     index[id(original)] = len(copies)
                     copies.append(copy)

@@ -428,3 +428,38 @@ def test_a_runtime_copy_that_fails_falls_back_to_a_host_transfer(tmp_path, devic
             for key, value in want.items():
                 assert np.asarray(got[key]).tobytes() == value.tobytes(), f"step {step}, leaf {key}"
     assert paths == [("host_transfer", snap.RUNTIME_COPY_FAILED), ("on_device", "room")]
+
+
+def test_a_column_major_leaf_is_copied_row_major_when_asked(tmp_path, devices, monkeypatch):
+    """A leaf whose device layout is column major (as the TPU v5e gives the bench's (52992, 1472)
+    leaves, which then land with the device's order and bounce through a host transpose in the
+    writer): with RESILAX_CKPT_ROW_MAJOR_COPY=1 the on-device copy, runtime and jitted, asks for
+    row-major outputs, which land C-contiguous; a save of it writes no bounce and restores
+    bit-exact. Without it the copy is the plain one (CPU devices give that the default, row-major,
+    layout already: the bounce itself shows only on the chip)."""
+    from jax.experimental.layout import Format, Layout
+    from resilax_ckpt import chunk_writer
+    sharding = jax.sharding.SingleDeviceSharding(devices[0])
+    values = np.random.default_rng(3).standard_normal((256, 96), dtype=np.float32)
+    column_major = jax.jit(lambda x: x * 1, out_shardings=Format(Layout(major_to_minor=(1, 0)), sharding))
+    leaf = column_major(jax.device_put(values, sharding))
+    assert tuple(leaf.format.layout.major_to_minor) == (1, 0)
+    assert np.asarray(leaf).flags.f_contiguous and not np.asarray(leaf).flags.c_contiguous
+    assert snap._row_major_formats([leaf]) is None  # not asked
+    monkeypatch.setenv(snap.ROW_MAJOR_ENV, "1")
+    assert snap._row_major_formats([jax.device_put(values, sharding)]) is None  # row major already
+    for runtime in (True, False):
+        (copy,) = snap._copy([leaf], runtime)
+        assert tuple(copy.format.layout.major_to_minor) == (0, 1)
+        host = np.asarray(copy)
+        assert host.flags.c_contiguous and host.tobytes() == values.tobytes()
+    monkeypatch.setenv(snap.FORCE_ACCELERATOR_ENV, "1")
+    before = chunk_writer.bounced_writes()["writes"]
+    with rc.CheckpointManager(str(tmp_path), rc.ManagerOptions(device_copy="on_device")) as mgr:
+        for step in (1, 2):  # the first save's runtime copy, then the jitted copy
+            assert mgr.save(step, {"state": {"w": leaf}})
+            mgr.wait()
+        assert chunk_writer.bounced_writes()["writes"] == before
+        target = {"state": {"w": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=sharding)}}
+        for step in (1, 2):
+            assert np.asarray(mgr.restore(step, target)["state"]["w"]).tobytes() == values.tobytes()
