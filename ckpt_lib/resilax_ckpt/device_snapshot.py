@@ -7,7 +7,6 @@ as `save()` returns: nothing here reads one after that.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -21,6 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from resilax_ckpt import staging
+from resilax_ckpt.copy_choice import (
+    HOST_TRANSFER,
+    ON_DEVICE,
+    RUNTIME_COPY_FAILED,
+    CopyReport,
+    choose_device_copy,
+    copy_need,
+    device_room,
+    plan_runtime_copy,
+)
 from resilax_ckpt.sources import HostBudget, Landing
 
 log = logging.getLogger(__name__)
@@ -79,25 +88,11 @@ def _copy(originals: list[jax.Array], runtime: bool) -> list[jax.Array]:
     return _runtime_copy(originals) if runtime else _device_copy(originals)
 
 
-ON_DEVICE, HOST_TRANSFER = "on_device", "host_transfer"
-"""The paths of `ManagerOptions.device_copy` (options.DEVICE_COPY_MODES, with "auto")."""
-
 FORCE_ACCELERATOR_ENV = "RESILAX_CKPT_FORCE_ACCELERATOR_PATH"
 """For tests only: `1` makes `device_copy="auto"` decide for CPU devices as for an accelerator (the
 copy's compile state, then the devices' memory statistics, which CPU devices do not give: a host
 transfer) and drain an on-device copy on a thread (DRAIN_WINDOW) as on an accelerator, so CI runs the
 accelerator's choices and ordering code on CPU. Never set it in a job."""
-
-NOT_COMPILED = "copy not compiled yet"
-"""The reason of an automatic host transfer before the on-device copy was compiled."""
-
-RUNTIME_COPY_FAILED = "runtime copy failed"
-"""The reason of a host transfer after `jax.device_put`'s copy raised (e.g. a sharding it cannot copy
-as is); the saver still compiles the jitted copy for the next save."""
-
-HBM_MARGIN_FRACTION = 0.05
-HBM_MARGIN_MIN_BYTES = 256 << 20
-"""What an on-device copy leaves free of a device's memory, at least (beside its peak use so far)."""
 
 DRAIN_WINDOW = 4
 """An on-device copy drains to the host shard by shard, in write order, with at most this many
@@ -140,121 +135,11 @@ def drain_window() -> int:
                          f"drain keeps in flight; default {DRAIN_WINDOW})")
     return value
 
-@dataclasses.dataclass
-class CopyReport:
-    """How a save took its shards off the devices (`CheckpointManager.save_report`)."""
-
-    path: str = ""
-    """"on_device" (a jitted copy on the devices, drained to the host in the background), "host_transfer"
-    (device-to-host transfers the loop waits for) or "" (nothing on devices)."""
-    reason: str = ""
-    """Why this path: "forced" (the option), "cpu" (CPU devices: the copy is host memory), "room"
-    (the devices' memory statistics leave room), "no room", "no memory statistics", "copy not
-    compiled yet" (a first save: the copy compiles in the background for the next), "out of memory"
-    (the on-device copy failed to allocate: this save fell back to a host transfer)."""
-    platform: str = ""
-    device_bytes: int = 0
-    """Device memory (HBM on an accelerator) the on-device copy holds until drained, all devices
-    together; 0 for a host transfer."""
-    host_bytes: int = 0
-    """Bytes of the shards taken off the devices."""
-    runtime_copy: bool = False
-    """The on-device copy was a runtime copy (`jax.device_put(..., may_alias=False)`: no compile)
-    because the jitted copy was not compiled yet on an accelerator (a first save); the saver compiles
-    the jitted one in the background for the next save."""
-    transfer_seconds: float | None = None
-    """Seconds from the start of the snapshot until every shard was on the host (None until then)."""
-
-    def as_dict(self, step: int, blocked_seconds: float) -> dict[str, Any]:
-        """`CheckpointManager.save_report`: this report, the step and how long save() blocked the loop."""
-        return {"step": step, "device_copy": self.path, "reason": self.reason, "platform": self.platform,
-                "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "runtime_copy": self.runtime_copy,
-                "blocked_seconds": blocked_seconds, "transfer_seconds": self.transfer_seconds}
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceRoom:
-    """One device's memory as `Device.memory_stats()` reports it (bytes)."""
-
-    limit: int
-    in_use: int
-    peak: int = 0
-    largest_free_block: int | None = None
-
-
-def choose_device_copy(option: str, platform: str, room: dict[Any, DeviceRoom | None],
-                       need: dict[Any, int], largest: dict[Any, int], compiled: bool = True) -> tuple[str, str]:
-    """(path, reason) of a save: `option` forced, else on CPU devices the on-device copy (it is host
-    memory either way), else the on-device copy where every device's statistics leave room for its
-    copies (`need`, the largest one `largest`) beside the larger of its current and peak use, with a
-    margin: reason "room", or NOT_COMPILED while the jitted copy is not `compiled` yet (the save then
-    takes a runtime copy, `plan_runtime_copy`, and the saver compiles the jitted one in the
-    background for the next save); a host transfer where they do not or where a device gives no
-    statistics."""
-    if option != "auto":
-        return option, "forced"
-    if platform == "cpu":
-        return ON_DEVICE, "cpu"
-    for device, nbytes in need.items():
-        stats = room.get(device)
-        if stats is None:
-            return HOST_TRANSFER, "no memory statistics"
-        margin = max(HBM_MARGIN_MIN_BYTES, int(stats.limit * HBM_MARGIN_FRACTION))
-        if nbytes + margin > stats.limit - max(stats.in_use, stats.peak):
-            return HOST_TRANSFER, "no room"
-        if stats.largest_free_block is not None and largest.get(device, 0) > stats.largest_free_block:
-            return HOST_TRANSFER, "no room"
-    return ON_DEVICE, "room" if compiled else NOT_COMPILED
-
-
-def plan_runtime_copy(path: str, platform: str, compiled: bool) -> bool:
-    """Whether an on-device copy is a runtime copy (`jax.device_put(..., may_alias=False)`) instead
-    of the jitted one: on an accelerator while the jitted copy is not compiled yet. Measured on a TPU
-    v5e (1.74 GiB in 154 leaves): compiling the jitted copy costs 1.85 s in the loop (2.53 s ahead
-    of time cold, 0.79 s with a warm persistent compile cache), a blocking host transfer 0.6 s,
-    while the runtime copy compiles nothing, dispatches in 0.006 s and survives the donation; the
-    donating step after it waits ~0.25 s for the copy (a DMA at ~7 GB/s), against 0.001 s for the
-    compiled jitted copy, so later saves take that."""
-    return path == ON_DEVICE and platform != "cpu" and not compiled
-
-
-def _device_room(device: Any) -> DeviceRoom | None:
-    try:
-        stats = device.memory_stats()
-    except Exception:  # some backends raise instead of returning None
-        return None
-    if not stats or not stats.get("bytes_limit"):
-        return None
-    largest = int(stats.get("largest_free_block_bytes", 0) or 0)
-    return DeviceRoom(limit=int(stats["bytes_limit"]), in_use=int(stats.get("bytes_in_use", 0)),
-                      peak=int(stats.get("peak_bytes_in_use", 0)),
-                      largest_free_block=largest if largest > 0 else None)  # 0: not reported
-
-
-def _copy_need(groups: list[list[jax.Array]]) -> tuple[dict[Any, int], dict[Any, int]]:
-    """Bytes an on-device copy of `groups` allocates per device, and its largest buffer per device."""
-    need: dict[Any, int] = {}
-    largest: dict[Any, int] = {}
-    for group in groups:
-        for array in group:
-            nbytes, devices = _shard_bytes(array.sharding, tuple(array.shape), array.dtype.itemsize)
-            for device in devices:
-                need[device] = need.get(device, 0) + nbytes
-                largest[device] = max(largest.get(device, 0), nbytes)
-    return need, largest
-
-
 def _runtime_copy(arrays: list[jax.Array]) -> list[jax.Array]:
     """A copy of `arrays` into new buffers on the same devices, made by the runtime (nothing to
     compile): it survives the donation of `arrays` (`plan_runtime_copy`)."""
     copies: list[jax.Array] = jax.device_put(arrays, [a.sharding for a in arrays], may_alias=False)
     return copies
-
-
-@functools.lru_cache(maxsize=4096)
-def _shard_bytes(sharding: Any, shape: tuple[int, ...], itemsize: int) -> tuple[int, tuple[Any, ...]]:
-    """The bytes of one shard of an array of `shape` and `sharding`, and the devices here holding one."""
-    return int(np.prod(sharding.shard_shape(shape))) * itemsize, tuple(sharding.addressable_devices)
 
 
 class Transfer:
@@ -437,8 +322,8 @@ def snapshot_devices(writes: list[Any], sources: list[tuple[int, jax.Array, Any]
     platform = _platform(sources)
     deciding = _deciding_platform(platform)
     groups = copy_groups(sources)
-    need, largest = _copy_need(groups)
-    room = {} if device_copy != "auto" or deciding == "cpu" else {d: _device_room(d) for d in need}
+    need, largest = copy_need(groups)
+    room = {} if device_copy != "auto" or deciding == "cpu" else {d: device_room(d) for d in need}
     compiled = deciding == "cpu" or all(_group_key(group) in _COMPILED for group in groups)
     path, reason = choose_device_copy(device_copy, deciding, room, need, largest, compiled)
     report = CopyReport(path=path, reason=reason, platform=platform)
@@ -519,6 +404,14 @@ def compile_copies(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
     for group in signature:
         _device_copy.lower(group).compile()
         _COMPILED.add(_group_key(group))
+
+
+def compile_copies_quietly(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
+    """`compile_copies` on a background thread: a failure is logged (the first save compiles then)."""
+    try:
+        compile_copies(signature)
+    except Exception as e:
+        log.warning("compiling the snapshot copy ahead failed (the first save will compile it): %s", e)
 
 
 _COMPILED: set[tuple[Any, ...]] = set()

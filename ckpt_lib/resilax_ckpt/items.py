@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from resilax_ckpt import checksums, chunk_format, device_snapshot, layout, planning, pytrees, staging
-from resilax_ckpt.device_snapshot import CopyReport, Transfer
+from resilax_ckpt.copy_choice import CopyReport
+from resilax_ckpt.device_snapshot import Transfer
 from resilax_ckpt.errors import ResilaxCkptError, TreeMismatchError
 from resilax_ckpt.metadata import ItemMetadata, LeafMetadata, StepMetadata
 

@@ -28,8 +28,6 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import jax
-
 from resilax_ckpt import backends, commit, device_snapshot, layout, policy, pytrees, retention, staging
 from resilax_ckpt import items as items_lib
 from resilax_ckpt.errors import ResilaxCkptError, SaveError, StepNotFoundError
@@ -176,7 +174,7 @@ class Saver:
             if self._compiler is None:
                 self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resilax-ckpt-compile")
             self._preparing_waits = not device_snapshot.decides_as_accelerator(signature)
-            self._preparing = self._compiler.submit(_compile_quietly, signature)
+            self._preparing = self._compiler.submit(device_snapshot.compile_copies_quietly, signature)
 
     def wait(self) -> None:
         """Block until the pending save committed (re-raise its failure) and a compile of the
@@ -477,13 +475,6 @@ class Saver:
 
 _DELETE_ERRORS: dict[str, type[ResilaxCkptError]] = {"not_found": StepNotFoundError, "kept": ResilaxCkptError}
 """delete(): the primary's outcome, as the other processes raise it."""
-
-
-def _compile_quietly(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
-    try:
-        device_snapshot.compile_copies(signature)
-    except Exception as e:
-        log.warning("compiling the snapshot copy ahead failed (the first save will compile it): %s", e)
 
 
 def write_step_files(storage: Storage, backend: backends.ChunkBackend, work: str, plan: items_lib.SnapshotPlan,

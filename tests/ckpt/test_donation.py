@@ -12,6 +12,7 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from resilax_ckpt import copy_choice as choice
 from resilax_ckpt import device_snapshot as snap
 from resilax_ckpt.options import InvalidOptionsError
 from resilax_ckpt.sources import HostBudget
@@ -53,8 +54,8 @@ def run_loop(root: str, devices: list[jax.Device], device_copy: str) -> dict[int
             assert mgr.save(step, {"state": state})
             report = mgr.save_report
             assert report is not None and report["step"] == step
-            assert report["device_copy"] == (snap.ON_DEVICE if device_copy in ("auto", "on_device")
-                                             else snap.HOST_TRANSFER)
+            assert report["device_copy"] == (choice.ON_DEVICE if device_copy in ("auto", "on_device")
+                                             else choice.HOST_TRANSFER)
             old = state
             state = train_step(state)  # donates: the saved arrays are deleted now
             assert all(a.is_deleted() for a in old.values()), "the step did not donate the saved state"
@@ -137,38 +138,38 @@ GIB = 1 << 30
     ("auto", "cpu", {}, {0: GIB}, {0: GIB}, ("on_device", "cpu")),
     ("auto", "tpu", {0: None}, {0: GIB}, {0: GIB}, ("host_transfer", "no memory statistics")),
     # 16 GiB, 2 GiB in use, peak 4 GiB: 2 GiB of copies fit with the margin (0.8 GiB)
-    ("auto", "tpu", {0: snap.DeviceRoom(16 * GIB, 2 * GIB, 4 * GIB)}, {0: 2 * GIB}, {0: GIB},
+    ("auto", "tpu", {0: choice.DeviceRoom(16 * GIB, 2 * GIB, 4 * GIB)}, {0: 2 * GIB}, {0: GIB},
      ("on_device", "room")),
     # the peak (the step's temporaries) leaves too little
-    ("auto", "tpu", {0: snap.DeviceRoom(16 * GIB, 2 * GIB, 14 * GIB)}, {0: 2 * GIB}, {0: GIB},
+    ("auto", "tpu", {0: choice.DeviceRoom(16 * GIB, 2 * GIB, 14 * GIB)}, {0: 2 * GIB}, {0: GIB},
      ("host_transfer", "no room")),
     # room in total, but one device of two is short
-    ("auto", "tpu", {0: snap.DeviceRoom(16 * GIB, 2 * GIB), 1: snap.DeviceRoom(16 * GIB, 15 * GIB)},
+    ("auto", "tpu", {0: choice.DeviceRoom(16 * GIB, 2 * GIB), 1: choice.DeviceRoom(16 * GIB, 15 * GIB)},
      {0: GIB, 1: GIB}, {0: GIB, 1: GIB}, ("host_transfer", "no room")),
     # fragmented: the largest copy does not fit the largest free block
-    ("auto", "tpu", {0: snap.DeviceRoom(16 * GIB, 2 * GIB, 2 * GIB, GIB // 2)}, {0: 2 * GIB}, {0: GIB},
+    ("auto", "tpu", {0: choice.DeviceRoom(16 * GIB, 2 * GIB, 2 * GIB, GIB // 2)}, {0: 2 * GIB}, {0: GIB},
      ("host_transfer", "no room")),
 ])
 def test_choose_device_copy(option, platform, room, need, largest, want):
-    assert snap.choose_device_copy(option, platform, room, need, largest) == want
+    assert choice.choose_device_copy(option, platform, room, need, largest) == want
 
 
 def test_a_first_save_on_an_accelerator_does_not_compile_the_copy_in_the_loop():
     """auto: before the jitted copy is compiled, a runtime copy where there is room (the saver
     compiles the jitted one in the background), a host transfer where there is not."""
-    roomy = {0: snap.DeviceRoom(16 * GIB, 2 * GIB)}
-    assert snap.choose_device_copy("auto", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
-        "on_device", snap.NOT_COMPILED)
-    full = {0: snap.DeviceRoom(16 * GIB, 15 * GIB)}
-    assert snap.choose_device_copy("auto", "tpu", full, {0: GIB}, {0: GIB}, compiled=False) == (
+    roomy = {0: choice.DeviceRoom(16 * GIB, 2 * GIB)}
+    assert choice.choose_device_copy("auto", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
+        "on_device", choice.NOT_COMPILED)
+    full = {0: choice.DeviceRoom(16 * GIB, 15 * GIB)}
+    assert choice.choose_device_copy("auto", "tpu", full, {0: GIB}, {0: GIB}, compiled=False) == (
         "host_transfer", "no room")
-    assert snap.choose_device_copy("on_device", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
+    assert choice.choose_device_copy("on_device", "tpu", roomy, {0: GIB}, {0: GIB}, compiled=False) == (
         "on_device", "forced")
-    assert snap.choose_device_copy("auto", "cpu", {}, {0: GIB}, {0: GIB}, compiled=False) == ("on_device", "cpu")
-    assert snap.plan_runtime_copy("on_device", "tpu", compiled=False)
-    assert not snap.plan_runtime_copy("on_device", "tpu", compiled=True)
-    assert not snap.plan_runtime_copy("on_device", "cpu", compiled=False)  # CPU: the jit compiles fast
-    assert not snap.plan_runtime_copy("host_transfer", "tpu", compiled=False)
+    assert choice.choose_device_copy("auto", "cpu", {}, {0: GIB}, {0: GIB}, compiled=False) == ("on_device", "cpu")
+    assert choice.plan_runtime_copy("on_device", "tpu", compiled=False)
+    assert not choice.plan_runtime_copy("on_device", "tpu", compiled=True)
+    assert not choice.plan_runtime_copy("on_device", "cpu", compiled=False)  # CPU: the jit compiles fast
+    assert not choice.plan_runtime_copy("host_transfer", "tpu", compiled=False)
 
 
 def test_auto_on_an_accelerator_starts_with_a_runtime_copy_then_the_jitted_one(tmp_path, devices, monkeypatch):
@@ -184,8 +185,8 @@ def test_auto_on_an_accelerator_starts_with_a_runtime_copy_then_the_jitted_one(t
     state = initial_state(devices)
     state = {k: v + 0 for k, v in state.items()}  # fresh shardings' arrays: a signature no test compiled
     state["extra"] = jax.device_put(np.ones((24, 8), np.float32), state["w"].sharding)  # a new signature
-    rooms: list[snap.DeviceRoom | None] = [snap.DeviceRoom(16 * GIB, 0)]
-    monkeypatch.setattr(snap, "_device_room", lambda device: rooms[0])
+    rooms: list[choice.DeviceRoom | None] = [choice.DeviceRoom(16 * GIB, 0)]
+    monkeypatch.setattr(snap, "device_room", lambda device: rooms[0])
     paths = []
     expected = {}
     with rc.CheckpointManager(str(tmp_path)) as mgr:
@@ -207,7 +208,7 @@ def test_auto_on_an_accelerator_starts_with_a_runtime_copy_then_the_jitted_one(t
             got = mgr.restore(step)["state"]
             for key, value in want.items():
                 assert np.asarray(got[key]).tobytes() == value.tobytes(), f"step {step}, leaf {key}"
-    assert paths == [("on_device", snap.NOT_COMPILED, True), ("on_device", "room", False),
+    assert paths == [("on_device", choice.NOT_COMPILED, True), ("on_device", "room", False),
                      ("on_device", "room", False), ("host_transfer", "no memory statistics", False)]
     assert compiles == [1]  # compiled once, in the background, after the first save
 
@@ -381,13 +382,13 @@ class StatsDevice:
     (RuntimeError("not implemented"), None),
     ({"bytes_limit": 0, "bytes_in_use": 0}, None),
     ({"bytes_limit": 16 * GIB, "bytes_in_use": GIB, "peak_bytes_in_use": 3 * GIB, "largest_free_block_bytes": 12 * GIB},
-     snap.DeviceRoom(16 * GIB, GIB, 3 * GIB, 12 * GIB)),
+     choice.DeviceRoom(16 * GIB, GIB, 3 * GIB, 12 * GIB)),
     ({"bytes_limit": 16 * GIB, "bytes_in_use": GIB, "largest_free_block_bytes": 0},  # 0: not reported
-     snap.DeviceRoom(16 * GIB, GIB, 0, None)),
+     choice.DeviceRoom(16 * GIB, GIB, 0, None)),
 ])
 def test_device_room_reads_memory_stats(stats, want):
-    assert snap._device_room(StatsDevice(stats)) == want
-    assert snap._device_room(jax.devices()[0]) is None  # CPU devices give no statistics
+    assert choice.device_room(StatsDevice(stats)) == want
+    assert choice.device_room(jax.devices()[0]) is None  # CPU devices give no statistics
 
 
 def test_drain_window_env_is_validated(monkeypatch):
@@ -405,7 +406,7 @@ def test_a_runtime_copy_that_fails_falls_back_to_a_host_transfer(tmp_path, devic
     save takes a host transfer instead of failing, the jitted copy still compiles for the next save,
     and both steps restore bit-exact under the donating step."""
     monkeypatch.setenv(snap.FORCE_ACCELERATOR_ENV, "1")
-    monkeypatch.setattr(snap, "_device_room", lambda device: snap.DeviceRoom(16 * GIB, 0))
+    monkeypatch.setattr(snap, "device_room", lambda device: choice.DeviceRoom(16 * GIB, 0))
 
     def refuse(arrays):
         raise ValueError("cannot copy this sharding")
@@ -427,7 +428,7 @@ def test_a_runtime_copy_that_fails_falls_back_to_a_host_transfer(tmp_path, devic
             got = mgr.restore(step)["state"]
             for key, value in want.items():
                 assert np.asarray(got[key]).tobytes() == value.tobytes(), f"step {step}, leaf {key}"
-    assert paths == [("host_transfer", snap.RUNTIME_COPY_FAILED), ("on_device", "room")]
+    assert paths == [("host_transfer", choice.RUNTIME_COPY_FAILED), ("on_device", "room")]
 
 
 def test_a_column_major_leaf_is_copied_row_major_when_asked(tmp_path, devices, monkeypatch):
