@@ -1,11 +1,9 @@
 """Grow-back probe pods (pure): their names, manifests and parsed form (policies/grow_back_probe.py
 decides when they exist).
 
-A probe pod holds the place of one host of a slice the job lacks: the slice's device requests, node
-selectors and tolerations (as a worker's), the template's own node selectors, tolerations and
-affinity, all of a probe slice's pods on one node pool and no two probe slices on one pool (a waiting
-slice's rules, builders._slice_placement), none on the pools the job's workers use, one per node. A
-pause container, no service account token, grace 0. Labelled with the job (`resilax.dev/job`, so the
+A probe pod holds the place of one host of a slice the job lacks (slice_holders.holder_pod_spec: the
+slice's devices and placement, none on the pools the job's workers use, one per node), in a pause
+container. Labelled with the job (`resilax.dev/job`, so the
 job's capacity planning counts the nodes they hold as its own: free for its grow-back) and role `probe`,
 without a generation label: never a worker, never counted as one.
 """
@@ -21,8 +19,8 @@ from . import api
 from .builders import Manifest, build_owner_reference, geometry_of
 from .generation import JobRef
 from .ownership import owner_uid
-from .podsecurity import RESTRICTED_POD, merge_security_context, restricted_context
 from .settings import OperatorSettings
+from .slice_holders import holder_pod_spec
 from .spec import JobSpec, Shape
 
 
@@ -65,37 +63,8 @@ def build_probe_pods(job: JobRef, spec: JobSpec, shape: Shape, set_: str, avoid_
     same = {api.LABEL_JOB: job.name, api.LABEL_ROLE: api.ROLE_PROBE, api.LABEL_PROBE_SET: set_}
     out = []
     for i in range(shape.count):
-        affinity: dict[str, Any] = copy.deepcopy(dict(template.get("affinity") or {}))
-        affinity.setdefault("podAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
-            {"labelSelector": {"matchLabels": {**same, api.LABEL_PROBE_SLICE: str(i)}},
-             "topologyKey": api.NODE_POOL_LABEL})
-        anti = affinity.setdefault("podAntiAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
-        anti.append({"labelSelector": {"matchLabels": same, "matchExpressions": [
-            {"key": api.LABEL_PROBE_SLICE, "operator": "NotIn", "values": [str(i)]}]}, "topologyKey": api.NODE_POOL_LABEL})
-        anti.append({"labelSelector": {"matchLabels": same}, "topologyKey": api.HOSTNAME_LABEL})
-        if avoid_pools:
-            terms = affinity.setdefault("nodeAffinity", {}).setdefault(
-                "requiredDuringSchedulingIgnoredDuringExecution", {}).setdefault("nodeSelectorTerms", [])
-            if not terms:
-                terms.append({})
-            for term in terms:  # ORed: each gets the exclusion
-                term.setdefault("matchExpressions", []).append(
-                    {"key": api.NODE_POOL_LABEL, "operator": "NotIn", "values": sorted(avoid_pools)})
-        devices = geometry.resource_requests()
-        pod: dict[str, Any] = {
-            "containers": [{"name": "probe", "image": settings.probe_image,
-                            "resources": {"requests": {"cpu": "1m", "memory": "8Mi", **devices},
-                                          "limits": {"memory": "16Mi", **devices}},
-                            "securityContext": restricted_context({})}],
-            "nodeSelector": {**(template.get("nodeSelector") or {}), **dict(geometry.node_selector)},
-            "tolerations": [*(template.get("tolerations") or []),
-                            *({"key": k, "operator": "Exists", "effect": "NoSchedule"} for k in geometry.toleration_keys)],
-            "affinity": affinity, "restartPolicy": "Always", "terminationGracePeriodSeconds": 0,
-            "automountServiceAccountToken": False, "enableServiceLinks": False,
-            "securityContext": merge_security_context(RESTRICTED_POD, {}),
-        }
-        if settings.probe_priority_class:
-            pod["priorityClassName"] = settings.probe_priority_class
+        pod = holder_pod_spec(template, geometry, same, api.LABEL_PROBE_SLICE, str(i), avoid_pools,
+                              {"name": "probe", "image": settings.probe_image}, settings.probe_priority_class)
         labels: dict[str, str] = {**same, api.LABEL_PROBE_SLICE: str(i)}
         for h in range(geometry.hosts):
             out.append({"apiVersion": "v1", "kind": "Pod",

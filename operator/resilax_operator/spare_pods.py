@@ -2,12 +2,10 @@
 (policies/spares.py decides when they exist and when the job takes one).
 
 A spare slice of `spec.recovery.spareSlices` is held by one placeholder pod per host of the job's slice
-(the GKE "balloon pod" pattern): the slice's device requests, node selectors and tolerations (as a
-worker's), the template's own node selectors, tolerations and affinity; all of a spare slice's pods on
-one node pool, no two spare slices on one pool, none on the pools the job's workers use, one per node.
-`sleep infinity` in the sidecar's image (a pause process: it only holds the place), no service account
-token, grace 0, the operator's `spare_priority_class` (below every job's: any pod of a higher priority
-preempts it). Labelled with the job (`resilax.dev/job`: the job's capacity planning counts the nodes they
+(the GKE "balloon pod" pattern; slice_holders.holder_pod_spec: the slice's devices and placement, none
+on the pools the job's workers use, one per node): `sleep infinity` in the sidecar's image (a pause
+process: it only holds the place), the operator's `spare_priority_class` (below every job's: any pod
+of a higher priority preempts it). Labelled with the job (`resilax.dev/job`: the job's capacity planning counts the nodes they
 hold as its own, free for its next generation; other jobs see them taken) and role `spare`, without a
 generation label: never a worker.
 """
@@ -23,8 +21,8 @@ from . import api
 from .builders import Manifest, build_owner_reference, geometry_of
 from .generation import JobRef
 from .ownership import owner_uid
-from .podsecurity import RESTRICTED_POD, merge_security_context, restricted_context
 from .settings import OperatorSettings
+from .slice_holders import holder_pod_spec
 from .spec import JobSpec
 
 #: What a placeholder runs: a process that only waits (the sidecar's image is a Python image).
@@ -102,39 +100,10 @@ def build_spare_pods(job: JobRef, spec: JobSpec, slot: int, avoid_pools: tuple[s
     geometry = geometry_of(spec, spec.slices.topology)
     template = copy.deepcopy(dict(spec.template.get("spec") or {}))
     same: dict[str, str] = {api.LABEL_JOB: job.name, api.LABEL_ROLE: api.ROLE_SPARE}
-    affinity: dict[str, Any] = copy.deepcopy(dict(template.get("affinity") or {}))
-    affinity.setdefault("podAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
-        {"labelSelector": {"matchLabels": {**same, api.LABEL_SPARE_SLICE: str(slot)}},
-         "topologyKey": api.NODE_POOL_LABEL})
-    anti = affinity.setdefault("podAntiAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
-    anti.append({"labelSelector": {"matchLabels": same, "matchExpressions": [
-        {"key": api.LABEL_SPARE_SLICE, "operator": "NotIn", "values": [str(slot)]}]}, "topologyKey": api.NODE_POOL_LABEL})
-    anti.append({"labelSelector": {"matchLabels": same}, "topologyKey": api.HOSTNAME_LABEL})
-    if avoid_pools:
-        terms = affinity.setdefault("nodeAffinity", {}).setdefault(
-            "requiredDuringSchedulingIgnoredDuringExecution", {}).setdefault("nodeSelectorTerms", [])
-        if not terms:
-            terms.append({})
-        for term in terms:  # ORed: each gets the exclusion
-            term.setdefault("matchExpressions", []).append(
-                {"key": api.NODE_POOL_LABEL, "operator": "NotIn", "values": sorted(avoid_pools)})
-    devices = geometry.resource_requests()
-    pod: dict[str, Any] = {
-        "containers": [{"name": "placeholder", "image": settings.sidecar_image, "command": list(PLACEHOLDER_COMMAND),
-                        "imagePullPolicy": settings.image_pull_policy,
-                        "resources": {"requests": {"cpu": "1m", "memory": "8Mi", **devices},
-                                      "limits": {"memory": "16Mi", **devices}},
-                        "securityContext": restricted_context({})}],
-        "nodeSelector": {**(template.get("nodeSelector") or {}), **dict(geometry.node_selector),
-                         **({api.NODE_POOL_LABEL: pool} if pool else {})},
-        "tolerations": [*(template.get("tolerations") or []),
-                        *({"key": k, "operator": "Exists", "effect": "NoSchedule"} for k in geometry.toleration_keys)],
-        "affinity": affinity, "restartPolicy": "Always", "terminationGracePeriodSeconds": 0,
-        "automountServiceAccountToken": False, "enableServiceLinks": False,
-        "securityContext": merge_security_context(RESTRICTED_POD, {}),
-    }
-    if settings.spare_priority_class:
-        pod["priorityClassName"] = settings.spare_priority_class
+    container = {"name": "placeholder", "image": settings.sidecar_image, "command": list(PLACEHOLDER_COMMAND),
+                 "imagePullPolicy": settings.image_pull_policy}
+    pod = holder_pod_spec(template, geometry, same, api.LABEL_SPARE_SLICE, str(slot), avoid_pools, container,
+                          settings.spare_priority_class, pool)
     out: list[Manifest] = []
     for h in range(geometry.hosts) if hosts is None else hosts:
         out.append({"apiVersion": "v1", "kind": "Pod",
