@@ -136,6 +136,16 @@ class Jobs:
     def get(self, name: str) -> dict[str, Any]:
         return self.kube.get(jobs_path(self.namespace, name))
 
+    def exists(self, name: str) -> bool:
+        """Whether the JAXJob `name` is still there (a 404 says no; any other error raises)."""
+        try:
+            self.get(name)
+        except KubeAPIError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
     def status(self, name: str) -> dict[str, Any]:
         return dict(self.get(name).get("status") or {})
 

@@ -31,7 +31,6 @@ from op_cluster import (
     unique_name,
 )
 from resilax_local.cluster import LocalCluster
-from resilax_local.errors import KubeAPIError
 from resilax_local.testing import wait_for
 
 EVERY = 4
@@ -182,7 +181,7 @@ def test_user_resize_saves_and_moves_to_the_new_shape(operator: OperatorProcess,
     wait_generation(jobs, name, 3, count=2)
     old_uid = jobs.get(name)["metadata"]["uid"]
     jobs.delete(name)
-    wait_for(lambda: not jobs.pods(name) and not _exists(jobs, name), timeout=300, interval=1,
+    wait_for(lambda: not jobs.pods(name) and not jobs.exists(name), timeout=300, interval=1,
              message=f"{name}: deleted with its workers")
     last_before = max(committed_steps(storage))
     previous = max(s for s in committed_steps(storage) if s < last_before)
@@ -245,16 +244,6 @@ def _flip_a_byte(step_folder: Path) -> tuple[Path, bytes]:
 
 def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next((c for c in status.get("conditions") or [] if c.get("type") == kind), {})
-
-
-def _exists(jobs: Jobs, name: str) -> bool:
-    try:
-        jobs.get(name)
-    except KubeAPIError as e:
-        if e.status == 404:
-            return False
-        raise
-    return True
 
 
 def _marker(storage: Path, step: int) -> dict[str, Any]:

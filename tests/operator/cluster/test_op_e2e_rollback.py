@@ -20,19 +20,8 @@ from typing import Any
 from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
 from resilax_ckpt import commit
 from resilax_ckpt.storage import open_storage
-from resilax_local.errors import KubeAPIError
 from resilax_local.testing import wait_for
 from test_op_e2e_faults import EVERY, start_training, wait_generation
-
-
-def _exists(jobs: Jobs, name: str) -> bool:
-    try:
-        jobs.get(name)
-    except KubeAPIError as e:
-        if e.status == 404:
-            return False
-        raise
-    return True
 
 
 def _marker(storage: Path, step: int) -> dict[str, Any] | None:
@@ -118,7 +107,7 @@ def test_a_rollback_by_edit_and_by_re_creation_is_told_truly(operator: OperatorP
     again = new_steps[0]
     assert again < new_steps[-1], new_steps
     jobs.delete(name)
-    wait_for(lambda: not jobs.pods(name) and not _exists(jobs, name), timeout=300, interval=1,
+    wait_for(lambda: not jobs.pods(name) and not jobs.exists(name), timeout=300, interval=1,
              message=f"{name}: deleted with its workers")
     manifest = job_manifest(name, storage, count=1, every_steps=EVERY, steps=5000, step_seconds=0.5)
     manifest["spec"]["checkpoint"]["restore"] = {"step": again}
