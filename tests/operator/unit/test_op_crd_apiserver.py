@@ -110,7 +110,7 @@ def test_good_job_gets_defaults(kube: Any) -> None:
     spec = kube.create(BASE, minimal)["spec"]
     assert spec["slices"]["count"] == 1
     assert spec["recovery"] == {"maxRestarts": 20, "backoffSeconds": 10, "nodeLossGraceSeconds": 120,
-                                "inPlace": "Never", "inPlaceStopTimeoutSeconds": 30}
+                                "inPlace": "Auto", "inPlaceStopTimeoutSeconds": 30}
     assert spec["checkpoint"]["finalSave"] == {"onPreemption": True, "onResize": True, "timeoutSeconds": 300}
     assert spec["checkpoint"]["restore"] == {"step": "latest"}
     assert spec["capacity"] == {"provisioning": "Ready"} and spec["suspend"] is False
