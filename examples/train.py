@@ -69,12 +69,26 @@ def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> jax.Arr
     return jnp.mean((h @ params["w2"] + params["b2"] - y) ** 2)
 
 
+def step_sleep(step_seconds: float, full_devices: int, devices: int) -> float:
+    """The sleep per step: `step_seconds` at full size, scaled by full / current devices when
+    `full_devices` is given (a compute-bound step's time), else fixed."""
+    return step_seconds * full_devices / devices if full_devices else step_seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="train until this step")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (to watch faults)")
+    parser.add_argument("--full-devices", type=int, default=0, metavar="N",
+                        help="simulate a compute-bound step: sleep --step-seconds x N / the devices this generation "
+                             "has, so a step at half the devices takes twice as long (the global batch is split "
+                             "over the data axis; on the CPU test bed the fake devices share the machine's cores, "
+                             "so their compute does not show it). 0: a fixed sleep")
     parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args(argv)
+    if args.full_devices < 0:
+        parser.error(f"--full-devices: {args.full_devices} is not allowed; give 0 (a fixed sleep) or the job's "
+                     "device count at full size")
 
     rc.initialize_distributed_from_env()  # 1. join this generation's processes (the restore prefetch starts here)
     mesh = make_mesh()
@@ -118,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 mgr.wait()
                 return rc.EXIT_CODE_STOPPED
             if args.step_seconds:
-                time.sleep(args.step_seconds)
+                time.sleep(step_sleep(args.step_seconds, args.full_devices, jax.device_count()))
         mgr.save(args.steps, state, force=True)
         mgr.wait()
     return 0

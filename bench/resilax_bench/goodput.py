@@ -72,9 +72,10 @@ class GoodputRun(Demo):
     """The demo's cluster, operator and observation (resilax_local.demo.Demo), driven by a schedule."""
 
     def __init__(self, run_dir: Path, timeout: float, example: str = "train",
-                 example_args: tuple[str, ...] = ()) -> None:
+                 example_args: tuple[str, ...] = (), compute_bound: bool = False) -> None:
         super().__init__(run_dir, timeout=timeout, fault_step=0, keep=False, example=example)
         self.example_args = example_args
+        self.compute_bound = compute_bound
         self.pods_seen: dict[int, dict[str, Any]] = {}  # generation -> {"created", "running"}
         self.down: set[str] = set()
         #: The worker process whose host each fault hits (by fault index; goodput_variants.plan_victims).
@@ -193,7 +194,8 @@ class GoodputRun(Demo):
         ckpt = self.run_dir / "ckpt" / variant
         shutil.rmtree(ckpt, ignore_errors=True)  # a reused --run-dir: the job starts at step 0, not an old run's
         ckpt.mkdir(parents=True)
-        job = build_variant_job(variant, name, str(ckpt), step_seconds, self.example, self.example_args)
+        job = build_variant_job(variant, name, str(ckpt), step_seconds, self.example, self.example_args,
+                                compute_bound=self.compute_bound)
         if variant == RESILAX_SPARE:  # one more slice of nodes, for this variant's spare alone
             spare = self.cluster.add_tpu_slice(SPARE_POOL)
             self.cluster.wait_nodes_ready(spare, timeout=180)
@@ -306,6 +308,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--example", choices=sorted(EXAMPLES), default="train",
                    help="the job's training script: train (examples/train.py, default) or transformer "
                         "(examples/transformer.py: a step's work is split over the devices)")
+    p.add_argument("--step-model", choices=("compute-bound", "fixed"), default=None,
+                   help="examples/train.py's step: compute-bound (default for train: the sleep scales with full / "
+                        "current devices, so half the devices make a step take twice as long) or fixed (the same "
+                        "sleep at any size, as runs before issue 39); the transformer example computes its own")
     p.add_argument("--example-args", default="",
                    help="more flags for the example, one string (e.g. \"--preset cpu-small\")")
     p.add_argument("--variants", default=",".join(VARIANTS),
@@ -320,6 +326,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     args.example_args = tuple(shlex.split(args.example_args))
+    if args.step_model is None:
+        args.step_model = "compute-bound" if args.example == "train" else "fixed"
+    if args.step_model == "compute-bound" and args.example != "train":
+        p.error(f"--step-model compute-bound: not allowed with --example {args.example} (it computes its own step); "
+                "use --step-model fixed")
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad or not args.variants:
         p.error(f"--variants: {bad or args.variants!r} not allowed; choose from {', '.join(VARIANTS)}")
@@ -394,14 +405,14 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "goodput", "started": stamp, "seed": args.seed, "minutes": args.minutes,
         "kill_every": args.kill_every, "restore_after": args.restore_after, "jitter": args.jitter,
-        "step_seconds": args.step_seconds, "example": args.example, "example_args": list(args.example_args),
+        "step_seconds": args.step_seconds, "step_model": args.step_model, "example": args.example, "example_args": list(args.example_args),
         "commit": commit_of_checkout(), "schedule": [asdict(f) for f in schedule], "victim_processes": list(victims),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "command": " ".join(["python -m resilax_bench.goodput", *(sys.argv[1:] if argv is None else argv)]),
         "variants": [],
     }
     run = GoodputRun(run_dir, timeout=duration * len(args.variants) + 1800, example=args.example,
-                     example_args=args.example_args)
+                     example_args=args.example_args, compute_bound=args.step_model == "compute-bound")
     run.victim_processes = victims
     code = 0
     try:

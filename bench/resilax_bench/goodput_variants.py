@@ -35,13 +35,17 @@ SPARE_POOL: Final = "tpu-slice-2"
 #: Worker processes of the demo's job at its declared shape (2 slices x 2 hosts): the victims' range.
 PROCESSES: Final = 4
 STEPS: Final = 1_000_000  # more than any run trains: the harness ends the job
+#: Devices of the demo's job at its declared shape: 4 processes x 2 fake CPU devices (its XLA_FLAGS).
+FULL_DEVICES: Final = PROCESSES * 2
 CRD_FILE: Final = Path(__file__).resolve().parents[2] / "charts" / "resilax" / "crds" / "jaxjobs.resilax.dev.yaml"
 
 
 def build_variant_job(variant: str, name: str, storage: str, step_seconds: float, example: str = "train",
-                      example_args: tuple[str, ...] = ()) -> dict[str, Any]:
+                      example_args: tuple[str, ...] = (), compute_bound: bool = False) -> dict[str, Any]:
     """The demo's JAXJob as `variant` runs it (see the module doc), training `example` (resilax_local.demo.
-    EXAMPLES: examples/train.py by default, or examples/transformer.py) with `example_args` appended."""
+    EXAMPLES: examples/train.py by default, or examples/transformer.py) with `example_args` appended.
+    With `compute_bound`, examples/train.py's step sleeps `step_seconds` x FULL_DEVICES / its devices
+    (`--full-devices`): a step at half the devices takes twice as long, as a compute-bound step's would."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     job = copy.deepcopy(yaml.safe_load(JOB_FILE.read_text()))
@@ -49,10 +53,13 @@ def build_variant_job(variant: str, name: str, storage: str, step_seconds: float
     spec = job["spec"]
     spec["checkpoint"]["storage"] = storage
     spec["recovery"]["maxRestarts"] = 1000  # the schedule, not the restart budget, is under test
+    if compute_bound and example != "train":
+        raise ValueError(f"compute_bound simulates examples/train.py's step; example {example!r} computes its own")
+    scaled = ("--full-devices", str(FULL_DEVICES)) if compute_bound else ()
     for container in spec["template"]["spec"]["containers"]:
         container["workingDir"] = str(FILES)  # the demo's files: examples/train.py
         container["command"] = use_example(["python", "examples/train.py", "--steps", str(STEPS), "--step-seconds",
-                                            str(step_seconds), *example_args], example)
+                                            str(step_seconds), *scaled, *example_args], example)
     if variant == RESTART:
         spec["checkpoint"]["finalSave"] = {**spec["checkpoint"].get("finalSave", {}),
                                            "onPreemption": False, "onResize": False}

@@ -3,6 +3,8 @@ recorded run (bench/resilax_bench/goodput_model.py), on synthetic timelines with
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from resilax_bench.goodput_model import (
     BUCKETS,
@@ -238,6 +240,36 @@ def test_the_jobs_train_examples_train_py_unless_the_transformer_is_asked_for() 
     assert command[:2] == ["python", "examples/transformer.py"]
     assert command[-4:] == ["--preset", "cpu-small", "--lr", "0.001"]
     assert parse_args([]).example == "train"
+
+
+def test_the_train_example_runs_compute_bound_by_default_so_half_the_devices_make_a_step_twice_as_long() -> None:
+    """Issue 39: the bench's step is compute-bound: examples/train.py sleeps step x full / current devices."""
+    import importlib.util
+
+    from resilax_bench.goodput import build_variant_job, parse_args
+    from resilax_bench.goodput_variants import FULL_DEVICES
+
+    args = parse_args([])
+    assert args.step_model == "compute-bound"
+    job = build_variant_job("resilax", "g", "/tmp/ckpt", 0.3, args.example, args.example_args,
+                            compute_bound=args.step_model == "compute-bound")
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--full-devices") + 1] == str(FULL_DEVICES) == "8"
+    fixed = build_variant_job("resilax", "g", "/tmp/ckpt", 0.3)["spec"]["template"]["spec"]["containers"][0]
+    assert "--full-devices" not in fixed["command"]
+    assert parse_args(["--example", "transformer"]).step_model == "fixed"
+    with pytest.raises(SystemExit):
+        parse_args(["--example", "transformer", "--step-model", "compute-bound"])
+    with pytest.raises(ValueError, match="computes its own"):
+        build_variant_job("resilax", "g", "/tmp/ckpt", 0.3, "transformer", compute_bound=True)
+
+    spec = importlib.util.spec_from_file_location("train_example", Path(__file__).parents[2] / "examples" / "train.py")
+    assert spec is not None and spec.loader is not None
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    assert train.step_sleep(0.3, 8, 8) == pytest.approx(0.3)
+    assert train.step_sleep(0.3, 8, 4) == pytest.approx(0.6)
+    assert train.step_sleep(0.3, 0, 4) == pytest.approx(0.3)
 
 
 def test_a_saved_variant_is_computed_again_with_the_reactions_found_again(tmp_path) -> None:
