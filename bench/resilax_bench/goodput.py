@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from typing import Any
 import yaml
 from resilax_local.demo import JOB_NAMESPACE, Demo, DemoError, say, stop_process_group
 from resilax_local.demo_examples import EXAMPLES
-from resilax_local.timeline import Fault, parse_timestamp
+from resilax_local.timeline import Fault, LossRecord, parse_timestamp
 from resilax_operator import api
 
 from .goodput_model import (
@@ -52,6 +53,7 @@ from .goodput_model import (
     compute_goodput,
     find_reaction,
     pod_marks,
+    recoveries,
 )
 from .goodput_variants import (
     RESILAX_SPARE,
@@ -222,7 +224,7 @@ class GoodputRun(Demo):
         result = compute_goodput(self.records, self.faults, start, end, marks)
         self.save_variant(variant, start, end, marks)
         self.teardown_variant()
-        return summarize(variant, result, self.faults, start, marks)
+        return summarize(variant, result, self.faults, start, marks, self.records)
 
     def save_variant(self, variant: str, start: float, end: float, marks: dict[int, GenerationMarks]) -> None:
         out = self.run_dir / variant
@@ -261,7 +263,7 @@ def _started_at(pod: dict[str, Any]) -> str | None:
 
 
 def summarize(variant: str, g: Goodput, faults: list[Fault], start: float,
-              marks: dict[int, GenerationMarks]) -> dict[str, Any]:
+              marks: dict[int, GenerationMarks], records: Sequence[LossRecord] = ()) -> dict[str, Any]:
     return {
         "variant": variant, "device_weighted_goodput": round(g.device_weighted_goodput, 4),
         "goodput": round(g.goodput, 4), "wall_seconds": round(g.wall_seconds, 1),
@@ -269,9 +271,16 @@ def summarize(variant: str, g: Goodput, faults: list[Fault], start: float,
         "final_step": g.final_step, "steps_trained": g.steps_trained, "steps_lost": g.steps_lost,
         "generations": g.generations,
         "faults": [{"at": round(f.time - start, 1), "kind": f.kind, "node": f.node} for f in faults],
+        "recoveries": [asdict(r) for r in recoveries(records, faults, start)],
         "marks": {g_: {k: (round(v - start, 1) if v is not None else None) for k, v in asdict(m).items()}
                   for g_, m in marks.items()},
     }
+
+
+def _recovery_cell(r: dict[str, Any]) -> str:
+    if r["seconds"] is None:
+        return f"@{r['at']:.0f}s: none"
+    return f"@{r['at']:.0f}s: {r['seconds']:.1f} s at {r['devices']}/{r['full']} devices"
 
 
 def render_table(result: dict[str, Any]) -> str:
@@ -293,6 +302,8 @@ def render_table(result: dict[str, Any]) -> str:
     row("final step", [str(r["final_step"]) for r in rows])
     row("steps lost (trained again)", [str(r["steps_lost"]) for r in rows])
     row("generations", [str(r["generations"]) for r in rows])
+    row("hard fault → next generation's first step", [", ".join(_recovery_cell(x) for x in r.get("recoveries", []))
+                                                       or "–" for r in rows])
     row("faults applied", [", ".join(f"{f['kind']}@{f['at']:.0f}s" for f in r["faults"]) or "-" for r in rows])
     return "\n".join(lines)
 
@@ -339,7 +350,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def recompute(folder: Path) -> dict[str, Any]:
     """The summary of a variant saved by `GoodputRun.save_variant`, computed again (reactions included)."""
-    from resilax_local.timeline import JobSnapshot, LossRecord, TimelineEvent
+    from resilax_local.timeline import JobSnapshot, TimelineEvent
 
     saved = json.loads((folder / "marks.json").read_text())
 
@@ -362,7 +373,7 @@ def recompute(folder: Path) -> dict[str, Any]:
             prev, [r.time for r in records if r.generation == prev], marks[prev].pods_running or marks[prev].pods_created,
             marks[gen].pods_created or marks[gen].pods_running, snapshots, events))
     result = compute_goodput(records, faults, saved["start"], saved["end"], marks)
-    return summarize(folder.name, result, faults, saved["start"], marks)
+    return summarize(folder.name, result, faults, saved["start"], marks, records)
 
 
 def commit_of_checkout() -> str:

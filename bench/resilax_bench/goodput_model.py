@@ -35,9 +35,9 @@ from resilax_operator.goodput import BUCKETS
 
 KILL, PREEMPT, RESTORE = "kill-node", "preempt-node", "restore-node"
 __all__ = ["BUCKETS", "KILL", "PREEMPT", "RESTORE", "GenerationMarks", "Goodput", "GoodputInputError", "PlannedFault",
-           "ProjectedGeneration", "Projection", "build_generation_marks", "build_projected_generations",
+           "ProjectedGeneration", "Projection", "Recovery", "build_generation_marks", "build_projected_generations",
            "build_schedule", "compute_goodput", "find_reaction", "project_goodput", "project_testbed_run",
-           "restart_costs"]
+           "recoveries", "restart_costs"]
 
 
 class GoodputInputError(ValueError):
@@ -215,6 +215,34 @@ def compute_goodput(records: Sequence[LossRecord], faults: Sequence[Fault], star
     final = max(recs, key=lambda r: r.time).step
     return Goodput(result.wall_seconds, result.buckets, final, len(recs), result.lost_steps,
                    len({r.generation for r in recs}), len(hard), result.device_productive)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A hard fault and the job's first step after it: `seconds` from the fault to the first step a
+    newer generation logged (None: none did before the run ended), at `devices` of `full`."""
+
+    at: float
+    kind: str
+    seconds: float | None
+    devices: int | None
+    full: int
+
+
+def recoveries(records: Sequence[LossRecord], faults: Sequence[Fault], start: float) -> list[Recovery]:
+    """For each kill or preemption, the time to the first step of the next generation (issue 39's "hard
+    loss to the spare's first step"), `at` in seconds after `start`, with the devices it ran on."""
+    full = max((r.devices for r in records), default=0)
+    out = []
+    for fault in sorted((f for f in faults if f.kind in (KILL, PREEMPT)), key=lambda f: f.time):
+        before = [r for r in records if r.time <= fault.time]
+        running = max(before, key=lambda r: r.time).generation if before else 0
+        after = [r for r in records if r.time > fault.time and r.generation > running]
+        first = min(after, key=lambda r: r.time) if after else None
+        out.append(Recovery(round(fault.time - start, 1), fault.kind,
+                            round(first.time - fault.time, 1) if first else None,
+                            first.devices if first else None, full))
+    return out
 
 
 # ---------------------------------------------------------------------------- projection on other costs

@@ -242,6 +242,19 @@ def test_the_jobs_train_examples_train_py_unless_the_transformer_is_asked_for() 
     assert parse_args([]).example == "train"
 
 
+def test_each_hard_fault_gets_the_time_to_the_next_generations_first_step() -> None:
+    """Issue 39's "hard loss to the spare's first step": from the kill at 22.5 to generation 1's step 7 at
+    35.0 is 12.5 s; a second kill with no newer generation after it has none."""
+    from resilax_bench.goodput_model import Recovery, recoveries
+
+    records, faults, _ = one_loss_run()
+    faults = [*faults, Fault(39.5, KILL, "tpu-0-0"), Fault(5.0, RESTORE, "x")]
+    assert recoveries(records, faults, start=2.0) == [
+        Recovery(at=20.5, kind=KILL, seconds=12.5, devices=records[-1].devices, full=records[0].devices),
+        Recovery(at=37.5, kind=KILL, seconds=None, devices=None, full=records[0].devices)]
+    assert recoveries([], faults, start=0.0)[0].seconds is None
+
+
 def test_the_train_example_runs_compute_bound_by_default_so_half_the_devices_make_a_step_twice_as_long() -> None:
     """Issue 39: the bench's step is compute-bound: examples/train.py sleeps step x full / current devices."""
     import importlib.util
@@ -278,7 +291,7 @@ def test_a_saved_variant_is_computed_again_with_the_reactions_found_again(tmp_pa
     import json
     from dataclasses import asdict
 
-    from resilax_bench.goodput import recompute
+    from resilax_bench.goodput import recompute, render_table
 
     records, faults, marks = one_loss_run()
     marks[1] = GenerationMarks(detected=99.0, pods_created=27.0, pods_running=30.0, restore_began=31.0, restored=33.0)
@@ -292,6 +305,9 @@ def test_a_saved_variant_is_computed_again_with_the_reactions_found_again(tmp_pa
     out = recompute(folder)
     assert out["variant"] == "resilax" and out["marks"][1]["detected"] == 25.0
     assert out["buckets_seconds"]["detection"] == 2.5 and out["buckets_seconds"]["teardown"] == 2.0
+    assert out["recoveries"] == [{"at": 22.5, "kind": KILL, "seconds": 12.5, "devices": 8, "full": 8}]
+    table = render_table({"variants": [out]})
+    assert "| hard fault → next generation's first step | @22s: 12.5 s at 8/8 devices |" in table
 
 
 def test_a_generation_started_in_place_counts_its_kept_pods_from_its_restart() -> None:
