@@ -63,7 +63,7 @@ class TensorstoreChunkBackend:
     def open_reader(self, reads: list[LeafRead], step_path: str, memory_limit: int) -> ChunkReader:
         paths = [self._storage.join(step_path, r.item, str(r.leaf.dir)) for r in reads]
         specs = [tsio.build_array_spec(self._storage.kvstore_spec(path), r.leaf.shape, r.leaf.dtype, r.leaf.chunks,
-                                       r.leaf.shard, r.leaf.checksum)
+                                       r.leaf.shard, r.leaf.checksum, r.leaf.transpose)
                  for path, r in zip(paths, reads, strict=True)]
         return tsio.TensorstoreChunkReader(tsio.open_arrays(specs, self._context, create=False), paths,
                                            [chunk_format.ArrayFiles.of(r.leaf) for r in reads], self._storage)

@@ -8,7 +8,8 @@ compression, so a chunk is its C-order little-endian bytes (an edge chunk is pad
 shape with the fill value 0, as zarr requires), followed by their crc32c (zarr3's `crc32c` codec,
 checksums.py). Chunk keys use the zarr3 default encoding: `c/<i>/<j>...`, and `c` itself for a 0-d
 array. With shard files (`ArrayFiles`, zarr3's `sharding_indexed` codec) each process's chunks of an
-array are ranges of one file instead.
+array are ranges of one file instead. A leaf laid out column major on its device (LeafMetadata.transpose)
+has zarr3's `transpose` codec before `bytes`: its chunks are stored in the order their host copies land.
 
 `zarr_json` produces byte for byte the `zarr.json` tensorstore writes for the same array, so any zarr3
 reader (tensorstore without `assume_metadata`, zarr-python) reads what the file backend wrote.
@@ -65,23 +66,34 @@ def _fill_value(dtype: str) -> Any:
 
 
 def zarr_json(shape: Sequence[int], dtype: str, chunks: Sequence[int], shard: Sequence[int] = (),
-              checksum: bool = False) -> bytes:
+              checksum: bool = False, transpose: Sequence[int] = ()) -> bytes:
     """The `zarr.json` of an array, exactly as tensorstore's zarr3 driver writes it; with `shard`,
     an array of shards of that shape holding `chunks`-shaped inner chunks (`sharding_indexed`, the
     index at the end of the file, zarr's default: see ArrayFiles); with `checksum`, the `crc32c`
-    codec after every chunk's bytes and after the shard index (checksums.py). Cached: every save
-    of a job writes the same ones."""
-    return _zarr_json(tuple(shape), str(dtype), tuple(chunks), tuple(shard), bool(checksum))
+    codec after every chunk's bytes and after the shard index (checksums.py); with `transpose`, the
+    `transpose` codec of that order before the chunk's bytes (LeafMetadata.transpose). Cached: every
+    save of a job writes the same ones."""
+    return _zarr_json(tuple(shape), str(dtype), tuple(chunks), tuple(shard), bool(checksum), tuple(transpose))
 
 
-@functools.lru_cache(maxsize=4096)
-def _zarr_json(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...], shard: tuple[int, ...],
-               checksum: bool) -> bytes:
+def chunk_codecs(dtype: str, checksum: bool, transpose: Sequence[int] = ()) -> list[dict[str, Any]]:
+    """The zarr3 codecs of a chunk (inside `sharding_indexed` with shard files), as tensorstore
+    writes them in zarr.json: `transpose` when given, `bytes` (little endian), `crc32c` with
+    `checksum`."""
     bytes_codec: dict[str, Any] = {"name": "bytes"}
     if dtype != "bool" and np.dtype(dtype).itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}
     crc: list[dict[str, Any]] = [{"name": checksums.CRC32C}] if checksum else []
-    codecs: list[dict[str, Any]] = [bytes_codec, *crc]
+    order: list[dict[str, Any]] = (
+        [{"configuration": {"order": list(transpose)}, "name": "transpose"}] if transpose else [])
+    return [*order, bytes_codec, *crc]
+
+
+@functools.lru_cache(maxsize=4096)
+def _zarr_json(shape: tuple[int, ...], dtype: str, chunks: tuple[int, ...], shard: tuple[int, ...],
+               checksum: bool, transpose: tuple[int, ...]) -> bytes:
+    crc: list[dict[str, Any]] = [{"name": checksums.CRC32C}] if checksum else []
+    codecs = chunk_codecs(dtype, checksum, transpose)
     grid = list(chunks)
     if shard:
         index_codecs = [{"configuration": {"endian": "little"}, "name": "bytes"}, *crc]
@@ -212,10 +224,49 @@ class ArrayFiles:
         return index + checksums.encode(checksums.crc32c(index)) if self.checksum else index
 
 
+def plan_transpose(ndim: int, major_to_minor: Sequence[int] | None) -> tuple[int, ...]:
+    """A leaf's `transpose` (LeafMetadata.transpose): the order its shards land in on the host, as
+    their device layout's `major_to_minor` says (a TPU lays a (52992, 1472) float32 leaf out column
+    major, `(1, 0)`, and its host copy then has Fortran strides), when that is a permutation other
+    than row major; else none (row major, unknown, or fewer than 2 dimensions). A pure function of
+    the array's layout, which every process of a job sees the same (one program makes the array)."""
+    if ndim < 2 or major_to_minor is None:
+        return ()
+    order = tuple(int(d) for d in major_to_minor)
+    if sorted(order) != list(range(ndim)) or order == tuple(range(ndim)):
+        return ()
+    return order
+
+
+def inverse_order(order: Sequence[int]) -> tuple[int, ...]:
+    """The permutation that undoes `order` (`a.transpose(order).transpose(inverse_order(order))` is `a`)."""
+    out = [0] * len(order)
+    for i, d in enumerate(order):
+        out[d] = i
+    return tuple(out)
+
+
+def stored_view(data: np.ndarray, transpose: Sequence[int]) -> np.ndarray:
+    """`data` (a chunk, or a box of an array) in the order its bytes are stored: transposed by
+    `transpose` when given (a view: C-contiguous when `data` is laid out in that order)."""
+    return data.transpose(tuple(transpose)) if transpose else data
+
+
+def empty_in_order(shape: Sequence[int], dtype: Any, transpose: Sequence[int], make: Any = np.empty) -> np.ndarray:
+    """An array of `shape` laid out in the stored order `transpose` (`make` allocates the C-order
+    buffer of the transposed shape: np.empty, np.zeros, an aligned allocator)."""
+    if not transpose:
+        out: np.ndarray = make(tuple(shape), dtype)
+        return out
+    buf = make(tuple(shape[d] for d in transpose), dtype)
+    return np.asarray(buf).transpose(inverse_order(transpose))
+
+
 def chunk_data(box: planning.Box, data: np.ndarray, shape: Sequence[int],
-               chunks: Sequence[int]) -> tuple[tuple[int, ...], np.ndarray]:
+               chunks: Sequence[int], transpose: Sequence[int] = ()) -> tuple[tuple[int, ...], np.ndarray]:
     """The chunk index of a box that is exactly one chunk (clipped to the array) and the chunk's
-    data, padded with zeros to the full chunk shape at the array's edge."""
+    data, padded with zeros to the full chunk shape at the array's edge (laid out in the stored
+    order `transpose`, so that `stored_view` of it is contiguous)."""
     index = []
     for dim, ((a, b), size, c) in enumerate(zip(box, shape, chunks, strict=True)):
         if a % c or b != min(a + c, size):
@@ -223,7 +274,7 @@ def chunk_data(box: planning.Box, data: np.ndarray, shape: Sequence[int],
                                f"{tuple(shape)} (dimension {dim})")
         index.append(a // c)
     if tuple(data.shape) != tuple(chunks):
-        padded = np.zeros(tuple(chunks), dtype=data.dtype)
+        padded = empty_in_order(chunks, data.dtype, transpose, np.zeros)
         padded[tuple(slice(0, n) for n in data.shape)] = data
         data = padded
     return tuple(index), data

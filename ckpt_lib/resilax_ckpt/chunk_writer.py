@@ -56,6 +56,7 @@ from resilax_ckpt.chunk_format import (
     ZARR_JSON,
     ArrayFiles,
     chunk_data,
+    stored_view,
     zarr_json,
 )
 from resilax_ckpt.errors import StorageError
@@ -454,7 +455,7 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
             for item, leaf in plan.arrays:
                 path = os.path.join(step_path, item, leaf.dir, ZARR_JSON)
                 meta = np.frombuffer(zarr_json(leaf.shape, leaf.dtype, leaf.chunks, leaf.shard,
-                                               leaf.checksum == checksums.CRC32C), np.uint8)
+                                               leaf.checksum == checksums.CRC32C, leaf.transpose), np.uint8)
                 writer.submit(path, meta, f"writing {path}")
         for n, write in enumerate(plan.writes):
             if on_progress is not None:
@@ -469,7 +470,8 @@ def write_snapshot(plan: Any, step_path: str, create_metadata: bool, fsync: bool
                     done()
                 continue
             item, leaf = plan.arrays[write.array_index]
-            index, data = chunk_data(write.box, data, leaf.shape, leaf.chunks)
+            index, data = chunk_data(write.box, data, leaf.shape, leaf.chunks, leaf.transpose)
+            data = stored_view(data, leaf.transpose)  # in the order it landed: no bounce (metadata.py)
             files = ArrayFiles.of(leaf)
             file_key, offset = files.locate(index)
             path = os.path.join(step_path, item, leaf.dir, *file_key)

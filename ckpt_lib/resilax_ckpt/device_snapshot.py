@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from resilax_ckpt import staging
+from resilax_ckpt.chunk_format import plan_transpose
 from resilax_ckpt.copy_choice import (
     HOST_TRANSFER,
     ON_DEVICE,
@@ -86,6 +87,47 @@ def _copy(originals: list[jax.Array], runtime: bool) -> list[jax.Array]:
         except Exception as e:
             log.warning("a row-major on-device copy failed (%s: %s); taking the plain copy", type(e).__name__, e)
     return _runtime_copy(originals) if runtime else _device_copy(originals)
+
+
+FORCE_COLUMN_MAJOR_ENV = "RESILAX_CKPT_FORCE_COLUMN_MAJOR"
+"""For tests only: `1` makes CPU devices hand their shards over as a TPU hands over a column-major
+leaf: every device leaf of 2 or more dimensions is planned transposed (`landing_order`: reversed
+dimensions) and its host copies land in Fortran order (a copy made here, `_as_landed`), so CI runs the
+writer's and the readers' transposed paths on CPU. Never set it in a job."""
+
+
+def _forced_column_major() -> bool:
+    return os.environ.get(FORCE_COLUMN_MAJOR_ENV, "").strip() == "1"
+
+
+def landing_order(array: jax.Array) -> tuple[int, ...]:
+    """The order in which `array`'s shards land on the host, as a leaf's `transpose`
+    (chunk_format.plan_transpose of its device layout's major_to_minor): on a TPU a leaf the compiler
+    laid out column major lands with Fortran strides, and is then stored in that order, written
+    without a copy. None on CPU devices (their copies land row major; FORCE_COLUMN_MAJOR_ENV aside)
+    and with ROW_MAJOR_ENV (the device transposes). The same on every process: one program laid the
+    array out."""
+    if array.ndim < 2:
+        return ()
+    try:
+        device: Any = next(iter(array.sharding.device_set))
+        if str(device.platform) == "cpu":
+            return tuple(range(array.ndim - 1, -1, -1)) if _forced_column_major() else ()
+        if os.environ.get(ROW_MAJOR_ENV, "").strip() == "1":
+            return ()
+        layout = getattr(getattr(array, "format", None), "layout", None)
+        order = getattr(layout, "major_to_minor", None)
+    except Exception:  # no layout known (an older jax, a deleted array): stored row major
+        return ()
+    return plan_transpose(array.ndim, order)
+
+
+def _as_landed(host: np.ndarray) -> np.ndarray:
+    """A shard's host copy as it lands: itself, or (FORCE_COLUMN_MAJOR_ENV, 2 or more dimensions) a
+    Fortran-order copy of it, as from a column-major TPU leaf."""
+    if host.ndim >= 2 and _forced_column_major():
+        return np.asfortranarray(host)
+    return host
 
 
 FORCE_ACCELERATOR_ENV = "RESILAX_CKPT_FORCE_ACCELERATOR_PATH"
@@ -234,7 +276,7 @@ def _views(pieces: list[tuple[Landing, Any]], copies: list[jax.Array], report: C
     for i, (landing, (n, device)) in enumerate(pieces):
         if n not in shards:
             shards[n] = {shard.device: shard.data for shard in copies[n].addressable_shards}
-        landing.set(np.asarray(shards[n][device]))
+        landing.set(_as_landed(np.asarray(shards[n][device])))
         pieces[i] = (landing, (n, None))
         remaining[n] -= 1
         if remaining[n] == 0:
@@ -265,7 +307,7 @@ def _land_all(pieces: list[tuple[Landing, Any]], arena: staging.HostArena | None
             private = arena.take(tuple(host.shape), host.dtype)
             np.copyto(private, host)
             host = private
-        landing.set(host)
+        landing.set(_as_landed(host))
         pieces[n] = (landing, None)  # the shard itself is no longer needed here
 
 
@@ -306,7 +348,7 @@ def _drain(pieces: list[tuple[Landing, Any]], shards: dict[tuple[int, Any], Any]
         queue[n] = None
         landing, data = entry
         del entry
-        landing.set(np.asarray(data))
+        landing.set(_as_landed(np.asarray(data)))
         del data  # the copy's device buffer is freed once landed
 
 

@@ -2,7 +2,9 @@
 with our own code, no tensorstore.
 
 A chunk (zarr3 `bytes` codec, little endian, no compression: the chunk's C-order bytes, edge chunks
-padded to the full chunk shape; then its crc32c), a whole chunk file or a range of a shard file
+padded to the full chunk shape; with a `transpose` codec, those of the chunk transposed: box buffers
+are then laid out in that order, and "contiguous" below means in it; then its crc32c), a whole chunk
+file or a range of a shard file
 (chunk_format.ArrayFiles), is read with `os.preadv` straight into the box buffer when the part a box
 needs is contiguous in both the chunk and the buffer (always so when the box is exactly one chunk: a
 restore onto the save's sharding) and covers the whole chunk; otherwise (resharding, edge chunks) the
@@ -109,9 +111,13 @@ class FileChunkReader:
         run: list[ChunkTask] = []
         end: tuple[str, int] | None = None
         located = sorted(((*self.location(index, t), t) for t in tasks), key=lambda x: (x[0], x[1]))
+        order = tasks[0].read.leaf.transpose if tasks else ()
         for path, offset, task in located:
             box = task.single_box()
-            whole = box is not None and box.nbytes == files.chunk_bytes and box.ctypes.data % DIRECT_ALIGN == 0
+            if box is not None:
+                box = chunk_format.stored_view(box, order)
+            whole = (box is not None and box.flags.c_contiguous and box.nbytes == files.chunk_bytes
+                     and box.ctypes.data % DIRECT_ALIGN == 0)
             if not whole:
                 jobs.append([task])
                 continue
@@ -132,7 +138,7 @@ class FileChunkReader:
             return 0
         leaf = job[0].read.leaf
         files = chunk_format.ArrayFiles.of(leaf)
-        if self._in_place_parts(job[0], tuple(leaf.chunks), files.itemsize, files.checksum) is not None:
+        if self._in_place_parts(job[0], files.itemsize, files.checksum) is not None:
             return 0
         return files.chunk_bytes
 
@@ -160,12 +166,14 @@ class FileChunkReader:
             dfd = self._open_direct(path, size)
             if files.shard and files.checksum:
                 self._check_index(path, fd, dfd, files, files.locate(job[0].chunk)[0])
+            order = leaf.transpose
             if len(job) > 1:
-                self._read_whole_chunks(path, fd, dfd, base, files, [task.read.buffers[task.region] for task in job])
+                self._read_whole_chunks(path, fd, dfd, base, files, [
+                    chunk_format.stored_view(task.read.buffers[task.region], order) for task in job])
                 return
             what = f"chunk file {path}" + (f", the chunk at byte {base}" if files.shard else "")
             task = job[0]
-            in_place = self._in_place_parts(task, chunks, itemsize, files.checksum)
+            in_place = self._in_place_parts(task, itemsize, files.checksum)
             if in_place is not None:
                 self._read_parts(path, fd, dfd, [(base + offset, buf) for offset, buf in in_place])
                 if files.checksum:
@@ -179,7 +187,8 @@ class FileChunkReader:
                 if files.checksum:
                     stored = self._read_small(path, fd, dfd, base + files.chunk_bytes, files.crc_bytes)
                     checksums.verify(checksums.crc32c(scratch), stored, what)
-                data = scratch.view(np.dtype(leaf.dtype)).reshape(chunks)
+                data = chunk_format.empty_in_order(chunks, np.dtype(leaf.dtype), order,
+                                                   lambda shape, dtype: scratch.view(dtype).reshape(shape))
                 task.scatter(subview(data, tuple(slice(0, b - a) for a, b in task.region)))
             finally:
                 self._pool.give(scratch)
@@ -289,22 +298,25 @@ class FileChunkReader:
                 _pread_exact(fd, buf[head + body:], offset + head + body, path)
 
     @staticmethod
-    def _in_place_parts(task: ChunkTask, chunks: tuple[int, ...], itemsize: int,
-                        whole: bool = False) -> list[tuple[int, np.ndarray]] | None:
+    def _in_place_parts(task: ChunkTask, itemsize: int, whole: bool = False) -> list[tuple[int, np.ndarray]] | None:
         """(offset in the chunk, destination byte view) per pair when every pair's part is
-        contiguous in the chunk and in its box buffer (and with `whole`, as a checksum needs, when
-        the parts hold every byte of the chunk); None when the chunk must be read into a scratch
-        buffer and sliced from there."""
+        contiguous in the chunk and in its box buffer, both in the order the chunk is stored
+        (LeafMetadata.transpose), and with `whole`, as a checksum needs, when the parts hold every
+        byte of the chunk; None when the chunk must be read into a scratch buffer and sliced from
+        there."""
+        order = tuple(task.read.leaf.transpose) or tuple(range(len(task.region)))
+        chunks = tuple(task.read.leaf.chunks[d] for d in order)
         parts = []
         origin = tuple(a for a, _ in task.region)
         for box, inter in task.pairs:
             extent = planning.box_shape(inter)
-            if not is_contiguous(extent, chunks):
+            if not is_contiguous(tuple(extent[d] for d in order), chunks):
                 return None
-            dst = subview(task.read.buffers[box], planning.offset_index(inter, box))
+            dst = chunk_format.stored_view(subview(task.read.buffers[box], planning.offset_index(inter, box)),
+                                           task.read.leaf.transpose)
             if not dst.flags.c_contiguous:
                 return None
-            start = tuple(a - o for (a, _), o in zip(inter, origin, strict=True))
+            start = tuple(inter[d][0] - origin[d] for d in order)
             parts.append((c_offset(start, chunks) * itemsize, dst.reshape(-1).view(np.uint8)))
         if whole and sum(buf.nbytes for _, buf in parts) != planning.box_size(tuple((0, c) for c in chunks)) * itemsize:
             return None

@@ -305,8 +305,11 @@ class HostLease:
         if start is None:
             return False
         pos = start
+        ring = self.ring.buf
         for (box, n), r in zip(zip(read.devices, sizes, strict=True), rounded, strict=True):
-            read.buffers[box] = self.ring.buf[pos:pos + n].view(stored).reshape(planning.box_shape(box))
+            read.buffers[box] = chunk_format.empty_in_order(  # laid out as the chunks are stored
+                planning.box_shape(box), stored, read.leaf.transpose,
+                lambda shape, dtype, at=pos, n=n: ring[at:at + n].view(dtype).reshape(shape))
             pos += r
         read.lease, read.region = self, start
         return True

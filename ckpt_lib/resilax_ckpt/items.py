@@ -200,7 +200,8 @@ def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, proc
                 shard_shape = _shard_shape(leaf.sharding, shape, chunks) if shard_files else ()
                 meta = LeafMetadata(keystr=keystr, path=enc, kind="array", dir=leaf_dir, shape=shape,
                                     dtype=np.dtype(leaf.dtype).name, chunks=chunks, shard=shard_shape,
-                                    checksum=checksum, prng_impl=prng_impl)
+                                    checksum=checksum, transpose=device_snapshot.landing_order(leaf),
+                                    prng_impl=prng_impl)
                 array_index = len(arrays)
                 arrays.append((name, meta))
                 shards = leaf.addressable_shards

@@ -14,10 +14,13 @@ from typing import Any, Literal
 from resilax_ckpt.errors import MetadataError
 
 FORMAT_NAME = "resilax-ckpt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Written by this library. Version 2 added a leaf's `shard` (one file per leaf and process), version 3
-a leaf's `checksum` (a crc32c after every chunk and shard index: checksums.py)."""
-READABLE_VERSIONS = (1, 2, 3)
+a leaf's `checksum` (a crc32c after every chunk and shard index: checksums.py), version 4 a leaf's
+`transpose` (chunks stored in the order a device's layout lands them on the host). A step none of whose
+leaves is transposed is written as version 3 (`StepMetadata.version`), so that it stays readable by
+the libraries that read version 3."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 CHECKSUMS = ("", "crc32c")
 """A leaf's `checksum` values this library reads ("" = none)."""
@@ -45,6 +48,11 @@ class LeafMetadata:
     checksum: str = ""
     """"crc32c" when every chunk (and shard index) of the array carries one (zarr3's `crc32c` codec,
     checksums.py); "" for arrays saved without (before format version 3)."""
+    transpose: tuple[int, ...] = ()
+    """When set, a permutation of the dimensions: every chunk is stored as the C-order bytes of the
+    chunk transposed by it (zarr3's `transpose` codec before `bytes`), i.e. in the order its host
+    copy lands from a device whose layout is not row major (a column-major 2-D leaf: `(1, 0)`, its
+    Fortran-order bytes), so the writer writes it without a copy (chunk_format.plan_transpose)."""
     prng_impl: str = ""
     """When set, the array is the key data of a typed PRNG key array of this implementation
     (`jax.random.key_impl`): restore wraps it back (resilax_ckpt.pytrees)."""
@@ -63,6 +71,8 @@ class LeafMetadata:
             out["shard"] = list(self.shard)
         if self.checksum:
             out["checksum"] = self.checksum
+        if self.transpose:
+            out["transpose"] = list(self.transpose)
         if self.prng_impl:
             out["prng_impl"] = self.prng_impl
         return out
@@ -76,10 +86,15 @@ class LeafMetadata:
             raise KeyError(f"unknown leaf kind {raw['kind']!r}")
         if raw.get("checksum", "") not in CHECKSUMS:
             raise KeyError(f"unknown checksum {raw['checksum']!r} (known: {', '.join(map(repr, CHECKSUMS))})")
+        shape = tuple(raw["shape"])
+        transpose = tuple(int(d) for d in raw.get("transpose", ()))
+        if transpose and sorted(transpose) != list(range(len(shape))):
+            raise ValueError(f"leaf {raw['keystr']!r}: transpose {list(transpose)} is not a permutation of the "
+                             f"{len(shape)} dimensions of shape {list(shape)}")
         return cls(keystr=raw["keystr"], path=raw["path"], kind="array", dir=raw["dir"],
-                   shape=tuple(raw["shape"]), dtype=raw["dtype"], chunks=tuple(raw["chunks"]),
+                   shape=shape, dtype=raw["dtype"], chunks=tuple(raw["chunks"]),
                    shard=tuple(raw.get("shard", ())), checksum=str(raw.get("checksum", "")),
-                   prng_impl=str(raw.get("prng_impl", "")))
+                   transpose=transpose, prng_impl=str(raw.get("prng_impl", "")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +129,17 @@ class StepMetadata:
     """The user's metrics of this step (`save(..., metrics=)`; best-N retention ranks by them).
     Written only when given, so a step saved without them has the same bytes as before."""
 
+    @property
+    def version(self) -> int:
+        """The format version these metadata are written as: FORMAT_VERSION when a leaf is
+        transposed, else 3 (what every reader of version 3 reads)."""
+        transposed = any(leaf.transpose for item in self.items.values() for leaf in item.leaves)
+        return FORMAT_VERSION if transposed else 3
+
     def to_bytes(self) -> bytes:
         raw = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": self.version,
             "step": self.step,
             "generation": self.generation,
             "process_count": self.process_count,

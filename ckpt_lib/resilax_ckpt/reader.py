@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from resilax_ckpt import planning
+from resilax_ckpt import chunk_format, planning
 from resilax_ckpt.host_ring import ALIGNMENT as ALIGNMENT
 from resilax_ckpt.host_ring import (
     DEFAULT_HOST_RING_BYTES,
@@ -323,9 +323,10 @@ def read_leaves(reads: list[LeafRead], step_path: str, backend: ChunkBackendRead
                     if not lease.give_oldest() and not limiter.finish_oldest():
                         break
             read.copy_on_cpu = read.region >= 0
-            if read.region < 0:
-                read.buffers = {box: box_buffer(planning.box_shape(box), stored, populate=populate)
-                                for box in read.devices}
+            if read.region < 0:  # laid out as the chunks are stored: a transposed leaf reads in place too
+                read.buffers = {box: chunk_format.empty_in_order(
+                    planning.box_shape(box), stored, read.leaf.transpose,
+                    lambda shape, dtype: box_buffer(shape, dtype, populate=populate)) for box in read.devices}
             jobs = runner.jobs(index, plan_chunk_tasks(read))
             read.remaining = len(jobs)
             if not jobs:  # empty array

@@ -56,11 +56,15 @@ def dtype_name(dtype: Any) -> str:
 
 
 def build_array_spec(kvstore: dict[str, Any], shape: Sequence[int], dtype: str,
-                     chunks: Sequence[int], shard: Sequence[int] = (), checksum: str = "") -> dict[str, Any]:
+                     chunks: Sequence[int], shard: Sequence[int] = (), checksum: str = "",
+                     transpose: Sequence[int] = ()) -> dict[str, Any]:
     """The zarr3 spec of a leaf's array; with `shard`, an array of shards of that shape holding
-    `chunks`-shaped chunks (chunk_format.ArrayFiles); `checksum` ("crc32c" or "") as the leaf's."""
+    `chunks`-shaped chunks (chunk_format.ArrayFiles); `checksum` ("crc32c" or "") and `transpose`
+    (zarr3's `transpose` codec, LeafMetadata.transpose) as the leaf's."""
     crc: list[dict[str, Any]] = [{"name": checksums.CRC32C}] if checksum == checksums.CRC32C else []
-    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}, *crc]
+    order: list[dict[str, Any]] = (
+        [{"name": "transpose", "configuration": {"order": list(transpose)}}] if transpose else [])
+    codecs: list[dict[str, Any]] = [*order, {"name": "bytes", "configuration": {"endian": "little"}}, *crc]
     grid = list(chunks)
     if shard:
         codecs = [{"name": "sharding_indexed", "configuration": {
@@ -124,7 +128,7 @@ def write_snapshot(plan: Any, step_path: str, storage: Any, context: ts.Context,
     once all are durable. `on_progress(i)` is called before the i-th write (test hook)."""
     specs = [
         build_array_spec(storage.kvstore_spec(storage.join(step_path, item, leaf.dir)), leaf.shape,
-                         leaf.dtype, leaf.chunks, leaf.shard, leaf.checksum)
+                         leaf.dtype, leaf.chunks, leaf.shard, leaf.checksum, leaf.transpose)
         for item, leaf in plan.arrays
     ]
     needed = sorted({w.array_index for w in plan.writes})
