@@ -142,6 +142,7 @@ def run_save_accel(
             "peak_rss": mem.peak,
             "rss_at_start": mem.start,
             "rss_method": mem.method,
+            "malloc_at_peak": mem.malloc_at_peak,
             "hbm": accel.hbm_stats(),
             "save_info": lib.save_info(),
         }

@@ -51,12 +51,16 @@ class CopyReport:
     the jitted one in the background for the next save."""
     transfer_seconds: float | None = None
     """Seconds from the start of the snapshot until every shard was on the host (None until then)."""
+    drain_held_peak_bytes: int = 0
+    """An on-device copy's drain: the most host bytes it held at once (shards in flight or landed and
+    not yet written; device_snapshot.DRAIN_HOST_BYTES bounds it, or one larger shard), once drained."""
 
     def as_dict(self, step: int, blocked_seconds: float) -> dict[str, Any]:
         """`CheckpointManager.save_report`: this report, the step and how long save() blocked the loop."""
         return {"step": step, "device_copy": self.path, "reason": self.reason, "platform": self.platform,
                 "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "runtime_copy": self.runtime_copy,
-                "blocked_seconds": blocked_seconds, "transfer_seconds": self.transfer_seconds}
+                "blocked_seconds": blocked_seconds, "transfer_seconds": self.transfer_seconds,
+                "drain_held_peak_bytes": self.drain_held_peak_bytes}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -234,6 +234,7 @@ class Transfer:
                 shards = _shards_of(copies)
                 del copies  # each shard's device buffer is now freed once it landed
                 _drain(pieces, shards, self.budget)
+                self.report.drain_held_peak_bytes = self.budget.peak
             self.report.transfer_seconds = time.perf_counter() - self._started
         except BaseException as e:
             for landing in landings:

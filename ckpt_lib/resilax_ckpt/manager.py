@@ -196,13 +196,15 @@ class CheckpointManager:
     @property
     def save_report(self) -> dict[str, Any] | None:
         """What this process's last save did (None before any): `{"step", "device_copy", "reason",
-        "platform", "device_bytes", "host_bytes", "runtime_copy", "blocked_seconds", "transfer_seconds"}`.
+        "platform", "device_bytes", "host_bytes", "runtime_copy", "blocked_seconds", "transfer_seconds",
+        "drain_held_peak_bytes"}`.
         `device_copy` is the path (`ManagerOptions.device_copy`): "on_device", "host_transfer" or ""
         (no device arrays), `reason` why ("forced", "cpu", "room", "no room", "no memory statistics",
         "copy not compiled yet", "out of memory", "runtime copy failed"); `device_bytes` the device memory (HBM) its on-device copy held until drained
         (0 for a host transfer); `runtime_copy` whether the on-device copy was `jax.device_put`'s
         (a save before the jitted copy was compiled, on an accelerator); `blocked_seconds` how long `save()` blocked the loop;
-        `transfer_seconds` how long until every shard was on the host (None while it drains)."""
+        `transfer_seconds` how long until every shard was on the host (None while it drains);
+        `drain_held_peak_bytes` the most host bytes an on-device copy's drain held at once (0 otherwise)."""
         return self._saver.last_report
 
     def delete(self, step: int) -> None:

@@ -175,6 +175,24 @@ def test_peak_rss_sampler_sees_an_allocation_where_the_high_water_mark_cannot_be
         seen = peak.peak
     assert peak.method == "sampled"
     assert seen - peak.start >= 200 << 20
+    # ... and read glibc malloc's count near that peak: NumPy's 256 MiB are malloc's, in use.
+    assert peak.malloc_at_peak is not None and peak.malloc_at_peak["in_use"] >= 200 << 20
+
+
+def test_a_saves_own_host_memory_is_measured_from_where_save_was_called():
+    """On an accelerator the state is not host memory: besides the figure measured from before the
+    state was built, the report gives each save's own growth over the RSS at save() and checks it
+    against 0.3x the state (the 1.3x target less the state)."""
+    from resilax_bench import report
+
+    rnd = _round(0.7, 0.05, 0.21, 0.6, 4.0)
+    for s in rnd["libs"]["resilax"]["save"]["saves"]:
+        s["rss_at_start"] = 1 << 30  # the state's build left 1 GiB before every save
+    m = report.summarize([rnd], ["resilax", "orbax"])["medians"]["resilax"]
+    assert m["rss_save_x"] == pytest.approx(0.6) and m["rss_save_own_x"] == pytest.approx(0.1)
+    verdicts = {name: verdict for name, _, _, verdict in report.accel_targets(report.summarize([rnd], ["resilax", "orbax"]),
+                                                                             2 << 30)}
+    assert verdicts["a save's own host memory (peak − RSS at save()) ≤ 0.3x state"] == "met"
 
 
 def test_save_path_line_names_a_runtime_copy_and_bounce_copies():
@@ -186,5 +204,10 @@ def test_save_path_line_names_a_runtime_copy_and_bounce_copies():
     line = report.save_path_line({"step": 1, "save_info": info})
     assert line.startswith("step 1: on_device (copy not compiled yet), HBM 1.00 GiB, blocked 0.010 s")
     assert "runtime copy" in line and "bounce copies so far 3 (shape (4, 8) float32 strides (4, 16))" in line
+    held = report.save_path_line({"step": 1, "save_info": {**info, "drain_held_peak_bytes": 512 << 20},
+                                  "peak_rss": 3 << 30, "rss_at_start": 2 << 30,
+                                  "malloc_at_peak": {"in_use": 1 << 29, "free": 1 << 28}})
+    assert "drain held ≤ 512 MiB" in held
+    assert "RSS +1.00 GiB over save() (glibc malloc then: 0.50 GiB in use, 0.25 GiB free in its arenas)" in held
     quiet = report.save_path_line({"step": 2, "save_info": {**info, "runtime_copy": False, "bounced_writes": 0}})
     assert "runtime copy" not in quiet and "bounce" not in quiet
