@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -86,8 +87,12 @@ def _run_pair(pods: list[dict[str, Any]], ips: list[str]) -> list[tuple[int, str
     return outputs
 
 
-def test_two_processes_find_the_coordinator_without_dns() -> None:
+def test_two_processes_find_the_coordinator_without_dns(tmp_path: Path) -> None:
     raw = good_spec()
+    # Storage the test machine can reach: the sample's gs://bucket resolves nowhere here, and the restore
+    # prefetch that initialize_distributed_from_env starts first (it lists the checkpoint root before
+    # JAX starts) then spent ~50 s in gcsfs's retries before the processes even met.
+    raw["checkpoint"]["storage"] = str(tmp_path / "ckpt")
     raw["slices"] = {"accelerator": "cpu", "topology": "1x2", "count": 2}
     raw["elastic"] = {"minCount": 1, "maxCount": 2}
     spec = validate_spec(raw)
