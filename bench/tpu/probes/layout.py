@@ -4,7 +4,8 @@ major. Nothing in the bench transposes them (bench/resilax_bench/state.py: embed
 1472, made by a jitted step): the device layout XLA gave them is the suspect (1472 is not a multiple
 of 128, 52992 is). This prints, for that leaf and a 1792x2048 one (landed C-contiguous per the last
 probe): the device format, the landed strides, the time to land it, the host bounce a C-order
-file needs (np.ascontiguousarray), and whether a jitted copy or a device_put asking for a row-major
+file needs (np.ascontiguousarray), the host-to-device time of the landed host array against a C-order
+copy of it (what a restore of a leaf stored in its landed order puts back), and whether a jitted copy or a device_put asking for a row-major
 layout (jax.experimental.layout) lands C-contiguous, and its cost. Not part of any test. ~20 s.
 
   OUT=/some/folder python3 bench/tpu/probes/layout.py     (CPU: JAX_PLATFORMS=cpu, small shapes)
@@ -49,7 +50,22 @@ def probe(shape: tuple[int, int], column_major: bool = False) -> dict[str, Any]:
                            "device_format": str(a.format)}
     host, out["land_s"] = timed(lambda: np.asarray(a))
     out["landed"] = describe(host)
-    _, out["bounce_s"] = timed(lambda: np.ascontiguousarray(host))
+    c_order, out["bounce_s"] = timed(lambda: np.ascontiguousarray(host))
+    # The restore side of storing such a leaf transposed (issue 37, the zarr3 transpose codec): the
+    # restore reads it into a host buffer in the landed order and device_puts that; is the landed
+    # order as fast to put back as a C-order copy? (median of 3, after a warm-up each)
+    for name, h in (("h2d_landed_order", host), ("h2d_c_order", c_order)):
+        try:
+            jax.device_put(h, a.sharding).block_until_ready()
+            times = []
+            for _ in range(3):
+                d, t = timed(lambda h=h: jax.device_put(h, a.sharding).block_until_ready())
+                times.append(t)
+            out[name + "_s"] = sorted(times)[1]
+            out[name + "_format"] = str(d.format)
+            out[name + "_equal"] = bool(np.array_equal(np.asarray(d), c_order))
+        except Exception as e:
+            out[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     row_major = Format(Layout(major_to_minor=tuple(range(a.ndim))), a.sharding)
     try:
         copy = jax.jit(lambda x: x + 0, out_shardings=row_major)
