@@ -159,8 +159,13 @@ class ResilaxLibrary(_JaxLibrary):
 
     def open_save(self, directory: str, leaves: list[st.LeafSpec], seed: int) -> None:
         rc = _resilax()
-        super().open_save(directory, leaves, seed)
         self.mgr = rc.CheckpointManager(directory, options=self._options(rc, async_save=True, keep_last=1))
+        # As Resilax's trainer starts (examples/transformer.py): it asks which step to restore, with its
+        # state's target, before it makes the state; with none to restore, the save's on-device copy
+        # compiles in the background meanwhile (the first save then blocks as a later one does).
+        target = st.build_abstract_state(leaves, st.make_mesh(self.save_mesh))
+        self.mgr.restore_step_from_env({}, target={"params": target["params"], "opt_state": target["opt_state"]})
+        super().open_save(directory, leaves, seed)
 
     def save_info(self) -> dict[str, Any] | None:
         """The manager's report of its last save, under whichever name it has one (none: None)."""

@@ -86,7 +86,21 @@ def _copy(originals: list[jax.Array], runtime: bool) -> list[jax.Array]:
             return made
         except Exception as e:
             log.warning("a row-major on-device copy failed (%s: %s); taking the plain copy", type(e).__name__, e)
-    return _runtime_copy(originals) if runtime else _device_copy(originals)
+    return _runtime_copy(originals) if runtime else _jitted_copy(originals)
+
+
+def _jitted_copy(originals: list[jax.Array]) -> list[jax.Array]:
+    """The jitted copy: the executable `compile_copies` made for this signature when there is one (it
+    takes arrays whose shardings are equivalent to the ones it was compiled for, as a restore
+    target's `P(None)` is to a step's `P()`, which jit's own cache would compile again), else jit."""
+    exe = _COMPILED.get(_group_key(originals))
+    if exe is not None:
+        try:
+            made: list[jax.Array] = exe(originals)
+            return made
+        except ValueError as e:  # compiled for shardings these arrays do not have: jit's own path
+            log.debug("the snapshot copy compiled ahead does not take these arrays: %s", e)
+    return _device_copy(originals)
 
 
 FORCE_COLUMN_MAJOR_ENV = "RESILAX_CKPT_FORCE_COLUMN_MAJOR"
@@ -390,7 +404,7 @@ def snapshot_devices(writes: list[Any], sources: list[tuple[int, jax.Array, Any]
                     index[id(original)] = len(copies)
                     copies.append(copy)
                 if deciding != "cpu" and not report.runtime_copy:
-                    _COMPILED.add(_group_key(originals))
+                    _COMPILED.setdefault(_group_key(originals), None)
         except Exception as e:  # an allocation failure falls back, and so does any runtime copy's
             oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
             if not oom and not report.runtime_copy:
@@ -445,8 +459,7 @@ def compile_copies(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
     """Compile, without running, the copies of `copy_signature`, so that a job's first save blocks
     the loop only for the dispatch, as later saves do (jit's caches keep the result)."""
     for group in signature:
-        _device_copy.lower(group).compile()
-        _COMPILED.add(_group_key(group))
+        _COMPILED[_group_key(group)] = _device_copy.lower(group).compile()
 
 
 def compile_copies_quietly(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
@@ -457,9 +470,25 @@ def compile_copies_quietly(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
         log.warning("compiling the snapshot copy ahead failed (the first save will compile it): %s", e)
 
 
-_COMPILED: set[tuple[Any, ...]] = set()
-"""The argument signatures of the on-device copies compiled (ahead or by a save) in this process."""
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+"""The argument signatures (`_group_key`) of the on-device copies compiled in this process: to the
+executable `compile_copies` made ahead, or None (compiled by jit at a save)."""
 
 
 def _group_key(group: list[Any]) -> tuple[Any, ...]:
-    return tuple((tuple(a.shape), np.dtype(a.dtype).name, a.sharding, bool(a.weak_type)) for a in group)
+    """A copy's signature: shapes, dtypes, weak types and the shardings as the compiler sees them
+    (`_sharding_key`), so that equivalent shardings written differently share one executable."""
+    return tuple((tuple(a.shape), np.dtype(a.dtype).name, _sharding_key(a.sharding, len(a.shape)),
+                  bool(a.weak_type)) for a in group)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sharding_key(sharding: Any, ndim: int) -> Any:
+    """The HLO sharding, device order and memory kind of `sharding` (jax's own view, through its
+    private `_to_xla_hlo_sharding`; the sharding object itself where that is missing). Cached: a
+    save asks for every leaf's."""
+    try:
+        devices = tuple(d.id for d in sharding._device_assignment)
+        return (str(sharding._to_xla_hlo_sharding(ndim)), devices, sharding.memory_kind)
+    except Exception:
+        return sharding

@@ -154,11 +154,39 @@ def snapshot_items(items: Mapping[str, Any], *, step: int, generation: int, proc
 def copy_signature(items: Mapping[str, Any], *, process_index: int, process_count: int,
                    local_tier: bool) -> list[list[jax.ShapeDtypeStruct]]:
     """The abstract inputs of the on-device copies a save of `items` dispatches: what
-    `compile_copies` needs, without holding the arrays."""
+    `compile_copies` needs, without holding the arrays. `items` may be abstract (a restore target:
+    `jax.ShapeDtypeStruct` leaves with shardings, before the state exists): `_abstract_signature`."""
+    abstract = [leaf for value in items.values() if not isinstance(value, PerProcess)
+                for leaf in jax.tree_util.tree_leaves(value) if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if abstract:
+        return _abstract_signature(items, one_writer=process_count == 1 or local_tier)
     _, device_sources = _plan_snapshot(items, step=0, generation=0, process_index=process_index,
                                        process_count=process_count, local_tier=local_tier, time_now=0.0)
     return [[jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type)
              for a in group] for group in device_snapshot.copy_groups(device_sources)]
+
+
+def _abstract_signature(items: Mapping[str, Any], one_writer: bool) -> list[list[jax.ShapeDtypeStruct]]:
+    """`copy_signature` of a target whose array leaves are `jax.ShapeDtypeStruct`s with shardings (or
+    arrays): a save of arrays of those shapes, dtypes and shardings dispatches this, grouped by device
+    set in the save's order, when this process writes a shard of every one (`one_writer`: one
+    process, or the local tier); else, and for a leaf without a sharding or a PRNG key, none (the
+    first save then takes the runtime copy, as without it)."""
+    if not one_writer:
+        return []
+    groups: dict[frozenset[Any], list[jax.ShapeDtypeStruct]] = {}
+    for value in items.values():
+        if isinstance(value, PerProcess) or is_json_item(value):
+            continue
+        for leaf in jax.tree_util.tree_leaves(value):
+            if isinstance(leaf, (np.ndarray, np.generic, *_SCALARS)):
+                continue
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is None or pytrees.is_prng_key(leaf.dtype):
+                return []
+            groups.setdefault(frozenset(sharding.device_set), []).append(
+                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type))
+    return list(groups.values())
 
 
 def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, process_index: int,

@@ -165,15 +165,21 @@ class CheckpointManager:
         arrays). `restore()` of the step `latest` resolved to is a restore of the newest step: it
         falls back (to the persistent tier's copy of that step, or to an older step) when that step
         cannot be read; the state's own step then says which step came back, `restore_report` why.
+        With `target` and nothing to restore (a job's start), the on-device copy a save of the
+        target's arrays dispatches starts compiling in the background (Saver.prepare_first_save), while
+        the job makes its state, so that its first save blocks the loop no longer than later ones.
         Called on: all processes (with a local tier and several processes, a collective)."""
         env = os.environ if env is None else env
         raw = env.get("RESILAX_RESTORE_STEP", "latest").strip().lower() or "latest"
-        if raw == "none":
-            return None
         if raw == "latest":
-            return self._restorer.resolve_latest(target, items)
-        self._restorer.asked_from_env = int(raw)  # restoring it starts the job's timeline there
-        return self._restorer.asked_from_env
+            step = self._restorer.resolve_latest(target, items)
+        elif raw == "none":
+            step = None
+        else:
+            self._restorer.asked_from_env = step = int(raw)  # restoring it starts the job's timeline there
+        if step is None and target is not None:
+            self._saver.prepare_first_save(pytrees.as_target(target)[0] or {}, restored=True)
+        return step
 
     # ------------------------------------------------------------------ save
 
