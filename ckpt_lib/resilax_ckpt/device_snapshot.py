@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from resilax_ckpt import staging
-from resilax_ckpt.chunk_format import plan_transpose
 from resilax_ckpt.copy_choice import (
     HOST_TRANSFER,
     ON_DEVICE,
@@ -31,6 +30,9 @@ from resilax_ckpt.copy_choice import (
     device_room,
     plan_runtime_copy,
 )
+from resilax_ckpt.host_layout import FORCE_COLUMN_MAJOR_ENV as FORCE_COLUMN_MAJOR_ENV
+from resilax_ckpt.host_layout import ROW_MAJOR_ENV as ROW_MAJOR_ENV
+from resilax_ckpt.host_layout import as_landed, row_major_formats
 from resilax_ckpt.sources import HostBudget, Landing
 
 log = logging.getLogger(__name__)
@@ -42,106 +44,54 @@ def _device_copy(arrays: list[jax.Array]) -> list[jax.Array]:
     return [jnp.copy(a) for a in arrays]
 
 
-ROW_MAJOR_ENV = "RESILAX_CKPT_ROW_MAJOR_COPY"
-"""Opt-in (`1`), to be measured on a chip before it becomes the default (issue 37): the on-device copy
-(jitted or runtime) of a device set holding a leaf whose device layout is not row major asks for
-row-major outputs, so that the device transposes it and the leaf lands on the host C-contiguous
-(else the writer bounces it through a host transpose: on a TPU v5e the bench's (52992, 1472) float32
-leaves land with strides (4, 211968), 15 bounced writes a save; bench/tpu/probes/layout.py). Not
-compiled ahead (compile_copies knows no layouts): the first jitted copy with it compiles in the loop."""
-
-
-def _row_major_formats(group: list[jax.Array]) -> list[Any] | None:
-    """With ROW_MAJOR_ENV set: row-major output formats for `group` when one of its arrays' device
-    layouts is not row major; else None (the plain copy)."""
-    if os.environ.get(ROW_MAJOR_ENV, "").strip() != "1":
-        return None
-    from jax.experimental.layout import Format, Layout
-
-    def row_major(a: jax.Array) -> bool:
-        layout = getattr(getattr(a, "format", None), "layout", None)
-        order = getattr(layout, "major_to_minor", None)
-        return order is None or tuple(order) == tuple(range(a.ndim))
-
-    if all(row_major(a) for a in group):
-        return None
-    return [Format(Layout(major_to_minor=tuple(range(a.ndim))), a.sharding) for a in group]
-
-
 @functools.lru_cache(maxsize=256)
 def _row_major_copy(formats: tuple[Any, ...]) -> Any:
     return jax.jit(lambda arrays: [jnp.copy(a) for a in arrays], out_shardings=list(formats))
 
 
-def _copy(originals: list[jax.Array], runtime: bool) -> list[jax.Array]:
+def _copy(originals: list[jax.Array], runtime: bool, accelerator: bool) -> tuple[list[jax.Array], bool]:
     """The on-device copy of one device set: the runtime's or the jitted one, row major where asked
-    (ROW_MAJOR_ENV); a row-major copy that fails falls back to the plain one (logged)."""
-    formats = _row_major_formats(originals)
+    (ROW_MAJOR_ENV); a row-major copy that fails falls back to the plain one (logged). With it,
+    whether it was the runtime's: also when, on an `accelerator`, the executable compiled ahead
+    refuses the arrays (`_jitted_copy`), rather than compiling in the loop."""
+    formats = row_major_formats(originals)
     if formats is not None:
         try:
             if runtime:
                 made: list[jax.Array] = jax.device_put(originals, formats, may_alias=False)
-                return made
+                return made, True
             made = _row_major_copy(tuple(formats))(originals)
-            return made
+            return made, False
         except Exception as e:
             log.warning("a row-major on-device copy failed (%s: %s); taking the plain copy", type(e).__name__, e)
-    return _runtime_copy(originals) if runtime else _jitted_copy(originals)
+    if not runtime:
+        jitted = _jitted_copy(originals, accelerator)
+        if jitted is not None:
+            return jitted, False
+    return _runtime_copy(originals), True
 
 
-def _jitted_copy(originals: list[jax.Array]) -> list[jax.Array]:
+def _jitted_copy(originals: list[jax.Array], accelerator: bool) -> list[jax.Array] | None:
     """The jitted copy: the executable `compile_copies` made for this signature when there is one (it
     takes arrays whose shardings are equivalent to the ones it was compiled for, as a restore
-    target's `P(None)` is to a step's `P()`, which jit's own cache would compile again), else jit."""
-    exe = _COMPILED.get(_group_key(originals))
+    target's `P(None)` is to a step's `P()`, which jit's own cache would compile again), else jit.
+    An executable that refuses the arrays (e.g. other device layouts) is forgotten, and on an
+    `accelerator` None is returned (the save takes the runtime copy and the saver compiles the copy
+    of these very arrays for the next), where jit would compile in the loop."""
+    key = _group_key(originals)
+    exe = _COMPILED.get(key)
     if exe is not None:
         try:
             made: list[jax.Array] = exe(originals)
             return made
-        except ValueError as e:  # compiled for shardings these arrays do not have: jit's own path
-            log.debug("the snapshot copy compiled ahead does not take these arrays: %s", e)
-    return _device_copy(originals)
-
-
-FORCE_COLUMN_MAJOR_ENV = "RESILAX_CKPT_FORCE_COLUMN_MAJOR"
-"""For tests only: `1` makes CPU devices hand their shards over as a TPU hands over a column-major
-leaf: every device leaf of 2 or more dimensions is planned transposed (`landing_order`: reversed
-dimensions) and its host copies land in Fortran order (a copy made here, `_as_landed`), so CI runs the
-writer's and the readers' transposed paths on CPU. Never set it in a job."""
-
-
-def _forced_column_major() -> bool:
-    return os.environ.get(FORCE_COLUMN_MAJOR_ENV, "").strip() == "1"
-
-
-def landing_order(array: jax.Array) -> tuple[int, ...]:
-    """The order in which `array`'s shards land on the host, as a leaf's `transpose`
-    (chunk_format.plan_transpose of its device layout's major_to_minor): on a TPU a leaf the compiler
-    laid out column major lands with Fortran strides, and is then stored in that order, written
-    without a copy. None on CPU devices (their copies land row major; FORCE_COLUMN_MAJOR_ENV aside)
-    and with ROW_MAJOR_ENV (the device transposes). The same on every process: one program laid the
-    array out."""
-    if array.ndim < 2:
-        return ()
-    try:
-        device: Any = next(iter(array.sharding.device_set))
-        if str(device.platform) == "cpu":
-            return tuple(range(array.ndim - 1, -1, -1)) if _forced_column_major() else ()
-        if os.environ.get(ROW_MAJOR_ENV, "").strip() == "1":
-            return ()
-        layout = getattr(getattr(array, "format", None), "layout", None)
-        order = getattr(layout, "major_to_minor", None)
-    except Exception:  # no layout known (an older jax, a deleted array): stored row major
-        return ()
-    return plan_transpose(array.ndim, order)
-
-
-def _as_landed(host: np.ndarray) -> np.ndarray:
-    """A shard's host copy as it lands: itself, or (FORCE_COLUMN_MAJOR_ENV, 2 or more dimensions) a
-    Fortran-order copy of it, as from a column-major TPU leaf."""
-    if host.ndim >= 2 and _forced_column_major():
-        return np.asfortranarray(host)
-    return host
+        except ValueError as e:  # compiled for other shardings or layouts than these arrays have
+            log.warning("the snapshot copy compiled ahead does not take these arrays (%s); %s", e,
+                        "taking a runtime copy" if accelerator else "compiling it again")
+            del _COMPILED[key]
+            if accelerator:
+                return None
+    made = _device_copy(originals)
+    return made
 
 
 FORCE_ACCELERATOR_ENV = "RESILAX_CKPT_FORCE_ACCELERATOR_PATH"
@@ -291,7 +241,7 @@ def _views(pieces: list[tuple[Landing, Any]], copies: list[jax.Array], report: C
     for i, (landing, (n, device)) in enumerate(pieces):
         if n not in shards:
             shards[n] = {shard.device: shard.data for shard in copies[n].addressable_shards}
-        landing.set(_as_landed(np.asarray(shards[n][device])))
+        landing.set(as_landed(np.asarray(shards[n][device])))
         pieces[i] = (landing, (n, None))
         remaining[n] -= 1
         if remaining[n] == 0:
@@ -322,7 +272,7 @@ def _land_all(pieces: list[tuple[Landing, Any]], arena: staging.HostArena | None
             private = arena.take(tuple(host.shape), host.dtype)
             np.copyto(private, host)
             host = private
-        landing.set(_as_landed(host))
+        landing.set(as_landed(host))
         pieces[n] = (landing, None)  # the shard itself is no longer needed here
 
 
@@ -363,7 +313,7 @@ def _drain(pieces: list[tuple[Landing, Any]], shards: dict[tuple[int, Any], Any]
         queue[n] = None
         landing, data = entry
         del entry
-        landing.set(_as_landed(np.asarray(data)))
+        landing.set(as_landed(np.asarray(data)))
         del data  # the copy's device buffer is freed once landed
 
 
@@ -399,12 +349,13 @@ def snapshot_devices(writes: list[Any], sources: list[tuple[int, jax.Array, Any]
         report.runtime_copy = plan_runtime_copy(path, deciding, compiled)
         try:
             for originals in groups:
-                made = _copy(originals, report.runtime_copy)
+                made, runtime = _copy(originals, report.runtime_copy, deciding != "cpu")
                 for original, copy in zip(originals, made, strict=True):
                     index[id(original)] = len(copies)
                     copies.append(copy)
-                if deciding != "cpu" and not report.runtime_copy:
+                if deciding != "cpu" and not runtime:
                     _COMPILED.setdefault(_group_key(originals), None)
+                report.runtime_copy = report.runtime_copy or runtime
         except Exception as e:  # an allocation failure falls back, and so does any runtime copy's
             oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
             if not oom and not report.runtime_copy:

@@ -16,7 +16,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from resilax_ckpt import checksums, chunk_format, device_snapshot, layout, planning, pytrees, staging
+from resilax_ckpt import (
+    checksums,
+    chunk_format,
+    device_snapshot,
+    host_layout,
+    layout,
+    planning,
+    pytrees,
+    staging,
+)
 from resilax_ckpt.copy_choice import CopyReport
 from resilax_ckpt.device_snapshot import Transfer
 from resilax_ckpt.errors import ResilaxCkptError, TreeMismatchError
@@ -228,7 +237,7 @@ def _plan_snapshot(items: Mapping[str, Any], *, step: int, generation: int, proc
                 shard_shape = _shard_shape(leaf.sharding, shape, chunks) if shard_files else ()
                 meta = LeafMetadata(keystr=keystr, path=enc, kind="array", dir=leaf_dir, shape=shape,
                                     dtype=np.dtype(leaf.dtype).name, chunks=chunks, shard=shard_shape,
-                                    checksum=checksum, transpose=device_snapshot.landing_order(leaf),
+                                    checksum=checksum, transpose=host_layout.landing_order(leaf),
                                     prng_impl=prng_impl)
                 array_index = len(arrays)
                 arrays.append((name, meta))

@@ -2,7 +2,7 @@
 major (the bench's (52992, 1472) float32 `embed`), their host copies land with Fortran strides, and
 a save stores their chunks through zarr3's `transpose` codec, so the writer writes the landed bytes
 as they are (no bounce copy). On CPU devices `RESILAX_CKPT_FORCE_COLUMN_MAJOR=1` makes the shards
-land so (device_snapshot.FORCE_COLUMN_MAJOR_ENV). Every reader gets the values back bit-exact: the
+land so (host_layout.FORCE_COLUMN_MAJOR_ENV). Every reader gets the values back bit-exact: the
 file backend's own reader onto the save's mesh, onto another mesh and to the host, through the host
 ring, the restore prefetch's reads, the local tier, and tensorstore as a plain zarr3 reader."""
 
@@ -21,8 +21,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from resilax_ckpt import backends, chunk_format, chunk_writer, read_ahead, reader
 from resilax_ckpt import tensorstore_io as tsio
-from resilax_ckpt.device_snapshot import FORCE_ACCELERATOR_ENV, FORCE_COLUMN_MAJOR_ENV
+from resilax_ckpt.device_snapshot import FORCE_ACCELERATOR_ENV
 from resilax_ckpt.errors import MetadataError
+from resilax_ckpt.host_layout import FORCE_COLUMN_MAJOR_ENV
 from resilax_ckpt.metadata import ItemMetadata, LeafMetadata, StepMetadata
 from resilax_ckpt.step_reader import read_metadata
 from resilax_ckpt.storage import LocalStorage

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from resilax_ckpt import copy_choice as choice
 from resilax_ckpt import device_snapshot as snap
+from resilax_ckpt import host_layout
 from resilax_ckpt.options import InvalidOptionsError
 from resilax_ckpt.sources import HostBudget
 
@@ -446,11 +447,12 @@ def test_a_column_major_leaf_is_copied_row_major_when_asked(tmp_path, devices, m
     leaf = column_major(jax.device_put(values, sharding))
     assert tuple(leaf.format.layout.major_to_minor) == (1, 0)
     assert np.asarray(leaf).flags.f_contiguous and not np.asarray(leaf).flags.c_contiguous
-    assert snap._row_major_formats([leaf]) is None  # not asked
+    assert host_layout.row_major_formats([leaf]) is None  # not asked
     monkeypatch.setenv(snap.ROW_MAJOR_ENV, "1")
-    assert snap._row_major_formats([jax.device_put(values, sharding)]) is None  # row major already
+    assert host_layout.row_major_formats([jax.device_put(values, sharding)]) is None  # row major already
     for runtime in (True, False):
-        (copy,) = snap._copy([leaf], runtime)
+        (copy,), took_runtime = snap._copy([leaf], runtime, accelerator=True)
+        assert took_runtime == runtime
         assert tuple(copy.format.layout.major_to_minor) == (0, 1)
         host = np.asarray(copy)
         assert host.flags.c_contiguous and host.tobytes() == values.tobytes()

@@ -87,3 +87,24 @@ def test_a_restore_step_to_read_leaves_the_compile_to_the_restore(tmp_path, devi
         assert mgr.restore_step_from_env({}, target={"state": abstract(initial_state(devices))}) == 3
         mgr.wait()
         assert compiles == []
+
+
+def test_an_executable_that_refuses_the_arrays_is_forgotten_and_no_compile_happens_in_the_loop(devices,
+                                                                                               monkeypatch):
+    """Compiled ahead for something these arrays turn out not to be (other device layouts, say): on an
+    accelerator the save takes the runtime copy (the saver then compiles for the arrays themselves),
+    on CPU devices jit's copy; either way the executable is forgotten and the copy is right."""
+    state = fresh_state(devices)
+    group = [state["first"], state["w"]]
+
+    def refuse(arrays):
+        raise ValueError("Computation was compiled for input shardings that disagree with the arguments")
+
+    for accelerator in (True, False):
+        key = snap._group_key(group)
+        monkeypatch.setitem(snap._COMPILED, key, refuse)
+        made, runtime = snap._copy(group, False, accelerator)
+        assert runtime == accelerator
+        assert key not in snap._COMPILED
+        for copy, original in zip(made, group, strict=True):
+            assert np.asarray(copy).tobytes() == np.asarray(original).tobytes()
