@@ -77,16 +77,21 @@ def parse_trainer_process(state: Mapping[str, Any]) -> TrainerProcess | None:
 
 
 def fault_in_view(observed: Observed) -> bool:
-    """Whether something may be wrong with the current generation, so every sidecar is worth asking
-    (the mode decision needs to know which survivors qualify): an in-place restart running, a
-    supervised trainer not ready, a worker's node not Ready, a worker Failed or being deleted."""
+    """Whether something may be wrong with the current generation, or it is about to be replaced, so every
+    sidecar is worth asking (the mode decision needs to know which survivors qualify): an in-place
+    restart running, a planned move under way (its in-place decision comes once the final save is seen
+    done, when the stopped trainers' readiness may not have turned false yet), a supervised trainer not
+    ready, a worker's node not Ready, a worker Failed or being deleted, a worker no node takes yet (the
+    capacity wait's shrink keeps the bound ones; a worker held by a queue's gates does not count: a job
+    with a queue is never restarted in place)."""
     s = observed.status
-    if s.in_place is not None:
+    if s.in_place is not None or s.transition is not None:
         return True
     for p in observed.pods_of(s.generation):
         node = observed.node(p.node_name)
         if (p.supervised and p.phase == "Running" and not p.trainer_ready) or p.terminated \
-                or p.deletion_timestamp is not None or (node is not None and node.ready != "True"):
+                or p.deletion_timestamp is not None or (node is not None and node.ready != "True") \
+                or (p.node_name is None and not p.gates):
             return True
     return False
 

@@ -195,6 +195,25 @@ def test_no_nodes_shrink_after_the_timeout_then_grow_back_as_usual() -> None:
     assert w.status.transition is not None and w.status.transition.kind == st.GROW_BACK
 
 
+def test_a_shrink_in_place_keeps_every_bound_worker() -> None:
+    # inPlace Auto: the bound slice's trainers run (ready) while slice 1 waits; the capacity timeout's
+    # in-place decision must have heard every bound pod's sidecar, not pod 0's alone
+    raw = autoscaled_spec()
+    raw["recovery"]["inPlace"] = "Auto"
+    w = World.make(raw, *pools("pool-a"))
+    w.settle()
+    bound = [p.name for p in w.gen_pods() if p.node_name is not None]
+    assert len(bound) == 4 and all(w.pods[n].supervised and w.pods[n].trainer_ready for n in bound)
+    uids = {n: w.pods[n].uid for n in bound}
+    w.advance(SHRINK_AFTER)
+    w.step()
+    assert w.status.in_place is not None and w.status.in_place.kind == st.SHRINK
+    assert [k.pod for k in w.status.in_place.kept] == bound
+    w.settle()
+    assert w.status.generation == 2 and w.status.shape == Shape("4x4", 1) and w.status.phase == api.PHASE_RUNNING
+    assert list(w.status.worker_pods) == bound and {n: w.pods[n].uid for n in bound} == uids
+
+
 @pytest.mark.parametrize(("low", "free", "fragment"), [
     (None, 1, "no spec.elastic: the job waits for exactly this shape"),
     (1, 0, "capacity.shrinkAfterSeconds has passed, but no smaller allowed shape fits the Ready nodes either: "

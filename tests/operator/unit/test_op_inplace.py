@@ -321,6 +321,39 @@ def test_a_grow_back_keeps_the_shrunk_generations_pods_and_creates_only_the_new_
     assert s.in_place_restarts == 2 and s.failures == 0
 
 
+def test_a_grow_back_keeps_every_shrunk_pod_crossed_and_with_its_readiness_lagging() -> None:
+    """The CI failure of test_op_e2e_inplace.py::test_a_shrink_and_its_grow_back_keep_the_surviving_slices_pods:
+    the shrunk slice's pods run crossed (host 0's pod on node n1, host 1's on n0), and when the final save
+    is seen done, the kubelet has not yet turned the stopped trainers' readiness (the doorbell) false, so
+    no fault is in view. Every sidecar must still be asked: both pods are kept, not pod 0 alone."""
+    w = _world(spare=0)
+    node = _lose_node(w, "llama-g1-s1-h1")
+    settle(w)
+    h0, h1 = "llama-g1-s0-h0", "llama-g1-s0-h1"
+    assert sorted(w.pods) == [h0, h1] and w.status.in_place is None
+    n0, n1 = _node_of(w, h0), _node_of(w, h1)
+    w.pods[h0], w.pods[h1] = replace(w.pods[h0], node_name=n1), replace(w.pods[h1], node_name=n0)
+    crossed = _identity(w)
+    w.set_node(node, ready="True", ready_since=w.now)
+    for _ in range(8):
+        w.advance(10)
+        settle(w, 2)
+        if w.save_requests:
+            break
+    t = w.status.transition
+    assert t is not None and t.kind == st.GROW_BACK and t.saving
+    _final_save_done(w, 4200)
+    w.pods = {n: replace(p, trainer_ready=True) for n, p in w.pods.items()}  # the probe has not run yet
+    tick(w)
+    assert w.status.in_place is not None and [k.pod for k in w.status.in_place.kept] == [h0, h1]
+    settle(w)
+    s = w.status
+    assert s.phase == api.PHASE_RUNNING and s.generation == 3 and s.in_place is None
+    assert {n: _identity(w)[n] for n in crossed} == crossed  # the same pods, on the same (crossed) nodes
+    assert list(s.worker_pods) == [h0, h1, "llama-g3-s1-h0", "llama-g3-s1-h1"]
+    assert all(w.processes[n].generation == 3 and w.processes[n].state == "running" for n in w.pods)
+
+
 def test_a_preemption_notice_keeps_the_other_slice_after_the_final_save() -> None:
     w = _world(spare=0)
     noticed = _node_of(w, "llama-g1-s1-h0")

@@ -103,6 +103,25 @@ def test_an_in_place_restart_asks_every_pod() -> None:
     assert pods_to_poll(w.observed()) == sorted(w.pods)
 
 
+def test_a_planned_move_asks_every_pod_even_while_every_trainer_looks_ready() -> None:
+    # its in-place decision comes with the final save's outcome, before the kubelet's readiness probe has
+    # seen the stopped trainers: asked only on the doorbell, a survivor would go unheard and be replaced
+    w = _supervised_world()
+    w.status = replace(w.status, transition=st.Transition(st.GROW_BACK, 1, T0, save_request_id="r-1"))
+    assert pods_to_poll(w.observed()) == sorted(w.pods)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["waiting-for-a-node", "held-by-a-queue"])
+def test_a_worker_no_node_takes_puts_the_bound_ones_in_view(gated: bool) -> None:
+    # a capacity wait past shrinkAfterSeconds shrinks in place: the bound workers must have been heard
+    w = _supervised_world()
+    waiting = "llama-g1-s1-h0"
+    w.pods[waiting] = replace(w.pods[waiting], node_name=None, phase="Pending", pod_ip=None, trainer_ready=False,
+                              gates=("kueue.x-k8s.io/admission",) if gated else ())
+    bound = sorted(n for n in w.pods if n != waiting)
+    assert pods_to_poll(w.observed()) == (["llama-g1-s0-h0"] if gated else bound)
+
+
 def test_exit_codes_come_from_the_incarnation_of_the_pods_own_generation() -> None:
     w = _supervised_world()
     spec = validate_spec(w.spec)
