@@ -40,7 +40,7 @@ _LAZY = {
     "InvalidOptionsError": "resilax_ckpt.options", "ManagerOptions": "resilax_ckpt.options",
     "restore_orbax": "resilax_ckpt.orbax_import",
     "InvalidMetricsError": "resilax_ckpt.retention", "StepInfo": "resilax_ckpt.step_info",
-    "start_prefetch": "resilax_ckpt.prefetch",
+    "start_prefetch": "resilax_ckpt.prefetch", "run_kept": "resilax_ckpt.kept_trainer",
 }
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     )
     from resilax_ckpt.options import InvalidOptionsError, ManagerOptions
     from resilax_ckpt.orbax_import import restore_orbax
+    from resilax_ckpt.kept_trainer import run_kept
     from resilax_ckpt.prefetch import start_prefetch
     from resilax_ckpt.retention import InvalidMetricsError
     from resilax_ckpt.step_info import StepInfo
@@ -99,6 +100,7 @@ __all__ = [
     "initialize_distributed_from_env",
     "restore",
     "restore_orbax",
+    "run_kept",
     "save",
     "start_prefetch",
 ]

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from resilax_ckpt import commit, prefetch, pytrees, tiers
+from resilax_ckpt import commit, kept, prefetch, pytrees, tiers
 from resilax_ckpt.errors import ResilaxCkptError, StepNotFoundError
 from resilax_ckpt.multihost import Coordinator, add_exit_hook, current_coordinator, remove_exit_hook
 from resilax_ckpt.oneshot import restore, save
@@ -46,7 +46,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EXIT_CODE_STOPPED = 75
+EXIT_CODE_STOPPED = kept.EXIT_CODE_STOPPED
 """Exit code of a worker that stopped after a requested final save (operator: reschedule)."""
 
 CRASH_ENV = commit.CRASH_ENV

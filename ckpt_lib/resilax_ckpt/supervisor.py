@@ -15,10 +15,16 @@ it runs CMD as its child (incarnation 1 with the pod's environment) and never ex
 5. `assignment.json` naming a generation newer than any run: the next child, only once none lives.
 6. SIGTERM or SIGINT to the supervisor: forwarded to the child; it exits with the child's code once
    the child is gone (128+n for a signal n). Usage errors exit 2, internal ones 70.
+7. A kept trainer (kept.py, `rc.run_kept`): each child gets a channel (`$RESILAX_KEPT_FD`); a child
+   that parks after its stop's final save counts as `exited` (its entry returned, its backends are
+   dropped: it holds no device), and the next start hands it the new environment when `kept.decide_keep`
+   allows (same pid, `"kept": true`), else ends it and spawns a fresh process, the reason logged and
+   counted (`incarnation.json`'s `restarts`). A kept restart that fails before the devices reopen is
+   replaced by a fresh process for the same incarnation.
 Without `RESILAX_CONTROL_DIR` it only forwards signals and exits with the child's code.
 
-JAX-free (shipped with `resilax[train]`): the decisions (`decide`, `due_stop_steps`) are pure; the
-`Supervisor` class does the process handling.
+JAX-free (shipped with `resilax[train]`): the decisions (`decide`, `due_stop_steps`) are pure, in
+supervisor_rules.py; the `Supervisor` class does the process handling.
 """
 
 from __future__ import annotations
@@ -35,8 +41,29 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+from resilax_ckpt import kept
 from resilax_ckpt import trainer_control as tc
+from resilax_ckpt.kept_channel import Channel
+from resilax_ckpt.supervisor_rules import (
+    KILL,
+    STACKS,
+    TERM,
+    Action,
+    Exit,
+    Record,
+    Start,
+    Stop,
+    SupervisorSettings,
+    child_env,
+    decide,
+    due_stop_steps,
+    exit_code_of,
+)
+
+__all__ = ["KILL", "STACKS", "TERM", "Action", "Exit", "Record", "Start", "Stop", "Supervisor", "SupervisorSettings",
+           "child_env", "decide", "due_stop_steps", "exit_code_of", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -46,135 +73,6 @@ EXIT_SPAWN_FAILED = 127
 """Recorded as the exit code of a child that could not be started (the command is missing), as a shell does."""
 PR_SET_CHILD_SUBREAPER = 36
 USAGE = "usage: resilax run [--] COMMAND [ARGS...]"
-
-
-@dataclasses.dataclass(frozen=True)
-class SupervisorSettings:
-    control_dir: str | None
-    """`RESILAX_CONTROL_DIR`: where the control files live; None: no in-place control (plain init)."""
-    base_generation: int = 0
-    """`RESILAX_GENERATION` of the pod's environment: the generation of the first child."""
-    restart_grace_seconds: float = 5.0
-    """`RESILAX_RESTART_GRACE_SECONDS`: between a stop's SIGTERM and its SIGKILL."""
-    stacks_seconds: float = 2.0
-    """How long a stop with stacks waits for them before its SIGTERM."""
-    poll_seconds: float = 0.1
-    """How often the control files are read (signals wake the loop at once)."""
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> SupervisorSettings:
-        def number(name: str, default: float) -> float:
-            raw = env.get(name, "").strip()
-            try:
-                value = float(raw) if raw else default
-            except ValueError:
-                value = -1.0
-            if value < 0:
-                raise ValueError(f"{name}: {raw!r} is not allowed; allowed: a number of seconds >= 0")
-            return value
-
-        raw_gen = env.get("RESILAX_GENERATION", "").strip() or "0"
-        if not raw_gen.isdigit():
-            raise ValueError(f"RESILAX_GENERATION: {raw_gen!r} is not allowed; allowed: an integer >= 0")
-        return cls(control_dir=env.get("RESILAX_CONTROL_DIR", "").strip() or None, base_generation=int(raw_gen),
-                   restart_grace_seconds=number("RESILAX_RESTART_GRACE_SECONDS", 5.0))
-
-
-@dataclasses.dataclass(frozen=True)
-class Record:
-    """One incarnation, as written to `incarnation.json`."""
-
-    incarnation: int
-    generation: int
-    pid: int | None
-    state: str
-    started_at: float | None
-    finished_at: float | None = None
-    exit_code: int | None = None
-    signal: int | None = None
-    reason: str | None = None
-    """Why it was stopped (the stop request's reason), or why it could not run; None: it ended by itself."""
-
-    @property
-    def live(self) -> bool:
-        return self.state != tc.EXITED
-
-    def to_json(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
-
-
-# --- pure decisions ---
-
-@dataclasses.dataclass(frozen=True)
-class Start:
-    assignment: tc.Assignment
-    from_file: bool
-    """False: the pod's own environment (no overlay, RESILAX_GENERATION left as the pod has it)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Stop:
-    request: tc.StopRequest
-
-
-@dataclasses.dataclass(frozen=True)
-class Exit:
-    code: int
-
-
-Action = Start | Stop | Exit | None
-
-
-def decide(record: Record | None, newest_generation_run: int, terminating: bool,
-           stop: tc.StopRequest | None, assignment: tc.Assignment | None, from_file: bool) -> Action:
-    """What to do next. `record`: the current or last incarnation (None: none yet); `assignment`: the
-    newest of the pod's environment and `assignment.json`. Never a start while a child lives."""
-    if terminating:
-        if record is not None and record.live:
-            return None  # the signal was forwarded; wait for the child
-        return Exit(record.exit_code if record is not None and record.exit_code is not None
-                    else 128 + signal.SIGTERM)
-    if record is not None and record.live:
-        if record.state == tc.RUNNING and stop is not None and stop.generation > record.generation:
-            return Stop(stop)
-        return None
-    if record is not None and record.exit_code == 0 and record.reason is None:
-        return Exit(0)
-    if (assignment is not None and assignment.generation > newest_generation_run
-            and (stop is None or stop.generation <= assignment.generation)):
-        return Start(assignment, from_file)
-    return None
-
-
-STACKS, TERM, KILL = "stacks", "term", "kill"
-
-
-def due_stop_steps(elapsed: float, stacks: bool, stacks_seconds: float, grace_seconds: float) -> list[str]:
-    """The steps of a stop due `elapsed` seconds after it began, in order: stacks at once (if asked),
-    SIGTERM after the stacks' window, SIGKILL a grace later."""
-    due = [STACKS] if stacks else []
-    term_at = stacks_seconds if stacks else 0.0
-    if elapsed >= term_at:
-        due.append(TERM)
-    if elapsed >= term_at + grace_seconds:
-        due.append(KILL)
-    return due
-
-
-def child_env(base: Mapping[str, str], start: Start, incarnation: int) -> dict[str, str]:
-    """The pod's environment, overlaid by the assignment's, plus the incarnation (and its generation)."""
-    env = dict(base)
-    if start.from_file:
-        env.update(start.assignment.env)
-        env["RESILAX_GENERATION"] = str(start.assignment.generation)
-    env["RESILAX_INCARNATION"] = str(incarnation)
-    return env
-
-
-def exit_code_of(status: int) -> tuple[int, int | None]:
-    """A `waitpid` status to (exit code, signal): a signal n is 128+n, as a shell and the kubelet say."""
-    code = os.waitstatus_to_exitcode(status)
-    return (128 - code, -code) if code < 0 else (code, None)
 
 
 # --- process handling ---
@@ -230,6 +128,12 @@ class Supervisor:
         self._last_incarnation = 0
         self._explained: tuple[int, str] | None = None
         self._wake_r, self._wake_w = os.pipe()
+        self._channel: Channel | None = None  # to the current (or parked) trainer process
+        self._child_env: dict[str, str] = {}  # the environment of its current (or last) incarnation
+        self._parked: kept.Parked | None = None
+        self._left: kept.Refusal | None = None  # why the current process said it will not park
+        self._resuming: Start | None = None  # a kept incarnation whose process has not reopened its devices yet
+        self.restarts: dict[str, Any] = {"kept": 0, "fresh": {}}
 
     # signals wake the loop through a pipe; the handlers only record
     def _install_signals(self) -> None:
@@ -253,8 +157,10 @@ class Supervisor:
             self._reap()
             self._forward_termination()
             self._advance_stop()
+            self._read_channel()
             action = self._decide()
             if isinstance(action, Exit):
+                self._end_parked("the supervisor exits")
                 log.info("resilax run: exiting %d", action.code)
                 return action.code
             if isinstance(action, Start):
@@ -263,8 +169,9 @@ class Supervisor:
             if isinstance(action, Stop):
                 self._begin_stop(action.request)
                 continue
+            waits = [self._wake_r] + ([self._channel.fileno()] if self._channel and not self._channel.closed else [])
             with contextlib.suppress(InterruptedError):
-                select.select([self._wake_r], [], [], self.settings.poll_seconds)
+                select.select(waits, [], [], self.settings.poll_seconds)
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 512)
 
@@ -318,30 +225,136 @@ class Supervisor:
             tc.write_json(self.settings.control_dir, tc.INCARNATION_FILE, previous)
 
     def _write(self, record: Record) -> None:
+        record = dataclasses.replace(record, restarts=self.restarts)
         self.record = record
         if self.settings.control_dir is not None:
             tc.write_json(self.settings.control_dir, tc.INCARNATION_FILE, record.to_json())
 
     def _start(self, start: Start) -> None:
-        number = self._last_incarnation + 1
-        self._last_incarnation = number
-        generation = start.assignment.generation
-        self.newest_generation_run = generation
+        if self.record is not None:  # a restart: keep the trainer process where kept.decide_keep allows
+            refusal = kept.decide_keep(self._parked, child_env(self.env, start, self._last_incarnation + 1),
+                                       self.settings.keep, self._left)
+            if refusal is None:
+                self._resume(start)
+                return
+            self._count(refusal.key)
+            log.info("resilax run: generation %d gets a fresh trainer process (%s): %s", start.assignment.generation,
+                     refusal.key, refusal.message)
+            self._end_parked(refusal.message)
+        self._spawn(start)
+
+    def _begin_incarnation(self, start: Start) -> None:
+        self.newest_generation_run = start.assignment.generation
         self._child_status = None
         self._waiting_logged = False
         self._stop, self._stop_done = None, set()
+        self._left = None
+
+    def _spawn(self, start: Start, number: int | None = None) -> None:
+        """A fresh process for the incarnation (`number`: again for one whose kept restart failed)."""
+        if number is None:
+            self._last_incarnation += 1
+            number = self._last_incarnation
+        generation = start.assignment.generation
+        self._begin_incarnation(start)
+        if self._channel is not None:
+            self._channel.close()
+        channel, fd = Channel.open_pair()
         env = child_env(self.env, start, number)
+        env[kept.FD_ENV] = str(fd)
         try:
             pid = os.posix_spawnp(self.command[0], self.command, env, setpgroup=0)
         except OSError as e:
             log.error("resilax run: incarnation %d (generation %d) could not start %r: %s",
                       number, generation, self.command[0], e)
+            channel.close()
+            self._channel = None
             now = self.clock()
             self._write(Record(number, generation, None, tc.EXITED, now, now, EXIT_SPAWN_FAILED, None,
                                f"spawn_failed: {e.strerror or e}"))
             return
+        finally:
+            os.close(fd)
+        self._channel, self._child_env = channel, env
         log.info("resilax run: incarnation %d (generation %d) started, pid %d", number, generation, pid)
         self._write(Record(number, generation, pid, tc.RUNNING, self.clock()))
+
+    def _resume(self, start: Start) -> None:
+        """The next incarnation in the parked process: its whole environment over the channel."""
+        parked, self._parked = self._parked, None
+        assert parked is not None and self._channel is not None
+        self._last_incarnation += 1
+        number, generation = self._last_incarnation, start.assignment.generation
+        env = child_env(self.env, start, number)
+        self._begin_incarnation(start)
+        self._child_env = env
+        if not self._channel.send("resume", {"incarnation": number, "generation": generation, "env": env}):
+            log.warning("resilax run: the parked trainer process %d is gone; a fresh one", parked.pid)
+            self._count(kept.PARKED_DIED)
+            self._spawn(start, number)
+            return
+        self._resuming = start
+        log.info("resilax run: incarnation %d (generation %d) runs in the kept process %d", number, generation,
+                 parked.pid)
+        self._write(Record(number, generation, parked.pid, tc.RUNNING, self.clock(), kept=True))
+
+    def _count(self, key: str) -> None:
+        if key == "kept":
+            self.restarts["kept"] += 1
+        else:
+            fresh = self.restarts["fresh"]
+            fresh[key] = fresh.get(key, 0) + 1
+
+    def _read_channel(self) -> None:
+        """The current process's messages: parked, leaving, resumed (kept_channel.py)."""
+        if self._channel is None:
+            return
+        for kind, body in self._channel.poll():
+            record = self.record
+            if kind == "leaving":
+                key = body.get("key") if body.get("key") in kept.REASONS else kept.NOT_PARKED
+                self._left = kept.Refusal(str(key), str(body.get("message", "")))
+                log.info("resilax run: the trainer process will not be kept (%s): %s", key, self._left.message)
+            elif kind == "parked" and record is not None and record.live and record.pid is not None:
+                code = body.get("exit_code")
+                code = code if isinstance(code, int) else kept.EXIT_CODE_STOPPED
+                processes = body.get("processes")
+                self._parked = kept.Parked(record.pid, record.incarnation, record.generation, code,
+                                           processes if isinstance(processes, int) else 1, dict(self._child_env),
+                                           hang=bool(self._stop is not None and self._stop.stacks))
+                log.info("resilax run: incarnation %d (generation %d) returned %d and parked, pid %d (backends dropped)",
+                         record.incarnation, record.generation, code, record.pid)
+                self._write(dataclasses.replace(record, state=tc.EXITED, finished_at=self.clock(), exit_code=code,
+                                                parked=True))
+            elif kind == "resumed" and self._resuming is not None and record is not None:
+                self._resuming = None
+                self._count("kept")
+                log.info("resilax run: incarnation %d (generation %d) reopened its devices in the kept process %s",
+                         record.incarnation, record.generation, record.pid)
+                self._write(record)
+
+    def _end_parked(self, reason: str) -> None:
+        """End a parked process (asked to exit, killed after the restart grace) and reap it."""
+        parked, self._parked = self._parked, None
+        if parked is None:
+            return
+        if self._channel is not None:
+            self._channel.send("exit", {"reason": reason})
+        deadline = time.monotonic() + self.settings.restart_grace_seconds
+        while True:
+            try:
+                pid, _ = os.waitpid(parked.pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                _signal_quietly(os.killpg, parked.pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(parked.pid, 0)
+                break
+            time.sleep(0.02)
+        _signal_quietly(os.killpg, parked.pid, signal.SIGKILL)  # whatever it left in its group
 
     def _begin_stop(self, request: tc.StopRequest) -> None:
         assert self.record is not None
@@ -419,6 +432,21 @@ class Supervisor:
                 break
             if pid == 0:
                 break
+            if self._parked is not None and pid == self._parked.pid:
+                log.warning("resilax run: the parked trainer process %d ended (status %d)", pid, status)
+                self._parked, self._left = None, kept.Refusal(kept.PARKED_DIED, f"the parked process {pid} ended")
+                continue
+            record = self.record
+            if (self._resuming is not None and self._stop is None and record is not None and record.live
+                    and pid == record.pid):
+                start, self._resuming = self._resuming, None
+                why = self._left.message if self._left else f"its process ended (status {status})"
+                log.warning("resilax run: the kept restart of incarnation %d failed (%s); a fresh process",
+                            record.incarnation, why)
+                self._count(kept.KEPT_FAILED)
+                self.kill_leftovers()
+                self._spawn(start, record.incarnation)
+                continue
             if self.record is not None and pid == self.record.pid:
                 self._child_status = status
                 self.kill_leftovers()
