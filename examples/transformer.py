@@ -16,12 +16,14 @@ whatever mesh this generation has, save each step (the manager decides when), an
 One more, line 0, is optional: it starts the restore's reads before JAX is imported (the restore
 prefetch; line 1 starts it too, a little later), and the compile runs while the restore reads.
 The data is a pure function of the step, so the loss curve continues across generations and any lost
-step would show.
+step would show. `rc.run_kept(main)` runs it: under `resilax run`, a restart that changes nothing but the
+generation (one process, the same world) runs in this same process (docs/architecture.md, "Keep what can
+be kept"); elsewhere it is a plain call.
 
 `--report-startup` prints one more JSON line, {"startup": ...}, after the first step: the wall-clock
 time of each part of the start (interpreter, imports, opening the devices, trace and lower, compile or
 compilation-cache load, restore, host-to-device, first step), which bench/resilax_bench/restart.py
-collects.
+collects; in a kept process, the kept restart's parts instead of the interpreter's and the imports'.
 """
 
 from __future__ import annotations
@@ -98,11 +100,17 @@ class Marks:
     """Wall-clock times (time.time()) of the start's parts, by name; `--report-startup` prints them."""
 
     def __init__(self) -> None:
-        self.times: dict[str, float] = {"process_start": process_start_time(), "script_start": SCRIPT_START,
-                                        "line0_done": PREFETCH_STARTED, "imports_done": IMPORTS_DONE}
-        launched = os.environ.get("RESILAX_BENCH_LAUNCH_TIME", "").strip()
-        if launched:
-            self.times["launch"] = float(launched)
+        from resilax_ckpt.kept_trainer import last_restart
+
+        self.kept = last_restart()  # in a kept process, this incarnation starts at the resume
+        if self.kept is not None:
+            self.times: dict[str, float] = {**self.kept, "process_start": self.kept["resume_received"]}
+        else:
+            self.times = {"process_start": process_start_time(), "script_start": SCRIPT_START,
+                          "line0_done": PREFETCH_STARTED, "imports_done": IMPORTS_DONE}
+            launched = os.environ.get("RESILAX_BENCH_LAUNCH_TIME", "").strip()
+            if launched:
+                self.times["launch"] = float(launched)
         self._lock = threading.Lock()
 
     def mark(self, name: str) -> None:
@@ -467,15 +475,20 @@ def startup_report(cfg: ModelConfig, marks: Marks, restored: int | None, compile
                               "requests": COMPILATION_CACHE.requests, "hits": COMPILATION_CACHE.hits},
         "step_memory": memory,
         "prefetch": prefetch_report(marks),
+        "kept": marks.kept is not None, "pid": os.getpid(),
     }
 
 
 def prefetch_report(marks: Marks) -> dict[str, Any] | None:
     """The restore prefetch's own account (what it read, when, what the restore took), its read added
-    to the marks as prefetch_read_start / prefetch_read_done. None when none ran."""
-    if PREFETCH is None:
+    to the marks as prefetch_read_start / prefetch_read_done. None when none ran (line 0's; in a kept
+    process, the one rc.run_kept started)."""
+    from resilax_ckpt import prefetch
+
+    handle = prefetch.current()
+    if handle is None:
         return None
-    stats = PREFETCH.stats()
+    stats = handle.stats()
     if stats.get("started") is not None:
         marks.times["prefetch_read_start"] = float(stats["started"])
         if stats.get("read_seconds") is not None:
@@ -484,4 +497,4 @@ def prefetch_report(marks: Marks) -> dict[str, Any] | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(rc.run_kept(main))  # under `resilax run`, this process may run the next generation too

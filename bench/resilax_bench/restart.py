@@ -1,5 +1,5 @@
 """A trainer restart measured part by part (issue 38): ``python -m resilax_bench.restart [--preset tpu-v5e]
-[--workdir /dev/shm/resilax-restart] [--phases cold,warm,prefetch,inplace,restore,restore-overlap,prefetch-read,reopen]
+[--workdir /dev/shm/resilax-restart] [--phases cold,warm,kept,prefetch,inplace,restore,restore-overlap]
 [--json F]
 [--markdown F]`` (on the TPU host: ``bash bench/tpu/restart``).
 
@@ -11,6 +11,13 @@ its start. The parent passes its own launch time in ``RESILAX_BENCH_LAUNCH_TIME`
   few more steps and a forced save into a local tier on tmpfs (the save's time is reported too).
 * ``warm``: the cache now warm, nothing to restore (RESILAX_RESTORE_STEP=none): the floor of a
   restart of this model on this machine.
+* ``kept``: the trainer kept across a generation (`rc.run_kept`, docs/architecture.md "Keep what can be
+  kept"): incarnation 1 under the supervisor (`resilax run`) restores the cold phase's save as
+  ``prefetch`` does; after its first step a stop request and an assignment for generation 2: SIGTERM,
+  the final save, the entry's return, `jax.extend.backend.clear_backends()`, and incarnation 2 in the
+  SAME process: the new environment, the devices reopened, the compile (a cache load), the restore of
+  that save from the local tier, its first step. Its parts run from the stop request; its "launch"
+  is incarnation 2's start in the kept process (the resume).
 * ``prefetch``: warm cache, restore of the saved step from the local tier as the trainer does it by
   default: the restore prefetch (resilax_ckpt.start_prefetch, the trainer's line 0) reads the step into
   host memory from the script's first lines, under the imports and the devices' opening, and the
@@ -19,20 +26,23 @@ its start. The parent passes its own launch time in ``RESILAX_BENCH_LAUNCH_TIME`
 * ``inplace``: run with ``prefetch``: that phase's trainer is incarnation 1 under the supervisor
   (`resilax run`, its control files written here as the sidecar writes them in a pod); after its first
   step a stop request and an assignment for generation 2: SIGTERM, the trainer's final save, its exit,
-  incarnation 2 in the same "container", restored from that save, to its first step.
+  incarnation 2 in the same "container", restored from that save, to its first step. Keeping is off
+  here (RESILAX_KEEP_TRAINER=0): incarnation 2 is a fresh process.
 * ``restore``: the same restore without the prefetch (RESILAX_RESTORE_PREFETCH=0) and serial: restore,
   then compile (each part on its own).
 * ``restore-overlap``: without the prefetch, the compile in a thread while the restore reads.
-* ``prefetch-read``: as ``prefetch`` (no supervisor) with RESILAX_RESTORE_PREFETCH=read: the step read
-  ahead into host memory even where, on accelerators with the local tier on tmpfs, the default only
+* ``prefetch-read`` (only when named in --phases): as ``prefetch`` (no supervisor) with
+  RESILAX_RESTORE_PREFETCH=read: the step read ahead into host memory even where, on accelerators with the local tier on tmpfs, the default only
   faults the restore's host ring in (prefetch.PrefetchSettings.ring_only): the two side by side.
-* ``reopen``: can one process give its devices back and open them again (what keeping a trainer
+* ``reopen`` (only when named in --phases; ``kept`` measures it inside the trainer): can one process
+  give its devices back and open them again (what keeping a trainer
   process across a generation needs: `jax.extend.backend.clear_backends()`, then `jax.devices()`), and
   at what cost against the first open: a small probe, not the trainer (docs/architecture.md, "Keep
   what can be kept").
 
-The supervisor needs no sidecar and no socket (its control is files), so it runs on the TPU host too;
-each of its incarnations is still a fresh process (docs/architecture.md, "Keep what can be kept").
+The supervisor needs no sidecar and no network (its control is files, its channel to a kept trainer a
+Unix socket pair), so it runs on the TPU host too; each incarnation is a fresh process unless the
+trainer is kept (``kept``; docs/architecture.md, "Keep what can be kept").
 """
 
 from __future__ import annotations
@@ -52,8 +62,13 @@ from pathlib import Path
 from typing import Any
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformer.py"
-PHASES = ("cold", "warm", "prefetch", "inplace", "restore", "restore-overlap", "prefetch-read", "reopen")
+PHASES = ("cold", "warm", "kept", "prefetch", "inplace", "restore", "restore-overlap", "prefetch-read", "reopen")
 """In the order they run: the ones the issue's target needs first, should a time budget cut the run."""
+DEFAULT_PHASES = ("cold", "warm", "kept", "prefetch", "inplace", "restore", "restore-overlap")
+"""Without --phases: `prefetch-read` and `reopen` repeat what was measured on the chip (2026-12-06) and
+what `kept` measures inside the trainer; they run when named."""
+RESTARTS = ("kept", "prefetch", "inplace", "restore", "restore-overlap", "prefetch-read")
+"""The phases that restore: each compared with the warm start that does not."""
 TRAIN_STEPS = 3
 """Steps of the cold phase before its save (the restore phases restore this step and run one more)."""
 PHASE_TIMEOUT_S = 300
@@ -78,6 +93,13 @@ PARTS: tuple[tuple[str, str, str], ...] = (
     ("restore: host-to-device wait", "restore_returned", "restore_on_device"),
     ("first step", "ready", "first_step_done"),
     ("launch to first step done", "launch", "first_step_done"),
+    # a kept process (the `kept` phase): from the stop request, in the same process
+    ("kept: stop request to the entry's return (final save)", "stop_requested", "entry_returned"),
+    ("kept: drop the backends (clear_backends)", "entry_returned", "backends_dropped"),
+    ("kept: parked until the next incarnation's start", "backends_dropped", "resume_received"),
+    ("kept: new environment, restore prefetch started", "resume_received", "prefetch_started"),
+    ("kept: reopen the devices", "prefetch_started", "devices_reopened"),
+    ("kept: stop request to first step done", "stop_requested", "first_step_done"),
 )
 
 
@@ -135,7 +157,7 @@ def summarize(phases: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
                                          "first step"))
     out["warm_launch_to_first_step_s"] = by.get("launch to first step done")
     out["warm_open_compile_first_step_s"] = round(floor, 3)
-    for name in ("prefetch", "inplace", "restore", "restore-overlap", "prefetch-read"):
+    for name in RESTARTS:
         parts = phases.get(name, {}).get("parts")
         if not parts:
             continue
@@ -189,7 +211,14 @@ def build_markdown(result: Mapping[str, Any]) -> str:
                      f"process started {stop['request_to_new_process_s']:.2f} s (SIGTERM, the final save of step "
                      f"{stop['saved_step']} in {stop['final_save_s']} s, the old process's exit, the respawn) -> "
                      f"its first step {stop['request_to_first_step_s']:.2f} s")
-    for n in ("prefetch", "inplace", "restore", "restore-overlap", "prefetch-read"):
+    kept = phases.get("kept", {}).get("stop")
+    if kept and kept.get("request_to_first_step_s") is not None:
+        lines.append(f"\nKept restart (`rc.run_kept` under `resilax run`, the same process: "
+                     f"{phases['kept'].get('same_process')}): stop requested -> incarnation 2's start in the kept "
+                     f"process {kept['request_to_resume_s']:.2f} s (SIGTERM, the final save of step "
+                     f"{kept['saved_step']} in {kept['final_save_s']} s, clear_backends) -> its first step "
+                     f"{kept['request_to_first_step_s']:.2f} s")
+    for n in RESTARTS:
         if n in summary:
             s = summary[n]
             lines.append(f"\n{n}: launch to first step {s['launch_to_first_step_s']:.2f} s = "
@@ -297,7 +326,7 @@ def phase_env(phase: str, workdir: Path) -> dict[str, str]:
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
         "RESILAX_RESTORE_STEP": "none" if phase in ("cold", "warm") else "latest",
-        "RESILAX_RESTORE_PREFETCH": {"prefetch": "1", "inplace": "1", "prefetch-read": "read"}.get(phase, "0"),
+        "RESILAX_RESTORE_PREFETCH": {"prefetch": "1", "inplace": "1", "kept": "1", "prefetch-read": "read"}.get(phase, "0"),
         "RESILAX_EXIT_GRACE_SECONDS": "0",
     })
     # Only forced saves save: the cold phase's final one, a stop's (without a policy every save() would).
@@ -357,25 +386,29 @@ SUPERVISOR = "import sys; from resilax_ckpt.supervisor import main; sys.exit(mai
 """`resilax run` without the console script (the TPU host has the packages on PYTHONPATH only)."""
 
 
-def run_inplace(cmd: Sequence[str], workdir: Path, timeout: float) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_inplace(cmd: Sequence[str], workdir: Path, timeout: float,
+                keep: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """The prefetch phase as incarnation 1 under the supervisor (`resilax run`, which needs no sidecar:
     its control is files in RESILAX_CONTROL_DIR, which the sidecar writes in a pod and this bench writes
     here), then an in-place restart: once incarnation 1 reported its first step, a stop request and an
     assignment for generation 2 (the supervisor SIGTERMs it, the trainer saves and exits, the supervisor
     starts incarnation 2 in the same container), up to incarnation 2's first step; then the supervisor
-    and its child are killed. Returns (incarnation 1 as the `prefetch` phase, the `inplace` phase)."""
+    and its child are killed. Returns (incarnation 1 as the `prefetch` phase, the `inplace` phase).
+    `keep`: the `kept` phase instead: the supervisor may keep the trainer process (RESILAX_KEEP_TRAINER),
+    and incarnation 2 runs in incarnation 1's process."""
     import queue
     import threading
 
     from resilax_ckpt import trainer_control as tc
 
-    control = workdir / "control"
+    phase = "kept" if keep else "inplace"
+    control = workdir / f"control-{phase}"  # each supervisor its own: the files outlive it
     control.mkdir(parents=True, exist_ok=True)
-    env = phase_env("inplace", workdir)
-    env.update({"RESILAX_CONTROL_DIR": str(control), "RESILAX_GENERATION": "1",
+    env = phase_env(phase, workdir)
+    env.update({"RESILAX_CONTROL_DIR": str(control), "RESILAX_GENERATION": "1", "RESILAX_KEEP_TRAINER": str(int(keep)),
                 "RESILAX_RESTART_GRACE_SECONDS": str(int(timeout))})  # the stop's final save may finish
     env["RESILAX_BENCH_LAUNCH_TIME"] = repr(time.time())
-    stderr_path = workdir / "inplace.stderr"
+    stderr_path = workdir / f"{phase}.stderr"
     lines: queue.Queue[str | None] = queue.Queue()
     deadline = time.time() + timeout
     with stderr_path.open("w") as err, subprocess.Popen(
@@ -399,7 +432,7 @@ def run_inplace(cmd: Sequence[str], workdir: Path, timeout: float) -> tuple[dict
                 except queue.Empty:
                     line = None
                 if line is None or time.time() > deadline:
-                    raise RestartBenchError(f"phase inplace: no {what} (supervisor exit {proc.poll()}); stderr: "
+                    raise RestartBenchError(f"phase {phase}: no {what} (supervisor exit {proc.poll()}); stderr: "
                                             f"{stderr_path.read_text(errors='replace').strip()[-3000:]}")
                 records.extend(json_lines(line))
 
@@ -408,9 +441,10 @@ def run_inplace(cmd: Sequence[str], workdir: Path, timeout: float) -> tuple[dict
             until(lambda: any("startup" in r for r in records), "startup line of incarnation 1")
             first = list(records)
             stop_at = time.time()
-            # Incarnation 2's launch is its own process start (the supervisor spawns it), not the bench's.
+            # Incarnation 2's launch is its own process start (the supervisor spawns it), not the bench's;
+            # in a kept process, its resume (a variable that changed would make it a new world: not kept).
             tc.write_json(str(control), tc.ASSIGNMENT_FILE,
-                          {"generation": 2, "env": {"RESILAX_BENCH_LAUNCH_TIME": ""}})
+                          {"generation": 2, "env": {} if keep else {"RESILAX_BENCH_LAUNCH_TIME": ""}})
             tc.write_json(str(control), tc.STOP_FILE, {"generation": 2, "reason": "bench: in-place restart"})
             try:
                 until(lambda: sum("startup" in r for r in records) >= 2, "startup line of incarnation 2")
@@ -433,8 +467,20 @@ def run_inplace(cmd: Sequence[str], workdir: Path, timeout: float) -> tuple[dict
     if second_error is not None:
         return prefetch, {"command": prefetch["command"], "stop": stop, "error": second_error[-4000:]}
     own = [r for r in second if r.get("generation", 2) == 2]  # incarnation 1's steps after the stop left out
-    inplace = {"command": prefetch["command"], **outcome_of("inplace", own, stderr)}
+    inplace = {"command": prefetch["command"], **outcome_of(phase, own, stderr)}
     marks = inplace["startup"]["marks"]
+    if keep:
+        marks["stop_requested"] = stop_at
+        inplace["parts"] = plan_parts(marks)
+        inplace["overlaps"] = overlaps(inplace["parts"])
+        inplace["same_process"] = inplace["startup"].get("pid") == prefetch["startup"].get("pid")
+        inplace["restarts"] = incarnation.get("restarts")
+        inplace["stop"] = {**stop, "request_to_resume_s": round(marks["process_start"] - stop_at, 3),
+                           "request_to_first_step_s": round(marks["first_step_done"] - stop_at, 3)}
+        if not inplace["startup"].get("kept"):
+            inplace["error"] = ("incarnation 2 was not kept (a fresh process); the supervisor said: "
+                                + " | ".join(line for line in stderr.splitlines() if "resilax run:" in line)[-3000:])
+        return prefetch, inplace
     inplace["stop"] = {
         **stop,
         # the stop's request to the new incarnation's process start: SIGTERM, the final save, the old
@@ -462,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="cpu-tiny", help="examples/transformer.py's --preset")
     parser.add_argument("--workdir", default="/dev/shm/resilax-restart",
                         help="the local tier, persistent tier and compilation cache (emptied first)")
-    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
+    parser.add_argument("--phases", default=",".join(DEFAULT_PHASES),
+                        help=f"comma-separated, of {', '.join(PHASES)} (default: {', '.join(DEFAULT_PHASES)})")
     parser.add_argument("--steps", type=int, default=TRAIN_STEPS, help="steps of the cold phase before its save")
     parser.add_argument("--timeout", type=float, default=PHASE_TIMEOUT_S, help="seconds per phase")
     parser.add_argument("--json", help="write the raw result here")
@@ -510,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         for phase in (p for p in PHASES if p in wanted):
             elapsed = time.monotonic() - began
             needs = REOPEN_ESTIMATE_S if phase == "reopen" else max(longest, 15.0)
-            if phase == "prefetch" and "inplace" in wanted:
+            if phase == "kept" or (phase == "prefetch" and "inplace" in wanted):
                 needs *= 2.5  # incarnation 1, the stop's final save, incarnation 2
             if args.budget and phase != "cold" and elapsed + needs > args.budget:
                 why = f"time budget: {elapsed:.0f} s of --budget {args.budget:.0f} s spent"
@@ -526,6 +573,18 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             if phase == "inplace":
                 continue  # run with the prefetch phase (its incarnation 1)
+            if phase == "kept":
+                cmd = phase_command("inplace", args.preset, args.steps, args.trainer_args)
+                try:
+                    first, result["phases"]["kept"] = run_inplace(cmd, workdir, args.timeout, keep=True)
+                    result["phases"]["kept"]["first_incarnation"] = {k: first.get(k) for k in ("parts", "restored")}
+                except (RestartBenchError, subprocess.TimeoutExpired, OSError) as e:
+                    result["phases"]["kept"] = {"error": f"under the supervisor: {str(e)[-4000:]}"}
+                longest = max(longest, (time.monotonic() - started) / 2)
+                got = result["phases"]["kept"]
+                print(f"restart bench: kept: {got.get('stop', '')} {got.get('error', '')}", file=sys.stderr, flush=True)
+                write()
+                continue
             if phase == "prefetch" and "inplace" in wanted:
                 cmd = phase_command("inplace", args.preset, args.steps, args.trainer_args)
                 try:

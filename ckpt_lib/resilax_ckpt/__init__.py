@@ -45,6 +45,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from resilax_ckpt.items import PerProcess, UnsupportedLeafError
+    from resilax_ckpt.kept_trainer import run_kept
     from resilax_ckpt.manager import EXIT_CODE_STOPPED, CheckpointManager, restore, save
     from resilax_ckpt.multihost import (
         EXIT_CODE_PEER_LOST,
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
     )
     from resilax_ckpt.options import InvalidOptionsError, ManagerOptions
     from resilax_ckpt.orbax_import import restore_orbax
-    from resilax_ckpt.kept_trainer import run_kept
     from resilax_ckpt.prefetch import start_prefetch
     from resilax_ckpt.retention import InvalidMetricsError
     from resilax_ckpt.step_info import StepInfo

@@ -259,22 +259,25 @@ class Supervisor:
         self._begin_incarnation(start)
         if self._channel is not None:
             self._channel.close()
-        channel, fd = Channel.open_pair()
+        self._channel = None
         env = child_env(self.env, start, number)
-        env[kept.FD_ENV] = str(fd)
+        channel, fd = Channel.open_pair() if self.settings.keep else (None, -1)
+        if channel is not None:
+            env[kept.FD_ENV] = str(fd)
         try:
             pid = os.posix_spawnp(self.command[0], self.command, env, setpgroup=0)
         except OSError as e:
             log.error("resilax run: incarnation %d (generation %d) could not start %r: %s",
                       number, generation, self.command[0], e)
-            channel.close()
-            self._channel = None
+            if channel is not None:
+                channel.close()
             now = self.clock()
             self._write(Record(number, generation, None, tc.EXITED, now, now, EXIT_SPAWN_FAILED, None,
                                f"spawn_failed: {e.strerror or e}"))
             return
         finally:
-            os.close(fd)
+            if channel is not None:
+                os.close(fd)
         self._channel, self._child_env = channel, env
         log.info("resilax run: incarnation %d (generation %d) started, pid %d", number, generation, pid)
         self._write(Record(number, generation, pid, tc.RUNNING, self.clock()))

@@ -58,6 +58,23 @@ def test_the_summary_compares_a_restart_with_the_warm_start_that_restores_nothin
     assert "| launch to first step done | 12.00 | 13.00 |" in text
 
 
+def test_a_kept_restart_is_measured_from_the_stop_request_and_its_launch_is_the_resume_in_the_same_process() -> None:
+    kept = {"stop_requested": 50.0, "entry_returned": 51.0, "backends_dropped": 51.2, "resume_received": 51.3,
+            "prefetch_started": 51.4, "devices_reopened": 51.5, "process_start": 51.3, "devices_start": 51.6,
+            "devices_done": 51.6, "manager_done": 51.7, "lower_start": 51.7, "restore_start": 51.7, "lower_done": 52.0,
+            "restore_returned": 52.5, "restore_on_device": 52.6, "compile_done": 52.4, "first_step_done": 53.0}
+    parts = {p["part"]: p for p in restart.plan_parts(kept)}
+    assert parts["kept: stop request to the entry's return (final save)"]["seconds"] == pytest.approx(1.0)
+    assert parts["kept: drop the backends (clear_backends)"]["seconds"] == pytest.approx(0.2)
+    assert parts["kept: reopen the devices"]["seconds"] == pytest.approx(0.1)
+    assert parts["kept: stop request to first step done"]["seconds"] == pytest.approx(3.0)
+    assert parts["launch to first step done"]["seconds"] == pytest.approx(1.7)  # from the resume
+    assert parts["kept: drop the backends (clear_backends)"]["start_s"] == pytest.approx(-0.3)  # before the launch
+    warm = {p["part"]: p for p in restart.plan_parts(MARKS)}
+    summary = restart.summarize({"warm": {"parts": list(warm.values())}, "kept": {"parts": list(parts.values())}})
+    assert summary["kept"]["launch_to_first_step_s"] == pytest.approx(1.7)
+
+
 @pytest.mark.slow
 def test_the_tpu_script_runs_every_phase_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -71,34 +88,45 @@ def test_the_tpu_script_runs_every_phase_on_cpu(tmp_path: Path) -> None:
     result = json.loads((out / "restart-tpu.json").read_text())
     phases = result["phases"]
     assert result["environment"]["platform"] == "cpu"
-    for name in ("cold", "warm", "prefetch", "inplace", "restore", "restore-overlap", "prefetch-read"):
+    assert set(phases) == set(restart.DEFAULT_PHASES)
+    for name in restart.DEFAULT_PHASES:
         assert phases[name]["parts"], name
         marks = phases[name]["startup"]["marks"]  # incarnation 2's launch is its own process start
         assert marks["first_step_done"] > marks.get("launch", marks["process_start"]), name
     assert phases["cold"]["startup"]["compilation_cache"]["hits"] == 0
     assert phases["warm"]["startup"]["compilation_cache"]["hits"] > 0
-    # The prefetch phase restored the cold phase's save, as incarnation 1 under the supervisor; the stop's
-    # final save is what incarnation 2 and the later phases restore, each training one step past it.
-    assert phases["prefetch"]["restored"] == {"restored": restart.TRAIN_STEPS, "from": "local", "sources": None}
+    # The kept phase: incarnation 1 restored the cold phase's save; incarnation 2 ran in the same process
+    # and restored incarnation 1's final save from the local tier, one step past it.
+    kept = phases["kept"]
+    assert kept["first_incarnation"]["restored"] == {"restored": restart.TRAIN_STEPS, "from": "local", "sources": None}
+    assert kept["same_process"] is True and kept["startup"]["kept"] is True and "error" not in kept
+    assert kept["restarts"] == {"kept": 1, "fresh": {}}
+    kept_saved = kept["stop"]["saved_step"]
+    assert kept_saved > restart.TRAIN_STEPS
+    assert kept["restored"]["restored"] == kept_saved and kept["restored"]["from"] == "local"
+    assert [s["step"] for s in kept["steps"]] == [kept_saved + 1]
+    assert 0 < kept["stop"]["request_to_resume_s"] < kept["stop"]["request_to_first_step_s"]
+    # The prefetch phase restored that save, as incarnation 1 under the supervisor (keeping off); its
+    # stop's final save is what incarnation 2 (a fresh process) and the later phases restore.
+    assert phases["prefetch"]["restored"] == {"restored": kept_saved, "from": "local", "sources": None}
     assert phases["prefetch"]["under_supervisor"] is True
+    assert phases["inplace"]["startup"]["kept"] is False
+    assert phases["inplace"]["startup"]["pid"] != phases["prefetch"]["startup"]["pid"]
     saved = phases["inplace"]["stop"]["saved_step"]
-    assert saved > restart.TRAIN_STEPS
-    for name in ("inplace", "restore", "restore-overlap", "prefetch-read"):
+    assert saved > kept_saved
+    for name in ("inplace", "restore", "restore-overlap"):
         assert phases[name]["restored"]["restored"] == saved, name
         assert phases[name]["restored"]["from"] == "local", name
         assert [s["step"] for s in phases[name]["steps"]] == [saved + 1], name
     assert phases["restore"]["steps"] == phases["restore-overlap"]["steps"] == phases["inplace"]["steps"]
     assert phases["inplace"]["startup"]["marks"]["first_step_done"] > phases["inplace"]["stop"]["requested"]
     # The prefetch read the step before the devices opened and the restore took all of it; without it, none.
-    for name in ("prefetch", "inplace", "prefetch-read"):
+    for name in ("prefetch", "inplace", "kept"):
         prefetched = phases[name]["startup"]["prefetch"]
         assert prefetched["taken_leaves"] == prefetched["leaves"] > 0, (name, prefetched)
         marks = phases[name]["startup"]["marks"]
         assert marks["prefetch_read_start"] < marks["devices_start"], name
     assert phases["restore"]["startup"]["prefetch"] is None
-    # On CPU one process can give its devices back and open them again (the TPU run answers for the chip).
-    assert phases["reopen"]["reopened"] is True, phases["reopen"]
-    assert set(phases["reopen"]["seconds"]) >= {"first open", "clear_backends", "second open"}
     assert "| launch to first step done |" in (out / "restart-tpu.md").read_text()
     assert not (tmp_path / "w").exists()  # the tmpfs folder is not left behind
 
@@ -130,3 +158,11 @@ def test_the_tpu_script_spends_at_most_its_device_time_budget_and_runs_the_bench
         assert (given == 0) if most == 0 else (most - 10 <= given <= most), (budget, line)
         assert "--phases" not in line  # every phase, in restart.PHASES' order
     assert restart.PHASES.index("restore-overlap") < restart.PHASES.index("reopen")  # reopen is the one cut first
+
+
+@pytest.mark.slow
+def test_the_reopen_probe_gives_the_cpu_devices_back_and_opens_them_again() -> None:
+    """Not in the default phases any more (`kept` measures it inside the trainer); `--phases ...,reopen` runs it."""
+    probe = restart.run_reopen(120)
+    assert probe["reopened"] is True, probe
+    assert set(probe["seconds"]) >= {"first open", "clear_backends", "second open"}
