@@ -50,7 +50,8 @@ _last: dict[str, float] | None = None
 
 def last_restart() -> dict[str, float] | None:
     """Wall-clock times of this process's latest kept restart: `entry_returned`, `backends_dropped`,
-    `resume_received`, `prefetch_started`, `devices_reopened` (None: this incarnation is the process's first)."""
+    `resume_received`, `prefetch_started`, `devices_reopened`, and `live_arrays_at_drop` (a count: the
+    device arrays still referenced when the backends were dropped) (None: the process's first incarnation)."""
     return None if _last is None else dict(_last)
 
 
@@ -73,7 +74,7 @@ def run_kept(entry: Callable[[], int | None]) -> int:
         marks = {"entry_returned": time.time()}
         refusal = kept.decide_park(code, None, _process_count())
         if refusal is None:
-            refusal = _drop_backends()
+            refusal = _drop_backends(marks)
         if refusal is not None:
             log.info("resilax: the trainer process is not kept: %s", refusal.message)
             channel.send("leaving", {"key": refusal.key, "message": refusal.message})
@@ -107,7 +108,7 @@ def _process_count() -> int:
     return int(jax.process_count())
 
 
-def _drop_backends() -> kept.Refusal | None:
+def _drop_backends(marks: dict[str, float]) -> kept.Refusal | None:
     """Give every device back: nothing of the incarnation survives but host memory."""
     from resilax_ckpt import prefetch
 
@@ -120,6 +121,7 @@ def _drop_backends() -> kept.Refusal | None:
         from jax.extend.backend import clear_backends
 
         live = len(jax.live_arrays())
+        marks["live_arrays_at_drop"] = live
         if live:
             log.warning("resilax: %d device arrays of the incarnation are still referenced when its backends are "
                         "dropped (module globals?); they are unusable afterwards", live)

@@ -97,6 +97,7 @@ def test_a_kept_restart_keeps_the_process_restores_bit_exact_and_continues_the_s
     assert [s["kept"] for s in startups] == [False, True, False]
     assert startups[0]["pid"] == startups[1]["pid"] != startups[2]["pid"], "generation 2 ran in generation 1's process"
     assert startups[1]["compilation_cache"]["hits"] > startups[0]["compilation_cache"]["hits"]
+    assert startups[1]["marks"]["live_arrays_at_drop"] == 0, "generation 1's device arrays were all freed"
     # each later generation restored the stop's final save from the local tier, and went on from there
     assert [(r["generation"], r["from"]) for r in restores] == [(2, "local"), (3, "local")]
     assert restores[0]["restored"] == max(steps_of(1)) and restores[1]["restored"] == max(steps_of(2))
