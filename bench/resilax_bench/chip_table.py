@@ -22,6 +22,7 @@ ROWS = (
     ("cold_restore_s", "cold restore"),
     ("first_restore_s", "first restore of a fresh process"),
     ("rss_save_x", "peak host RSS during a save, x state"),
+    ("rss_save_own_x", "a save's own host memory (peak − RSS at save()), x state"),
     ("open_restore_s", "opening the library for a restore (fresh process, not in the rows above)"),
 )
 
