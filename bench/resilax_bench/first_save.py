@@ -8,6 +8,8 @@ compiled yet. resilax_ckpt compiles it ahead, in the background, when it first s
   ``cold``      the manager's first call is the saving one (the benchmark's save phase does this)
   ``skipped``   a training loop: ``save(1)`` is not due (``save_every_steps=2``), a 1 s step, ``save(2)``
   ``restored``  a recovering job: ``restore()`` of the previous round's step, a 1 s step, ``save()``
+  ``started``   a job started as Resilax's trainer starts (examples/transformer.py):
+                ``restore_step_from_env(target=...)`` finds nothing, 1 s of making the state, ``save()``
 
 and prints the median seconds the saving call blocked and the median durable time of that save.
 """
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import time
 
-MODES = ("cold", "skipped", "restored")
+MODES = ("cold", "skipped", "restored", "started")
 
 
 def child(mode: str, directory: str, size_gib: float) -> dict[str, float]:
@@ -41,6 +43,10 @@ def child(mode: str, directory: str, size_gib: float) -> dict[str, float]:
     with rc.CheckpointManager(directory, rc.ManagerOptions(save_every_steps=2, keep_last=1)) as mgr:
         if mode == "skipped":
             assert not mgr.save(1, items)
+            time.sleep(1.0)
+        elif mode == "started":
+            target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), items)
+            assert mgr.restore_step_from_env({}, target=target) is None
             time.sleep(1.0)
         elif mode == "restored":
             target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), items)

@@ -56,7 +56,7 @@ def test_quick_run_measures_or_names_each_library(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("resilax-bench-*")), "the run left its checkpoints behind"
 
 
-def test_first_save_tool_runs_its_three_cases(tmp_path: Path) -> None:
+def test_first_save_tool_runs_its_four_cases(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(BENCH))
     proc = subprocess.run(
         [sys.executable, "-m", "resilax_bench.first_save", "--rounds", "1", "--size-gib", "0.0625",
@@ -64,6 +64,6 @@ def test_first_save_tool_runs_its_three_cases(tmp_path: Path) -> None:
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for case in ("cold", "skipped", "restored"):
+    for case in ("cold", "skipped", "restored", "started"):
         assert f"  {case:9s} first save blocked " in proc.stdout, proc.stdout
     assert not list(tmp_path.iterdir()), "the run left its checkpoints behind"
