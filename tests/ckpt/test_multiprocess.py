@@ -3,6 +3,7 @@ with 4 x 2 and 1 x 8; per-process items; one agreed step for a save request."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -40,6 +41,22 @@ def test_save_2x4_restore_4x2_and_1x8(tmp_path, devices):
         assert out["params"][name].sharding == target["params"][name].sharding
         np.testing.assert_array_equal(np.asarray(out["params"][name]), value)
     assert out["data"] == {"process": 0, "step": 3} and out["meta"] == {"step": 3}
+
+
+def test_two_processes_store_column_major_leaves_alike_and_four_restore_them(tmp_path):
+    """Every process chooses the same order for the same array (host_layout.landing_order: the array's
+    layout, here forced by RESILAX_CKPT_FORCE_COLUMN_MAJOR on each), so the primary's metadata and
+    zarr.json describe every process's shard files; 4 processes restore them onto (2, 4) bit-exact."""
+    root = str(tmp_path / "ck")
+    run_processes({"scenario": "save", "root": root, "mesh": [4, 2], "steps": [4]}, num_processes=2,
+                  env={"RESILAX_CKPT_FORCE_COLUMN_MAJOR": "1"})
+    with open(os.path.join(root, "4", "_METADATA.json")) as f:
+        leaves = json.load(f)["items"]["params"]["leaves"]
+    assert {leaf["keystr"]: leaf.get("transpose") for leaf in leaves} == {"['w']": [1, 0], "['b']": None,
+                                                                          "['e']": [1, 0]}
+    four = run_processes({"scenario": "restore", "root": root, "mesh": [2, 4],
+                          "specs": {"w": ["b", "a"], "b": ["b"], "e": [None, "a"]}}, num_processes=4)
+    assert [r["step"] for r in four] == [4, 4, 4, 4]  # each checked its shards against the saved values
 
 
 @pytest.mark.parametrize("stop", [False, True], ids=["save", "save-and-stop"])
