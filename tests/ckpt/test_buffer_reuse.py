@@ -321,16 +321,18 @@ def test_save_host_transfers_reuse_their_host_buffers(tmp_path, devices):
 
 
 def test_save_staging_buffers_are_reused_by_later_saves(tmp_path, devices):
-    """The writes' staging buffers (direct I/O, non-contiguous data) come from one pool: once a save
-    ran, more saves allocate none."""
-    with rc.CheckpointManager(str(tmp_path)) as mgr:
-        mgr.save(1, _state(devices, 1))
-        mgr.wait()
-        after_first = staging.pool_allocations()
-        for step in range(2, 5):
+    """The writes' staging buffers (direct I/O, non-contiguous data) come from one pool: four saves of
+    eight direct chunk writes each (32 borrows) allocate at most one buffer per writer thread, however
+    many of those threads happened to write at once (once a save ran, later saves with more writes in
+    flight at once than it had may still add one: counting per save was flaky under load)."""
+    before = staging.pool_allocations()
+    opts = rc.ManagerOptions()
+    assert chunk_writer.use_direct_io(str(tmp_path), opts.direct_io), "no direct writes here: nothing borrowed"
+    with rc.CheckpointManager(str(tmp_path), opts) as mgr:
+        for step in range(1, 5):
             mgr.save(step, _state(devices, step))
         mgr.wait()
-    assert staging.pool_allocations() == after_first
+    assert staging.pool_allocations() - before <= opts.write_threads
 
 
 def test_save_writes_non_contiguous_data_without_a_whole_copy(tmp_path):
