@@ -375,6 +375,7 @@ def request_bounded(where: str, method: str, ip: str, port: int, path: str, body
     Raises SidecarError."""
     conn = http.client.HTTPConnection(ip, port, timeout=min(SIDECAR_CONNECT_SECONDS, deadline_seconds))
     expired = threading.Event()
+    began = time.monotonic()
 
     def expire() -> None:
         expired.set()
@@ -403,7 +404,8 @@ def request_bounded(where: str, method: str, ip: str, port: int, path: str, body
             raise TimeoutError("read")
         return int(response.status), data
     except (OSError, http.client.HTTPException, ValueError) as e:
-        if expired.is_set():
+        # the socket's own timeout (the deadline too) may fire before the watchdog thread got to run
+        if expired.is_set() or time.monotonic() - began >= deadline_seconds:
             raise SidecarError(f"{where}: no complete answer within {deadline_seconds:g} s") from e
         raise SidecarError(f"{where}: {e}") from e
     finally:

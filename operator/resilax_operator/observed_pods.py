@@ -118,6 +118,12 @@ class ObservedPod:
         """The trainer container has terminated (whatever the pod's phase)."""
         return self.exit_code is not None
 
+    @property
+    def trainer_never_started(self) -> bool:
+        """The trainer container has not run at all (the pod is unscheduled, its image or an init
+        container such as the health check has not let it start): no state of its own to save."""
+        return self.trainer_started_at is None and not self.trainer_running and self.exit_code is None
+
 
 def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
     """A worker pod as the API returns it → ObservedPod (None if it lacks the worker labels)."""

@@ -18,6 +18,7 @@ How each pod of a generation is deleted (`plan_delete`):
 | already Terminating                                      | left alone                                 |
 | NodeLoss, WorkerFailure, TrainerHung, or a worker exited 76 (a peer process gone): a surviving worker; Shrink (never all ran) | grace node_loss.SURVIVOR_GRACE_SECONDS (its final save cannot finish) |
 | its trainer exited, no local tier                        | grace TRAINER_GONE_GRACE_SECONDS           |
+| its trainer never started (unscheduled, a failed health check) | grace TRAINER_GONE_GRACE_SECONDS      |
 | planned teardown, its trainer still running              | not before teardownSince + STOPPING_TRAINER_WAIT_SECONDS |
 | TrainerHung, supervised (its stacks are dumped first)    | that grace, not before teardownSince + HANG_STACKS_SECONDS |
 | otherwise                                                | the pod's own grace (SIGTERM: the workers save) |
@@ -190,7 +191,9 @@ def plan_delete(observed: Observed, spec: JobSpec, generation: int, reason: str,
         grace = None
         if reason in PEER_GONE_KINDS or peer_gone:
             grace = node_loss.SURVIVOR_GRACE_SECONDS
-        elif spec.checkpoint.local is None and p.trainer_exited:
+        elif (spec.checkpoint.local is None and p.trainer_exited) or p.trainer_never_started:
+            # nothing of its own to save: its sidecar would wait out finalSave.timeoutSeconds for an answer
+            # no trainer gives (a failed health check held the next generation 300 s by default)
             grace = TRAINER_GONE_GRACE_SECONDS
         not_before = None
         if reason in PLANNED_KINDS and p.trainer_running and teardown_since is not None:

@@ -66,6 +66,14 @@ DELETE_CASES = {
     "stuck-terminating-forced": (st.PREEMPTION, {"deletion_timestamp": T0 - timedelta(seconds=400),
                                                  "deletion_grace_seconds": 330}, False, False, {"force": True}),
     "superseded-generation": ("superseded generation", {"trainer_running": True}, False, True, {}),
+    # a pod whose trainer never ran (its health check failed, it never got a node): nothing to save, and
+    # its sidecar would otherwise wait out finalSave.timeoutSeconds for a trainer that never answers
+    "trainer-never-started-short-grace": (st.POD_LOST, {"trainer_running": False, "trainer_started_at": None},
+                                          False, True, {"grace_seconds": 2}),
+    "planned-trainer-never-started-short-grace": (st.RESIZE, {"trainer_running": False, "trainer_started_at": None},
+                                                  False, True, {"grace_seconds": 2}),
+    "trainer-started-then-waiting-own-grace": (st.POD_LOST, {"trainer_running": False, "trainer_started_at": T0},
+                                               False, True, {}),
 }
 
 
