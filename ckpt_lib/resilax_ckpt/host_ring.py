@@ -112,6 +112,17 @@ DEFAULT_HOST_RING_BYTES = 512 << 20
 """ManagerOptions.restore_host_buffer_bytes's default."""
 
 
+def plan_ring_bytes(pieces: Sequence[int], host_buffer_bytes: int) -> int:
+    """The host ring a restore of leaves with these ring pieces uses (bytes; reader.read_leaves and the
+    prefetch's ring-only mode size it alike): `host_buffer_bytes`, or room for its two largest pieces
+    at once when that is bigger, so that a large leaf is read while the one before it is transferred
+    (with room for one, big leaves alternated between reading and transferring: 1.80 s of a 6.25 GiB
+    restore on a TPU v5e host, docs/benchmarks.md); never more than all pieces together (pure)."""
+    if not pieces:
+        return 0
+    return min(max(host_buffer_bytes, sum(sorted(pieces)[-2:])), sum(pieces))
+
+
 class HostRing:
     """One page-aligned region of host memory, lent out in pieces in allocation order and taken back
     in any order (a piece's space is free again once every older piece is back too)."""

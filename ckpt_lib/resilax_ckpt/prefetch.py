@@ -93,7 +93,7 @@ class PrefetchSettings:
     ring_only: bool = False
     """Accelerators expected (`accelerator_expected`) and RESILAX_RESTORE_PREFETCH not `read`: a step
     in a memory filesystem (tmpfs: the local tier) is not read ahead; the restore's host ring is
-    faulted in instead, sized for its largest leaf (`open_prefetch`). The restore then reads from
+    faulted in instead, sized as the restore sizes it (`host_ring.plan_ring_bytes`). The restore then reads from
     memory into memory already faulted in (~18 GB/s on the TPU test host) while the transfers run,
     where reading ahead needs the whole state in fresh memory (~1 s per GiB to fault in there, under
     gVisor: longer than the chip's start-up for a 6.25 GiB state)."""
@@ -245,9 +245,9 @@ def open_prefetch(settings: PrefetchSettings, on_event: read_ahead.EventHook | N
     ring_bytes = 0
     if (settings.ring_only and options.restore_host_buffer_bytes and step_storage.is_local
             and chunk_writer.filesystem_type(step_path) in ("tmpfs", "ramfs")):
-        # The restore's own sizing (reader.read_leaves): its set size, or its largest leaf when bigger.
+        # The restore's own sizing (reader.read_leaves): its set size, or its two largest leaves when bigger.
         pieces = [-(-r.nbytes // host_ring.DIRECT_ALIGN) * host_ring.DIRECT_ALIGN for r in reads]
-        ring_bytes = min(max(options.restore_host_buffer_bytes, *pieces), sum(pieces)) if pieces else 0
+        ring_bytes = host_ring.plan_ring_bytes(pieces, options.restore_host_buffer_bytes)
         log.info("restore prefetch: step %d is in memory (%s): the restore's host ring (%.0f MiB) is faulted "
                  "in instead of reading it ahead", step, step_path, ring_bytes / 2**20)
         fit = 0

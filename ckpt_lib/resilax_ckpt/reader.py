@@ -45,6 +45,7 @@ from resilax_ckpt.host_ring import (
     DEFAULT_HOST_RING_BYTES,
     HostLease,
     box_buffer,
+    plan_ring_bytes,
     populate_pages,
     reuses_host_buffers,
 )
@@ -291,8 +292,8 @@ def read_leaves(reads: list[LeafRead], step_path: str, backend: ChunkBackendRead
     MissingChunkError (a chunk file is missing), ChecksumMismatchError (a crc32c does not match),
     CorruptCheckpointError (a file is truncated or damaged), StorageError (reading failed).
     Leaves that `reuses_host_buffers(sharding, reuse_host_buffers)` are read into the process's host
-    ring of `host_buffer_bytes`, or of the largest such leaf's boxes when one is bigger (module
-    docstring); each leaf is put on its devices as soon as its reads are done, while later leaves are
+    ring of `host_buffer_bytes`, or of the two largest such leaves' boxes when bigger
+    (host_ring.plan_ring_bytes; module docstring); each leaf is put on its devices as soon as its reads are done, while later leaves are
     read. With `populate`, fresh box buffers are faulted in (host_ring.populate_pages) by the calling
     thread before their reads are queued (the restore prefetch: no page faults inside `read()`)."""
     total = sum(planning.box_size(tuple((0, d) for d in r.leaf.shape)) * np.dtype(r.leaf.dtype).itemsize
@@ -305,7 +306,7 @@ def read_leaves(reads: list[LeafRead], step_path: str, backend: ChunkBackendRead
     if ring_reads and host_buffer_bytes > 0:
         pieces = [sum(-(-planning.box_size(b) * np.dtype(r.leaf.dtype).itemsize // DIRECT_ALIGN) * DIRECT_ALIGN
                       for b in r.devices) for r in ring_reads]
-        lease = HostLease(sum(pieces), max(host_buffer_bytes, *pieces))
+        lease = HostLease(sum(pieces), plan_ring_bytes(pieces, host_buffer_bytes))
     in_ring = {id(r) for r in ring_reads}
     runner = backend.open_reader(reads, step_path, limit)
     limiter = InflightLimiter(limit)

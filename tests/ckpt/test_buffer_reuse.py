@@ -244,9 +244,51 @@ def test_restore_host_ring_is_held_by_one_restore_at_a_time():
     third.close([])
 
 
+@pytest.mark.parametrize(("pieces", "set_bytes", "ring"), [
+    ([], 512, 0),
+    ([100, 300, 200], 1000, 600),  # the set size, capped at the state
+    ([100, 300, 200], 400, 500),  # the two largest pieces, when bigger than the set size
+    ([100, 300, 200], 2000, 600),
+    ([800], 100, 800),  # one leaf: itself
+    ([800, 800, 800], 0, 1600),
+], ids=["none", "set-size-capped", "two-largest", "whole-state", "one-leaf", "three-equal"])
+def test_the_ring_holds_the_two_largest_leaves_when_they_are_bigger_than_its_set_size(pieces, set_bytes, ring):
+    assert host_ring.plan_ring_bytes(pieces, set_bytes) == ring
+
+
+def test_restore_reads_the_next_big_leaf_while_the_one_before_is_transferred(tmp_path, devices, monkeypatch):
+    """Ordering, not timing: with leaves bigger than the ring's set size, the second leaf gets its ring
+    piece before the restore waits for any transfer (the ring holds two leaves), where a ring of one
+    leaf made it wait for the first leaf's transfer first."""
+    host_ring.release_host_buffers()
+    events: list[str] = []
+    take, give_oldest = host_ring.HostLease.take, host_ring.HostLease.give_oldest
+
+    def logged_take(self, read, stored):
+        got = take(self, read, stored)
+        events.append(f"take {read.name} {got}")
+        return got
+
+    def logged_give_oldest(self):
+        events.append("wait for the oldest transfer")
+        return give_oldest(self)
+
+    monkeypatch.setattr(host_ring.HostLease, "take", logged_take)
+    monkeypatch.setattr(host_ring.HostLease, "give_oldest", logged_give_oldest)
+    with rc.CheckpointManager(str(tmp_path), ring_options(restore_host_buffer_bytes=4096)) as mgr:
+        state = {"layers": restore_state(1, devices)["layers"]}
+        mgr.save(1, state)
+        mgr.wait()
+        target = {"layers": restore_state(0, devices)["layers"]}
+        assert_same(mgr.restore(1, target), host_copy(state))
+    successes = [i for i, e in enumerate(events) if e.endswith("True")]
+    first_wait = events.index("wait for the oldest transfer")
+    assert len(successes) == 4 and successes[1] < first_wait, events  # two leaves in the ring before any wait
+
+
 def test_restore_leaf_bigger_than_the_ring_gets_a_ring_of_its_size_not_fresh_buffers(tmp_path, devices):
     """A ring set to one 4 KiB piece and leaves of 32 KiB pieces (8 boxes of 1 KiB, each page-rounded):
-    the ring grows to the largest leaf's piece, once, and every leaf streams through it (no fresh
+    the ring grows to the two largest leaves' pieces, once, and every leaf streams through it (no fresh
     buffer read into while the devices wait); the next restore allocates nothing."""
     host_ring.release_host_buffers()
     with rc.CheckpointManager(str(tmp_path), ring_options(restore_host_buffer_bytes=4096)) as mgr:
@@ -260,8 +302,8 @@ def test_restore_leaf_bigger_than_the_ring_gets_a_ring_of_its_size_not_fresh_buf
         before = host_ring.host_buffer_counts()
         assert_same(mgr.restore(1, target), expected)
         after = host_ring.host_buffer_counts()
-        assert (after["allocations"] - before["allocations"], after["bytes"] - before["bytes"]) == (1, 8 * 4096)
-        assert after["populated_bytes"] - before["populated_bytes"] == 8 * 4096  # faulted in before any read
+        assert (after["allocations"] - before["allocations"], after["bytes"] - before["bytes"]) == (1, 2 * 8 * 4096)
+        assert after["populated_bytes"] - before["populated_bytes"] == 2 * 8 * 4096  # faulted in before any read
         before = allocations()
         assert_same(mgr.restore(1, target), expected)
         assert allocations() == before

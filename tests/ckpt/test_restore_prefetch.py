@@ -453,7 +453,7 @@ def test_accelerator_expected_without_importing_jax(platforms, ring):
 def test_a_local_tier_in_memory_on_accelerators_warms_the_ring_instead_of_reading_ahead(devices):
     """The local tier on tmpfs with accelerators expected: nothing is read ahead (the state is in memory
     already); the prefetch thread faults in the host ring, sized as the restore sizes it (its set size
-    or the largest leaf when bigger), and the restore then reads through that ring, allocating nothing.
+    or the two largest leaves when bigger), and the restore then reads through that ring, allocating nothing.
     RESILAX_RESTORE_PREFETCH=read reads ahead as elsewhere."""
     from resilax_ckpt import host_ring
 
