@@ -154,10 +154,10 @@ class Supervisor:
         self._install_signals()
         self._recover_previous_record()
         while True:
+            self._read_channel()  # first: what a child said before it exited, or parked before a stop's SIGKILL
             self._reap()
             self._forward_termination()
             self._advance_stop()
-            self._read_channel()
             action = self._decide()
             if isinstance(action, Exit):
                 self._end_parked("the supervisor exits")
