@@ -321,8 +321,10 @@ def test_crd_upgrade_and_uninstall_with_live_jaxjobs_follow_the_docs_and_leave_n
         body["spec"]["slices"] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x4", "count": 1,
                                  "machineType": "ct5lp-hightpu-4t"}
         body["spec"].pop("elastic", None)
+        # finalSave 1 s: the sleeper never announces itself to its sidecar (no trainer.lock), so a sidecar
+        # told to stop waits this long for a final save nobody will answer before its pod goes
         body["spec"]["checkpoint"] = {"storage": str(tmp_path / name), "every": {"steps": 10},
-                                      "finalSave": {"timeoutSeconds": 10}}
+                                      "finalSave": {"timeoutSeconds": 1}}
         body["spec"]["template"] = {"spec": {"containers": [{
             "name": "trainer", "image": "resilax-worker:local",
             "command": [sys.executable, "-c", "import time; time.sleep(3600)"]}]}}

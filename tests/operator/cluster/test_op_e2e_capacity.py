@@ -140,6 +140,9 @@ def test_autoscaled_capacity_waits_then_runs_suspend_saves_and_resumes_then_shri
         assert pool_c in status["pools"], status
         wait_for(lambda: not probes(), timeout=60, interval=1, message=f"{name}: grow-back probe removed")
         assert "GrowBack" in jobs.event_reasons(name, "GrowBack")
+        # The grown-back generation trains. (Its trainers then hold their trainer.lock: deleted still
+        # starting, each new pod's sidecar would wait finalSave.timeoutSeconds for an answer.)
+        wait_for(lambda: jobs.losses(name, 5), timeout=600, interval=1, message=f"{name}: a step of generation 5")
     finally:
         with contextlib.suppress(KubeAPIError):
             jobs.delete(name)

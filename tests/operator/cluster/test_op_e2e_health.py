@@ -24,9 +24,15 @@ def test_a_node_that_fails_its_check_gets_no_trainer_of_the_new_generation(
         operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path: Path) -> None:
     name = unique_name("health")
     cluster.make_node_unhealthy(BAD_NODE, "matmul")  # the cluster fixture restores it after the test
+    # finalSave.timeoutSeconds 5: a pod whose check failed never starts its trainer, so its sidecar, told
+    # to stop, waits that long for a final save nobody will answer (no trainer.lock). The operator deletes
+    # such a pod with a 2 s grace, which a kubelet applies at once; the local cluster's node agent posts
+    # the failed init container only once it has stopped the sidecars, within the pod's own grace, so
+    # here generation 2 still waited 60 s for them (job_manifest's 60 s; measured on d456821).
     manifest = job_manifest(name, tmp_path / "ckpt", count=1, steps=100000, step_seconds=0.2,
                             recovery={"healthCheck": {"enabled": True, "timeoutSeconds": 90}},
-                            template=worker_template(steps=100000, step_seconds=0.2, devices=4))
+                            template=worker_template(steps=100000, step_seconds=0.2, devices=4),
+                            final_save_timeout=5)
     jobs.create(manifest)
     status = jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 900,
                               "generation 2 Running after the failed check")
