@@ -30,6 +30,7 @@ PULL_POLICIES: Final = ("Always", "IfNotPresent", "Never")
 INTEGER_BOUNDS: Final[dict[str, tuple[int, int | None]]] = {
     "sidecar_port": (1, 65535), "coordinator_port": (1, 65535), "megascale_port": (1, 65535),
     "node_loss_guard_percent": (0, 100), "reconcile_threads": (1, None), "max_hosts_per_job": (1, None),
+    "hang_floor_seconds": (10, None),
 }
 #: The port settings: check_ports names their problems (range, the TPU runtime's ports, clashes).
 PORT_SETTINGS: Final = ("sidecar_port", "coordinator_port", "megascale_port")
@@ -117,6 +118,10 @@ class OperatorSettings:
     peer_lost_timeout_seconds: int = 60
     """Workers that exited 76 (a peer process is gone) and no cause found this long after the first of
     them (no worker's node down, no worker failed on its own): the generation is replaced as a PodLost."""
+    hang_floor_seconds: int = 60
+    """The least automatic hang timeout (policies/hang.py; a job without `recovery.hangTimeoutSeconds`):
+    a training worker is hung after max(this, 10 x its p99 step time) without a step, one inside a save
+    after max(this, 5 x its p99 save blocking time) (>= 10, as hangTimeoutSeconds)."""
     straggler_window_seconds: int = 300
     """A worker whose own step time (its sidecar's `resilax_trainer_step_seconds`) stays >= 1.5x the
     median of the generation's hosts this long gets a `StragglerDetected` event (policies/straggler.py)."""

@@ -6,10 +6,11 @@ decides, for the workers of the running generation whose figures are of that gen
 
 | the worker's phase                      | no progress since            | allowance, automatic (`recovery.hangTimeoutSeconds` unset) |
 |-----------------------------------------|------------------------------|---------------------------------------------------|
-| `train`, after its warm-up (a p99 known) | it reached its last step     | max(60 s, 10 x the p99 time between steps)        |
-| `save` (a save blocks the loop)          | the save began               | max(60 s, 5 x the p99 save blocking time)         |
+| `train`, after its warm-up (a p99 known) | it reached its last step     | max(floor, 10 x the p99 time between steps)       |
+| `save` (a save blocks the loop)          | the save began               | max(floor, 5 x the p99 save blocking time)        |
 | `init`, `restore`, or `train` in warm-up | the phase began (or its last step) | max(300 s, 3 x the last restore's seconds)  |
 
+The floor is the operator's `hang_floor_seconds` (RESILAX_OPERATOR_HANG_FLOOR_SECONDS, default 60 s).
 Times count from no earlier than when every worker of the generation runs (waiting for the others, a
 generation still starting, is not a hang). An explicit `hangTimeoutSeconds` replaces the first two
 allowances and is the least of the third; 0 turns detection off.
@@ -40,9 +41,9 @@ from ..spec import HANG_DETECTION_OFF, JobSpec
 from ..status import JobStatus
 from . import Finding, Verdict
 
-TRAIN_FLOOR_SECONDS: Final = 60.0
+#: The default floor of the training and save allowances (OperatorSettings.hang_floor_seconds).
+FLOOR_SECONDS: Final = float(OperatorSettings.hang_floor_seconds)
 TRAIN_STEPS: Final = 10.0
-SAVE_FLOOR_SECONDS: Final = 60.0
 SAVE_TIMES: Final = 5.0
 START_FLOOR_SECONDS: Final = 300.0
 RESTORE_TIMES: Final = 3.0
@@ -59,23 +60,23 @@ class Stall:
     basis: str
 
 
-def allowance(spec: JobSpec, f: HostFigures) -> tuple[float | None, float, str]:
+def allowance(spec: JobSpec, f: HostFigures, floor: float = FLOOR_SECONDS) -> tuple[float | None, float, str]:
     """(no progress since when: epoch seconds or None, the allowance in seconds, how it was set) for one
-    worker's figures (module table)."""
+    worker's figures (module table), with `floor` the least automatic allowance in training and saves."""
     explicit = spec.recovery.hang_timeout_seconds
     if f.phase == "save" and (explicit or f.save_seconds_p99 is not None):
         if explicit:
             return f.phase_since, float(explicit), "recovery.hangTimeoutSeconds"
         assert f.save_seconds_p99 is not None
-        return f.phase_since, max(SAVE_FLOOR_SECONDS, SAVE_TIMES * f.save_seconds_p99), \
-            f"automatic: max({SAVE_FLOOR_SECONDS:g}s, {SAVE_TIMES:g} x p99 save {f.save_seconds_p99:.3g}s)"
+        return f.phase_since, max(floor, SAVE_TIMES * f.save_seconds_p99), \
+            f"automatic: max({floor:g}s, {SAVE_TIMES:g} x p99 save {f.save_seconds_p99:.3g}s)"
     if f.phase == "train" and (explicit or f.step_seconds_p99 is not None):
         since = f.step_time if f.step_time is not None else f.phase_since
         if explicit:
             return since, float(explicit), "recovery.hangTimeoutSeconds"
         assert f.step_seconds_p99 is not None
-        return since, max(TRAIN_FLOOR_SECONDS, TRAIN_STEPS * f.step_seconds_p99), \
-            f"automatic: max({TRAIN_FLOOR_SECONDS:g}s, {TRAIN_STEPS:g} x p99 step {f.step_seconds_p99:.3g}s)"
+        return since, max(floor, TRAIN_STEPS * f.step_seconds_p99), \
+            f"automatic: max({floor:g}s, {TRAIN_STEPS:g} x p99 step {f.step_seconds_p99:.3g}s)"
     since = max((t for t in (f.phase_since, f.step_time) if t is not None), default=None)
     start = max(START_FLOOR_SECONDS, RESTORE_TIMES * f.last_restore_seconds, float(explicit or 0))
     return since, start, (f"start-up or restore: max({START_FLOOR_SECONDS:g}s, {RESTORE_TIMES:g} x last restore "
@@ -107,8 +108,8 @@ def generation_figures(observed: Observed, s: JobStatus) -> dict[str, HostFigure
     return {pod: f for pod, f in observed.hosts.items() if pod in names and f.generation == s.generation}
 
 
-def decide(spec: JobSpec, observed: Observed, s: JobStatus) -> Stall | None:
-    """The hung worker, or None (not hung, detection off, not every worker running)."""
+def decide(spec: JobSpec, observed: Observed, s: JobStatus, floor: float = FLOOR_SECONDS) -> Stall | None:
+    """The hung worker, or None (not hung, detection off, not every worker running); `floor`: `allowance`."""
     if spec.recovery.hang_timeout_seconds == HANG_DETECTION_OFF or s.in_place is not None or s.transition is not None:
         return None
     running = all_running_since(observed, s)
@@ -118,7 +119,7 @@ def decide(spec: JobSpec, observed: Observed, s: JobStatus) -> Stall | None:
     figures = generation_figures(observed, s)
     stalls = []
     for pod, f in sorted(figures.items()):
-        since, timeout, basis = allowance(spec, f)
+        since, timeout, basis = allowance(spec, f, floor)
         if since is None:
             continue
         stalled = now - max(since, running)
@@ -150,7 +151,7 @@ def _when(t: float | None) -> str:
 
 def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings) -> Verdict:
     """In `reconcile.WATCH`, after worker_exit: a hung generation is replaced (`TrainerHung`)."""
-    stall = decide(spec, observed, s)
+    stall = decide(spec, observed, s, float(settings.hang_floor_seconds))
     if stall is None:
         return None
     f, now = stall.figures, observed.now.timestamp()

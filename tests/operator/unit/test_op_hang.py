@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from op_samples import good_spec
-from op_world import World, cpu_pool
+from op_world import SETTINGS, World, cpu_pool
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import StopTrainers
@@ -104,6 +104,26 @@ def test_decide(recovery: dict[str, Any], pod0: dict[str, Any], pod1: dict[str, 
     assert (stall.pod if stall else None) == named, stall
     if stall is not None:
         assert stall.basis == basis and stall.stalled_seconds >= stall.timeout_seconds
+
+
+def test_the_operators_floor_sets_the_least_automatic_allowance() -> None:
+    """OperatorSettings.hang_floor_seconds (RESILAX_OPERATOR_HANG_FLOOR_SECONDS) in place of 60 s, for
+    training and saves; an explicit hangTimeoutSeconds and the start-up allowance do not use it."""
+    w = _world()
+    _both(w, {"ago": 25}, {"ago": 25, "step": 49})
+    spec = validate_spec(w.spec, name="llama")
+    assert hang.decide(spec, w.observed(), w.status) is None  # 25 s < the default 60 s
+    stall = hang.decide(spec, w.observed(), w.status, floor=20.0)
+    assert stall is not None and stall.pod == POD1 and stall.timeout_seconds == 20, stall
+    assert stall.basis == "automatic: max(20s, 10 x p99 step 0.5s)"
+    verdict = hang.check(spec, w.observed(), w.status, replace(SETTINGS, hang_floor_seconds=20))
+    assert verdict is not None and "timeout 20s, automatic: max(20s" in verdict.message, verdict
+    assert hang.check(spec, w.observed(), w.status, SETTINGS) is None
+    w.hosts[POD0] = replace(w.hosts[POD0], phase="save", save_seconds_p99=2.0, phase_since=w.now.timestamp() - 25)
+    save = hang.allowance(spec, w.hosts[POD0], 20.0)
+    assert save[1:] == (20.0, "automatic: max(20s, 5 x p99 save 2s)"), save
+    start = hang.allowance(spec, replace(w.hosts[POD0], phase="restore"), 20.0)
+    assert start[1] == 300.0, start
 
 
 def test_a_save_past_5x_its_p99_is_a_hang() -> None:
