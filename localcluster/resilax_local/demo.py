@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 from resilax_operator import api
 
-from .demo_examples import EXAMPLES, use_example
+from .demo_examples import EXAMPLES, use_example, use_steps
 from .demo_outputs import render_plot, say, write_run_outputs
 from .processes import stop_process_group
 from .rbac import build_operator_rbac
@@ -78,9 +78,10 @@ class Demo:
     """One run of the demo in `run_dir`; `run()` drives it, `finish()` always runs afterwards."""
 
     def __init__(self, run_dir: Path, timeout: float, fault_step: int, keep: bool, dwell_steps: int = 30,
-                 example: str = "train") -> None:
+                 example: str = "train", steps: int | None = None) -> None:
         self.run_dir = run_dir
         self.example = example
+        self.steps = steps
         self.dwell_steps = dwell_steps
         self.keep = keep
         self.fault_step = fault_step
@@ -222,7 +223,7 @@ class Demo:
         job["spec"]["checkpoint"]["storage"] = str(ckpt)
         for container in job["spec"]["template"]["spec"]["containers"]:
             container["workingDir"] = str(FILES)  # the job's command runs examples/train.py
-            container["command"] = use_example(container["command"], self.example)
+            container["command"] = use_steps(use_example(container["command"], self.example), self.steps)
         (self.run_dir / "jaxjob.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
         say(f"\n==> applying {JOB_FILE.name} as {JOB_NAMESPACE}/{self.job_name} "
             f"(checkpoints in {ckpt})")
@@ -420,6 +421,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fault-step", type=int, default=25, help="kill the node once the job trained this step")
     parser.add_argument("--dwell-steps", type=int, default=30,
                         help="steps to train on the smaller shape before the node comes back")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps the job trains in all (default: the job file's, 300); the node must "
+                             "come back before the end, so leave room after --fault-step and --dwell-steps")
     parser.add_argument("--example", choices=sorted(EXAMPLES), default="train",
                         help="the job's training script: train (examples/train.py, a small MLP) or transformer "
                              "(examples/transformer.py, its cpu-tiny preset)")
@@ -432,6 +436,11 @@ RUN_DIR_MARKER = ".resilax-demo-run"
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.steps is not None and args.steps <= args.fault_step + args.dwell_steps:
+        print(f"resilax demo: --steps {args.steps} leaves no room for the story: allowed: more than --fault-step "
+              f"+ --dwell-steps ({args.fault_step} + {args.dwell_steps}), and enough past them for the grow-back",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="    %(message)s")
     from resilax_local.launch import isolation_problem
 
@@ -454,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (run_dir / RUN_DIR_MARKER).write_text("a resilax demo run folder; `resilax demo` may clear it\n")
     say(f"==> resilax demo: run folder {run_dir}")
     demo = Demo(run_dir, timeout=args.timeout, fault_step=args.fault_step, keep=args.keep,
-                dwell_steps=args.dwell_steps, example=args.example)
+                dwell_steps=args.dwell_steps, example=args.example, steps=args.steps)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from resilax_local import demo
-from resilax_local.demo_examples import use_example
+from resilax_local.demo_examples import use_example, use_steps
 from resilax_local.timeline import Fault, LossRecord, build_plot_data
 from resilax_operator.validation import validate_spec
 
@@ -50,6 +50,23 @@ def test_the_demo_can_run_the_transformer_instead() -> None:
         use_example(command, "mlp")
 
 
+def test_the_demo_can_train_fewer_steps() -> None:
+    job = yaml.safe_load(demo.JOB_FILE.read_text())
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--steps") + 1] == "300"
+    assert use_steps(command, None) == command
+    shorter = use_steps(use_example(command, "transformer"), 150)
+    assert shorter == [command[0], "examples/transformer.py", "--steps", "150", *command[command.index("--steps") + 2:]]
+    with pytest.raises(ValueError, match="has no --steps to replace"):
+        use_steps(["python", "examples/train.py"], 150)
+
+
+def test_too_few_steps_for_the_story_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main(["--steps", "55"]) == 2  # refused before any folder or cluster is made
+    err = capsys.readouterr().err
+    assert "--steps 55 leaves no room" in err and "more than --fault-step + --dwell-steps (25 + 30)" in err, err
+
+
 def test_demo_finds_the_chart_files() -> None:
     assert sorted(p.name for p in demo.CRD_DIR.glob("*.yaml")) == ["jaxjobs.resilax.dev.yaml", "kopf-peering.yaml"]
     rules = yaml.safe_load(demo.RULES_FILE.read_text())
@@ -57,11 +74,12 @@ def test_demo_finds_the_chart_files() -> None:
 
 
 @pytest.mark.parametrize(("argv", "want"), [
-    ([], {"keep": False, "timeout": 1200.0, "run_dir": None, "fault_step": 25, "dwell_steps": 30, "example": "train"}),
+    ([], {"keep": False, "timeout": 1200.0, "run_dir": None, "fault_step": 25, "dwell_steps": 30, "example": "train",
+          "steps": None}),
     (["--keep", "--timeout", "60", "--run-dir", "/tmp/x", "--fault-step", "5", "--dwell-steps", "3",
-      "--example", "transformer"],
+      "--example", "transformer", "--steps", "120"],
      {"keep": True, "timeout": 60.0, "run_dir": Path("/tmp/x"), "fault_step": 5, "dwell_steps": 3,
-      "example": "transformer"}),
+      "example": "transformer", "steps": 120}),
 ])
 def test_flags(argv: list[str], want: dict) -> None:
     assert vars(demo._parser().parse_args(argv)) == want
