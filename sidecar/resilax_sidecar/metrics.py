@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+from resilax_ckpt import kept
+from resilax_ckpt import trainer_control as tc
 from resilax_ckpt.trainer_metrics import read_trainer_figures
 
 SAVE_REASONS = ("manual", "preemption", "resize")
@@ -119,6 +121,7 @@ class SidecarMetrics:
     def export_trainer(self, control_dir: str) -> None:
         """Export the trainer's figures from `control_dir`/trainer.json at each scrape."""
         self.registry.register(TrainerCollector(control_dir))
+        self.registry.register(TrainerRestartsCollector(control_dir))
 
     def render(self) -> bytes:
         """The text exposition format, for /metrics."""
@@ -203,6 +206,34 @@ class TrainerCollector(Collector):
                 yield family
         except (TypeError, ValueError):
             return  # a malformed file: no trainer series this scrape
+
+
+class TrainerRestartsCollector(Collector):
+    """`resilax_trainer_restarts_total{kind,reason}` from the supervisor's incarnation.json (`restarts`):
+    restarts that kept the trainer process (`kind="kept"`) and fresh ones by kept.REASONS key; no series
+    without a supervisor (docs/architecture.md, "Keep what can be kept")."""
+
+    def __init__(self, control_dir: str) -> None:
+        self.control_dir = control_dir
+
+    def collect(self) -> Iterator[Metric]:
+        record = tc.read_incarnation(self.control_dir)
+        restarts = record.get("restarts") if record else None
+        if not isinstance(restarts, dict):
+            return
+        family = CounterMetricFamily(
+            "resilax_trainer_restarts",
+            "Restarts of the supervised trainer: kind kept (the same process ran the next incarnation) or fresh "
+            "(a new process; reason: why it was not kept).", labels=["kind", "reason"])
+        count = restarts.get("kept")
+        family.add_metric(["kept", ""], float(count) if isinstance(count, int) else 0.0)
+        raw = restarts.get("fresh")
+        fresh: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        for reason in kept.REASONS:  # bounded labels: only the known keys
+            value = fresh.get(reason)
+            if isinstance(value, int) and value > 0:
+                family.add_metric(["fresh", reason], float(value))
+        yield family
 
 
 class CompileCacheLog:

@@ -23,18 +23,20 @@ from resilax_sidecar import trainer_control as trainer
 from sidecar_harness import REPO, TOKEN, wait_until, write_local_step
 
 CHILD = REPO / "tests" / "ckpt" / "supervisor_child.py"
+KEPT_CHILD = REPO / "tests" / "ckpt" / "kept_child.py"
 RESILAX = Path(sys.executable).with_name("resilax")
 
 
 class Supervised:
     """`resilax run -- python supervisor_child.py <reports> cooperate 75` in the sidecar's control folder."""
 
-    def __init__(self, env: dict[str, str], tmp_path: Path) -> None:
+    def __init__(self, env: dict[str, str], tmp_path: Path, child: Path = CHILD,
+                 args: tuple[str, ...] = ("cooperate", "75")) -> None:
         self.reports = tmp_path / "reports"
         self.reports.mkdir()
         self._log = open(tmp_path / "supervisor.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [str(RESILAX), "run", "--", sys.executable, str(CHILD), str(self.reports), "cooperate", "75"],
+            [str(RESILAX), "run", "--", sys.executable, str(child), str(self.reports), *args],
             env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def child(self, number: int) -> dict[str, Any]:
@@ -54,11 +56,11 @@ class Supervised:
 
 
 @pytest.fixture
-def supervise(tmp_path: Path) -> Iterator[Callable[[dict[str, str]], Supervised]]:
+def supervise(tmp_path: Path) -> Iterator[Callable[..., Supervised]]:
     started: list[Supervised] = []
 
-    def start(env: dict[str, str]) -> Supervised:
-        started.append(Supervised(env, tmp_path))
+    def start(env: dict[str, str], **kw: Any) -> Supervised:
+        started.append(Supervised(env, tmp_path, **kw))
         return started[-1]
 
     yield start
@@ -145,6 +147,41 @@ def test_stop_and_start_restart_the_trainer_in_place_with_the_new_generation(
     again = start_sidecar(env)
     state = again.get("/v1/state").body
     assert (state["generation"], state["process_id"], state["num_processes"]) == (4, 1, 2)
+
+
+def test_a_kept_trainer_parks_on_a_stop_and_the_start_runs_it_again_in_the_same_process_counted_in_metrics(
+        sidecar_env: dict[str, str], start_sidecar: Any, supervise: Any) -> None:
+    """tests/ckpt/kept_child.py runs its entry point under rc.run_kept: a stop parks it (exited, parked,
+    not ready), a start of the next generation with only generation variables runs it in the same process;
+    one with another world is a fresh process. `resilax_trainer_restarts_total` counts both kinds."""
+    env = {**sidecar_env, "RESILAX_GENERATION": "3"}
+    sidecar = start_sidecar(env)
+    supervised = supervise(env, child=KEPT_CHILD, args=("cooperate",))
+    first = supervised.child(1)
+    assert sidecar.post("/v1/trainer/stop", {"generation": 4, "reason": "Rollback"}, token=TOKEN).status == 202
+    parked = _state_where(sidecar, "incarnation 1 parked", lambda s: _process(s).get("state") == "exited")
+    assert (parked["trainer_process"]["exit_code"], parked["trainer_process"]["parked"]) == (75, True)
+    assert sidecar.get("/v1/trainer/ready").status == 503
+    start4 = {"generation": 4, "env": {"RESILAX_RESTORE_STEP": "7"}}
+    assert sidecar.post("/v1/trainer/start", start4, token=TOKEN).status == 202
+    state = _state_where(sidecar, "incarnation 2 running", lambda s: _process(s).get("incarnation") == 2
+                         and _process(s).get("state") == "running")
+    assert state["trainer_process"]["kept"] is True and state["trainer_process"]["pid"] == first["pid"]
+    second = supervised.child(2)
+    assert second["pid"] == first["pid"]
+    assert (second["env"]["RESILAX_GENERATION"], second["env"]["RESILAX_RESTORE_STEP"]) == ("4", "7")
+    wait_until(lambda: sidecar.get("/v1/trainer/ready").status == 200, 60, "the kept incarnation ready")
+    wait_until(lambda: sidecar.metric("resilax_trainer_restarts_total", 'kind="kept",reason=""') == 1, 60,
+               "the kept restart counted")
+    # another world (a process id and count): a fresh process, counted with its reason
+    assert sidecar.post("/v1/trainer/stop", {"generation": 5}, token=TOKEN).status == 202
+    _state_where(sidecar, "incarnation 2 parked", lambda s: _process(s).get("state") == "exited")
+    start5 = {"generation": 5, "env": {"JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2"}}
+    assert sidecar.post("/v1/trainer/start", start5, token=TOKEN).status == 202
+    assert supervised.child(3)["pid"] != first["pid"]
+    wait_until(lambda: sidecar.metric("resilax_trainer_restarts_total", 'kind="fresh",reason="world_changed"') == 1,
+               60, "the fresh restart counted")
+    assert sidecar.metric("resilax_trainer_restarts_total", 'kind="kept",reason=""') == 1
 
 
 def test_an_old_generations_local_step_uploads_as_the_process_that_saved_it(
