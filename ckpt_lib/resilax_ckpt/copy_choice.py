@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.backend import register_backend_cache
 
 ON_DEVICE, HOST_TRANSFER = "on_device", "host_transfer"
 """The paths of `ManagerOptions.device_copy` (options.DEVICE_COPY_MODES, with "auto")."""
@@ -139,3 +140,7 @@ def copy_need(groups: list[list[jax.Array]]) -> tuple[dict[Any, int], dict[Any, 
 def _shard_bytes(sharding: Any, shape: tuple[int, ...], itemsize: int) -> tuple[int, tuple[Any, ...]]:
     """The bytes of one shard of an array of `shape` and `sharding`, and the devices here holding one."""
     return int(np.prod(sharding.shard_shape(shape))) * itemsize, tuple(sharding.addressable_devices)
+
+
+# Its keys hold shardings, so devices: emptied with the backends (jax.extend.backend.clear_backends).
+register_backend_cache(_shard_bytes, "resilax_ckpt shard sizes")

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.backend import register_backend_cache
 
 from resilax_ckpt import staging
 from resilax_ckpt.copy_choice import (
@@ -421,9 +422,23 @@ def compile_copies_quietly(signature: list[list[jax.ShapeDtypeStruct]]) -> None:
         log.warning("compiling the snapshot copy ahead failed (the first save will compile it): %s", e)
 
 
-_COMPILED: dict[tuple[Any, ...], Any] = {}
+class _Executables(dict[tuple[Any, ...], Any]):
+    """A dict JAX empties with its backends (`cache_clear`, registered below; hashable by identity, as
+    JAX's registry of caches is a WeakKeyDictionary)."""
+
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
+    def cache_clear(self) -> None:
+        self.clear()
+
+
+_COMPILED: _Executables = _Executables()
 """The argument signatures (`_group_key`) of the on-device copies compiled in this process: to the
-executable `compile_copies` made ahead, or None (compiled by jit at a save)."""
+executable `compile_copies` made ahead, or None (compiled by jit at a save). Emptied, with the other
+caches here that hold devices (through shardings), by `jax.extend.backend.clear_backends()`: an
+executable of the old backend must never take the new one's arrays, nor keep its client alive (a
+trainer kept across a generation drops its backends: kept_trainer.py)."""
+register_backend_cache(_COMPILED, "resilax_ckpt on-device copies compiled ahead")
 
 
 def _group_key(group: list[Any]) -> tuple[Any, ...]:
@@ -443,3 +458,7 @@ def _sharding_key(sharding: Any, ndim: int) -> Any:
         return (str(sharding._to_xla_hlo_sharding(ndim)), devices, sharding.memory_kind)
     except Exception:
         return sharding
+
+
+register_backend_cache(_row_major_copy, "resilax_ckpt row-major copies")
+register_backend_cache(_sharding_key, "resilax_ckpt sharding keys")

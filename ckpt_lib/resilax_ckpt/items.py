@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.backend import register_backend_cache
 
 from resilax_ckpt import (
     checksums,
@@ -328,3 +329,7 @@ def match_target(step: int, item: str, meta: ItemMetadata, target: Any) -> tuple
             f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}; the checkpoint has: {have}"
         )
     return matched, treedef
+
+
+# Its keys hold shardings, so devices: emptied with the backends (jax.extend.backend.clear_backends).
+register_backend_cache(_chunk_shape, "resilax_ckpt chunk shapes")

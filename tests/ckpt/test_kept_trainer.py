@@ -249,3 +249,38 @@ def test_sigterm_to_the_supervisor_ends_a_parked_process(start: Callable[..., Ru
     run.proc.send_signal(signal.SIGTERM)
     assert run.proc.wait(timeout=DEADLINE) == 75, run.log()
     assert not _exists(first["pid"])
+
+
+CACHES_PROBE = """
+import json
+import jax
+import numpy as np
+from jax.extend.backend import clear_backends
+from jax.sharding import NamedSharding, PartitionSpec as P
+from resilax_ckpt import copy_choice, device_snapshot, items
+
+sharding = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("a",)), P("a"))
+device_snapshot._sharding_key(sharding, 1)
+copy_choice._shard_bytes(sharding, (4,), 4)
+items._chunk_shape(sharding, (4,))
+device_snapshot._COMPILED[("a signature",)] = None
+
+def sizes():
+    return [device_snapshot._sharding_key.cache_info().currsize, copy_choice._shard_bytes.cache_info().currsize,
+            items._chunk_shape.cache_info().currsize, len(device_snapshot._COMPILED)]
+
+before = sizes()
+clear_backends()
+print(json.dumps({"before": before, "after": sizes()}))
+"""
+
+
+def test_dropping_the_backends_empties_the_librarys_caches_of_devices_and_executables() -> None:
+    """What a kept process must not carry into the next incarnation: executables compiled ahead for the
+    old backend (they would be called with the new one's arrays) and shardings (their devices keep the
+    old client alive). `jax.extend.backend.clear_backends` empties them (registered backend caches)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", CACHES_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(n >= 1 for n in result["before"]) and result["after"] == [0, 0, 0, 0], result
