@@ -5,7 +5,8 @@
   charts/resilax/files/operator-rules.yaml (exactly the chart's rules, not admin), a KopfPeering, and a
   kubeconfig with that ServiceAccount's token.
 - `operator` (function): `resilax operator --namespace <ns> --peering <name>` as a separate process
-  with that kubeconfig; `.restart()`, `.kill()`; stopped (and its log printed on failure) at teardown.
+  with that kubeconfig; `.restart()`, `.kill()`; stopped (and its log printed on failure) at teardown,
+  after the test's JAXJobs and then their pods were deleted (the pods with a 1 s grace: `_delete_jobs`).
   A test whose jobs got a `TrainerHung` event fails at teardown unless it is marked `expects_hang`: every
   end-to-end flow checks that a healthy job is never taken for hung.
 - `jobs` (function): helpers to create/read JAXJobs and read the workers' loss logs.
@@ -102,6 +103,9 @@ def _hang_events(request: pytest.FixtureRequest, namespace: str) -> list[str]:
 
 
 def _delete_jobs(request: pytest.FixtureRequest, namespace: str, restart: OperatorProcess | None) -> None:
+    """Delete the test's JAXJobs, then their pods with a 1 s grace: the test is over, so no trainer's
+    final save and no sidecar's upload on SIGTERM is waited for (up to the pods' grace, finalSave plus
+    30 s; the garbage collector would delete them with it). Each pod still ends as a kubelet ends one."""
     kube: KubeClient = request.getfixturevalue("kube")
     if restart is not None:
         restart.start()
@@ -109,6 +113,10 @@ def _delete_jobs(request: pytest.FixtureRequest, namespace: str, restart: Operat
         for job in kube.get(jobs_path(namespace))["items"]:
             with contextlib.suppress(KubeAPIError):
                 kube.delete(jobs_path(namespace, job["metadata"]["name"]))
+    with contextlib.suppress(KubeAPIError):
+        for pod in kube.get(f"/api/v1/namespaces/{namespace}/pods")["items"]:
+            with contextlib.suppress(KubeAPIError):
+                kube.delete(f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}", {"gracePeriodSeconds": 1})
     with contextlib.suppress(TimeoutError):
         wait_for(lambda: not kube.get(jobs_path(namespace))["items"]
                  and not kube.get(f"/api/v1/namespaces/{namespace}/pods")["items"], timeout=180,
