@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 from resilax_operator import api
 
-from .demo_examples import EXAMPLES, use_example, use_steps
+from .demo_examples import EXAMPLES, prepare_job, steps_problem
 from .demo_outputs import render_plot, say, write_run_outputs
 from .processes import stop_process_group
 from .rbac import build_operator_rbac
@@ -215,15 +215,11 @@ class Demo:
         self.note("setup", f"operator started (pid {self.operator.pid}, ServiceAccount {OPERATOR_NAME})")
 
     def apply_job(self) -> None:
-        job = yaml.safe_load(JOB_FILE.read_text())
-        self.job_name = job["metadata"]["name"]
         ckpt = self.run_dir / "ckpt"
         ckpt.mkdir(parents=True, exist_ok=True)
-        job["metadata"]["namespace"] = JOB_NAMESPACE
-        job["spec"]["checkpoint"]["storage"] = str(ckpt)
-        for container in job["spec"]["template"]["spec"]["containers"]:
-            container["workingDir"] = str(FILES)  # the job's command runs examples/train.py
-            container["command"] = use_steps(use_example(container["command"], self.example), self.steps)
+        job = prepare_job(yaml.safe_load(JOB_FILE.read_text()), JOB_NAMESPACE, str(ckpt), str(FILES), self.example,
+                          self.steps)
+        self.job_name = job["metadata"]["name"]
         (self.run_dir / "jaxjob.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
         say(f"\n==> applying {JOB_FILE.name} as {JOB_NAMESPACE}/{self.job_name} "
             f"(checkpoints in {ckpt})")
@@ -421,9 +417,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fault-step", type=int, default=25, help="kill the node once the job trained this step")
     parser.add_argument("--dwell-steps", type=int, default=30,
                         help="steps to train on the smaller shape before the node comes back")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="steps the job trains in all (default: the job file's, 300); the node must "
-                             "come back before the end, so leave room after --fault-step and --dwell-steps")
+    parser.add_argument("--steps", type=int, default=None, help="steps the job trains (default: the job "
+                        "file's 300); leave room for the story after --fault-step and --dwell-steps")
     parser.add_argument("--example", choices=sorted(EXAMPLES), default="train",
                         help="the job's training script: train (examples/train.py, a small MLP) or transformer "
                              "(examples/transformer.py, its cpu-tiny preset)")
@@ -436,10 +431,9 @@ RUN_DIR_MARKER = ".resilax-demo-run"
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.steps is not None and args.steps <= args.fault_step + args.dwell_steps:
-        print(f"resilax demo: --steps {args.steps} leaves no room for the story: allowed: more than --fault-step "
-              f"+ --dwell-steps ({args.fault_step} + {args.dwell_steps}), and enough past them for the grow-back",
-              file=sys.stderr)
+    problem = steps_problem(args.steps, args.fault_step, args.dwell_steps)
+    if problem is not None:
+        print(f"resilax demo: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="    %(message)s")
     from resilax_local.launch import isolation_problem

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from resilax_local import demo
-from resilax_local.demo_examples import use_example, use_steps
+from resilax_local.demo_examples import prepare_job, use_example, use_steps
 from resilax_local.timeline import Fault, LossRecord, build_plot_data
 from resilax_operator.validation import validate_spec
 
@@ -59,6 +59,14 @@ def test_the_demo_can_train_fewer_steps() -> None:
     assert shorter == [command[0], "examples/transformer.py", "--steps", "150", *command[command.index("--steps") + 2:]]
     with pytest.raises(ValueError, match="has no --steps to replace"):
         use_steps(["python", "examples/train.py"], 150)
+
+
+def test_the_job_is_prepared_to_run_here() -> None:
+    job = prepare_job(yaml.safe_load(demo.JOB_FILE.read_text()), "ns", "/tmp/ckpt", "/files", "train", 160)
+    assert job["metadata"]["namespace"] == "ns" and job["spec"]["checkpoint"]["storage"] == "/tmp/ckpt"
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["workingDir"] == "/files"
+    assert container["command"][:4] == ["python", "examples/train.py", "--steps", "160"], container["command"]
 
 
 def test_too_few_steps_for_the_story_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
