@@ -207,6 +207,7 @@ class GoodputRun(Demo):
             f"{sum(f.kind != RESTORE for f in schedule)} faults")
         self.client.create(self.job_path(collection=True), job)
         self.variant_start = start = time.time()
+        load = [os.getloadavg()[0]]  # the machine's own load shapes a CPU run's start-ups: recorded with it
         pending = list(schedule)
         victims: dict[int, str] = {}
         while time.time() < start + duration:
@@ -215,6 +216,8 @@ class GoodputRun(Demo):
                 self.observe_pods()
             while pending and time.time() >= start + pending[0].at:
                 self.apply_fault(pending.pop(0), victims)
+            if time.time() >= start + 60 * len(load):
+                load.append(os.getloadavg()[0])
             time.sleep(1.0)
         end = time.time()
         with contextlib.suppress(Exception):
@@ -224,7 +227,9 @@ class GoodputRun(Demo):
         result = compute_goodput(self.records, self.faults, start, end, marks)
         self.save_variant(variant, start, end, marks)
         self.teardown_variant()
-        return summarize(variant, result, self.faults, start, marks, self.records)
+        return {**summarize(variant, result, self.faults, start, marks, self.records),
+                "load_1min": {"median": round(sorted(load)[len(load) // 2], 2), "max": round(max(load), 2),
+                              "samples": len(load)}}
 
     def save_variant(self, variant: str, start: float, end: float, marks: dict[int, GenerationMarks]) -> None:
         out = self.run_dir / variant
@@ -304,6 +309,8 @@ def render_table(result: dict[str, Any]) -> str:
     row("generations", [str(r["generations"]) for r in rows])
     row("hard fault → next generation's first step", [", ".join(_recovery_cell(x) for x in r.get("recoveries", []))
                                                        or "–" for r in rows])
+    row("machine load (1-min average: median, max)", [f"{r['load_1min']['median']:.1f}, {r['load_1min']['max']:.1f}"
+                                                        if r.get("load_1min") else "–" for r in rows])
     row("faults applied", [", ".join(f"{f['kind']}@{f['at']:.0f}s" for f in r["faults"]) or "-" for r in rows])
     return "\n".join(lines)
 

@@ -308,6 +308,9 @@ def test_a_saved_variant_is_computed_again_with_the_reactions_found_again(tmp_pa
     assert out["recoveries"] == [{"at": 22.5, "kind": KILL, "seconds": 12.5, "devices": 8, "full": 8}]
     table = render_table({"variants": [out]})
     assert "| hard fault → next generation's first step | @22s: 12.5 s at 8/8 devices |" in table
+    assert "| machine load (1-min average: median, max) | – |" in table  # a saved run has none recorded
+    loaded = render_table({"variants": [{**out, "load_1min": {"median": 12.04, "max": 28.3, "samples": 21}}]})
+    assert "| machine load (1-min average: median, max) | 12.0, 28.3 |" in loaded
 
 
 def test_a_generation_started_in_place_counts_its_kept_pods_from_its_restart() -> None:
