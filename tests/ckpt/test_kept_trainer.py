@@ -233,6 +233,21 @@ def test_a_kept_restart_that_fails_before_the_devices_reopen_is_replaced_by_a_fr
     assert "RESILAX_RESTORE_STEP" in run.log() and "the kept restart of incarnation 2 failed" in run.log()
 
 
+def test_a_parked_process_that_dies_is_reaped_and_the_next_incarnation_is_a_fresh_process(
+        start: Callable[..., Run]) -> None:
+    run = start("cooperate")
+    first = run.child(1)
+    tc.write_json(str(run.control), tc.STOP_FILE, {"generation": 4, "reason": "test"})
+    assert run.wait_state(1, "exited")["parked"] is True
+    os.kill(first["pid"], signal.SIGKILL)
+    run.wait_for("the parked process reaped", lambda: "the parked trainer process" in run.log() and
+                 not _exists(first["pid"]))
+    tc.write_json(str(run.control), tc.ASSIGNMENT_FILE, {"generation": 4, "env": {}})
+    assert run.child(2)["pid"] != first["pid"]
+    record = run.wait_state(2, "running")
+    assert record["kept"] is False and record["restarts"] == {"kept": 0, "fresh": {kept.PARKED_DIED: 1}}
+
+
 def test_a_trainer_that_finishes_exits_and_the_supervisor_with_it(start: Callable[..., Run]) -> None:
     run = start("exit0")
     assert run.proc.wait(timeout=DEADLINE) == 0, run.log()
