@@ -100,3 +100,20 @@ def snapshot_files(root: str, path: str) -> dict[str, bytes]:
     fs.invalidate_cache()
     prefix = path.removeprefix("gs://").rstrip("/") + "/"
     return {name[len(prefix):]: bytes(fs.cat_file(name)) for name in sorted(fs.find(prefix))}
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON file a child process writes, or None while it is missing or half-written."""
+    try:
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether a process (also a zombie not yet reaped) with this pid exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

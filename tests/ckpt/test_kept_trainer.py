@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ckpt_procs import pid_exists, read_json
 from resilax_ckpt import kept
 from resilax_ckpt import trainer_control as tc
 
@@ -124,7 +125,7 @@ class Run:
 
     def child(self, number: int) -> dict[str, Any]:
         return self.wait_for(f"child {number}'s report",  # type: ignore[no-any-return]
-                             lambda: _read(self.reports / f"child-{number}.json"))
+                             lambda: read_json(self.reports / f"child-{number}.json"))
 
     def restart(self, generation: int, env: dict[str, str] | None = None, stacks: bool = False) -> None:
         """What the operator does through the sidecar: stop the trainer, then start the next generation."""
@@ -144,21 +145,6 @@ class Run:
                     os.killpg(record["pid"], signal.SIGKILL)
         self.proc.wait()
         self._log.close()
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())  # type: ignore[no-any-return]
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture
@@ -212,7 +198,7 @@ def test_an_ineligible_restart_is_a_fresh_process_with_the_reason_logged_and_cou
     run.restart(4, restart_env, stacks=stacks)
     second = run.child(2)
     assert second["pid"] != first["pid"], "a fresh process"
-    assert not _exists(first["pid"]), "the old process is gone before the new one runs"
+    assert not pid_exists(first["pid"]), "the old process is gone before the new one runs"
     record = run.wait_state(2, "running")
     assert record["kept"] is False and record["restarts"] == {"kept": 0, "fresh": {key: 1}}
     assert f"gets a fresh trainer process ({key})" in run.log()
@@ -241,7 +227,7 @@ def test_a_parked_process_that_dies_is_reaped_and_the_next_incarnation_is_a_fres
     assert run.wait_state(1, "exited")["parked"] is True
     os.kill(first["pid"], signal.SIGKILL)
     run.wait_for("the parked process reaped", lambda: "the parked trainer process" in run.log() and
-                 not _exists(first["pid"]))
+                 not pid_exists(first["pid"]))
     tc.write_json(str(run.control), tc.ASSIGNMENT_FILE, {"generation": 4, "env": {}})
     assert run.child(2)["pid"] != first["pid"]
     record = run.wait_state(2, "running")
@@ -260,10 +246,10 @@ def test_sigterm_to_the_supervisor_ends_a_parked_process(start: Callable[..., Ru
     first = run.child(1)
     tc.write_json(str(run.control), tc.STOP_FILE, {"generation": 4, "reason": "test"})
     run.wait_state(1, "exited")
-    assert _exists(first["pid"])
+    assert pid_exists(first["pid"])
     run.proc.send_signal(signal.SIGTERM)
     assert run.proc.wait(timeout=DEADLINE) == 75, run.log()
-    assert not _exists(first["pid"])
+    assert not pid_exists(first["pid"])
 
 
 CACHES_PROBE = """

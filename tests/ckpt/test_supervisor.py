@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ckpt_procs import pid_exists, read_json
 from resilax_ckpt import supervisor as sv
 from resilax_ckpt import trainer_control as tc
 
@@ -68,7 +68,7 @@ class Run:
 
     def child(self, number: int) -> dict[str, Any]:
         return self.wait_for(f"child {number}'s report",  # type: ignore[no-any-return]
-                             lambda: _read(self.reports / f"child-{number}.json"))
+                             lambda: read_json(self.reports / f"child-{number}.json"))
 
     def write(self, name: str, body: dict[str, Any]) -> None:
         tc.write_json(str(self.control), name, body)
@@ -83,7 +83,7 @@ class Run:
         """Kill the supervisor's whole session (its children have their own process groups in it) and the
         grandchildren the children started in sessions of their own."""
         grandchildren = [r["grandchild"] for path in self.reports.glob("child-*.json")
-                         if (r := _read(path)) and "grandchild" in r and _is_grandchild(r["grandchild"])]
+                         if (r := read_json(path)) and "grandchild" in r and _is_grandchild(r["grandchild"])]
         for pid in _session(self.proc.pid) + grandchildren:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -107,22 +107,6 @@ def _session(sid: int) -> list[int]:
                 if os.getsid(int(name)) == sid:
                     found.append(int(name))
     return found
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())  # type: ignore[no-any-return]
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _exists(pid: int) -> bool:
-    """Whether a process (also a zombie not yet reaped) with this pid exists."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture
@@ -213,9 +197,9 @@ def test_a_stop_sends_sigterm_then_sigkill_after_the_grace_and_reaps_grandchildr
     assert run.incarnation()["state"] == "stopping", "not `exited` while a descendant was unreaped"
     assert os.waitpid(grandchild, 0) == (grandchild, signal.SIGKILL), "the supervisor SIGKILLed the grandchild"
     record = run.wait_state(1, "exited")
-    assert not _exists(child["pid"]) and not _exists(grandchild)
+    assert not pid_exists(child["pid"]) and not pid_exists(grandchild)
     assert (record["exit_code"], record["signal"], record["reason"]) == (128 + 9, 9, "NodeLoss")
-    assert _read(run.reports / "sigterm-1.json") == {"signal": signal.SIGTERM}, "SIGTERM came before the SIGKILL"
+    assert read_json(run.reports / "sigterm-1.json") == {"signal": signal.SIGTERM}, "SIGTERM came before the SIGKILL"
     assert run.proc.poll() is None
     run.write(tc.ASSIGNMENT_FILE, {"generation": 4, "env": {}})
     second = run.child(2)
@@ -242,11 +226,11 @@ def test_no_start_while_a_child_lives(start: Callable[..., Run]) -> None:
     first = run.child(1)
     run.write(tc.ASSIGNMENT_FILE, {"generation": 4, "env": {}})
     run.wait_for("the start held back", lambda: "assignment for generation 4 waits" in run.log())
-    assert not (run.reports / "child-2.json").exists() and _exists(first["pid"])
+    assert not (run.reports / "child-2.json").exists() and pid_exists(first["pid"])
     run.write(tc.STOP_FILE, {"generation": 4, "reason": "PeerLost"})
     second = run.child(2)
     assert second["previous_alive"] is False
-    assert _read(run.reports / "sigterm-1.json") == {"signal": signal.SIGTERM}
+    assert read_json(run.reports / "sigterm-1.json") == {"signal": signal.SIGTERM}
 
 
 def test_sigterm_is_forwarded_to_the_child_and_its_exit_code_kept(start: Callable[..., Run]) -> None:
@@ -254,8 +238,8 @@ def test_sigterm_is_forwarded_to_the_child_and_its_exit_code_kept(start: Callabl
     child = run.child(1)
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait_exit() == 75, run.log()
-    assert _read(run.reports / "sigterm-1.json") == {"signal": signal.SIGTERM}
-    assert not _exists(child["pid"])
+    assert read_json(run.reports / "sigterm-1.json") == {"signal": signal.SIGTERM}
+    assert not pid_exists(child["pid"])
     record = run.incarnation()
     assert record is not None and (record["state"], record["exit_code"]) == ("exited", 75)
 

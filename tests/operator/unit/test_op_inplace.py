@@ -282,6 +282,16 @@ def test_pod_0_lost_is_created_first_and_the_kept_trainers_start_with_its_addres
 # ---- planned moves, after their final save -------------------------------------------------------
 
 
+def _node_returns(w: World, node: str) -> None:
+    """`node` is Ready again: the capacity settles (growBack), then the grow-back asks for its final save."""
+    w.set_node(node, ready="True", ready_since=w.now)
+    for _ in range(8):
+        w.advance(10)
+        settle(w, 2)
+        if w.save_requests:
+            return
+
+
 def _final_save_done(w: World, step: int) -> None:
     """The trainers commit the final save the operator asked for and stop (exit 75, their pods stay)."""
     request = w.save_requests[-1]
@@ -298,12 +308,7 @@ def test_a_grow_back_keeps_the_shrunk_generations_pods_and_creates_only_the_new_
     assert w.status.shape is not None and w.status.shape.count == 1 and w.status.in_place is None
     shrunk = _identity(w)
     assert sorted(shrunk) == ["llama-g1-s0-h0", "llama-g1-s0-h1"]
-    w.set_node(node, ready="True", ready_since=w.now)
-    for _ in range(8):  # the capacity settles (growBack), then the grow-back asks for its final save
-        w.advance(10)
-        settle(w, 2)
-        if w.save_requests:
-            break
+    _node_returns(w, node)
     t = w.status.transition
     assert t is not None and t.kind == st.GROW_BACK and t.saving
     assert not [c for c in w.trainer_calls if c[0] == "stop" and c[1] == 3]  # the save first, then the stop
@@ -334,12 +339,7 @@ def test_a_grow_back_keeps_every_shrunk_pod_crossed_and_with_its_readiness_laggi
     n0, n1 = _node_of(w, h0), _node_of(w, h1)
     w.pods[h0], w.pods[h1] = replace(w.pods[h0], node_name=n1), replace(w.pods[h1], node_name=n0)
     crossed = _identity(w)
-    w.set_node(node, ready="True", ready_since=w.now)
-    for _ in range(8):
-        w.advance(10)
-        settle(w, 2)
-        if w.save_requests:
-            break
+    _node_returns(w, node)
     t = w.status.transition
     assert t is not None and t.kind == st.GROW_BACK and t.saving
     _final_save_done(w, 4200)
@@ -375,12 +375,7 @@ def test_with_in_place_never_a_grow_back_still_replaces_every_pod() -> None:
     w = _world("Never", spare=0)
     node = _lose_node(w, "llama-g1-s1-h1")
     settle(w)
-    w.set_node(node, ready="True", ready_since=w.now)
-    for _ in range(8):
-        w.advance(10)
-        settle(w, 2)
-        if w.save_requests:
-            break
+    _node_returns(w, node)
     before = set(w.pods)
     w.exit_workers(api.EXIT_CODE_STOPPED)
     w.outcomes.append(SaveOutcome(w.save_requests[-1].request_id, step=4200, committed=True))
