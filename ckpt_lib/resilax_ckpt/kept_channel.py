@@ -23,6 +23,11 @@ from typing import Any
 
 from resilax_ckpt import kept
 
+#: The longest line either end accepts (a resume carries a whole environment: kilobytes). A peer that
+#: sends more without a newline has broken the channel: it is closed, so the supervisor's memory stays
+#: bounded whatever the child writes (the next incarnation is then a fresh process).
+MAX_LINE_BYTES = 4 << 20
+
 
 class Channel:
     """One end of the pair."""
@@ -90,6 +95,8 @@ class Channel:
                 self.closed = True
                 break
             self._buffer += data
+            if self._overlong():
+                break
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
             message = kept.parse_message(line)
@@ -106,6 +113,8 @@ class Channel:
                 if message is not None:
                     return message
                 continue
+            if self._overlong():
+                return None
             try:
                 data = self.sock.recv(65536)
             except InterruptedError:
@@ -116,6 +125,14 @@ class Channel:
                 self.closed = True
                 return None
             self._buffer += data
+
+    def _overlong(self) -> bool:
+        """Whether the unfinished line is past MAX_LINE_BYTES: then the channel closes (see there)."""
+        if len(self._buffer) - (self._buffer.rfind(b"\n") + 1) <= MAX_LINE_BYTES:
+            return False
+        self._buffer = self._buffer[: self._buffer.rfind(b"\n") + 1]
+        self.close()
+        return True
 
     def close(self) -> None:
         self.closed = True

@@ -89,6 +89,28 @@ def test_messages_are_one_json_object_a_line_and_anything_else_is_ignored() -> N
         assert kept.parse_message(bad) is None
 
 
+def test_a_line_past_the_bound_closes_the_channel_and_what_came_before_it_is_read(monkeypatch) -> None:
+    """The supervisor's reads are bounded: a child that writes an endless line breaks the channel (its
+    next incarnation is a fresh process) instead of growing the supervisor's memory."""
+    import socket
+
+    from resilax_ckpt import kept_channel
+
+    monkeypatch.setattr(kept_channel, "MAX_LINE_BYTES", 100)
+    for how in ("poll", "receive"):
+        supervisor_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        supervisor_end.setblocking(how == "receive")
+        channel = kept_channel.Channel(supervisor_end)
+        child_end.sendall(kept.encode("parked", {"pid": 7}) + b"x" * 101)
+        if how == "poll":
+            assert channel.poll() == [("parked", {"pid": 7})]
+        else:
+            assert channel.receive() == ("parked", {"pid": 7})
+            assert channel.receive() is None
+        assert channel.closed and channel.poll() == []
+        child_end.close()
+
+
 # ---------------------------------------------------------------------------- real processes
 
 
