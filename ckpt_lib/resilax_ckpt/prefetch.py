@@ -9,7 +9,9 @@ lines, calls it too) reads the environment the operator injects as `CheckpointMa
 tell (`restore_choice.decide_prefetch_step` over the listings the restore itself uses: commit.py's
 visible steps, with the same fences, bad records and timelines), reads that step's metadata, and
 reads its arrays with the restore's own reader (reader.read_leaves: the same aligned buffers, every
-chunk's checksum verified) into host buffers on a background thread. What it reads: whole arrays in a
+chunk's checksum verified) into host buffers, all on a background thread: the trainer's first line
+waits for the choice only when every root is a local folder, never for an object store's listing (an
+unreachable gs:// endpoint held it ~35-50 s in gcsfs's retries). What it reads: whole arrays in a
 one-process job; with several processes, the chunks of this process's local-tier files (with an
 unchanged mesh, what its restore reads); nothing otherwise (a shared folder or the persistent tier
 with several processes: which chunks a process needs is unknown before its mesh exists). With
@@ -22,10 +24,12 @@ as before (agreement across processes, fallback to older steps, pinned steps). W
 folder, `claim` hands it the prefetched buffers of that very folder, leaf by leaf, where the leaf's
 metadata is the one prefetched and its files are the ones read (device, inode, size and mtime
 unchanged); every other leaf and box is read as before, and a prefetch of a folder the restore does
-not read is dropped, never restored from. Memory: at most RESILAX_RESTORE_PREFETCH_MEMORY (a fraction of
-the host's available memory, default 0.5); the leaves beyond are left to the restore. The buffers it
-hands over become the restored state (XLA:CPU aliases them; an accelerator's transfer copies them and
-they are freed), so a used prefetch costs no memory beyond the restore's own.
+not read is dropped, never restored from, as is one that has not chosen its step when the restore
+reads (the restore never waits for the prefetch's listing). Memory: at most
+RESILAX_RESTORE_PREFETCH_MEMORY (a fraction of the host's available memory, default 0.5); the leaves
+beyond are left to the restore. The buffers it hands over become the restored state (XLA:CPU aliases
+them; an accelerator's transfer copies them and they are freed), so a used prefetch costs no memory
+beyond the restore's own.
 
 This module: the settings, the choice of step and the process's one prefetch; read_ahead.py: the reads
 on their thread and the hand-over to the restore. JAX-free: neither imports anything that imports jax
@@ -36,6 +40,7 @@ Called on: each process by itself (no collective).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import logging
 import os
@@ -54,12 +59,12 @@ from resilax_ckpt import (
     reader,
     restore_choice,
 )
-from resilax_ckpt.errors import MetadataError, ResilaxCkptError
+from resilax_ckpt.errors import MetadataError
 from resilax_ckpt.metadata import StepMetadata
 from resilax_ckpt.options import InvalidOptionsError, ManagerOptions, TierDirectories
 from resilax_ckpt.storage import Storage, open_storage
 
-__all__ = ["ENV", "MEMORY_ENV", "PrefetchSettings", "claim", "current", "open_prefetch", "release",
+__all__ = ["ENV", "MEMORY_ENV", "PrefetchSettings", "claim", "current", "plan_prefetch", "release",
            "start_prefetch", "stop"]
 
 log = logging.getLogger(__name__)
@@ -149,6 +154,12 @@ class PrefetchSettings:
                                           keep_best_mode=None)
         return cls(dirs, options, index, count, asked, fraction, enabled != "read" and accelerator_expected(env))
 
+    @property
+    def lists_locally(self) -> bool:
+        """Whether every root the choice lists is a local folder (no object store: no network)."""
+        roots = [self.dirs.directory, self.dirs.persistent_directory]
+        return all("://" not in root for root in roots if root is not None)
+
 
 def accelerator_expected(env: Mapping[str, str]) -> bool:
     """Whether JAX will most likely run on accelerators, told without importing it: JAX_PLATFORMS's
@@ -185,9 +196,9 @@ def _register_dtypes(meta: StepMetadata) -> None:
                 return
 
 
-def open_prefetch(settings: PrefetchSettings, on_event: read_ahead.EventHook | None = None) -> read_ahead.RestorePrefetch | None:
-    """Choose the step, read its metadata and plan the reads (not started); None when there is
-    nothing to read ahead."""
+def plan_prefetch(settings: PrefetchSettings) -> read_ahead.ReadPlan | None:
+    """Choose the step, read its metadata and plan the reads; None when there is nothing to read
+    ahead. Lists the tiers: called on the prefetch's own thread (RestorePrefetch)."""
     dirs, options = settings.dirs, settings.options
     root = dirs.directory.rstrip("/") or "/"
     storage = open_storage(root, fsync=options.fsync)
@@ -253,8 +264,8 @@ def open_prefetch(settings: PrefetchSettings, on_event: read_ahead.EventHook | N
         fit = 0
     elif not fit:
         return None
-    return read_ahead.RestorePrefetch(step_storage, _chunk_backend(step_storage, options), step, tier, step_path,
-                           reads[:fit], len(reads) - fit, options, on_event, ring_bytes)
+    return read_ahead.ReadPlan(step_storage, _chunk_backend(step_storage, options), step, tier, step_path,
+                               reads[:fit], len(reads) - fit, ring_bytes)
 
 
 # ---------------------------------------------------------------------------- the process's prefetch
@@ -266,11 +277,16 @@ _started = False
 
 def start_prefetch(env: Mapping[str, str] | None = None, *, on_event: read_ahead.EventHook | None = None) -> read_ahead.RestorePrefetch | None:
     """Start reading ahead the step this process's restore will most likely read (module docstring),
-    from the RESILAX_* variables `CheckpointManager.from_env` reads. Returns once the step is chosen,
-    its metadata read and its chunk reads queued on a background thread; None when there is nothing to
-    read ahead (off, no checkpoint, not configured) or choosing failed (logged: the restore then reads
-    as always). Idempotent: later calls return the first call's answer. Never imports JAX: call it
-    first, before `import jax`. Raises InvalidOptionsError for a malformed variable.
+    from the RESILAX_* variables `CheckpointManager.from_env` reads. The step is chosen (the tiers
+    listed, its metadata read) and read on a background thread. When every root is a local folder,
+    returns once the step is chosen and its reads queued (a few file-system calls: the reads begin
+    before JAX is imported), or None when there is nothing to read ahead or choosing failed (logged: the
+    restore then reads as always). With an object store (gs://) it returns at once, the choice still
+    under way: a listing over the network (gcsfs retries an unreachable endpoint for half a minute and
+    more) never holds the trainer's start, and a restore that comes before the choice drops the
+    prefetch rather than wait for it (RestorePrefetch.claim). None as well when off or not configured.
+    Idempotent: later calls return the first call's answer. Never imports JAX: call it first, before
+    `import jax`. Raises InvalidOptionsError for a malformed variable.
     Called on: each process by itself, before its restore."""
     global _active, _started
     with _lock:
@@ -280,19 +296,13 @@ def start_prefetch(env: Mapping[str, str] | None = None, *, on_event: read_ahead
         settings = PrefetchSettings.from_env(env)
         if settings is None:
             return None
-        try:
-            handle = open_prefetch(settings, on_event)
-        except Exception as e:  # a read-ahead never takes the trainer down: the restore reads as always
-            log.warning("no restore prefetch (the restore reads as always): %s: %s", type(e).__name__, e,
-                        exc_info=not isinstance(e, (ResilaxCkptError, OSError)))
-            return None
-        if handle is None:
-            return None
-        _active = handle
+        handle = read_ahead.RestorePrefetch(functools.partial(plan_prefetch, settings), settings.options, on_event)
         handle.start()
-        stats = handle.stats()
-        log.info("restore prefetch: reading step %d (%s tier, %d leaves, %.1f MiB) from %s", handle.step, handle.tier,
-                 stats["leaves"], stats["bytes"] / 2**20, handle.step_path)
+        if settings.lists_locally:
+            handle.wait_chosen()
+            if handle.step is None:
+                return None
+        _active = handle
         return handle
 
 
@@ -302,13 +312,13 @@ def current() -> read_ahead.RestorePrefetch | None:
 
 
 def reads_every_leaf() -> bool:
-    """Whether this process's prefetch is reading (or read) every leaf of its step, none left to the
-    restore for lack of memory, and has neither failed nor been dropped."""
+    """Whether this process's prefetch has chosen its step and is reading (or read) every leaf of it,
+    none left to the restore for lack of memory, and has neither failed nor been dropped."""
     handle = _active
     if handle is None:
         return False
     stats = handle.stats()
-    return not stats["left_to_restore"] and stats["error"] is None and stats["released"] is None
+    return stats["step"] is not None and not stats["left_to_restore"] and stats["error"] is None and stats["released"] is None
 
 
 def claim(storage: Storage, step_path: str, step: int) -> Callable[[reader.LeafRead], bool] | None:

@@ -161,44 +161,62 @@ def available_memory() -> int:
         return 0
 
 
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+    """What a prefetch reads once its step is chosen (prefetch.plan_prefetch)."""
+
+    storage: Storage
+    backend: reader.ChunkBackendReads
+    step: int
+    tier: str
+    """"local" (where saves go) or "persistent" (the tier behind a local tier)."""
+    step_path: str
+    """The step folder read (the restore uses the buffers only when it reads this folder)."""
+    reads: list[BoxesRead]
+    left: int
+    """Leaves left to the restore (memory, or all of them with a ring)."""
+    ring_bytes: int = 0
+    """The host ring to fault in first, on the reading thread (host_ring.warm_host_ring): 0 for none."""
+
+
 class RestorePrefetch:
     """One process's read-ahead of one step folder (see the module docstring). Built by `start_prefetch`.
 
-    Call order: 1. `start_prefetch` (reads begin on a background thread); 2. the manager's restore
-    `claim`s the folder it reads (taking each leaf once it is read when it is this one, else dropping
-    the prefetch);
-    3. `release` drops what the restore did not take. `wait` and `stats` at any time."""
+    Call order: 1. `start` (the step is chosen, then read, on a background thread); 2. the manager's
+    restore `claim`s the folder it reads (taking each leaf once it is read when it is this one, else
+    dropping the prefetch; a prefetch still choosing its step is dropped, never waited for);
+    3. `release` drops what the restore did not take. `wait`, `wait_chosen` and `stats` at any time."""
 
-    def __init__(self, storage: Storage, backend: reader.ChunkBackendReads, step: int, tier: str,
-                 step_path: str, reads: list[BoxesRead], left: int, options: ManagerOptions,
-                 on_event: EventHook | None, ring_bytes: int = 0) -> None:
-        self.step = step
-        """The step read ahead."""
-        self.tier = tier
-        """"local" (where saves go) or "persistent" (the tier behind a local tier)."""
-        self.step_path = step_path
+    def __init__(self, choose: Callable[[], ReadPlan | None], options: ManagerOptions,
+                 on_event: EventHook | None) -> None:
+        self.step: int | None = None
+        """The step read ahead (None until chosen, and when there was none to read)."""
+        self.tier: str | None = None
+        """"local" (where saves go) or "persistent" (the tier behind a local tier); None until chosen."""
+        self.step_path: str | None = None
         """The step folder read (the restore uses the buffers only when it reads this folder)."""
-        self._storage = storage
-        self._backend = backend
-        self._reads = reads
-        self._ring_bytes = ring_bytes
-        """The host ring to fault in first, on the reading thread (host_ring.warm_host_ring): 0 for none."""
+        self._choose = choose
+        """Lists the tiers and plans the reads: on the reading thread, so that no listing (an object
+        store's: network, retries) holds the caller."""
+        self._plan: ReadPlan | None = None
         self._options = options
         self._on_event = on_event
         self._held: dict[tuple[str, str | None], _Held] = {}
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)
         """Notified as each leaf's read ends (held or not) and when the reads end."""
-        self._pending = {(r.item, r.leaf.dir) for r in reads}
+        self._pending: set[tuple[str, str | None]] = set()
         """The leaves whose reads have not ended yet."""
+        self._chosen = threading.Event()
+        """Set once the choice ended: a plan adopted, nothing to read, failed or dropped."""
         self._cancel = threading.Event()
         self._done = threading.Event()
         self._released: str | None = None
         self._error: str | None = None
-        self._stats: dict[str, Any] = {"step": step, "tier": tier, "path": step_path, "leaves": len(reads), "left_to_restore": left,
-                       "bytes": sum(r.nbytes for r in reads), "read_leaves": 0, "read_bytes": 0,
-                       "taken_leaves": 0, "taken_bytes": 0, "started": time.time(), "read_seconds": None,
-                       "ring_bytes": ring_bytes}
+        self._stats: dict[str, Any] = {"step": None, "tier": None, "path": None, "leaves": 0, "left_to_restore": 0,
+                                       "bytes": 0, "read_leaves": 0, "read_bytes": 0, "taken_leaves": 0,
+                                       "taken_bytes": 0, "started": time.time(), "read_seconds": None,
+                                       "ring_bytes": 0}
         self._thread = threading.Thread(target=self._run, name="resilax-prefetch", daemon=True)
 
     # ------------------------------------------------------------------ queries
@@ -206,6 +224,11 @@ class RestorePrefetch:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the reads ended (done, failed or cancelled); whether they did within `timeout`."""
         return self._done.wait(timeout)
+
+    def wait_chosen(self, timeout: float | None = None) -> bool:
+        """Block until the choice of step ended (chosen: `step` set; nothing to read; failed; dropped);
+        whether it did within `timeout`."""
+        return self._chosen.wait(timeout)
 
     def stats(self) -> dict[str, Any]:
         """What was read and taken: step, tier, path, leaves and bytes planned, read and taken by the
@@ -217,19 +240,25 @@ class RestorePrefetch:
     # ------------------------------------------------------------------ life cycle
 
     def start(self) -> None:
-        self._emit("started", {"step": self.step, "tier": self.tier, "path": self.step_path,
-                               "leaves": len(self._reads), "bytes": self._stats["bytes"]})
+        """Choose the step and read it, on the background thread."""
         self._thread.start()
 
     def claim(self, storage: Storage, step_path: str, step: int) -> Callable[[reader.LeafRead], bool] | None:
         """The restore reads `step` from `step_path`: when that is the prefetched folder, the function
         that fills a restore's leaf from the prefetch (`fill`, which waits for that leaf's read: the
         restore puts the leaves read on their devices while the later ones are read); else drop the
-        prefetch (the restore picked another step or tier) and return None."""
-        if self._released is not None:
+        prefetch (the restore picked another step or tier, or came before the prefetch chose its
+        step: the restore never waits for a listing of the prefetch's) and return None."""
+        with self._lock:
+            released, plan = self._released, self._plan
+        if released is not None:
             return None
-        if step != self.step or storage.is_local != self._storage.is_local or not same_path(storage, step_path,
-                                                                                              self.step_path):
+        if plan is None:
+            why = "chose no step" if self._chosen.is_set() else "had chosen no step yet"
+            self.release(f"the restore reads step {step} from {step_path}; the prefetch {why}")
+            return None
+        if step != plan.step or storage.is_local != plan.storage.is_local or not same_path(storage, step_path,
+                                                                                             plan.step_path):
             self.release(f"the restore reads step {step} from {step_path}")
             return None
         return self.fill
@@ -268,33 +297,68 @@ class RestorePrefetch:
         return True
 
     def release(self, reason: str) -> None:
-        """Stop reading (after the batch under way) and drop every buffer the restore did not take."""
+        """Stop reading (after the batch under way) and drop every buffer the restore did not take.
+        A prefetch still choosing its step is not waited for: it holds nothing, and its thread ends
+        without reading once its listing returns."""
         with self._lock:
             if self._released is not None:
                 return
             self._released = reason
+            reading = self._plan is not None
         self._cancel.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        if reading and self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._done.wait()
         with self._lock:
             unused = len(self._held)
             self._held.clear()
         if unused:
-            log.info("restore prefetch of step %d: %d leaves unused (%s)", self.step, unused, reason)
+            log.info("restore prefetch of step %s: %d leaves unused (%s)", self.step, unused, reason)
         self._emit("released", {"reason": reason, "unused_leaves": unused})
 
     # ------------------------------------------------------------------ the reading thread
 
+    def _adopt(self) -> ReadPlan | None:
+        """Choose the step (the listings and its metadata) and take the plan, unless the restore came
+        first (released meanwhile) or there is nothing to read. Called on: the reading thread."""
+        try:
+            plan = self._choose()
+        except Exception as e:  # a read-ahead never takes the trainer down: the restore reads as always
+            with self._lock:
+                self._error = f"{type(e).__name__}: {e}"
+            log.warning("no restore prefetch (the restore reads as always): %s: %s", type(e).__name__, e,
+                        exc_info=not isinstance(e, (ResilaxCkptError, OSError)))
+            return None
+        if plan is None:
+            return None
+        with self._lock:
+            if self._released is not None:
+                return None
+            self._plan = plan
+            self.step, self.tier, self.step_path = plan.step, plan.tier, plan.step_path
+            self._pending = {(r.item, r.leaf.dir) for r in plan.reads}
+            self._stats.update(step=plan.step, tier=plan.tier, path=plan.step_path, leaves=len(plan.reads),
+                               left_to_restore=plan.left, bytes=sum(r.nbytes for r in plan.reads),
+                               ring_bytes=plan.ring_bytes)
+        self._emit("started", {"step": plan.step, "tier": plan.tier, "path": plan.step_path,
+                               "leaves": len(plan.reads), "bytes": self._stats["bytes"]})
+        log.info("restore prefetch: reading step %d (%s tier, %d leaves, %.1f MiB) from %s", plan.step, plan.tier,
+                 len(plan.reads), self._stats["bytes"] / 2**20, plan.step_path)
+        return plan
+
     def _run(self) -> None:
         began = time.perf_counter()
         try:
-            if self._ring_bytes:
-                warming = host_ring.warm_host_ring(self._ring_bytes)
+            plan = self._adopt()
+            self._chosen.set()
+            if plan is None:
+                return
+            if plan.ring_bytes:
+                warming = host_ring.warm_host_ring(plan.ring_bytes)
                 if warming is not None:
                     warming.join()
             batch: list[BoxesRead] = []
             size = 0
-            for read in self._reads:
+            for read in plan.reads:
                 if self._cancel.is_set():
                     break
                 batch.append(read)
@@ -310,6 +374,7 @@ class RestorePrefetch:
             log.debug("restore prefetch failed", exc_info=True)
             self._fail(e)
         finally:
+            self._chosen.set()
             with self._settled:
                 self._stats["read_seconds"] = time.perf_counter() - began
                 self._pending.clear()
@@ -320,18 +385,21 @@ class RestorePrefetch:
     def _fail(self, e: BaseException) -> None:
         with self._lock:
             self._error = f"{type(e).__name__}: {e}"
-        log.warning("restore prefetch of step %d stopped (the restore reads the rest itself): %s: %s",
+        log.warning("restore prefetch of step %s stopped (the restore reads the rest itself): %s: %s",
                     self.step, type(e).__name__, e)
 
     def _leaf_path(self, item: str, leaf: LeafMetadata) -> str:
-        return self._storage.join(self.step_path, item, str(leaf.dir))
+        assert self._plan is not None
+        return self._plan.storage.join(self._plan.step_path, item, str(leaf.dir))
 
     def _read_batch(self, batch: list[BoxesRead]) -> None:
-        local = self._storage.is_local
+        plan = self._plan
+        assert plan is not None
+        local = plan.storage.is_local
         before = [_file_state(self._leaf_path(r.item, r.leaf)) if local else None for r in batch]
         # populate: this thread faults each leaf's buffers in (user space) before its reads are queued;
         # a page faulted inside read() stalls the trainer's start-up on some hosts (host_ring.populate_pages).
-        reader.read_leaves(list(batch), self.step_path, self._backend, self._options.max_inflight_bytes,
+        reader.read_leaves(list(batch), plan.step_path, plan.backend, self._options.max_inflight_bytes,
                            self._options.io_concurrency, populate=True)
         for read, files in zip(batch, before, strict=True):
             after = _file_state(self._leaf_path(read.item, read.leaf)) if local else None

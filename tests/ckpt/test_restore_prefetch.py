@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,8 @@ from test_local_tier import merge_like_the_uploader
 
 TRAINER = Path(__file__).with_name("prefetch_trainer.py")
 ROOT = Path(__file__).resolve().parents[2]
+DEADLINE_S = 60
+"""How long a child may take before the test fails instead of hanging (not a measurement)."""
 
 
 @pytest.fixture(autouse=True)
@@ -223,18 +226,71 @@ def test_a_new_node_reads_the_persistent_tier_ahead(tmp_path, devices):
 
 @pytest.mark.gcs
 def test_a_gcs_persistent_tier_is_read_ahead_through_tensorstore(gcs_root, tmp_path, devices):
-    """gs:// (tensorstore's reads, write-once attempts: no file check): read ahead, taken, bit-exact."""
+    """gs:// (tensorstore's reads, write-once attempts: no file check): read ahead, taken, bit-exact.
+    With an object store the step is chosen on the prefetch's thread (start_prefetch returns at once);
+    the test waits for the choice, as a trainer's JAX start-up does in effect."""
     mesh = global_mesh([4, 2])
     with rc.CheckpointManager(gcs_root, rc.ManagerOptions(async_save=False)) as mgr:
         mgr.save(6, {"params": make_state(6, mesh), "meta": {"step": 6}}, force=True)
     env = {"RESILAX_LOCAL_DIR": str(tmp_path / "local"), "RESILAX_CHECKPOINT_DIR": gcs_root}
     handle = prefetch.start_prefetch(env)
-    assert handle is not None and (handle.step, handle.tier) == (6, "persistent")
+    assert handle is not None and handle.wait_chosen(60) and (handle.step, handle.tier) == (6, "persistent")
     with rc.CheckpointManager.from_env(env) as mgr:
         out = mgr.restore(mgr.restore_step_from_env(env))
     assert handle.stats()["taken_leaves"] == 3 and handle.stats()["error"] is None
     for name, value in expected(6).items():
         assert out["params"][name].tobytes() == value.tobytes()
+
+
+UNANSWERED_CHILD = """
+import json, sys
+from resilax_ckpt import prefetch
+from resilax_ckpt.storage import LocalStorage
+
+handle = prefetch.start_prefetch()  # the trainer's first line
+print(json.dumps({"returned": handle is not None}), flush=True)
+sys.stdin.readline()  # the test holds the prefetch's connection now, unanswered
+fill = prefetch.claim(LocalStorage(), sys.argv[1], 7)  # the restore reads the local tier's step 7
+every = prefetch.reads_every_leaf()
+prefetch.release()
+print(json.dumps({"claimed": fill is not None, "every_leaf": every, "chosen": handle.wait_chosen(0),
+                  "stats": handle.stats()}), flush=True)
+"""
+
+
+def test_an_object_store_that_never_answers_holds_neither_the_start_nor_the_restore(tmp_path):
+    """The persistent tier is gs:// behind a real endpoint that accepts connections and never answers
+    (a hung or black-holed GCS: this test holds it), the local tier has step 7. The trainer's first
+    line returns while the prefetch's listing waits on that endpoint (it used to wait there: ~35-50 s
+    of gcsfs retries for an unreachable one, for ever here); the restore of the local step then
+    neither waits for the listing nor is handed anything: the prefetch, still choosing, is dropped.
+    Proven by order: the endpoint has the prefetch's connection and never answers while the child
+    claims and releases. The deadline only turns a hang (the old behaviour) into a failure."""
+    save_steps(tmp_path / "local", [7], local_tier=True)
+    step_path = str(tmp_path / "local" / "7")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RESILAX_", "JAX_", "STORAGE_EMULATOR"))}
+    listener = socket.create_server(("127.0.0.1", 0))
+    env.update(RESILAX_LOCAL_DIR=str(tmp_path / "local"), RESILAX_CHECKPOINT_DIR="gs://bucket/run",
+               STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{listener.getsockname()[1]}",
+               PYTHONPATH=str(ROOT / "ckpt_lib"))
+    proc = subprocess.Popen([sys.executable, "-c", UNANSWERED_CHILD, step_path], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    held = []
+    try:
+        listener.settimeout(DEADLINE_S)
+        held.append(listener.accept()[0])  # the prefetch's listing is under way; nothing answers it
+        out, err = proc.communicate("go\n", timeout=DEADLINE_S)
+    finally:
+        proc.kill()
+        for conn in (*held, listener):
+            conn.close()
+    assert proc.returncode == 0, err
+    returned, restored = (json.loads(line) for line in out.splitlines())
+    assert returned == {"returned": True}
+    assert (restored["claimed"], restored["every_leaf"], restored["chosen"]) == (False, False, False)
+    stats = restored["stats"]
+    assert stats["step"] is None and stats["read_leaves"] == 0
+    assert "the restore reads step 7" in stats["released"] and "had chosen no step yet" in stats["released"]
 
 
 def test_the_restore_takes_leaves_while_later_ones_are_read(tmp_path, devices, monkeypatch):
