@@ -304,7 +304,7 @@ class NodeAgent(NodeHeartbeat):
             worker = self.workers.get(uid)
             if kind == "DELETED":
                 if worker:
-                    worker.notify("deleted")
+                    worker.notify("deleted", pod)
                 return
             if worker:
                 worker.notify("pod", pod)

@@ -7,10 +7,11 @@ A `PodWorker` thread owns one pod bound to one of the agent's nodes. It
 3. starts the main containers, restarts containers by the pod's `restartPolicy` (with the kubelet's
    crash-loop backoff, shortened: `podspec.Backoff`),
    sets the pod's phase, conditions and container statuses through the status subresource;
-4. when the pod completes, stops the sidecars (reverse order);
+4. when the pod completes, reports the container that ended it, then stops the sidecars (reverse
+   order), then writes the terminal phase (the kubelet's order);
 5. when the pod is deleted, terminates it like the kubelet: SIGTERM to the main containers, wait up to
-   the grace period, SIGKILL, then the sidecars in reverse order, then the final status and a delete
-   with grace period 0;
+   the grace period (the deletion's, `termination.plan_grace`), SIGKILL, then the sidecars in reverse
+   order, then the final status and a delete with grace period 0;
 6. when its node shuts down gracefully (`("shutdown", grace)`), terminates it the same way within the
    shutdown's grace and leaves it as the kubelet's shutdown manager does: phase Failed, reason
    `Terminated`, condition `DisruptionTarget` (`TerminationByKubelet`), not deleted.
@@ -99,6 +100,8 @@ class PodWorker:
         self.next_refresh = time.monotonic() + volumes.REFRESH_SECONDS  # configMap/secret volumes read again
         self.conditions: dict[str, Condition] = {}
         self.last_status: str | None = None
+        self.grace: int | None = None
+        """The grace period in force once this pod's termination started (termination.plan_grace)."""
         self.shutdown_grace: int | None = None
         """Set by a graceful node shutdown: the grace period the shutdown manager gives this pod."""
         self.status_reason: str | None = None
@@ -176,7 +179,9 @@ class PodWorker:
         if kind == "pod" and payload["metadata"]["uid"] == self.uid:
             if self._newer(payload):
                 self.pod = payload
-        elif kind == "deleted":
+        elif kind == "deleted":  # with the final object (the grace of the DELETE), or none after a relist
+            if payload is not None and payload["metadata"]["uid"] == self.uid and self._newer(payload):
+                self.pod = payload
             self.gone = True
         elif kind == "shutdown":
             self.shutdown_grace = int(payload)
@@ -210,17 +215,14 @@ class PodWorker:
                        "hostIPs": [{"ip": host_ip}]})
 
     def _sync(self, api: bool) -> None:
-        meta = self.pod["metadata"]
         if self.gone:
-            grace = int(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
-            self._terminate(grace, api=False)
+            self._terminate(self._plan_grace(), api=False)
             return
         if api and self.shutdown_grace is not None:
             self._shut_down(self.shutdown_grace)
             return
-        if api and meta.get("deletionTimestamp"):
-            grace = int(meta.get("deletionGracePeriodSeconds", self.pod["spec"].get("terminationGracePeriodSeconds", 30)))
-            self._terminate(grace, api=True)
+        if api and self.pod["metadata"].get("deletionTimestamp"):
+            self._terminate(self._plan_grace(), api=True)
             return
         if self.volumes is None and time.monotonic() >= self.next_prepare:
             self._prepare()
@@ -230,7 +232,7 @@ class PodWorker:
                 self.next_refresh = time.monotonic() + volumes.REFRESH_SECONDS
                 volumes.refresh_volumes(self.host, self.pod, self.volumes, self._lookup)
             self._probe()
-            self._advance()
+            self._advance(api)
         if api:
             self._post_status()
 
@@ -249,7 +251,7 @@ class PodWorker:
                 self.pod_ip = self.host.node_ip(self.node)  # the node's address, as with hostNetwork
             else:
                 self.pod_ip = self.host.allocate_pod_ip()
-                self.host.publish_hosts(self.uid, self.pod_ip, self.dns_names())
+                self.host.publish_hosts(self.uid, self.pod_ip, podspec.dns_names(self.pod))
             self.start_time = now_rfc3339()
             self.pod.setdefault("status", {})["podIP"] = self.pod_ip
             self.pod["status"]["hostIP"] = self.host.node_ip(self.node)
@@ -315,7 +317,7 @@ class PodWorker:
         mounts += image_mounts([m["target"] for m in mounts], image_paths())
         if not self.pod["spec"].get("hostNetwork"):
             mounts.append({"source": str(self.host.hosts_file), "target": "/etc/hosts", "read_only": True})
-        proc = containers.launch(c, self.dir, argv, env, mounts, self.hostname())
+        proc = containers.launch(c, self.dir, argv, env, mounts, podspec.hostname(self.pod))
 
         def waiter() -> None:
             proc.wait()
@@ -332,7 +334,7 @@ class PodWorker:
             if code is not None:
                 log.info("pod %s/%s: container %s exited with %d", self.namespace, self.name, c.name, code)
 
-    def _advance(self) -> None:
+    def _advance(self, api: bool) -> None:
         policy = self.pod["spec"].get("restartPolicy", "Always")
         for c in self.containers:
             if c.kind == "main":
@@ -356,7 +358,7 @@ class PodWorker:
             if c.terminated["exitCode"] == 0:
                 continue
             if policy == "Never":
-                self._finish("Failed")
+                self._finish("Failed", api)
                 return
             if waiting.crash_loop_due(self.host, self.pod, c):
                 self._start(c)
@@ -376,18 +378,25 @@ class PodWorker:
                    and not podspec.should_restart(policy, c.terminated["exitCode"]) for c in mains)
         if done:
             failed = any(c.terminated is not None and c.terminated["exitCode"] != 0 for c in mains)
-            self._finish("Failed" if failed else "Succeeded")
+            self._finish("Failed" if failed else "Succeeded", api)
 
     def _probe(self) -> None:
         probes.probe_due(self.host, self.pod, self.containers, self.pod_ip, self._label)
 
-    def _finish(self, phase: str) -> None:
-        """The pod reached a terminal phase: stop its sidecars (reverse order) and keep it for the record."""
-        self.terminal = phase
-        grace = int(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
+    def _finish(self, phase: str, api: bool) -> None:
+        """The pod reached a terminal phase. As the kubelet: its status shows why at once (the container
+        that ended it, terminated; the phase not yet terminal, which its status manager writes only once
+        no container runs), then its sidecars stop (reverse order, within the pod's grace), then the
+        terminal phase; the pod is kept for the record."""
+        if api:
+            try:
+                self._post_status()
+            except Exception as e:  # the final status says it all: stopping does not wait for the API
+                log.warning("pod %s/%s: status before stopping failed: %r", self.namespace, self.name, e)
         termination.stop_in_order([c for c in self.containers if c.kind != "main"], self.pod_ip,
-                                  time.monotonic() + grace, self._label)
+                                  time.monotonic() + self._plan_grace(), self._label)
         self._reap()
+        self.terminal = phase
         for c in self.containers:
             c.restart_at = None
         log.info("pod %s/%s: %s", self.namespace, self.name, phase)
@@ -416,6 +425,10 @@ class PodWorker:
                 log.warning("pod %s/%s: final status failed (attempt %d): %r", self.namespace, self.name,
                             attempt + 1, e)
                 time.sleep(min(5.0, 0.5 * (attempt + 1)))
+
+    def _plan_grace(self) -> int:
+        self.grace = termination.plan_grace(self.grace, self.pod)
+        return self.grace
 
     def _stop_all(self, grace: int) -> None:
         termination.stop_all(self.containers, self.pod_ip, grace, self._label)
@@ -450,20 +463,6 @@ class PodWorker:
                 error = e
             log.warning("pod %s/%s: final delete failed (attempt %d): %r", self.namespace, self.name, attempt + 1, error)
             time.sleep(min(5.0, 0.5 * (attempt + 1)))
-
-    def hostname(self) -> str:
-        return str(self.pod["spec"].get("hostname") or self.name)[:63]
-
-    def dns_names(self) -> list[str]:
-        """The names cluster DNS would give this pod: `<hostname>.<subdomain>.<ns>.svc.cluster.local`
-        (and its search-domain short forms) when it has a subdomain (headless Service), and its hostname."""
-        hostname = self.hostname()
-        subdomain = self.pod["spec"].get("subdomain")
-        names = []
-        if subdomain:
-            base = f"{hostname}.{subdomain}.{self.namespace}"
-            names = [f"{base}.svc.cluster.local", f"{base}.svc", base, f"{hostname}.{subdomain}"]
-        return [*names, hostname]
 
     def _cleanup(self) -> None:
         self.host.publish_hosts(self.uid, "", [])

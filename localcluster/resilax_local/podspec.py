@@ -1,6 +1,6 @@
 """Pure helpers that read a pod manifest the way the kubelet does: environment variables (`value`,
 `valueFrom`, `envFrom`, `$(VAR)` expansion), downward-API fields, container ordering and restart rules,
-the crash-loop and image-pull backoff, and the runAsNonRoot check.
+the crash-loop and image-pull backoff, the runAsNonRoot check, and the pod's hostname and DNS names.
 """
 
 from __future__ import annotations
@@ -142,6 +142,23 @@ def command_line(container: Container, env: Mapping[str, str]) -> list[str]:
         raise ValueError(f"container {container['name']!r} has no command: the local node agent does not pull "
                          f"images (image {container.get('image')!r}), so it needs `command`")
     return command + args
+
+
+def hostname(pod: Pod) -> str:
+    """The pod's hostname: `spec.hostname`, else its name (at most 63 characters)."""
+    return str(pod["spec"].get("hostname") or pod["metadata"]["name"])[:63]
+
+
+def dns_names(pod: Pod) -> list[str]:
+    """The names cluster DNS would give the pod: `<hostname>.<subdomain>.<ns>.svc.cluster.local` (and its
+    search-domain short forms) when it has a subdomain (headless Service), and its hostname."""
+    name = hostname(pod)
+    subdomain = pod["spec"].get("subdomain")
+    names = []
+    if subdomain:
+        base = f"{name}.{subdomain}.{pod['metadata']['namespace']}"
+        names = [f"{base}.svc.cluster.local", f"{base}.svc", base, f"{name}.{subdomain}"]
+    return [*names, name]
 
 
 def is_sidecar(container: Container) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 
 import pytest
-from resilax_local import binaries, podspec, profiles
+from resilax_local import binaries, podspec, profiles, termination
 
 
 @pytest.mark.parametrize(("accelerator", "topology", "hosts"), [
@@ -184,3 +184,23 @@ def test_on_free_port_tries_another_port_when_the_first_was_taken() -> None:
     with pytest.raises(PortTaken):
         on_free_port(never, attempts=2)
     assert len(tried) == 2
+
+
+def graced(spec: int | None, deletion: int | None) -> dict:
+    """A pod whose spec says `spec` seconds (None: unset) and whose DELETE said `deletion` (None: none)."""
+    return {"metadata": {} if deletion is None else {"deletionGracePeriodSeconds": deletion},
+            "spec": {} if spec is None else {"terminationGracePeriodSeconds": spec}}
+
+
+@pytest.mark.parametrize(("current", "pod", "grace"), [
+    pytest.param(None, graced(30, None), 30, id="not-deleted-the-pods-own"),
+    pytest.param(None, graced(None, None), 30, id="no-spec-the-default"),
+    pytest.param(None, graced(30, 2), 2, id="a-2s-delete-beats-the-pods-30s"),
+    pytest.param(None, graced(30, 0), 1, id="force-delete-at-least-1s"),
+    pytest.param(None, graced(0, None), 1, id="spec-0-at-least-1s"),
+    pytest.param(30, graced(30, 2), 2, id="a-later-shorter-delete-shortens"),
+    pytest.param(2, graced(30, 30), 2, id="never-longer-than-in-force"),
+    pytest.param(5, graced(30, None), 5, id="in-force-kept"),
+])
+def test_plan_grace_is_the_kubelets_effective_grace(current, pod, grace):
+    assert termination.plan_grace(current, pod) == grace
