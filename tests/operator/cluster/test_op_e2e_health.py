@@ -25,10 +25,11 @@ def test_a_node_that_fails_its_check_gets_no_trainer_of_the_new_generation(
     name = unique_name("health")
     cluster.make_node_unhealthy(BAD_NODE, "matmul")  # the cluster fixture restores it after the test
     # finalSave.timeoutSeconds 5: a pod whose check failed never starts its trainer, so its sidecar, told
-    # to stop, waits that long for a final save nobody will answer (no trainer.lock). The operator deletes
-    # such a pod with a 2 s grace, which a kubelet applies at once; the local cluster's node agent posts
-    # the failed init container only once it has stopped the sidecars, within the pod's own grace, so
-    # here generation 2 still waited 60 s for them (job_manifest's 60 s; measured on d456821).
+    # to stop, waits that long for a final save nobody will answer (no trainer.lock). A kubelet stops that
+    # sidecar, with the pod's own grace, the moment the init container fails (restartPolicy Never: the
+    # pod is terminal); the operator's 2 s delete comes later and does not cut a kill under way short
+    # (kubelet v1.37 SyncTerminatingPod), and the node agent does the same. With job_manifest's 60 s,
+    # generation 2 waited for that sidecar: the call took 64 s instead of 32 (measured at e1f1259).
     manifest = job_manifest(name, tmp_path / "ckpt", count=1, steps=100000, step_seconds=0.2,
                             recovery={"healthCheck": {"enabled": True, "timeoutSeconds": 90}},
                             template=worker_template(steps=100000, step_seconds=0.2, devices=4),
