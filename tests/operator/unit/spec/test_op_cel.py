@@ -17,7 +17,7 @@ import yaml
 from op_samples import good_spec
 from resilax_operator import api
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 Raw = dict[str, Any]
 
 

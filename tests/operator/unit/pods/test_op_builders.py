@@ -161,7 +161,7 @@ def test_resilax_env_matches_architecture_doc() -> None:
     assert env["RESILAX_RESTORE_STEP"] == "latest" and env["RESILAX_SIDECAR_PORT"] == "8490"
     assert env["RESILAX_SIDECAR_TOKEN_FILE"] == f"{api.TOKEN_DIR}/token"
     assert env["RESILAX_SIDECAR_GRACE_SECONDS"] == "300"
-    doc = (__import__("pathlib").Path(__file__).resolve().parents[3] / "docs" / "architecture.md").read_text()
+    doc = (__import__("pathlib").Path(__file__).resolve().parents[4] / "docs" / "architecture.md").read_text()
     for name in env:
         if name in ("RESILAX_SIDECAR_GRACE_SECONDS", "RESILAX_SIDECAR_HOST",
                     "RESILAX_SIDECAR_LOG_FORMAT"):  # resilax_sidecar.config settings (docs/sidecar.md)

@@ -15,7 +15,7 @@ import yaml
 from resilax_operator import api, spec, topology
 from resilax_operator import status as st
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 CRD_PATH = ROOT / api.CRD_FILE
 
 
