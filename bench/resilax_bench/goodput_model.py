@@ -12,7 +12,7 @@ Two pure pieces the goodput benchmark (`resilax_bench.goodput`) drives:
   harness saw from the API and the trainer: the operator's reaction (detected), the new pods created,
   running, the trainer's restore began and ended.
 
-The breakdown is the operator's own accounting (`resilax_operator.goodput`: the buckets, how a
+The breakdown is the operator's own accounting (`resilax_operator.status_fields.goodput`: the buckets, how a
 generation's window is split at its marks, checkpoint blocking and lost steps), fed with what the
 harness saw instead of what the operator sees: each step's time from the loss lines (a generation's
 checkpoint blocking = the excess of its step gaps over their median), the injected fault's time (the
@@ -30,8 +30,8 @@ from itertools import pairwise
 from typing import Any
 
 from resilax_local.timeline import Fault, JobSnapshot, LossRecord, TimelineEvent
-from resilax_operator import goodput
-from resilax_operator.goodput import BUCKETS
+from resilax_operator.status_fields import goodput
+from resilax_operator.status_fields.goodput import BUCKETS
 
 KILL, PREEMPT, RESTORE = "kill-node", "preempt-node", "restore-node"
 __all__ = ["BUCKETS", "KILL", "PREEMPT", "RESTORE", "GenerationMarks", "Goodput", "GoodputInputError", "PlannedFault",
@@ -110,7 +110,7 @@ class Goodput:
 
     @property
     def device_weighted_goodput(self) -> float:
-        """A second trained at half the devices counts half (`resilax_operator.goodput.Goodput.device_ratio`)."""
+        """A second trained at half the devices counts half (`resilax_operator.status_fields.goodput.Goodput.device_ratio`)."""
         weighted = self.buckets["productive"] if self.device_productive is None else self.device_productive
         return weighted / self.wall_seconds if self.wall_seconds > 0 else 0.0
 

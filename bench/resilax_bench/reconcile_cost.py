@@ -22,8 +22,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from resilax_operator import api
-from resilax_operator.cache import WorldCache
-from resilax_operator.observed import Observed, assemble_observed, build_observed
+from resilax_operator.observed.cache import WorldCache
+from resilax_operator.observed.snapshot import Observed, assemble_observed, build_observed
 
 from .scale import ScaleConfig, build_job, build_nodes, job_name, pool_name
 

@@ -79,7 +79,7 @@ class RequestFinalSave:
     `<request_id>=`, POST `http://<podIP>:<RESILAX_SIDECAR_PORT>/v1/save` with the bearer token and
     {"reason": reason, "stop": true}, then annotate the pod `<request_id>=<the sidecar's id>`. Any one
     pod suffices (all processes agree on one step); posting to all survives a dead one. The answers
-    come back as `Observed.save_outcomes` (observe.py)."""
+    come back as `Observed.save_outcomes` (observed/observe.py)."""
 
     generation: int
     request_id: str

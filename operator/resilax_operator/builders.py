@@ -24,11 +24,17 @@ from .generation import (
     creates_all_at_once,
     kueue_queue,
 )
-from .podsecurity import RESTRICTED_POD, fit_root_user, merge_security_context, restricted_context
+from .pods.podsecurity import RESTRICTED_POD, fit_root_user, merge_security_context, restricted_context
+from .pods.worker_env import (
+    STORAGE_MOUNT,
+    TERMINATION_MESSAGE_PATH,
+    build_env,
+    compilation_cache_env,
+    merge_env,
+)
 from .settings import OperatorSettings, sidecar_resources_from_json
 from .spec import LOCAL_SCOPE_NODE, JobSpec
 from .topology import SliceGeometry, plan_geometry
-from .worker_env import STORAGE_MOUNT, TERMINATION_MESSAGE_PATH, build_env, compilation_cache_env, merge_env
 
 Manifest = dict[str, Any]
 

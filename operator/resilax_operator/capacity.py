@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 
 from . import api
 from .builders import geometry_of
-from .observed import ObservedNode, ObservedPod
+from .observed.snapshot import ObservedNode, ObservedPod
 from .spec import JobSpec, Shape
 from .status import JobStatus
 from .topology import SliceGeometry

@@ -31,7 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("resilax_ckpt.supervisor:main", "run a trainer under the in-place restart supervisor", ""),
     "health-check": ("resilax_ckpt.health_check:main",
                      "check this host's devices, a matmul and a collective before a trainer starts", "train"),
-    "job": ("resilax_operator.kubectl_plugin:main",
+    "job": ("resilax_operator.kubectl.plugin:main",
             "a JAXJob at a glance: status, goodput, timeline, save, suspend, resume, web (also `kubectl resilax`)",
             "operator"),
 }

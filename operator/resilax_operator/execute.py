@@ -1,6 +1,6 @@
 """The I/O side, part 2: carry out a decision's actions, and the reconcile loop's one turn.
 
-`reconcile_job`: observe (observe.py) → decide (reconcile.py, pure) → `execute`. Each action goes
+`reconcile_job`: observe (observed/observe.py) → decide (reconcile.py, pure) → `execute`. Each action goes
 through `k8s.Kube`, in order, stopping at the first failure (the exception propagates; the next
 reconcile decides again from what is then observed). Nothing here decides: how and when each pod is
 deleted, what a refused pod means, when to look again, all come from the decision. A status equal to
@@ -17,7 +17,7 @@ from typing import Any
 
 import kopf
 
-from . import api, metrics, spare_jobs
+from . import api, metrics
 from . import status as st
 from .actions import (
     Action,
@@ -39,11 +39,12 @@ from .actions import (
     StopTrainers,
     SuspendSpareJob,
 )
-from .cache import WorldCache
 from .errors import NameConflictError, ResilaxOperatorError
 from .generation import build_generation_service_name, build_token_secret_name
 from .k8s import Kube, KubeError, SidecarError
-from .observe import Logger, World, forget_trainer, job_ref, observe
+from .observed import spare_jobs
+from .observed.cache import WorldCache
+from .observed.observe import Logger, World, forget_trainer, job_ref, observe
 from .ownership import owner_uid
 from .policies import goodput_status
 from .reconcile import decide_cleanup, decide_name_conflict, decide_pod_refused, decide_raw

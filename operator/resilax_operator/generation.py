@@ -1,5 +1,5 @@
 """Pure: a generation of workers — the job it belongs to, its plan — and the names of the objects
-the builders make for it. Below both `builders.py` (manifests) and `worker_env.py` (environment)."""
+the builders make for it. Below both `builders.py` (manifests) and `pods/worker_env.py` (environment)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Thin kopf handlers: every JAXJob gets a reconcile daemon; changes seen by the watch cache wake it.
 
-State-driven: the daemon observes (observe.py, from the watch cache), decides (reconcile.py, pure) and
+State-driven: the daemon observes (observed/observe.py, from the watch cache), decides (reconcile.py, pure) and
 executes (execute.py) in a loop, at least every few seconds and at once when one of the job's pods, its
 spec, or a node's readiness, taints or labels change. Every reconcile starts from what it observes, so a
 missed or repeated wake-up changes nothing but the timing. Kopf passes `memo` (main.py fills it before
@@ -21,7 +21,7 @@ from typing import Any
 import kopf
 
 from . import api, execute
-from .cache import WorldCache
+from .observed.cache import WorldCache
 
 #: The finalizer kopf puts on JAXJobs (it runs `cleanup` before the object goes).
 FINALIZER = "resilax.dev/operator"

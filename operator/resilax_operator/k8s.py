@@ -130,7 +130,7 @@ class Kube:
         parsed = json.loads(data) if data else {}
         return parsed if isinstance(parsed, dict) else {}
 
-    # ---- reading the world: list once, then watch (cache.py) --------------------------------
+    # ---- reading the world: list once, then watch (observed/cache.py) --------------------------------
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         """A JAXJob the watch cache has not seen yet (None: it does not exist)."""
         return self.request("GET", _job_path(namespace, name), ok=(404,))

@@ -25,7 +25,7 @@ did, not what a log line says:
   `resilax_operator_spare_slices{namespace,jaxjob,state}` (state `desired` or `ready`: status.spares);
 - every reconcile → `resilax_operator_goodput_ratio{namespace,jaxjob}` and
   `resilax_operator_goodput_seconds{namespace,jaxjob,bucket}` (the job's goodput accounting as of now,
-  goodput.py; the buckets sum to the wall time since its first generation was created; status.goodput
+  status_fields/goodput.py; the buckets sum to the wall time since its first generation was created; status.goodput
   holds the same, refreshed less often). Gauges: a bucket can shrink (lost steps move time out of
   productive once a later generation's restore shows them).
 
@@ -48,10 +48,10 @@ from typing import Any, Final
 from prometheus_client import Counter, Gauge, Histogram
 
 from . import api
-from . import goodput as gp
 from . import status as st
 from .builders import JobRef
-from .observed import Observed
+from .observed.snapshot import Observed
+from .status_fields import goodput as gp
 
 #: The per-job recovery metrics' labels: the job, and the transition kind (st.TRANSITION_KINDS, bounded).
 RECOVERY_LABELS: Final = ("namespace", "jaxjob", "kind")

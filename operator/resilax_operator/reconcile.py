@@ -3,7 +3,7 @@
 This module only dispatches; each rule lives in its own file under policies/ (see policies/__init__.py
 for the table). The I/O side calls it once per reconcile:
 
-1. observe.py builds `Observed` (observed.py) from the watch cache and the sidecars' answers.
+1. observed/observe.py builds `Observed` (observed/snapshot.py) from the watch cache and the sidecars' answers.
 2. `actions = decide_raw(job["spec"], observed, settings)` (`decide_cleanup` on deletion).
 3. execute.py carries out each action (actions.py) in order, stopping at the first failure; the next
    reconcile decides again from what it then observes.
@@ -30,7 +30,7 @@ from . import status as st
 from .actions import Action, DeleteGeneration, EmitEvent, PodDeletion, SetStatus, collapse, status_change
 from .capacity import plan_worker_nodes
 from .errors import InvalidSpecError, NameConflictError
-from .observed import Observed
+from .observed.snapshot import Observed
 from .policies import (
     Finding,
     Verdict,

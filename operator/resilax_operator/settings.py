@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Final
 
 from .errors import InvalidSettingError
-from .ports import (
+from .pods.ports import (
     DEFAULT_COORDINATOR_PORT,
     DEFAULT_MEGASCALE_PORT,
     DEFAULT_SIDECAR_PORT,
@@ -50,7 +50,7 @@ class OperatorSettings:
     the chart passes its `logFormat`, json by default) or text."""
     sidecar_port: int = DEFAULT_SIDECAR_PORT
     """The sidecar's HTTP port inside each worker pod (`RESILAX_SIDECAR_PORT`). Not one of the TPU
-    runtime's ports (ports.py: 8471, 8080-8081, 8431, 8476-8479), which the operator refuses at start."""
+    runtime's ports (pods/ports.py: 8471, 8080-8081, 8431, 8476-8479), which the operator refuses at start."""
     coordinator_port: int = DEFAULT_COORDINATOR_PORT
     """Port of JAX's coordination service on process 0 (`JAX_COORDINATOR_ADDRESS`); JAX's own choice on
     Cloud TPU. Not one of the TPU runtime's ports."""
@@ -91,7 +91,7 @@ class OperatorSettings:
     refused_retry_seconds: int = 30
     """How soon to try again after the API server refused a worker pod (PodCreationRefused)."""
     allow_host_access: bool = False
-    """Let worker templates go beyond the restricted Pod Security profile (podsecurity.py): privileged
+    """Let worker templates go beyond the restricted Pod Security profile (pods/podsecurity.py): privileged
     containers, added capabilities, root, hostNetwork/PID/IPC, hostPath and other volume types, host
     ports, shareProcessNamespace, tolerations of every taint. Off: such a JAXJob gets `InvalidSpec`
     naming each field. (The chart's `operator.allowHostAccess`; `RESILAX_OPERATOR_ALLOW_HOST_ACCESS=true`.)"""
@@ -206,7 +206,7 @@ def check_bounds(settings: OperatorSettings) -> list[str]:
 
 
 def check_ports(settings: OperatorSettings) -> list[str]:
-    """The worker pods' ports: the sidecar's and the coordinator's outside the TPU runtime's (ports.py),
+    """The worker pods' ports: the sidecar's and the coordinator's outside the TPU runtime's (pods/ports.py),
     Megascale's one of Megascale's own, all three different, each 1-65535."""
     named = {"sidecar_port": settings.sidecar_port, "coordinator_port": settings.coordinator_port,
              "megascale_port": settings.megascale_port}

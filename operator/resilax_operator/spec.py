@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
 from .errors import SpecProblem
-from .podtemplate import drop_nulls
+from .pods.podtemplate import drop_nulls
 
 DEFAULT_FINAL_SAVE_TIMEOUT_SECONDS: Final = 300
 DEFAULT_MAX_RESTARTS: Final = 20

@@ -13,17 +13,17 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from . import api
-from . import goodput as gp
-from .checkpoint_status import CheckpointInfo as CheckpointInfo
-from .checkpoint_status import build_branch, parse_branch
-from .checkpoint_status import newer_checkpoint as newer_checkpoint
 from .generation import worker_pod_names
-from .history import HistoryEntry, build_history, parse_history
-from .merge_patch import merge_patch
-from .recovery_notice import RecoveryNotice, build_recovery_notice, parse_recovery_notice
-from .spare_pods import SpareStatus, build_spare_status, parse_spare_status
+from .pods.spares import SpareStatus, build_spare_status, parse_spare_status
 from .spec import Shape
-from .unhealthy_nodes import UnhealthyNode, build_unhealthy_nodes, parse_unhealthy_nodes
+from .status_fields import goodput as gp
+from .status_fields.checkpoint import CheckpointInfo as CheckpointInfo
+from .status_fields.checkpoint import build_branch, parse_branch
+from .status_fields.checkpoint import newer_checkpoint as newer_checkpoint
+from .status_fields.history import HistoryEntry, build_history, parse_history
+from .status_fields.merge_patch import merge_patch
+from .status_fields.recovery_notice import RecoveryNotice, build_recovery_notice, parse_recovery_notice
+from .status_fields.unhealthy_nodes import UnhealthyNode, build_unhealthy_nodes, parse_unhealthy_nodes
 
 # Transition kinds: why the current generation is being replaced.
 PREEMPTION: Final = "Preemption"
@@ -110,7 +110,7 @@ class InPlace:
 
 @dataclass(frozen=True)
 class GoodputRecord:
-    """status.goodput: the accounting (goodput.py's ledger) and the time its figures are given for."""
+    """status.goodput: the accounting (status_fields/goodput.py's ledger) and the time its figures are given for."""
 
     ledger: gp.Ledger
     as_of: datetime
@@ -170,7 +170,7 @@ class JobStatus:
     #: When a queue (Kueue) admitted the current generation's workers (their scheduling gates went):
     #: the timeouts on their start count from then (`workers_since`). None: never held by a queue.
     admitted_time: datetime | None = None
-    #: Goodput so far and where the rest of the wall time went (goodput.py; policies/goodput_status.py).
+    #: Goodput so far and where the rest of the wall time went (status_fields/goodput.py; policies/goodput_status.py).
     goodput: GoodputRecord | None = None
     #: The current generation's pod names by process id (written at every generation start); () from an
     #: operator that predates it: the names `builders.build_pod_name` gives the generation.
@@ -181,7 +181,7 @@ class JobStatus:
     in_place_restarts: int = 0
     #: The newest spec that validated: what the job runs under while an edit is invalid.
     last_valid_spec: SpecRecord | None = None
-    #: One entry per generation, oldest first (history.py; policies/history_status.py fills it).
+    #: One entry per generation, oldest first (status_fields/history.py; policies/history_status.py fills it).
     history: tuple[HistoryEntry, ...] = ()
     #: Nodes that failed the health check, by name: kept out of later generations (policies/health_check.py).
     unhealthy_nodes: tuple[UnhealthyNode, ...] = ()

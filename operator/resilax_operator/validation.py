@@ -3,8 +3,8 @@
 The CRD schema and its CEL rules reject what they can at admission; this module repeats those checks
 (an operator may meet objects written before a schema change) and adds what a schema cannot express
 (topology tables, machine types, the pod template's contents: Kubernetes' PodTemplateSpec schema in
-podtemplate.py). With the operator's settings it also applies the operator's policies (the restricted Pod
-Security profile unless host access is allowed: podsecurity.py).
+pods/podtemplate.py). With the operator's settings it also applies the operator's policies (the restricted Pod
+Security profile unless host access is allowed: pods/podsecurity.py).
 Modelled on jobset's webhook `allErrs`.
 """
 
@@ -16,8 +16,8 @@ from typing import Any, Final
 
 from . import api, topology
 from .errors import InvalidSpecError, SpecProblem, UnknownTopologyError
-from .podsecurity import check_pod_security
-from .podtemplate import check_template_schema
+from .pods.podsecurity import check_pod_security
+from .pods.podtemplate import check_template_schema
 from .settings import OperatorSettings
 from .spec import (
     HANG_DETECTION_OFF,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from resilax_ckpt import retention
-from resilax_operator.ports import DEFAULT_SIDECAR_PORT, reserved_port_problem
+from resilax_operator.pods.ports import DEFAULT_SIDECAR_PORT, reserved_port_problem
 
 from resilax_sidecar.errors import ConfigError
 from resilax_sidecar.log_format import LOG_FORMATS
@@ -47,7 +47,7 @@ class SidecarConfig:
 
     port: int = DEFAULT_SIDECAR_PORT
     """`RESILAX_SIDECAR_PORT`: the HTTP API's port, 1-65535 (0 picks a free port; tests only), never one of
-    the TPU runtime's (8471, 8080-8081, 8431, 8476-8479: resilax_operator/ports.py)."""
+    the TPU runtime's (8471, 8080-8081, 8431, 8476-8479: resilax_operator/pods/ports.py)."""
 
     token_file: Path | None = None
     """`RESILAX_SIDECAR_TOKEN_FILE`: file whose stripped contents is the bearer token mutating calls

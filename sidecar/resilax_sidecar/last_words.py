@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: The kubelet keeps the first 4096 bytes of a termination message.
 MAX_BYTES: Final = 4096
-#: The trainer figures the operator reads (observed_sidecar.parse_trainer_report, parse_host_figures).
+#: The trainer figures the operator reads (observed.sidecar.parse_trainer_report, parse_host_figures).
 TRAINER_KEYS: Final = ("generation", "step", "step_time", "first_step", "first_step_time", "save_blocking_seconds",
                        "restores", "last_restore_seconds", "restored_time", "heartbeat", "phase")
 STATE_KEYS: Final = ("generation", "process_id", "newest_persisted_step", "newest_local_step", "branch")

@@ -123,8 +123,8 @@ def test_operations_guide_lists_every_condition_bucket_and_transition_kind() -> 
     """docs/operations.md names the operator's conditions, goodput buckets and transition kinds as the
     code defines them (issue 41: it listed 5 conditions of 11, and missed `hang` and `TrainerHung`)."""
     from resilax_operator import api
-    from resilax_operator import goodput as gp
     from resilax_operator import status as st
+    from resilax_operator.status_fields import goodput as gp
 
     text = (ROOT / "docs" / "operations.md").read_text()
     conditions = text[text.index("The conditions are "):].split("; their reasons", 1)[0]
@@ -174,7 +174,7 @@ def test_uninstall_page_names_the_operators_finalizer_and_the_charts_crds() -> N
 def test_goodput_name_mapping_covers_every_bucket_once() -> None:
     """operations.md's table from our goodput buckets to ml-goodput-measurement's names has a row for
     every bucket of goodput.BUCKETS and no other (issue 41)."""
-    from resilax_operator import goodput as gp
+    from resilax_operator.status_fields import goodput as gp
 
     text = (ROOT / "docs" / "operations.md").read_text()
     table = text[text.index("| our bucket | ml-goodput-measurement |"):].split("\n\n", 1)[0]

@@ -26,7 +26,7 @@ def test_the_manager_writes_its_figures_into_the_control_folder(tmp_path, device
 
 def test_the_figures_carry_the_wall_times_the_goodput_accounting_reads(tmp_path):
     """When the loop first reached its newest step and its first step, and when the restore ended
-    (the operator's goodput accounting, resilax_operator.goodput, reads them from /v1/state)."""
+    (the operator's goodput accounting, resilax_operator.status_fields.goodput, reads them from /v1/state)."""
     from resilax_ckpt.trainer_metrics import TrainerMetrics
 
     wall = [0.0]

@@ -6,9 +6,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from resilax_operator import api, kubectl_plugin
-from resilax_operator import goodput as gp
+from resilax_operator import api
 from resilax_operator import status as st
+from resilax_operator.kubectl import plugin as kubectl_plugin
+from resilax_operator.status_fields import goodput as gp
 
 NOW = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
 
@@ -85,7 +86,7 @@ def test_suspend_and_resume_patch_spec_suspend_only(suspend: bool, value: bool) 
 def test_resilax_job_dispatches_to_the_plugin() -> None:
     from resilax_operator import cli
 
-    assert cli.SUBCOMMANDS["job"][0] == "resilax_operator.kubectl_plugin:main"
+    assert cli.SUBCOMMANDS["job"][0] == "resilax_operator.kubectl.plugin:main"
     with pytest.raises(SystemExit) as e:
         kubectl_plugin.parse_args(["frobnicate", "llama"])
     assert e.value.code == 2
@@ -112,12 +113,12 @@ def test_completion_of_commands_prints_cobras_protocol(capsys: pytest.CaptureFix
 
 
 def test_output_documents_round_trip_and_the_list_table() -> None:
-    """`-o json|yaml` (kubectl_output.py): each read command's document parses back equal; `list` without
+    """`-o json|yaml` (kubectl/output.py): each read command's document parses back equal; `list` without
     -A leaves out the namespace column; a control character from the cluster stays escaped."""
     import json
 
     import yaml
-    from resilax_operator import kubectl_output as out
+    from resilax_operator.kubectl import output as out
 
     job = {"metadata": {"namespace": "ml", "name": "llama", "uid": "u1"}, "spec": {"suspend": False},
            "status": {"phase": "Running", "generation": 3, "shape": {"topology": "2x4", "count": 2, "hosts": 4},
@@ -157,7 +158,7 @@ def test_status_screen_names_the_nodes_kept_out_after_a_failed_health_check() ->
 
 
 def test_logs_picks_process_n_of_the_newest_generation_the_job_owns() -> None:
-    from resilax_operator.kubectl_logs import plan_log_pod
+    from resilax_operator.kubectl.logs import plan_log_pod
 
     def pod(name: str, generation: int, process: int, owner: str = "u1", deleting: bool = False) -> dict[str, Any]:
         meta: dict[str, Any] = {"name": name, "uid": f"uid-{name}", "ownerReferences": [

@@ -4,9 +4,9 @@ it makes, and what it refuses before sending anything, naming the steps there ar
 from __future__ import annotations
 
 import pytest
-from resilax_operator import kubectl_plugin
-from resilax_operator.kubectl_api import PluginError
-from resilax_operator.kubectl_rollback import build_rollback_patch, known_steps, plan_rollback, run_rollback
+from resilax_operator.kubectl import plugin as kubectl_plugin
+from resilax_operator.kubectl.client import PluginError
+from resilax_operator.kubectl.rollback import build_rollback_patch, known_steps, plan_rollback, run_rollback
 
 # Generation 1 committed 4..44; generation 2 rolled back to 8 and committed 12, 16.
 HISTORY = [{"generation": 1, "start": "2026-01-01T00:00:00Z", "checkpoints": [4, 8, 40, 44]},

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from resilax_operator import api, kubectl_plugin
-from resilax_operator.kubectl_api import SIDECAR_ANSWER_CAP
+from resilax_operator import api
+from resilax_operator.kubectl import plugin as kubectl_plugin
+from resilax_operator.kubectl.client import SIDECAR_ANSWER_CAP
 
 NS, JOB, UID, GENERATION, PORT = "ml", "llama", "0b6c2f0e-1111-4c1e-9d53-6f4b8f3f0a01", 3, 8490
 TOKEN = "s3cret-job-token"

@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 from history_fixtures import HISTORY, NOW, job
-from resilax_operator import api, kubectl_plugin, timeline, timeline_page
-from resilax_operator.history import HistoryEntry
-from resilax_operator.kubectl_api import PluginError
+from resilax_operator import api
+from resilax_operator.kubectl import plugin as kubectl_plugin
+from resilax_operator.kubectl import timeline, timeline_page
+from resilax_operator.kubectl.client import PluginError
+from resilax_operator.status_fields.history import HistoryEntry
 
 
 def _generations() -> list[HistoryEntry]:
@@ -193,7 +195,7 @@ def test_options_of_another_command_are_usage_errors(argv: list[str]) -> None:
 
 
 def test_without_matplotlib_the_png_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from resilax_operator import timeline_plot
+    from resilax_operator.kubectl import timeline_plot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the extra sees
     with pytest.raises(timeline_plot.MissingPlotExtraError, match=r"pip install 'resilax\[plot\]'"):
@@ -203,7 +205,7 @@ def test_without_matplotlib_the_png_names_the_extra(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.slow  # matplotlib's first import builds its font cache
 def test_the_png_is_drawn(tmp_path: Path) -> None:
-    from resilax_operator import timeline_plot
+    from resilax_operator.kubectl import timeline_plot
 
     path = tmp_path / "t.png"
     timeline_plot.render_png(timeline.build_plot("JAXJob team-a/llama", _generations(), NOW), path)

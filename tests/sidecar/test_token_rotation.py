@@ -18,9 +18,10 @@ import pytest
 import yaml
 from resilax_local.kubeapi import KubeAPIError
 from resilax_local.testing import wait_for
-from resilax_operator import api, kubectl_plugin
+from resilax_operator import api
 from resilax_operator.generation import JobRef, build_token_secret_name
 from resilax_operator.k8s import TOKEN_RECHECK_SECONDS, Kube, SidecarError
+from resilax_operator.kubectl import plugin as kubectl_plugin
 
 pytestmark = [pytest.mark.cluster]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from history_fixtures import HISTORY, NOW, job
-from resilax_operator import timeline_page
+from resilax_operator.kubectl import timeline_page
 
 
 class Elements(HTMLParser):

@@ -27,7 +27,7 @@ from .. import api
 from .. import status as st
 from ..capacity import describe_slice_need, plan_shape, shape_chips
 from ..generation import build_pod_group_name
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus

@@ -30,7 +30,7 @@ from ..actions import (
     SetStatus,
     status_change,
 )
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus

@@ -27,7 +27,7 @@ from datetime import timedelta
 from .. import api
 from .. import status as st
 from ..actions import Action, EmitEvent, SetStatus
-from ..observed import Observed, ObservedPod
+from ..observed.snapshot import Observed, ObservedPod
 from ..settings import OperatorSettings
 from ..spec import RULE_FAIL_JOB, RULE_RESTART_WITHOUT_COUNTING, FailureRule, JobSpec
 from ..status import JobStatus

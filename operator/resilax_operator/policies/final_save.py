@@ -27,7 +27,7 @@ from dataclasses import replace
 from .. import api
 from .. import status as st
 from ..actions import POLL_SECONDS, Action, EmitEvent, RequestFinalSave, RequeueAfter, status_change
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import CheckpointInfo, JobStatus
@@ -77,7 +77,7 @@ def progress(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operator
             generation=g, detail="the workers exited" if all_ended else "a node was lost"))
     checkpoint, took = s.checkpoint, s.final_save_seconds
     if outcome is not None and outcome.committed and outcome.step is not None:
-        # the current generation's own step: on the branch the status knows (checkpoint_status.py)
+        # the current generation's own step: on the branch the status knows (status_fields/checkpoint.py)
         checkpoint = st.newer_checkpoint(checkpoint, CheckpointInfo(
             outcome.step, st.truncate(now), True, branch=checkpoint.branch if checkpoint else None))
         took = math.ceil((now - t.since).total_seconds())

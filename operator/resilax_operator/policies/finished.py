@@ -20,7 +20,7 @@ from datetime import datetime
 from .. import api
 from .. import status as st
 from ..actions import Action, DeleteJob, EmitEvent, RequeueAfter, SetStatus
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..spec import JobSpec
 from ..status import JobStatus
 

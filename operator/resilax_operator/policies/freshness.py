@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from .. import api
 from .. import status as st
 from ..actions import Action, Notes, PublishFreshness, SetStatus
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..status import JobStatus
 
 #: The annotations that identify the commit (steps at risk is derived once, when they change).

@@ -58,7 +58,7 @@ from ..capacity import (
     record_pools,
     shape_chips,
 )
-from ..observed import Observed, RestoreReport
+from ..observed.snapshot import Observed, RestoreReport
 from ..settings import OperatorSettings
 from ..spec import RESTORE_LATEST, JobSpec
 from ..status import JobStatus

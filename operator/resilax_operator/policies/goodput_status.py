@@ -1,8 +1,8 @@
-"""Goodput in the status (pure): the accounting of goodput.py, fed with what one decision observed.
+"""Goodput in the status (pure): the accounting of status_fields/goodput.py, fed with what one decision observed.
 
 Runs once per decision, after the policies decided (`reconcile.decide`), on the status the decision
 writes (or the one observed):
-1. `observed_marks`: what is known of the current generation (the table of goodput.py): created =
+1. `observed_marks`: what is known of the current generation (the table of status_fields/goodput.py): created =
    status.generationStartTime; running = the latest trainer `startedAt` once every worker's trainer
    started; pod 0's trainer figures (`Observed.trainer`, of this generation): the restore's end and
    start (restored_time - last_restore_seconds), the first step and the newest step reached and when,
@@ -27,13 +27,13 @@ from dataclasses import replace
 from typing import Any
 
 from .. import api
-from .. import goodput as gp
 from .. import status as st
 from ..actions import Action, SetStatus
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..settings import OperatorSettings
 from ..spec import Shape
 from ..status import GoodputRecord, JobStatus
+from ..status_fields import goodput as gp
 from ..topology import parse_dims
 
 #: Phases in which the accounting stands still: ended, or suspended (no workers, nothing paid; on resume

@@ -4,7 +4,7 @@ autoscaler (or GKE node auto-provisioning) adds the nodes its grow-back needs.
 `resize.check` grows a job back only onto Ready nodes. On node pools that scale from zero no node comes
 without a pending pod asking for it, so after a `Shrink` (capacity.shrinkAfterSeconds) a job would stay
 small for ever. While it runs settled below its declared shape, the job keeps probe pods of the
-missing slices (probes.py: their devices, node selectors, one node pool per slice); when the autoscaler
+missing slices (pods/probes.py: their devices, node selectors, one node pool per slice); when the autoscaler
 gives them nodes, those nodes count as the job's own in its capacity planning, `resize.check` finds the
 larger shape and the grow-back's transition removes the probes (the nodes, now empty, take the next
 generation's workers).
@@ -27,8 +27,8 @@ from .. import api
 from ..actions import Action, CreateProbes, DeleteProbes, SetStatus
 from ..capacity import shape_chips
 from ..generation import kueue_queue
-from ..observed import Observed
-from ..probes import build_probe_pods, probe_set
+from ..observed.snapshot import Observed
+from ..pods.probes import build_probe_pods, probe_set
 from ..settings import OperatorSettings
 from ..spec import JobSpec, Shape
 from ..status import JobStatus

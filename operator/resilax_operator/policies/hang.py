@@ -22,7 +22,7 @@ lowest last step; ties by pod name (pod 0 first). Finding `TrainerHung`: not a f
 transition.py's backoff, so a hang that recurs backs off); in place when recovery.inPlace is Auto and the
 pods qualify (the kept trainers are stopped with their stacks dumped first), else a full replacement.
 
-`observed_sidecar.worth_asking_every_host`: observe.py reads pod 0's figures every reconcile and every worker's only when
+`observed.sidecar.worth_asking_every_host`: observed/observe.py reads pod 0's figures every reconcile and every worker's only when
 pod 0 looks stalled (the other workers then name the culprit): O(faults), not O(pods).
 """
 
@@ -34,8 +34,8 @@ from typing import Final
 
 from .. import api
 from .. import status as st
-from ..observed import HostFigures, Observed
-from ..observed_sidecar import HEARTBEAT_STALE_SECONDS
+from ..observed.sidecar import HEARTBEAT_STALE_SECONDS
+from ..observed.snapshot import HostFigures, Observed
 from ..settings import OperatorSettings
 from ..spec import HANG_DETECTION_OFF, JobSpec
 from ..status import JobStatus

@@ -1,4 +1,4 @@
-"""status.history kept up to date (pure): one entry per generation (history.py), derived from the status
+"""status.history kept up to date (pure): one entry per generation (status_fields/history.py), derived from the status
 transitions the operator already writes, after the policies and the goodput accounting decided
 (`reconcile.decide`).
 
@@ -28,12 +28,12 @@ from datetime import datetime
 from typing import Final
 
 from .. import api
-from .. import goodput as gp
 from .. import status as st
 from ..actions import Action, SetStatus
-from ..history import MAX_CHECKPOINTS, MAX_ENTRIES, RESTORE_SOURCES, HistoryEntry, clip_message
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..status import JobStatus
+from ..status_fields import goodput as gp
+from ..status_fields.history import MAX_CHECKPOINTS, MAX_ENTRIES, RESTORE_SOURCES, HistoryEntry, clip_message
 from .goodput_status import observed_marks
 
 #: A transition's Event reason when the status does not name it (a transition begun by an older operator).

@@ -17,7 +17,7 @@ barrier: stop every kept trainer and delete the other pods; only then create and
 | a planned move (grow-back, resize, preemption) once its final save is done (`after_final_save`, called by transition.py before its teardown deletes anything) | `decide_mode` over the planned kinds: in place (the trainers stopped after the save are the kept ones; the pods of noticed nodes go), else the transition's teardown as before |
 
 Nothing is kept in memory: the status says the phase, the kept pods and which are stopped and started;
-the sidecars' `trainer_process` says the rest (trainer_process.py); every action repeats harmlessly.
+the sidecars' `trainer_process` says the rest (observed/trainer_process.py); every action repeats harmlessly.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from ..actions import (
 from ..builders import GenerationPlan, build_pod, build_service, geometry_of, in_place_unavailable
 from ..capacity import LeaseWait, fingerprint, plan_lease_wait, plan_shape, plan_target
 from ..generation import build_pod_name
-from ..observed import Observed, ObservedPod
+from ..observed.snapshot import Observed, ObservedPod
+from ..pods.worker_env import build_generation_overlay
 from ..settings import OperatorSettings
 from ..spec import RESTORE_LATEST, JobSpec
 from ..status import InPlace, JobStatus, KeptPod
-from ..worker_env import build_generation_overlay
 from . import (
     Finding,
     failure_rules,
@@ -342,7 +342,7 @@ def _stopping(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operato
 
 def _exits(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings) -> Finding | list[Action] | None:
     """A worker of the generation being started stopped, failed or was deleted (exit codes of its own
-    generation's incarnations only: trainer_process.py); the failure rules first."""
+    generation's incarnations only: observed/trainer_process.py); the failure rules first."""
     g = s.generation
     checked = health_check.check(spec, observed, s, settings)  # a new pod's host failed its check
     if checked is not None:

@@ -24,7 +24,7 @@ from .. import api
 from .. import status as st
 from ..actions import Action, EmitEvent, status_change
 from ..errors import InvalidSpecError
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus, SpecRecord

@@ -18,7 +18,7 @@ from .. import api
 from .. import status as st
 from ..actions import Action, EmitEvent, RequeueAfter, status_change
 from ..errors import NameConflictError
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..settings import OperatorSettings
 from ..status import JobStatus
 

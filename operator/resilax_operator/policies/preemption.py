@@ -27,7 +27,7 @@ from typing import Final
 from .. import api
 from .. import status as st
 from ..actions import EmitEvent
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus

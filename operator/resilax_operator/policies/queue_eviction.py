@@ -22,7 +22,7 @@ from __future__ import annotations
 from .. import api
 from .. import status as st
 from ..generation import build_pod_group_name
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus

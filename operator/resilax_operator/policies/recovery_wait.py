@@ -13,7 +13,7 @@ kept trainers of an in-place restart not stopped or started yet.
 | what it waits for (the Ready reason) changed               | Event, at most one per `MIN_GAP_SECONDS`  |
 | the same wait                                              | Event again every `REPEAT_SECONDS`         |
 
-The notice lives in status.recoveryNotice (recovery_notice.py): the status is the operator's memory, so
+The notice lives in status.recoveryNotice (status_fields/recovery_notice.py): the status is the operator's memory, so
 an operator restart neither repeats the Event nor forgets it. Deciding twice gives the same actions.
 """
 
@@ -27,9 +27,9 @@ from typing import Final
 from .. import api
 from .. import status as st
 from ..actions import Action, EmitEvent, SetStatus
-from ..observed import Observed, ObservedPod
-from ..recovery_notice import RecoveryNotice
+from ..observed.snapshot import Observed, ObservedPod
 from ..status import JobStatus
+from ..status_fields.recovery_notice import RecoveryNotice
 
 #: A recovery this long (Ready=False, phase Recovering or Resizing) gets its first Event.
 WAIT_EVENT_SECONDS: Final = 120

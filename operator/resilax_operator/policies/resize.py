@@ -20,7 +20,7 @@ from datetime import timedelta
 from .. import api
 from .. import status as st
 from ..capacity import fingerprint, plan_shape, plan_target, shape_chips
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus

@@ -17,7 +17,7 @@ from __future__ import annotations
 from .. import api
 from ..actions import Action, EmitEvent, SetStatus, SuspendSpareJob
 from ..generation import kueue_queue
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..spec import JobSpec
 from ..status import JobStatus
 

@@ -1,5 +1,5 @@
 """Spare slices (spec.recovery.spareSlices): a job holds N slices of its shape with placeholder pods
-(spare_pods.py) of a PriorityClass below every job's, so the scheduler and autoscaler keep those nodes;
+(pods/spares.py) of a PriorityClass below every job's, so the scheduler and autoscaler keep those nodes;
 on a hard loss or a preemption the next generation takes a spare's nodes at once, at full size.
 
 How a spare is taken: the placeholders carry the job's label, so the job's capacity planning counts the
@@ -33,9 +33,9 @@ from ..actions import Action, CreateGeneration, CreateSpares, DeleteSpares, Emit
 from ..builders import geometry_of
 from ..capacity import plan_pools
 from ..generation import kueue_queue
-from ..observed import Observed
+from ..observed.snapshot import Observed
+from ..pods.spares import ObservedSpare, SpareStatus, build_spare_pods, spare_shape
 from ..settings import OperatorSettings
-from ..spare_pods import ObservedSpare, SpareStatus, build_spare_pods, spare_shape
 from ..spec import JobSpec
 from ..status import JobStatus
 

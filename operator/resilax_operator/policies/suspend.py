@@ -19,7 +19,7 @@ from datetime import datetime
 from .. import api
 from .. import status as st
 from ..actions import Action, EmitEvent, RequeueAfter, status_change
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus

@@ -44,7 +44,7 @@ from ..actions import (
     StopTrainers,
     status_change,
 )
-from ..observed import Observed
+from ..observed.snapshot import Observed
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus, Transition

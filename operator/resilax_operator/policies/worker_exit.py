@@ -23,7 +23,7 @@ from typing import Final
 from .. import api
 from .. import status as st
 from ..actions import POLL_SECONDS, Action, EmitEvent, RequeueAfter, SetStatus, status_change
-from ..observed import Observed, ObservedPod
+from ..observed.snapshot import Observed, ObservedPod
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus

@@ -33,7 +33,8 @@ from resilax_operator.actions import (
     StopTrainers,
 )
 from resilax_operator.builders import JobRef
-from resilax_operator.observed import (
+from resilax_operator.observed.sidecar import worth_asking_every_host
+from resilax_operator.observed.snapshot import (
     HostFigures,
     Observed,
     ObservedNode,
@@ -43,19 +44,18 @@ from resilax_operator.observed import (
     Taint,
     TrainerReport,
 )
-from resilax_operator.observed_sidecar import worth_asking_every_host
-from resilax_operator.probes import ObservedProbe
-from resilax_operator.reconcile import decide_raw
-from resilax_operator.settings import OperatorSettings
-from resilax_operator.spare_pods import ObservedSpare
-from resilax_operator.status import CheckpointInfo, JobStatus, build_status, build_status_patch, parse_status
-from resilax_operator.trainer_process import (
+from resilax_operator.observed.trainer_process import (
     EXITED,
     RUNNING,
     TrainerProcess,
     pods_to_poll,
     with_trainer_processes,
 )
+from resilax_operator.pods.probes import ObservedProbe
+from resilax_operator.pods.spares import ObservedSpare
+from resilax_operator.reconcile import decide_raw
+from resilax_operator.settings import OperatorSettings
+from resilax_operator.status import CheckpointInfo, JobStatus, build_status, build_status_patch, parse_status
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 SETTINGS = OperatorSettings(sidecar_image="resilax:test", grow_back_settle_seconds=60)
@@ -154,10 +154,10 @@ class World:
                             probes=tuple(sorted(self.probes.values(), key=lambda p: p.name)),
                             spares=tuple(sorted(self.spares.values(), key=lambda p: p.name)),
                             hosts={n: f for n, f in self.hosts.items() if n in self.pods and n not in self.unreachable})
-        # As observe.py: the sidecars asked (pods_to_poll) that answer report their trainer.
+        # As observed/observe.py: the sidecars asked (pods_to_poll) that answer report their trainer.
         polled = pods_to_poll(observed)
         pod0 = self.status.pod_names(self.job.name)[0] if self.status.generation else ""
-        if worth_asking_every_host(self.hosts.get(pod0), self.now.timestamp()):  # observe.py's second round
+        if worth_asking_every_host(self.hosts.get(pod0), self.now.timestamp()):  # observed/observe.py's second round
             polled = [p.name for p in self.gen_pods() if p.phase == "Running" and p.pod_ip is not None]
         asked = [n for n in polled if n not in self.unreachable and n in self.processes]
         return with_trainer_processes(observed, {n: replace(self.processes[n], assigned=self.assigned.get(n))

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from op_world import apply_merge_patch
 from resilax_operator import api, execute
-from resilax_operator.cache import Informer, WatchGone, WorldCache, trim_live_pod
 from resilax_operator.k8s import Kube, KubeError
+from resilax_operator.observed.cache import Informer, WatchGone, WorldCache, trim_live_pod
 from resilax_operator.settings import OperatorSettings
 
 NS = "team"
@@ -334,7 +334,7 @@ def test_a_restore_that_skipped_bad_steps_is_shown_once(steady: FakeAPI) -> None
     ({"restore": {"step": "x"}}, None),
 ], ids=["absent", "null", "clean", "skipped", "malformed"])
 def test_parse_restore_report(body: dict, want) -> None:
-    from resilax_operator.observed import parse_restore_report
+    from resilax_operator.observed.snapshot import parse_restore_report
 
     got = parse_restore_report(body)
     assert (None if got is None else (got.step, got.skipped)) == want

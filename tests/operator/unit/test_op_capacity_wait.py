@@ -23,12 +23,12 @@ from resilax_operator import status as st
 from resilax_operator.actions import CreateGeneration, DeleteGeneration
 from resilax_operator.builders import GenerationPlan, JobRef, build_pods
 from resilax_operator.capacity import plan_target, record_pools
-from resilax_operator.observed import Observed, ObservedNode, ObservedPod
+from resilax_operator.observed.snapshot import Observed, ObservedNode, ObservedPod
+from resilax_operator.pods.worker_env import WAITING_INIT_TIMEOUT_SECONDS
 from resilax_operator.policies import capacity_wait, node_loss
 from resilax_operator.spec import Shape
 from resilax_operator.status import JobStatus
 from resilax_operator.validation import validate_spec
-from resilax_operator.worker_env import WAITING_INIT_TIMEOUT_SECONDS
 
 SHRINK_AFTER = 600
 

@@ -15,7 +15,7 @@ from op_world import SETTINGS, running_world
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import DeleteGeneration, EmitEvent, SetStatus
-from resilax_operator.observed import parse_pod
+from resilax_operator.observed.snapshot import parse_pod
 from resilax_operator.policies import Finding, container_waiting
 from resilax_operator.validation import validate_spec
 

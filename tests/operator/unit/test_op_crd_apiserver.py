@@ -23,8 +23,8 @@ from op_samples import (
 )
 from resilax_operator import api
 from resilax_operator import status as st
-from resilax_operator.checkpoint_status import CheckpointBranch
 from resilax_operator.spec import Shape
+from resilax_operator.status_fields.checkpoint import CheckpointBranch
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -241,7 +241,7 @@ def test_status_round_trip(kube: Any) -> None:
                         restarts=1, planned_from="x/y", observed_generation=1,
                         transition=st.Transition(st.PREEMPTION, 2, t0, "m", "status-g2-preemption", t0),
                         checkpoint=st.CheckpointInfo(1200, t0, branch=CheckpointBranch(1, 2, 800)))
-    from resilax_operator import goodput as gp
+    from resilax_operator.status_fields import goodput as gp
 
     ledger = gp.advance(gp.advance(None, gp.GenerationMarks(1, created=10.0, running=12.5, first_step=1,
                                                              first_step_time=20.25, last_step=30, last_step_time=50.0,
@@ -251,7 +251,7 @@ def test_status_round_trip(kube: Any) -> None:
     full = replace(full, goodput=st.parse_goodput(st.build_goodput(st.GoodputRecord(ledger, datetime.fromtimestamp(80, UTC)))))
     full = st.set_condition(full, api.COND_READY, False, api.PREEMPTION_NOTICE.name, "m", t0)
     # status.history (issue 28): every field of an entry kept as written, none pruned or nulled
-    from resilax_operator.history import HistoryEntry
+    from resilax_operator.status_fields.history import HistoryEntry
 
     ended = HistoryEntry(1, t0, "4x4", 4, 16, ("a", "b", "c", "d"), False, t0, "NodeLost", "node n1 ...", 90,
                          "peer", 1, 130, 40, (("detection", 12.5), ("productive", 100.0)), (100, 120))
@@ -259,7 +259,7 @@ def test_status_round_trip(kube: Any) -> None:
                    transition=replace(full.transition, reason=api.PREEMPTION_NOTICE.name),  # type: ignore[arg-type]
                    in_place=st.InPlace(3, 2, st.IN_PLACE_STOPPING, t0, t0, kind=st.NODE_LOSS, reason="NodeLost",
                                        message="m"))
-    from resilax_operator.spare_pods import SpareStatus
+    from resilax_operator.pods.spares import SpareStatus
 
     full = replace(full, spares=SpareStatus(2, 1, ("d",), "", 2, ("c",), 1))
     got = kube.patch(f"{BASE}/status/status", {"status": st.build_status(full)})

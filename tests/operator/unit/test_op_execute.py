@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from resilax_operator import api, execute
 from resilax_operator.actions import DeleteGeneration, PodDeletion
-from resilax_operator.cache import WorldCache
 from resilax_operator.k8s import KubeError
-from resilax_operator.observe import observe
+from resilax_operator.observed.cache import WorldCache
+from resilax_operator.observed.observe import observe
 from test_op_cache import LOG, NS, SETTINGS, FakeAPI, _job, _node
 
 

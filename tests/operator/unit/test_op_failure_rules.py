@@ -15,7 +15,7 @@ from op_world import running_world
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.errors import InvalidSpecError
-from resilax_operator.observed import ObservedPod
+from resilax_operator.observed.snapshot import ObservedPod
 from resilax_operator.policies.failure_rules import decide_rule, describe, exit_code_of
 from resilax_operator.spec import FailureRule
 from resilax_operator.validation import validate_spec

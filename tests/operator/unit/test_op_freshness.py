@@ -16,7 +16,7 @@ from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import PublishFreshness
 from resilax_operator.builders import JobRef
-from resilax_operator.observed import Observed, ObservedPod, TrainerReport
+from resilax_operator.observed.snapshot import Observed, ObservedPod, TrainerReport
 from resilax_operator.policies import freshness
 from resilax_operator.status import CheckpointInfo, JobStatus
 

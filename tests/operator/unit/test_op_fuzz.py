@@ -10,7 +10,7 @@ import pytest
 from op_samples import good_spec
 from op_world import World, cpu_pool
 from resilax_operator import api
-from resilax_operator.observed import SaveOutcome, Taint
+from resilax_operator.observed.snapshot import SaveOutcome, Taint
 
 
 def _world() -> World:

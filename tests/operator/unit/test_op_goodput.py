@@ -1,4 +1,4 @@
-"""Goodput accounting (resilax_operator/goodput.py, pure) on timelines with known answers, and how the
+"""Goodput accounting (resilax_operator/status_fields/goodput.py, pure) on timelines with known answers, and how the
 operator keeps it in status.goodput and the metrics (policies/goodput_status.py)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 from op_samples import good_spec
 from op_world import World, running_world
 from resilax_operator import api
-from resilax_operator import goodput as gp
 from resilax_operator import status as st
 from resilax_operator.actions import SetStatus
-from resilax_operator.observed import TrainerReport
+from resilax_operator.observed.snapshot import TrainerReport
 from resilax_operator.policies import goodput_status
 from resilax_operator.settings import OperatorSettings
+from resilax_operator.status_fields import goodput as gp
 
 M = gp.GenerationMarks
 
@@ -256,7 +256,7 @@ def test_time_alone_never_writes_and_the_progress_refresh_can_be_turned_off() ->
 
 
 def test_the_marks_come_from_the_trainer_containers_and_pod_0s_figures() -> None:
-    from resilax_operator.observed import parse_pod, parse_trainer_report
+    from resilax_operator.observed.snapshot import parse_pod, parse_trainer_report
 
     pod = {"metadata": {"name": "j-g1-s0-h0", "labels": {api.LABEL_GENERATION: "1", api.LABEL_SLICE: "0",
                                                           api.LABEL_HOST: "0"}},
@@ -294,7 +294,7 @@ def test_a_suspension_is_left_out_of_the_wall_time() -> None:
 
 
 def test_the_operator_leaves_a_suspension_out_of_the_jobs_wall_time() -> None:
-    from resilax_operator.observed import SaveOutcome
+    from resilax_operator.observed.snapshot import SaveOutcome
 
     w = running_world()
     created = w.status.generation_start_time

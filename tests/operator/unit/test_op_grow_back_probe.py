@@ -15,8 +15,8 @@ from op_world import SETTINGS, World, tpu_pool
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import CreateProbes, DeleteProbes
+from resilax_operator.pods.probes import parse_probe
 from resilax_operator.policies import grow_back_probe
-from resilax_operator.probes import parse_probe
 from resilax_operator.spec import Shape
 from resilax_operator.validation import validate_spec
 from test_op_capacity_wait import SHRINK_AFTER, autoscaled_spec, pools

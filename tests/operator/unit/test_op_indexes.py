@@ -1,4 +1,4 @@
-"""The watch cache's parsed indexes (indexes.py) give what the full parse of its stores gives.
+"""The watch cache's parsed indexes (observed/indexes.py) give what the full parse of its stores gives.
 
 A reconcile builds its `Observed` from what the cache keeps parsed per watch event (the nodes, the
 devices in use per node, each job's pods and Services); `observed.build_observed` parses the stores'
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 from resilax_operator import api
-from resilax_operator.cache import Informer, WorldCache, object_key
-from resilax_operator.indexes import FleetIndex
-from resilax_operator.observed import assemble_observed, build_observed
+from resilax_operator.observed.cache import Informer, WorldCache, object_key
+from resilax_operator.observed.indexes import FleetIndex
+from resilax_operator.observed.snapshot import assemble_observed, build_observed
 
 TPU, GPU = api.TPU_RESOURCE, api.GPU_RESOURCE
 NOW = datetime(2026, 12, 4, 9, tzinfo=UTC)

@@ -19,7 +19,7 @@ from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import CreateGeneration, DeleteGeneration, StartTrainers
 from resilax_operator.builders import JobRef
-from resilax_operator.observed import SaveOutcome, Taint
+from resilax_operator.observed.snapshot import SaveOutcome, Taint
 from resilax_operator.policies import Finding
 from resilax_operator.policies.inplace import decide_mode
 from resilax_operator.validation import validate_spec

@@ -20,7 +20,7 @@ from op_world import SETTINGS, World, running_world
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import Action, CreateGeneration, SetStatus
-from resilax_operator.observed import SaveOutcome, Taint
+from resilax_operator.observed.snapshot import SaveOutcome, Taint
 from resilax_operator.spec import Shape
 
 

@@ -8,7 +8,7 @@ from prometheus_client import REGISTRY, generate_latest
 from resilax_operator import api, metrics
 from resilax_operator import status as st
 from resilax_operator.builders import JobRef
-from resilax_operator.spare_pods import SpareStatus
+from resilax_operator.pods.spares import SpareStatus
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -104,7 +104,7 @@ def test_the_trainers_figures_tell_the_restored_step_without_a_restore_report() 
 
 
 def test_goodput_gauges_per_job_and_bucket_are_set_and_removed_with_the_job() -> None:
-    from resilax_operator import goodput as gp
+    from resilax_operator.status_fields import goodput as gp
 
     job = JobRef("gp", "team-a", "uid-gp")
     ledger = gp.advance(None, gp.GenerationMarks(1, created=0.0, running=2.0, first_step=1, first_step_time=5.0,

@@ -1,4 +1,4 @@
-"""observe.py reads the Lease of a Ready node once a witness exists (a worker of the generation exited
+"""observed/observe.py reads the Lease of a Ready node once a witness exists (a worker of the generation exited
 76), also when that exit is known only from a sidecar: a supervised trainer (recovery.inPlace Auto)
 exits inside a pod that keeps Running, so the witness shows only after the sidecars were asked.
 Against the recording in-memory API of test_op_cache."""
@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 from resilax_operator import api, execute
-from resilax_operator.observe import now_utc, observe
+from resilax_operator.observed.observe import now_utc, observe
 from resilax_operator.status import format_time
 from test_op_cache import LOG, NS, SETTINGS, FakeAPI, _job, install
 

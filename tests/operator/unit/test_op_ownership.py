@@ -230,7 +230,7 @@ def test_a_pod_recreated_under_a_workers_name_since_it_was_observed_is_not_delet
     """Deletes carry the observed pod's uid as a precondition: a pod of another owner created under the
     name between the observation and the delete stays."""
     from resilax_operator.actions import DeleteGeneration, PodDeletion
-    from resilax_operator.observe import observe
+    from resilax_operator.observed.observe import observe
 
     fake = _fake()
     for _ in range(6):

@@ -27,7 +27,7 @@ from resilax_operator import api
 from resilax_operator.actions import CreateGeneration
 from resilax_operator.builders import GenerationPlan, JobRef, build_pods
 from resilax_operator.errors import InvalidSettingError, InvalidSpecError
-from resilax_operator.podtemplate import MAX_PROBLEMS, check_template_schema, template_schema
+from resilax_operator.pods.podtemplate import MAX_PROBLEMS, check_template_schema, template_schema
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.spec import Shape
 from resilax_operator.validation import validate_spec

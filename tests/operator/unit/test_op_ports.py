@@ -1,5 +1,5 @@
 """TPU-safe ports (issue 25, item 2): every port of every pod and Service the builders make, TPU and
-CPU/GPU, one and several slices, avoids the TPU runtime's (ports.py: 8471, 8080-8081, 8431, 8476-8479)
+CPU/GPU, one and several slices, avoids the TPU runtime's (pods/ports.py: 8471, 8080-8081, 8431, 8476-8479)
 except Megascale's own; multislice TPU workers get MEGASCALE_PORT; a reserved port in the operator's
 settings, the sidecar's config or a clash in the template is refused with a clear message."""
 
@@ -13,7 +13,7 @@ import pytest
 from op_samples import good_spec
 from resilax_operator.builders import GenerationPlan, JobRef, build_pods, build_service
 from resilax_operator.errors import InvalidSettingError, InvalidSpecError
-from resilax_operator.ports import (
+from resilax_operator.pods.ports import (
     DEFAULT_COORDINATOR_PORT,
     DEFAULT_SIDECAR_PORT,
     MEGASCALE_PORTS,

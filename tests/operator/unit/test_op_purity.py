@@ -9,12 +9,13 @@ import pytest
 import resilax_operator
 
 PACKAGE = Path(resilax_operator.__file__).parent
-PURE = ["api", "errors", "spec", "validation", "podtemplate", "topology", "builders", "status", "observed", "observed_nodes",
-        "observed_pods", "observed_sidecar", "actions",
-        "capacity", "reconcile", "goodput", "history", "unhealthy_nodes", "merge_patch", *sorted(f"policies/{p.stem}" for p in (PACKAGE / "policies").glob("*.py"))]
+PURE = ["api", "errors", "spec", "validation", "pods/podtemplate", "topology", "builders", "status",
+        "observed/snapshot", "observed/nodes", "observed/pods", "observed/sidecar", "actions", "capacity", "reconcile",
+        "status_fields/goodput", "status_fields/history", "status_fields/unhealthy_nodes", "status_fields/merge_patch",
+        *sorted(f"policies/{p.stem}" for p in (PACKAGE / "policies").glob("*.py"))]
 FORBIDDEN_MODULES = ("kopf", "kubernetes", "aiohttp", "requests", "urllib3", "threading", "time",
-                     *(f"resilax_operator.{m}" for m in ("k8s", "cache", "observe", "execute", "handlers", "main",
-                                                         "metrics")))
+                     *(f"resilax_operator.{m}" for m in ("k8s", "observed.cache", "observed.observe", "execute",
+                                                         "handlers", "main", "metrics")))
 
 
 def _imports(module: str) -> set[str]:

@@ -16,7 +16,7 @@ from resilax_operator import status as st
 from resilax_operator.actions import (
     SetStatus,
 )
-from resilax_operator.observed import Taint
+from resilax_operator.observed.snapshot import Taint
 from resilax_operator.reconcile import WATCH
 
 

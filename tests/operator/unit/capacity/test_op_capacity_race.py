@@ -15,8 +15,8 @@ import threading
 from typing import Any
 
 from resilax_operator import api, execute
-from resilax_operator.cache import WorldCache, trim_live_pod
-from resilax_operator.devices import count_devices_in_use
+from resilax_operator.observed.cache import WorldCache, trim_live_pod
+from resilax_operator.observed.devices import count_devices_in_use
 from resilax_operator.settings import OperatorSettings
 from test_op_cache import NS, FakeAPI, _job
 

@@ -11,7 +11,7 @@ from op_samples import good_spec
 from op_world import T0, World, running_world, tpu_pool
 from resilax_operator import api
 from resilax_operator.capacity import LeaseWait, plan_lease_wait
-from resilax_operator.observed import ObservedNode, Taint
+from resilax_operator.observed.snapshot import ObservedNode, Taint
 from resilax_operator.spec import Shape
 from resilax_operator.validation import validate_spec
 from test_op_inplace import _node_of, _world, settle

@@ -10,7 +10,7 @@ from op_samples import good_spec
 from op_world import T0, cpu_pool, tpu_pool
 from resilax_operator import api
 from resilax_operator.capacity import fingerprint, plan_pools, plan_shape
-from resilax_operator.observed import ObservedNode, Taint
+from resilax_operator.observed.snapshot import ObservedNode, Taint
 from resilax_operator.spec import Shape
 from resilax_operator.topology import plan_geometry
 from resilax_operator.validation import validate_spec

@@ -1,6 +1,6 @@
 """Exact accounting (issue 26, item 5): the sidecars' last words (their termination messages, kept in
 the pods' status and, once a pod is gone, in the operator's watch cache) tell the final save and the
-trainers' last step the operator could no longer ask for (observed_sidecar.py, indexes.LastWordsIndex,
+trainers' last step the operator could no longer ask for (observed/sidecar.py, indexes.LastWordsIndex,
 observe.observe_save_outcomes), and the history's lostSteps follows them."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from op_samples import good_spec
 from op_world import running_world
 from resilax_operator import api
 from resilax_operator import status as st
-from resilax_operator.indexes import LastWordsIndex
-from resilax_operator.observe import observe_save_outcomes
-from resilax_operator.observed import RestoreReport, SaveOutcome, TrainerReport
-from resilax_operator.observed_sidecar import LastWords, newest_trainer_report, parse_last_words
+from resilax_operator.observed.indexes import LastWordsIndex
+from resilax_operator.observed.observe import observe_save_outcomes
+from resilax_operator.observed.sidecar import LastWords, newest_trainer_report, parse_last_words
+from resilax_operator.observed.snapshot import RestoreReport, SaveOutcome, TrainerReport
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.status import CheckpointInfo
 
@@ -120,7 +120,7 @@ def test_the_cache_keeps_the_words_of_deleted_pods_for_the_two_newest_generation
     index.update("ml/g2", None, pod("llama-g2-s0-h0", 2, words=WORDS))
     index.update("ml/g3", None, pod("llama-g3-s0-h0", 3, words=WORDS))
     assert [w.pod for w in index.of("ml", "llama")] == ["llama-g2-s0-h0", "llama-g3-s0-h0"]
-    # a job re-created under the same name: its words are kept apart by owner (observe.py filters by uid)
+    # a job re-created under the same name: its words are kept apart by owner (observed/observe.py filters by uid)
     other = {**OWNER, "uid": "u2"}
     index.update("ml/new", None, pod("llama-g1-s0-h0", 1, words=WORDS, owner=other))
     assert sorted((w.owner_uid, w.generation) for w in index.of("ml", "llama")) == [("u1", 2), ("u1", 3), ("u2", 1)]

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 from resilax_operator import api
-from resilax_operator.devices import count_devices_in_use
-from resilax_operator.observed import (
+from resilax_operator.observed.devices import count_devices_in_use
+from resilax_operator.observed.snapshot import (
     SaveOutcome,
     Taint,
     nodes_needing_lease,
@@ -81,7 +81,7 @@ def test_parse_save_outcome() -> None:
 
 
 def test_parse_sidecar_state() -> None:
-    from resilax_operator.observed import parse_sidecar_state
+    from resilax_operator.observed.snapshot import parse_sidecar_state
     from resilax_operator.status import CheckpointInfo
 
     now = datetime(2026, 1, 1, 12, 0, 0, 500, tzinfo=UTC)
@@ -93,7 +93,7 @@ def test_parse_sidecar_state() -> None:
 
 
 def test_build_observed_from_raw_bodies() -> None:
-    from resilax_operator.observed import build_observed
+    from resilax_operator.observed.snapshot import build_observed
 
     now = datetime(2026, 1, 1, 12, tzinfo=UTC)
     job = {"metadata": {"name": "llama", "namespace": "ml", "uid": "u1", "generation": 3},
@@ -127,7 +127,7 @@ def test_parse_lease(spec: dict[str, Any], until: datetime | None) -> None:
 
 
 def test_leases_are_read_only_for_notready_nodes_hosting_a_worker() -> None:
-    from resilax_operator.observed import build_observed
+    from resilax_operator.observed.snapshot import build_observed
 
     def node(name: str, ready: str) -> dict[str, Any]:
         return {"metadata": {"name": name}, "status": {"conditions": [{"type": "Ready", "status": ready}]}}
@@ -187,7 +187,7 @@ OWNERSHIP_CASES = {
 def test_only_what_the_job_owns_is_its_own(refs: list[dict[str, Any]], own: bool) -> None:
     """A pod or Service carrying the job's label (and a worker's name) is the job's only when the job's
     uid controls it: anything else is never a worker, never deleted, never asked anything."""
-    from resilax_operator.observed import build_observed
+    from resilax_operator.observed.snapshot import build_observed
     from resilax_operator.ownership import owner_uid
 
     pod = {**POD, "metadata": {**POD["metadata"], "ownerReferences": refs}}  # type: ignore[dict-item]
@@ -200,7 +200,7 @@ def test_only_what_the_job_owns_is_its_own(refs: list[dict[str, Any]], own: bool
 
 
 def test_a_job_without_a_uid_owns_nothing() -> None:
-    from resilax_operator.observed import build_observed
+    from resilax_operator.observed.snapshot import build_observed
 
     orphan = {**POD, "metadata": {**POD["metadata"], "ownerReferences": []}}  # type: ignore[dict-item]
     observed = build_observed({"metadata": {"name": "llama"}}, now=datetime(2026, 1, 1, tzinfo=UTC),
@@ -229,7 +229,7 @@ def _job(name: str, uid: str, storage: str, phase: str | None = None, deleting: 
 
 
 def test_decide_storage_sharers_lists_the_other_live_jobs_on_the_same_storage() -> None:
-    from resilax_operator.observed import decide_storage_sharers
+    from resilax_operator.observed.snapshot import decide_storage_sharers
 
     me = _job("a", "uid-a", "gs://b/run")
     jobs = [me, _job("b", "uid-b", "gs://b/run/", "Running"), _job("c", "uid-c", "gs://b/other", "Running"),
@@ -255,7 +255,7 @@ def test_decide_storage_sharers_lists_the_other_live_jobs_on_the_same_storage() 
         "mount-and-pvc", "pvc-normalised", "other-claim", "other-mount-folder"])
 def test_storage_roots_are_compared_after_normalisation(mine: str, theirs: str, shared: bool) -> None:
     """Issue 40, item 7: two jobs share a root when their storages are one place, not only one string."""
-    from resilax_operator.observed import decide_storage_sharers
+    from resilax_operator.observed.snapshot import decide_storage_sharers
 
     jobs = [_job("a", "uid-a", mine), _job("b", "uid-b", theirs, "Running")]
     assert decide_storage_sharers(jobs[0], jobs) == ((("uid-b", "ml/b"),) if shared else ())
@@ -264,7 +264,7 @@ def test_storage_roots_are_compared_after_normalisation(mine: str, theirs: str, 
 def test_the_lease_of_a_missing_pods_last_node_is_read_while_it_has_no_pod() -> None:
     """A process of the current generation with no pod yet (its pod was lost): the Lease of the Ready node
     it last ran on is read, so the new pod is kept off it while that Lease is stale (nodes_held_down)."""
-    from resilax_operator.observed import build_observed
+    from resilax_operator.observed.snapshot import build_observed
 
     def node(name: str) -> dict[str, Any]:
         return {"metadata": {"name": name}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}

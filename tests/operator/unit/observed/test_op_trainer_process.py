@@ -1,4 +1,4 @@
-"""trainer_process.py: a supervised trainer's incarnation from its sidecar, which sidecars observe.py
+"""observed/trainer_process.py: a supervised trainer's incarnation from its sidecar, which sidecars observed/observe.py
 asks (the doorbell, pod 0, every pod while a fault is in view), and the exit codes it gives the pods."""
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ import pytest
 from op_world import SETTINGS, T0, running_world
 from resilax_operator import api
 from resilax_operator import status as st
-from resilax_operator.observed import parse_pod
-from resilax_operator.policies import Finding, worker_exit
-from resilax_operator.status import InPlace
-from resilax_operator.trainer_process import (
+from resilax_operator.observed.snapshot import parse_pod
+from resilax_operator.observed.trainer_process import (
     EXITED,
     RUNNING,
     TrainerProcess,
@@ -22,6 +20,8 @@ from resilax_operator.trainer_process import (
     pods_to_poll,
     with_trainer_processes,
 )
+from resilax_operator.policies import Finding, worker_exit
+from resilax_operator.status import InPlace
 from resilax_operator.validation import validate_spec
 
 

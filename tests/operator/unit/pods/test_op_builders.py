@@ -20,10 +20,10 @@ from resilax_operator.builders import (
     in_place_unavailable,
 )
 from resilax_operator.errors import InvalidSpecError
+from resilax_operator.pods.worker_env import build_generation_env, build_generation_overlay, storage_dir
 from resilax_operator.settings import OperatorSettings
 from resilax_operator.spec import JobSpec, Shape
 from resilax_operator.validation import validate_spec
-from resilax_operator.worker_env import build_generation_env, build_generation_overlay, storage_dir
 
 JOB = JobRef("llama", "ml", "uid-1")
 SETTINGS = OperatorSettings(sidecar_image="resilax:test")

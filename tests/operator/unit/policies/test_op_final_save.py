@@ -17,7 +17,7 @@ from resilax_operator.actions import (
     DeleteGeneration,
     RequestFinalSave,
 )
-from resilax_operator.observed import SaveOutcome, Taint
+from resilax_operator.observed.snapshot import SaveOutcome, Taint
 from resilax_operator.policies import final_save
 from resilax_operator.validation import validate_spec
 

@@ -20,7 +20,7 @@ from resilax_operator.actions import (
     RequeueAfter,
     SetStatus,
 )
-from resilax_operator.observed import ObservedPod
+from resilax_operator.observed.snapshot import ObservedPod
 from resilax_operator.policies import generation_start
 from resilax_operator.policies.generation_start import decide_pod_refused
 from resilax_operator.spec import Shape

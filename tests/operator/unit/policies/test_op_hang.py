@@ -16,8 +16,8 @@ from op_world import SETTINGS, World, cpu_pool
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import StopTrainers
-from resilax_operator.observed import HostFigures, TrainerReport
-from resilax_operator.observed_sidecar import worth_asking_every_host
+from resilax_operator.observed.sidecar import worth_asking_every_host
+from resilax_operator.observed.snapshot import HostFigures, TrainerReport
 from resilax_operator.policies import hang
 from resilax_operator.validation import validate_spec
 

@@ -21,7 +21,13 @@ from resilax_operator.actions import CreateGeneration, RequeueAfter
 from resilax_operator.builders import JobRef
 from resilax_operator.errors import InvalidSpecError
 from resilax_operator.metrics import count_new_health_failures
-from resilax_operator.observed import HealthResult, Observed, ObservedNode, parse_health_result, parse_pod
+from resilax_operator.observed.snapshot import (
+    HealthResult,
+    Observed,
+    ObservedNode,
+    parse_health_result,
+    parse_pod,
+)
 from resilax_operator.policies import health_check
 from resilax_operator.validation import validate_spec
 

@@ -23,7 +23,7 @@ from resilax_operator.actions import (
     RequeueAfter,
     SetStatus,
 )
-from resilax_operator.observed import Taint
+from resilax_operator.observed.snapshot import Taint
 from resilax_operator.policies import node_loss
 from resilax_operator.reconcile import decide_cleanup
 from resilax_operator.spec import Shape
@@ -303,7 +303,7 @@ def _renewed(ago: float, seconds: float = 40) -> dict[str, Any]:
         "longer-lease-stale", "no-lease-read", "notready-lease-live", "notready-lease-expired"])
 def test_a_witnessed_ready_nodes_lease_proves_it_down_after_two_missed_renewals(node: dict[str, Any],
                                                                                 down: Any) -> None:
-    from resilax_operator.observed import ObservedNode
+    from resilax_operator.observed.snapshot import ObservedNode
 
     assert ObservedNode("n", **node).down_since(T0) == down
 

@@ -20,7 +20,7 @@ from resilax_operator.actions import (
     RequestFinalSave,
 )
 from resilax_operator.capacity import plan_shape
-from resilax_operator.observed import SaveOutcome, Taint
+from resilax_operator.observed.snapshot import SaveOutcome, Taint
 from resilax_operator.policies import preemption
 from resilax_operator.spec import Shape
 from resilax_operator.validation import validate_spec

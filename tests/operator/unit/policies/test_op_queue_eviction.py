@@ -17,7 +17,7 @@ from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import EmitEvent, RequestFinalSave
 from resilax_operator.builders import GenerationPlan, JobRef, build_pods
-from resilax_operator.observed import parse_pod
+from resilax_operator.observed.snapshot import parse_pod
 from resilax_operator.policies import queue_eviction
 from resilax_operator.spec import Shape
 from resilax_operator.validation import validate_spec

@@ -14,12 +14,16 @@ from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import EmitEvent, SetStatus
 from resilax_operator.builders import JobRef
-from resilax_operator.observed import Observed, ObservedNode, ObservedPod, Taint
+from resilax_operator.observed.snapshot import Observed, ObservedNode, ObservedPod, Taint
 from resilax_operator.policies import recovery_wait
 from resilax_operator.policies.recovery_wait import MAX_MESSAGE, decide_notice, with_notice
-from resilax_operator.recovery_notice import RecoveryNotice, build_recovery_notice, parse_recovery_notice
 from resilax_operator.spec import Shape
 from resilax_operator.status import Condition, JobStatus, build_status, parse_status
+from resilax_operator.status_fields.recovery_notice import (
+    RecoveryNotice,
+    build_recovery_notice,
+    parse_recovery_notice,
+)
 
 JOB = JobRef("llama", "ml", "uid-1")
 

@@ -1,5 +1,5 @@
 """A rollback is told truly (issue 40, item 6): status.checkpoint keeps the newer rollback's branch, so
-it never shows a step a rollback superseded once the rollback is seen (checkpoint_status.py), whatever
+it never shows a step a rollback superseded once the rollback is seen (status_fields/checkpoint.py), whatever
 the sidecars' last words from before it say."""
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ from resilax_operator.actions import (
     SetStatus,
     StartTrainers,
 )
-from resilax_operator.checkpoint_status import (
+from resilax_operator.observed.observe import observe_sidecars
+from resilax_operator.observed.sidecar import LastWords, TrainerReport, parse_sidecar_state
+from resilax_operator.observed.snapshot import RestoreReport, SaveOutcome
+from resilax_operator.policies import rollback
+from resilax_operator.settings import OperatorSettings
+from resilax_operator.status_fields.checkpoint import (
     CheckpointBranch,
     CheckpointInfo,
     newer_checkpoint,
     parse_branch,
 )
-from resilax_operator.observe import observe_sidecars
-from resilax_operator.observed import RestoreReport, SaveOutcome
-from resilax_operator.observed_sidecar import LastWords, TrainerReport, parse_sidecar_state
-from resilax_operator.policies import rollback
-from resilax_operator.settings import OperatorSettings
 from resilax_operator.validation import validate_spec
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

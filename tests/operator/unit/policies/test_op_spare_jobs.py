@@ -11,14 +11,14 @@ import pytest
 from op_world import World, fixed_spec, tpu_pool
 from resilax_operator import api
 from resilax_operator.actions import EmitEvent, SuspendSpareJob
-from resilax_operator.policies import spare_jobs
-from resilax_operator.spare_jobs import (
+from resilax_operator.observed.spare_jobs import (
     ANNOTATION_SPARE_FOR,
     ANNOTATION_SUSPENDED_FOR,
     SpareJob,
     parse_spare_jobs,
     suspended_for_gone,
 )
+from resilax_operator.policies import spare_jobs
 from resilax_operator.validation import validate_spec
 
 RUNNING_DONOR = SpareJob("low", "uid-low", suspended=False, lent=False, phase=api.PHASE_RUNNING)

@@ -1,4 +1,4 @@
-"""policies/spares.py and spare_pods.py (issue 39): a job holds spare slices of its shape with
+"""policies/spares.py and pods/spares.py (issue 39): a job holds spare slices of its shape with
 placeholder pods; a hard loss moves the lost slice's work onto a spare at full size (no shrink, no
 wait); the spare is replenished when capacity returns.
 
@@ -20,9 +20,8 @@ from resilax_operator.actions import CreateGeneration, CreateSpares, DeleteSpare
 from resilax_operator.builders import geometry_of
 from resilax_operator.capacity import plan_pools
 from resilax_operator.errors import InvalidSpecError
-from resilax_operator.observed import Taint
-from resilax_operator.policies import spares
-from resilax_operator.spare_pods import (
+from resilax_operator.observed.snapshot import Taint
+from resilax_operator.pods.spares import (
     ObservedSpare,
     SpareStatus,
     build_spare_pods,
@@ -30,6 +29,7 @@ from resilax_operator.spare_pods import (
     parse_spare,
     parse_spare_status,
 )
+from resilax_operator.policies import spares
 from resilax_operator.spec import Shape
 from resilax_operator.validation import validate_spec
 

@@ -11,7 +11,7 @@ import pytest
 from op_samples import good_spec
 from op_world import SETTINGS, World, cpu_pool
 from resilax_operator import api
-from resilax_operator.observed import HostFigures
+from resilax_operator.observed.snapshot import HostFigures
 from resilax_operator.policies import straggler
 
 PODS = [f"llama-g1-s0-h{h}" for h in range(4)]

@@ -13,7 +13,7 @@ from op_world import SETTINGS, World, four_pools, running_world
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import CreateGeneration, DeleteGeneration, RequestFinalSave
-from resilax_operator.observed import SaveOutcome
+from resilax_operator.observed.snapshot import SaveOutcome
 from resilax_operator.policies import suspend
 from resilax_operator.validation import validate_spec
 

@@ -20,7 +20,7 @@ from resilax_operator.actions import (
     EmitEvent,
     PodDeletion,
 )
-from resilax_operator.observed import SaveOutcome
+from resilax_operator.observed.snapshot import SaveOutcome
 from resilax_operator.policies import Finding, transition
 from resilax_operator.validation import validate_spec
 

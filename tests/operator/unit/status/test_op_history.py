@@ -1,4 +1,4 @@
-"""status.history (history.py, policies/history_status.py): one entry per generation, derived from the
+"""status.history (status_fields/history.py, policies/history_status.py): one entry per generation, derived from the
 status changes the operator writes anyway, never written for itself.
 
 A table of single decisions (the stored status, the status the decision writes, what it observed) with
@@ -19,11 +19,17 @@ from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import PublishFreshness, SetStatus
 from resilax_operator.builders import JobRef
-from resilax_operator.history import MAX_ENTRIES, HistoryEntry, build_entry, build_history, parse_history
-from resilax_operator.observed import Observed, RestoreReport, SaveOutcome, TrainerReport
+from resilax_operator.observed.snapshot import Observed, RestoreReport, SaveOutcome, TrainerReport
 from resilax_operator.policies import history_status
 from resilax_operator.spec import Shape
 from resilax_operator.status import CheckpointInfo, InPlace, JobStatus, Transition
+from resilax_operator.status_fields.history import (
+    MAX_ENTRIES,
+    HistoryEntry,
+    build_entry,
+    build_history,
+    parse_history,
+)
 from test_op_inplace import _lose_node
 from test_op_inplace import _world as inplace_world
 from test_op_inplace import settle as inplace_settle
@@ -184,7 +190,7 @@ def test_no_write_of_its_own() -> None:
                  id="redo-charged-before-it-was-done-shows-what-was-done"),
 ])
 def test_a_window_as_shown(window: dict[str, float], shown: dict[str, float]) -> None:
-    from resilax_operator import goodput as gp
+    from resilax_operator.status_fields import goodput as gp
 
     full = {b: 0.0 for b in gp.BUCKETS} | window
     got = dict(history_status._shown(full))
@@ -370,7 +376,7 @@ def test_operator_dies_at_every_step_the_history_is_the_same(keep: int) -> None:
 
 
 def test_the_restore_report_names_its_generation_and_source() -> None:
-    from resilax_operator.observed import parse_restore_report
+    from resilax_operator.observed.snapshot import parse_restore_report
 
     body = {"restore": {"step": 120, "skipped": [], "generation": 3, "source": "peer"}}
     assert parse_restore_report(body) == RestoreReport(120, (), 3, "peer")

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from .history import parse_history
-from .kubectl_api import JobAPI, PluginError
+from ..status_fields.history import parse_history
+from .client import JobAPI, PluginError
 
 
 def build_rollback_patch(step: int) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from . import api
-from . import status as st
+from .. import api
+from .. import status as st
 from .devices import DEVICE_RESOURCES
 
 #: The kubelet's Ready=False message during a graceful node shutdown.

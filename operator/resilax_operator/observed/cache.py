@@ -14,7 +14,7 @@ namespace given with `--namespace`):
 5. `nodes`: every Node (cluster-scoped; one watch whatever the scope).
 The cost per job is nothing: the watches are shared and their number does not grow with the jobs.
 
-Parsed once: every change of a store also goes to an index (indexes.py) that keeps the parsed nodes,
+Parsed once: every change of a store also goes to an index (observed/indexes.py) that keeps the parsed nodes,
 the devices in use per node and each job's pods and Services, so a reconcile reads prepared data.
 
 Waking: `on_change(kind, key, body)` is called (from the watch thread) for every event that matters;
@@ -38,10 +38,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from . import api
+from .. import api
 from .indexes import FleetIndex, JobIndex, LastWordsIndex
-from .observed import ObservedNode, ObservedPod, parse_pod, parse_service
-from .observed_sidecar import LastWords
+from .sidecar import LastWords
+from .snapshot import ObservedNode, ObservedPod, parse_pod, parse_service
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class Informer:
     field_selector: str | None = None
     trim: Callable[[Mapping[str, Any]], Body] | None = None
     on_change: OnChange | None = None
-    #: Told of every change of the store, under its lock (an index kept beside it, indexes.py).
+    #: Told of every change of the store, under its lock (an index kept beside it, observed/indexes.py).
     on_store: OnStore | None = None
 
     def __post_init__(self) -> None:
@@ -275,7 +275,7 @@ class WorldCache:
         def path(prefix: str, ns: str | None, plural: str) -> str:
             return f"{prefix}/namespaces/{ns}/{plural}" if ns else f"{prefix}/{plural}"
 
-        #: The parsed forms (indexes.py): each job's pods and Services; the nodes and the devices in use.
+        #: The parsed forms (observed/indexes.py): each job's pods and Services; the nodes and the devices in use.
         self.pod_index: JobIndex[ObservedPod] = JobIndex(parse_pod)
         self.last_words = LastWordsIndex()
         self.service_index: JobIndex[tuple[int, str]] = JobIndex(parse_service)
@@ -342,7 +342,7 @@ class WorldCache:
         return self.pod_index.of(namespace, job)
 
     def last_words_of(self, namespace: str, job: str) -> tuple[LastWords, ...]:
-        """The sidecars' last words of the job's worker pods, also of pods already gone (indexes.py)."""
+        """The sidecars' last words of the job's worker pods, also of pods already gone (observed/indexes.py)."""
         return self.last_words.of(namespace, job)
 
     def service(self, namespace: str, name: str) -> Body | None:

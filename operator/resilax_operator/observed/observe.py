@@ -1,10 +1,10 @@
 """The I/O side, part 1: gather the world one decision sees (`observe` → `World`).
 
 The JAXJob, its pods and Services, the nodes and the devices others hold (capacity) are read from the
-watch cache (cache.py), never listed, already parsed (indexes.py); the Lease of a NotReady node hosting a worker is read directly
+watch cache (cache.py), never listed, already parsed (observed/indexes.py); the Lease of a NotReady node hosting a worker is read directly
 (a GET, only then: watching every node's heartbeats would cost more than it tells); the sidecars answer over HTTP: pod 0's `/v1/state` (newest
 checkpoint, restore report, the trainer's figures for metrics) and, while a final save runs, each
-asked pod's `/v1/save/<id>`. The parsing is observed.py's; nothing here decides. Synchronous (a
+asked pod's `/v1/save/<id>`. The parsing is observed/snapshot.py's; nothing here decides. Synchronous (a
 kopf daemon thread runs it, execute.py's `reconcile_job`).
 """
 
@@ -17,12 +17,17 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from . import api, metrics
-from . import status as st
-from .builders import JobRef
+from .. import api, metrics
+from .. import status as st
+from ..builders import JobRef
+from ..k8s import Kube, KubeError, SidecarError
+from ..ownership import owner_uid
+from ..pods.probes import parse_probe
+from ..pods.spares import parse_spare
+from ..settings import OperatorSettings
 from .cache import WorldCache
-from .k8s import Kube, KubeError, SidecarError
-from .observed import (
+from .sidecar import LastWords, newest_trainer_report, worth_asking_every_host
+from .snapshot import (
     HostFigures,
     Observed,
     SaveOutcome,
@@ -40,12 +45,7 @@ from .observed import (
     parse_trainer_report,
     with_leases,
 )
-from .observed_sidecar import LastWords, newest_trainer_report, worth_asking_every_host
-from .ownership import owner_uid
-from .probes import parse_probe
-from .settings import OperatorSettings
 from .spare_jobs import parse_spare_jobs, suspended_for_gone
-from .spare_pods import parse_spare
 from .trainer_process import TrainerProcess, parse_trainer_process, pods_to_poll, with_trainer_processes
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]

@@ -2,10 +2,10 @@
 
 `status.history` (docs/jaxjob-reference.md) holds the last 50 generations, oldest first; the current one
 has no `end`. From it this module builds:
-- `parse_history`: the entries as history.py's `HistoryEntry`s (an unreadable entry is left out: the
+- `parse_history`: the entries as status_fields/history.py's `HistoryEntry`s (an unreadable entry is left out: the
   view shows what it can, it never fails on one odd entry);
 - `build_gantt`: the text Gantt `kubectl resilax timeline` prints, with faults and checkpoints;
-- `build_plot`: the figures `--png` draws (timeline_plot.py) and the web page lays out (timeline_page.py).
+- `build_plot`: the figures `--png` draws (kubectl/timeline_plot.py) and the web page lays out (kubectl/timeline_page.py).
 
 Where a step happened in time is not in the history, only each generation's first and last step. The
 views place the first step after the generation's start-up (its `scheduling + jaxStartup + restore`
@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from itertools import pairwise
 from typing import Any, Final
 
-from .history import HistoryEntry, parse_entry
+from ..status_fields.history import HistoryEntry, parse_entry
 
 #: Reasons a generation ends without anything going wrong (the user or the job asked for it).
 PLANNED_REASONS: Final = frozenset({"Completed", "Resized", "SpecResized", "GrowBack", "Suspended", "Suspending",

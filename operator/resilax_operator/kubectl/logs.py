@@ -4,7 +4,7 @@ Process 0's pod is `<job>-g<generation>-s0-h0`, a new name with every generation
 in-place restart keeps its name and its log goes on). `logs` finds the pod of process N of the job's
 current generation (its labels and owner), prints its trainer container's log and, with `-f`, follows
 it; when that pod ends it looks again, prints the next generation's, and stops once the job
-Succeeded or Failed. `plan_log_pod` is pure; kubectl_api.py makes the calls.
+Succeeded or Failed. `plan_log_pod` is pure; kubectl/client.py makes the calls.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import api
-from .kubectl_api import JobAPI, PluginError
-from .ownership import owner_uid
+from .. import api
+from ..ownership import owner_uid
+from .client import JobAPI, PluginError
 
 #: How often `logs -f` looks for the next generation's pod.
 LOGS_POLL_SECONDS = 2.0
@@ -46,7 +46,7 @@ def plan_log_pod(pods: Sequence[Mapping[str, Any]], process: int, uid: str) -> t
 def run_logs(kube: JobAPI, namespace: str, name: str, process: int, follow: bool) -> None:
     """Print process `process`'s trainer log; with `follow`, go on with the pod of each new generation
     (process 0's pod name changes with every generation) until the job Succeeded or Failed."""
-    from .kubectl_plugin import escape_controls  # the screens' escaping (kubectl_plugin imports this module)
+    from .plugin import escape_controls  # the screens' escaping (kubectl_plugin imports this module)
 
     done: set[str] = set()
     while True:

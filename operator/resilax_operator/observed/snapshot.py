@@ -1,8 +1,8 @@
 """The world a decision sees (pure): its types and the parsers that build them from raw API bodies.
-By kind: observed_nodes.py (nodes), observed_pods.py (worker pods), observed_sidecar.py (what the
+By kind: observed/nodes.py (nodes), observed/pods.py (worker pods), observed/sidecar.py (what the
 sidecars report); this module assembles them into one `Observed` snapshot and re-exports their names.
 
-The I/O side (observe.py) reads the JAXJob, its pods and Services, the nodes and the pods of others
+The I/O side (observed/observe.py) reads the JAXJob, its pods and Services, the nodes and the pods of others
 from the watch cache and the sidecars' answers, and hands them to `build_observed`; every decision reads
 only the resulting `Observed` snapshot (time included: `Observed.now`, never the clock).
 """
@@ -16,11 +16,16 @@ from datetime import datetime
 from functools import cached_property
 from typing import Any
 
-from . import api
-from . import status as st
-from .builders import JobRef
+from .. import api
+from .. import status as st
+from ..builders import JobRef
+from ..ownership import owner_uid
+from ..pods.probes import ObservedProbe
+from ..pods.spares import ObservedSpare
+from ..pods.worker_env import storage_dir
+from ..status import CheckpointInfo, JobStatus
 from .devices import count_devices_in_use
-from .observed_nodes import (
+from .nodes import (
     SHUTTING_DOWN_MESSAGE,
     ObservedNode,
     Taint,
@@ -29,7 +34,7 @@ from .observed_nodes import (
     parse_maintenance_time,
     parse_node,
 )
-from .observed_pods import (
+from .pods import (
     STARTING_REASONS,
     HealthResult,
     ObservedPod,
@@ -37,7 +42,7 @@ from .observed_pods import (
     parse_pod,
     pick_freshness,
 )
-from .observed_sidecar import (
+from .sidecar import (
     HostFigures,
     RestoreReport,
     SaveOutcome,
@@ -48,13 +53,8 @@ from .observed_sidecar import (
     parse_sidecar_state,
     parse_trainer_report,
 )
-from .ownership import owner_uid
-from .probes import ObservedProbe
 from .spare_jobs import SpareJob
-from .spare_pods import ObservedSpare
-from .status import CheckpointInfo, JobStatus
 from .trainer_process import TrainerProcess
-from .worker_env import storage_dir
 
 __all__ = (
     "SHUTTING_DOWN_MESSAGE",
@@ -109,23 +109,23 @@ class Observed:
     restore: RestoreReport | None = None
     #: Pod 0's trainer figures, the last read (its `generation` says of which generation).
     trainer: TrainerReport | None = None
-    #: Pod name → its supervised trainer's incarnation, from the sidecars asked (trainer_process.py).
+    #: Pod name → its supervised trainer's incarnation, from the sidecars asked (observed/trainer_process.py).
     trainer_processes: Mapping[str, TrainerProcess] = field(default_factory=dict, hash=False)
     #: Pod name → its trainer's figures, from the sidecars asked this time (pod 0 always; every worker
-    #: when a hang is suspected or the stragglers' sample is due: observe.py).
+    #: when a hang is suspected or the stragglers' sample is due: observed/observe.py).
     hosts: Mapping[str, HostFigures] = field(default_factory=dict, hash=False)
     #: (uid, "namespace/name") of the other live JAXJobs with the same spec.checkpoint.storage
     #: (`decide_storage_sharers`): the workers do not take the storage over from them.
     storage_sharers: tuple[tuple[str, str], ...] = ()
-    #: The job's grow-back probe pods (probes.py; observe.py adds them).
+    #: The job's grow-back probe pods (pods/probes.py; observed/observe.py adds them).
     probes: tuple[ObservedProbe, ...] = ()
-    #: The job's spare slices' placeholder pods (spare_pods.py; observe.py adds them).
+    #: The job's spare slices' placeholder pods (pods/spares.py; observed/observe.py adds them).
     spares: tuple[ObservedSpare, ...] = ()
-    #: The lower-priority JAXJobs annotated as this job's spares (spare_jobs.py; observe.py adds them), and
+    #: The lower-priority JAXJobs annotated as this job's spares (spare_jobs.py; observed/observe.py adds them), and
     #: the job this one was suspended for when that job is gone ("" otherwise).
     spare_jobs: tuple[SpareJob, ...] = ()
     lent_to_gone: str = ""
-    #: The JAXJob's checkpoint freshness annotations (`observed_pods.pick_freshness`).
+    #: The JAXJob's checkpoint freshness annotations (`observed.pods.pick_freshness`).
     freshness: tuple[tuple[str, str], ...] = ()
 
     def node(self, name: str | None) -> ObservedNode | None:

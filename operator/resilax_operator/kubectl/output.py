@@ -1,5 +1,5 @@
 """`kubectl resilax ... -o json|yaml`, `list` and `version`: what the read commands print for a program
-(pure functions of the job, its events and the time; kubectl_plugin.py does the calls).
+(pure functions of the job, its events and the time; kubectl/plugin.py does the calls).
 
 Each read command's `-o json` is one JSON document (`-o yaml` the same as YAML): an object whose
 `kind` names it (`JAXJobStatus`, `JAXJobGoodput`, `JAXJobTimeline`, `JAXJobList`, `Version`), so a
@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from . import api
+from .. import api
 
 OUTPUT_FORMATS = ("json", "yaml")
 

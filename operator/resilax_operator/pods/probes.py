@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import api
-from .builders import Manifest, build_owner_reference, geometry_of
-from .generation import JobRef
-from .ownership import owner_uid
-from .settings import OperatorSettings
+from .. import api
+from ..builders import Manifest, build_owner_reference, geometry_of
+from ..generation import JobRef
+from ..ownership import owner_uid
+from ..settings import OperatorSettings
+from ..spec import JobSpec, Shape
 from .slice_holders import holder_pod_spec
-from .spec import JobSpec, Shape
 
 
 @dataclass(frozen=True)

@@ -52,4 +52,4 @@ def reserved_port_problem(name: str, port: int) -> str | None:
         return None
     free = ", ".join(str(p) for p in sorted(TPU_RESERVED_PORTS))
     return (f"{name}={port} is the TPU runtime's port on every TPU worker ({use}); choose a port outside "
-            f"{free} (see resilax_operator/ports.py)")
+            f"{free} (see resilax_operator/pods/ports.py)")

@@ -1,4 +1,4 @@
-"""The API calls of `kubectl resilax` (kubectl_plugin.py), with kubectl's kubeconfig and the user's own
+"""The API calls of `kubectl resilax` (kubectl/plugin.py), with kubectl's kubeconfig and the user's own
 RBAC: the only module of the plugin that talks to the cluster.
 
 What each command needs (docs/operations.md, "kubectl resilax"):
@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from typing import Any, Final
 from urllib.parse import quote
 
-from . import api
-from .generation import build_token_secret_name
+from .. import api
+from ..generation import build_token_secret_name
 
 #: The header that carries the job's sidecar token through the API server's pod proxy. The API server
 #: removes `Authorization` from a proxied request once it has authenticated the caller with it, so the
@@ -181,7 +181,7 @@ class JobAPI:
         """Delete the job's token Secret, only when the JAXJob of `uid` owns it (and only that very
         Secret: a uid precondition). The operator then writes a new token (k8s.Kube.ensure_token_secret).
         The Secret's name."""
-        from .ownership import describe_owner, owner_uid
+        from ..ownership import describe_owner, owner_uid
 
         name = build_token_secret_name(job)
         path = f"/api/v1/namespaces/{quote(namespace, safe='')}/secrets/{quote(name, safe='')}"

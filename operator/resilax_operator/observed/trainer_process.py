@@ -2,7 +2,7 @@
 supervisor's `incarnation.json`), and what the operator derives from it.
 
 A supervised trainer's exit no longer ends its container (the supervisor stays for the next start), so
-the kubelet does not see it: observe.py asks the sidecar of each pod whose trainer is not ready (the
+the kubelet does not see it: observed/observe.py asks the sidecar of each pod whose trainer is not ready (the
 doorbell: the readinessProbe on `/v1/trainer/ready`), of pod 0 as always, and of every pod of the
 generation while a fault is in view (`pods_to_poll`), and `with_trainer_processes` turns the answers
 into the pods' exit codes, so every policy keeps reading `ObservedPod` only.
@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from .observed import Observed, ObservedPod
+    from .snapshot import Observed, ObservedPod
 
 RUNNING: Final = "running"
 STOPPING: Final = "stopping"
@@ -97,7 +97,7 @@ def fault_in_view(observed: Observed) -> bool:
 
 
 def pods_to_poll(observed: Observed) -> list[str]:
-    """The pods whose sidecar `/v1/state` observe.py reads: pod 0 of the current generation (as always),
+    """The pods whose sidecar `/v1/state` observed/observe.py reads: pod 0 of the current generation (as always),
     each supervised pod whose trainer is not ready (the doorbell), and every pod of the generation while
     a fault is in view; only pods Running with an IP, not on a node that is down (no answer would come)."""
     s = observed.status

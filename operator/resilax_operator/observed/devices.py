@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from . import api
+from .. import api
 
 #: Extended resources the planner counts per node.
 DEVICE_RESOURCES: Final = (api.TPU_RESOURCE, api.GPU_RESOURCE)

@@ -1,5 +1,5 @@
 """The pod spec of a pod that holds one host of a slice without training (pure): grow-back probes
-(probes.py) and spare slices' placeholders (spare_pods.py).
+(probes.py) and spare slices' placeholders (pods/spares.py).
 
 Such a pod asks for the slice's devices, node selectors and tolerations (as a worker's) beside the
 template's own node selectors, tolerations and affinity. All pods of one held slice land on one node
@@ -14,9 +14,9 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from . import api
+from .. import api
+from ..topology import SliceGeometry
 from .podsecurity import RESTRICTED_POD, merge_security_context, restricted_context
-from .topology import SliceGeometry
 
 
 def holder_pod_spec(template: Mapping[str, Any], geometry: SliceGeometry, same: Mapping[str, str],

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from . import api
+from .. import api
 
 #: On a lower-priority JAXJob: the JAXJob of its namespace it serves as a spare for (set by its user).
 ANNOTATION_SPARE_FOR: Final = "resilax.dev/spare-for"

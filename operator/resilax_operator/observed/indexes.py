@@ -8,7 +8,7 @@ the indexes hold:
 
 1. `JobIndex`: the objects labelled `resilax.dev/job` (the job's pods, its Services) grouped by
    (namespace, job), each with its parsed form (`observed.parse_pod`, `observed.parse_service`);
-2. `LastWordsIndex`: each job's worker pods' sidecar last words (`observed_sidecar.parse_last_words`),
+2. `LastWordsIndex`: each job's worker pods' sidecar last words (`observed.sidecar.parse_last_words`),
    kept after the pod is gone (the watch's last state of a deleted pod) for the job's two newest
    generations: the final save and the trainer's last step they tell are needed after the teardown;
 3. `FleetIndex`: every Node parsed (`observed.parse_node`), kept sorted by name, each with the devices
@@ -32,10 +32,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Generic, TypeVar
 
-from . import api
+from .. import api
 from .devices import DeviceUse, add_devices, parse_device_use, place_pending
-from .observed import ObservedNode, parse_node
-from .observed_sidecar import LastWords, parse_last_words
+from .sidecar import LastWords, parse_last_words
+from .snapshot import ObservedNode, parse_node
 
 Body = Mapping[str, Any]
 T = TypeVar("T")

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from importlib import resources
 from typing import Any, Final
 
-from .errors import SpecProblem
+from ..errors import SpecProblem
 
 SCHEMA_FILE: Final = "podtemplate_schema.json"
 #: At most this many schema problems are reported for one template (the first ones, in field order).

@@ -51,7 +51,7 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
-from .errors import SpecProblem
+from ..errors import SpecProblem
 
 PAGE: Final = "https://kubernetes.io/docs/concepts/security/pod-security-standards/"
 POLICY: Final = ("the operator holds worker templates to the restricted Pod Security profile unless it allows "

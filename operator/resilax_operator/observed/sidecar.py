@@ -11,10 +11,10 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Final
 
-from . import api
-from . import status as st
-from .checkpoint_status import CheckpointInfo, parse_branch
-from .ownership import owner_uid
+from .. import api
+from .. import status as st
+from ..ownership import owner_uid
+from ..status_fields.checkpoint import CheckpointInfo, parse_branch
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def parse_host_figures(body: Mapping[str, Any]) -> HostFigures | None:
 
 #: A heartbeat (written every second, also while the loop is blocked) older than this: the process stopped.
 HEARTBEAT_STALE_SECONDS: Final = 10.0
-#: observe.py asks every worker once pod 0 made no step for this long (or 3 of its p99 steps, if longer).
+#: observed/observe.py asks every worker once pod 0 made no step for this long (or 3 of its p99 steps, if longer).
 SUSPECT_SECONDS: Final = 10.0
 
 
@@ -149,7 +149,7 @@ def parse_sidecar_state(body: Mapping[str, Any], now: datetime) -> CheckpointInf
     """The sidecar's `GET /v1/state` answer → the newest checkpoint it knows (persisted beats local).
     `time` is when the operator first saw the step (the status keeps the first time it saw it)."""
     persisted, local = body.get("newest_persisted_step"), body.get("newest_local_step")
-    branch = parse_branch(body.get("branch"))  # the rollback its branch comes from (checkpoint_status.py)
+    branch = parse_branch(body.get("branch"))  # the rollback its branch comes from (status_fields/checkpoint.py)
     if persisted is not None:
         return CheckpointInfo(int(persisted), st.truncate(now), True, "persistent", branch)
     if local is not None:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from . import api
-from . import status as st
-from .ownership import owner_uid
+from .. import api
+from .. import status as st
+from ..ownership import owner_uid
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class ObservedPod:
     trainer_finished_at: datetime | None = None
     uid: str = ""
     #: Its trainer runs under the supervisor (annotation resilax.dev/supervised): its exits come from the
-    #: sidecar's `trainer_process` (trainer_process.py), not the kubelet.
+    #: sidecar's `trainer_process` (observed/trainer_process.py), not the kubelet.
     supervised: bool = False
     #: The trainer container's readiness (for a supervised trainer: its incarnation runs).
     trainer_ready: bool = False

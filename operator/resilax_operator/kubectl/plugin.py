@@ -16,7 +16,7 @@
     kubectl resilax version                       this plugin's version and the JAXJob API it speaks
 
 The read commands (status, goodput, timeline, list, version) take `-o json|yaml` for programs
-(kubectl_output.py).
+(kubectl/output.py).
 
 Shell completion (kubectl 1.26+): kubectl asks the `kubectl_complete-resilax` executable, installed beside
 `kubectl-resilax`, for the words that may follow (Cobra's `__complete` protocol: one per line, then
@@ -24,15 +24,15 @@ Shell completion (kubectl 1.26+): kubectl asks the `kubectl_complete-resilax` ex
 
 Everything comes from the JAXJob itself (its status, which the operator keeps) and its Events; suspend
 and resume patch `spec.suspend` (a JSON merge patch), as Kueue does, rollback `spec.checkpoint.restore.step`
-(kubectl_rollback.py); save goes through the API server's
+(kubectl/rollback.py); save goes through the API server's
 pod proxy to the sidecar of the current generation's first worker, with the job's token read from its
 Secret and sent in the sidecar's own header (never printed). The kubeconfig is kubectl's (`--kubeconfig`,
 else `$KUBECONFIG`, else `~/.kube/config`; `--context`); the namespace is `-n`, else the context's, else
-`default`. The RBAC each command needs: kubectl_api.py and docs/operations.md.
+`default`. The RBAC each command needs: kubectl/client.py and docs/operations.md.
 
 The screens are pure functions of the job and its events (`build_status_screen`, `build_goodput_screen`,
 timeline.build_gantt, timeline_page.build_page; `plan_save_target`, `describe_save`), tested apart from
-the API; kubectl_api.py makes the calls.
+the API; kubectl/client.py makes the calls.
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from . import api
-from . import goodput as gp
-from .kubectl_api import JobAPI, PluginError
-from .kubectl_logs import run_logs
-from .kubectl_output import (
+from .. import api
+from ..ownership import owner_uid
+from ..status import BREAKDOWN_KEYS
+from ..status_fields import goodput as gp
+from .client import JobAPI, PluginError
+from .logs import run_logs
+from .output import (
     OUTPUT_FORMATS,
     build_goodput_data,
     build_list_data,
@@ -63,9 +65,7 @@ from .kubectl_output import (
     build_version_data,
     render,
 )
-from .kubectl_rollback import run_rollback
-from .ownership import owner_uid
-from .status import BREAKDOWN_KEYS
+from .rollback import run_rollback
 from .timeline import build_gantt, build_plot, parse_history, parse_time
 from .timeline_page import build_page, build_page_data
 

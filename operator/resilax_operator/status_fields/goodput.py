@@ -55,7 +55,7 @@ of the wall time.
 
 The operator's resolution: the trainer writes its figures at most once a second (also while its loop is
 blocked) and the operator reads pod 0's every reconcile (<= 5 s) while it runs; once the workers' pods
-end, the sidecars' last words (their termination messages: observed_sidecar.newest_trainer_report) give
+end, the sidecars' last words (their termination messages: observed.sidecar.newest_trainer_report) give
 the generation's last step and its time, so the last training counts as productive and lost_steps is
 exact (unless every sidecar of the generation died with its node); times in the status have whole seconds. Until a generation is replaced, the time
 since its last step seen is `other` (at most a reconcile's worth while it trains).

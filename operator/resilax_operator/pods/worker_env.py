@@ -8,11 +8,11 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from . import api
-from .generation import GenerationPlan, JobRef, build_workers_service_name, kueue_queue
-from .settings import OperatorSettings
-from .spec import LOCAL_SCOPE_NODE, JobSpec
-from .topology import SliceGeometry
+from .. import api
+from ..generation import GenerationPlan, JobRef, build_workers_service_name, kueue_queue
+from ..settings import OperatorSettings
+from ..spec import LOCAL_SCOPE_NODE, JobSpec
+from ..topology import SliceGeometry
 
 #: `RESILAX_INIT_TIMEOUT_SECONDS` of workers that may wait for the others' nodes or admission (capacity
 #: Autoscaled, Kueue): the operator, not JAX's 5-minute default, decides how long a generation waits.
