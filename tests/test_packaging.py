@@ -265,3 +265,19 @@ def test_wheel_carries_the_demo_files(wheel: Path) -> None:
                              ("crds/kopf-peering.yaml", "charts/resilax/crds/kopf-peering.yaml")]:
             assert z.read(f"resilax_local/demo_files/{name}") == (ROOT / source).read_bytes(), name
     assert not any(n.startswith("resilax_operator/") and "demo" in n for n in zipfile.ZipFile(wheel).namelist())
+
+
+@pytest.mark.slow
+def test_wheel_carries_each_package_data_file_where_the_code_looks(wheel: Path) -> None:
+    """Every file beside the operator's code that is not Python (py.typed; pods/podtemplate_schema.json,
+    which pods/podtemplate.py reads from its own package) is in the wheel at the same path, and each
+    package is typed."""
+    import zipfile
+
+    tracked = subprocess.run(["git", "ls-files", "operator/resilax_operator"], cwd=ROOT, capture_output=True, text=True,
+                     check=True).stdout.split()
+    data = sorted(p.removeprefix("operator/") for p in tracked if not p.endswith(".py"))
+    assert "resilax_operator/pods/podtemplate_schema.json" in data, data
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert [p for p in data if p not in names] == []
+    assert {f"{pkg}/py.typed" for pkg in ("resilax_operator", "resilax_sidecar", "resilax_ckpt", "resilax_local")} <= names
