@@ -62,7 +62,7 @@ def test_after_a_rollback_the_sidecar_reports_the_new_branch_never_the_abandoned
         # The branch record is written before the restore returns: 40 and 44 are hidden at once.
         assert _reported(root, tmp_path / "s2") == 8
         # ... and the state names the rollback (era of job uid-a, generation 2, parent 8): the operator
-        # never takes the 44 that words left before it for newer (operator/checkpoint_status.py).
+        # never takes the 44 that words left before it for newer (resilax_operator/status_fields/checkpoint.py).
         assert _state_of(root, tmp_path / "s2")["branch"] == {"era": 1, "generation": 2, "parent": 8}
         for step in (12, 16):
             mgr.save(step, _state(step))

@@ -46,7 +46,7 @@ def plan_log_pod(pods: Sequence[Mapping[str, Any]], process: int, uid: str) -> t
 def run_logs(kube: JobAPI, namespace: str, name: str, process: int, follow: bool) -> None:
     """Print process `process`'s trainer log; with `follow`, go on with the pod of each new generation
     (process 0's pod name changes with every generation) until the job Succeeded or Failed."""
-    from .plugin import escape_controls  # the screens' escaping (kubectl_plugin imports this module)
+    from .plugin import escape_controls  # the screens' escaping (plugin.py imports this module)
 
     done: set[str] = set()
     while True:
