@@ -19,8 +19,9 @@ Steps, in order:
 3. Park: the restore prefetch stopped, garbage collected, `jax.extend.backend.clear_backends()` (every
    backend client, compiled executable and device buffer of the process dropped: the chip is free),
    then `{"parked"}` to the supervisor, and wait.
-4. `{"resume"}`: the process's environment becomes the new incarnation's (os.environ replaced: the
-   generation, its fencing token, the restore's step choice), the restore prefetch starts again
+4. `{"resume"}`: the generation's own variables take the new incarnation's values (the generation,
+   its fencing token, the restore's step choice: kept.plan_env_update; the rest of os.environ stays as
+   the process made it, e.g. what JAX's TPU start-up added), the restore prefetch starts again
    (as line 0 would), the devices open again (`jax.devices()`; a failure here exits, and the supervisor
    starts a fresh process for the incarnation), `{"resumed"}`, then back to 2. `{"exit"}` or the
    supervisor gone: the last code is returned.
@@ -135,9 +136,11 @@ def _resume(env: Any, marks: dict[str, float]) -> str | None:
     """Take the new incarnation's environment, start the prefetch, open the devices; why it failed, or None."""
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         return f"resume.env: {type(env).__name__} is not allowed; allowed: an object of strings"
-    os.environ.clear()
-    os.environ.update(env)
-    os.environ.pop(kept.FD_ENV, None)
+    for name, value in kept.plan_env_update(os.environ, env).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         from resilax_ckpt import prefetch
 

@@ -18,6 +18,10 @@ import time
 import resilax_ckpt as rc
 
 report_dir, mode = sys.argv[1], sys.argv[2]
+# What JAX's TPU start-up does to the process's own environment when it is imported (cloud_tpu_init):
+# a kept incarnation must still see it (its compile-cache keys include LIBTPU_INIT_ARGS).
+os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " --xla_tpu_use_enhanced_launch_barrier=true").lstrip()
+os.environ.setdefault("TPU_ML_PLATFORM", "JAX")
 
 
 def main() -> int:
@@ -27,7 +31,7 @@ def main() -> int:
     path = os.path.join(report_dir, f"child-{incarnation}.json")
     with open(f"{path}.tmp", "w") as f:
         json.dump({"pid": os.getpid(), "env": {k: v for k, v in os.environ.items()
-                                               if k.startswith(("RESILAX_", "JAX_", "TPU_"))}}, f)
+                                               if k.startswith(("RESILAX_", "JAX_", "TPU_", "LIBTPU_"))}}, f)
     os.replace(f"{path}.tmp", path)
     if mode == "exit0":
         return 0

@@ -76,6 +76,20 @@ def test_the_next_incarnation_keeps_the_parked_process_only_in_the_same_one_proc
         assert refusal is not None and ("TPU_WORKER_ID" in refusal.message or "RESILAX_NUM_SLICES" in refusal.message)
 
 
+@pytest.mark.parametrize(("current", "next_env", "update"), [
+    ({"RESILAX_GENERATION": "3", "LIBTPU_INIT_ARGS": "--a --added-by-jax"},
+     {"RESILAX_GENERATION": "4", "LIBTPU_INIT_ARGS": "--a"}, {"RESILAX_GENERATION": "4"}),
+    ({"RESILAX_RESTORE_STEP": "7", "TPU_ML_PLATFORM": "JAX"}, {}, {"RESILAX_RESTORE_STEP": None}),
+    ({}, {"RESILAX_INCARNATION": "2", "RESILAX_LIVE_JOB_UIDS": "u1", kept.FD_ENV: "5"},
+     {"RESILAX_INCARNATION": "2", "RESILAX_LIVE_JOB_UIDS": "u1"}),
+    ({"RESILAX_GENERATION": "4", "PATH": "/bin"}, {"RESILAX_GENERATION": "4", "PATH": "/usr/bin"}, {}),
+], ids=["generation-set-the-process-own-libtpu-args-kept", "restore-step-removed", "channel-fd-never-set",
+        "nothing-of-the-generation-changes"])
+def test_a_kept_process_takes_only_the_generations_own_variables_of_the_next_environment(
+        current: dict[str, str], next_env: dict[str, str], update: dict[str, str | None]) -> None:
+    assert kept.plan_env_update(current, next_env) == update
+
+
 def test_what_the_last_process_said_is_the_reason_when_it_did_not_park() -> None:
     said = kept.Refusal(kept.RAISED, "the entry point raised ValueError: boom")
     assert kept.decide_keep(None, NEXT, True, said) == said
@@ -195,6 +209,9 @@ def test_a_stopped_trainer_parks_and_runs_the_next_generation_in_the_same_proces
     assert (second["env"]["RESILAX_GENERATION"], second["env"]["RESILAX_INCARNATION"],
             second["env"]["RESILAX_RESTORE_STEP"]) == ("4", "2", "7")
     assert "RESILAX_RESTORE_STEP" not in first["env"] and kept.FD_ENV not in second["env"]
+    # what the process set in its own environment (as JAX's TPU start-up does) is still there
+    assert (second["env"]["LIBTPU_INIT_ARGS"], second["env"]["TPU_ML_PLATFORM"]) == \
+        ("--xla_tpu_use_enhanced_launch_barrier=true", "JAX")
     record = run.wait_for("the kept restart counted",
                           lambda: (r := tc.read_incarnation(str(run.control))) and r["restarts"]["kept"] == 1 and r)
     assert (record["incarnation"], record["generation"], record["state"], record["kept"], record["pid"]) == \
