@@ -112,15 +112,22 @@ DEFAULT_HOST_RING_BYTES = 512 << 20
 """ManagerOptions.restore_host_buffer_bytes's default."""
 
 
-def plan_ring_bytes(pieces: Sequence[int], host_buffer_bytes: int) -> int:
-    """The host ring a restore of leaves with these ring pieces uses (bytes; reader.read_leaves and the
-    prefetch's ring-only mode size it alike): `host_buffer_bytes`, or room for its two largest pieces
-    at once when that is bigger, so that a large leaf is read while the one before it is transferred
-    (with room for one, big leaves alternated between reading and transferring: 1.80 s of a 6.25 GiB
-    restore on a TPU v5e host, docs/benchmarks.md); never more than all pieces together (pure)."""
+def plan_ring_bytes(pieces: Sequence[int], host_buffer_bytes: int, slots: int = 1) -> int:
+    """The host ring for a restore of leaves with these ring pieces (bytes): `host_buffer_bytes`, or
+    room for its `slots` largest pieces at once when that is bigger; never more than all pieces
+    together (pure).
+    - `slots=2` where the ring is faulted in ahead, off the restore's path (the restore prefetch's
+      ring-only mode, during the trainer's start-up): a large leaf is then read while the one before
+      it is transferred (with room for one, big leaves alternated between reading and transferring:
+      1.80 s of a 6.25 GiB restore on a TPU v5e host, docs/benchmarks.md).
+    - `slots=1` where the restore itself would fault it (reader.read_leaves; a ring already there
+      of any bigger size is used as it is): on the TPU v5e host, faulting fresh memory costs ~1 s/GiB,
+      more than the overlap saves: a fresh process's first restore of 2.03 GiB took 1.52 s with a
+      ring of two leaves against 0.92 s with one, and a 6.25 GiB restore 3.68 s against 3.06 s
+      (2026-12-07 and 2026-12-06, docs/benchmarks.md)."""
     if not pieces:
         return 0
-    return min(max(host_buffer_bytes, sum(sorted(pieces)[-2:])), sum(pieces))
+    return min(max(host_buffer_bytes, sum(sorted(pieces)[-slots:])), sum(pieces))
 
 
 class HostRing:

@@ -109,9 +109,9 @@ class ManagerOptions:
     """A restore onto accelerators reads into one region of host memory of up to this many bytes,
     kept by the process and reused by every restore (reader.py, "host ring"): each leaf's piece is
     reused once its transfer to the devices is done, so no restore faults the state's size of fresh
-    memory in; where the two largest leaves are bigger than this, the ring holds both (one is read while
-    the other is transferred; host_ring.plan_ring_bytes), never more than the state. 0: fresh buffers
-    for every leaf."""
+    memory in; where the largest leaf is bigger than this, the ring holds it, and where the restore
+    prefetch faults the ring in ahead, it holds the two largest leaves (one is read while the other is
+    transferred; host_ring.plan_ring_bytes), never more than the state. 0: fresh buffers for every leaf."""
 
     restore_reuse_host_buffers: bool | None = None
     """Whether restores read into the host ring: None (auto) for leaves going to accelerators (on

@@ -256,9 +256,10 @@ def plan_prefetch(settings: PrefetchSettings) -> read_ahead.ReadPlan | None:
     ring_bytes = 0
     if (settings.ring_only and options.restore_host_buffer_bytes and step_storage.is_local
             and chunk_writer.filesystem_type(step_path) in ("tmpfs", "ramfs")):
-        # The restore's own sizing (reader.read_leaves): its set size, or its two largest leaves when bigger.
+        # Faulted in here, off the restore's path: room for the two largest leaves (read one while the
+        # other transfers); the restore then uses it as it is.
         pieces = [-(-r.nbytes // host_ring.DIRECT_ALIGN) * host_ring.DIRECT_ALIGN for r in reads]
-        ring_bytes = host_ring.plan_ring_bytes(pieces, options.restore_host_buffer_bytes)
+        ring_bytes = host_ring.plan_ring_bytes(pieces, options.restore_host_buffer_bytes, slots=2)
         log.info("restore prefetch: step %d is in memory (%s): the restore's host ring (%.0f MiB) is faulted "
                  "in instead of reading it ahead", step, step_path, ring_bytes / 2**20)
         fit = 0

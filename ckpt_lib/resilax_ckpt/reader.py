@@ -292,8 +292,9 @@ def read_leaves(reads: list[LeafRead], step_path: str, backend: ChunkBackendRead
     MissingChunkError (a chunk file is missing), ChecksumMismatchError (a crc32c does not match),
     CorruptCheckpointError (a file is truncated or damaged), StorageError (reading failed).
     Leaves that `reuses_host_buffers(sharding, reuse_host_buffers)` are read into the process's host
-    ring of `host_buffer_bytes`, or of the two largest such leaves' boxes when bigger
-    (host_ring.plan_ring_bytes; module docstring); each leaf is put on its devices as soon as its reads are done, while later leaves are
+    ring: the one there if it holds the largest such leaf's boxes (the restore prefetch faults one of two
+    leaves), else one of `host_buffer_bytes` or of that leaf when bigger (host_ring.plan_ring_bytes;
+    module docstring); each leaf is put on its devices as soon as its reads are done, while later leaves are
     read. With `populate`, fresh box buffers are faulted in (host_ring.populate_pages) by the calling
     thread before their reads are queued (the restore prefetch: no page faults inside `read()`)."""
     total = sum(planning.box_size(tuple((0, d) for d in r.leaf.shape)) * np.dtype(r.leaf.dtype).itemsize

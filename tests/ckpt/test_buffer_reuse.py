@@ -244,23 +244,33 @@ def test_restore_host_ring_is_held_by_one_restore_at_a_time():
     third.close([])
 
 
-@pytest.mark.parametrize(("pieces", "set_bytes", "ring"), [
-    ([], 512, 0),
-    ([100, 300, 200], 1000, 600),  # the set size, capped at the state
-    ([100, 300, 200], 400, 500),  # the two largest pieces, when bigger than the set size
-    ([100, 300, 200], 2000, 600),
-    ([800], 100, 800),  # one leaf: itself
-    ([800, 800, 800], 0, 1600),
-], ids=["none", "set-size-capped", "two-largest", "whole-state", "one-leaf", "three-equal"])
-def test_the_ring_holds_the_two_largest_leaves_when_they_are_bigger_than_its_set_size(pieces, set_bytes, ring):
-    assert host_ring.plan_ring_bytes(pieces, set_bytes) == ring
+@pytest.mark.parametrize(("pieces", "set_bytes", "slots", "ring"), [
+    ([], 512, 2, 0),
+    ([100, 300, 200], 1000, 2, 600),  # the set size, capped at the state
+    ([100, 300, 200], 400, 2, 500),  # the two largest pieces, when bigger than the set size
+    ([100, 300, 200], 2000, 2, 600),
+    ([800], 100, 2, 800),  # one leaf: itself
+    ([800, 800, 800], 0, 2, 1600),
+    ([100, 300, 200], 400, 1, 400),  # the restore's own: the set size holds the largest
+    ([100, 300, 200], 200, 1, 300),  # the largest piece, when bigger than the set size
+    ([800, 800, 800], 0, 1, 800),
+], ids=["none", "set-size-capped", "two-largest", "whole-state", "one-leaf", "three-equal", "one-slot-set-size",
+        "one-slot-largest", "one-slot-three-equal"])
+def test_the_ring_holds_the_largest_leaves_when_they_are_bigger_than_its_set_size(pieces, set_bytes, slots, ring):
+    assert host_ring.plan_ring_bytes(pieces, set_bytes, slots) == ring
 
 
-def test_restore_reads_the_next_big_leaf_while_the_one_before_is_transferred(tmp_path, devices, monkeypatch):
-    """Ordering, not timing: with leaves bigger than the ring's set size, the second leaf gets its ring
-    piece before the restore waits for any transfer (the ring holds two leaves), where a ring of one
-    leaf made it wait for the first leaf's transfer first."""
+@pytest.mark.parametrize("ahead", [True, False], ids=["ring-faulted-ahead-as-the-prefetch-does", "restore-alone"])
+def test_restore_reads_the_next_big_leaf_while_the_one_before_is_transferred(tmp_path, devices, monkeypatch, ahead):
+    """Ordering, not timing: with leaves bigger than the ring's set size and a ring of two leaves faulted
+    in ahead (the restore prefetch's, during start-up), the second leaf gets its ring piece before the
+    restore waits for any transfer. A restore alone faults a ring of one leaf (faulting costs more than
+    the overlap saves on the TPU host): it waits for the first leaf's transfer first."""
     host_ring.release_host_buffers()
+    if ahead:
+        warming = host_ring.warm_host_ring(2 * 8 * 4096)  # what the prefetch faults: two leaves' pieces
+        assert warming is not None
+        warming.join()
     events: list[str] = []
     take, give_oldest = host_ring.HostLease.take, host_ring.HostLease.give_oldest
 
@@ -283,12 +293,16 @@ def test_restore_reads_the_next_big_leaf_while_the_one_before_is_transferred(tmp
         assert_same(mgr.restore(1, target), host_copy(state))
     successes = [i for i, e in enumerate(events) if e.endswith("True")]
     first_wait = events.index("wait for the oldest transfer")
-    assert len(successes) == 4 and successes[1] < first_wait, events  # two leaves in the ring before any wait
+    assert len(successes) == 4, events
+    if ahead:
+        assert successes[1] < first_wait, events  # two leaves in the ring before any wait
+    else:
+        assert successes[0] < first_wait < successes[1], events  # one leaf, then its transfer's wait
 
 
 def test_restore_leaf_bigger_than_the_ring_gets_a_ring_of_its_size_not_fresh_buffers(tmp_path, devices):
     """A ring set to one 4 KiB piece and leaves of 32 KiB pieces (8 boxes of 1 KiB, each page-rounded):
-    the ring grows to the two largest leaves' pieces, once, and every leaf streams through it (no fresh
+    the ring grows to the largest leaf's pieces, once, and every leaf streams through it (no fresh
     buffer read into while the devices wait); the next restore allocates nothing."""
     host_ring.release_host_buffers()
     with rc.CheckpointManager(str(tmp_path), ring_options(restore_host_buffer_bytes=4096)) as mgr:
@@ -302,8 +316,8 @@ def test_restore_leaf_bigger_than_the_ring_gets_a_ring_of_its_size_not_fresh_buf
         before = host_ring.host_buffer_counts()
         assert_same(mgr.restore(1, target), expected)
         after = host_ring.host_buffer_counts()
-        assert (after["allocations"] - before["allocations"], after["bytes"] - before["bytes"]) == (1, 2 * 8 * 4096)
-        assert after["populated_bytes"] - before["populated_bytes"] == 2 * 8 * 4096  # faulted in before any read
+        assert (after["allocations"] - before["allocations"], after["bytes"] - before["bytes"]) == (1, 8 * 4096)
+        assert after["populated_bytes"] - before["populated_bytes"] == 8 * 4096  # faulted in before any read
         before = allocations()
         assert_same(mgr.restore(1, target), expected)
         assert allocations() == before
