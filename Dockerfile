@@ -26,7 +26,7 @@ COPY operator ./operator
 COPY sidecar ./sidecar
 COPY ckpt_lib ./ckpt_lib
 COPY localcluster ./localcluster
-# resilax_local/demo_files links to these single sources; the wheel carries the files themselves.
+# resilax_local/demo/files links to these single sources; the wheel carries the files themselves.
 COPY examples ./examples
 COPY charts/resilax/crds ./charts/resilax/crds
 COPY charts/resilax/files ./charts/resilax/files

@@ -42,7 +42,7 @@ def test_version():
 
 
 def test_demo_refuses_a_non_empty_folder_it_did_not_create(tmp_path, capsys):
-    from resilax_local import demo
+    from resilax_local.demo import runner as demo
 
     mine = tmp_path / "my-project"
     mine.mkdir()

@@ -252,7 +252,7 @@ def test_builder_stage_builds_the_wheel_from_what_it_copies(dockerfile: Dockerfi
         for source in sources:
             src = ROOT / source
             if src.is_dir():
-                # symlinks=True: docker's COPY keeps links as links (resilax_local/demo_files links to
+                # symlinks=True: docker's COPY keeps links as links (resilax_local/demo/files links to
                 # examples/ and charts/, which the builder must copy too).
                 shutil.copytree(src, context / source, symlinks=True,
                                 ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".mypy_cache"))
@@ -272,6 +272,6 @@ def test_builder_stage_builds_the_wheel_from_what_it_copies(dockerfile: Dockerfi
     for package in ("resilax_operator", "resilax_sidecar", "resilax_ckpt", "resilax_local"):
         assert f"{package}/__init__.py" in names and f"{package}/py.typed" in names, package
     for name in ("jaxjob-demo.yaml", "operator-rules.yaml", "crds/jaxjobs.resilax.dev.yaml", "examples/train.py"):
-        assert f"resilax_local/demo_files/{name}" in names, name
+        assert f"resilax_local/demo/files/{name}" in names, name
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "resilax = resilax_operator.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

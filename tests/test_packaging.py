@@ -263,7 +263,7 @@ def test_wheel_carries_the_demo_files(wheel: Path) -> None:
                              ("operator-rules.yaml", "charts/resilax/files/operator-rules.yaml"),
                              ("crds/jaxjobs.resilax.dev.yaml", "charts/resilax/crds/jaxjobs.resilax.dev.yaml"),
                              ("crds/kopf-peering.yaml", "charts/resilax/crds/kopf-peering.yaml")]:
-            assert z.read(f"resilax_local/demo_files/{name}") == (ROOT / source).read_bytes(), name
+            assert z.read(f"resilax_local/demo/files/{name}") == (ROOT / source).read_bytes(), name
     assert not any(n.startswith("resilax_operator/") and "demo" in n for n in zipfile.ZipFile(wheel).namelist())
 
 

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from resilax_local.demo import JOB_NAMESPACE, Demo, DemoError, say, stop_process_group
-from resilax_local.demo_examples import EXAMPLES
-from resilax_local.timeline import Fault, LossRecord, parse_timestamp
+from resilax_local.demo.examples import EXAMPLES
+from resilax_local.demo.runner import JOB_NAMESPACE, Demo, DemoError, say, stop_process_group
+from resilax_local.demo.timeline import Fault, LossRecord, parse_timestamp
 from resilax_operator import api
 
 from .goodput_model import (
@@ -71,7 +71,7 @@ RESULTS = ROOT / "bench" / "results"
 
 
 class GoodputRun(Demo):
-    """The demo's cluster, operator and observation (resilax_local.demo.Demo), driven by a schedule."""
+    """The demo's cluster, operator and observation (resilax_local.demo.runner.Demo), driven by a schedule."""
 
     def __init__(self, run_dir: Path, timeout: float, example: str = "train",
                  example_args: tuple[str, ...] = (), compute_bound: bool = False) -> None:
@@ -357,7 +357,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def recompute(folder: Path) -> dict[str, Any]:
     """The summary of a variant saved by `GoodputRun.save_variant`, computed again (reactions included)."""
-    from resilax_local.timeline import JobSnapshot, TimelineEvent
+    from resilax_local.demo.timeline import JobSnapshot, TimelineEvent
 
     saved = json.loads((folder / "marks.json").read_text())
 

@@ -8,7 +8,7 @@ Two pure pieces the goodput benchmark (`resilax_bench.goodput`) drives:
   schedule, so both variants of one run (Resilax, restart-from-persistent) face the same faults.
 * `compute_goodput(...)`: goodput = time of the steps that count toward the final model / wall time,
   and where the rest of the wall time went. Inputs are process 0's step records (`LossRecord`: step,
-  generation, wall time; resilax_local.timeline), the faults injected, and per generation the times the
+  generation, wall time; resilax_local.demo.timeline), the faults injected, and per generation the times the
   harness saw from the API and the trainer: the operator's reaction (detected), the new pods created,
   running, the trainer's restore began and ended.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from resilax_local.timeline import Fault, JobSnapshot, LossRecord, TimelineEvent
+from resilax_local.demo.timeline import Fault, JobSnapshot, LossRecord, TimelineEvent
 from resilax_operator.status_fields import goodput
 from resilax_operator.status_fields.goodput import BUCKETS
 

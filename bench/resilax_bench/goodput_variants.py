@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Final
 
 import yaml
-from resilax_local.demo import FILES, JOB_FILE, JOB_NAMESPACE
-from resilax_local.demo_examples import use_example
+from resilax_local.demo.examples import use_example
+from resilax_local.demo.runner import FILES, JOB_FILE, JOB_NAMESPACE
 
 from .goodput_model import GoodputInputError
 
@@ -42,7 +42,7 @@ CRD_FILE: Final = Path(__file__).resolve().parents[2] / "charts" / "resilax" / "
 
 def build_variant_job(variant: str, name: str, storage: str, step_seconds: float, example: str = "train",
                       example_args: tuple[str, ...] = (), compute_bound: bool = False) -> dict[str, Any]:
-    """The demo's JAXJob as `variant` runs it (see the module doc), training `example` (resilax_local.demo.
+    """The demo's JAXJob as `variant` runs it (see the module doc), training `example` (resilax_local.demo.runner.
     EXAMPLES: examples/train.py by default, or examples/transformer.py) with `example_args` appended.
     With `compute_bound`, examples/train.py's step sleeps `step_seconds` x FULL_DEVICES / its devices
     (`--full-devices`): a step at half the devices takes twice as long, as a compute-bound step's would."""

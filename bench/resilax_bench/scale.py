@@ -46,12 +46,12 @@ from typing import Any
 
 import yaml
 from resilax_local import LocalCluster
-from resilax_local.audit import read_request_count, service_account_user
-from resilax_local.controlplane import ControlPlaneSettings
+from resilax_local.controlplane.audit import read_request_count, service_account_user
+from resilax_local.controlplane.plane import ControlPlaneSettings
+from resilax_local.controlplane.rbac import build_operator_rbac
 from resilax_local.errors import KubeAPIError
 from resilax_local.kubeapi import KubeClient
-from resilax_local.profiles import build_cpu_node, build_tpu_slice
-from resilax_local.rbac import build_operator_rbac
+from resilax_local.node.profiles import build_cpu_node, build_tpu_slice
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = ROOT / "bench"

@@ -5,9 +5,9 @@ fixtures live in `resilax_local.pytest_plugin`.
 """
 
 from .cluster import LocalCluster
-from .controlplane import ControlPlaneSettings
+from .controlplane.plane import ControlPlaneSettings
 from .errors import BinaryError, KubeAPIError, LocalClusterError, NotRunningError, StartError
-from .profiles import NodeSpec, build_cpu_node, build_profile, build_tpu_slice
+from .node.profiles import NodeSpec, build_cpu_node, build_profile, build_tpu_slice
 
 __all__ = [
     "BinaryError",

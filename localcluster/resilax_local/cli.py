@@ -24,7 +24,7 @@ from pathlib import Path
 
 from . import binaries
 from .errors import LocalClusterError
-from .profiles import PROFILES
+from .node.profiles import PROFILES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{name}: {path}")
         return 0
     if args.command == "up":
-        from .controlplane import ControlPlaneSettings
+        from .controlplane.plane import ControlPlaneSettings
         from .launch import isolation_problem
 
         cluster = LocalCluster(args.dir, name=args.name, profile=args.profile,

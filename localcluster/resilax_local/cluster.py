@@ -33,13 +33,13 @@ from typing import Any
 import urllib3
 
 from .binaries import cache_dir, ensure_binaries
-from .controlplane import ControlPlane, ControlPlaneSettings
+from .controlplane.kueue import Kueue, KueueState
+from .controlplane.plane import ControlPlane, ControlPlaneSettings
 from .errors import KubeAPIError, NotRunningError, StartError
 from .kubeapi import Credentials, KubeClient, read_kubeconfig, write_kubeconfig
-from .kueue import Kueue, KueueState
-from .pods import map_host_path, memory_root
+from .node.profiles import NodeSpec, build_cpu_node, build_profile, build_tpu_slice
+from .node.volumes import map_host_path, memory_root
 from .processes import alive, spawn, stop_group
-from .profiles import NodeSpec, build_cpu_node, build_profile, build_tpu_slice
 from .tier_guard import refuse_in_fast_tier
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class LocalCluster:
                 # controller waits for its renewal.
                 "lease_duration_seconds": self.settings.node_monitor_grace_seconds,
                 "nodes": [n.to_json() for n in self.node_specs]}, indent=1))
-            self._procs["node-agent"] = spawn([sys.executable, "-m", "resilax_local.agent", str(self.run_dir)],
+            self._procs["node-agent"] = spawn([sys.executable, "-m", "resilax_local.node.agent", str(self.run_dir)],
                                               self.run_dir / "logs" / "node-agent.log")
             self._write_state(control_plane)
 
@@ -348,7 +348,7 @@ class LocalCluster:
 
     # ---- the image registry ---------------------------------------------------------------------
     def set_images(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Add or replace rows of the node agent's image registry table (resilax_local.images): e.g.
+        """Add or replace rows of the node agent's image registry table (resilax_local.node.images): e.g.
         `{"image": "example.com/app:1", "pullable": False}` (a pull fails: ErrImagePull, ImagePullBackOff)
         or `{"image": "example.com/root-app", "user": "0"}` (runs as root: with runAsNonRoot the
         container waits with CreateContainerConfigError). Returns the whole table."""

@@ -32,11 +32,11 @@ from typing import Any
 import pytest
 
 from .cluster import LocalCluster
+from .controlplane.kueue import KueueState
 from .errors import KubeAPIError
-from .gcs import FakeGCS
+from .gcs.server import FakeGCS
 from .kubeapi import KubeClient
-from .kueue import KueueState
-from .pods import NodeState
+from .node.podhost import NodeState
 from .testing import wait_for
 
 #: fixture -> the marker of every test that uses it (what it needs: a local cluster, fake-gcs-server, ...).

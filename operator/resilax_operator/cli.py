@@ -26,7 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "sidecar": ("resilax_sidecar.app:main", "run the checkpoint sidecar of a worker pod", "sidecar"),
     "node-sweep": ("resilax_sidecar.node_sweep:main",
                    "remove the node folders of deleted JAXJobs (checkpoint.local.scope: Node)", "sidecar"),
-    "demo": ("resilax_local.demo:main", "the end-to-end demo on the local cluster", "local"),
+    "demo": ("resilax_local.demo.runner:main", "the end-to-end demo on the local cluster", "local"),
     # "": the standard library is enough (a trainer image with resilax[train], or no extra at all)
     "run": ("resilax_ckpt.supervisor:main", "run a trainer under the in-place restart supervisor", ""),
     "health-check": ("resilax_ckpt.health_check:main",

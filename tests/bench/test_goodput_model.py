@@ -18,7 +18,7 @@ from resilax_bench.goodput_model import (
     find_reaction,
     pod_marks,
 )
-from resilax_local.timeline import Fault, JobSnapshot, LossRecord, TimelineEvent
+from resilax_local.demo.timeline import Fault, JobSnapshot, LossRecord, TimelineEvent
 
 
 def rec(step: int, time: float, generation: int) -> LossRecord:

@@ -1,5 +1,5 @@
 """Fixtures of the checkpoint library's tests: 8 fake CPU devices, subprocess workers, fake-gcs-server
-(the plugin's `fake_gcs`, resilax_local.gcs.FakeGCS: one harness for every area)."""
+(the plugin's `fake_gcs`, resilax_local.gcs.server.FakeGCS: one harness for every area)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import jax
 import pytest
-from resilax_local.gcs import FakeGCS
+from resilax_local.gcs.server import FakeGCS
 
 
 @pytest.fixture(scope="session")

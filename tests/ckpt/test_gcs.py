@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from resilax_ckpt import commit, fencing, layout
 from resilax_ckpt.storage import GcsStorage
-from resilax_local.gcs import FakeGCS
-from resilax_local.gcs_proxy import GcsProxy
+from resilax_local.gcs.proxy import GcsProxy
+from resilax_local.gcs.server import FakeGCS
 
 pytestmark = pytest.mark.gcs
 

@@ -37,7 +37,7 @@ from typing import Any
 import ckpt_fuzz_worker
 import pytest
 from resilax_ckpt import commit
-from resilax_local.gcs import FakeGCS
+from resilax_local.gcs.server import FakeGCS
 from resilax_local.processes import free_port
 
 pytestmark = pytest.mark.slow
@@ -264,7 +264,7 @@ def _read_lines(path: Path, offset: int, into: list[dict[str, Any]]) -> int:
 @pytest.fixture(scope="module")
 def forkserver() -> Any:
     """The multiprocessing fork server the lives are forked from, started with the imports preloaded.
-    gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT when imported (resilax_local.gcs.FakeGCS.env: off for
+    gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT when imported (resilax_local.gcs.server.FakeGCS.env: off for
     fake-gcs-server), so it is set while the server starts."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from resilax_local import demo
-from resilax_local.demo_examples import prepare_job, use_example, use_steps
-from resilax_local.timeline import Fault, LossRecord, build_plot_data
+from resilax_local.demo import runner as demo
+from resilax_local.demo.examples import prepare_job, use_example, use_steps
+from resilax_local.demo.timeline import Fault, LossRecord, build_plot_data
 from resilax_operator.validation import validate_spec
 
 T0 = 1_000_000.0
@@ -29,7 +29,7 @@ def test_demo_job_is_a_valid_elastic_two_slice_job() -> None:
 
 def test_demo_files_are_the_repositorys_own() -> None:
     """The package's demo files are links to the single sources in examples/ and charts/resilax/."""
-    root = Path(demo.__file__).resolve().parents[2]
+    root = Path(demo.__file__).resolve().parents[3]
     for name, source in [("jaxjob-demo.yaml", "examples/jaxjob-demo.yaml"),
                          ("examples/train.py", "examples/train.py"),
                          ("examples/transformer.py", "examples/transformer.py"),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import resilax_local
-from resilax_local.timeline import (
+from resilax_local.demo.timeline import (
     Fault,
     GenerationSummary,
     JobSnapshot,
@@ -313,12 +313,12 @@ def test_timeline_names_missing_steps() -> None:
 # ---- purity --------------------------------------------------------------------------------------
 
 def test_timeline_module_is_pure() -> None:
-    path = Path(resilax_local.__file__).parent / "timeline.py"
+    path = Path(resilax_local.__file__).parent / "demo" / "timeline.py"
     tree = ast.parse(path.read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not imported & {"time", "os", "subprocess", "kopf", "kubernetes", "matplotlib", "resilax_local.cluster",
-                           "resilax_local.agent", ".cluster", ".agent"}
+                           "resilax_local.node", "..cluster", "..node"}
     text = path.read_text()
     for call in ("time.time(", "datetime.now(", "open(", ".read_text(", ".write_text(", "os.environ"):
         assert call not in text, call

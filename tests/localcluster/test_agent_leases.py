@@ -11,8 +11,8 @@ import itertools
 from concurrent.futures import Future
 from typing import Any
 
-from resilax_local import agent as agent_module
-from resilax_local.agent import NodeAgent
+from resilax_local.node import agent as agent_module
+from resilax_local.node.agent import NodeAgent
 
 
 class _Clock:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from resilax_local.errors import KubeAPIError
 from resilax_local.kubeapi import Credentials, KubeClient
+from resilax_local.node.profiles import ACCELERATOR_LABEL, NODEPOOL_LABEL, TPU_RESOURCE
 from resilax_local.processes import alive
-from resilax_local.profiles import ACCELERATOR_LABEL, NODEPOOL_LABEL, TPU_RESOURCE
 from resilax_local.testing import (
     container_status,
     create_pod,

@@ -26,7 +26,7 @@ def test_fake_gcs_starts_on_another_port_when_its_first_was_taken(monkeypatch, t
     import socket
 
     from resilax_local import processes
-    from resilax_local.gcs import FakeGCS
+    from resilax_local.gcs.server import FakeGCS
 
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from resilax_local.pods import map_host_path, memory_root
+from resilax_local.node.volumes import map_host_path, memory_root
 from resilax_local.testing import create_pod, wait_for, wait_for_pod_phase
 
 SCRIPT = """

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import resilax_ckpt
-from resilax_local.pods import image_mounts, image_paths
+from resilax_local.node.containers import image_mounts, image_paths
 from resilax_local.testing import create_pod, wait_for_pod_phase
 
 

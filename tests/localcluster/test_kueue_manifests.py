@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from resilax_local import binaries
-from resilax_local import kueue_manifests as km
+from resilax_local.controlplane import kueue_manifests as km
 from resilax_local.errors import BinaryError
 
 BASE = "https://127.0.0.1:9443"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from resilax_local import LocalCluster
-from resilax_local.profiles import build_tpu_slice
+from resilax_local.node.profiles import build_tpu_slice
 from resilax_local.testing import create_pod, node_condition, wait_for
 
 

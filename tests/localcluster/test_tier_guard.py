@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from resilax_local.cluster import LocalCluster
 from resilax_local.errors import FastTierError
-from resilax_local.gcs import FakeGCS
+from resilax_local.gcs.server import FakeGCS
 from resilax_local.tier_guard import FAST_TIER_ENV, refuse_in_fast_tier
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import base64
 
 import pytest
-from resilax_local import binaries, podspec, profiles, termination
+from resilax_local import binaries
+from resilax_local.node import podspec, profiles, termination
 
 
 @pytest.mark.parametrize(("accelerator", "topology", "hosts"), [

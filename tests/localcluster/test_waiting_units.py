@@ -4,8 +4,8 @@ the kubelet's backoff curve and its runAsNonRoot check (podspec.py)."""
 from __future__ import annotations
 
 import pytest
-from resilax_local import images, podspec
-from resilax_local.images import ImageEntry, ImageRef, Registry
+from resilax_local.node import images, podspec
+from resilax_local.node.images import ImageEntry, ImageRef, Registry
 
 
 @pytest.mark.parametrize(("image", "expected"), [

@@ -1,6 +1,6 @@
 """What the uploader costs the persistent tier (issue 29, "storage cost at scale"): an idle job lists
 gs:// at most once a minute, not once per poll. Counted with a proxy in front of fake-gcs-server
-(resilax_local.gcs_proxy: every JSON-API request goes through it); time is injected (`Uploader.tick` with a fake clock), so
+(resilax_local.gcs.proxy: every JSON-API request goes through it); time is injected (`Uploader.tick` with a fake clock), so
 twenty idle minutes take seconds."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from resilax_ckpt import layout
 from resilax_ckpt.trainer_metrics import TRAINER_FILE
-from resilax_local.gcs_proxy import GcsProxy
+from resilax_local.gcs.proxy import GcsProxy
 from resilax_sidecar.errors import StoreError
 from resilax_sidecar.metrics import SidecarMetrics
 from resilax_sidecar.store import GcsStore, LocalFolderStore

@@ -1,6 +1,6 @@
 """`kubectl resilax timeline --png FILE`: the picture of a job's generations, drawn with matplotlib.
 
-The demo's picture (resilax_local.demo_outputs.render_plot) from what a real cluster keeps, the job's
+The demo's picture (resilax_local.demo.outputs.render_plot) from what a real cluster keeps, the job's
 status.history: on the left the generations on a time axis (start-up light, training dark, checkpoints as
 ticks, each end marked by its reason: red for a fault, orange for a notice, green for a planned end); on
 the right the step against time, one line per generation from its first step to its last, the restored

@@ -23,9 +23,9 @@ import pytest
 import yaml
 from op_cluster import CRD_DIR, RULES_FILE, Jobs, OperatorProcess, OperatorRBAC, jobs_path
 from resilax_local.cluster import LocalCluster
+from resilax_local.controlplane.rbac import build_operator_rbac
 from resilax_local.errors import KubeAPIError
 from resilax_local.kubeapi import KubeClient
-from resilax_local.rbac import build_operator_rbac
 from resilax_local.testing import wait_for
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
 from resilax_local.cluster import LocalCluster
 from resilax_local.kubeapi import KubeClient
-from resilax_local.profiles import NODEPOOL_LABEL, build_profile
+from resilax_local.node.profiles import NODEPOOL_LABEL, build_profile
 from resilax_local.testing import wait_for
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from op_cluster import Jobs, OperatorProcess, committed_steps, event_time, job_manifest, unique_name
 from resilax_local.cluster import LocalCluster
-from resilax_local.profiles import build_tpu_slice
+from resilax_local.node.profiles import build_tpu_slice
 from resilax_local.testing import wait_for
 
 EVERY = 4

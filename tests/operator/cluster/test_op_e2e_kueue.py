@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
-from resilax_local import kueue_manifests as km
+from resilax_local.controlplane import kueue_manifests as km
+from resilax_local.controlplane.kueue import KueueState
 from resilax_local.errors import KubeAPIError
 from resilax_local.kubeapi import KubeClient
-from resilax_local.kueue import KueueState
 from resilax_local.testing import wait_for
 
 EVERY = 4

@@ -31,7 +31,7 @@ from typing import Any
 from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, recovery_breakdown, unique_name
 from resilax_local.cluster import LocalCluster
 from resilax_local.kubeapi import KubeClient
-from resilax_local.profiles import NodeSpec, build_tpu_slice
+from resilax_local.node.profiles import NodeSpec, build_tpu_slice
 from resilax_local.testing import wait_for
 
 EVERY = 2

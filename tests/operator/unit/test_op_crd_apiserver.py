@@ -36,8 +36,8 @@ Raw = dict[str, Any]
 @pytest.fixture(scope="module")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from resilax_local import binaries
+    from resilax_local.controlplane.pki import CertificateAuthority, write_service_account_keys
     from resilax_local.kubeapi import Credentials, KubeClient
-    from resilax_local.pki import CertificateAuthority, write_service_account_keys
     from resilax_local.processes import free_port, spawn, stop_group
 
     apiserver = binaries._assets_binary("kube-apiserver") or binaries.kubernetes_dir() / "kube-apiserver"

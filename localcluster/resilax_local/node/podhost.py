@@ -7,8 +7,8 @@ import datetime as dt
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..kubeapi import KubeClient
 from . import images
-from .kubeapi import KubeClient
 
 Pod = dict[str, Any]
 

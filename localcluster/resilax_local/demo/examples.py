@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-#: By name: their paths under the demo's files (resilax_local/demo_files). Both take --steps and
+#: By name: their paths under the demo's files (resilax_local/demo/files). Both take --steps and
 #: --step-seconds and print the same step and restore lines.
 EXAMPLES = {"train": "examples/train.py", "transformer": "examples/transformer.py"}
 

@@ -47,27 +47,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import KubeAPIError
 from . import containers, images, podspec, probes, termination, volumes, waiting
 from .containers import ContainerRun, image_mounts, image_paths
-from .errors import KubeAPIError
 from .pod_status import (
     NODE_SHUTDOWN_MESSAGE,
     NODE_SHUTDOWN_REASON,
-    NODE_SHUTDOWN_REJECTED_MESSAGE,
-    NODE_SHUTDOWN_REJECTED_REASON,
     Condition,
     build_status,
 )
 from .podhost import NodeState, Pod, PodHost, now_rfc3339
-from .volumes import MEMORY_ROOT, PrepareError, map_host_path, memory_root, node_roots
+from .volumes import PrepareError
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "MEMORY_ROOT", "NODE_SHUTDOWN_MESSAGE", "NODE_SHUTDOWN_REASON", "NODE_SHUTDOWN_REJECTED_MESSAGE",
-    "NODE_SHUTDOWN_REJECTED_REASON", "ContainerRun", "NodeState", "Pod", "PodHost", "PodWorker", "PrepareError",
-    "image_mounts", "image_paths", "map_host_path", "memory_root", "node_roots", "now_rfc3339",
-]
 
 
 @dataclass

@@ -13,9 +13,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from .binaries import KUBERNETES_VERSION
-from .errors import KubeAPIError
-from .kubeapi import KubeClient
+from ..binaries import KUBERNETES_VERSION
+from ..errors import KubeAPIError
+from ..kubeapi import KubeClient
 from .podhost import NodeState, now_rfc3339
 
 if TYPE_CHECKING:

@@ -34,10 +34,10 @@ from typing import Any
 import yaml
 from resilax_operator import api
 
-from .demo_examples import EXAMPLES, prepare_job, steps_problem
-from .demo_outputs import render_plot, say, write_run_outputs
-from .processes import stop_process_group
-from .rbac import build_operator_rbac
+from ..controlplane.rbac import build_operator_rbac
+from ..processes import stop_process_group
+from .examples import EXAMPLES, prepare_job, steps_problem
+from .outputs import render_plot, say, write_run_outputs
 from .timeline import (
     Fault,
     JobSnapshot,
@@ -56,7 +56,7 @@ __all__ = ["Demo", "DemoError", "main", "render_plot", "say", "stop_process_grou
 
 # The files the demo needs ship inside the package (links to examples/ and charts/resilax/ in a checkout,
 # copies in a wheel), so `resilax demo` runs from an installed wheel as from the repository.
-FILES = Path(__file__).resolve().parent / "demo_files"
+FILES = Path(__file__).resolve().parent / "files"
 JOB_FILE = FILES / "jaxjob-demo.yaml"
 CRD_DIR = FILES / "crds"
 RULES_FILE = FILES / "operator-rules.yaml"

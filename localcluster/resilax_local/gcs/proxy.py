@@ -1,4 +1,4 @@
-"""A small HTTP proxy in front of fake-gcs-server (gcs.py) for tests: it counts the JSON-API requests
+"""A small HTTP proxy in front of fake-gcs-server (server.py) for tests: it counts the JSON-API requests
 clients make (what GCS bills) and can lose the answer to chosen requests after forwarding them, as a
 dropped connection or a gateway's 503 does, so the client retries a request the store already carried out.
 

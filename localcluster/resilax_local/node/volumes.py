@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
+from ..errors import KubeAPIError
 from . import podspec
-from .errors import KubeAPIError
 from .podhost import Pod, PodHost
 
 #: `lookup(kind, name)`: a ConfigMap or Secret of the pod's namespace ("configmaps", "secrets"), None if absent.

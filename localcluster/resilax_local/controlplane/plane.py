@@ -19,12 +19,12 @@ from pathlib import Path
 
 import urllib3
 
+from ..binaries import Binaries
+from ..errors import KubeAPIError, StartError
+from ..kubeapi import Credentials, KubeClient, write_kubeconfig
+from ..processes import free_port, spawn, stop_group
 from . import audit
-from .binaries import Binaries
-from .errors import KubeAPIError, StartError
-from .kubeapi import Credentials, KubeClient, write_kubeconfig
 from .pki import CertificateAuthority, write_service_account_keys
-from .processes import free_port, spawn, stop_group
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import urllib3
 
-from .binaries import ensure_fake_gcs_server
-from .errors import StartError
-from .processes import PortTaken, on_free_port, spawn, stop_group
-from .tier_guard import refuse_in_fast_tier
+from ..binaries import ensure_fake_gcs_server
+from ..errors import StartError
+from ..processes import PortTaken, on_free_port, spawn, stop_group
+from ..tier_guard import refuse_in_fast_tier
 
 
 class FakeGCS:

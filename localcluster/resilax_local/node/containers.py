@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ..processes import kill_session
 from . import podspec
 from .podhost import now_rfc3339
 from .probes import ProbeState
-from .processes import kill_session
 
 #: The kubelet's default `terminationMessagePath` and the most of a termination message it keeps.
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
@@ -92,7 +92,7 @@ def image_paths() -> list[str]:
     """The "image" every container runs: this Python (the virtualenv and the interpreter it was made
     from) and, for a checkout, the project folder its editable install points into."""
     paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
-    project = Path(__file__).resolve().parents[2]
+    project = Path(__file__).resolve().parents[3]
     if (project / "pyproject.toml").is_file():
         paths.add(str(project))
     return sorted(paths)

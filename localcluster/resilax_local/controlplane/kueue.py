@@ -32,12 +32,12 @@ from typing import Any
 import urllib3
 import yaml
 
+from ..binaries import KueueBinary, ensure_kueue
+from ..errors import KubeAPIError, StartError
+from ..kubeapi import Credentials, KubeClient, write_kubeconfig
+from ..processes import alive, free_port, spawn, stop_group
 from . import kueue_manifests as km
-from .binaries import KueueBinary, ensure_kueue
-from .errors import KubeAPIError, StartError
-from .kubeapi import Credentials, KubeClient, write_kubeconfig
 from .pki import CertificateAuthority
-from .processes import alive, free_port, spawn, stop_group
 
 log = logging.getLogger(__name__)
 

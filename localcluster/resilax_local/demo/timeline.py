@@ -1,6 +1,6 @@
 """The demo's story, told from what it recorded (pure: no I/O, no clock).
 
-The demo (`resilax_local.demo`) records three things while it runs, each with wall-clock times:
+The demo (`resilax_local.demo.runner`) records three things while it runs, each with wall-clock times:
   1. snapshots of the JAXJob (`parse_snapshot` of the raw body, polled),
   2. the faults it injects (`Fault`: a node killed, a node restored),
   3. the loss lines of the training job (`parse_loss_lines`: process 0's JSON lines

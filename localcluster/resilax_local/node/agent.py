@@ -21,7 +21,7 @@ Faults are taken at run time through a small HTTP API on 127.0.0.1 (its port is 
   add or replace rows of the image registry table (images.py: what a pull gets, which user an image runs as).
 - `GET /nodes`, `GET /pods`, `GET /images`, `GET /healthz`.
 
-Run as `python -m resilax_local.agent <run_dir>` (reads `<run_dir>/agent-config.json`).
+Run as `python -m resilax_local.node.agent <run_dir>` (reads `<run_dir>/agent-config.json`).
 
 This module is the agent's state, its nodes' registration and Leases, and the pod watch; beside it:
 `node_status.py` (a node's status), `node_faults.py` (the faults above), `control_api.py` (the HTTP
@@ -47,14 +47,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from ..controlplane.pki import CertificateAuthority
+from ..errors import KubeAPIError
+from ..kubeapi import KubeClient
 from . import images, node_faults
 from .control_api import build_handler
-from .errors import KubeAPIError
 from .kube_events import build_pod_event
-from .kubeapi import KubeClient
 from .kubeletapi import KubeletAPI
 from .node_status import FAKE_POD_LANES, LEASE_WORKERS, REGISTER_WORKERS, REGISTERING, REMOVED, NodeHeartbeat
-from .pki import CertificateAuthority
 from .pod_network import add_pod_address, claim_pod_block, release_pod_block
 from .pod_status import (
     NODE_SHUTDOWN_REJECTED_MESSAGE,

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .errors import LocalClusterError
+from ..errors import LocalClusterError
 
 #: The user of an image the table says nothing about (non-root, as distroless `nonroot` images).
 DEFAULT_USER: Final = "65532"
