@@ -1,5 +1,5 @@
 """crc32c (LGPL-2.1-or-later) against google-crc32c (Apache-2.0) on a 64 MiB NumPy buffer, as
-resilax_ckpt.checksums uses them: throughput in one thread, and whether two threads compute at once
+resilax_ckpt.chunks.checksums uses them: throughput in one thread, and whether two threads compute at once
 (they do only if the call releases the GIL), and, the figure that does not depend on a quiet machine,
 the longest stretch during one call in which the main Python thread could not run: about the whole
 call when the call holds the GIL, a scheduler tick when it releases it. Both packages come with the test extra (google-crc32c

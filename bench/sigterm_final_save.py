@@ -161,7 +161,7 @@ def one_round(state: str, processes: int, step_seconds: float, every: int, warm:
         upload_result: dict[str, float] = {}
 
         def uploads() -> None:
-            from resilax_ckpt.requests import read_stop_record
+            from resilax_ckpt.control.requests import read_stop_record
 
             while True:
                 steps = {read_stop_record(str(control / str(p))) for p in range(processes)}

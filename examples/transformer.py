@@ -100,7 +100,7 @@ class Marks:
     """Wall-clock times (time.time()) of the start's parts, by name; `--report-startup` prints them."""
 
     def __init__(self) -> None:
-        from resilax_ckpt.kept_trainer import last_restart
+        from resilax_ckpt.trainer.kept_trainer import last_restart
 
         self.kept = last_restart()  # in a kept process, this incarnation starts at the resume
         if self.kept is not None:
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def startup_report(cfg: ModelConfig, marks: Marks, restored: int | None, compiled_step: Any) -> dict[str, Any]:
     """The start's parts for `--report-startup`: wall-clock marks plus what ran where."""
-    from resilax_ckpt.trainer_metrics import COMPILATION_CACHE
+    from resilax_ckpt.control.trainer_metrics import COMPILATION_CACHE
 
     device = jax.devices()[0]
     memory: dict[str, int] = {}
@@ -483,7 +483,7 @@ def prefetch_report(marks: Marks) -> dict[str, Any] | None:
     """The restore prefetch's own account (what it read, when, what the restore took), its read added
     to the marks as prefetch_read_start / prefetch_read_done. None when none ran (line 0's; in a kept
     process, the one rc.run_kept started)."""
-    from resilax_ckpt import prefetch
+    from resilax_ckpt.restoring import prefetch
 
     handle = prefetch.current()
     if handle is None:

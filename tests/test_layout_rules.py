@@ -57,10 +57,10 @@ def documented_restore_path() -> tuple[list[str], list[str]]:
     the same section names)."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     section = text.split("**The restore path.**", 1)[1].split("\n## ", 1)[0]
-    path = re.findall(r"^\d+\. `resilax_ckpt\.(\w+)`", section, flags=re.M)
+    path = re.findall(r"^\d+\. `resilax_ckpt\.([\w.]+)`", section, flags=re.M)
     vocabulary = re.search(r"The format vocabulary they use: (.*?)\.\s", section, flags=re.S)
     assert vocabulary, "docs/architecture.md: the restore path section names no format vocabulary"
-    return path, re.findall(r"`(\w+)`", vocabulary.group(1))
+    return path, re.findall(r"`([\w.]+)`", vocabulary.group(1))
 
 
 def chunk_io_modules() -> set[str]:
@@ -70,7 +70,7 @@ def chunk_io_modules() -> set[str]:
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     chunk = next(c for c in contracts if c["name"].startswith("The chunk I/O modules"))
     return {m.removeprefix("resilax_ckpt.") for m in chunk["source_modules"]} | {
-        "backends", "chunk_writer", "file_reader", "tensorstore_io"}
+        "chunks.backends", "chunks.chunk_writer", "chunks.file_reader", "tensorstore_io"}
 
 
 def test_the_documented_restore_path_names_existing_modules() -> None:
@@ -78,7 +78,7 @@ def test_the_documented_restore_path_names_existing_modules() -> None:
     assert path and len(path) <= 4, f"docs/architecture.md: the restore path crosses {path}: at most 4 modules"
     assert "manager" not in path
     package = ROOT / "ckpt_lib" / "resilax_ckpt"
-    missing = [m for m in path + vocabulary if not (package / f"{m}.py").is_file()]
+    missing = [m for m in path + vocabulary if not (package / f"{m.replace('.', '/')}.py").is_file()]
     assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
 
 
@@ -124,8 +124,9 @@ def test_a_two_tier_restore_goes_through_the_documented_modules_and_never_back(t
 
     path, vocabulary = documented_restore_path()
     modules = [m for m, _ in trace.calls]
-    assert modules[0] == "manager" and "restorer" in modules, trace.calls[:5]
-    first, last = modules.index("restorer"), len(modules) - 1 - modules[::-1].index("restorer")
+    restorer = "restoring.restorer"
+    assert modules[0] == "manager" and restorer in modules, trace.calls[:5]
+    first, last = modules.index(restorer), len(modules) - 1 - modules[::-1].index(restorer)
     back = [f for m, f in trace.calls[first:] if m == "manager"]
     assert not back, f"the restore came back to manager.py: {back}"
     during = set(modules[first:last + 1])

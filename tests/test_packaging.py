@@ -281,3 +281,23 @@ def test_wheel_carries_each_package_data_file_where_the_code_looks(wheel: Path) 
     names = set(zipfile.ZipFile(wheel).namelist())
     assert [p for p in data if p not in names] == []
     assert {f"{pkg}/py.typed" for pkg in ("resilax_operator", "resilax_sidecar", "resilax_ckpt", "resilax_local")} <= names
+
+
+@pytest.mark.slow
+def test_wheel_carries_every_module_of_the_packages(wheel: Path) -> None:
+    """Every module of the four packages, subpackages included (resilax_ckpt's are grouped by concern:
+    saving/, restoring/, chunks/...), is in the wheel: a subpackage that packages.find missed would
+    import in the checkout and fail in an install."""
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for top, package in [("operator", "resilax_operator"), ("sidecar", "resilax_sidecar"),
+                         ("ckpt_lib", "resilax_ckpt"), ("localcluster", "resilax_local")]:
+        folder = ROOT / top / package
+        modules = {str(p.relative_to(ROOT / top)) for p in folder.rglob("*.py") if "__pycache__" not in p.parts}
+        assert modules, folder
+        missing = sorted(modules - names)
+        assert not missing, f"not in the wheel: {missing}"
+    assert {n for n in names if n.startswith("resilax_ckpt/") and n.endswith("/__init__.py")} >= {
+        f"resilax_ckpt/{sub}/__init__.py" for sub in ("chunks", "saving", "restoring", "incluster", "history",
+                                                      "control", "trainer")}

@@ -67,7 +67,7 @@ def child(directory: str, size_gib: float) -> dict[str, float]:
 
 def crc_seconds_per_gib() -> float:
     import numpy as np
-    from resilax_ckpt import checksums
+    from resilax_ckpt.chunks import checksums
 
     buf = np.ones(1 << 30, np.uint8)
     checksums.crc32c(buf[: 1 << 20])

@@ -220,7 +220,7 @@ def _bounced_writes() -> dict[str, Any]:
     """resilax_ckpt's count of chunk writes copied through its staging buffer so far in this process
     (chunk_writer.bounced_writes; {} where this resilax_ckpt has none)."""
     try:
-        from resilax_ckpt import chunk_writer
+        from resilax_ckpt.chunks import chunk_writer
 
         counts = chunk_writer.bounced_writes()
     except (ImportError, AttributeError):

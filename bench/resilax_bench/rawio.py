@@ -56,7 +56,7 @@ def _aligned(nbytes: int) -> np.ndarray:
 
 
 def write_files(root: str, rels: list[str], payloads: list[np.ndarray], mode: str) -> float:
-    from resilax_ckpt import chunk_writer
+    from resilax_ckpt.chunks import chunk_writer
 
     shutil.rmtree(root, ignore_errors=True)
     os.sync()

@@ -382,7 +382,7 @@ def run_phase(phase: str, cmd: Sequence[str], workdir: Path, timeout: float) -> 
     return out
 
 
-SUPERVISOR = "import sys; from resilax_ckpt.supervisor import main; sys.exit(main(sys.argv[1:]))"
+SUPERVISOR = "import sys; from resilax_ckpt.trainer.supervisor import main; sys.exit(main(sys.argv[1:]))"
 """`resilax run` without the console script (the TPU host has the packages on PYTHONPATH only)."""
 
 
@@ -399,7 +399,7 @@ def run_inplace(cmd: Sequence[str], workdir: Path, timeout: float,
     import queue
     import threading
 
-    from resilax_ckpt import trainer_control as tc
+    from resilax_ckpt.control import trainer_control as tc
 
     phase = "kept" if keep else "inplace"
     control = workdir / f"control-{phase}"  # each supervisor its own: the files outlive it

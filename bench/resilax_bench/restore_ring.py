@@ -69,7 +69,7 @@ def _read_floor(folder: str, threads: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     import resilax_ckpt as rc
-    from resilax_ckpt import host_ring
+    from resilax_ckpt.chunks import host_ring
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size-gib", type=float, default=2.03)

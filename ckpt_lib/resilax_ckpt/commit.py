@@ -23,11 +23,11 @@ import shutil
 import signal
 import time
 
-from resilax_ckpt import chunk_format, fencing, layout, timelines
+from resilax_ckpt import layout
+from resilax_ckpt.chunks import chunk_format
 from resilax_ckpt.errors import ForeignDataError, StepExistsError, StorageError
-from resilax_ckpt.metadata import StepMetadata
-from resilax_ckpt.storage import Storage
-from resilax_ckpt.visibility import (  # noqa: F401  (re-exported: commit.* is where callers find them)
+from resilax_ckpt.history import fencing, timelines
+from resilax_ckpt.history.visibility import (  # noqa: F401  (re-exported: commit.* is where callers find them)
     StepsView,
     clear_bad,
     list_committed,
@@ -39,6 +39,8 @@ from resilax_ckpt.visibility import (  # noqa: F401  (re-exported: commit.* is w
     read_marker_epoch,
     scan_steps,
 )
+from resilax_ckpt.metadata import StepMetadata
+from resilax_ckpt.storage import Storage
 
 log = logging.getLogger(__name__)
 

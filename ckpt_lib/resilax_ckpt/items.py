@@ -17,20 +17,13 @@ import jax
 import numpy as np
 from jax.extend.backend import register_backend_cache
 
-from resilax_ckpt import (
-    checksums,
-    chunk_format,
-    device_snapshot,
-    host_layout,
-    layout,
-    planning,
-    pytrees,
-    staging,
-)
-from resilax_ckpt.copy_choice import CopyReport
-from resilax_ckpt.device_snapshot import Transfer
+from resilax_ckpt import layout, planning, pytrees
+from resilax_ckpt.chunks import checksums, chunk_format, staging
 from resilax_ckpt.errors import ResilaxCkptError, TreeMismatchError
 from resilax_ckpt.metadata import ItemMetadata, LeafMetadata, StepMetadata
+from resilax_ckpt.saving import device_snapshot, host_layout
+from resilax_ckpt.saving.copy_choice import CopyReport
+from resilax_ckpt.saving.device_snapshot import Transfer
 
 log = logging.getLogger(__name__)
 

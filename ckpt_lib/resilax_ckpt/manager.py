@@ -19,18 +19,20 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from resilax_ckpt import commit, kept, prefetch, pytrees, tiers
+from resilax_ckpt import commit, pytrees, tiers
+from resilax_ckpt.control.requests import RequestWatcher, clear_stop_record
+from resilax_ckpt.control.trainer_metrics import HEARTBEAT_SECONDS, RESTORE, TrainerMetrics
 from resilax_ckpt.errors import ResilaxCkptError, StepNotFoundError
 from resilax_ckpt.multihost import Coordinator, add_exit_hook, current_coordinator, remove_exit_hook
 from resilax_ckpt.oneshot import restore, save
 from resilax_ckpt.options import DEFAULT_LOCAL_DIRECTORY, ManagerOptions, TierDirectories
-from resilax_ckpt.requests import RequestWatcher, clear_stop_record
-from resilax_ckpt.restorer import Restorer
-from resilax_ckpt.saver import Saver
-from resilax_ckpt.step_info import StepInfo, read_step_info
-from resilax_ckpt.step_reader import UNREADABLE_STEP_ERRORS, read_metadata, restore_step
+from resilax_ckpt.restoring import prefetch
+from resilax_ckpt.restoring.restorer import Restorer
+from resilax_ckpt.restoring.step_info import StepInfo, read_step_info
+from resilax_ckpt.restoring.step_reader import UNREADABLE_STEP_ERRORS, read_metadata, restore_step
+from resilax_ckpt.saving.saver import Saver
 from resilax_ckpt.storage import Storage
-from resilax_ckpt.trainer_metrics import HEARTBEAT_SECONDS, RESTORE, TrainerMetrics
+from resilax_ckpt.trainer import kept
 
 __all__ = [
     "CRASH_ENV",

@@ -16,9 +16,9 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
+from resilax_ckpt.control.trainer_metrics import count_jax_event
 from resilax_ckpt.errors import SaveError, StorageError, StorageInUseError
 from resilax_ckpt.options import InvalidOptionsError
-from resilax_ckpt.trainer_metrics import count_jax_event
 
 
 class Coordinator(Protocol):
@@ -274,7 +274,7 @@ def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> boo
     this process's checkpoint is read into host memory while JAX starts; RESILAX_RESTORE_PREFETCH=0: off).
     Called on: all processes, before any other JAX call."""
     env = os.environ if env is None else env
-    from resilax_ckpt import prefetch  # JAX-free; imported here, as the sidecar imports this module
+    from resilax_ckpt.restoring import prefetch  # JAX-free; imported here, as the sidecar imports this module
 
     prefetch.start_prefetch(env)
     bind_stack_dumps()

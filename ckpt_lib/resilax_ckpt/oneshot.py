@@ -7,13 +7,14 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from resilax_ckpt import backends, commit, layout, pytrees
+from resilax_ckpt import commit, layout, pytrees
 from resilax_ckpt import items as items_lib
+from resilax_ckpt.chunks import backends
 from resilax_ckpt.errors import StepNotCommittedError, StepNotFoundError
 from resilax_ckpt.multihost import current_coordinator
 from resilax_ckpt.options import ManagerOptions
-from resilax_ckpt.saver import write_step_files
-from resilax_ckpt.step_reader import restore_step
+from resilax_ckpt.restoring.step_reader import restore_step
+from resilax_ckpt.saving.saver import write_step_files
 from resilax_ckpt.storage import open_storage
 
 

@@ -7,8 +7,8 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
-from resilax_ckpt import retention
 from resilax_ckpt.errors import ResilaxCkptError
+from resilax_ckpt.saving import retention
 
 
 class InvalidOptionsError(ResilaxCkptError, ValueError):

@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorstore as ts
 
-from resilax_ckpt import checksums, planning
-from resilax_ckpt.chunk_format import ArrayFiles
+from resilax_ckpt import planning
+from resilax_ckpt.chunks import checksums
+from resilax_ckpt.chunks.chunk_format import ArrayFiles
+from resilax_ckpt.chunks.inflight import InflightLimiter, short_error
+from resilax_ckpt.chunks.sources import Landing, resolve_source
 from resilax_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError, MissingChunkError, StorageError
-from resilax_ckpt.inflight import InflightLimiter, short_error
-from resilax_ckpt.sources import Landing, resolve_source
 
 if TYPE_CHECKING:
-    from resilax_ckpt.reader import ChunkTask
+    from resilax_ckpt.chunks.reader import ChunkTask
 
 
 def build_context(io_concurrency: int, fsync: bool, gcs_retries: int | None = None) -> ts.Context:

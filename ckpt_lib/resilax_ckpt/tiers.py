@@ -15,17 +15,10 @@ import logging
 import os
 import threading
 
-from resilax_ckpt import (
-    backends,
-    chunk_fetch,
-    chunk_sources,
-    commit,
-    fencing,
-    layout,
-    peer_client,
-    peers,
-    timelines,
-)
+from resilax_ckpt import commit, layout
+from resilax_ckpt.chunks import backends
+from resilax_ckpt.history import fencing, timelines
+from resilax_ckpt.incluster import chunk_fetch, chunk_sources, peer_client, peers
 from resilax_ckpt.multihost import Coordinator
 from resilax_ckpt.options import ManagerOptions
 from resilax_ckpt.storage import Storage, open_storage

@@ -135,7 +135,7 @@ EXIT_CODE_PEER_LOST: Final = 76
 #: The trainer's exit code for "a live JAXJob of another uid holds the checkpoint storage"
 #: (resilax_ckpt.EXIT_CODE_STORAGE_IN_USE): the job fails with StorageInUse instead of fencing it out.
 EXIT_CODE_STORAGE_IN_USE: Final = 78
-#: `resilax health-check`'s exit code for a host that failed its check (resilax_ckpt.health_check.EXIT_UNHEALTHY).
+#: `resilax health-check`'s exit code for a host that failed its check (resilax_ckpt.trainer.health_check.EXIT_UNHEALTHY).
 EXIT_CODE_UNHEALTHY: Final = 79
 
 # --- phases ---

@@ -2,7 +2,7 @@
 
 Each subcommand is a `module:function` that takes the remaining arguments and returns an exit code, so
 `resilax sidecar` never imports kopf, `resilax local` never imports JAX, and `resilax run` (the
-trainer's supervisor) imports only `resilax_ckpt.supervisor`, standard library only. Each also names the extra
+trainer's supervisor) imports only `resilax_ckpt.trainer.supervisor`, standard library only. Each also names the extra
 of pyproject.toml that carries its dependencies: a subcommand whose dependencies this install lacks
 (a bare `pip install resilax`, or `resilax[train]` asked for `resilax operator`) says which extra to
 install and exits with `MISSING_EXTRA_EXIT`, instead of an import traceback. It checks the extra's
@@ -28,8 +28,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                    "remove the node folders of deleted JAXJobs (checkpoint.local.scope: Node)", "sidecar"),
     "demo": ("resilax_local.demo.runner:main", "the end-to-end demo on the local cluster", "local"),
     # "": the standard library is enough (a trainer image with resilax[train], or no extra at all)
-    "run": ("resilax_ckpt.supervisor:main", "run a trainer under the in-place restart supervisor", ""),
-    "health-check": ("resilax_ckpt.health_check:main",
+    "run": ("resilax_ckpt.trainer.supervisor:main", "run a trainer under the in-place restart supervisor", ""),
+    "health-check": ("resilax_ckpt.trainer.health_check:main",
                      "check this host's devices, a matmul and a collective before a trainer starts", "train"),
     "job": ("resilax_operator.kubectl.plugin:main",
             "a JAXJob at a glance: status, goodput, timeline, save, suspend, resume, web (also `kubectl resilax`)",

@@ -107,7 +107,7 @@ class EverySpec:
 
 @dataclass(frozen=True)
 class KeepSpec:
-    """`spec.checkpoint.keep`: the persistent tier's retention (resilax_ckpt.retention's rules)."""
+    """`spec.checkpoint.keep`: the persistent tier's retention (resilax_ckpt.saving.retention's rules)."""
 
     last: int | None = None
     every_steps: int | None = None

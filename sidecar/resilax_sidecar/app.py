@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
-from resilax_ckpt import trainer_control as tc
-from resilax_ckpt.requests import read_restore_report
-from resilax_ckpt.trainer_metrics import read_trainer_figures
+from resilax_ckpt.control import trainer_control as tc
+from resilax_ckpt.control.requests import read_restore_report
+from resilax_ckpt.control.trainer_metrics import read_trainer_figures
 
 from resilax_sidecar import control, node_sweep
 from resilax_sidecar.config import SidecarConfig, log_level_number
@@ -184,7 +184,7 @@ class Sidecar:
             # What the trainer's last restore did: {"step", "skipped": [{"step", "reason"}], "generation",
             # "source"} or None.
             "restore": read_restore_report(str(cfg.control_dir)),
-            # The trainer's figures (resilax_ckpt.trainer_metrics): its step, step rate, save/restore times.
+            # The trainer's figures (resilax_ckpt.control.trainer_metrics): its step, step rate, save/restore times.
             "trainer": (trainer := read_trainer_figures(str(cfg.control_dir))),
             # Peer replicas this host keeps: origin process -> step, and the last replication error.
             "peer_replicas": {str(p): s for p, s in sorted(self.replicator.held.items())} if self.replicator else {},

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
-from resilax_ckpt import retention
+from resilax_ckpt.saving import retention
 from resilax_operator.pods.ports import DEFAULT_SIDECAR_PORT, reserved_port_problem
 
 from resilax_sidecar.errors import ConfigError
@@ -76,7 +76,7 @@ class SidecarConfig:
 
     keep_every_seconds: float | None = None
     """`RESILAX_KEEP_EVERY_SECONDS`: in the persistent tier also keep one step per this many seconds of
-    save time (resilax_ckpt.retention)."""
+    save time (resilax_ckpt.saving.retention)."""
 
     keep_best: retention.KeepBest | None = None
     """`RESILAX_KEEP_BEST`, `RESILAX_KEEP_BEST_METRIC`, `RESILAX_KEEP_BEST_MODE`: in the persistent tier
@@ -133,7 +133,7 @@ class SidecarConfig:
 
     @property
     def retention_rule(self) -> retention.RetentionRule:
-        """The persistent tier's retention (resilax_ckpt.retention); the local tier keeps `local_keep_last`."""
+        """The persistent tier's retention (resilax_ckpt.saving.retention); the local tier keeps `local_keep_last`."""
         return retention.RetentionRule(self.keep_last, self.keep_every_steps, self.keep_every_seconds, self.keep_best)
 
     @property

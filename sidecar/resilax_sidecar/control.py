@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from resilax_ckpt.control_files import load_control_json
-from resilax_ckpt.requests import REQUESTS_DIR, RESULTS_DIR, TRAINER_LOCK
+from resilax_ckpt.control.control_files import load_control_json
+from resilax_ckpt.control.requests import REQUESTS_DIR, RESULTS_DIR, TRAINER_LOCK
 
-# The file protocol's names are defined once, in the library (resilax_ckpt.requests). A live trainer
+# The file protocol's names are defined once, in the library (resilax_ckpt.control.requests). A live trainer
 # holds a shared `flock` on TRAINER_LOCK; the kernel drops it when the process ends, however it ends,
 # so the sidecar can tell a gone trainer from a slow one.
 __all__ = ["REQUESTS_DIR", "RESULTS_DIR", "TRAINER_LOCK"]

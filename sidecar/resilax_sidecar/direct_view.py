@@ -3,7 +3,7 @@
 Without a local tier the trainer saves straight into the persistent tier and no uploader lists it; the
 sidecar's state (`newest_persisted_step` and the rollback its `branch` comes from, which the operator's
 status.checkpoint, history, freshness annotation and steps at risk follow) comes from here. The step is the one a restore would
-see newest, by the library's own rules (resilax_ckpt.visibility.newest_visible): a step on a timeline
+see newest, by the library's own rules (resilax_ckpt.history.visibility.newest_visible): a step on a timeline
 a rollback abandoned, one a restore marked bad and one a replaced generation committed after a newer
 one started are never reported (docs/checkpointing.md, "Timelines").
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from resilax_ckpt import timelines, visibility
+from resilax_ckpt.history import timelines, visibility
 
 from resilax_sidecar.store import BlobStore
 from resilax_sidecar.uploader import IDLE_SCAN_SECONDS, SAVE_SETTLE_SECONDS, plan_direct_listing
@@ -45,7 +45,7 @@ class DirectView:
     listed_at: float | None = None
     newest: int | None = None
     branch: dict[str, int] | None = None
-    """The rollback `newest`'s branch comes from (resilax_ckpt.timelines.describe_branch), same listing."""
+    """The rollback `newest`'s branch comes from (resilax_ckpt.history.timelines.describe_branch), same listing."""
     saves: int | None = None
     """The trainer's save count at the last look."""
     looking_until: float = 0.0

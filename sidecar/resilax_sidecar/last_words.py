@@ -5,7 +5,7 @@ the operator can read it from the pod's status until the pod is gone (the kubele
 Why: a worker that exits ends its pod, and the sidecar with it (a native sidecar is stopped once the
 trainer exited), often before the operator's next look at `/v1/state`. Its last words keep, for the
 operator's accounting (docs/architecture.md, "Exact accounting"):
-* the trainer's last step and when it reached it (`trainer`: the figures of resilax_ckpt.trainer_metrics,
+* the trainer's last step and when it reached it (`trainer`: the figures of resilax_ckpt.control.trainer_metrics,
   the ones the operator reads), so the steps a recovery lost are counted exactly;
 * the newest committed steps (`newest_persisted_step`, `newest_local_step`) and the rollback their branch
   comes from (`branch`), so that words left before a rollback never outrank a step seen after it;

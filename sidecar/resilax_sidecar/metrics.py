@@ -2,7 +2,7 @@
 
 Names follow `resilax_sidecar_<what>_<unit>`; labels are bounded (a reason from a fixed set, a tier),
 never a step or a path. The trainer's figures (`resilax_trainer_*`, from the control folder's
-trainer.json: resilax_ckpt.trainer_metrics) are exported here too, read at each scrape. Which job and
+trainer.json: resilax_ckpt.control.trainer_metrics) are exported here too, read at each scrape. Which job and
 pod a series belongs to comes from the scrape's target labels (`jaxjob`, `namespace`, `pod`: the
 chart's PodMonitor), not from labels of the sidecar's own. `resilax_build_info{version,component}` is
 the sidecar's own series of the build-info metric the operator also exports (`component="operator"`).
@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
-from resilax_ckpt import kept
-from resilax_ckpt import trainer_control as tc
-from resilax_ckpt.trainer_metrics import read_trainer_figures
+from resilax_ckpt.control import trainer_control as tc
+from resilax_ckpt.control.trainer_metrics import read_trainer_figures
+from resilax_ckpt.trainer import kept
 
 SAVE_REASONS = ("manual", "preemption", "resize")
 """The reasons a save request may give (the `reason` label's whole range)."""

@@ -1,5 +1,5 @@
 """Chunk files between sidecars for a restore onto any mesh (the rules are in
-`resilax_ckpt.chunk_sources`, the trainer's side in `resilax_ckpt.chunk_fetch`).
+`resilax_ckpt.incluster.chunk_sources`, the trainer's side in `resilax_ckpt.incluster.chunk_fetch`).
 
 1. `GET /v1/chunks/{step}/{folder}/{path}?save=<identity>` on a holder: one file of what its node
    holds of (step, save): `folder` `local` is the node's committed local step `<local>/<step>/`
@@ -27,9 +27,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from resilax_ckpt import checksums, layout
-from resilax_ckpt import peers as rules
+from resilax_ckpt import layout
+from resilax_ckpt.chunks import checksums
 from resilax_ckpt.errors import ChecksumMismatchError
+from resilax_ckpt.incluster import peers as rules
 
 from resilax_sidecar import peers
 

@@ -1,5 +1,5 @@
 """The job's current peers as this pod knows them: `peers.json`, which the generation's trainers
-write at their start barrier (resilax_ckpt.peer_client.write_peers), naming each process's sidecar
+write at their start barrier (resilax_ckpt.incluster.peer_client.write_peers), naming each process's sidecar
 address and the generation. The sidecar sends the job's token to these addresses, and fetches a
 restore from them, only while the file is its own generation's (issue 40, item 5): a stale file's
 address is a gone pod's IP, which another pod may have by now."""
@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from resilax_ckpt import peers as rules
+from resilax_ckpt.incluster import peers as rules
 
 PEERS_CAP = 16 << 20
 """The most bytes of `peers.json` read (about 100 bytes a host)."""

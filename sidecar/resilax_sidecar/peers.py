@@ -1,4 +1,4 @@
-"""Peer replicas between sidecars (the I/O; the rules are in `resilax_ckpt.peers`).
+"""Peer replicas between sidecars (the I/O; the rules are in `resilax_ckpt.incluster.peers`).
 
 Protocol (HTTP, every call with the job's bearer token, like the sidecar's mutating API):
 1. `GET /v1/peer/{origin}/newest` on the origin's sidecar: `{"step", "save"}` of its newest
@@ -14,7 +14,7 @@ copy on any mismatch of size or checksum; the copy becomes visible only when com
 `.tmp-` folder, `_REPLICA.json` or the commit marker last).
 
 Two uses of the same transfer:
-- replication: each holder (`resilax_ckpt.peers.plan_peers`) pulls the newest local step of each
+- replication: each holder (`resilax_ckpt.incluster.peers.plan_peers`) pulls the newest local step of each
   origin it holds for into `<local>/_peer/p<origin>/<step>/` and then drops that origin's older
   replicas (the `Replicator` thread);
 - restore: the trainer of a replacement host asks its own sidecar (`POST /v1/peer/fetch`, body
@@ -37,9 +37,10 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from resilax_ckpt import checksums, layout
-from resilax_ckpt import peers as rules
-from resilax_ckpt.peer_client import held_replicas
+from resilax_ckpt import layout
+from resilax_ckpt.chunks import checksums
+from resilax_ckpt.incluster import peers as rules
+from resilax_ckpt.incluster.peer_client import held_replicas
 
 from resilax_sidecar.errors import SidecarError
 from resilax_sidecar.peer_auth import credential_for
@@ -442,7 +443,7 @@ def fetch_for_restore(local_dir: Path, process_id: int, step: int, sources: Sequ
 
 class Replicator:
     """Keeps a replica of the newest local step of each origin this host holds for (the placement of
-    `resilax_ckpt.peers`), polling the origins' sidecars every `poll_seconds`."""
+    `resilax_ckpt.incluster.peers`), polling the origins' sidecars every `poll_seconds`."""
 
     def __init__(self, local_dir: Path, control_dir: Path, read_token: Callable[[], str | None],
                  bytes_per_second: float | None, poll_seconds: float,

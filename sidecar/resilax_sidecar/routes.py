@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from resilax_ckpt import layout
-from resilax_ckpt import trainer_control as tc
+from resilax_ckpt.control import trainer_control as tc
 
 from resilax_sidecar import control, peer_chunks, peer_list, peers
 from resilax_sidecar import trainer_control as trainer

@@ -1,6 +1,6 @@
 """The sidecar's side of an in-place restart (docs/architecture.md, "Sidecar API"): what a stop or a
 start call does with the supervisor's files, and whether the trainer is ready. Pure decisions here;
-routes.py reads and writes the files (resilax_ckpt.trainer_control, the one format).
+routes.py reads and writes the files (resilax_ckpt.control.trainer_control, the one format).
 
 | call | answer |
 |---|---|
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from resilax_ckpt import trainer_control as tc
+from resilax_ckpt.control import trainer_control as tc
 
 START_ENV_NAMES: frozenset[str] = frozenset({
     "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",

@@ -2,7 +2,7 @@
 both tiers, and (process 0) deleting attempts that a visible step's marker does not name and partial
 or fenced-out steps older than every kept one. Only what Resilax provably wrote is ever deleted
 (`layout.is_attempt_name` entries, `layout.owns_step_folder` folders); a step marked bad or superseded
-by a rollback, and an attempt a kept record names, is kept (resilax_ckpt.timelines)."""
+by a rollback, and an attempt a kept record names, is kept (resilax_ckpt.history.timelines)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import shutil
 import uuid
 from collections.abc import Callable
 
-from resilax_ckpt import fencing, layout, retention, timelines
+from resilax_ckpt import layout
 from resilax_ckpt.errors import MetadataError
+from resilax_ckpt.history import fencing, timelines
 from resilax_ckpt.metadata import StepMetadata
+from resilax_ckpt.saving import retention
 
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.metrics import SidecarMetrics
@@ -78,7 +80,7 @@ class Cleaner:
         return deleted
 
     def apply_retention(self, persisted: list[int], in_flight: int | None, sweep: bool = True) -> bool:
-        """The persistent tier keeps what `config.retention_rule` keeps (resilax_ckpt.retention: the
+        """The persistent tier keeps what `config.retention_rule` keeps (resilax_ckpt.saving.retention: the
         newest `keep_last`, the best `keep_best`, the preserved ones); the local tier the newest
         `local_keep_last` (else `keep_last`). The persistent tier is trimmed by process 0 only (one
         deleter); each host trims its own local tier. `sweep`: also clear the leftovers the root
@@ -211,7 +213,7 @@ class Cleaner:
         (a GCS 503 is an OSError): those are kept by this pass and read again by the next, never
         remembered as "no metrics" (best-N would then delete the best step). Metadata that reads but
         does not parse is a fact of a write-once step: no metrics, kept by recency rules
-        (resilax_ckpt.retention)."""
+        (resilax_ckpt.saving.retention)."""
         out: dict[int, retention.StepFacts] = {}
         unread: set[int] = set()
         for step in persisted:

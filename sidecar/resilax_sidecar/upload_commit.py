@@ -2,7 +2,7 @@
 every process's `_UPLOADED` marker of one save is in the attempt, every listed file is there with its
 size and no newer generation's fence hides the step, `<step>/_COMMIT` naming the attempt is created
 (create-only); a commit that fences, a bad record or a rollback hide is re-pointed (a bad or superseded
-one recorded in `_kept/` first, resilax_ckpt.timelines), a visible one never touched."""
+one recorded in `_kept/` first, resilax_ckpt.history.timelines), a visible one never touched."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import json
 import logging
 from typing import Any
 
-from resilax_ckpt import fencing, layout, timelines
+from resilax_ckpt import layout
+from resilax_ckpt.history import fencing, timelines
 
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import StoreError
@@ -145,7 +146,7 @@ class StepCommitter:
             return False
         if bad or superseded:
             # A real save (marked bad, or of an abandoned timeline): recorded as kept before the
-            # marker moves on, so no cleanup ever deletes its attempt (resilax_ckpt.timelines).
+            # marker moves on, so no cleanup ever deletes its attempt (resilax_ckpt.history.timelines).
             why = timelines.BAD if bad else timelines.SUPERSEDED
             self.store.create_bytes(f"{layout.KEPT_DIR}/{timelines.kept_name(step)}",
                                     timelines.build_kept(step, why, existing, attempt=named_attempt(existing)))

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from resilax_ckpt import fencing, layout, timelines
-from resilax_ckpt.control_files import CONTROL_FILE_CAP, read_regular_file
+from resilax_ckpt import layout
+from resilax_ckpt.control.control_files import CONTROL_FILE_CAP, read_regular_file
+from resilax_ckpt.history import fencing, timelines
 
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.store import BlobStore
@@ -74,7 +75,7 @@ class LocalStep:
     """Identifies this save: SHA-256 of the local metadata (or of the file list if there is none)."""
     commit_body: bytes
     era: int = 0
-    """The era of the job that saved it (resilax_ckpt.fencing): with `generation`, its epoch."""
+    """The era of the job that saved it (resilax_ckpt.history.fencing): with `generation`, its epoch."""
     attempt: str = ""
     """The persistent attempt prefix this save is uploaded into (layout.upload_attempt_name)."""
     process: int = 0
@@ -100,7 +101,7 @@ class UploadMemory:
     committed_own: bool = False
     """A save of this sidecar's trainer is committed in the persistent tier. Persistent retention
     waits for it: the trainer restores before it saves, so by then a rollback's branch record exists
-    (resilax_ckpt.timelines) and the steps it supersedes are no longer counted (or deleted)."""
+    (resilax_ckpt.history.timelines) and the steps it supersedes are no longer counted (or deleted)."""
     listed: set[int] | None = None
     """The step folders of the persistent root at its last listing (None: not listed yet)."""
     folders: set[int] = field(default_factory=set)
@@ -209,7 +210,7 @@ class TierView:
 
     def scan_local(self) -> list[int]:
         """This process's locally committed steps that a restore did not mark bad and that are on the
-        current branch (resilax_ckpt.timelines; e.g. a node that missed a rollback keeps the old
+        current branch (resilax_ckpt.history.timelines; e.g. a node that missed a rollback keeps the old
         timeline's steps in its local tier): what is uploaded."""
         try:
             bad = list_bad_steps(os.listdir(self.local_dir / layout.BAD_DIR))
@@ -409,7 +410,7 @@ class TierView:
         return [cache[n] for n in names if n in cache]
 
     def read_fences(self) -> dict[fencing.Epoch, int | None]:
-        """Every fence record (resilax_ckpt.fencing). On gs:// a record whose MD5 (free in the
+        """Every fence record (resilax_ckpt.history.fencing). On gs:// a record whose MD5 (free in the
         listing) did not change is not read again."""
         listing = self.store.list_files(layout.FENCES_DIR)
         fences: dict[fencing.Epoch, int | None] = {}

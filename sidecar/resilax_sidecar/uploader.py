@@ -38,7 +38,7 @@ step 5's checks pass, so a killed upload resumes and a partial step never looks 
 This module is the loop and its step selection (steps 2 and the publishing of `/v1/state`); each part
 of a pass lives in a module of its own, over one shared `UploadMemory`:
 `upload_scan` (step 1: what both tiers hold; `TierView`), `upload_copy` (steps 3-4: `StepCopier`),
-`upload_commit` (step 5: `StepCommitter`) and `upload_cleanup` (step 6: `Cleaner`; the rules are resilax_ckpt.retention's).
+`upload_commit` (step 5: `StepCommitter`) and `upload_cleanup` (step 6: `Cleaner`; the rules are resilax_ckpt.saving.retention's).
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from resilax_ckpt import fencing, layout, timelines
-from resilax_ckpt.requests import read_stop_record
+from resilax_ckpt import layout
+from resilax_ckpt.control.requests import read_stop_record
+from resilax_ckpt.history import fencing, timelines
 
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import StoreError
@@ -87,7 +88,7 @@ class UploadState:
     newest_local: int | None = None
     newest_persisted: int | None = None
     branch: dict[str, int] | None = None
-    """The rollback the newest steps' branch comes from (resilax_ckpt.timelines.describe_branch)."""
+    """The rollback the newest steps' branch comes from (resilax_ckpt.history.timelines.describe_branch)."""
     in_flight: int | None = None
     last_error: str | None = None
     last_error_time: float | None = None
@@ -279,7 +280,7 @@ class Uploader:
         marker names the attempt of this save's identity, resilax_ckpt.layout.upload_attempt_name) is
         committed and visible, or a newer step of the current branch saved by this save's epoch or a
         later one is (an urgent upload moved on to it). A step of an abandoned timeline with the same
-        number or a higher one never counts (resilax_ckpt.timelines)."""
+        number or a higher one never counts (resilax_ckpt.history.timelines)."""
         committed = self.state.committed_steps
         attempt = self.view.local_attempt(step)
         if attempt is None:  # gone from the local tier: only the current branch's numbers are left
@@ -400,7 +401,7 @@ class Uploader:
         return self.view.scan_persisted()
 
     def read_fences(self) -> dict[fencing.Epoch, int | None]:
-        """Every fence record (resilax_ckpt.fencing)."""
+        """Every fence record (resilax_ckpt.history.fencing)."""
         return self.view.read_fences()
 
     def upload_step(self, local: LocalStep) -> bool:

@@ -18,8 +18,8 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.get('devices', 8)}"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    if args.get("prefetch"):  # a restarting trainer's first line (resilax_ckpt.prefetch), before JAX
-        from resilax_ckpt import prefetch
+    if args.get("prefetch"):  # a restarting trainer's first line (resilax_ckpt.restoring.prefetch), before JAX
+        from resilax_ckpt.restoring import prefetch
 
         pid = args.get("process_id", 0)
         prefetch.start_prefetch({
@@ -135,7 +135,7 @@ def scenario_restore(args):
         for shard in arr.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
     mgr.close()
-    from resilax_ckpt import prefetch
+    from resilax_ckpt.restoring import prefetch
 
     handle = prefetch.current()
     return {"prefetch": handle.stats() if handle is not None else None,
@@ -149,7 +149,7 @@ def scenario_requests(args):
     into its control folder before step `request_at`. Reports the steps each process saved."""
     import jax
     import resilax_ckpt as rc
-    from resilax_ckpt.requests import read_stop_record
+    from resilax_ckpt.control.requests import read_stop_record
 
     mesh = global_mesh(args["mesh"])
     pid = jax.process_index()

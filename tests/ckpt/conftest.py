@@ -1,5 +1,14 @@
 """Fixtures of the checkpoint library's tests: 8 fake CPU devices, subprocess workers, fake-gcs-server
-(the plugin's `fake_gcs`, resilax_local.gcs.server.FakeGCS: one harness for every area)."""
+(the plugin's `fake_gcs`, resilax_local.gcs.server.FakeGCS: one harness for every area).
+
+Layout: the subfolders mirror resilax_ckpt's subpackages (`trainer/`, `restoring/`, `saving/`,
+`incluster/`). A test file an issue cites by its path stays in this folder whatever its concern
+(test_best_n, test_buffer_reuse, test_donation, test_exit_watchdog, test_integrity, test_kill_fuzz,
+test_local_tier, test_manager, test_multiprocess, test_reader, test_recycle, test_restore_prefetch,
+test_storage_claims, test_timelines, test_trainer_metrics), as do the whole-library ones (test_gcs,
+test_guide, test_planning, test_pytrees), the control folder's and the reader pool's (two files) and
+the shared helpers (ckpt_procs, ckpt_worker and the other workers). The subfolders' tests import those
+helpers by name: pytest's default (prepend) import mode puts this conftest's folder on sys.path."""
 
 from __future__ import annotations
 

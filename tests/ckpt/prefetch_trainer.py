@@ -34,7 +34,7 @@ def record(event: str, **info) -> None:
 def main() -> None:
     args = json.loads(sys.argv[1])
     # 1. the first line of a trainer: no JAX yet
-    from resilax_ckpt import prefetch
+    from resilax_ckpt.restoring import prefetch
 
     handle = prefetch.start_prefetch(on_event=lambda name, info: record(
         f"prefetch-{name}", **{k: v for k, v in info.items() if k in ("step", "leaf", "bytes", "reason")}))

@@ -14,7 +14,8 @@ import resilax_ckpt as rc
 from ckpt_procs import run_processes, snapshot_files
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import commit, layout, saver
+from resilax_ckpt import commit, layout
+from resilax_ckpt.saving import saver
 from resilax_ckpt.storage import open_storage
 
 WHERE = ["folder", pytest.param("gcs", marks=pytest.mark.gcs)]

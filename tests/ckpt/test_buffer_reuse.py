@@ -19,7 +19,7 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import checksums, chunk_writer, host_ring, staging
+from resilax_ckpt.chunks import checksums, chunk_writer, host_ring, staging
 from resilax_ckpt.errors import ChecksumMismatchError, CorruptCheckpointError
 
 # ---------------------------------------------------------------- restore

@@ -1,5 +1,5 @@
 """The control folder's JSON files are read bounded, without waiting and without following a link
-(resilax_ckpt.control_files, issue 40): a FIFO, a link, a huge sparse file or a half-written file is
+(resilax_ckpt.control.control_files, issue 40): a FIFO, a link, a huge sparse file or a half-written file is
 "no report", never a blocked or swollen reader; each reader of a control file goes through it."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from resilax_ckpt import requests, trainer_control, trainer_metrics
-from resilax_ckpt.control_files import CONTROL_FILE_CAP, load_control_json
+from resilax_ckpt.control import requests, trainer_control, trainer_metrics
+from resilax_ckpt.control.control_files import CONTROL_FILE_CAP, load_control_json
 
 
 def _fifo(path: Path) -> None:

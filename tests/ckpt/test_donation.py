@@ -12,11 +12,11 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import copy_choice as choice
-from resilax_ckpt import device_snapshot as snap
-from resilax_ckpt import host_layout
+from resilax_ckpt.chunks.sources import HostBudget
 from resilax_ckpt.options import InvalidOptionsError
-from resilax_ckpt.sources import HostBudget
+from resilax_ckpt.saving import copy_choice as choice
+from resilax_ckpt.saving import device_snapshot as snap
+from resilax_ckpt.saving import host_layout
 
 STEPS = 6
 
@@ -236,7 +236,7 @@ def test_drain_lands_in_write_order_with_a_window_of_transfers(window, monkeypat
     slowed the loop's steps 7-14x): at most `DRAIN_WINDOW` are in flight, landed in write order."""
     import threading
 
-    from resilax_ckpt.sources import Landing
+    from resilax_ckpt.chunks.sources import Landing
     monkeypatch.setattr(snap, "DRAIN_WINDOW", window)
     events: list[tuple[str, int]] = []
     landed = threading.Condition()
@@ -270,7 +270,7 @@ def test_drain_waits_for_the_writer_while_landed_bytes_exceed_its_bound(window, 
     import collections
     import threading
 
-    from resilax_ckpt.sources import Landing
+    from resilax_ckpt.chunks.sources import Landing
 
     class WatchedBudget(HostBudget):
         """Records that the drain waits in `take` (so the slow writer knows it must write one)."""
@@ -354,7 +354,7 @@ def test_a_closed_budget_never_holds_the_drain_back():
     writer giving bytes back (else it would wait for ever, holding the device copies)."""
     import threading
 
-    from resilax_ckpt.sources import Landing
+    from resilax_ckpt.chunks.sources import Landing
     budget = HostBudget(1)
     budget.close()
     events: list[tuple[str, int]] = []
@@ -440,7 +440,7 @@ def test_a_column_major_leaf_is_copied_row_major_when_asked(tmp_path, devices, m
     bit-exact. Without it the copy is the plain one (CPU devices give that the default, row-major,
     layout already: the bounce itself shows only on the chip)."""
     from jax.experimental.layout import Format, Layout
-    from resilax_ckpt import chunk_writer
+    from resilax_ckpt.chunks import chunk_writer
     sharding = jax.sharding.SingleDeviceSharding(devices[0])
     values = np.random.default_rng(3).standard_normal((256, 96), dtype=np.float32)
     column_major = jax.jit(lambda x: x * 1, out_shardings=Format(Layout(major_to_minor=(1, 0)), sharding))

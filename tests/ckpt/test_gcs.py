@@ -9,7 +9,8 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import commit, fencing, layout
+from resilax_ckpt import commit, layout
+from resilax_ckpt.history import fencing
 from resilax_ckpt.storage import GcsStorage
 from resilax_local.gcs.proxy import GcsProxy
 from resilax_local.gcs.server import FakeGCS

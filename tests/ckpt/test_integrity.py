@@ -22,7 +22,8 @@ import resilax_ckpt as rc
 from ckpt_procs import snapshot_files
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import commit, fencing, layout
+from resilax_ckpt import commit, layout
+from resilax_ckpt.history import fencing
 from resilax_ckpt.storage import open_storage
 
 FOREIGN = {
@@ -414,7 +415,7 @@ def test_a_damaged_chunk_is_a_typed_error_naming_the_file_and_restore_falls_back
 def test_checkpoints_without_checksums_still_restore(tmp_path: Path, devices, monkeypatch) -> None:
     """A step saved before checksums (format version 2: no `checksum`, no crc32c codec) restores, on
     our reader and through tensorstore; the switch that saves without them is for benchmarks only."""
-    from resilax_ckpt import backends, checksums, reader
+    from resilax_ckpt.chunks import backends, checksums, reader
     from resilax_ckpt.manager import read_metadata
 
     root = tmp_path / "run"

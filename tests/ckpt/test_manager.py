@@ -18,7 +18,8 @@ import resilax_ckpt as rc
 from ckpt_procs import WorkerFailed, run_processes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import commit, fencing
+from resilax_ckpt import commit
+from resilax_ckpt.history import fencing
 
 
 def state(step: int):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from resilax_ckpt import fencing, layout, planning, policy
+from resilax_ckpt import layout, planning
 from resilax_ckpt.errors import FencedError, MetadataError
+from resilax_ckpt.history import fencing
 from resilax_ckpt.metadata import ItemMetadata, LeafMetadata, StepMetadata
+from resilax_ckpt.saving import policy
 
 S = slice
 

@@ -9,7 +9,7 @@ import textwrap
 import threading
 import time
 
-from resilax_ckpt import reader
+from resilax_ckpt.chunks import reader
 
 
 def _reader_threads() -> int:
@@ -40,7 +40,7 @@ def test_a_forked_child_gets_its_own_pool() -> None:
     # fork (its own at-fork hook), which says nothing about our pool.
     script = textwrap.dedent("""
         import os, sys
-        from resilax_ckpt import reader
+        from resilax_ckpt.chunks import reader
         parent = reader.read_pool(2)
         parent.submit(lambda: None).result()
         read, write = os.pipe()

@@ -19,7 +19,7 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import backends, chunk_format, chunk_writer, file_reader, reader, staging
+from resilax_ckpt.chunks import backends, chunk_format, chunk_writer, file_reader, reader, staging
 from resilax_ckpt.errors import CorruptCheckpointError, IncompleteStepError
 from resilax_ckpt.manager import read_metadata
 from resilax_ckpt.storage import LocalStorage

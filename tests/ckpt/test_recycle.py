@@ -18,8 +18,9 @@ import tensorstore as ts
 from ckpt_procs import WorkerFailed, run_processes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import chunk_format, chunk_writer, commit, layout, staging
+from resilax_ckpt import commit, layout
 from resilax_ckpt import tensorstore_io as tsio
+from resilax_ckpt.chunks import chunk_format, chunk_writer, staging
 
 
 def mesh(shape=(4, 2)):

@@ -22,9 +22,10 @@ from ckpt_procs import run_processes
 from ckpt_worker import expected, global_mesh, make_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import chunk_format, prefetch, read_ahead, restore_choice
+from resilax_ckpt.chunks import chunk_format
 from resilax_ckpt.metadata import LeafMetadata
 from resilax_ckpt.options import InvalidOptionsError
+from resilax_ckpt.restoring import prefetch, read_ahead, restore_choice
 from test_local_tier import merge_like_the_uploader
 
 TRAINER = Path(__file__).with_name("prefetch_trainer.py")
@@ -244,7 +245,7 @@ def test_a_gcs_persistent_tier_is_read_ahead_through_tensorstore(gcs_root, tmp_p
 
 UNANSWERED_CHILD = """
 import json, sys
-from resilax_ckpt import prefetch
+from resilax_ckpt.restoring import prefetch
 from resilax_ckpt.storage import LocalStorage
 
 handle = prefetch.start_prefetch()  # the trainer's first line
@@ -334,7 +335,7 @@ def test_jax_dtypes_are_read_ahead_before_jax_is_imported(tmp_path):
     value = (np.arange(4096, dtype=np.float32) / 7).astype(ml_dtypes.bfloat16)
     with rc.CheckpointManager(str(tmp_path / "ckpt"), rc.ManagerOptions(async_save=False)) as mgr:
         mgr.save(3, {"params": {"w": value, "n": np.arange(5, dtype=np.int32)}})
-    code = ("import json, sys; from resilax_ckpt import prefetch; h = prefetch.start_prefetch(); h.wait(); "
+    code = ("import json, sys; from resilax_ckpt.restoring import prefetch; h = prefetch.start_prefetch(); h.wait(); "
             "print(json.dumps({**h.stats(), 'jax': 'jax' in sys.modules}))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RESILAX_")}
     env.update(RESILAX_CHECKPOINT_DIR=str(tmp_path / "ckpt"), PYTHONPATH=str(ROOT / "ckpt_lib"))
@@ -346,7 +347,7 @@ def test_jax_dtypes_are_read_ahead_before_jax_is_imported(tmp_path):
 
 
 def test_the_prefetch_module_does_not_import_jax():
-    code = ("import sys; from resilax_ckpt import prefetch, read_ahead, multihost; "
+    code = ("import sys; from resilax_ckpt import multihost; from resilax_ckpt.restoring import prefetch, read_ahead; "
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "ckpt_lib")})
 
@@ -426,7 +427,7 @@ def test_the_prefetch_faults_its_buffers_in_before_reading_into_them(tmp_path, d
     faults stalled the trainer's start-up; docs/checkpointing.md): every buffer a read fills was
     populated first, here with `madvise(MADV_POPULATE_WRITE)` refused, as there, so page by page in
     user space. Proven by the order of calls (populate, then the reads into it), not by timing."""
-    from resilax_ckpt import chunk_writer, file_reader, host_ring, staging
+    from resilax_ckpt.chunks import chunk_writer, file_reader, host_ring, staging
 
     state = {f"l{i}": np.arange(96 * 1024 + i * 999, dtype=np.float32) * (i + 1) for i in range(3)}
     with rc.CheckpointManager(str(tmp_path / "ckpt"), rc.ManagerOptions(async_save=False)) as mgr:
@@ -480,7 +481,7 @@ def test_the_prefetch_faults_its_buffers_in_before_reading_into_them(tmp_path, d
 def test_no_host_ring_is_warmed_when_the_prefetch_holds_every_leaf(tmp_path, devices, monkeypatch):
     """On accelerators a manager warms the restore's host ring at its creation, unless the prefetch
     reads every leaf (the restore then reads none into the ring); with leaves left to the restore it does."""
-    from resilax_ckpt import host_ring
+    from resilax_ckpt.chunks import host_ring
 
     save_steps(tmp_path / "ckpt", [2])
     warmed: list[int] = []
@@ -511,7 +512,7 @@ def test_a_local_tier_in_memory_on_accelerators_warms_the_ring_instead_of_readin
     already); the prefetch thread faults in the host ring, sized as the restore sizes it (its set size
     or the two largest leaves when bigger), and the restore then reads through that ring, allocating nothing.
     RESILAX_RESTORE_PREFETCH=read reads ahead as elsewhere."""
-    from resilax_ckpt import host_ring
+    from resilax_ckpt.chunks import host_ring
 
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")

@@ -18,8 +18,9 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import fencing, layout
+from resilax_ckpt import layout
 from resilax_ckpt.errors import StorageInUseError
+from resilax_ckpt.history import fencing
 from resilax_ckpt.storage import open_storage
 
 A = fencing.EraClaim(1, "uid-a", "ns/a")

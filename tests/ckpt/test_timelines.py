@@ -23,7 +23,9 @@ import pytest
 import resilax_ckpt as rc
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from resilax_ckpt import commit, fencing, layout, requests, timelines, visibility
+from resilax_ckpt import commit, layout
+from resilax_ckpt.control import requests
+from resilax_ckpt.history import fencing, timelines, visibility
 from resilax_ckpt.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))

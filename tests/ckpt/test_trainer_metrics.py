@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import resilax_ckpt as rc
-from resilax_ckpt.trainer_metrics import read_trainer_figures
+from resilax_ckpt.control.trainer_metrics import read_trainer_figures
 
 
 def test_the_manager_writes_its_figures_into_the_control_folder(tmp_path, devices):
@@ -27,7 +27,7 @@ def test_the_manager_writes_its_figures_into_the_control_folder(tmp_path, device
 def test_the_figures_carry_the_wall_times_the_goodput_accounting_reads(tmp_path):
     """When the loop first reached its newest step and its first step, and when the restore ended
     (the operator's goodput accounting, resilax_operator.status_fields.goodput, reads them from /v1/state)."""
-    from resilax_ckpt.trainer_metrics import TrainerMetrics
+    from resilax_ckpt.control.trainer_metrics import TrainerMetrics
 
     wall = [0.0]
     m = TrainerMetrics(str(tmp_path), clock=lambda: wall[0], wall_clock=lambda: wall[0])
@@ -91,7 +91,7 @@ def test_step_times_leave_out_the_warm_up_and_the_barrier_wait(tmp_path):
     """The p99 of the time between steps (the operator's automatic hang timeout) and the host's own
     median step time (the straggler figure: the time between steps less the barrier wait) count only
     steps after WARMUP_STEPS; the saves' p99 comes from the blocking time of each save."""
-    from resilax_ckpt.trainer_metrics import WARMUP_STEPS, TrainerMetrics, p99
+    from resilax_ckpt.control.trainer_metrics import WARMUP_STEPS, TrainerMetrics, p99
 
     clock = [0.0]
     m = TrainerMetrics(str(tmp_path), clock=lambda: clock[0], wall_clock=lambda: clock[0])

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from resilax_ckpt import trainer_control as tc
+from resilax_ckpt.control import trainer_control as tc
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformer.py"
 RESILAX = Path(sys.executable).with_name("resilax")

@@ -12,7 +12,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 import jax.numpy as jnp
 import resilax_ckpt as rc
-from resilax_ckpt.trainer_metrics import COMPILATION_CACHE
+from resilax_ckpt.control.trainer_metrics import COMPILATION_CACHE
 
 rc.initialize_distributed_from_env()
 train_step = jax.jit(lambda w: jnp.tanh(w @ w.T) * 0.5 + 1)

@@ -275,8 +275,8 @@ def _healthy(sidecar) -> bool:
 
 def test_state_reports_the_trainers_restore_and_the_steps_it_skipped(shared):
     """The trainer's manager writes `restore.json` into the control folder after a restore of the
-    newest step (resilax_ckpt.requests); the sidecar reports it as `restore` (the operator's event)."""
-    from resilax_ckpt.requests import write_restore_report
+    newest step (resilax_ckpt.control.requests); the sidecar reports it as `restore` (the operator's event)."""
+    from resilax_ckpt.control.requests import write_restore_report
 
     sidecar, env = shared
     assert sidecar.get("/v1/state").body["restore"] is None
@@ -286,10 +286,10 @@ def test_state_reports_the_trainers_restore_and_the_steps_it_skipped(shared):
 
 
 def test_the_trainers_figures_are_exported_and_reported(shared):
-    """The trainer's manager writes `trainer.json` into the control folder (resilax_ckpt.trainer_metrics);
+    """The trainer's manager writes `trainer.json` into the control folder (resilax_ckpt.control.trainer_metrics);
     the sidecar exports it as resilax_trainer_* at each scrape and reports it in /v1/state."""
     from prometheus_client.parser import text_string_to_metric_families
-    from resilax_ckpt.trainer_metrics import TrainerMetrics
+    from resilax_ckpt.control.trainer_metrics import TrainerMetrics
 
     sidecar, env = shared
     clock = [100.0]

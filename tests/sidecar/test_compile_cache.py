@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from resilax_ckpt.trainer_metrics import read_trainer_figures
+from resilax_ckpt.control.trainer_metrics import read_trainer_figures
 
 WORKER = Path(__file__).with_name("compile_cache_worker.py")
 

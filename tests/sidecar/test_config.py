@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from resilax_ckpt import retention
+from resilax_ckpt.saving import retention
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import ConfigError
 

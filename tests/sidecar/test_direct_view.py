@@ -13,7 +13,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import resilax_ckpt as rc
-from resilax_ckpt import commit, layout, visibility
+from resilax_ckpt import commit, layout
+from resilax_ckpt.history import visibility
 from resilax_ckpt.storage import open_storage
 from resilax_sidecar.app import Sidecar
 from resilax_sidecar.config import SidecarConfig

@@ -10,8 +10,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from resilax_ckpt.requests import RequestWatcher
-from resilax_ckpt.trainer_metrics import TrainerMetrics
+from resilax_ckpt.control.requests import RequestWatcher
+from resilax_ckpt.control.trainer_metrics import TrainerMetrics
 from resilax_sidecar.last_words import MAX_BYTES, build_last_words
 from sidecar_harness import TOKEN, wait_until
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 from resilax_ckpt import layout as ckpt_layout
-from resilax_ckpt import requests as ckpt_requests
-from resilax_ckpt import visibility as ckpt_visibility
+from resilax_ckpt.control import requests as ckpt_requests
+from resilax_ckpt.history import visibility as ckpt_visibility
 from resilax_sidecar import control, direct_view, uploader
 
 
@@ -19,9 +19,9 @@ def test_the_sidecar_uses_the_library_format_modules():
 
 
 def test_the_format_modules_and_the_sidecar_load_without_jax():
-    code = ("import sys; import resilax_ckpt, resilax_ckpt.layout, resilax_ckpt.fencing, resilax_ckpt.policy, "
-            "resilax_ckpt.retention, "
-            "resilax_ckpt.requests, resilax_ckpt.storage, resilax_sidecar.app, resilax_sidecar.uploader; "
+    code = ("import sys; import resilax_ckpt, resilax_ckpt.layout, resilax_ckpt.history.fencing, resilax_ckpt.saving.policy, "
+            "resilax_ckpt.saving.retention, "
+            "resilax_ckpt.control.requests, resilax_ckpt.storage, resilax_sidecar.app, resilax_sidecar.uploader; "
             "heavy = sorted(m for m in ('jax', 'jaxlib', 'tensorstore', 'numpy') if m in sys.modules); "
             "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from resilax_ckpt import checksums
-from resilax_ckpt.peers import PEERS_FILE
+from resilax_ckpt.chunks import checksums
+from resilax_ckpt.incluster.peers import PEERS_FILE
 from sidecar_harness import TOKEN, build_sidecar_env, wait_until, write_local_step
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from resilax_ckpt.peers import PEERS_FILE, REPLICA_FILE
+from resilax_ckpt.incluster.peers import PEERS_FILE, REPLICA_FILE
 from sidecar_harness import TOKEN, build_sidecar_env, http, step_files, wait_until, write_local_step
 
 FILES = step_files(3, 300_000)
@@ -298,7 +298,8 @@ def test_the_newest_step_offered_to_peers_is_on_the_current_branch_and_not_bad(t
     """A host that missed a rollback (issue 40, item 6): its local tier still holds the old timeline's
     step 12, which generation 1's branch record (restored 8) supersedes; and a step a restore marked
     bad. Neither is offered as this host's newest to the peers that replicate it: step 8 is."""
-    from resilax_ckpt import layout, timelines
+    from resilax_ckpt import layout
+    from resilax_ckpt.history import timelines
     from resilax_ckpt.storage import open_storage
 
     env = peer_env(tmp_path, 0, 2)

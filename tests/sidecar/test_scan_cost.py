@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from resilax_ckpt import layout
-from resilax_ckpt.trainer_metrics import TRAINER_FILE
+from resilax_ckpt.control.trainer_metrics import TRAINER_FILE
 from resilax_local.gcs.proxy import GcsProxy
 from resilax_sidecar.errors import StoreError
 from resilax_sidecar.metrics import SidecarMetrics

@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from resilax_ckpt.requests import write_stop_record
+from resilax_ckpt.control.requests import write_stop_record
 from resilax_sidecar.store import LocalFolderStore
 from sidecar_harness import step_files, wait_until, write_local_step
 

@@ -1,7 +1,7 @@
 """The sidecar's `/v1/trainer/*` calls with a real `resilax sidecar` and a real supervisor (`resilax run`)
 sharing one control folder, as in a supervised pod (docs/architecture.md, "Sidecar API").
 
-The trainer is tests/ckpt/supervisor_child.py (it reports the environment it was given and exits 75 on
+The trainer is tests/ckpt/trainer/supervisor_child.py (it reports the environment it was given and exits 75 on
 SIGTERM, as a trainer after its final save). Waits are on conditions, never on time.
 """
 
@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from resilax_ckpt import trainer_control as tc
+from resilax_ckpt.control import trainer_control as tc
 from resilax_sidecar import trainer_control as trainer
 from sidecar_harness import REPO, TOKEN, wait_until, write_local_step
 
-CHILD = REPO / "tests" / "ckpt" / "supervisor_child.py"
-KEPT_CHILD = REPO / "tests" / "ckpt" / "kept_child.py"
+CHILD = REPO / "tests" / "ckpt" / "trainer" / "supervisor_child.py"
+KEPT_CHILD = REPO / "tests" / "ckpt" / "trainer" / "kept_child.py"
 RESILAX = Path(sys.executable).with_name("resilax")
 
 
@@ -151,7 +151,7 @@ def test_stop_and_start_restart_the_trainer_in_place_with_the_new_generation(
 
 def test_a_kept_trainer_parks_on_a_stop_and_the_start_runs_it_again_in_the_same_process_counted_in_metrics(
         sidecar_env: dict[str, str], start_sidecar: Any, supervise: Any) -> None:
-    """tests/ckpt/kept_child.py runs its entry point under rc.run_kept: a stop parks it (exited, parked,
+    """tests/ckpt/trainer/kept_child.py runs its entry point under rc.run_kept: a stop parks it (exited, parked,
     not ready), a start of the next generation with only generation variables runs it in the same process;
     one with another world is a fresh process. `resilax_trainer_restarts_total` counts both kinds."""
     env = {**sidecar_env, "RESILAX_GENERATION": "3"}

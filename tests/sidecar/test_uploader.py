@@ -10,8 +10,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from resilax_ckpt import layout, retention
+from resilax_ckpt import layout
 from resilax_ckpt.metadata import StepMetadata
+from resilax_ckpt.saving import retention
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import StoreError, VerifyError
 from resilax_sidecar.metrics import SidecarMetrics
@@ -566,7 +567,7 @@ def test_the_final_save_a_trainer_stopped_after_is_uploaded_at_once(tmp_path):
     """Graceful node shutdown: the trainer's own SIGTERM save (step 7, no request) is recorded in
     `stopped.json`; the uploader takes it at its next pass, while the trainer is still shutting down,
     although `persistEverySteps: 4` keeps 5 and 6 local."""
-    from resilax_ckpt.requests import write_stop_record
+    from resilax_ckpt.control.requests import write_stop_record
 
     store = LocalFolderStore(tmp_path / "persistent")
     config = make_config(tmp_path, persist_every_steps=4)

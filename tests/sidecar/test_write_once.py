@@ -13,7 +13,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from resilax_ckpt import commit, fencing, layout
+from resilax_ckpt import commit, layout
+from resilax_ckpt.history import fencing
 from resilax_ckpt.storage import open_storage
 from resilax_sidecar.config import SidecarConfig
 from resilax_sidecar.errors import StoreError
@@ -99,7 +100,7 @@ def uploaders(tmp_path: Path, store: BlobStore, generation: int, steps: dict[int
 
 
 def write_fence(store: BlobStore, generation: int, latest: int | None) -> None:
-    """What the newer generation's primary writes at start (resilax_ckpt.fencing.write_fence)."""
+    """What the newer generation's primary writes at start (resilax_ckpt.history.fencing.write_fence)."""
     body = {"era": 0, "generation": generation, "latest_step": latest}
     store.write_bytes(f"{layout.FENCES_DIR}/{fencing.fence_name((0, generation))}", json.dumps(body).encode())
 

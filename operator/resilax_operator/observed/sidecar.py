@@ -44,7 +44,7 @@ class RestoreReport:
 @dataclass(frozen=True)
 class TrainerReport:
     """The figures pod 0's trainer last reported for one generation (`trainer` in its sidecar's
-    `/v1/state`, resilax_ckpt.trainer_metrics; epoch seconds). The I/O side keeps the last one it read,
+    `/v1/state`, resilax_ckpt.control.trainer_metrics; epoch seconds). The I/O side keeps the last one it read,
     so a pod 0 that died leaves what it said last."""
 
     generation: int
@@ -61,7 +61,7 @@ class TrainerReport:
 @dataclass(frozen=True)
 class HostFigures:
     """One worker's trainer figures as its sidecar last reported them (`trainer` in `/v1/state`,
-    resilax_ckpt.trainer_metrics; epoch seconds): what the hang and straggler policies read."""
+    resilax_ckpt.control.trainer_metrics; epoch seconds): what the hang and straggler policies read."""
 
     generation: int | None = None
     step: int | None = None

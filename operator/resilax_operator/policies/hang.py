@@ -1,7 +1,7 @@
 """Hangs (docs/architecture.md, "Hangs and stragglers"): a generation whose training makes no progress
 past its hang timeout is hung, and is restarted without counting a failure.
 
-What each worker's trainer reports (its sidecar's `trainer`, `Observed.hosts`; resilax_ckpt.trainer_metrics)
+What each worker's trainer reports (its sidecar's `trainer`, `Observed.hosts`; resilax_ckpt.control.trainer_metrics)
 decides, for the workers of the running generation whose figures are of that generation:
 
 | the worker's phase                      | no progress since            | allowance, automatic (`recovery.hangTimeoutSeconds` unset) |

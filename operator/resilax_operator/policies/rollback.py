@@ -13,7 +13,7 @@ an edit is noticed once, also across operator restarts, and whatever the job was
 
 A generation started for any other reason while an edit waits (a failure, a preemption) restores the
 step asked too (`plan_restore`). The restore writes the rollback's branch record
-(resilax_ckpt.timelines): the newer steps, the final save's included, stay on storage, superseded,
+(resilax_ckpt.history.timelines): the newer steps, the final save's included, stay on storage, superseded,
 never deleted nor restored; status.checkpoint follows the new branch (status_fields/checkpoint.py) and the
 new generation's history entry carries restoredStep and restoredFrom. A step that is not a visible
 committed step is refused by the library's restore too, naming the committed steps (the generation

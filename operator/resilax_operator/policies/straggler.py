@@ -5,7 +5,7 @@ more than it gains; the user or an alert decides).
 
 A worker's own step time is its trainer's `step_seconds` (the median over its recent steps of the time
 between two steps less what it waited at the request agreement's barrier for the others: the slowest
-host waits least, so its own time is the longest; resilax_ckpt.trainer_metrics). observed/observe.py reads every
+host waits least, so its own time is the longest; resilax_ckpt.control.trainer_metrics). observed/observe.py reads every
 worker's figures once per `settings.straggler_sample_seconds`; a decision sees all of them only then.
 
 The memory is the `Straggler` condition (restart-safe, visible in `kubectl describe`):

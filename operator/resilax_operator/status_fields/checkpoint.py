@@ -3,7 +3,7 @@ it is on; which of two sightings is the newer.
 
 A rollback (a generation restoring a step older than the newest visible one: `checkpoint.restore.step`
 edited on a running job, a job re-created with it, a fallback from a damaged step) starts a new branch
-(resilax_ckpt.timelines): the old timeline's later steps are superseded, kept but never restored. The
+(resilax_ckpt.history.timelines): the old timeline's later steps are superseded, kept but never restored. The
 sidecars say which rollback the step they report comes from (`branch` in `/v1/state` and in their last
 words: the branch record of the newest epoch), so a step seen before a rollback is never taken for
 newer than one seen after it, however the numbers compare:

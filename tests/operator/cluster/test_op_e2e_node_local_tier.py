@@ -312,7 +312,7 @@ def test_shrink_restores_from_local_and_peers(
     restore's own report says where every file came from (its node, a peer's sidecar), none from the
     persistent tier. No replica was sent: every host's own step holds the same shards as its peer's
     (the example's parameters are data parallel over the hosts). The checksum refusal and the next
-    holder: tests/sidecar/test_peer_chunks.py, tests/ckpt/test_shrink_restore.py."""
+    holder: tests/sidecar/test_peer_chunks.py, tests/ckpt/incluster/test_shrink_restore.py."""
     name, storage = unique_name("nlt-shrink"), tmp_path / "ckpt"
     manifest = job_manifest(name, storage, every_steps=5, steps=5000, step_seconds=0.5, final_save_timeout=20,
                             elastic={"minCount": 1, "maxCount": 2, "growBack": False})

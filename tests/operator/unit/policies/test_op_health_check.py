@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from op_samples import good_spec
 from op_world import T0, World, cpu_pool, fixed_spec, four_pools, tpu_pool
-from resilax_ckpt import health_check as hc
+from resilax_ckpt.trainer import health_check as hc
 from resilax_operator import api
 from resilax_operator import status as st
 from resilax_operator.actions import CreateGeneration, RequeueAfter
