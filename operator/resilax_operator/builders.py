@@ -258,7 +258,10 @@ def build_health_check(trainer: Mapping[str, Any], spec: JobSpec, geometry: Slic
     with its environment (the expected devices, the coordinator of the generation), resources (the
     accelerator: the kubelet hands an init container's devices on to the trainer) and security context,
     after the sidecar. Its JSON result is its termination message (the operator reads it from the pod in
-    its watch cache); it exits 79 when the host failed. Only a new pod gets it: a kept survivor of an
+    its watch cache); it exits 79 when the host failed. It mounts the pod's control folder (read-write,
+    the trainer's RESILAX_CONTROL_DIR) and leaves its verdict there (`health.json`): the sidecar, SIGTERMed
+    by the kubelet with the pod's whole grace once the check failed, then knows no trainer will run and
+    exits at once instead of waiting for a final save. Only a new pod gets it: a kept survivor of an
     in-place restart is never rebuilt, so it is not checked again."""
     env = [dict(e) for e in trainer.get("env") or []]
     given = {str(e.get("name")): e.get("value") for e in env}
@@ -270,6 +273,7 @@ def build_health_check(trainer: Mapping[str, Any], spec: JobSpec, geometry: Slic
         "command": ["resilax", "health-check", "--timeout", str(spec.recovery.health_check.timeout_seconds),
                     "--result", TERMINATION_MESSAGE_PATH],
         "env": env,
+        "volumeMounts": [{"name": api.CONTROL_VOLUME, "mountPath": api.CONTROL_DIR}],
         "resources": copy.deepcopy(dict(trainer.get("resources") or {})),
         "securityContext": copy.deepcopy(trainer.get("securityContext")),
         "terminationMessagePath": TERMINATION_MESSAGE_PATH,

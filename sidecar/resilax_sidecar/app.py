@@ -8,7 +8,8 @@ It runs three things side by side until SIGTERM:
    uploader when a save lands.
 On SIGTERM it asks the trainer for a final save with `stop: true`, waits until that save is committed
 (and, with a local tier, uploaded and committed in the persistent tier) or RESILAX_SIDECAR_GRACE_SECONDS
-run out, then exits 0. SIGINT exits at once.
+run out, then exits 0; in a pod whose health check failed (its `health.json`) and where no trainer
+announced itself, it asks nothing and exits at once (no trainer ever ran there). SIGINT exits at once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from aiohttp import web
 from resilax_ckpt.control import trainer_control as tc
 from resilax_ckpt.control.requests import read_restore_report
 from resilax_ckpt.control.trainer_metrics import read_trainer_figures
+from resilax_ckpt.trainer import health_check as hc
 
 from resilax_sidecar import control, node_sweep
 from resilax_sidecar.config import SidecarConfig, log_level_number
@@ -192,6 +194,8 @@ class Sidecar:
             # The supervisor's incarnation.json (None: no supervisor) and the newest start asked.
             "trainer_process": tc.read_incarnation(str(cfg.control_dir)),
             "assignment": {"generation": a.generation} if (a := tc.read_assignment(str(cfg.control_dir))) else None,
+            # The pod's health check (its health.json: {"passed", "failed_part", "reason"}), None: none ran.
+            "health_check": v.to_json() if (v := hc.read_verdict(str(cfg.control_dir))) else None,
         }
         self.compile_cache_log.note(trainer)
         if self.uploader is not None:
@@ -319,8 +323,14 @@ class Sidecar:
         """Ask for a save with stop, wait for its commit (and its upload) within the grace period.
         True when the final step is durable in the tier that matters."""
         self.stopping = True
-        self._make_urgent()
         cfg = self.config
+        # A pod whose health check failed never ran its trainer: nobody would answer, nothing can be lost.
+        nothing = control.plan_nothing_to_save(hc.read_verdict(str(cfg.control_dir)),
+                                               control.trainer_alive(cfg.control_dir))
+        if nothing is not None:
+            log.info("SIGTERM: no final save: %s", nothing)
+            return True
+        self._make_urgent()
         deadline = time.monotonic() + cfg.grace_seconds
         # A stop request already made (e.g. the operator's final save before a resize) is the final
         # save: the trainer stops after it and would never answer a second one.

@@ -19,6 +19,7 @@ from typing import Any
 
 from resilax_ckpt.control.control_files import load_control_json
 from resilax_ckpt.control.requests import REQUESTS_DIR, RESULTS_DIR, TRAINER_LOCK
+from resilax_ckpt.trainer.health_check import HealthVerdict
 
 # The file protocol's names are defined once, in the library (resilax_ckpt.control.requests). A live trainer
 # holds a shared `flock` on TRAINER_LOCK; the kernel drops it when the process ends, however it ends,
@@ -110,3 +111,16 @@ def trainer_alive(control_dir: Path) -> bool | None:
         return False
     finally:
         os.close(fd)
+
+
+def plan_nothing_to_save(verdict: HealthVerdict | None, alive: bool | None) -> str | None:
+    """Why no trainer ever ran in this pod, so a final save has nothing to save, or None (pure).
+
+    Only when the pod's health check failed (`verdict`: its `health.json`; the trainer container never
+    starts after a failed init container) and no trainer announced itself (`alive` is None: no
+    `trainer.lock`). A trainer that does not announce itself after a passed check, or in a pod without a
+    check, still gets the whole wait: the sidecar cannot tell it from none."""
+    if verdict is None or verdict.passed or alive is not None:
+        return None
+    what = f"{verdict.failed_part}: {verdict.reason}" if verdict.failed_part else (verdict.reason or "no reason given")
+    return f"the health check failed ({what}) and no trainer ran in this pod: nothing to save"

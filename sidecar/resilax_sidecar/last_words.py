@@ -10,7 +10,9 @@ operator's accounting (docs/architecture.md, "Exact accounting"):
 * the newest committed steps (`newest_persisted_step`, `newest_local_step`) and the rollback their branch
   comes from (`branch`), so that words left before a rollback never outrank a step seen after it;
 * the final save (`final_save`: the sidecar's id of the stop request it waited for, as `GET /v1/save/{id}`
-  answers it), so a final save committed just before the workers exited is recorded.
+  answers it), so a final save committed just before the workers exited is recorded;
+* the pod's health check (`health_check`: `{"passed", "failed_part", "reason"}`), which says why the
+  sidecar of a pod whose check failed made no final save (read by people, dropped first when too long).
 
 The same keys as `/v1/state`, so the operator parses both alike. At most MAX_BYTES (the kubelet keeps
 4096): figures the operator does not read are dropped first.
@@ -31,7 +33,8 @@ MAX_BYTES: Final = 4096
 #: The trainer figures the operator reads (observed.sidecar.parse_trainer_report, parse_host_figures).
 TRAINER_KEYS: Final = ("generation", "step", "step_time", "first_step", "first_step_time", "save_blocking_seconds",
                        "restores", "last_restore_seconds", "restored_time", "heartbeat", "phase")
-STATE_KEYS: Final = ("generation", "process_id", "newest_persisted_step", "newest_local_step", "branch")
+STATE_KEYS: Final = ("generation", "process_id", "newest_persisted_step", "newest_local_step", "branch",
+                     "health_check")
 SAVE_KEYS: Final = ("id", "status", "step", "committed", "error")
 
 
@@ -48,7 +51,7 @@ def build_last_words(state: Mapping[str, Any], final_save: Mapping[str, Any] | N
             save["error"] = save["error"][:500]
         words["final_save"] = save
     text = json.dumps(words, separators=(",", ":"))
-    for drop in ("trainer", "final_save"):  # never expected: the figures are a few hundred bytes
+    for drop in ("health_check", "trainer", "final_save"):  # never expected: the figures are a few hundred bytes
         if len(text.encode()) <= MAX_BYTES:
             break
         words.pop(drop, None)

@@ -4,12 +4,15 @@ later than the grace period. (With a live trainer: test_trainer.py.)"""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
 from resilax_ckpt.control.requests import write_stop_record
+from resilax_ckpt.control.trainer_control import write_json
+from resilax_ckpt.trainer import health_check as hc
 from resilax_sidecar.store import LocalFolderStore
 from sidecar_harness import step_files, wait_until, write_local_step
 
@@ -86,8 +89,6 @@ def test_a_live_trainer_is_waited_for_until_the_grace_period_ends(tmp_path, side
 def test_an_answered_stop_request_is_the_final_save(tmp_path, sidecar_env, start_sidecar):
     """The operator's final save (stop) came first; the trainer stopped after it. SIGTERM then must
     not ask a stopped trainer again: it waits only for that step's upload."""
-    import json
-
     from sidecar_harness import TOKEN
 
     env = _env(sidecar_env, tmp_path, grace=60)
@@ -108,3 +109,51 @@ def test_an_answered_stop_request_is_the_final_save(tmp_path, sidecar_env, start
     assert not list((control / "requests").iterdir()), "asked the stopped trainer again"
     assert LocalFolderStore(tmp_path / "persistent").stat("7/_COMMIT") is not None
     assert f"final save {request_id}: step 7 committed and uploaded" in sidecar.log()
+
+
+# ---- a pod whose health check failed (issue 39, "Health-checked starts") --------------------------------
+
+
+def _write_verdict(control: Path, verdict: hc.HealthVerdict) -> None:
+    write_json(str(control), hc.HEALTH_FILE, verdict.to_json())
+
+
+def test_a_pod_whose_health_check_failed_exits_at_once_without_asking_for_a_final_save(
+    tmp_path, sidecar_env, start_sidecar
+):
+    """The check (an init container after the sidecar) failed: the trainer never started, nothing was
+    trained here. The kubelet SIGTERMs the sidecar with the pod's whole grace; it must not wait it out
+    (300 s here: `wait` below gives it 60 and raises past them)."""
+    env = {**_env(sidecar_env, tmp_path, grace=300), "RESILAX_SIDECAR_TERMINATION_LOG": str(tmp_path / "last-words")}
+    control = Path(env["RESILAX_CONTROL_DIR"])
+    control.mkdir()
+    _write_verdict(control, hc.HealthVerdict(False, "matmul", "wrong checksum on local device 0"))
+    sidecar = start_sidecar(env)
+    assert sidecar.get("/v1/state").body["health_check"] == {
+        "passed": False, "failed_part": "matmul", "reason": "wrong checksum on local device 0"}
+    sidecar.signal(signal.SIGTERM)
+    assert sidecar.wait(60) == 0
+    assert ("SIGTERM: no final save: the health check failed (matmul: wrong checksum on local device 0) and no "
+            "trainer ran in this pod: nothing to save") in sidecar.log()
+    assert "waiting up to" not in sidecar.log()
+    assert not (control / "requests").exists() or not list((control / "requests").iterdir()), \
+        "left a stop request in a pod that will never run a trainer"
+    words = json.loads((tmp_path / "last-words").read_text())
+    assert words["health_check"]["passed"] is False and "final_save" not in words
+
+
+def test_a_passed_health_check_still_waits_for_a_trainer_that_does_not_announce_itself(
+    tmp_path, sidecar_env, start_sidecar
+):
+    """No trainer.lock after a passed check: the trainer may run without announcing itself (not a
+    resilax trainer); the sidecar cannot tell, so it waits the grace period as before."""
+    env = _env(sidecar_env, tmp_path, grace=3)
+    control = Path(env["RESILAX_CONTROL_DIR"])
+    control.mkdir()
+    _write_verdict(control, hc.HealthVerdict(True))
+    sidecar = start_sidecar(env)
+    assert sidecar.get("/v1/state").body["health_check"] == {"passed": True, "failed_part": None, "reason": None}
+    sidecar.signal(signal.SIGTERM)
+    assert sidecar.wait(30) == 0
+    assert "no answer from the trainer within 3 s" in sidecar.log()
+    assert "no final save" not in sidecar.log()

@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 from resilax_ckpt.control import trainer_control as tc
+from resilax_ckpt.trainer.health_check import HealthVerdict
 from resilax_sidecar import trainer_control as trainer
+from resilax_sidecar.control import plan_nothing_to_save
 from sidecar_harness import REPO, TOKEN, wait_until, write_local_step
 
 CHILD = REPO / "tests" / "ckpt" / "trainer" / "supervisor_child.py"
@@ -261,3 +263,23 @@ def test_the_start_env_allowlist(env: dict[str, str], refused: str | None) -> No
     else:
         assert message is not None and message.startswith(f"env: {refused} may not be set by a start call; allowed: ")
 
+
+
+# ---- no final save where no trainer ran (issue 39) -------------------------------------------------------
+
+_FAILED = HealthVerdict(False, "devices", "3 devices visible, 4 expected")
+
+
+@pytest.mark.parametrize(("verdict", "alive", "nothing"), [
+    (None, None, False),          # no check ran: a silent trainer may run, wait as before
+    (HealthVerdict(True), None, False),  # passed: a silent trainer may run
+    (_FAILED, None, True),        # failed, no trainer announced itself: the trainer container never started
+    (_FAILED, True, False),       # a trainer holds trainer.lock: never skip its save
+    (_FAILED, False, False),      # a trainer ran and exited: its steps are persisted as before
+], ids=["no-check", "passed", "failed-no-trainer", "failed-live-trainer", "failed-gone-trainer"])
+def test_plan_nothing_to_save(verdict: HealthVerdict | None, alive: bool | None, nothing: bool) -> None:
+    why = plan_nothing_to_save(verdict, alive)
+    assert (why is not None) == nothing
+    if nothing:
+        assert why == ("the health check failed (devices: 3 devices visible, 4 expected) and no trainer ran in "
+                       "this pod: nothing to save")

@@ -18,8 +18,11 @@ and `collective` need the others (SLICE_PARTS: a failure there may be any host's
 after failing its own part).
 
 Prints one JSON line on stdout (`{"healthy": ..., "parts": [...], "seconds": ...}`), writes the same to
-`--result FILE` (the pod's termination message: the operator reads it from its watch cache) and exits
-0 (healthy), EXIT_UNHEALTHY (a part failed or ran past the time bound) or 2 (a usage error).
+`--result FILE` (the pod's termination message: the operator reads it from its watch cache), writes its
+verdict `{"passed", "failed_part", "reason"}` to HEALTH_FILE in `$RESILAX_CONTROL_DIR` when that is set
+(the pod's control folder: the sidecar reads it, and on SIGTERM does not wait for a final save from a
+trainer that never ran because the check failed) and exits 0 (healthy), EXIT_UNHEALTHY (a part failed or
+ran past the time bound) or 2 (a usage error).
 `decide_health` is the pure decision over the measurements; the rest only measures.
 
 Test only: `RESILAX_HEALTH_FAULT=devices|matmul|collective|hang` makes this host fail that part for
@@ -42,6 +45,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from resilax_ckpt.control.trainer_control import read_json, write_json
+
 EXIT_HEALTHY: Final = 0
 EXIT_USAGE: Final = 2
 #: The exit code of a host that failed its check (resilax's own; the JSON result says which part and why).
@@ -57,6 +62,9 @@ DEFAULT_TIMEOUT_SECONDS: Final = 120.0
 MATMUL_SIZE: Final = 256
 #: The check's own key prefix in the coordination service.
 RESULT_PREFIX: Final = "RESILAX_HEALTH "
+#: The check's verdict in the pod's control folder (`$RESILAX_CONTROL_DIR`), written atomically when the
+#: check ends, passed or not: `{"passed": bool, "failed_part": str | None, "reason": str | None}`.
+HEALTH_FILE: Final = "health.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +85,8 @@ class HealthSettings:
     """`--timeout` or `RESILAX_HEALTH_TIMEOUT_SECONDS`: the whole check's bound."""
     fault: str | None = None
     """`RESILAX_HEALTH_FAULT` (test only): the part this host fails on purpose."""
+    control_dir: str | None = None
+    """`RESILAX_CONTROL_DIR`: the pod's control folder, where HEALTH_FILE goes; None: no verdict file."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], timeout: float | None = None) -> HealthSettings:
@@ -121,7 +131,8 @@ class HealthSettings:
             problems.append(f"JAX_PROCESS_ID: {process_id} is not allowed; allowed: 0..{processes - 1}")
         if problems:
             raise ValueError("; ".join(problems))
-        return cls(devices, platform, processes, process_id, coordinator, max(timeout, 1e-3), fault)
+        control_dir = env.get("RESILAX_CONTROL_DIR", "").strip() or None
+        return cls(devices, platform, processes, process_id, coordinator, max(timeout, 1e-3), fault, control_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +385,37 @@ def build_result(settings: HealthSettings, progress: _Progress, results: Sequenc
     }
 
 
-def _report(result: dict[str, Any], result_path: str | None) -> int:
+@dataclasses.dataclass(frozen=True)
+class HealthVerdict:
+    """What HEALTH_FILE says: the check's verdict, for the pod's sidecar."""
+
+    passed: bool
+    failed_part: str | None = None
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"passed": self.passed, "failed_part": self.failed_part, "reason": self.reason}
+
+
+def build_verdict(result: Mapping[str, Any]) -> HealthVerdict:
+    """The verdict of a `build_result` answer (pure); the reason is cut to 500 characters."""
+    reason = result.get("reason")
+    return HealthVerdict(bool(result.get("healthy")), result.get("failed_part"),
+                         str(reason)[:500] if reason is not None else None)
+
+
+def read_verdict(control_dir: str) -> HealthVerdict | None:
+    """HEALTH_FILE in the pod's control folder, or None: no check ran in this pod (or not yet), or the
+    file is not in the documented shape."""
+    raw = read_json(control_dir, HEALTH_FILE)
+    if raw is None or not isinstance(raw.get("passed"), bool):
+        return None
+    part, reason = raw.get("failed_part"), raw.get("reason")
+    return HealthVerdict(raw["passed"], part if isinstance(part, str) else None,
+                         reason if isinstance(reason, str) else None)
+
+
+def _report(result: dict[str, Any], result_path: str | None, control_dir: str | None = None) -> int:
     line = json.dumps(result, sort_keys=True)
     print(RESULT_PREFIX + line, flush=True)
     if result_path:
@@ -383,6 +424,12 @@ def _report(result: dict[str, Any], result_path: str | None) -> int:
                 f.write(line[:4000])  # the kubelet keeps at most 4096 bytes of a termination message
         except OSError as e:
             print(f"resilax health-check: could not write {result_path}: {e}", file=sys.stderr, flush=True)
+    if control_dir:
+        try:
+            write_json(control_dir, HEALTH_FILE, build_verdict(result).to_json())
+        except OSError as e:  # the sidecar then waits for a final save as if no check had run
+            print(f"resilax health-check: could not write {HEALTH_FILE} in {control_dir}: {e}", file=sys.stderr,
+                  flush=True)
     return EXIT_HEALTHY if result["healthy"] else EXIT_UNHEALTHY
 
 
@@ -401,7 +448,7 @@ def run_check(settings: HealthSettings, result_path: str | None) -> int:
             if timed_out_in is not None:
                 progress.m = dataclasses.replace(progress.m, timed_out_in=timed_out_in)
             results = decide_health(settings, progress.m, expected_checksum())
-            reported.append(_report(build_result(settings, progress, results), result_path))
+            reported.append(_report(build_result(settings, progress, results), result_path, settings.control_dir))
             return reported[0]
 
     def watchdog() -> None:

@@ -106,6 +106,21 @@ def test_settings_from_the_operators_environment() -> None:
     s = hc.HealthSettings.from_env({"RESILAX_DEVICES_PER_HOST": "4", "TPU_WORKER_ID": "0", "JAX_NUM_PROCESSES": "2",
                                     "JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "10.0.0.1:8482"}, timeout=30)
     assert s == hc.HealthSettings(4, "tpu", 2, 1, "10.0.0.1:8482", 30.0, None)
+    with_control = hc.HealthSettings.from_env({"RESILAX_CONTROL_DIR": "/var/run/resilax/control"}, timeout=30)
+    assert with_control.control_dir == "/var/run/resilax/control"
+
+
+@pytest.mark.parametrize(("raw", "want"), [
+    ({"passed": False, "failed_part": "matmul", "reason": "wrong checksum"}, hc.HealthVerdict(False, "matmul", "wrong checksum")),
+    ({"passed": True, "failed_part": None, "reason": None}, hc.HealthVerdict(True)),
+    ({"passed": "no"}, None),
+    ({"failed_part": "matmul"}, None),
+    ([False], None),
+], ids=["failed", "passed", "passed-not-a-bool", "no-passed", "not-an-object"])
+def test_read_verdict_takes_only_the_documented_shape(tmp_path: Path, raw: Any, want: hc.HealthVerdict | None) -> None:
+    (tmp_path / hc.HEALTH_FILE).write_text(json.dumps(raw))
+    assert hc.read_verdict(str(tmp_path)) == want
+    assert hc.read_verdict(str(tmp_path / "missing")) is None
 
 
 # ---------------------------------------------------------------------------------- the real command
@@ -148,9 +163,16 @@ def _finish(procs: list[subprocess.Popen[bytes]], tmp: Path, names: list[str]) -
 ], ids=["healthy", "devices", "matmul", "hang"])
 def test_one_process_on_four_fake_cpu_devices(tmp_path: Path, fault: str, code: int, part: str | None,
                                               reason: str | None) -> None:
-    proc = _start(tmp_path, 4, {"RESILAX_HEALTH_FAULT": fault}, "result.json", timeout=20 if fault == "hang" else 120)
+    control = tmp_path / "control"  # the pod's control folder, shared with the sidecar
+    proc = _start(tmp_path, 4, {"RESILAX_HEALTH_FAULT": fault, "RESILAX_CONTROL_DIR": str(control)}, "result.json",
+                  timeout=20 if fault == "hang" else 120)
     [(rc, result, text)] = _finish([proc], tmp_path, ["result.json"])
     assert rc == code, text
+    # The verdict the sidecar reads (on a failure it then makes no final save: no trainer ran).
+    assert json.loads((control / hc.HEALTH_FILE).read_text()) == {
+        "passed": code == 0, "failed_part": part, "reason": result["reason"]}
+    assert hc.read_verdict(str(control)) == hc.HealthVerdict(code == 0, part, result["reason"])
+    assert [p.name for p in control.iterdir()] == [hc.HEALTH_FILE]  # written whole: no temporary left
     assert (result["healthy"], result["failed_part"], result["devices"], result["host_fault"]) == (
         code == 0, part, 3 if fault == "devices" else 0 if fault == "hang" else 4, code != 0)
     if reason is not None:

@@ -214,6 +214,15 @@ class Jobs:
         except TimeoutError:
             return [e["reason"] for e in self.events(name)]  # the caller's assert shows what is there
 
+    def pod_logs(self, pod: str, container: str) -> list[str]:
+        """Every run's log of `container` in the pod named `pod` (deleted pods' too: their folders stay),
+        oldest pod of that name first."""
+        root = self.cluster.run_dir / "pods" / self.namespace
+        folders = sorted((d for d in root.glob(f"{glob.escape(pod)}-*")
+                          if re.fullmatch(rf"{re.escape(pod)}-[0-9a-f]{{8}}", d.name)), key=lambda d: d.stat().st_mtime)
+        return [run.read_text(errors="replace") for folder in folders
+                for run in sorted((folder / "logs" / container).glob("*.log"), key=lambda p: int(p.stem))]
+
     def trainer_logs(self, name: str) -> list[str]:
         """Every trainer log (each run) of every worker pod of `name` that ran on this cluster, deleted
         pods' too, oldest pod first. Which pod holds process 0 of a generation is not told by its name:

@@ -24,16 +24,14 @@ def test_a_node_that_fails_its_check_gets_no_trainer_of_the_new_generation(
         operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path: Path) -> None:
     name = unique_name("health")
     cluster.make_node_unhealthy(BAD_NODE, "matmul")  # the cluster fixture restores it after the test
-    # finalSave.timeoutSeconds 5: a pod whose check failed never starts its trainer, so its sidecar, told
-    # to stop, waits that long for a final save nobody will answer (no trainer.lock). A kubelet stops that
-    # sidecar, with the pod's own grace, the moment the init container fails (restartPolicy Never: the
-    # pod is terminal); the operator's 2 s delete comes later and does not cut a kill under way short
-    # (kubelet v1.37 SyncTerminatingPod), and the node agent does the same. With job_manifest's 60 s,
-    # generation 2 waited for that sidecar: the call took 64 s instead of 32 (measured at e1f1259).
+    # job_manifest's finalSave of 60 s: a kubelet stops a failed pod's sidecar with the pod's whole grace
+    # the moment its check fails (restartPolicy Never: terminal), and the operator's 2 s delete does not
+    # cut that short (kubelet v1.37, and the node agent alike). The check's health.json tells the sidecar
+    # that no trainer ran, so it exits at once; before, generation 2 waited for it (64 s for this call
+    # instead of 32, measured at e1f1259).
     manifest = job_manifest(name, tmp_path / "ckpt", count=1, steps=100000, step_seconds=0.2,
                             recovery={"healthCheck": {"enabled": True, "timeoutSeconds": 90}},
-                            template=worker_template(steps=100000, step_seconds=0.2, devices=4),
-                            final_save_timeout=5)
+                            template=worker_template(steps=100000, step_seconds=0.2, devices=4))
     jobs.create(manifest)
     status = jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running", 900,
                               "generation 2 Running after the failed check")
@@ -42,6 +40,11 @@ def test_a_node_that_fails_its_check_gets_no_trainer_of_the_new_generation(
     # the scheduler places either host of slice 0 on the bad node
     assert entry["generation"] == 1 and entry["pod"] in {f"{name}-g1-s0-h0", f"{name}-g1-s0-h1"}, entry
     assert "wrong checksum on local device 0" in entry["reason"], entry
+    # Its sidecar, SIGTERMed with the pod's whole grace the moment the check failed, made no final save:
+    # the check's health.json said no trainer would run (before, it waited out finalSave.timeoutSeconds).
+    sidecar_logs = "\n".join(jobs.pod_logs(entry["pod"], "resilax-sidecar"))
+    assert "SIGTERM: no final save: the health check failed (matmul: wrong checksum" in sidecar_logs, \
+        sidecar_logs[-3000:]
     condition = next(c for c in status["conditions"] if c["type"] == "UnhealthyNodes")
     assert condition["status"] == "True" and condition["reason"] == "NodesKeptOut", condition
     assert BAD_NODE in condition["message"], condition

@@ -250,6 +250,45 @@ def test_the_init_container_runs_the_check_with_the_trainers_image_environment_a
     assert api.HEALTH_CHECK_CONTAINER not in _inits(plain.pods[0])
 
 
+def _node_scope(spec: dict[str, Any]) -> dict[str, Any]:
+    spec["checkpoint"]["local"] = {"scope": "Node"}
+    return spec
+
+
+def _no_local_tier(spec: dict[str, Any]) -> dict[str, Any]:
+    del spec["checkpoint"]["local"]
+    return spec
+
+
+def _own_user(spec: dict[str, Any]) -> dict[str, Any]:
+    spec["template"]["spec"]["containers"][0]["securityContext"] = {"runAsUser": 1234}
+    return spec
+
+
+@pytest.mark.parametrize(("shape", "inits"), [
+    (lambda s: s, [api.SIDECAR_CONTAINER, api.HEALTH_CHECK_CONTAINER]),
+    (_node_scope, [api.LOCAL_INIT_CONTAINER, api.SIDECAR_CONTAINER, api.HEALTH_CHECK_CONTAINER]),
+    (_no_local_tier, [api.SIDECAR_CONTAINER, api.HEALTH_CHECK_CONTAINER]),
+    (_own_user, [api.SIDECAR_CONTAINER, api.HEALTH_CHECK_CONTAINER]),
+], ids=["pod-local-tier", "node-local-tier", "no-local-tier", "trainer-user"])
+def test_the_check_writes_its_verdict_into_the_control_folder_the_sidecar_reads(shape: Any, inits: list[str]) -> None:
+    """The check mounts the pod's control folder read-write where the sidecar and the trainer have it and
+    is told its path: its health.json lets the sidecar of a failed pod exit without a final save."""
+    w = World.make(shape(_checked(fixed_spec(count=1))), tpu_pool("pool-a", 4))
+    pod = next(a for a in w.step() if isinstance(a, CreateGeneration)).pods[0]["spec"]
+    assert _inits({"spec": pod}) == inits
+    by_name = {c["name"]: c for c in [*pod["initContainers"], *pod["containers"]]}
+    check, sidecar, trainer = (by_name[n] for n in (api.HEALTH_CHECK_CONTAINER, api.SIDECAR_CONTAINER,
+                                                    api.TRAINER_CONTAINER))
+    control = {"name": api.CONTROL_VOLUME, "mountPath": api.CONTROL_DIR}
+    assert check["volumeMounts"] == [control]  # read-write; nothing else of the pod's
+    assert control in sidecar["volumeMounts"] and control in trainer["volumeMounts"]
+    assert {"name": api.CONTROL_VOLUME, "emptyDir": {}} in pod["volumes"]
+    assert {e["name"]: e.get("value") for e in check["env"]}["RESILAX_CONTROL_DIR"] == api.CONTROL_DIR
+    assert check["securityContext"] == trainer["securityContext"]  # the restricted one, the trainer's user
+    assert check["securityContext"]["allowPrivilegeEscalation"] is False
+
+
 @pytest.mark.parametrize(("code", "message", "want"), [
     (0, json.dumps({"healthy": True, "failed_part": None, "host_fault": False}), HealthResult(0, None, "", False)),
     (79, json.dumps({"failed_part": "devices", "reason": "3 devices visible, 4 expected", "host_fault": True}),
