@@ -27,9 +27,9 @@ from typing import Any
 
 from aiohttp import web
 from resilax_ckpt.control import trainer_control as tc
+from resilax_ckpt.control.health_verdict import read_verdict
 from resilax_ckpt.control.requests import read_restore_report
 from resilax_ckpt.control.trainer_metrics import read_trainer_figures
-from resilax_ckpt.trainer import health_check as hc
 
 from resilax_sidecar import control, node_sweep
 from resilax_sidecar.config import SidecarConfig, log_level_number
@@ -195,7 +195,7 @@ class Sidecar:
             "trainer_process": tc.read_incarnation(str(cfg.control_dir)),
             "assignment": {"generation": a.generation} if (a := tc.read_assignment(str(cfg.control_dir))) else None,
             # The pod's health check (its health.json: {"passed", "failed_part", "reason"}), None: none ran.
-            "health_check": v.to_json() if (v := hc.read_verdict(str(cfg.control_dir))) else None,
+            "health_check": v.to_json() if (v := read_verdict(str(cfg.control_dir))) else None,
         }
         self.compile_cache_log.note(trainer)
         if self.uploader is not None:
@@ -325,7 +325,7 @@ class Sidecar:
         self.stopping = True
         cfg = self.config
         # A pod whose health check failed never ran its trainer: nobody would answer, nothing can be lost.
-        nothing = control.plan_nothing_to_save(hc.read_verdict(str(cfg.control_dir)),
+        nothing = control.plan_nothing_to_save(read_verdict(str(cfg.control_dir)),
                                                control.trainer_alive(cfg.control_dir))
         if nothing is not None:
             log.info("SIGTERM: no final save: %s", nothing)

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from resilax_ckpt.control.control_files import load_control_json
+from resilax_ckpt.control.health_verdict import HealthVerdict
 from resilax_ckpt.control.requests import REQUESTS_DIR, RESULTS_DIR, TRAINER_LOCK
-from resilax_ckpt.trainer.health_check import HealthVerdict
 
 # The file protocol's names are defined once, in the library (resilax_ckpt.control.requests). A live trainer
 # holds a shared `flock` on TRAINER_LOCK; the kernel drops it when the process ends, however it ends,

@@ -10,9 +10,8 @@ import signal
 import time
 from pathlib import Path
 
+from resilax_ckpt.control.health_verdict import HealthVerdict, write_verdict
 from resilax_ckpt.control.requests import write_stop_record
-from resilax_ckpt.control.trainer_control import write_json
-from resilax_ckpt.trainer import health_check as hc
 from resilax_sidecar.store import LocalFolderStore
 from sidecar_harness import step_files, wait_until, write_local_step
 
@@ -114,8 +113,8 @@ def test_an_answered_stop_request_is_the_final_save(tmp_path, sidecar_env, start
 # ---- a pod whose health check failed (issue 39, "Health-checked starts") --------------------------------
 
 
-def _write_verdict(control: Path, verdict: hc.HealthVerdict) -> None:
-    write_json(str(control), hc.HEALTH_FILE, verdict.to_json())
+def _write_verdict(control: Path, verdict: HealthVerdict) -> None:
+    write_verdict(str(control), verdict)
 
 
 def test_a_pod_whose_health_check_failed_exits_at_once_without_asking_for_a_final_save(
@@ -127,7 +126,7 @@ def test_a_pod_whose_health_check_failed_exits_at_once_without_asking_for_a_fina
     env = {**_env(sidecar_env, tmp_path, grace=300), "RESILAX_SIDECAR_TERMINATION_LOG": str(tmp_path / "last-words")}
     control = Path(env["RESILAX_CONTROL_DIR"])
     control.mkdir()
-    _write_verdict(control, hc.HealthVerdict(False, "matmul", "wrong checksum on local device 0"))
+    _write_verdict(control, HealthVerdict(False, "matmul", "wrong checksum on local device 0"))
     sidecar = start_sidecar(env)
     assert sidecar.get("/v1/state").body["health_check"] == {
         "passed": False, "failed_part": "matmul", "reason": "wrong checksum on local device 0"}
@@ -150,7 +149,7 @@ def test_a_passed_health_check_still_waits_for_a_trainer_that_does_not_announce_
     env = _env(sidecar_env, tmp_path, grace=3)
     control = Path(env["RESILAX_CONTROL_DIR"])
     control.mkdir()
-    _write_verdict(control, hc.HealthVerdict(True))
+    _write_verdict(control, HealthVerdict(True))
     sidecar = start_sidecar(env)
     assert sidecar.get("/v1/state").body["health_check"] == {"passed": True, "failed_part": None, "reason": None}
     sidecar.signal(signal.SIGTERM)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from resilax_ckpt.control import trainer_control as tc
-from resilax_ckpt.trainer.health_check import HealthVerdict
+from resilax_ckpt.control.health_verdict import HealthVerdict
 from resilax_sidecar import trainer_control as trainer
 from resilax_sidecar.control import plan_nothing_to_save
 from sidecar_harness import REPO, TOKEN, wait_until, write_local_step

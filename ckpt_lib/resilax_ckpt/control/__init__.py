@@ -6,4 +6,5 @@ its pod's sidecar exchange. JAX-free: the sidecar and `resilax run` import them.
 - `trainer_control`: the supervisor's `incarnation.json`, the sidecar's orders to stop its child
   (`trainer-stop.json`) and to start the next (`assignment.json`).
 - `trainer_metrics`: the trainer's figures in `trainer.json` (saves, restores, step rate, compile cache).
+- `health_verdict`: the pod's health check verdict in `health.json`, for the sidecar.
 """

@@ -19,9 +19,9 @@ after failing its own part).
 
 Prints one JSON line on stdout (`{"healthy": ..., "parts": [...], "seconds": ...}`), writes the same to
 `--result FILE` (the pod's termination message: the operator reads it from its watch cache), writes its
-verdict `{"passed", "failed_part", "reason"}` to HEALTH_FILE in `$RESILAX_CONTROL_DIR` when that is set
-(the pod's control folder: the sidecar reads it, and on SIGTERM does not wait for a final save from a
-trainer that never ran because the check failed) and exits 0 (healthy), EXIT_UNHEALTHY (a part failed or
+verdict to `health.json` in `$RESILAX_CONTROL_DIR` when that is set (control/health_verdict.py: the
+sidecar reads it, and on SIGTERM does not wait for a final save from a trainer that never ran because
+the check failed) and exits 0 (healthy), EXIT_UNHEALTHY (a part failed or
 ran past the time bound) or 2 (a usage error).
 `decide_health` is the pure decision over the measurements; the rest only measures.
 
@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from resilax_ckpt.control.trainer_control import read_json, write_json
+from resilax_ckpt.control.health_verdict import HEALTH_FILE, build_verdict, write_verdict
 
 EXIT_HEALTHY: Final = 0
 EXIT_USAGE: Final = 2
@@ -62,9 +62,6 @@ DEFAULT_TIMEOUT_SECONDS: Final = 120.0
 MATMUL_SIZE: Final = 256
 #: The check's own key prefix in the coordination service.
 RESULT_PREFIX: Final = "RESILAX_HEALTH "
-#: The check's verdict in the pod's control folder (`$RESILAX_CONTROL_DIR`), written atomically when the
-#: check ends, passed or not: `{"passed": bool, "failed_part": str | None, "reason": str | None}`.
-HEALTH_FILE: Final = "health.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,36 +382,6 @@ def build_result(settings: HealthSettings, progress: _Progress, results: Sequenc
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class HealthVerdict:
-    """What HEALTH_FILE says: the check's verdict, for the pod's sidecar."""
-
-    passed: bool
-    failed_part: str | None = None
-    reason: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "failed_part": self.failed_part, "reason": self.reason}
-
-
-def build_verdict(result: Mapping[str, Any]) -> HealthVerdict:
-    """The verdict of a `build_result` answer (pure); the reason is cut to 500 characters."""
-    reason = result.get("reason")
-    return HealthVerdict(bool(result.get("healthy")), result.get("failed_part"),
-                         str(reason)[:500] if reason is not None else None)
-
-
-def read_verdict(control_dir: str) -> HealthVerdict | None:
-    """HEALTH_FILE in the pod's control folder, or None: no check ran in this pod (or not yet), or the
-    file is not in the documented shape."""
-    raw = read_json(control_dir, HEALTH_FILE)
-    if raw is None or not isinstance(raw.get("passed"), bool):
-        return None
-    part, reason = raw.get("failed_part"), raw.get("reason")
-    return HealthVerdict(raw["passed"], part if isinstance(part, str) else None,
-                         reason if isinstance(reason, str) else None)
-
-
 def _report(result: dict[str, Any], result_path: str | None, control_dir: str | None = None) -> int:
     line = json.dumps(result, sort_keys=True)
     print(RESULT_PREFIX + line, flush=True)
@@ -426,7 +393,7 @@ def _report(result: dict[str, Any], result_path: str | None, control_dir: str | 
             print(f"resilax health-check: could not write {result_path}: {e}", file=sys.stderr, flush=True)
     if control_dir:
         try:
-            write_json(control_dir, HEALTH_FILE, build_verdict(result).to_json())
+            write_verdict(control_dir, build_verdict(result))
         except OSError as e:  # the sidecar then waits for a final save as if no check had run
             print(f"resilax health-check: could not write {HEALTH_FILE} in {control_dir}: {e}", file=sys.stderr,
                   flush=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import pytest
+from resilax_ckpt.control import health_verdict as hv
 from resilax_ckpt.trainer import health_check as hc
 from resilax_local.processes import free_port
 
@@ -111,16 +112,16 @@ def test_settings_from_the_operators_environment() -> None:
 
 
 @pytest.mark.parametrize(("raw", "want"), [
-    ({"passed": False, "failed_part": "matmul", "reason": "wrong checksum"}, hc.HealthVerdict(False, "matmul", "wrong checksum")),
-    ({"passed": True, "failed_part": None, "reason": None}, hc.HealthVerdict(True)),
+    ({"passed": False, "failed_part": "matmul", "reason": "wrong checksum"}, hv.HealthVerdict(False, "matmul", "wrong checksum")),
+    ({"passed": True, "failed_part": None, "reason": None}, hv.HealthVerdict(True)),
     ({"passed": "no"}, None),
     ({"failed_part": "matmul"}, None),
     ([False], None),
 ], ids=["failed", "passed", "passed-not-a-bool", "no-passed", "not-an-object"])
-def test_read_verdict_takes_only_the_documented_shape(tmp_path: Path, raw: Any, want: hc.HealthVerdict | None) -> None:
-    (tmp_path / hc.HEALTH_FILE).write_text(json.dumps(raw))
-    assert hc.read_verdict(str(tmp_path)) == want
-    assert hc.read_verdict(str(tmp_path / "missing")) is None
+def test_read_verdict_takes_only_the_documented_shape(tmp_path: Path, raw: Any, want: hv.HealthVerdict | None) -> None:
+    (tmp_path / hv.HEALTH_FILE).write_text(json.dumps(raw))
+    assert hv.read_verdict(str(tmp_path)) == want
+    assert hv.read_verdict(str(tmp_path / "missing")) is None
 
 
 # ---------------------------------------------------------------------------------- the real command
@@ -169,10 +170,10 @@ def test_one_process_on_four_fake_cpu_devices(tmp_path: Path, fault: str, code: 
     [(rc, result, text)] = _finish([proc], tmp_path, ["result.json"])
     assert rc == code, text
     # The verdict the sidecar reads (on a failure it then makes no final save: no trainer ran).
-    assert json.loads((control / hc.HEALTH_FILE).read_text()) == {
+    assert json.loads((control / hv.HEALTH_FILE).read_text()) == {
         "passed": code == 0, "failed_part": part, "reason": result["reason"]}
-    assert hc.read_verdict(str(control)) == hc.HealthVerdict(code == 0, part, result["reason"])
-    assert [p.name for p in control.iterdir()] == [hc.HEALTH_FILE]  # written whole: no temporary left
+    assert hv.read_verdict(str(control)) == hv.HealthVerdict(code == 0, part, result["reason"])
+    assert [p.name for p in control.iterdir()] == [hv.HEALTH_FILE]  # written whole: no temporary left
     assert (result["healthy"], result["failed_part"], result["devices"], result["host_fault"]) == (
         code == 0, part, 3 if fault == "devices" else 0 if fault == "hang" else 4, code != 0)
     if reason is not None:
