@@ -58,6 +58,13 @@ def test_a_transition_in_progress_is_the_last_fault_and_a_new_job_shows_dashes()
     moving = _job(phase="Recovering", generation=1,
                   transition={"kind": "NodeLoss", "generation": 1, "message": "node tpu-1 lost"})
     assert kubectl_plugin.last_fault(moving["status"], []) == "NodeLoss (in progress, generation 1): node tpu-1 lost"  # type: ignore[arg-type]
+    # After its final save a rollback goes on in place: no transition left, and none of its Events is a Warning.
+    in_place = _job(phase="Recovering", generation=2,
+                    inPlace={"kind": "Rollback", "from": 1, "generation": 2, "phase": "Stopping",
+                             "message": "restore.step 8: generation 1 saves, generation 2 restores 8"})
+    events = [{"type": "Warning", "reason": "NodeLost", "message": "old", "lastTimestamp": "2026-12-04T10:00:00Z"}]
+    assert kubectl_plugin.last_fault(in_place["status"], events) == (  # type: ignore[arg-type]
+        "Rollback (in progress in place, generation 1 -> 2): restore.step 8: generation 1 saves, generation 2 restores 8")
     screen = kubectl_plugin.build_status_screen(_job(), [], NOW)
     assert "Phase:      Pending" in screen and "Saved step: none" in screen and "Last fault: none" in screen
     suspended = _job(phase="Running", generation=1)

@@ -2,8 +2,10 @@
 generation's start run the next incarnation in the same process (`rc.run_kept`: backends dropped,
 devices reopened), which restores its own final save from the local tier and continues on the loss
 curve of a run without restarts, bit for bit; a restart that may not be kept (here a hang's stop,
-which asks for stacks) is a fresh process that does the same. Real processes on CPU devices, driven
-through the supervisor's control files as the sidecar does."""
+which asks for stacks) is a fresh process that does the same; a rollback (the operator's: only
+RESILAX_RESTORE_STEP changes) is kept too and restores the older step asked, never the newer local
+steps of the timeline it abandons. Real processes on CPU devices, driven through the supervisor's control
+files as the sidecar does."""
 
 from __future__ import annotations
 
@@ -74,9 +76,9 @@ def test_a_kept_restart_keeps_the_process_restores_bit_exact_and_continues_the_s
                 with contextlib.suppress(ValueError):
                     records.append(json.loads(line))
 
-        def restart(generation: int, stacks: bool = False) -> None:
+        def restart(generation: int, stacks: bool = False, env: dict[str, str] | None = None) -> None:
             tc.write_json(str(control), tc.STOP_FILE, {"generation": generation, "reason": "test", "stacks": stacks})
-            tc.write_json(str(control), tc.ASSIGNMENT_FILE, {"generation": generation, "env": {}})
+            tc.write_json(str(control), tc.ASSIGNMENT_FILE, {"generation": generation, "env": env or {}})
 
         def steps_of(generation: int) -> list[int]:
             return [r["step"] for r in records if "step" in r and r["generation"] == generation]
@@ -86,6 +88,11 @@ def test_a_kept_restart_keeps_the_process_restores_bit_exact_and_continues_the_s
             restart(2)
             until("a step of generation 2", lambda: len(steps_of(2)) >= 1)
             restart(3, stacks=True)  # a hang's stop: never kept
+            until("two steps of generation 3", lambda: len(steps_of(3)) >= 2)
+            # a rollback to generation 1's final save, which generations 2 and 3 went past (their newer
+            # local steps, generation 3's final save among them, are the abandoned timeline's)
+            back = next(r["restored"] for r in records if r.get("generation") == 2 and "restored" in r)
+            restart(4, env={"RESILAX_RESTORE_STEP": str(back)})
             until("the end", lambda: False)
             proc.wait(timeout=DEADLINE)
         finally:
@@ -94,21 +101,24 @@ def test_a_kept_restart_keeps_the_process_restores_bit_exact_and_continues_the_s
     assert proc.returncode == 0, log.read_text()[-4000:]
     startups = [r["startup"] for r in records if "startup" in r]
     restores = [r for r in records if "restored" in r]
-    assert [s["kept"] for s in startups] == [False, True, False]
+    assert [s["kept"] for s in startups] == [False, True, False, True]
     assert startups[0]["pid"] == startups[1]["pid"] != startups[2]["pid"], "generation 2 ran in generation 1's process"
+    assert startups[2]["pid"] == startups[3]["pid"], "the rollback's generation 4 ran in generation 3's process"
     assert startups[1]["compilation_cache"]["hits"] > startups[0]["compilation_cache"]["hits"]
     assert startups[1]["marks"]["live_arrays_at_drop"] == 0, "generation 1's device arrays were all freed"
     # each later generation restored the stop's final save from the local tier, and went on from there
-    assert [(r["generation"], r["from"]) for r in restores] == [(2, "local"), (3, "local")]
+    assert [(r["generation"], r["from"]) for r in restores] == [(2, "local"), (3, "local"), (4, "local")]
     assert restores[0]["restored"] == max(steps_of(1)) and restores[1]["restored"] == max(steps_of(2))
     assert min(steps_of(2)) == restores[0]["restored"] + 1 and min(steps_of(3)) == restores[1]["restored"] + 1
-    assert max(steps_of(3)) == STEPS
+    # the rollback restored the step asked, not generation 3's newer final save still in the local tier
+    assert restores[2]["restored"] == restores[0]["restored"] < max(steps_of(3))
+    assert min(steps_of(4)) == restores[2]["restored"] + 1 and max(steps_of(4)) == STEPS
     # the same loss curve, bit for bit: the restored state is the saved one
-    for generation in (1, 2, 3):
+    for generation in (1, 2, 3, 4):
         for r in (r for r in records if "step" in r and r["generation"] == generation):
             assert r["loss"] == straight[r["step"]], (generation, r["step"])
     record = tc.read_incarnation(str(control))
-    assert record is not None and record["incarnation"] == 3
-    assert record["restarts"] == {"kept": 1, "fresh": {"hang": 1}}
+    assert record is not None and record["incarnation"] == 4
+    assert record["restarts"] == {"kept": 2, "fresh": {"hang": 1}}
     text = log.read_text()
     assert "runs in the kept process" in text and "gets a fresh trainer process (hang)" in text

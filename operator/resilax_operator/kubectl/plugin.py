@@ -120,12 +120,18 @@ def _age(then: datetime | None, now: datetime) -> str:
 
 
 def last_fault(status: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> str:
-    """The transition in progress, else the newest Warning event, else `none`."""
+    """The transition in progress (or the in-place restart it became), else the newest Warning event,
+    else `none`."""
     transition = status.get("transition")
     if isinstance(transition, Mapping) and transition.get("kind"):
         message = escape_controls(str(transition.get("message") or ""))
         return escape_controls(f"{transition['kind']} (in progress, generation {transition.get('generation')}): "
                                f"{message}".rstrip(": "))
+    in_place = status.get("inPlace")
+    if isinstance(in_place, Mapping) and in_place.get("kind"):  # a rollback's says no Warning event
+        message = escape_controls(str(in_place.get("message") or ""))
+        return escape_controls(f"{in_place['kind']} (in progress in place, generation {in_place.get('from')} -> "
+                               f"{in_place.get('generation')}): {message}".rstrip(": "))
     warnings = [e for e in events if e.get("type") == "Warning"]
     if not warnings:
         return "none"

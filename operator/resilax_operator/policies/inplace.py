@@ -9,12 +9,12 @@ barrier: stop every kept trainer and delete the other pods; only then create and
 
 | step                          | decision                                                          |
 |-------------------------------|-------------------------------------------------------------------|
-| a finding (`begin_transition`; TrainerHung too, its trainers stopped with their stacks dumped) | `decide_mode`: in place, or today's full replacement (transition.py; `InPlaceUnavailable` event naming why when inPlace is Auto) |
+| a finding (`begin_transition`; TrainerHung too, its trainers stopped with their stacks dumped) | `decide_mode`: in place, or today's full replacement (transition.py; `InPlaceUnavailable` event naming why when inPlace is Auto; for a planned move, only what the job's make or its pods rule out, said as it begins) |
 | in place: `begin`             | status first (generation N+1, shape, pools, workerPods, inPlace Stopping), then delete the pods not kept, re-label the kept ones, stop their trainers |
 | Stopping                      | re-send the stop to kept pods not proven stopped; past the deadline a kept pod not proven stopped is dropped and deleted (its slot gets a new pod); Starting once every kept pod is stopped and no other pod is left |
 | Starting                      | after a failure's backoff: create pod 0 if it is new, then the other missing pods with its IP and start the kept trainers (their environment overlay); inPlace cleared once every kept pod runs the new generation and every pod exists |
 | a node down, a trainer of N+1 failing, a pod deleted during it | a new finding against N+1: `begin_transition` again (in place to N+2 if eligible) |
-| a planned move (grow-back, resize, preemption) once its final save is done (`after_final_save`, called by transition.py before its teardown deletes anything) | `decide_mode` over the planned kinds: in place (the trainers stopped after the save are the kept ones; the pods of noticed nodes go), else the transition's teardown as before |
+| a planned move (grow-back, resize, preemption, rollback) once its final save is done (`after_final_save`, called by transition.py before its teardown deletes anything) | `decide_mode` over the planned kinds: in place (the trainers stopped after the save are the kept ones; the pods of noticed nodes go), else the transition's teardown as before |
 
 Nothing is kept in memory: the status says the phase, the kept pods and which are stopped and started;
 the sidecars' `trainer_process` says the rest (observed/trainer_process.py); every action repeats harmlessly.
@@ -67,8 +67,10 @@ from . import (
 IN_PLACE_KINDS: Final = frozenset({st.NODE_LOSS, st.WORKER_FAILURE, st.POD_LOST, st.SHRINK, st.TRAINER_HUNG})
 #: Planned moves: transition.py runs their final save first, then hands them here (`after_final_save`);
 #: the survivors' trainers have stopped after that save, so they are kept, and only the pods of a new
-#: slice (grow-back, resize) are created. A suspend has no next generation.
-AFTER_SAVE_KINDS: Final = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK})
+#: slice (grow-back, resize) are created. A rollback changes neither nodes nor shape: every pod is kept,
+#: and the next generation's environment names the step asked (`rollback.plan_restore`). A suspend has
+#: no next generation.
+AFTER_SAVE_KINDS: Final = frozenset({st.PREEMPTION, st.RESIZE, st.GROW_BACK, st.ROLLBACK})
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,12 @@ def begin_transition(spec: JobSpec, observed: Observed, s: JobStatus, settings: 
     if mode.lease_wait is not None:  # the finding stands: decided again once the Lease renews or expires
         return generation_start.wait_for_lease(observed, s, mode.lease_wait, actions)
     if mode.plan is None:
-        if mode.why:
+        # A planned move goes in place only after its final save (`after_final_save`); what rules that
+        # out whatever the nodes do (the job's or its pods' make) is said now, once, with its Event.
+        why = mode.why or (_unavailable(spec, observed, s) if finding.kind in AFTER_SAVE_KINDS else "")
+        if why:
             event = EmitEvent("Normal", api.IN_PLACE_UNAVAILABLE.name,
-                              api.IN_PLACE_UNAVAILABLE.format(generation=s.generation + 1, why=mode.why))
+                              api.IN_PLACE_UNAVAILABLE.format(generation=s.generation + 1, why=why))
             finding = replace(finding, events=(*finding.events, event))
         return transition.begin(spec, observed, replace(s, in_place=None), settings, actions, finding)
     counted = transition.account(spec, observed, s, settings, actions, finding)
@@ -113,8 +118,9 @@ def _qualifies(observed: Observed, p: ObservedPod, lead: timedelta) -> bool:
 def after_final_save(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
                      actions: list[Action]) -> list[Action] | None:
     """A planned transition whose final save is done (or not wanted) and whose teardown deleted nothing
-    yet: in place when `decide_mode` says so (the transition's Event was said: no second one, and no
-    `InPlaceUnavailable`: the teardown is the planned move's usual way), else None."""
+    yet: in place when `decide_mode` says so (the transition's Event was said: no second one), else None.
+    No `InPlaceUnavailable` here: what the job's make rules out was said when the move began
+    (`begin_transition`), and a teardown for the nodes' sake is the planned move's usual way."""
     t = s.transition
     assert t is not None and not t.saving
     finding = Finding(t.kind, t.reason, t.message, event_type="Normal", not_before=t.not_before)
@@ -126,17 +132,26 @@ def after_final_save(spec: JobSpec, observed: Observed, s: JobStatus, settings: 
     return begin(spec, observed, replace(s, transition=None), settings, actions, finding, mode, announce=False)
 
 
+def _unavailable(spec: JobSpec, observed: Observed, s: JobStatus) -> str:
+    """Why no pod of the running generation can be kept whatever the nodes do ("" when none; inPlace
+    Never: nothing to explain): the job's make (builders.in_place_unavailable) or a pod without a supervisor."""
+    if not spec.recovery.in_place_auto:
+        return ""
+    why = in_place_unavailable(observed.job, spec)
+    unsupervised = [p.name for p in observed.pods_of(s.generation) if not p.supervised]
+    if not why and unsupervised:
+        why = f"pod {unsupervised[0]} runs no supervisor (created before recovery.inPlace was Auto)"
+    return why
+
+
 def decide_mode(spec: JobSpec, observed: Observed, s: JobStatus, finding: Finding,
                 kinds: frozenset[str] = IN_PLACE_KINDS) -> Mode:
     """In place or full replacement, and with which pods kept (module docstring, docs/architecture.md).
     `kinds`: the findings answered in place (planned moves only after their final save)."""
     if not spec.recovery.in_place_auto or finding.kind not in kinds:
         return Mode()
-    why = in_place_unavailable(observed.job, spec)
+    why = _unavailable(spec, observed, s)
     pods = observed.pods_of(s.generation)
-    unsupervised = [p.name for p in pods if not p.supervised]
-    if not why and unsupervised:
-        why = f"pod {unsupervised[0]} runs no supervisor (created before recovery.inPlace was Auto)"
     if why or s.shape is None:
         return Mode(why=why or "the running shape is unknown")
     now, lead = observed.now, preemption.maintenance_lead(spec, s)

@@ -1,9 +1,11 @@
 """A rollback is told truly (issue 40, item 6), end to end with real JAX workers (examples/train.py) on
 the local cluster, in one flow:
 1. a running job rolled back by editing `spec.checkpoint.restore.step` (what `kubectl resilax rollback`
-   does): the current step is saved, generation 2 restores the step asked, the newer steps stay on
-   storage (superseded on their branch: nothing committed is lost), and from the moment the status
-   names the new branch every status the operator writes shows a step of that branch;
+   does): the current step is saved, generation 2 restores the step asked **in place** (recovery.inPlace
+   Auto, the default: the same pods, same UIDs, each trainer restarted by its supervisor with the new
+   generation's environment: a fresh trainer process, as examples/train.py does not park), the newer
+   steps stay on storage (superseded on their branch: nothing committed is lost), and from the moment
+   the status names the new branch every status the operator writes shows a step of that branch;
 2. the job deleted and applied again with `checkpoint.restore.step` of an older step: the new object's
    status never shows a superseded step once it restored, and its history carries the restored step
    and its source.
@@ -73,14 +75,26 @@ def test_a_rollback_by_edit_and_by_re_creation_is_told_truly(operator: OperatorP
     era = _epoch(storage, committed_steps(storage)[0])[0]  # type: ignore[index]
 
     # 1. The edit: roll back to the second committed step.
+    pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in jobs.pods(name)}
+    assert len(pods) == 2, pods
     before = committed_steps(storage)
     back = before[1]
     jobs.patch_spec(name, {"checkpoint": {"restore": {"step": back}}})
-    wait_generation(jobs, name, 2, count=1)
+    status = wait_generation(jobs, name, 2, count=1)
     gen1, gen2 = jobs.losses(name, 1), jobs.losses(name, 2)
     assert min(gen2) == back + 1, (back, min(gen2))  # generation 2 trains on from the step asked
-    reasons = jobs.event_reasons(name, "RollbackAsked", "FinalSaveDone")
+    reasons = jobs.event_reasons(name, "RollbackAsked", "FinalSaveDone", "RestartingInPlace")
     assert "RollbackAsked" in reasons and "FinalSaveDone" in reasons, reasons
+    # In place: the same pods (names and UIDs) serve generation 2, none replaced, every trainer restored
+    # the step asked; a trainer of 2 processes is a fresh process under the same supervisor.
+    assert "RestartingInPlace" in reasons and "InPlaceUnavailable" not in reasons, reasons
+    assert status.get("inPlaceRestarts") == 1 and sorted(status["workerPods"]) == sorted(pods), status
+    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in jobs.pods(name)} == pods
+    restores = wait_for(lambda: r if len(r := jobs.restores(name, 2)) == 2 else None, timeout=60, interval=1,
+                        message=f"{name}: both processes' restores of generation 2")
+    assert {r["restored"] for r in restores.values()} == {back}, restores
+    # examples/train.py is no rc.run_kept trainer and runs 2 processes: the supervisor starts a fresh one
+    assert "generation 2 gets a fresh trainer process" in "".join(jobs.trainer_logs(name))
     final = max(gen1)  # the current step, saved first
     done = [e["message"] for e in jobs.events(name) if e["reason"] == "FinalSaveDone"]
     assert any(f"step {final} committed" in m for m in done), (final, done)
@@ -93,7 +107,7 @@ def test_a_rollback_by_edit_and_by_re_creation_is_told_truly(operator: OperatorP
     assert status["restoreAsked"] == str(back)
     e1, e2 = status["history"][-2:]
     assert (e1["generation"], e1["endReason"]) == (1, "RollbackAsked"), e1
-    assert (e2["generation"], e2["restoredStep"], e2["restoredFrom"]) == (2, back, "persistent"), e2
+    assert (e2["generation"], e2["restoredStep"], e2["restoredFrom"], e2["inPlace"]) == (2, back, "persistent", True), e2
     assert all(s == back or _epoch(storage, s) == (era, 2) for s in e2.get("checkpoints") or []), e2
     # Nothing committed is lost: every step generation 1 committed is still there, those after the
     # step asked superseded (kept, never restored) by the library's own rules.

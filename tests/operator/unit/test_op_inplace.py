@@ -17,11 +17,12 @@ from op_samples import good_spec
 from op_world import SETTINGS, World, cpu_pool
 from resilax_operator import api
 from resilax_operator import status as st
-from resilax_operator.actions import CreateGeneration, DeleteGeneration, StartTrainers
+from resilax_operator.actions import CreateGeneration, DeleteGeneration, RequestFinalSave, StartTrainers
 from resilax_operator.builders import JobRef
 from resilax_operator.observed.snapshot import SaveOutcome, Taint
 from resilax_operator.policies import Finding
 from resilax_operator.policies.inplace import decide_mode
+from resilax_operator.status_fields.checkpoint import CheckpointInfo
 from resilax_operator.validation import validate_spec
 
 NODE_LOST = Finding(st.NODE_LOSS, api.NODE_LOST.name, "node gone")
@@ -382,3 +383,66 @@ def test_with_in_place_never_a_grow_back_still_replaces_every_pod() -> None:
     settle(w)
     assert w.status.generation == 3 and w.status.shape is not None and w.status.shape.count == 2
     assert not before & set(w.pods) and api.RESTARTING_IN_PLACE.name not in w.reasons()
+
+
+# ---- a rollback (spec.checkpoint.restore.step edited; policies/rollback.py), after its final save ---
+
+
+def _save_done_and_stopped(w: World, step: int) -> None:
+    """The final save commits `step` and every trainer stops: a supervised one exits 75 under its
+    supervisor (its pod stays), an unsupervised one ends its container (its pod Failed, 75)."""
+    w.outcomes.append(SaveOutcome(w.save_requests[-1].request_id, step=step, committed=True))
+    for name, p in list(w.pods.items()):
+        if p.supervised and w.processes[name].state == "running":
+            w.fail_trainer(name, api.EXIT_CODE_STOPPED)
+        elif not p.supervised:
+            w.exit_workers(api.EXIT_CODE_STOPPED, names=[name])
+
+
+@pytest.mark.parametrize(("case", "why"), [
+    pytest.param("auto", None, id="kept-every-pod"),
+    pytest.param("never", "", id="inPlace-Never-full-replacement"),
+    pytest.param("unsupervised-pod", "llama-g1-s1-h0 runs no supervisor", id="unsupervised-pod-full-replacement"),
+])
+def test_a_rollback_after_its_final_save(case: str, why: str | None) -> None:
+    """A rollback changes neither nodes nor shape: in place, every pod is kept (same UIDs and nodes) and
+    each kept trainer is started with the new generation's environment, which restores the step asked;
+    no pod is created. inPlace Never, or a pod without a supervisor: every pod replaced, the new pods
+    told the step asked; the reason said once (InPlaceUnavailable) when there is one."""
+    w = _world("Never" if case == "never" else "Auto")
+    if case == "unsupervised-pod":
+        w.pods["llama-g1-s1-h0"] = replace(w.pods["llama-g1-s1-h0"], supervised=False)
+    before = _identity(w)
+    w.checkpoint = CheckpointInfo(44)
+    tick(w)
+    w.spec["checkpoint"].setdefault("restore", {})["step"] = 8
+    w.spec_generation += 1
+    actions = tick(w)
+    t = w.status.transition
+    assert t is not None and t.kind == st.ROLLBACK and t.saving, w.status  # the current step saved first
+    assert any(isinstance(a, RequestFinalSave) for a in actions)
+    assert not [c for c in w.trainer_calls if c[0] == "stop"]  # nothing stopped before the save
+    _save_done_and_stopped(w, 50)
+    actions = [a for _ in range(15) for a in tick(w)]
+    s = w.status
+    assert s.phase == api.PHASE_RUNNING and s.generation == 2 and s.transition is None and s.in_place is None, s
+    assert (s.restore_step, s.restore_asked, s.failures) == ("8", "8", 0)
+    assert w.reasons().count(api.ROLLBACK_ASKED.name) == 1
+    created = [m for a in actions if isinstance(a, CreateGeneration) for m in a.pods]
+    started = [dict(env) for a in actions if isinstance(a, StartTrainers) for _, env in a.pods]
+    unavailable = [e.message for e in w.events if e.reason == api.IN_PLACE_UNAVAILABLE.name]
+    if why is None:
+        assert _identity(w) == before and list(s.worker_pods) == sorted(before)  # the same pods, on the same nodes
+        assert not created and s.in_place_restarts == 1 and not unavailable
+        assert w.reasons().count(api.RESTARTING_IN_PLACE.name) == 1
+        assert len(started) == 4 and {env["RESILAX_RESTORE_STEP"] for env in started} == {"8"}, started
+        assert {env["RESILAX_GENERATION"] for env in started} == {"2"}
+        assert all(w.processes[n].generation == 2 and w.processes[n].state == "running" for n in w.pods)
+        assert s.history[-1].in_place and s.history[-2].end_reason == api.ROLLBACK_ASKED.name
+        return
+    assert not set(before) & set(w.pods) and s.in_place_restarts == 0 and not started
+    assert api.RESTARTING_IN_PLACE.name not in w.reasons()
+    told = {e["value"] for m in created for c in m["spec"]["containers"] for e in c.get("env") or []
+            if e["name"] == "RESILAX_RESTORE_STEP"}
+    assert len(created) == 4 and told == {"8"}
+    assert len(unavailable) == bool(why) and all(why in m for m in unavailable), unavailable
