@@ -5,7 +5,10 @@ Run by the JAXJob operator (one process per host), or by hand:  python examples/
 Everything Resilax-specific is the five marked lines: join the job's processes, build the checkpoint
 manager from the environment the operator injects, restore onto whatever mesh this generation has,
 save each step (the manager decides when), and stop when asked. The data is a pure function of the
-step, so the loss curve continues across generations and any lost step would show.
+step, so the loss curve continues across generations and any lost step would show. `rc.run_kept(main)`
+runs it: under `resilax run`, a restart that changes nothing but the generation (one process, the same
+world: a rollback) runs in this same process (docs/architecture.md, "Keep what can be kept"); elsewhere
+it is a plain call.
 """
 
 from __future__ import annotations
@@ -139,4 +142,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(rc.run_kept(main))  # under `resilax run`, this process may run the next generation too

@@ -2,28 +2,35 @@
 the local cluster, in one flow:
 1. a running job rolled back by editing `spec.checkpoint.restore.step` (what `kubectl resilax rollback`
    does): the current step is saved, generation 2 restores the step asked **in place** (recovery.inPlace
-   Auto, the default: the same pods, same UIDs, each trainer restarted by its supervisor with the new
-   generation's environment: a fresh trainer process, as examples/train.py does not park), the newer
+   Auto, the default: the same pod, same UID, and the same trainer process: the supervisor keeps it,
+   since examples/train.py runs under `rc.run_kept` and only the generation's own variables change), the newer
    steps stay on storage (superseded on their branch: nothing committed is lost), and from the moment
    the status names the new branch every status the operator writes shows a step of that branch;
 2. the job deleted and applied again with `checkpoint.restore.step` of an older step: the new object's
    status never shows a superseded step once it restored, and its history carries the restored step
    and its source.
 
-Job shape, helpers and timing as in test_op_e2e_faults.py (1 slice of tpu-v5-lite-podslice 2x4, 2
-hosts, a checkpoint every 4 steps into a folder: the persistent tier only)."""
+Helpers and timing as in test_op_e2e_faults.py; the job runs one process (1 slice of tpu-v5-lite-podslice
+2x2, one host, on a node pool the test adds to the shared cluster and removes after), a checkpoint every
+4 steps into a folder: the persistent tier only."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, unique_name
 from resilax_ckpt import commit
 from resilax_ckpt.storage import open_storage
+from resilax_local.cluster import LocalCluster
+from resilax_local.node.profiles import build_tpu_slice
 from resilax_local.testing import wait_for
-from test_op_e2e_faults import EVERY, start_training, wait_generation
+from test_op_e2e_faults import EVERY, wait_generation
+
+#: The node pool of one 2x2 slice (one host) that the test adds to the shared cluster, and removes after.
+POOL = "tpu-rollback-2x2"
 
 
 def _marker(storage: Path, step: int) -> dict[str, Any] | None:
@@ -68,15 +75,34 @@ def _watch_until_on_branch(jobs: Jobs, name: str, storage: Path, epoch: tuple[in
 
 
 def test_a_rollback_by_edit_and_by_re_creation_is_told_truly(operator: OperatorProcess, jobs: Jobs,
-                                                                tmp_path: Path) -> None:
+                                                                cluster: LocalCluster, tmp_path: Path) -> None:
+    nodes = cluster.add_nodes(build_tpu_slice(POOL, "tpu-v5-lite-podslice", "2x2"))
+    try:
+        cluster.wait_nodes_ready(nodes, timeout=120)
+        _rollback_by_edit_and_by_re_creation(jobs, tmp_path)
+    finally:
+        for node in nodes:
+            cluster.remove_node(node)
+
+
+def _manifest(name: str, storage: Path) -> dict[str, Any]:
+    """One process: a slice of one host (2x2), on the pool this test adds."""
+    manifest = job_manifest(name, storage, count=1, every_steps=EVERY, steps=5000, step_seconds=0.5)
+    manifest["spec"]["slices"]["topology"] = "2x2"
+    return manifest
+
+
+def _rollback_by_edit_and_by_re_creation(jobs: Jobs, tmp_path: Path) -> None:
     name, storage = unique_name("rollback"), tmp_path / "ckpt"
-    start_training(jobs, name, storage, count=1, min_step=6 * EVERY)
+    jobs.create(_manifest(name, storage))
+    jobs.wait_status(name, lambda s: s.get("phase") == "Running" and s.get("generation") == 1, 600,
+                     "generation 1 Running")
     wait_for(lambda: len(committed_steps(storage)) >= 5, timeout=300, interval=1, message=f"{name}: 5 commits")
     era = _epoch(storage, committed_steps(storage)[0])[0]  # type: ignore[index]
 
     # 1. The edit: roll back to the second committed step.
     pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in jobs.pods(name)}
-    assert len(pods) == 2, pods
+    assert len(pods) == 1, pods
     before = committed_steps(storage)
     back = before[1]
     jobs.patch_spec(name, {"checkpoint": {"restore": {"step": back}}})
@@ -85,16 +111,19 @@ def test_a_rollback_by_edit_and_by_re_creation_is_told_truly(operator: OperatorP
     assert min(gen2) == back + 1, (back, min(gen2))  # generation 2 trains on from the step asked
     reasons = jobs.event_reasons(name, "RollbackAsked", "FinalSaveDone", "RestartingInPlace")
     assert "RollbackAsked" in reasons and "FinalSaveDone" in reasons, reasons
-    # In place: the same pods (names and UIDs) serve generation 2, none replaced, every trainer restored
-    # the step asked; a trainer of 2 processes is a fresh process under the same supervisor.
+    # In place: the same pod (name and UID) serves generation 2, and its supervisor kept the trainer
+    # process (examples/train.py runs under rc.run_kept; one process, only the generation's own variables
+    # change): the same pid restored the step asked.
     assert "RestartingInPlace" in reasons and "InPlaceUnavailable" not in reasons, reasons
     assert status.get("inPlaceRestarts") == 1 and sorted(status["workerPods"]) == sorted(pods), status
     assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in jobs.pods(name)} == pods
-    restores = wait_for(lambda: r if len(r := jobs.restores(name, 2)) == 2 else None, timeout=60, interval=1,
-                        message=f"{name}: both processes' restores of generation 2")
+    restores = wait_for(lambda: jobs.restores(name, 2), timeout=60, interval=1,
+                        message=f"{name}: the restore of generation 2")
     assert {r["restored"] for r in restores.values()} == {back}, restores
-    # examples/train.py is no rc.run_kept trainer and runs 2 processes: the supervisor starts a fresh one
-    assert "generation 2 gets a fresh trainer process" in "".join(jobs.trainer_logs(name))
+    log = "".join(jobs.trainer_logs(name))
+    started = re.search(r"incarnation 1 \(generation 1\) started, pid (\d+)", log)
+    kept = re.search(r"incarnation 2 \(generation 2\) runs in the kept process (\d+)", log)
+    assert started and kept and started.group(1) == kept.group(1), log[-4000:]
     final = max(gen1)  # the current step, saved first
     done = [e["message"] for e in jobs.events(name) if e["reason"] == "FinalSaveDone"]
     assert any(f"step {final} committed" in m for m in done), (final, done)
@@ -123,12 +152,11 @@ def test_a_rollback_by_edit_and_by_re_creation_is_told_truly(operator: OperatorP
     jobs.delete(name)
     wait_for(lambda: not jobs.pods(name) and not jobs.exists(name), timeout=300, interval=1,
              message=f"{name}: deleted with its workers")
-    manifest = job_manifest(name, storage, count=1, every_steps=EVERY, steps=5000, step_seconds=0.5)
+    manifest = _manifest(name, storage)
     manifest["spec"]["checkpoint"]["restore"] = {"step": again}
     jobs.create(manifest)
     seen = _watch_until_on_branch(jobs, name, storage, (era + 1, 1), again, commits=2)
-    # (its pods have the old job's generation 1 names: read each process's restore line, which a fresh
-    # start never prints)
+    # (its pod has the old job's generation 1 name: read its restore line, which a fresh start never prints)
     assert {r["restored"] for r in jobs.restores(name, 1).values()} == {again}
     status = jobs.status(name)
     (entry,) = status["history"]
@@ -136,3 +164,5 @@ def test_a_rollback_by_edit_and_by_re_creation_is_told_truly(operator: OperatorP
     assert all(s == again or _epoch(storage, s) == (era + 1, 1) for s in entry.get("checkpoints") or []), entry
     assert new_steps[-1] in set(commit.list_superseded(root, str(storage))) or _epoch(storage, new_steps[-1]) == (
         era + 1, 1)  # superseded, or saved again by the new job on its branch
+    jobs.delete(name)
+    wait_for(lambda: not jobs.pods(name), timeout=300, interval=1, message=f"{name}: worker pods gone")
