@@ -33,7 +33,9 @@ def main() -> None:
         jax.distributed.initialize(args["coordinator"], args["num_processes"], args["process_id"],
                                    initialization_timeout=60, heartbeat_timeout_seconds=10)
     result = SCENARIOS[args["scenario"]](args)
-    print("RESULT " + json.dumps(result), flush=True)
+    # One write on a fresh line: Gloo's C++ logging shares stdout (see resilax_ckpt.trainer.health_check)
+    sys.stdout.write("\nRESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
     if args.get("num_processes", 1) > 1:
         jax.distributed.shutdown()
 

@@ -384,7 +384,10 @@ def build_result(settings: HealthSettings, progress: _Progress, results: Sequenc
 
 def _report(result: dict[str, Any], result_path: str | None, control_dir: str | None = None) -> int:
     line = json.dumps(result, sort_keys=True)
-    print(RESULT_PREFIX + line, flush=True)
+    # One write, starting on a fresh line: Gloo's C++ logging writes to the same stdout from its own
+    # threads, and print() (several writes when unbuffered) once let a Gloo line land inside ours.
+    sys.stdout.write(f"\n{RESULT_PREFIX}{line}\n")
+    sys.stdout.flush()
     if result_path:
         try:
             with open(result_path, "w") as f:

@@ -21,13 +21,16 @@ from resilax_operator.validation import validate_spec
 pytestmark = pytest.mark.slow
 
 WORKER = """
+import os
 import jax
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
 from resilax_ckpt.multihost import initialize_distributed_from_env
 assert initialize_distributed_from_env()
 ids = multihost_utils.process_allgather(jnp.array([jax.process_index()]))
-print("RESULT", jax.process_count(), jax.device_count(), sorted(int(i) for i in ids.ravel()), flush=True)
+result = f"{jax.process_count()} {jax.device_count()} {sorted(int(i) for i in ids.ravel())}"
+with open(os.environ["RESULT_FILE"], "w") as f:
+    f.write(result)
 jax.distributed.shutdown()
 """
 
@@ -59,16 +62,18 @@ def _resolve(pod: dict[str, Any], ip: str) -> dict[str, str]:
 PORT_TAKEN = "Failed to add port to server"
 
 
-def _run_pair(pods: list[dict[str, Any]], ips: list[str]) -> list[tuple[int, str]]:
-    """Start the two workers and return (exit code, stdout + stderr) of each. When pod 0's coordinator
-    could not bind its port, pod 1 (waiting for it) is killed at once."""
+def _run_pair(pods: list[dict[str, Any]], ips: list[str], results: list[Path]) -> list[tuple[int, str]]:
+    """Start the two workers and return (exit code, stdout + stderr) of each; each writes what it saw to its
+    file in `results`. When pod 0's coordinator could not bind its port, pod 1 (waiting for it) is killed
+    at once."""
     procs = []
-    for pod, ip in zip(pods, ips, strict=True):
+    for pod, ip, result in zip(pods, ips, results, strict=True):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
         env.update(_resolve(pod, ip))
         env["JAX_PLATFORMS"] = "cpu"
-        # stderr apart: a Gloo log line on stderr, merged into stdout, could land inside the RESULT line
-        # (print writes its arguments separately).
+        # The result goes to a file, not stdout: Gloo's C++ logging writes "[Gloo] Rank 0 is connected..."
+        # to stdout from its own thread, and once landed inside the printed line (CI, 2026-12-07).
+        env["RESULT_FILE"] = str(result)
         procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outputs: list[tuple[int, str]] = []
@@ -99,14 +104,15 @@ def test_two_processes_find_the_coordinator_without_dns(tmp_path: Path) -> None:
     job = JobRef("coord", "default", "u")
     plan = GenerationPlan(1, Shape("1x2", 2), ("a", "b"))
     ips = ["127.0.9.1", "127.0.9.2"]
+    results = [tmp_path / "result-0", tmp_path / "result-1"]
     for _attempt in range(3):  # another port when the one found free was taken before JAX bound it
         settings = OperatorSettings(coordinator_port=_free_port())
         (pod0,) = build_pods(job, spec, plan, settings, coordinator_ip=None)
         pod1 = build_pods(job, spec, plan, settings, coordinator_ip=ips[0])[1]
-        outputs = _run_pair([pod0, pod1], ips)
+        outputs = _run_pair([pod0, pod1], ips, results)
         if not (outputs[0][0] != 0 and PORT_TAKEN in outputs[0][1]):
             break
     assert len(outputs) == 2, outputs[0][1][-3000:]
-    for code, text in outputs:
+    for (code, text), result in zip(outputs, results, strict=True):
         assert code == 0, text[-3000:]
-        assert "RESULT 2 4 [0, 1]" in text.splitlines(), text[-3000:]
+        assert result.read_text() == "2 4 [0, 1]", text[-3000:]
