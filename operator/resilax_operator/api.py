@@ -132,6 +132,14 @@ EXIT_CODE_STOPPED: Final = 75
 #: The trainer's exit code for "a peer process of my generation is gone" (resilax_ckpt.EXIT_CODE_PEER_LOST):
 #: not its own failure; the cause is elsewhere (a node down, a peer that failed).
 EXIT_CODE_PEER_LOST: Final = 76
+#: 128 + SIGABRT: how JAX's coordination service ends every surviving process of a generation once one
+#: task is gone ("Terminating process because the JAX distributed service detected fatal errors"; it can
+#: come before the Python error that exits 76), and how a trainer's own C++ assertion ends. A witness that
+#: a peer may be gone, never proof: worker_exit.wait_for_abort_cause.
+EXIT_CODE_ABORTED: Final = 134
+#: The exit codes that make a worker a witness of a peer's loss: its nodes' Leases are read
+#: (observed/snapshot.nodes_needing_lease) and a node they prove down is a NodeLoss at once (node_loss.py).
+PEER_LOSS_WITNESS_CODES: Final = frozenset({EXIT_CODE_PEER_LOST, EXIT_CODE_ABORTED})
 #: The trainer's exit code for "a live JAXJob of another uid holds the checkpoint storage"
 #: (resilax_ckpt.EXIT_CODE_STORAGE_IN_USE): the job fails with StorageInUse instead of fencing it out.
 EXIT_CODE_STORAGE_IN_USE: Final = 78
@@ -213,6 +221,10 @@ POD_LOST = Reason("PodLost", "worker pod {pod} of generation {generation} disapp
 WORKER_FAILED = Reason("WorkerFailed", "worker {pod} of generation {generation} failed: {detail}")
 PEER_LOST = Reason("PeerLost", "worker {pod} of generation {generation} stopped because a peer process of its "
                    "generation is gone (exit 76); waiting up to {seconds}s for the cause (a node down, a failed peer)")
+ABORT_CAUSE_WAIT = Reason("PeerLost", "worker {pod} of generation {generation} was aborted (exit 134, as JAX's "
+                          "coordination service ends every process once one is gone); waiting up to {seconds}s for "
+                          "the Leases of nodes {nodes} to show whether one is down (then NodeLoss) or alive (then "
+                          "the worker's own failure)")
 WORKER_STOPPED = Reason("WorkerStopped", "worker {pod} of generation {generation} stopped for rescheduling (exit {code})")
 CONTAINER_WAITING = Reason("ContainerWaiting", "worker {pod} of generation {generation}: container {container} is "
                            "waiting: {reason}{message}; fix: {fix}")

@@ -279,7 +279,8 @@ def decide_storage_sharers(job: Mapping[str, Any], jobs: Iterable[Mapping[str, A
 def nodes_needing_lease(observed: Observed) -> list[str]:
     """The nodes whose Lease a decision reads: NotReady (Ready=False, the kubelet's own report) and
     hosting one of the job's pods; and, once a worker of the current generation exited 76 (a peer
-    process is gone), the Ready nodes of the workers that did not: an expired Lease there proves that
+    process is gone) or 134 (aborted, maybe by the coordination service: api.PEER_LOSS_WITNESS_CODES),
+    the Ready nodes of the workers that did not: an expired Lease there proves that
     kubelet dead before the node lifecycle controller says so (`ObservedNode.down_since`); and, while
     a process of the current generation has no pod yet, the Ready node it last ran on (its pod there
     was lost: the new one must not go back while that Lease is stale, `Observed.nodes_held_down`). Sorted."""
@@ -287,8 +288,8 @@ def nodes_needing_lease(observed: Observed) -> list[str]:
            if p.node_name and (node := observed.node(p.node_name)) is not None and node.ready == "False"}
     s = observed.status
     current = observed.pods_of(s.generation)
-    if any(p.exit_code == api.EXIT_CODE_PEER_LOST for p in current):
-        out |= {p.node_name for p in current if p.node_name and p.exit_code != api.EXIT_CODE_PEER_LOST
+    if any(p.exit_code in api.PEER_LOSS_WITNESS_CODES for p in current):
+        out |= {p.node_name for p in current if p.node_name and p.exit_code not in api.PEER_LOSS_WITNESS_CODES
                 and (node := observed.node(p.node_name)) is not None and node.ready == "True"}
     if s.generation > 0 and s.worker_nodes:
         existing = {p.name for p in observed.pods}

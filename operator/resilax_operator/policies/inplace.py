@@ -370,6 +370,8 @@ def _exits(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSe
             return Finding(st.WORKER_STOPPED, api.WORKER_STOPPED.name,
                            api.WORKER_STOPPED.format(pod=p.name, generation=g, code=p.exit_code))
         if p.failed and p.exit_code != api.EXIT_CODE_PEER_LOST:
+            if (wait := worker_exit.wait_for_abort_cause(observed, s, settings, p)) is not None:
+                return wait
             detail = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code"
             return worker_exit.counted_failure(spec, observed, s, settings,
                                                api.WORKER_FAILED.format(pod=p.name, generation=g, detail=detail))

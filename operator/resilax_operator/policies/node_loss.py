@@ -20,8 +20,8 @@ the grace; when the nodes come back the generation runs on.
 | NotReady (Ready=False), Lease live | not down: nothing                                    |
 | deleted                            | NodeLoss now                                         |
 | NotReady/Unknown ≥ grace           | NodeLoss                                             |
-| NotReady/Unknown, a worker exited 76 (its peer is gone) | NodeLoss at once: the generation is broken already |
-| still Ready, a worker exited 76, the node's Lease missed two renewals (renewTime + leaseDurationSeconds × 0.5; read only then) | down since then: NodeLoss at once, before the node lifecycle controller marks it (the exit 76 is the witness: docs/architecture.md, item 6) |
+| NotReady/Unknown, a worker exited 76 (its peer is gone) or 134 (aborted) | NodeLoss at once: the generation is broken already |
+| still Ready, a worker exited 76 or 134, the node's Lease missed two renewals (renewTime + leaseDurationSeconds × 0.5; read only then) | down since then: NodeLoss at once, before the node lifecycle controller marks it (the exit is the witness: docs/architecture.md, item 6) |
 | NotReady/Unknown < grace           | Degraded NodeNotReady, look again in POLL_SECONDS    |
 | Ready with the unreachable taint   | counts as down since its Ready transition            |
 """
@@ -84,9 +84,10 @@ def check_lost(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operat
     """A node hosting a worker of the current generation is gone, or down for longer than the grace."""
     now, g = observed.now, s.generation
     grace = timedelta(seconds=spec.recovery.node_loss_grace_seconds)
-    # Workers that exited 76 (a peer process is gone): the generation is broken already, so a down node
-    # hosting one of its workers is not waited for (the grace spares a generation a node's blip).
-    broken = sorted(p.name for p in observed.pods_of(g) if p.exit_code == api.EXIT_CODE_PEER_LOST)
+    # Workers that exited 76 (a peer process is gone) or 134 (aborted, as JAX's coordination service
+    # aborts the survivors): the generation is broken already, so a down node hosting one of its workers
+    # is not waited for (the grace spares a generation a node's blip).
+    witnesses = sorted((p.name, p.exit_code) for p in observed.pods_of(g) if p.exit_code in api.PEER_LOSS_WITNESS_CODES)
     for p in observed.pods_of(g):
         node = observed.node(p.node_name)
         if p.node_name and node is None:
@@ -96,11 +97,13 @@ def check_lost(spec: JobSpec, observed: Observed, s: JobStatus, settings: Operat
             return Finding(st.NODE_LOSS, api.NODE_LOST.name, api.NODE_LOST.format(
                 node=node.name, generation=g, seconds=int((now - since).total_seconds()),
                 grace=spec.recovery.node_loss_grace_seconds))
-        if node is not None and since is not None and broken:
+        if node is not None and since is not None and witnesses:
+            name, code = witnesses[0]
+            why = "stopped because a peer process is gone" if code == api.EXIT_CODE_PEER_LOST else \
+                "was aborted (exit 134) as JAX's coordination service aborts a peer of a lost process"
             return Finding(st.NODE_LOSS, api.NODE_LOST.name, api.NODE_LOST.format(
                 node=node.name, generation=g, seconds=int((now - since).total_seconds()),
-                grace=spec.recovery.node_loss_grace_seconds)
-                + f"; not waiting for the grace: worker {broken[0]} stopped because a peer process is gone")
+                grace=spec.recovery.node_loss_grace_seconds) + f"; not waiting for the grace: worker {name} {why}")
     return None
 
 

@@ -7,6 +7,7 @@ The first row that matches (pods by name) decides:
 | trainer exited 75 (stopped for rescheduling)             | WorkerStopped (not counted)                |
 | trainer exited 78 (a live job of another uid holds the storage) | Failed, StorageInUse naming that job (not retried: it would take the storage over) |
 | Failed by the node or cluster (Evicted, ...; no exit code) | PodLost (not counted)                    |
+| trainer aborted (exit 134) while the Lease of a Ready node hosting another worker has not been renewed since, for less than peerLostTimeoutSeconds | Ready=False PeerLost, wait: that Lease proves the node down (node_loss.py: NodeLoss at once) or alive (the row below) |
 | Failed (the worker's own exit code, not 76)              | WorkerFailure: counted; backoff, or Failed past maxRestarts |
 | trainer exited 76 (a peer process is gone), for less than peerLostTimeoutSeconds | Ready=False PeerLost, wait for the cause: a node down (node_loss.py: NodeLoss at once) or a peer's own failure (the row above) |
 | trainer exited 76, no cause found in that time           | PodLost (not counted)                      |
@@ -52,6 +53,8 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
                            + f" ({p.pod_reason})")
     for p in pods:
         if p.failed and p.exit_code != api.EXIT_CODE_PEER_LOST:
+            if (wait := wait_for_abort_cause(observed, s, settings, p)) is not None:
+                return wait
             detail = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code"
             if p.exit_reason:
                 detail += f" ({p.exit_reason})"
@@ -110,6 +113,44 @@ def wait_for_peer_loss_cause(observed: Observed, s: JobStatus, settings: Operato
     proofs = [(at - observed.now).total_seconds() for n in observed.nodes
               if n.ready == "True" and (at := n.lease_proof_at()) is not None and at > observed.now]
     return [*status_change(observed.status, new, *events), RequeueAfter(min([POLL_SECONDS, *(p + 0.2 for p in proofs)]))]
+
+
+def wait_for_abort_cause(observed: Observed, s: JobStatus, settings: OperatorSettings,
+                         pod: ObservedPod) -> list[Action] | None:
+    """A worker aborted (exit 134): JAX's coordination service aborts every surviving process once one
+    task is gone, often before the Python error that would exit 76, so the abort may be a killed node's
+    doing rather than the worker's. Wait while the Lease of a Ready node hosting another worker (not a
+    witness itself) has not been renewed since the abort: past its proof time the node is down
+    (node_loss.check_lost: NodeLoss at once, a spare taken); once renewed, the node lives and the abort is
+    the worker's own failure (None: counted as before). At most peerLostTimeoutSeconds after the abort
+    (a Lease that cannot be read). None for any other exit, or an abort of unknown time."""
+    at = pod.trainer_finished_at
+    if pod.exit_code != api.EXIT_CODE_ABORTED or at is None:
+        return None
+    now, limit = observed.now, at + timedelta(seconds=settings.peer_lost_timeout_seconds)
+    if now >= limit:
+        return None
+    waiting: dict[str, datetime] = {}
+    for q in observed.pods_of(s.generation):
+        node = observed.node(q.node_name)
+        if q.exit_code in api.PEER_LOSS_WITNESS_CODES or node is None or node.ready != "True":
+            continue  # a witness's node lives (its exit was reported); a node not Ready: node_loss.py decides
+        if node.lease_live_until is None:
+            waiting[node.name] = limit  # not read (yet): read at every look while a witness exists
+        elif node.lease_live_until - timedelta(seconds=node.lease_seconds) <= at:
+            proof = node.lease_proof_at()
+            waiting[node.name] = min(limit, proof if proof is not None else limit)
+    if not waiting:
+        return None
+    until = max(waiting.values())
+    message = api.ABORT_CAUSE_WAIT.format(pod=pod.name, generation=s.generation, seconds=settings.peer_lost_timeout_seconds,
+                                          nodes=", ".join(sorted(waiting)))
+    new = st.set_condition(s, api.COND_READY, False, api.ABORT_CAUSE_WAIT.name, message, now)
+    old = s.condition(api.COND_READY)
+    events = [] if old is not None and old.reason == api.ABORT_CAUSE_WAIT.name else [
+        EmitEvent("Warning", api.ABORT_CAUSE_WAIT.name, message)]
+    return [*status_change(observed.status, new, *events),
+            RequeueAfter(min(POLL_SECONDS, max(0.2, (until - now).total_seconds() + 0.2)))]
 
 
 def counted_failure(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,

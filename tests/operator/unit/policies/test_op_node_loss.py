@@ -320,3 +320,74 @@ def test_peers_lost_and_two_renewals_missed_is_a_node_loss_before_the_lease_expi
     finding = node_loss.check_lost(spec, observed, w.status, SETTINGS)
     assert finding is not None and finding.kind == st.NODE_LOSS and (victim.node_name or "") in finding.message
     assert "not waiting for the grace" in finding.message
+
+
+# ---------------------------------------------------------------- an abort (exit 134) as a witness
+
+
+def _abort_world(renewed_before: set[int]) -> tuple[Any, list[Any]]:
+    """A running world where worker 0's trainer aborted (exit 134) at `w.now`; the Lease of each other
+    worker's node was renewed 5 s before the abort for the indices in `renewed_before`, else 1 s after
+    (2 s later, when the world looks)."""
+    w = running_world()
+    w.advance(100)
+    pods = w.gen_pods()
+    aborted_at = w.now
+    w.exit_workers(api.EXIT_CODE_ABORTED, names=[pods[0].name])
+    w.advance(2)
+    for i, p in enumerate(pods[1:], start=1):
+        renewed = aborted_at - timedelta(seconds=5) if i in renewed_before else aborted_at + timedelta(seconds=1)
+        w.set_node(p.node_name or "", lease_live_until=renewed + timedelta(seconds=40), lease_seconds=40)
+    return w, pods
+
+
+def test_an_abort_whose_peers_nodes_all_renewed_after_it_is_the_workers_own_failure() -> None:
+    """Exit 134 and every other worker's node renewed its Lease after the abort: no node is down, so the
+    abort is the worker's own (counted, as before)."""
+    w, pods = _abort_world(set())
+    w.step()
+    assert w.status.failures == 1 and w.status.transition is not None
+    assert w.status.transition.kind == st.WORKER_FAILURE and pods[0].name in w.status.transition.message
+
+
+def test_an_abort_while_a_peers_node_lease_is_stale_waits_then_is_a_node_loss_with_no_failure_counted() -> None:
+    """Goodput run of 2026-12-07: a node killed; JAX's coordination service aborted a survivor (exit 134)
+    0.2 s later, before any Python error could exit 76. The operator counted it as that worker's failure and
+    restarted in place on the killed node's slice (5 min Pending). Now it waits for the Lease of the node
+    that has not renewed since the abort: past two missed renewals, NodeLoss at once (a spare, not counted)."""
+    w, pods = _abort_world({5})
+    victim = pods[5]
+    actions = w.step()
+    assert not any(isinstance(a, DeleteGeneration) for a in actions) and w.status.failures == 0
+    ready = w.status.condition(api.COND_READY)
+    assert ready is not None and ready.reason == api.ABORT_CAUSE_WAIT.name and (victim.node_name or "") in ready.message
+    assert api.ABORT_CAUSE_WAIT.name in w.reasons()
+    assert any(isinstance(a, RequeueAfter) and a.seconds <= 13.5 for a in actions)  # the proof: renewed + 20 s
+    w.advance(13)  # 20 s after the renewal (5 s before the abort, which was 2 s ago)
+    actions = w.step()
+    delete = next(a for a in actions if isinstance(a, DeleteGeneration))
+    assert victim.name in delete.force_pods
+    assert w.status.transition is not None and w.status.transition.kind == st.NODE_LOSS
+    assert "was aborted (exit 134)" in w.status.transition.message and w.status.failures == 0
+
+
+def test_an_abort_with_leases_that_cannot_be_read_waits_at_most_the_peer_lost_timeout() -> None:
+    w = running_world()
+    w.advance(100)
+    pods = w.gen_pods()
+    w.exit_workers(api.EXIT_CODE_ABORTED, names=[pods[0].name])
+    w.step()
+    assert w.status.failures == 0 and w.status.condition(api.COND_READY).reason == api.ABORT_CAUSE_WAIT.name
+    w.advance(SETTINGS.peer_lost_timeout_seconds)
+    w.step()
+    assert w.status.failures == 1 and w.status.transition is not None
+    assert w.status.transition.kind == st.WORKER_FAILURE
+
+
+def test_any_other_exit_code_is_counted_at_once_whatever_the_leases() -> None:
+    w = running_world()
+    w.advance(100)
+    pods = w.gen_pods()
+    w.exit_workers(1, names=[pods[0].name])
+    w.step()
+    assert w.status.failures == 1
