@@ -221,7 +221,7 @@ POD_LOST = Reason("PodLost", "worker pod {pod} of generation {generation} disapp
 WORKER_FAILED = Reason("WorkerFailed", "worker {pod} of generation {generation} failed: {detail}")
 PEER_LOST = Reason("PeerLost", "worker {pod} of generation {generation} stopped because a peer process of its "
                    "generation is gone (exit 76); waiting up to {seconds}s for the cause (a node down, a failed peer)")
-ABORT_CAUSE_WAIT = Reason("PeerLost", "worker {pod} of generation {generation} was aborted (exit 134, as JAX's "
+ABORT_CAUSE_WAIT = Reason("WorkerAborted", "worker {pod} of generation {generation} was aborted (exit 134, as JAX's "
                           "coordination service ends every process once one is gone); waiting up to {seconds}s for "
                           "the Leases of nodes {nodes} to show whether one is down (then NodeLoss) or alive (then "
                           "the worker's own failure)")

@@ -7,7 +7,7 @@ The first row that matches (pods by name) decides:
 | trainer exited 75 (stopped for rescheduling)             | WorkerStopped (not counted)                |
 | trainer exited 78 (a live job of another uid holds the storage) | Failed, StorageInUse naming that job (not retried: it would take the storage over) |
 | Failed by the node or cluster (Evicted, ...; no exit code) | PodLost (not counted)                    |
-| trainer aborted (exit 134) while the Lease of a Ready node hosting another worker has not been renewed since, for less than peerLostTimeoutSeconds | Ready=False PeerLost, wait: that Lease proves the node down (node_loss.py: NodeLoss at once) or alive (the row below) |
+| trainer aborted (exit 134) while the Lease of a Ready node hosting another worker has not been renewed since, for less than peerLostTimeoutSeconds | Ready=False WorkerAborted, wait: that Lease proves the node down (node_loss.py: NodeLoss at once) or alive (the row below) |
 | Failed (the worker's own exit code, not 76)              | WorkerFailure: counted; backoff, or Failed past maxRestarts |
 | trainer exited 76 (a peer process is gone), for less than peerLostTimeoutSeconds | Ready=False PeerLost, wait for the cause: a node down (node_loss.py: NodeLoss at once) or a peer's own failure (the row above) |
 | trainer exited 76, no cause found in that time           | PodLost (not counted)                      |
