@@ -12,12 +12,15 @@ naming it."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,43 @@ def _run(cluster: LocalCluster, *args: str, executable: str = "kubectl-resilax")
 
 def _fields(screen: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in screen.splitlines())}
+
+
+def _steps(out: str) -> list[int]:
+    """The steps of the loss lines in `out` (process 0's JSON lines)."""
+    return [json.loads(line)["step"] for line in out.splitlines() if line.startswith("{") and '"loss"' in line]
+
+
+class _Follower:
+    """A command that runs until stopped (`logs -f`), its stdout and stderr read as they come."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+                        for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream: Any, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line)
+
+    def read_until(self, done: Callable[[str, str], bool], timeout: float) -> tuple[str, str]:
+        """Stop the command once `done(stdout, stderr)` holds (or `timeout` passed); all it printed."""
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: done("".join(self.out), "".join(self.err)) or self.proc.poll() is not None,
+                     timeout=timeout, interval=0.5)
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        for reader in self.readers:
+            reader.join(timeout=30)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+        return "".join(self.out), "".join(self.err)
 
 
 def test_status_goodput_save_suspend_resume_and_timeline(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
@@ -92,8 +132,7 @@ def test_status_goodput_save_suspend_resume_and_timeline(operator: OperatorProce
 
     # logs -f: process 0's trainer log, followed across the generation change that suspend and resume make.
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
-    follower = subprocess.Popen([_plugin(), "logs", name, "-n", namespace, "-f"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
+    follower = _Follower([_plugin(), "logs", name, "-n", namespace, "-f"], env)
 
     # suspend: the operator saves, stops the workers and says Suspended.
     proc = _run(cluster, "suspend", name, "-n", namespace)
@@ -113,12 +152,11 @@ def test_status_goodput_save_suspend_resume_and_timeline(operator: OperatorProce
                      "generation 2 Running")
     wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
     assert min(jobs.losses(name, 2)) - 1 == final
-    try:  # it follows until the job ends (not in this test): 30 s to print generation 2's lines, then stopped
-        out, err = follower.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        follower.terminate()
-        out, err = follower.communicate(timeout=30)
-    followed = [json.loads(line)["step"] for line in out.splitlines() if line.startswith("{") and '"loss"' in line]
+    # It follows until the job ends (not in this test): stopped once it printed generation 2's first step
+    # (or after 60 s: the asserts below then say what it printed).
+    out, err = follower.read_until(lambda out, err: f"==> {namespace}/{name}-g2-s0-h0 " in err
+                                   and final + 1 in _steps(out), timeout=60)
+    followed = _steps(out)
     assert f"==> {namespace}/{name}-g1-s0-h0 " in err and f"==> {namespace}/{name}-g2-s0-h0 " in err, err
     assert final in followed and final + 1 in followed, (final, followed[-5:], err)
     assert _fields(_run(cluster, "status", name, "-n", namespace).stdout)["Generation"].startswith("2 ")
