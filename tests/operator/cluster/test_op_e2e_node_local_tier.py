@@ -312,9 +312,11 @@ def test_shrink_restores_from_local_and_peers(
     restore's own report says where every file came from (its node, a peer's sidecar), none from the
     persistent tier. No replica was sent: every host's own step holds the same shards as its peer's
     (the example's parameters are data parallel over the hosts). The checksum refusal and the next
-    holder: tests/sidecar/test_peer_chunks.py, tests/ckpt/incluster/test_shrink_restore.py."""
+    holder: tests/sidecar/test_peer_chunks.py, tests/ckpt/incluster/test_shrink_restore.py.
+    Steps of 0.25 s here (CI time: the test waits for 72 of them); the kill waits for slice 1's local
+    tiers to hold step 70, as the steps' pace alone made likely."""
     name, storage = unique_name("nlt-shrink"), tmp_path / "ckpt"
-    manifest = job_manifest(name, storage, every_steps=5, steps=5000, step_seconds=0.5, final_save_timeout=20,
+    manifest = job_manifest(name, storage, every_steps=5, steps=5000, step_seconds=0.25, final_save_timeout=20,
                             elastic={"minCount": 1, "maxCount": 2, "growBack": False})
     manifest["spec"]["checkpoint"]["local"] = {"keepLast": 2, "persistEverySteps": 50}
     jobs.create(manifest)
@@ -322,8 +324,16 @@ def test_shrink_restores_from_local_and_peers(
                      "generation 1 Running")
     nodes1 = pod_nodes(jobs, name, 1)
     victim = nodes1["s0-h1"]
-    wait_for(lambda: max(jobs.losses(name, 1), default=0) >= 72, timeout=900, interval=0.2,
-             message=f"{name}: generation 1 at step 72")
+    survivors = [local_folder(cluster, jobs, name, nodes1[w]) for w in ("s1-h0", "s1-h1")]
+
+    def near_73() -> bool:
+        try:
+            return max(jobs.losses(name, 1), default=0) >= 72 and all(
+                max(local_steps(f), default=0) >= 70 for f in survivors)
+        except FileNotFoundError:  # a step folder renamed or trimmed while listed
+            return False
+    wait_for(near_73, timeout=900, interval=0.2,
+             message=f"{name}: generation 1 at step 72, step 70 in slice 1's local tiers")
     fault = time.time()
     cluster.kill_node(victim)
     try:
