@@ -3,6 +3,8 @@ an injected storage failure."""
 
 from __future__ import annotations
 
+import asyncio
+
 import jax
 import numpy as np
 import pytest
@@ -66,7 +68,24 @@ def test_markers_are_create_only_and_leftovers_are_cleaned(gcs_root, devices):
             mgr.restore(6)
 
 
+class _NoBackoff:
+    """gcsfs.retry's `asyncio` with a `sleep` that only yields: gcsfs still makes every try it makes
+    against a refused connection (6), without waiting its backoff between them (1 + 2 + 4 + 8 + 16 s,
+    which the test would only wait out)."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(asyncio, name)
+
+    @staticmethod
+    async def sleep(delay: float, result: object = None) -> object:
+        await asyncio.sleep(0)
+        return result
+
+
 def test_storage_failure_surfaces_from_wait(devices, monkeypatch):
+    import gcsfs.retry
+
+    monkeypatch.setattr(gcsfs.retry, "asyncio", _NoBackoff())
     server = FakeGCS().start()
     try:
         for key, value in server.env.items():
