@@ -1,7 +1,8 @@
 """The recovery flows end to end with real JAX workers (examples/train.py) on the local cluster:
 a scheduled host maintenance, half the nodes Unknown at once (the
-disruption guard), a user resize by `kubectl scale` (then a re-created job, and a second job refused its storage), a
-worker that keeps failing, failure rules (an exit code not counted, one failing the job), and the
+disruption guard), a user resize by `kubectl scale` (then a re-created job, and a second job refused its storage),
+side by side a worker that keeps failing, failure rules (an exit code not counted, one failing the job) and a
+trainer exiting 75 again and again, and the
 operator killed mid-recovery with a partitioned old generation that must not commit. Hard node loss and
 grow-back: test_op_e2e_history.py (with status.history), which imports this file's helpers.
 
@@ -255,65 +256,65 @@ def _marker(storage: Path, step: int) -> dict[str, Any]:
     return dict(json.loads((storage / str(step) / "_COMMIT").read_text()))
 
 
-def test_failing_worker_backs_off_then_fails(operator: OperatorProcess, jobs: Jobs, tmp_path: Path) -> None:
-    name = unique_name("crash")
-    template = {"spec": {"containers": [{"name": "trainer", "image": "x",
-                                         "command": [sys.executable, "-c", "import sys; sys.exit(3)"]}]}}
-    jobs.create(job_manifest(name, tmp_path / "ckpt", count=1, template=template,
-                             recovery={"maxRestarts": 2, "backoffSeconds": 1}, final_save_timeout=NO_TRAINER_SAVE))
-    status = jobs.wait_status(name, lambda s: s.get("phase") == "Failed", 600, "Failed")
-    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
-    assert ready["reason"] == "MaxRestartsExceeded", ready
-    assert "exit code 3" in ready["message"], ready
-    assert status["failures"] == 3 and status["generation"] == 3, status
-    reasons = jobs.event_reasons(name, "Backoff", "MaxRestartsExceeded")
-    assert reasons.count("Backoff") == 2 and "MaxRestartsExceeded" in reasons, reasons
-    wait_for(lambda: not jobs.pods(name), timeout=120, message="a failed job keeps no workers")
-
-
 def test_failure_rules_restart_without_counting_then_fail_job(operator: OperatorProcess, jobs: Jobs,
                                                                tmp_path: Path) -> None:
-    """Issue 27, spec.recovery.failureRules: a trainer exiting 43 (RestartWithoutCounting) in generations
-    1-3 restarts three times past maxRestarts=1 without a failure counted; exiting 42 (FailJob) in
-    generation 4 fails the job at once, no backoff, reason FailedByRule. No JAX: the trainer exits."""
-    name = unique_name("rules")
-    code = "import os, sys; sys.exit(43 if int(os.environ['RESILAX_GENERATION']) <= 3 else 42)"
-    template = {"spec": {"containers": [{"name": "trainer", "image": "x", "command": [sys.executable, "-c", code]}]}}
-    jobs.create(job_manifest(name, tmp_path / "ckpt", count=1, template=template, recovery={
+    """Three jobs whose trainers exit at once, run side by side under one operator (CI time: none uses JAX,
+    each mostly waits for its pods and backoffs; they used to be three tests):
+
+    - `rules`, issue 27, spec.recovery.failureRules: a trainer exiting 43 (RestartWithoutCounting) in
+      generations 1-3 restarts three times past maxRestarts=1 without a failure counted; exiting 42
+      (FailJob) in generation 4 fails the job at once, no backoff, reason FailedByRule.
+    - `crash`: a worker that keeps failing (exit 3) is backed off, then Failed past maxRestarts (2).
+    - `stops`, issue 18, item 4: a trainer that stops (exit 75) right after every start is a pod-level loss
+      each time: not counted against maxRestarts, but backed off (the second waits 2 s here) and, past the
+      operator's max_pod_losses (2 here), Failed with the reason. It runs on the CPU node (one host): the
+      two slices hold the other two jobs."""
+    operator.kill()
+    operator.settings_env.update({"RESILAX_OPERATOR_POD_LOSS_BACKOFF_SECONDS": "2",
+                                  "RESILAX_OPERATOR_MAX_POD_LOSSES": "2"})
+    operator.start()
+    rules, crash, stops = unique_name("rules"), unique_name("crash"), unique_name("stops")
+
+    def exits(code: str) -> dict[str, Any]:
+        trainer = {"name": "trainer", "image": "x", "command": [sys.executable, "-c", code]}
+        return {"spec": {"containers": [trainer]}}
+
+    jobs.create(job_manifest(rules, tmp_path / "rules", count=1, template=exits(
+        "import os, sys; sys.exit(43 if int(os.environ['RESILAX_GENERATION']) <= 3 else 42)"), recovery={
         "maxRestarts": 1, "backoffSeconds": 1, "failureRules": [
             {"action": "RestartWithoutCounting", "exitCodes": [43]}, {"action": "FailJob", "exitCodes": [42]}]}))
-    status = jobs.wait_status(name, lambda s: s.get("phase") == "Failed", 600, "Failed")
+    jobs.create(job_manifest(crash, tmp_path / "crash", count=1, template=exits("import sys; sys.exit(3)"),
+                             recovery={"maxRestarts": 2, "backoffSeconds": 1}, final_save_timeout=NO_TRAINER_SAVE))
+    manifest = job_manifest(stops, tmp_path / "stops", count=1, template=exits("import sys; sys.exit(75)"))
+    manifest["spec"]["slices"] = {"accelerator": "cpu", "topology": "1x2", "count": 1}
+    jobs.create(manifest)
+
+    status = jobs.wait_status(rules, lambda s: s.get("phase") == "Failed", 600, "Failed")
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "FailedByRule" and "exit code 42" in ready["message"], ready
     assert "failureRules[1]" in ready["message"], ready
     assert status["generation"] == 4 and status["failures"] == 0 and status["restarts"] == 3, status
     assert not status.get("podLosses"), status
-    reasons = jobs.event_reasons(name, "WorkerFailedNotCounted", "FailedByRule")
+    reasons = jobs.event_reasons(rules, "WorkerFailedNotCounted", "FailedByRule")
     assert reasons.count("WorkerFailedNotCounted") == 3 and reasons.count("FailedByRule") == 1, reasons
     assert "Backoff" not in reasons and "MaxRestartsExceeded" not in reasons, reasons
-    wait_for(lambda: not jobs.pods(name), timeout=120, message="a failed job keeps no workers")
 
+    status = jobs.wait_status(crash, lambda s: s.get("phase") == "Failed", 600, "Failed")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "MaxRestartsExceeded", ready
+    assert "exit code 3" in ready["message"], ready
+    assert status["failures"] == 3 and status["generation"] == 3, status
+    reasons = jobs.event_reasons(crash, "Backoff", "MaxRestartsExceeded")
+    assert reasons.count("Backoff") == 2 and "MaxRestartsExceeded" in reasons, reasons
 
-def test_a_trainer_exiting_75_in_a_loop_backs_off_then_fails(operator: OperatorProcess, jobs: Jobs,
-                                                              tmp_path: Path) -> None:
-    """Issue 18, item 4: a trainer that stops (exit 75) right after every start is a pod-level loss each
-    time: not counted against maxRestarts, but backed off (the second waits 2 s here) and, past the
-    operator's max_pod_losses (2 here), Failed with the reason. No JAX: the trainer exits at once."""
-    operator.kill()
-    operator.settings_env.update({"RESILAX_OPERATOR_POD_LOSS_BACKOFF_SECONDS": "2",
-                                  "RESILAX_OPERATOR_MAX_POD_LOSSES": "2"})
-    operator.start()
-    name = unique_name("stops")
-    template = {"spec": {"containers": [{"name": "trainer", "image": "x",
-                                         "command": [sys.executable, "-c", "import sys; sys.exit(75)"]}]}}
-    jobs.create(job_manifest(name, tmp_path / "ckpt", count=1, template=template))
-    status = jobs.wait_status(name, lambda s: s.get("phase") == "Failed", 600, "Failed")
+    status = jobs.wait_status(stops, lambda s: s.get("phase") == "Failed", 600, "Failed")
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "PodLossesExceeded" and "exit 75" in ready["message"], ready
     assert status["generation"] == 3 and status["failures"] == 0 and status["podLosses"] == 3, status
-    reasons = jobs.event_reasons(name, "PodLossBackoff", "PodLossesExceeded")
+    reasons = jobs.event_reasons(stops, "PodLossBackoff", "PodLossesExceeded")
     assert reasons.count("PodLossBackoff") == 1 and reasons.count("WorkerStopped") == 2, reasons
-    wait_for(lambda: not jobs.pods(name), timeout=120, message="a failed job keeps no workers")
+    for name in (rules, crash, stops):
+        wait_for(lambda name=name: not jobs.pods(name), timeout=120, message=f"{name}: a failed job keeps no workers")
 
 
 def test_operator_restart_mid_recovery_and_fenced_old_generation(operator: OperatorProcess, jobs: Jobs,
