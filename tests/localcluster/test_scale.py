@@ -1,19 +1,24 @@
 """Scale: the node agent's no-process mode registers and heartbeats hundreds of TPU hosts, and reports
 the pods bound to them Running (several at once, each pod's own events in order) and gone once deleted.
+Then `up` then `down` leaves no process behind (control plane, agent, a pod's process).
 
-On a cluster of its own, so that the load of 200 nodes never slows the session cluster other tests share.
+On a cluster of its own, so that the load of 200 nodes never slows the session cluster other tests share;
+the same cluster's stop is the one checked (CI time: one cluster of its own started and stopped, not two).
 """
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from resilax_local import LocalCluster
+from resilax_local.processes import alive
 from resilax_local.node.profiles import build_tpu_slice
 from resilax_local.testing import create_pod, node_condition, wait_for
 
 
 @pytest.mark.slow
-def test_two_hundred_tpu_nodes_register_stay_ready_and_run_fake_pods(tmp_path):
+def test_two_hundred_tpu_nodes_register_stay_ready_and_run_fake_pods_and_stop_leaves_no_process_behind(tmp_path):
     nodes = []
     for i in range(100):
         nodes += build_tpu_slice(f"scale-{i}", "tpu-v5-lite-podslice", "2x4", run_pods=False)
@@ -59,3 +64,24 @@ def test_two_hundred_tpu_nodes_register_stay_ready_and_run_fake_pods(tmp_path):
         for name in pods:
             kube.delete(f"/api/v1/namespaces/default/pods/{name}")
         wait_for(lambda: not fake_pods(), 120, interval=0.5, message="48 fake pods gone")
+
+        # A pod with a process of its own (on the CPU node), then the cluster stopped (leaving the block).
+        create_pod(kube, "default", {"metadata": {"name": "forever"}, "spec": {
+            "containers": [{"name": "main", "image": "python",
+                            "command": ["python", "-c", "import time\nwhile True: time.sleep(1)"]}]}})
+
+        def pod_pid() -> int | None:
+            for pod in cluster.pods():
+                if pod["name"] == "forever" and "main" in pod["processes"]:
+                    return int(pod["processes"]["main"])
+            return None
+
+        pid = wait_for(pod_pid, 60, message="pod process")
+        pids = dict(cluster.status()["processes"])
+        assert set(pids) == {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "node-agent"}
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (alive(pid) or any(alive(p["pid"]) for p in pids.values())):
+        time.sleep(0.1)
+    assert not alive(pid)
+    assert not [name for name, p in pids.items() if alive(p["pid"])]
+    assert not (tmp_path / "run" / "cluster.json").exists()
