@@ -25,8 +25,8 @@ pytestmark = pytest.mark.expects_hang
 
 #: The automatic timeout while training, for steps far shorter than its tenth: the operator's floor,
 #: `RESILAX_OPERATOR_HANG_FLOOR_SECONDS` (OperatorSettings.hang_floor_seconds), set from its default 60 s
-#: to 30 s here (CI time: the test waits it out).
-AUTOMATIC_TIMEOUT = 30
+#: to 20 s here (CI time: the test waits it out; still 100 steps of 0.2 s).
+AUTOMATIC_TIMEOUT = 20
 
 
 def trainer_pid(job: str, process: int, generation: int) -> int | None:
