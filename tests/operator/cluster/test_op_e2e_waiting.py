@@ -1,6 +1,7 @@
 """Issue 18, item 4 end to end: stuck containers on the local cluster, whose node agent shows them as a
 kubelet does (tests/localcluster/test_waiting_states.py). Three small jobs at once (1 CPU worker each, no
-JAX: the trainer only sleeps), with the operator's containerWaitingTimeoutSeconds at 20 s:
+JAX: the trainer only sleeps), with the operator's containerWaitingTimeoutSeconds at 15 s (CI time: the
+test waits it out three times; every stuck container shows its reason within a few seconds):
 
 | job   | what is wrong                                         | condition (Ready=False)                  | after the timeout |
 |-------|-------------------------------------------------------|------------------------------------------|-------------------|
@@ -25,7 +26,7 @@ from resilax_local.cluster import LocalCluster
 from resilax_local.testing import wait_for
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(3600)"]
-TIMEOUT = 20
+TIMEOUT = 15
 
 
 def _job(name: str, storage: Path, template: dict[str, Any], max_restarts: int = 0) -> dict[str, Any]:
@@ -106,7 +107,7 @@ def test_ownership_by_uid_a_squatter_pod_a_deleted_token_secret_a_missing_volume
     2. The token Secret deleted while the job runs: the next generation (a worker pod deleted) re-creates
     it, with a new token (a deleted Secret rotates the token: docs/sidecar.md, "Auth"), before its pods, which start (without, they would wait in PodInitializing: the node agent keeps a
     pod with a missing Secret volume there, as a kubelet does), so no ContainerWaiting report comes.
-    3. A template mounting a Secret that does not exist: past the timeout (20 s here) Ready=False
+    3. A template mounting a Secret that does not exist: past the timeout (15 s here) Ready=False
     ContainerWaiting names the start-up state; nothing is torn down; the Secret created, the job runs."""
     operator.kill()
     operator.settings_env["RESILAX_OPERATOR_CONTAINER_WAITING_TIMEOUT_SECONDS"] = str(TIMEOUT)
