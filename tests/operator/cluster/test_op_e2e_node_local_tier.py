@@ -7,10 +7,11 @@ the persistent tier when it must.
     persistent tier (which lags by design: `persistEverySteps`). Then a graceful node shutdown (a spot
     VM's SIGTERM, no request before it) on one of the 4 workers' nodes: all agree on one step, save it
     locally, stop; it is uploaded, and generation 3 restores it with no step lost.
-(b) A node is lost (removed, its disk with it) and replaced by a new, empty one: the survivors restore from
-    their local tiers, the replacement from its peers' local tiers (issues 19 and 26), all the same step,
-    newer than anything persistent; then two nodes are lost together and the next generation still
-    restores a local step: the others hold every shard (data parallel).
+(b) Then, on the same job (generations 4 and 5): a node is lost (removed, its disk with it) and replaced
+    by a new, empty one: the survivors restore from their local tiers, the replacement from its peers'
+    local tiers (issues 19 and 26), all the same step, newer than anything persistent; then two nodes are
+    lost together and the next generation still restores a local step: the others hold every shard (data
+    parallel).
 (d) A shrink (issue 26, item 4): a host of slice 0 killed near step 73; the one-slice job restores the
     newest local step from the in-cluster tiers, none of it from the persistent tier.
 (c) A namespace enforcing Pod Security `baseline` refuses the hostPath: `PodCreationRefused` names the fix,
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from op_cluster import Jobs, OperatorProcess, committed_steps, job_manifest, recovery_breakdown, unique_name
 from resilax_local.cluster import LocalCluster
 from resilax_local.kubeapi import KubeClient
@@ -99,10 +101,13 @@ def generation_2_restored(jobs: Jobs, name: str, storage: Path) -> tuple[dict[st
     return lines, gen1_persisted
 
 
+@pytest.mark.timeout(1800)
 def test_worker_failure_restores_every_worker_from_its_local_tier(
-        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path: Path) -> None:
+        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, kube: KubeClient, tmp_path: Path) -> None:
+    """(a), then (b) on the same job (CI time: one job start and one wait for the local tiers to run
+    ahead of the persistent tier fewer): generations 2 and 3 as (a) says, 4 and 5 as (b) says."""
     name, storage = unique_name("nlt-fail"), tmp_path / "ckpt"
-    start(jobs, name, storage, {"keepLast": 2, "persistEverySteps": 20})
+    start(jobs, name, storage, {"keepLast": 3, "persistEverySteps": 20})
     nodes1 = pod_nodes(jobs, name, 1)
     folders = {w: local_folder(cluster, jobs, name, node) for w, node in nodes1.items()}
 
@@ -140,6 +145,8 @@ def test_worker_failure_restores_every_worker_from_its_local_tier(
 
     graceful_node_shutdown_saves_the_agreed_step_and_the_next_generation_restores_it(
         jobs, cluster, name, storage, folders, after=step)
+    node_loss_the_replacement_restores_from_its_peers_and_two_lost_still_do(
+        jobs, cluster, kube, name, storage, running=3)
 
 
 def graceful_node_shutdown_saves_the_agreed_step_and_the_next_generation_restores_it(
@@ -211,20 +218,19 @@ def replace_nodes(cluster: LocalCluster, kube: KubeClient, nodes: list[str]) -> 
     cluster.wait_nodes_ready(nodes, timeout=120)
 
 
-def test_node_loss_the_replacement_restores_from_its_peers_and_two_lost_still_do(
-        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, kube: KubeClient, tmp_path: Path) -> None:
-    """Issues 19 and 26. (a) A node is lost (its disk with it) while the local tiers are ahead of the
-    persistent tier: the replacement (process 1) reads its shards of the newest local step from the
-    other hosts' local tiers through their sidecars, the survivors read their own; every process
-    restores that step, newer than anything persistent. No replica was ever sent: the example's
-    parameters are data parallel over the hosts, so each holder's own step already has its origin's
-    shards (`peers.plan_peers`' holder of process 1 is process 3). (b) Then the nodes of processes 1
-    and 3 are lost together: processes 0 and 2 still hold every shard, so generation 3 restores the
-    newest local step again, the replacements from peers."""
-    name, storage = unique_name("nlt-loss"), tmp_path / "ckpt"
-    start(jobs, name, storage, {"keepLast": 3, "persistEverySteps": 20})
-    nodes1 = pod_nodes(jobs, name, 1)
-    victim, holder = nodes1["s0-h1"], nodes1["s1-h1"]  # processes 1 and 3 (peers.plan_peers)
+def node_loss_the_replacement_restores_from_its_peers_and_two_lost_still_do(
+        jobs: Jobs, cluster: LocalCluster, kube: KubeClient, name: str, storage: Path, running: int) -> None:
+    """Issues 19 and 26, on the job whose generation `running` trains on all four nodes. (a) A node is lost
+    (its disk with it) while the local tiers are ahead of the persistent tier: the replacement (process 1)
+    reads its shards of the newest local step from the other hosts' local tiers through their sidecars,
+    the survivors read their own; every process restores that step, newer than anything persistent. No
+    replica was ever sent: the example's parameters are data parallel over the hosts, so each holder's
+    own step already has its origin's shards (`peers.plan_peers`' holder of process 1 is process 3).
+    (b) Then the nodes of processes 1 and 3 are lost together: processes 0 and 2 still hold every shard,
+    so the next generation restores the newest local step again, the replacements from peers."""
+    lost, after = running + 1, running + 2
+    nodes = pod_nodes(jobs, name, running)
+    victim, holder = nodes["s0-h1"], nodes["s1-h1"]  # processes 1 and 3 (peers.plan_peers)
     lost_folder = local_folder(cluster, jobs, name, victim)
     holder_folder = local_folder(cluster, jobs, name, holder)
 
@@ -241,43 +247,46 @@ def test_node_loss_the_replacement_restores_from_its_peers_and_two_lost_still_do
         f"{name}: process 1's newest local step on {holder} too, ahead of the persistent tier"))
     # No replica kept: every holder's own step had the same shards as its origin's (a replica taken
     # before a holder's first save of its own is dropped at its next pass).
-    assert not held_replicas(cluster, jobs, name, list(nodes1.values())), "replicas of identical shards kept"
+    assert not held_replicas(cluster, jobs, name, list(nodes.values())), "replicas of identical shards kept"
     fault = time.time()
     replace_nodes(cluster, kube, [victim])
     try:
-        lines, gen1_persisted = generation_2_restored(jobs, name, storage)
-        print(f"\nnode loss: process 1's newest local step {victim_newest}; generation 1's commits in the "
-              f"persistent tier {gen1_persisted}; generation 2 restored {lines}")
+        jobs.wait_status(name, lambda s: s.get("generation") == lost and s.get("phase") == "Running", 900,
+                         f"generation {lost} Running")
+        lines = wait_restored(jobs, name, lost)
+        persisted_before = [s for s in committed_steps(storage) if commit_generation(storage, s) <= running]
+        print(f"\nnode loss: process 1's newest local step {victim_newest}; the persistent tier's commits of "
+              f"generations up to {running} {persisted_before}; generation {lost} restored {lines}")
         step = lines["s0-h0"]["restored"]
-        assert pod_nodes(jobs, name, 2) == nodes1
+        assert pod_nodes(jobs, name, lost) == nodes
         assert {w: r["from"] for w, r in lines.items()} == {
             "s0-h0": "local", "s0-h1": "peer", "s1-h0": "local", "s1-h1": "local"}, lines
         assert lines["s0-h1"]["sources"]["peer"]["files"] > 0, lines["s0-h1"]
         assert lines["s0-h1"]["sources"]["persistent"]["files"] == 0, lines["s0-h1"]
         assert all(r["restored"] == step for r in lines.values()), lines
-        assert step > max(gen1_persisted), (step, gen1_persisted)  # newer than anything persistent
-        assert history_restore(jobs, name, 2) == (step, "peer")  # the farthest any process went
-        gen1 = jobs.losses(name, 1)
-        print(f"node loss: generation 1 reached step {max(gen1)}; process 1 had committed {victim_newest} "
-              f"locally; restored {step}: {victim_newest - step} steps lost")
+        assert step > max(persisted_before), (step, persisted_before)  # newer than anything persistent
+        assert history_restore(jobs, name, lost) == (step, "peer")  # the farthest any process went
+        before = jobs.losses(name, running)
+        print(f"node loss: generation {running} reached step {max(before)}; process 1 had committed "
+              f"{victim_newest} locally; restored {step}: {victim_newest - step} steps lost")
         assert step >= victim_newest, (step, victim_newest)  # 0 steps lost
         # The same loss curve: the arrays restored are the saved ones.
-        gen2 = wait_for(lambda: (g := jobs.losses(name, 2)) and step + 1 in g and g, timeout=300, interval=1,
-                        message=f"{name}: step {step + 1} of generation 2")
-        assert min(gen2) == step + 1
-        if step + 1 in gen1:
-            assert gen2[step + 1]["loss"] == gen1[step + 1]["loss"], (gen1[step + 1], gen2[step + 1])
-        recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "PodLost", "WorkerFailed"))
+        next_losses = wait_for(lambda: (g := jobs.losses(name, lost)) and step + 1 in g and g, timeout=300,
+                               interval=1, message=f"{name}: step {step + 1} of generation {lost}")
+        assert min(next_losses) == step + 1
+        if step + 1 in before:
+            assert next_losses[step + 1]["loss"] == before[step + 1]["loss"], (before[step + 1], next_losses[step + 1])
+        recovery_breakdown(jobs, name, lost, fault, ("NodeLost", "PodLost", "WorkerFailed"))
 
         # (b) Two hosts that are each other's replica holders lost together.
         wait_for(lambda: (n := local_steps(local_folder(cluster, jobs, name, victim))) and n[-1] > step,
                  timeout=300, interval=0.5, message=f"{name}: the replacement saving a local step of its own")
         replace_nodes(cluster, kube, [victim, holder])
-        jobs.wait_status(name, lambda s: s.get("generation") == 3 and s.get("phase") == "Running", 900,
-                         "generation 3 Running")
-        lines3 = wait_restored(jobs, name, 3)
+        jobs.wait_status(name, lambda s: s.get("generation") == after and s.get("phase") == "Running", 900,
+                         f"generation {after} Running")
+        lines3 = wait_restored(jobs, name, after)
         persisted = committed_steps(storage)
-        print(f"two hosts lost: persistent tier {persisted}; generation 3 restored {lines3}")
+        print(f"two hosts lost: persistent tier {persisted}; generation {after} restored {lines3}")
         step3 = lines3["s0-h0"]["restored"]
         assert all(r["restored"] == step3 for r in lines3.values()), lines3
         assert lines3["s0-h1"]["from"] == lines3["s1-h1"]["from"] == "peer", lines3
@@ -285,8 +294,9 @@ def test_node_loss_the_replacement_restores_from_its_peers_and_two_lost_still_do
         assert step3 > step, (step3, step)
         for w in ("s0-h1", "s1-h1"):
             assert lines3[w]["sources"]["persistent"]["files"] == 0 < lines3[w]["sources"]["peer"]["files"], lines3[w]
-        assert history_restore(jobs, name, 3) == (step3, "peer")
-        wait_for(lambda: jobs.losses(name, 3), timeout=300, interval=1, message=f"{name}: a step of generation 3")
+        assert history_restore(jobs, name, after) == (step3, "peer")
+        wait_for(lambda: jobs.losses(name, after), timeout=300, interval=1,
+                 message=f"{name}: a step of generation {after}")
     finally:
         missing = [n for n in (victim, holder) if not any(x["name"] == n for x in cluster.nodes())]
         if missing:
