@@ -11,7 +11,9 @@ where the cluster has a single such node pool, added by the test (the session's 
    `shrinkAfterSeconds` (40 s while the test adds a pool in 1, edited to 15 s for this wait, which the
    test waits out) and restores the newest committed step;
 4. settled at 1 slice, the job keeps a probe pod of the missing slice Pending (an autoscaler's demand);
-   the test adds a node pool as the autoscaler would: the job grows back and the probe is deleted."""
+   the test adds a node pool as the autoscaler would: the job grows back and the probe is deleted. The
+   probe comes once the generation ran the operator's growBackSettleSeconds: 10 s here (CI time: the test
+   waits it out; 20 s in the other e2e tests)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ def _trained(jobs: Jobs, name: str, generation: int, past: int, storage: Path) -
 
 def test_autoscaled_capacity_waits_then_runs_suspend_saves_and_resumes_then_shrinks_after_the_timeout(
         operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path: Path) -> None:
+    operator.kill()
+    operator.settings_env["RESILAX_OPERATOR_GROW_BACK_SETTLE_SECONDS"] = "10"
+    operator.start()
     name, storage = unique_name("cap"), tmp_path / "ckpt"
     pool_a, pool_b = unique_name("cap-a"), unique_name("cap-b")
     added: list[str] = []
