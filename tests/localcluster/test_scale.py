@@ -12,8 +12,8 @@ import time
 
 import pytest
 from resilax_local import LocalCluster
-from resilax_local.processes import alive
 from resilax_local.node.profiles import build_tpu_slice
+from resilax_local.processes import alive
 from resilax_local.testing import create_pod, node_condition, wait_for
 
 
