@@ -235,12 +235,14 @@ def node_loss_the_replacement_restores_from_its_peers_and_two_lost_still_do(
     holder_folder = local_folder(cluster, jobs, name, holder)
 
     def ahead() -> int | None:
-        """Process 1's newest local step, once the holder has it too and it is newer than persistent."""
+        """Process 1's newest local step, once the holder has it too and it is newer than persistent, and
+        neither it nor a save or two after it is one the persistent tier gets (a multiple of
+        persistEverySteps, 20): generation `running` started at an arbitrary step (its restored final save)."""
         try:
             persisted, own, held = committed_steps(storage), local_steps(lost_folder), local_steps(holder_folder)
         except FileNotFoundError:  # a folder renamed or trimmed while listed
             return None
-        if persisted and own and own[-1] in held and own[-1] > max(persisted):
+        if persisted and own and own[-1] in held and own[-1] > max(persisted) and 0 < own[-1] % 20 <= 14:
             return own[-1]
         return None
     victim_newest = wait_for(ahead, timeout=900, interval=0.1, message=(
