@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 
 EVERY_STEPS = 10  # examples/jaxjob-demo.yaml: checkpoint.every.steps
+#: --fault-step, --dwell-steps: the node is killed past step 20 (a checkpoint at 10 at least), and comes
+#: back once the smaller generation trained 10 steps; growBack then waits for its settle anyway (30 s
+#: from that generation's start, in which it trains at most ~80 steps of 0.3 s: its JAX start comes first).
+FAULT_STEP, DWELL_STEPS = 20, 10
 #: --steps: the job file's 300 less what the story does not need (CI time). Room is left after the
-#: fault (step 25), the dwell (30 steps) and growBack's settle (30 s from the smaller generation's start,
-#: at most 100 steps of 0.3 s) for the grown-back generation to train.
-STEPS = 160
+#: fault, the settle and the grow-back's final save for the grown-back generation to train (>= 20 steps).
+STEPS = 140
 
 
 def _leftover_processes(marker: str) -> list[str]:
@@ -44,7 +47,8 @@ def _leftover_processes(marker: str) -> list[str]:
 def test_demo_recovers_grows_back_and_finishes(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
     resilax = shutil.which("resilax") or str(Path(sys.executable).with_name("resilax"))
-    proc = subprocess.run([resilax, "demo", "--run-dir", str(run_dir), "--timeout", "1500", "--steps", str(STEPS)],
+    proc = subprocess.run([resilax, "demo", "--run-dir", str(run_dir), "--timeout", "1500", "--steps", str(STEPS),
+                           "--fault-step", str(FAULT_STEP), "--dwell-steps", str(DWELL_STEPS)],
                           capture_output=True, text=True, timeout=1700)
     output = proc.stdout + proc.stderr
     assert (run_dir / "result.json").exists(), output[-6000:]
