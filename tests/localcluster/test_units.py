@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import os
+from collections.abc import Callable
 
 import pytest
 from resilax_local import binaries
-from resilax_local.node import podspec, profiles, termination
+from resilax_local.node import pod_network, podspec, profiles, termination
 
 
 @pytest.mark.parametrize(("accelerator", "topology", "hosts"), [
@@ -205,3 +207,37 @@ def graced(spec: int | None, deletion: int | None) -> dict:
 ])
 def test_plan_grace_is_the_kubelets_effective_grace(current, pod, grace):
     assert termination.plan_grace(current, pod) == grace
+
+
+def _draws(*octets: int) -> Callable[[int, int], int]:
+    """A `randrange` that gives these octets in turn."""
+    left = list(octets)
+
+    def draw(start: int, stop: int) -> int:
+        value = left.pop(0)
+        assert start <= value < stop
+        return value
+    return draw
+
+
+def test_each_cluster_holds_its_octet_alone(tmp_path) -> None:
+    """Goodput seed 2 of 2026-12-07: a second cluster that drew the same octet flushed the first one's pod
+    addresses when it stopped. Now an octet whose lock is held, or whose block has an address on the
+    loopback interface already, is passed over; a closed lock frees it."""
+    first, lock = pod_network.hold_octet(_draws(40), tmp_path, in_use=lambda o: False)
+    second, other = pod_network.hold_octet(_draws(40, 41), tmp_path, in_use=lambda o: False)
+    assert (first, second) == (40, 41)
+    third, held = pod_network.hold_octet(_draws(42, 43), tmp_path, in_use=lambda o: o == 42)  # an older cluster's
+    assert third == 43
+    for fd in (lock, other, held):
+        os.close(fd)
+    again, fd = pod_network.hold_octet(_draws(40), tmp_path, in_use=lambda o: False)
+    assert again == 40
+    os.close(fd)
+    taken = pod_network.lock_octet(44, tmp_path)
+    assert taken is not None
+    try:
+        with pytest.raises(RuntimeError, match="no free octet"):
+            pod_network.hold_octet(_draws(44, 44), tmp_path, in_use=lambda o: False, tries=2)
+    finally:
+        os.close(taken)

@@ -55,7 +55,7 @@ from .control_api import build_handler
 from .kube_events import build_pod_event
 from .kubeletapi import KubeletAPI
 from .node_status import FAKE_POD_LANES, LEASE_WORKERS, REGISTER_WORKERS, REGISTERING, REMOVED, NodeHeartbeat
-from .pod_network import add_pod_address, claim_pod_block, release_pod_block
+from .pod_network import add_pod_address, claim_pod_block, hold_octet, release_pod_block
 from .pod_status import (
     NODE_SHUTDOWN_REJECTED_MESSAGE,
     NODE_SHUTDOWN_REJECTED_REASON,
@@ -106,9 +106,11 @@ class NodeAgent(NodeHeartbeat):
         self.workers: dict[str, PodWorker] = {}
         self.fake_running: set[str] = set()
         self.finished_uids: set[str] = set()
-        # Each cluster takes one octet: its nodes are 127.o.0.n, its pods 240.o.1.0 up (pod_network.py:
-        # an address the API server's pod proxy accepts), or 127.o.1.0 up where none can be added.
-        self.octet = random.Random(os.getpid() ^ int(time.time())).randrange(32, 250)
+        # Each cluster takes one octet, alone (pod_network.hold_octet): its nodes are 127.o.0.n, its pods
+        # 240.o.1.0 up (pod_network.py: an address the API server's pod proxy accepts), or 127.o.1.0 up
+        # where none can be added.
+        self.octet, lock = hold_octet(random.Random(os.getpid() ^ int(time.time())).randrange)
+        self.octet_lock: int | None = lock
         self.pod_block = claim_pod_block(self.octet)
         self.next_pod_index = 256
         self.next_node_index = 0
@@ -426,6 +428,9 @@ class NodeAgent(NodeHeartbeat):
             lane.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(memory_root(self.run_dir), ignore_errors=True)  # the nodes' tmpfs folders
         release_pod_block(self.pod_block)
+        lock, self.octet_lock = self.octet_lock, None  # (stop runs twice: on SIGTERM, then as main returns)
+        if lock is not None:
+            os.close(lock)  # the octet is free for the next cluster once its addresses are gone
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,14 +14,28 @@ when it stops. Node addresses stay 127.<o>.0.n.
 
 Adding an address needs CAP_NET_ADMIN (root, as the pods' mount namespaces already do); where it is
 refused, the cluster keeps 127.<o>.0.0/16 for its pods and logs why: everything works but the pod proxy.
+
+Each cluster holds its octet `o` alone (`hold_octet`): a lock file per octet, held while its node agent
+lives (the kernel releases it when the agent dies), and no address of the block already on the loopback
+interface (a cluster of an older version, or one killed before it removed them). Two clusters that drew
+the same octet shared their pods' addresses, and the first to stop flushed the other's: goodput seed 2
+of 2026-12-07 lost every pod's address that way in mid-run (its trainers aborted, its sidecars fell
+silent).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import logging
+import os
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
 log = logging.getLogger(__name__)
@@ -29,6 +43,10 @@ log = logging.getLogger(__name__)
 #: The first octet of a proxyable pod block (class E), and of the fallback (loopback).
 PROXYABLE_OCTET: Final = 240
 LOOPBACK_OCTET: Final = 127
+#: The octets a cluster may draw (its pods 240.<o>.x.y, its nodes 127.<o>.0.n): [first, last).
+OCTETS: Final = (32, 250)
+#: Where the node agents hold their octets' locks (`hold_octet`), shared by every user of this host.
+OCTET_LOCK_DIR: Final = Path(tempfile.gettempdir()) / "resilax-local-octets"
 
 
 @dataclass(frozen=True)
@@ -64,6 +82,64 @@ def build_flush_command(block: PodBlock) -> list[str]:
 
 def _ip(argv: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=30)
+
+
+def block_in_use(second: int) -> bool:
+    """Whether an address of 240.<second>.0.0/16 is on the loopback interface already (False without `ip`)."""
+    if shutil.which("ip") is None:
+        return False
+    proc = _ip(["ip", "-4", "-o", "addr", "show", "dev", "lo", "to", PodBlock(PROXYABLE_OCTET, second).cidr])
+    return proc.returncode == 0 and bool(proc.stdout.strip())
+
+
+def lock_octet(second: int, lock_dir: Path = OCTET_LOCK_DIR) -> int | None:
+    """The open file descriptor holding `second`'s lock (flock, exclusive; close it to release), or None
+    when another cluster holds it (or another user's lock file cannot be opened)."""
+    path = lock_dir / f"{second}.lock"
+    try:
+        with _umask(0):  # shared by every user of the host: the folder sticky and open to all, as /tmp
+            lock_dir.mkdir(mode=0o1777, parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except PermissionError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            return None
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def hold_octet(draw: Callable[[int, int], int], lock_dir: Path = OCTET_LOCK_DIR,
+               in_use: Callable[[int], bool] = block_in_use, tries: int = 200) -> tuple[int, int]:
+    """(octet, the file descriptor of its lock) of an octet no other local cluster on this host holds:
+    drawn (`draw(start, stop)`, a `random.Random().randrange`) from OCTETS until one's lock is free and no
+    address of its block is on the loopback interface. Keep the descriptor open while the cluster lives."""
+    for _ in range(tries):
+        second = draw(*OCTETS)
+        fd = lock_octet(second, lock_dir)
+        if fd is None:
+            continue
+        if in_use(second):
+            os.close(fd)
+            continue
+        return second, fd
+    raise RuntimeError(f"no free octet for a local cluster's addresses after {tries} draws from {OCTETS[0]}.."
+                       f"{OCTETS[1] - 1}: locks in {lock_dir}, addresses on `ip addr show dev lo`")
 
 
 def claim_pod_block(second: int) -> PodBlock:
