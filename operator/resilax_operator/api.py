@@ -225,6 +225,10 @@ ABORT_CAUSE_WAIT = Reason("WorkerAborted", "worker {pod} of generation {generati
                           "coordination service ends every process once one is gone); waiting up to {seconds}s for "
                           "the Leases of nodes {nodes} to show whether one is down (then NodeLoss) or alive (then "
                           "the worker's own failure)")
+WORKER_UNREACHABLE = Reason(
+    "WorkerUnreachable", "worker {pod} of generation {generation} is unreachable: its trainer has not been ready for "
+    "{seconds}s and its sidecar does not answer ({count} of {hosts} workers so); whether the trainer exited is "
+    "unknown: replacing it as a pod-level loss, not counted as a failure")
 WORKER_STOPPED = Reason("WorkerStopped", "worker {pod} of generation {generation} stopped for rescheduling (exit {code})")
 CONTAINER_WAITING = Reason("ContainerWaiting", "worker {pod} of generation {generation}: container {container} is "
                            "waiting: {reason}{message}; fix: {fix}")

@@ -141,6 +141,7 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
     checkpoint = restore = None
     processes: dict[str, TrainerProcess] = {}
     hosts: dict[str, HostFigures] = {}
+    silent: list[str] = []
     pod0_name = status.pod_names(ref.name)[0] if status.generation > 0 else ""
     by_name = {p.name: p for p in observed.pods}
     polled = pods_to_poll(observed)
@@ -151,6 +152,7 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
             state = kube.sidecar("GET", str(pod.pod_ip), settings.sidecar_port, "/v1/state")
         except SidecarError as e:
             logger.debug("no sidecar state from %s: %s", name, e)
+            silent.append(name)
             continue
         process = parse_trainer_process(state)
         if process is not None:
@@ -176,6 +178,7 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
                 state = kube.sidecar("GET", p.pod_ip, settings.sidecar_port, "/v1/state")
             except SidecarError as e:
                 logger.debug("no sidecar state from %s: %s", p.name, e)
+                silent.append(p.name)
                 continue
             process = parse_trainer_process(state)
             if process is not None:
@@ -192,7 +195,8 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
         trainer = newest_trainer_report(_trainers.get(ref.uid), words, status.generation) or _trainers.get(ref.uid)
         if trainer is not None:
             _trainers[ref.uid] = trainer
-    observed = replace(observed, checkpoint=checkpoint, restore=restore, trainer=trainer, hosts=hosts)
+    observed = replace(observed, checkpoint=checkpoint, restore=restore, trainer=trainer, hosts=hosts,
+                       silent_sidecars=tuple(sorted(silent)))
     return with_trainer_processes(observed, processes)
 
 

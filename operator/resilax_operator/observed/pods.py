@@ -86,6 +86,9 @@ class ObservedPod:
     supervised: bool = False
     #: The trainer container's readiness (for a supervised trainer: its incarnation runs).
     trainer_ready: bool = False
+    #: While the trainer is not ready: since when (the pod's Ready condition turned False, or the trainer
+    #: container started, whichever is later); None while it is ready or when no time is known.
+    trainer_not_ready_since: datetime | None = None
     #: uid of the JAXJob that controls the pod (its controller ownerReference); "" for none.
     owner_uid: str = ""
     #: (container, reason) of each container still in a start-up state (ContainerCreating, PodInitializing).
@@ -156,6 +159,7 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
                 exit_code = None if code is None else int(code)
                 exit_reason = terminated.get("reason")
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    not_ready_since = None if trainer_ready or trainer is None else _not_ready_since(status, started_at)
     statuses = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
     waiting = tuple(
         (str(cs.get("name", "")), str(w.get("reason")), str(w.get("message") or ""))
@@ -186,9 +190,20 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         trainer_running=trainer_running, waiting=waiting, gates=gates, trainer_started_at=started_at,
         trainer_finished_at=finished_at, uid=str(meta.get("uid") or ""),
         supervised=(meta.get("annotations") or {}).get(api.ANNOTATION_SUPERVISED) == "1", trainer_ready=trainer_ready,
+        trainer_not_ready_since=not_ready_since,
         owner_uid=owner_uid(raw), starting=starting, scheduled_at=_time_or_none(scheduled.get("lastTransitionTime")),
         container_exits=container_exits, queue_stop=_queue_stop(stop), freshness=pick_freshness(meta),
         health=health)
+
+
+def _not_ready_since(status: Mapping[str, Any], started_at: datetime | None) -> datetime | None:
+    """Since when a trainer that is not ready has been so: the later of the pod's Ready condition turning
+    False (its lastTransitionTime; the pod is not ready while one of its containers is not) and the trainer
+    container's start (it could not be ready before). None when neither is known."""
+    condition: Mapping[str, Any] = next((c for c in status.get("conditions") or []
+                                         if c.get("type") == "Ready" and c.get("status") != "True"), {})
+    times = [t for t in (_time_or_none(condition.get("lastTransitionTime")), started_at) if t is not None]
+    return max(times, default=None)
 
 
 def pick_freshness(meta: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:

@@ -111,6 +111,9 @@ class Observed:
     trainer: TrainerReport | None = None
     #: Pod name → its supervised trainer's incarnation, from the sidecars asked (observed/trainer_process.py).
     trainer_processes: Mapping[str, TrainerProcess] = field(default_factory=dict, hash=False)
+    #: The pods whose sidecar was asked this time and did not answer (no connection, an error, past the
+    #: deadline), sorted: a supervised trainer there cannot be heard (trainer_process.unreachable_workers).
+    silent_sidecars: tuple[str, ...] = ()
     #: Pod name → its trainer's figures, from the sidecars asked this time (pod 0 always; every worker
     #: when a hang is suspected or the stragglers' sample is due: observed/observe.py).
     hosts: Mapping[str, HostFigures] = field(default_factory=dict, hash=False)

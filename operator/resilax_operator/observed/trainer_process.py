@@ -5,14 +5,17 @@ A supervised trainer's exit no longer ends its container (the supervisor stays f
 the kubelet does not see it: observed/observe.py asks the sidecar of each pod whose trainer is not ready (the
 doorbell: the readinessProbe on `/v1/trainer/ready`), of pod 0 as always, and of every pod of the
 generation while a fault is in view (`pods_to_poll`), and `with_trainer_processes` turns the answers
-into the pods' exit codes, so every policy keeps reading `ObservedPod` only.
+into the pods' exit codes, so every policy keeps reading `ObservedPod` only. When the doorbell rings and
+no answer comes (`unreachable_workers`: not ready SILENCE_SECONDS, its sidecar silent), the trainer can
+be heard neither exiting nor stepping (the hang detector reads the same sidecars): worker_exit.py
+replaces it rather than wait for an answer that may never come.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
@@ -22,6 +25,16 @@ RUNNING: Final = "running"
 STOPPING: Final = "stopping"
 #: The child and every descendant are reaped: the incarnation is proven gone.
 EXITED: Final = "exited"
+#: A supervised trainer not ready this long (seconds) whose sidecar, asked, does not answer is unreachable
+#: (`unreachable_workers`). Long enough for a sidecar restarted once, or slowed past a probe's 1 s by a
+#: loaded node, to answer again; short against the hang floor (60 s), which cannot fire anyway without
+#: the sidecars' figures. (Goodput seed 2 of 2026-12-07: the pods' addresses gone, every sidecar silent,
+#: the trainers aborted unheard; nothing acted for 110 s, until an unrelated node loss.)
+SILENCE_SECONDS: Final = 20.0
+#: A trainer container younger than this (seconds) is not judged by its silence: its sidecar may still be
+#: starting (the kubelet starts the trainer once the native sidecar runs, not once it listens; a few
+#: seconds when quiet, more on a loaded node).
+SIDECAR_START_SECONDS: Final = 60.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,30 @@ def pods_to_poll(observed: Observed) -> list[str]:
         if (names and p.name == names[0]) or every or (p.supervised and not p.trainer_ready):
             out.append(p.name)
     return sorted(out)
+
+
+def unreachable_workers(observed: Observed) -> list[tuple[ObservedPod, float]]:
+    """(pod, seconds not ready) of each supervised worker of the running generation, by name, that the
+    doorbell named and no answer followed: Running on a node that is Ready and not down (else the node
+    rules decide), its trainer container running for SIDECAR_START_SECONDS and not ready for at least
+    SILENCE_SECONDS, and its sidecar asked this time without an answer (`Observed.silent_sidecars`). Its
+    trainer may have exited or be running: neither can be learnt, and no policy that reads the sidecars
+    (its exit, a hang) can act on it."""
+    silent = set(observed.silent_sidecars)
+    young = observed.now - timedelta(seconds=SIDECAR_START_SECONDS)
+    out = []
+    for p in observed.pods_of(observed.status.generation):
+        node = observed.node(p.node_name)
+        since = p.trainer_not_ready_since
+        if (p.name not in silent or not p.supervised or p.phase != "Running" or p.deletion_timestamp is not None
+                or not p.trainer_running or p.trainer_ready or since is None or node is None
+                or node.ready != "True" or node.down_since(observed.now) is not None
+                or (p.trainer_started_at is not None and p.trainer_started_at > young)):
+            continue
+        quiet = observed.now - since
+        if quiet >= timedelta(seconds=SILENCE_SECONDS):
+            out.append((p, quiet.total_seconds()))
+    return out
 
 
 def with_trainer_processes(observed: Observed, processes: Mapping[str, TrainerProcess]) -> Observed:

@@ -9,6 +9,7 @@ The first row that matches (pods by name) decides:
 | Failed by the node or cluster (Evicted, ...; no exit code) | PodLost (not counted)                    |
 | trainer aborted (exit 134) while the Lease of a Ready node hosting another worker has not been renewed since, for less than peerLostTimeoutSeconds | Ready=False WorkerAborted, wait: that Lease proves the node down (node_loss.py: NodeLoss at once) or alive (the row below) |
 | Failed (the worker's own exit code, not 76)              | WorkerFailure: counted; backoff, or Failed past maxRestarts |
+| supervised, its trainer (running SIDECAR_START_SECONDS) not ready for SILENCE_SECONDS and its sidecar silent (trainer_process.unreachable_workers) | WorkerUnreachable: PodLost (not counted): its exit cannot be learnt |
 | trainer exited 76 (a peer process is gone), for less than peerLostTimeoutSeconds | Ready=False PeerLost, wait for the cause: a node down (node_loss.py: NodeLoss at once) or a peer's own failure (the row above) |
 | trainer exited 76, no cause found in that time           | PodLost (not counted)                      |
 | every worker Succeeded                                   | Succeeded (Completed)                      |
@@ -25,6 +26,7 @@ from .. import api
 from .. import status as st
 from ..actions import POLL_SECONDS, Action, EmitEvent, RequeueAfter, SetStatus, status_change
 from ..observed.snapshot import Observed, ObservedPod
+from ..observed.trainer_process import unreachable_workers
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus
@@ -60,6 +62,11 @@ def check(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSet
                 detail += f" ({p.exit_reason})"
             return counted_failure(spec, observed, s, settings,
                             api.WORKER_FAILED.format(pod=p.name, generation=g, detail=detail))
+    unheard = unreachable_workers(observed)
+    if unheard:
+        first, seconds = unheard[0]
+        return Finding(st.POD_LOST, api.WORKER_UNREACHABLE.name, api.WORKER_UNREACHABLE.format(
+            pod=first.name, generation=g, seconds=int(seconds), count=len(unheard), hosts=len(pods)))
     peer_lost = peer_lost_since(pods)
     if peer_lost is not None:
         return wait_for_peer_loss_cause(observed, s, settings, peer_lost)

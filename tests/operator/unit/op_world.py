@@ -160,6 +160,7 @@ class World:
         if worth_asking_every_host(self.hosts.get(pod0), self.now.timestamp()):  # observed/observe.py's second round
             polled = [p.name for p in self.gen_pods() if p.phase == "Running" and p.pod_ip is not None]
         asked = [n for n in polled if n not in self.unreachable and n in self.processes]
+        observed = replace(observed, silent_sidecars=tuple(sorted(n for n in polled if n in self.unreachable)))
         return with_trainer_processes(observed, {n: replace(self.processes[n], assigned=self.assigned.get(n))
                                                  for n in asked})
 
@@ -363,7 +364,8 @@ class World:
             if t.state == EXITED and self.assigned.get(name, 0) > t.generation:
                 t = TrainerProcess(t.incarnation + 1, self.assigned[name], RUNNING, started_at=self.now)
             self.processes[name] = t
-            self.pods[name] = replace(p, trainer_ready=t.state == RUNNING)
+            # the readiness probe asks the sidecar (/v1/trainer/ready): a silent one fails it
+            self.pods[name] = self.with_readiness(p, t.state == RUNNING and name not in self.unreachable)
         live = {t.generation for t in self.processes.values() if t.state != EXITED}
         assert len(live) <= 1, f"trainers of generations {sorted(live)} alive at once"
 
@@ -381,7 +383,13 @@ class World:
         """A supervised trainer exits by itself (the pod stays Running: the supervisor waits)."""
         t = self.processes[name]
         self.processes[name] = replace(t, state=EXITED, exit_code=code, finished_at=self.now)
-        self.pods[name] = replace(self.pods[name], trainer_ready=False)
+        self.pods[name] = self.with_readiness(self.pods[name], False)
+
+    def with_readiness(self, p: ObservedPod, ready: bool) -> ObservedPod:
+        """`p` with its trainer's readiness as the kubelet's probe would leave it (since when it is not ready:
+        the pod's Ready condition's lastTransitionTime)."""
+        since = None if ready else (p.trainer_not_ready_since if not p.trainer_ready else None) or self.now
+        return replace(p, trainer_ready=ready, trainer_not_ready_since=since)
 
     def settle(self, steps: int = 10) -> None:
         for _ in range(steps):

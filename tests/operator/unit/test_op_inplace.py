@@ -20,6 +20,7 @@ from resilax_operator import status as st
 from resilax_operator.actions import CreateGeneration, DeleteGeneration, RequestFinalSave, StartTrainers
 from resilax_operator.builders import JobRef
 from resilax_operator.observed.snapshot import SaveOutcome, Taint
+from resilax_operator.observed.trainer_process import SIDECAR_START_SECONDS, SILENCE_SECONDS
 from resilax_operator.policies import Finding
 from resilax_operator.policies.inplace import decide_mode
 from resilax_operator.status_fields.checkpoint import CheckpointInfo
@@ -221,6 +222,85 @@ def test_a_worker_failure_restarts_every_trainer_in_place_after_the_backoff() ->
     settle(w)
     assert w.status.phase == api.PHASE_RUNNING and w.status.generation == 2 and _identity(w) == before
     assert all(t.generation == 2 and t.state == "running" for t in w.processes.values())
+
+
+def _aged_world() -> World:
+    """`_world()` a while later: its trainers past SIDECAR_START_SECONDS (no sidecar may still be starting)."""
+    w = _world()
+    w.advance(SIDECAR_START_SECONDS)
+    settle(w, 2)
+    return w
+
+
+def _silence(w: World, names: list[str], *, exit_code: int | None = None) -> None:
+    """The sidecars of `names` stop answering (their pods' addresses gone, as in goodput seed 2 of
+    2026-12-07), so their readiness probes fail; with `exit_code`, their trainers then exit unheard."""
+    w.unreachable |= set(names)
+    for name in names:
+        if exit_code is not None:
+            w.fail_trainer(name, exit_code)
+        w.pods[name] = w.with_readiness(w.pods[name], False)
+
+
+def _until_unreachable(w: World) -> list[Any]:
+    """Ticks up to SILENCE_SECONDS: nothing is decided before it; the tick at it finds WorkerUnreachable."""
+    tick(w)
+    w.advance(SILENCE_SECONDS - 1)
+    tick(w)
+    assert w.status.generation == 1 and api.WORKER_UNREACHABLE.name not in w.reasons(), w.reasons()
+    w.advance(1)
+    return tick(w)
+
+
+def test_every_sidecar_silent_and_every_trainer_aborted_unheard_replaces_every_pod() -> None:
+    """Goodput seed 2 of 2026-12-07: every pod's address went, every sidecar fell silent and every
+    trainer aborted (134) unheard; the operator waited for an answer for 110 s. Now: WorkerUnreachable
+    after SILENCE_SECONDS, and since no sidecar answers, no pod can be kept."""
+    w = _aged_world()
+    before = set(w.pods)
+    _silence(w, sorted(w.pods), exit_code=134)
+    _until_unreachable(w)
+    unreachable = next(e for e in w.events if e.reason == api.WORKER_UNREACHABLE.name)
+    assert unreachable.message.startswith("worker llama-g1-s0-h0 of generation 1 is unreachable: its trainer has "
+                                          f"not been ready for {int(SILENCE_SECONDS)}s"), unreachable.message
+    assert "(4 of 4 workers so)" in unreachable.message, unreachable.message
+    assert api.IN_PLACE_UNAVAILABLE.name in w.reasons() and api.TRAINER_HUNG.name not in w.reasons()
+    settle(w)
+    s = w.status
+    assert s.phase == api.PHASE_RUNNING and s.generation == 2 and not before & set(w.pods)
+    assert (s.failures, s.pod_losses) == (0, 1), s
+
+
+@pytest.mark.parametrize("silent", ["llama-g1-s1-h1", "llama-g1-s0-h0"], ids=["one-worker", "pod-0"])
+def test_one_silent_sidecar_replaces_its_pod_and_keeps_the_others_in_place(silent: str) -> None:
+    w = _aged_world()
+    before = _identity(w)
+    _silence(w, [silent], exit_code=134)
+    _until_unreachable(w)
+    assert api.RESTARTING_IN_PLACE.name in w.reasons() and api.TRAINER_HUNG.name not in w.reasons()
+    settle(w)
+    s = w.status
+    kept = {n: v for n, v in before.items() if n != silent}
+    assert s.phase == api.PHASE_RUNNING and s.generation == 2 and {n: _identity(w).get(n) for n in kept} == kept
+    assert silent not in w.pods and (s.failures, s.pod_losses) == (0, 1), s
+
+
+def test_a_silent_sidecar_whose_trainer_runs_on_is_replaced_too() -> None:
+    """Its trainer may well run (a sidecar stopped, a network cut between it and the node): nothing of it can
+    be learnt, and its checkpoints no longer reach the storage."""
+    w = _aged_world()
+    _silence(w, ["llama-g1-s1-h0"])
+    _until_unreachable(w)
+    assert api.RESTARTING_IN_PLACE.name in w.reasons()
+
+
+def test_every_trainer_failing_at_once_with_its_sidecar_answering_is_a_worker_failure_at_once() -> None:
+    w = _aged_world()
+    for name in sorted(w.pods):
+        w.fail_trainer(name, 134)
+    tick(w)
+    assert api.WORKER_FAILED.name in w.reasons() and api.RESTARTING_IN_PLACE.name in w.reasons(), w.reasons()
+    assert w.status.failures == 1 and w.status.in_place is not None
 
 
 def test_inplace_never_replaces_every_pod_as_before() -> None:

@@ -15,9 +15,12 @@ from resilax_operator.observed.snapshot import parse_pod
 from resilax_operator.observed.trainer_process import (
     EXITED,
     RUNNING,
+    SIDECAR_START_SECONDS,
+    SILENCE_SECONDS,
     TrainerProcess,
     parse_trainer_process,
     pods_to_poll,
+    unreachable_workers,
     with_trainer_processes,
 )
 from resilax_operator.policies import Finding, worker_exit
@@ -149,3 +152,71 @@ def test_the_kubelets_code_stays_and_unsupervised_pods_are_untouched() -> None:
     w.pods[name] = replace(w.pods[name], exit_code=70, phase="Failed")  # the supervisor itself died
     kept = with_trainer_processes(w.observed(), {name: TrainerProcess(1, 1, EXITED, exit_code=1)})
     assert next(p for p in kept.pods if p.name == name).exit_code == 70
+
+
+def test_parse_pod_says_since_when_the_trainer_is_not_ready() -> None:
+    raw = {"metadata": {"name": "a", "annotations": {api.ANNOTATION_SUPERVISED: "1"},
+                        "labels": {api.LABEL_GENERATION: "1", api.LABEL_SLICE: "0", api.LABEL_HOST: "0"}},
+           "spec": {"containers": [{"name": "trainer"}]},
+           "status": {"phase": "Running", "conditions": [
+               {"type": "Ready", "status": "False", "lastTransitionTime": "2026-01-01T12:00:30Z"}],
+               "containerStatuses": [{"name": "trainer", "ready": False,
+                                      "state": {"running": {"startedAt": "2026-01-01T12:00:00Z"}}}]}}
+    p = parse_pod(raw)
+    assert p is not None and p.trainer_not_ready_since == T0 + timedelta(seconds=30)
+    raw["status"]["containerStatuses"][0]["state"]["running"]["startedAt"] = "2026-01-01T12:01:00Z"
+    p = parse_pod(raw)  # not ready since its start: it never was, this container
+    assert p is not None and p.trainer_not_ready_since == T0 + timedelta(seconds=60)
+    raw["status"]["containerStatuses"][0]["ready"] = True
+    p = parse_pod(raw)
+    assert p is not None and p.trainer_not_ready_since is None
+
+
+def _not_ready(w: Any, names: list[str], since: datetime) -> None:
+    for n in names:
+        w.pods[n] = replace(w.pods[n], trainer_ready=False, trainer_not_ready_since=since)
+
+
+EVERY = ["llama-g1-s0-h0", "llama-g1-s1-h0", "llama-g1-s2-h0", "llama-g1-s3-h0"]
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    # goodput seed 2 of 2026-12-07: every pod's address gone, every sidecar silent, every trainer not ready
+    pytest.param("every-pod-silent", EVERY, id="every-pod-silent-past-the-silence"),
+    pytest.param("pod-0-silent", ["llama-g1-s0-h0"], id="pod-0s-own"),
+    pytest.param("within-the-silence", [], id="within-the-silence"),
+    pytest.param("sidecar-starting", [], id="a-young-trainer-whose-sidecar-may-still-be-starting"),
+    pytest.param("answered", [], id="its-sidecar-answered"),
+    pytest.param("ready", [], id="ready-but-its-sidecar-slow"),
+    pytest.param("node-not-ready", ["llama-g1-s0-h0", "llama-g1-s2-h0", "llama-g1-s3-h0"],
+                 id="the-node-rules-decide-a-node-not-ready"),
+    pytest.param("unsupervised", [], id="unsupervised-the-kubelet-sees-its-exit"),
+    pytest.param("deleting", ["llama-g1-s0-h0", "llama-g1-s2-h0", "llama-g1-s3-h0"], id="being-deleted"),
+])
+def test_unreachable_workers_table(case: str, expected: list[str]) -> None:
+    w = _supervised_world()  # its trainers started at T0
+    now = T0 + timedelta(seconds=SIDECAR_START_SECONDS + SILENCE_SECONDS)
+    since = now - timedelta(seconds=SILENCE_SECONDS)
+    silent = list(EVERY)
+    _not_ready(w, EVERY, since)
+    if case == "pod-0-silent":
+        silent = ["llama-g1-s0-h0"]
+    elif case == "within-the-silence":
+        _not_ready(w, EVERY, since + timedelta(seconds=1))
+    elif case == "sidecar-starting":
+        w.pods = {n: replace(p, trainer_started_at=since) for n, p in w.pods.items()}
+    elif case == "answered":
+        silent = []
+    elif case == "ready":
+        w.pods = {n: replace(p, trainer_ready=True, trainer_not_ready_since=None) for n, p in w.pods.items()}
+    elif case == "node-not-ready":
+        node = str(w.pods["llama-g1-s1-h0"].node_name)
+        w.nodes[node] = replace(w.nodes[node], ready="Unknown", ready_since=T0)
+    elif case == "unsupervised":
+        w.pods = {n: replace(p, supervised=False) for n, p in w.pods.items()}
+    elif case == "deleting":
+        w.pods["llama-g1-s1-h0"] = replace(w.pods["llama-g1-s1-h0"], deletion_timestamp=T0)
+    observed = replace(w.observed(), now=now, silent_sidecars=tuple(sorted(silent)))
+    found = unreachable_workers(observed)
+    assert [p.name for p, _ in found] == expected
+    assert all(seconds >= SILENCE_SECONDS for _, seconds in found)
