@@ -6,7 +6,13 @@ Job: 1 slice of tpu-v5-lite-podslice 2x4 (2 hosts) = 2 processes x 2 fake CPU de
 steps. Process 1's trainer is stopped with SIGSTOP (a frozen process: its heartbeat stops, process 0
 waits in a collective): the operator must find `TrainerHung` naming that pod within the automatic
 timeout, dump the stacks of the hung process into its pod log, restart the generation in place and not
-count a failure. (Every other e2e flow checks that a healthy job never gets `TrainerHung`: conftest.py.)"""
+count a failure. (Every other e2e flow checks that a healthy job never gets `TrainerHung`: conftest.py.)
+
+Then the pods lose their network (their addresses removed from the loopback interface, what a second
+local cluster of the same pod block did to goodput seed 2 of 2026-12-07): every sidecar falls silent,
+every readiness probe fails and the trainers stall, unheard; the hang detector, which reads the same
+sidecars, sees nothing. The operator must replace the generation once the silence lasts
+(`WorkerUnreachable`), not wait for an answer that never comes."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -46,6 +53,13 @@ def trainer_pid(job: str, process: int, generation: int) -> int | None:
                 and state != "Z"):
             return int(entry)
     return None
+
+
+def cut_pod_network(ip: str) -> None:
+    """Remove a pod's address from the loopback interface (resilax_local.node.pod_network): nothing reaches
+    its processes any more, nor do they reach each other."""
+    assert ip.startswith("240."), f"pod IP {ip}: this cluster has no addresses of its own to remove (no CAP_NET_ADMIN)"
+    subprocess.run(["ip", "addr", "del", f"{ip}/32", "dev", "lo"], check=True, capture_output=True, timeout=30)
 
 
 def test_a_stopped_trainer_is_detected_and_restarted(operator: OperatorProcess, jobs: Jobs, tmp_path: Path) -> None:
@@ -100,3 +114,22 @@ def test_a_stopped_trainer_is_detected_and_restarted(operator: OperatorProcess, 
     hang_seconds = ((status.get("goodput") or {}).get("breakdown") or {}).get("hang")
     print(f"{name}: restarted in place, generation 2 restored step {min(records) - 1}; goodput hang bucket "
           f"{hang_seconds}s; pod 0 {pod0}")
+
+    # Every pod's network goes: no sidecar answers the operator or the readiness probes any more.
+    gen2 = {p["metadata"]["name"]: p["status"]["podIP"] for p in jobs.pods(name)}
+    cut = time.time()
+    for ip in gen2.values():
+        cut_pod_network(ip)
+
+    def unreachable() -> dict[str, object] | None:
+        return next((e for e in jobs.events(name) if e.get("reason") == "WorkerUnreachable"), None)
+
+    silent = wait_for(unreachable, timeout=120, interval=1, message=f"{name}: WorkerUnreachable")
+    print(f"{name}: pod network cut -> WorkerUnreachable after {event_time(silent) - cut:.1f}s: {silent.get('message')}")
+    # (the first worker whose silence lasted: the two probes failed a moment apart)
+    assert re.match(rf"worker {name}-g1-s0-h[01] of generation 2 is unreachable: ", str(silent.get("message"))), silent
+    assert jobs.event_reasons(name, "TrainerHung").count("TrainerHung") == 1  # the first phase's only
+    status = jobs.wait_status(name, lambda s: s.get("generation") == 3 and s.get("phase") == "Running", 600,
+                              "generation 3 Running")
+    assert not set(gen2) & {p["metadata"]["name"] for p in jobs.pods(name)}  # no sidecar answered: none kept
+    assert status["failures"] == 0, status
