@@ -16,7 +16,7 @@ How each pod of a generation is deleted (`plan_delete`):
 |----------------------------------------------------------|--------------------------------------------|
 | on a down or gone node, or Terminating far past its grace | force (gracePeriodSeconds=0)              |
 | already Terminating                                      | left alone                                 |
-| NodeLoss, WorkerFailure, TrainerHung, or a worker exited 76 (a peer process gone): a surviving worker; Shrink (never all ran) | grace node_loss.SURVIVOR_GRACE_SECONDS (its final save cannot finish) |
+| NodeLoss, WorkerFailure, TrainerHung, or a worker exited 76 (a peer process gone) or unreachable (PodLost while trainer_process.unreachable_workers names one): a surviving worker; Shrink (never all ran) | grace node_loss.SURVIVOR_GRACE_SECONDS (its final save cannot finish) |
 | its trainer exited, no local tier                        | grace TRAINER_GONE_GRACE_SECONDS           |
 | its trainer never started (unscheduled, a failed health check) | grace TRAINER_GONE_GRACE_SECONDS      |
 | planned teardown, its trainer still running              | not before teardownSince + STOPPING_TRAINER_WAIT_SECONDS |
@@ -45,6 +45,7 @@ from ..actions import (
     status_change,
 )
 from ..observed.snapshot import Observed
+from ..observed.trainer_process import unreachable_workers
 from ..settings import OperatorSettings
 from ..spec import JobSpec
 from ..status import JobStatus, Transition
@@ -180,7 +181,9 @@ def plan_delete(observed: Observed, spec: JobSpec, generation: int, reason: str,
     """Delete `generation`: each pod as the table in this module's docstring says."""
     pods = observed.pods_of(generation)
     forced = set(node_loss.pods_to_force(observed, pods, settings))
-    peer_gone = any(p.exit_code == api.EXIT_CODE_PEER_LOST for p in pods)
+    # a worker no one hears (WorkerUnreachable): the others' final save would be a collective with it
+    peer_gone = any(p.exit_code == api.EXIT_CODE_PEER_LOST for p in pods) or (
+        reason == st.POD_LOST and bool(unreachable_workers(observed)))
     out = []
     for p in pods:
         if p.name in forced:

@@ -21,7 +21,7 @@ from resilax_operator.actions import CreateGeneration, DeleteGeneration, Request
 from resilax_operator.builders import JobRef
 from resilax_operator.observed.snapshot import SaveOutcome, Taint
 from resilax_operator.observed.trainer_process import SIDECAR_START_SECONDS, SILENCE_SECONDS
-from resilax_operator.policies import Finding
+from resilax_operator.policies import Finding, node_loss
 from resilax_operator.policies.inplace import decide_mode
 from resilax_operator.status_fields.checkpoint import CheckpointInfo
 from resilax_operator.validation import validate_spec
@@ -259,7 +259,11 @@ def test_every_sidecar_silent_and_every_trainer_aborted_unheard_replaces_every_p
     w = _aged_world()
     before = set(w.pods)
     _silence(w, sorted(w.pods), exit_code=134)
-    _until_unreachable(w)
+    actions = _until_unreachable(w)
+    deleted = [d for a in actions if isinstance(a, DeleteGeneration) for d in a.pods]
+    # their final save would be a collective with the silent ones: the survivors' grace, not their own
+    assert sorted(d.name for d in deleted) == sorted(before)
+    assert {d.grace_seconds for d in deleted} == {node_loss.SURVIVOR_GRACE_SECONDS}, deleted
     unreachable = next(e for e in w.events if e.reason == api.WORKER_UNREACHABLE.name)
     assert unreachable.message.startswith("worker llama-g1-s0-h0 of generation 1 is unreachable: its trainer has "
                                           f"not been ready for {int(SILENCE_SECONDS)}s"), unreachable.message
