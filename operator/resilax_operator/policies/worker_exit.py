@@ -112,14 +112,10 @@ def wait_for_peer_loss_cause(observed: Observed, s: JobStatus, settings: Operato
     message = api.PEER_LOST.format(pod=name, generation=s.generation, seconds=seconds)
     if since.year < 9999 and observed.now - since >= timedelta(seconds=seconds):
         return Finding(st.POD_LOST, api.PEER_LOST.name, message + "; no cause found: replacing the generation")
-    new = st.set_condition(s, api.COND_READY, False, api.PEER_LOST.name, message, observed.now)
-    old = s.condition(api.COND_READY)
-    events = [] if old is not None and old.reason == api.PEER_LOST.name else [EmitEvent("Warning", api.PEER_LOST.name,
-                                                                                          message)]
     # look again when a Lease read for the witness would prove its node down, if that comes sooner
     proofs = [(at - observed.now).total_seconds() for n in observed.nodes
               if n.ready == "True" and (at := n.lease_proof_at()) is not None and at > observed.now]
-    return [*status_change(observed.status, new, *events), RequeueAfter(min([POLL_SECONDS, *(p + 0.2 for p in proofs)]))]
+    return _waiting(observed, s, api.PEER_LOST.name, message, min([POLL_SECONDS, *(p + 0.2 for p in proofs)]))
 
 
 def wait_for_abort_cause(observed: Observed, s: JobStatus, settings: OperatorSettings,
@@ -152,12 +148,17 @@ def wait_for_abort_cause(observed: Observed, s: JobStatus, settings: OperatorSet
     until = max(waiting.values())
     message = api.ABORT_CAUSE_WAIT.format(pod=pod.name, generation=s.generation, seconds=settings.peer_lost_timeout_seconds,
                                           nodes=", ".join(sorted(waiting)))
-    new = st.set_condition(s, api.COND_READY, False, api.ABORT_CAUSE_WAIT.name, message, now)
+    return _waiting(observed, s, api.ABORT_CAUSE_WAIT.name, message,
+                    min(POLL_SECONDS, max(0.2, (until - now).total_seconds() + 0.2)))
+
+
+def _waiting(observed: Observed, s: JobStatus, reason: str, message: str, seconds: float) -> list[Action]:
+    """Ready=False with `reason` while the cause of an exit is awaited (a Warning event when that reason
+    starts), and a look again in `seconds`."""
+    new = st.set_condition(s, api.COND_READY, False, reason, message, observed.now)
     old = s.condition(api.COND_READY)
-    events = [] if old is not None and old.reason == api.ABORT_CAUSE_WAIT.name else [
-        EmitEvent("Warning", api.ABORT_CAUSE_WAIT.name, message)]
-    return [*status_change(observed.status, new, *events),
-            RequeueAfter(min(POLL_SECONDS, max(0.2, (until - now).total_seconds() + 0.2)))]
+    events = [] if old is not None and old.reason == reason else [EmitEvent("Warning", reason, message)]
+    return [*status_change(observed.status, new, *events), RequeueAfter(seconds)]
 
 
 def counted_failure(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorSettings,
