@@ -16,7 +16,12 @@ Steps, in order:
 2. Each incarnation: `main()`. A raise, a code other than EXIT_CODE_STOPPED, or several JAX processes:
    the supervisor is told why (kept.decide_park) and the code is returned (or the error re-raised), so
    the process exits as it always did.
-3. Park: the restore prefetch stopped, garbage collected, `jax.extend.backend.clear_backends()` (every
+3. Park. From the entry's return to the next call, SIGTERM is only recorded (`terms_while_parking`): it
+   can only be the supervisor's stop, sent the moment the operator asks for the next generation, which
+   may come after the final save let the entry return but before `{"parked"}` reached the supervisor.
+   The supervisor then takes the park as that stop's end; when it is ending instead, it says `{"exit"}`
+   (or kills the process after its grace). Before, such a SIGTERM killed the process on its way to park
+   (exit 143) and the next generation paid a fresh process. Then: the restore prefetch stopped, garbage collected, `jax.extend.backend.clear_backends()` (every
    backend client, compiled executable and device buffer of the process dropped: the chip is free),
    then `{"parked"}` to the supervisor, and wait.
 4. `{"resume"}`: the generation's own variables take the new incarnation's values (the generation,
@@ -33,12 +38,15 @@ Called on: the trainer's main thread, as its whole program.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from resilax_ckpt.trainer import kept
@@ -47,6 +55,8 @@ from resilax_ckpt.trainer.kept_channel import Channel
 log = logging.getLogger(__name__)
 
 _last: dict[str, float] | None = None
+terms_while_parking: list[float] = []
+"""Wall-clock times of the SIGTERMs this process received between an entry's return and the next call."""
 
 
 def last_restart() -> dict[str, float] | None:
@@ -73,32 +83,47 @@ def run_kept(entry: Callable[[], int | None]) -> int:
             channel.send("leaving", {"key": refusal.key, "message": refusal.message})
             raise
         marks = {"entry_returned": time.time()}
-        refusal = kept.decide_park(code, None, _process_count())
-        if refusal is None:
-            refusal = _drop_backends(marks)
-        if refusal is not None:
-            log.info("resilax: the trainer process is not kept: %s", refusal.message)
-            channel.send("leaving", {"key": refusal.key, "message": refusal.message})
-            return code
-        marks["backends_dropped"] = time.time()
-        if not channel.send("parked", {"pid": os.getpid(), "exit_code": code, "processes": 1, "marks": marks}):
-            return code
-        message = channel.receive()
-        if message is None or message[0] != "resume":
-            return code
-        marks["resume_received"] = time.time()
-        body = message[1]
-        failure = _resume(body.get("env"), marks)
-        if failure is not None:
-            log.error("resilax: the kept restart failed (the supervisor starts a fresh process): %s", failure)
-            channel.send("leaving", {"key": kept.KEPT_FAILED, "message": failure})
-            return 1
-        _last = marks
-        channel.send("resumed", {"incarnation": body.get("incarnation"), "marks": marks})
+        with _sigterm_recorded():
+            refusal = kept.decide_park(code, None, _process_count())
+            if refusal is None:
+                refusal = _drop_backends(marks)
+            if refusal is not None:
+                log.info("resilax: the trainer process is not kept: %s", refusal.message)
+                channel.send("leaving", {"key": refusal.key, "message": refusal.message})
+                return code
+            marks["backends_dropped"] = time.time()
+            if not channel.send("parked", {"pid": os.getpid(), "exit_code": code, "processes": 1, "marks": marks}):
+                return code
+            message = channel.receive()
+            if message is None or message[0] != "resume":
+                return code
+            marks["resume_received"] = time.time()
+            body = message[1]
+            failure = _resume(body.get("env"), marks)
+            if failure is not None:
+                log.error("resilax: the kept restart failed (the supervisor starts a fresh process): %s", failure)
+                channel.send("leaving", {"key": kept.KEPT_FAILED, "message": failure})
+                return 1
+            _last = marks
+            channel.send("resumed", {"incarnation": body.get("incarnation"), "marks": marks})
 
 
 def _code(result: int | None) -> int:
     return 0 if result is None else int(result)
+
+
+@contextlib.contextmanager
+def _sigterm_recorded() -> Iterator[None]:
+    """SIGTERM only recorded while this process parks or is parked (module docstring, step 3); the handler
+    before it comes back for the next entry call (the manager installs its own there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda _signum, _frame: terms_while_parking.append(time.time()))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _process_count() -> int:

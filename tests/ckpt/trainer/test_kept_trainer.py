@@ -223,6 +223,21 @@ def test_a_stopped_trainer_parks_and_runs_the_next_generation_in_the_same_proces
     assert run.wait_state(3, "running")["generation"] == 5
 
 
+def test_a_stop_that_comes_while_the_trainer_parks_does_not_kill_it(start: Callable[..., Run]) -> None:
+    """The operator asks for the next generation the moment the final save is done, so the supervisor's
+    stop (SIGTERM) can reach a trainer whose entry already returned but which has not parked yet
+    (CI, 2026-12-07: exit 143 in test_op_e2e_rollback). The stand-in parks only after that SIGTERM came."""
+    run = start("park-late")
+    first = run.child(1)
+    run.restart(4)
+    parked_record = tc.read_incarnation(str(run.control))
+    assert parked_record is not None and (parked_record["exit_code"], parked_record["parked"]) == (75, True), \
+        run.log()
+    assert run.child(2)["pid"] == first["pid"], run.log()
+    run.wait_for("incarnation 2 kept", lambda: (r := tc.read_incarnation(str(run.control))) and r["incarnation"] == 2
+                 and r["restarts"] == {"kept": 1, "fresh": {}})
+
+
 @pytest.mark.parametrize(("mode", "env", "restart_env", "stacks", "key"), [
     ("cooperate", {}, {"TPU_WORKER_ID": "1"}, False, kept.WORLD_CHANGED),
     ("cooperate", {}, {}, True, kept.HANG),
