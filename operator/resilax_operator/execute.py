@@ -41,7 +41,7 @@ from .actions import (
 )
 from .errors import NameConflictError, ResilaxOperatorError
 from .generation import build_generation_service_name, build_token_secret_name
-from .k8s import Kube, KubeError, SidecarError
+from .k8s import Kube, KubeError, SidecarCall, SidecarError, ask_sidecars
 from .observed import spare_jobs
 from .observed.cache import WorldCache
 from .observed.observe import Logger, World, forget_trainer, job_ref, observe
@@ -272,7 +272,7 @@ def request_final_save(kube: Kube, world: World, action: RequestFinalSave, setti
     ref = job_ref(world.job)
     wanted = set(action.pods)
     asked = errors = 0
-    token: str | None = None
+    calls = []
     for pod in world.pods:
         meta = pod.get("metadata") or {}
         name = str(meta.get("name"))
@@ -283,15 +283,13 @@ def request_final_save(kube: Kube, world: World, action: RequestFinalSave, setti
             asked += 1
             continue
         ip = (pod.get("status") or {}).get("podIP")
-        if not ip:
-            continue
-        token = token or kube.ensure_token_secret(ref)
-        try:
-            answer = kube.sidecar("POST", ip, settings.sidecar_port, "/v1/save",
-                                  {"reason": action.reason, "stop": True}, token=token)
-        except SidecarError as e:
+        if ip:
+            calls.append(SidecarCall(name, ip, "POST", "/v1/save", {"reason": action.reason, "stop": True}))
+    token = kube.ensure_token_secret(ref) if calls else None
+    for name, answer in ask_sidecars(kube, calls, settings.sidecar_port, token=token).items():
+        if isinstance(answer, SidecarError):
             errors += 1
-            logger.warning("final save request to %s failed: %s", name, e)
+            logger.warning("final save request to %s failed: %s", name, answer)
             continue
         kube.annotate_pod(ref.namespace, name, {api.ANNOTATION_SAVE_REQUEST: f"{action.request_id}={answer.get('id')}"})
         asked += 1
@@ -382,14 +380,15 @@ def call_trainers(kube: Kube, world: World, action: StopTrainers | StartTrainers
         bodies = {p: {"generation": action.generation, "env": dict(env)} for p, env in action.pods}
     ips = {str((p.get("metadata") or {}).get("name")): (p.get("status") or {}).get("podIP") for p in world.pods}
     token = kube.ensure_token_secret(ref)
+    calls = []
     for name, body in bodies.items():
         ip = ips.get(name)
         if not ip:
             logger.warning("%s to %s: the pod has no IP", path, name)
             continue
-        try:
-            kube.sidecar("POST", ip, settings.sidecar_port, path, body, token=token)
-        except SidecarError as e:
-            logger.warning("%s (generation %d) to %s failed: %s", path, action.generation, name, e)
+        calls.append(SidecarCall(name, ip, "POST", path, body))
+    for name, answer in ask_sidecars(kube, calls, settings.sidecar_port, token=token).items():
+        if isinstance(answer, SidecarError):
+            logger.warning("%s (generation %d) to %s failed: %s", path, action.generation, name, answer)
             continue
         logger.info("%s (generation %d) sent to %s", path, action.generation, name)

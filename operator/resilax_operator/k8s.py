@@ -21,7 +21,9 @@ import socket
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
@@ -364,6 +366,38 @@ class Kube:
             error = (answer.get("error") or {}).get("message") if isinstance(answer, dict) else answer
             raise SidecarError(f"{where}: {status} {error}")
         return answer if isinstance(answer, dict) else {}
+
+
+#: Sidecars one `ask_sidecars` asks at once.
+SIDECAR_CALLS_AT_ONCE: Final = 16
+
+
+@dataclass(frozen=True)
+class SidecarCall:
+    """One request to one worker's sidecar (`ask_sidecars`)."""
+
+    pod: str
+    ip: str
+    method: str
+    path: str
+    body: Mapping[str, Any] | None = None
+
+
+def ask_sidecars(kube: Kube, calls: Sequence[SidecarCall], port: int,
+                 token: str | None = None) -> dict[str, dict[str, Any] | SidecarError]:
+    """Each call's answer, or its SidecarError, by pod: the calls made at once (SIDECAR_CALLS_AT_ONCE in
+    flight), so a sidecar that accepts and never answers costs a reconcile one `sidecar_deadline_seconds`,
+    not one per pod asked after it. Any other error is raised, as from one call."""
+    def one(call: SidecarCall) -> dict[str, Any] | SidecarError:
+        try:
+            return kube.sidecar(call.method, call.ip, port, call.path, call.body, token=token)
+        except SidecarError as e:
+            return e
+
+    if len(calls) <= 1:
+        return {c.pod: one(c) for c in calls}
+    with ThreadPoolExecutor(max_workers=min(len(calls), SIDECAR_CALLS_AT_ONCE), thread_name_prefix="sidecar") as pool:
+        return dict(zip((c.pod for c in calls), pool.map(one, calls), strict=True))
 
 
 def request_bounded(where: str, method: str, ip: str, port: int, path: str, body: bytes | None,

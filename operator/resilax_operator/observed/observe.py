@@ -20,7 +20,7 @@ from typing import Any
 from .. import api, metrics
 from .. import status as st
 from ..builders import JobRef
-from ..k8s import Kube, KubeError, SidecarError
+from ..k8s import Kube, KubeError, SidecarCall, SidecarError, ask_sidecars
 from ..ownership import owner_uid
 from ..pods.probes import parse_probe
 from ..pods.spares import parse_spare
@@ -146,12 +146,12 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
     by_name = {p.name: p for p in observed.pods}
     polled = pods_to_poll(observed)
     now = observed.now.timestamp()
+    states = ask_sidecars(kube, [SidecarCall(name, str(by_name[name].pod_ip), "GET", "/v1/state") for name in polled],
+                          settings.sidecar_port)
     for name in polled:
-        pod = by_name[name]
-        try:
-            state = kube.sidecar("GET", str(pod.pod_ip), settings.sidecar_port, "/v1/state")
-        except SidecarError as e:
-            logger.debug("no sidecar state from %s: %s", name, e)
+        state = states[name]
+        if isinstance(state, SidecarError):
+            logger.debug("no sidecar state from %s: %s", name, state)
             silent.append(name)
             continue
         process = parse_trainer_process(state)
@@ -171,21 +171,19 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
                 _trainers[ref.uid] = report
     if status.generation > 0 and (worth_asking_every_host(hosts.get(pod0_name), now)
                                   or _straggler_sample_due(ref.uid, now, settings)):
-        for p in observed.pods_of(status.generation):
-            if p.name in polled or p.phase != "Running" or p.pod_ip is None:
-                continue
-            try:
-                state = kube.sidecar("GET", p.pod_ip, settings.sidecar_port, "/v1/state")
-            except SidecarError as e:
-                logger.debug("no sidecar state from %s: %s", p.name, e)
-                silent.append(p.name)
+        others = [SidecarCall(p.name, p.pod_ip, "GET", "/v1/state") for p in observed.pods_of(status.generation)
+                  if p.name not in polled and p.phase == "Running" and p.pod_ip is not None]
+        for name, state in ask_sidecars(kube, others, settings.sidecar_port).items():
+            if isinstance(state, SidecarError):
+                logger.debug("no sidecar state from %s: %s", name, state)
+                silent.append(name)
                 continue
             process = parse_trainer_process(state)
             if process is not None:
-                processes[p.name] = process
+                processes[name] = process
             figures = parse_host_figures(state)
             if figures is not None:
-                hosts[p.name] = figures
+                hosts[name] = figures
     for w in words:
         checkpoint = st.newer_checkpoint(checkpoint, parse_sidecar_state(w.words, observed.now))
         said = parse_trainer_report(w.words, w.generation)
@@ -250,6 +248,7 @@ def observe_save_outcomes(kube: Kube, status: st.JobStatus, pods: Sequence[Mappi
     if t is None or not t.saving or not t.save_request_id:
         return ()
     found = [o for w in words if (o := w.save_outcome(t.save_request_id)) is not None]
+    calls = []
     for pod in pods:
         value = _annotation(pod, api.ANNOTATION_SAVE_REQUEST) or ""
         request_id, _, sidecar_id = value.partition("=")
@@ -257,10 +256,10 @@ def observe_save_outcomes(kube: Kube, status: st.JobStatus, pods: Sequence[Mappi
         ended = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")  # its sidecar is gone
         if request_id != t.save_request_id or not sidecar_id or not ip or ended:
             continue
-        try:
-            answer = kube.sidecar("GET", ip, settings.sidecar_port, f"/v1/save/{sidecar_id}")
-        except SidecarError as e:
-            logger.debug("save %s not readable from %s: %s", sidecar_id, pod["metadata"]["name"], e)
+        calls.append(SidecarCall(str(pod["metadata"]["name"]), ip, "GET", f"/v1/save/{sidecar_id}"))
+    for call, answer in zip(calls, ask_sidecars(kube, calls, settings.sidecar_port).values(), strict=True):
+        if isinstance(answer, SidecarError):
+            logger.debug("%s not readable from %s: %s", call.path, call.pod, answer)
             continue
         outcome = parse_save_outcome(t.save_request_id, answer)
         if outcome is not None:

@@ -1,7 +1,8 @@
 """The operator's calls to a sidecar are bounded (issue 25, item 6): against a real aiohttp server that
 answers too much or too slowly, `Kube.sidecar` refuses an answer over its byte cap without reading it
 and gives up on the whole request at its deadline, however the server trickles; a normal answer and an
-error answer come through as before."""
+error answer come through as before. `ask_sidecars` asks several at once, so a silent sidecar costs a
+reconcile one deadline, not one per pod after it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from resilax_operator.k8s import SIDECAR_MAX_ANSWER_BYTES, Kube, SidecarError
+from resilax_operator.k8s import SIDECAR_MAX_ANSWER_BYTES, Kube, SidecarCall, SidecarError, ask_sidecars
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,6 +28,8 @@ class Server:
         self.stop = asyncio.Event()
         self.sent = 0  # bytes the endless handlers wrote
         self.port = 0
+        self.gather_at = 0  # /v1/gather answers once this many of its requests are open together
+        self.gathered = 0
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     async def _start(self) -> None:
@@ -36,6 +39,7 @@ class Server:
         app.router.add_get("/v1/endless", self.endless)
         app.router.add_get("/v1/trickle", self.trickle)
         app.router.add_get("/v1/slow-headers", self.slow_headers)
+        app.router.add_get("/v1/gather", self.gather)
         app.router.add_post("/v1/save", self.failing)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
@@ -88,6 +92,13 @@ class Server:
         """No status line until the test ends."""
         await self.stop.wait()
         return web.json_response({})
+
+    async def gather(self, request: web.Request) -> web.Response:
+        """No answer until `gather_at` of these requests are open at once (or the test ends)."""
+        self.gathered += 1
+        while self.gathered < self.gather_at and not self.stop.is_set():
+            await asyncio.sleep(0.01)
+        return web.json_response({"together": self.gathered})
 
     async def failing(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -157,3 +168,18 @@ def test_a_refused_connection_is_a_sidecar_error() -> None:
 def test_json_of_the_normal_answer_is_parsed_whole(server: Server) -> None:
     body: Any = _kube().sidecar("GET", "127.0.0.1", server.port, "/v1/state")
     assert json.dumps(body, sort_keys=True) == '{"generation": 2, "newest_persisted_step": 300}'
+
+
+def test_sidecars_are_asked_at_once_and_each_answer_or_error_is_its_pods(server: Server) -> None:
+    """Four sidecars that answer only once all four are being asked: asked one after another, the first
+    would wait for the others until its deadline. One more never answers and one answers an error: each
+    is its own pod's SidecarError, in the order asked."""
+    server.gather_at = 4
+    calls = [SidecarCall(f"pod-{i}", "127.0.0.1", "GET", "/v1/gather") for i in range(4)]
+    calls += [SidecarCall("silent", "127.0.0.1", "GET", "/v1/slow-headers"),
+              SidecarCall("busy", "127.0.0.1", "POST", "/v1/save", {"reason": "resize", "stop": True})]
+    answers = ask_sidecars(_kube(deadline=8.0), calls, server.port, token="t")
+    assert list(answers) == [c.pod for c in calls]
+    assert [answers[f"pod-{i}"] for i in range(4)] == [{"together": 4}] * 4
+    assert isinstance(answers["silent"], SidecarError) and "no complete answer within 8 s" in str(answers["silent"])
+    assert isinstance(answers["busy"], SidecarError) and "409 busy: resize" in str(answers["busy"])
