@@ -101,6 +101,24 @@ class Sidecar:
         log.info("save requested: id=%s reason=%s stop=%s", request_id, reason, stop)
         return request_id
 
+    def withdraw_stale_stops(self, generation: int) -> list[str]:
+        """Before generation `generation`'s trainer starts in this pod: withdraw the stop requests its
+        predecessor never answered. The operator asks every worker for the final save at once; the
+        trainers agree on the first request any of them sees and stop, so a request that landed after
+        its trainer's last poll stays pending, and the next generation's trainer (a fresh process, or a
+        kept one) would take it for its own stop (goodput seed 2, 2026-12-07: a whole generation lost
+        to it 20 s after an in-place restart). A plain save request stays: any generation may serve it."""
+        stale = [rid for rid, (_, _, stop) in self.pending.items()
+                 if stop and control.read_result(self.config.control_dir, rid) is None]
+        for request_id in stale:
+            control.withdraw_request(self.config.control_dir, request_id)
+            del self.pending[request_id]
+            log.info("save request %s withdrawn: unanswered by the trainer before generation %d", request_id,
+                     generation)
+        if self.last_stop_request in stale:
+            self.last_stop_request = None
+        return stale
+
     def save_outcome(self, request_id: str) -> dict[str, Any] | None:
         """The outcome of a request: its result, `pending`, or None when unknown."""
         result = control.read_result(self.config.control_dir, request_id)

@@ -445,6 +445,7 @@ async def post_trainer_start(request: web.Request) -> web.Response:
             sidecar.config.with_generation_env(assignment.env)  # refuse bad values before the trainer sees them
         except ConfigError as e:
             raise ApiError(400, "bad_request", "; ".join(e.problems)) from e
+        await asyncio.to_thread(sidecar.withdraw_stale_stops, assignment.generation)  # before the trainer starts
         await asyncio.to_thread(tc.write_json, control_dir, tc.ASSIGNMENT_FILE, assignment.to_json())
         sidecar.apply_assignment(assignment)
         log.info("trainer start asked for generation %d", assignment.generation)

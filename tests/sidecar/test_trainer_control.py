@@ -111,6 +111,12 @@ def test_stop_and_start_restart_the_trainer_in_place_with_the_new_generation(
     assert bad.status == 400 and "colour" in bad.body["error"]["message"]
     stopped = _state_where(sidecar, "incarnation 1 exited", lambda s: _process(s).get("state") == "exited")
     assert (stopped["trainer_process"]["exit_code"], stopped["trainer_process"]["reason"]) == (75, "NodeLoss")
+    # a final save request that came after the trainer's own final save (the operator asks every worker;
+    # the first one seen stops them all) and one plain save: neither is answered by generation 3
+    late = sidecar.post("/v1/save", {"reason": "preemption", "stop": True}, token=TOKEN)
+    plain = sidecar.post("/v1/save", {"reason": "manual"}, token=TOKEN)
+    requests = Path(env["RESILAX_CONTROL_DIR"]) / "requests"
+    assert late.status == plain.status == 202 and (requests / f"{late.body['id']}.json").is_file()
 
     # start: a bad value is refused before the trainer sees it; then 202, the same 200, others 409
     start4 = {"generation": 4, "env": {"JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2", "RESILAX_LIVE_JOB_UIDS": "uid-x"}}
@@ -126,6 +132,9 @@ def test_stop_and_start_restart_the_trainer_in_place_with_the_new_generation(
     assert bad.status == 400 and "env.JAX_PROCESS_ID=2" in bad.body["error"]["message"]
     assert tc.read_assignment(env["RESILAX_CONTROL_DIR"]) is None
     assert sidecar.post("/v1/trainer/start", start4, token=TOKEN).status == 202
+    # the stale stop is withdrawn before generation 4's trainer could take it for its own; the plain one stays
+    assert not (requests / f"{late.body['id']}.json").exists() and (requests / f"{plain.body['id']}.json").is_file()
+    assert sidecar.get(f"/v1/save/{late.body['id']}").status == 404
     assert sidecar.post("/v1/trainer/start", start4, token=TOKEN).status == 200
     other = sidecar.post("/v1/trainer/start", {"generation": 4, "env": {"JAX_PROCESS_ID": "0"}}, token=TOKEN)
     assert (other.status, other.body["error"]["code"]) == (409, "conflict")
