@@ -21,9 +21,10 @@ Steps, in order:
    may come after the final save let the entry return but before `{"parked"}` reached the supervisor.
    The supervisor then takes the park as that stop's end; when it is ending instead, it says `{"exit"}`
    (or kills the process after its grace). Before, such a SIGTERM killed the process on its way to park
-   (exit 143) and the next generation paid a fresh process. Then: the restore prefetch stopped, garbage collected, `jax.extend.backend.clear_backends()` (every
-   backend client, compiled executable and device buffer of the process dropped: the chip is free),
-   then `{"parked"}` to the supervisor, and wait.
+   (exit 143) and the next generation paid a fresh process. Then: the restore prefetch stopped,
+   garbage collected, `jax.extend.backend.clear_backends()` (every backend client, compiled executable
+   and device buffer of the process dropped: the chip is free), then `{"parked"}` to the supervisor,
+   and wait.
 4. `{"resume"}`: the generation's own variables take the new incarnation's values (the generation,
    its fencing token, the restore's step choice: kept.plan_env_update; the rest of os.environ stays as
    the process made it, e.g. what JAX's TPU start-up added), the restore prefetch starts again
