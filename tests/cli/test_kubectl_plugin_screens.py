@@ -182,6 +182,120 @@ def test_logs_picks_process_n_of_the_newest_generation_the_job_owns() -> None:
     assert plan_log_pod(pods, 2, "u1") is None
 
 
+def _log_pod(name: str, generation: int, phase: str, state: dict[str, Any] | None,
+             last: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Process 0's worker pod of job `j` (owner uid u1), its trainer container in `state`."""
+    statuses = [{"name": "trainer", "state": state, "lastState": last or {}}] if state is not None else []
+    return {"metadata": {"name": name, "uid": f"uid-{name}", "ownerReferences": [
+                {"uid": "u1", "controller": True, "kind": "JAXJob", "apiVersion": "resilax.dev/v1alpha1", "name": "j"}],
+                "labels": {api.LABEL_PROCESS: "0", api.LABEL_GENERATION: str(generation)}},
+            "spec": {"containers": [{"name": "resilax-sidecar"}, {"name": "trainer"}]},
+            "status": {"phase": phase, "containerStatuses": statuses}}
+
+
+WAITING = 'container "trainer" in pod "j-g2-s0-h0" is waiting to start: PodInitializing'
+
+
+@pytest.mark.parametrize(("phase", "state", "last", "expected"), [
+    ("Pending", None, None, ("wait", "Pending")),  # not placed yet, or no status from the kubelet yet
+    ("Pending", {"waiting": {"reason": "ContainerCreating"}}, None, ("wait", "ContainerCreating")),
+    ("Pending", {"waiting": {"reason": "PodInitializing"}}, None, ("wait", "PodInitializing")),
+    ("Running", {"running": {"startedAt": "t"}}, None, ("read", "")),
+    ("Running", {"waiting": {"reason": "CrashLoopBackOff"}}, {"terminated": {"exitCode": 1}}, ("read", "")),
+    ("Failed", {"terminated": {"exitCode": 1}}, None, ("read", "")),
+    ("Failed", {"waiting": {"reason": "ContainerCreating"}}, None,
+     ("skip", "the pod is Failed and its container trainer never ran")),
+])
+def test_logs_waits_for_a_trainer_that_has_not_started(phase: str, state: dict[str, Any] | None,
+                                                        last: dict[str, Any] | None, expected: tuple[str, str]) -> None:
+    from resilax_operator.kubectl.logs import plan_log_read
+
+    assert plan_log_read(_log_pod("j-g2-s0-h0", 2, phase, state, last), "trainer") == expected
+
+
+@pytest.mark.parametrize(("status", "message", "expected"), [
+    (400, WAITING, True),  # the kubelet: the container has not started
+    (400, 'container "trainer" in pod "j-g2-s0-h0" is not available', True),
+    (404, 'pod "j-g2-s0-h0" does not exist', True),  # a kubelet that has not admitted the pod yet
+    (400, 'previous terminated container "trainer" in pod "j-g2-s0-h0" not found', False),
+    (403, 'pods "j-g2-s0-h0" is forbidden: User "u" cannot get resource "pods/log"', False),
+    (500, "dial tcp 10.0.0.1:10250: connect: connection refused", False),
+])
+def test_only_a_not_started_container_is_retried_quietly(status: int, message: str, expected: bool) -> None:
+    from resilax_operator.kubectl.logs import is_log_not_ready
+
+    assert is_log_not_ready(status, message) is expected
+
+
+class _ScriptedLogAPI:
+    """The plugin's JobAPI as `run_logs` uses it, answering from a script: each look at the job and
+    its pods takes the next state; a log read of a trainer that has not started answers as the
+    kubelet does (400 "is waiting to start"), through the API server."""
+
+    def __init__(self, looks: list[tuple[int, str, list[dict[str, Any]]]], logs: dict[str, list[str]]) -> None:
+        self.looks, self.logs, self.look, self.reads = looks, logs, -1, []
+
+    def get_job(self, namespace: str, name: str) -> dict[str, Any]:
+        self.look = min(self.look + 1, len(self.looks) - 1)
+        generation, phase, _ = self.looks[self.look]
+        return {"metadata": {"uid": "u1"}, "status": {"generation": generation, "phase": phase}}
+
+    def worker_pods(self, namespace: str, job: str, generation: int) -> list[dict[str, Any]]:
+        return [p for p in self.looks[self.look][2] if p["metadata"]["labels"][api.LABEL_GENERATION] == str(generation)]
+
+    def pod_log(self, namespace: str, pod: str, container: str, follow: bool) -> Any:
+        from resilax_operator.kubectl.client import PluginError
+
+        self.reads.append(pod)
+        if pod not in self.logs:
+            message = f'container "{container}" in pod "{pod}" is waiting to start: PodInitializing'
+            raise PluginError(f"log of {namespace}/{pod}: 400 {message}", 400, message)
+        return iter(self.logs[pod])
+
+
+def test_logs_follow_waits_quietly_for_the_next_generations_trainer(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """CI 2026-12-07: generation 2's pod was there before its trainer started; its log read answered an
+    error and `logs -f` ended there. Now it waits (no error printed) and prints generation 2's log."""
+    from resilax_operator.kubectl import logs
+
+    monkeypatch.setattr(logs, "LOGS_POLL_SECONDS", 0.0)
+    g1 = _log_pod("j-g1-s0-h0", 1, "Running", {"running": {"startedAt": "t"}})
+    g2_pending = _log_pod("j-g2-s0-h0", 2, "Pending", {"waiting": {"reason": "PodInitializing"}})
+    g2_stale = _log_pod("j-g2-s0-h0", 2, "Running", {"running": {"startedAt": "t"}})  # read before the kubelet ran it
+    g2 = _log_pod("j-g2-s0-h0", 2, "Running", {"running": {"startedAt": "t"}})
+    kube = _ScriptedLogAPI([(1, "Running", [g1]), (2, "Running", [g2_pending]), (2, "Running", [g2_pending]),
+                            (2, "Running", [g2_stale]), (2, "Running", [g2]), (2, "Succeeded", [])],
+                           {"j-g1-s0-h0": ["step 1", "step 2"]})
+    real_log = kube.pod_log
+
+    def log_once_started(namespace: str, pod: str, container: str, follow: bool) -> Any:
+        if pod == "j-g2-s0-h0" and kube.look >= 4:
+            kube.logs[pod] = ["step 3"]
+        return real_log(namespace, pod, container, follow)
+
+    monkeypatch.setattr(kube, "pod_log", log_once_started)
+    logs.run_logs(kube, "ns", "j", 0, follow=True)  # type: ignore[arg-type]
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["step 1", "step 2", "step 3"]
+    assert err.splitlines() == ["==> ns/j-g1-s0-h0 (trainer, generation 1, process 0)",
+                                "==> ns/j-g2-s0-h0 (trainer, generation 2, process 0)"]
+    assert kube.reads == ["j-g1-s0-h0", "j-g2-s0-h0", "j-g2-s0-h0"]  # never while the pod said waiting
+
+
+def test_logs_without_follow_says_the_trainer_has_not_started() -> None:
+    from resilax_operator.kubectl import logs
+    from resilax_operator.kubectl.client import PluginError
+
+    pending = _log_pod("j-g2-s0-h0", 2, "Pending", {"waiting": {"reason": "ContainerCreating"}})
+    with pytest.raises(PluginError, match=r"^ns/j-g2-s0-h0: no log of container trainer: it has not started yet "
+                                          r"\(ContainerCreating\); -f waits for it$"):
+        logs.run_logs(_ScriptedLogAPI([(2, "Running", [pending])], {}), "ns", "j", 0, follow=False)  # type: ignore[arg-type]
+    stale = _log_pod("j-g2-s0-h0", 2, "Running", {"running": {"startedAt": "t"}})
+    with pytest.raises(PluginError, match="400 container \"trainer\" in pod \"j-g2-s0-h0\" is waiting to start"):
+        logs.run_logs(_ScriptedLogAPI([(2, "Running", [stale])], {}), "ns", "j", 0, follow=False)  # type: ignore[arg-type]
+
+
 def test_status_screen_shows_the_spare_slices() -> None:
     job = _job(phase="Running", generation=2, spares={"desired": 1, "ready": 1, "pools": ["tpu-slice-0"], "takenTotal": 1,
                                                       "lastTaken": {"generation": 2, "pools": ["tpu-slice-1"]}})

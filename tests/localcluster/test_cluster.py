@@ -324,6 +324,29 @@ def test_a_containers_termination_message_is_kept_in_its_status(cluster, kube, n
     assert "message" not in container_status(pod, "quiet")["state"]["terminated"]
 
 
+def test_a_log_read_before_the_container_starts_is_answered_as_a_kubelet_does(cluster, kube, namespace, tmp_path):
+    """As the kubelet answers `kubectl logs` for a container that has not started: 400 "... is waiting
+    to start: PodInitializing" (passed on by the API server), not a 404 (CI 2026-12-07: `kubectl
+    resilax logs -f` read generation 2's pod then and ended); its log once it ran."""
+    gate = cluster.node_path("cpu-0", tmp_path) / "open"
+    events = [{"name": "events", "mountPath": "/events"}]
+    create_pod(kube, namespace, {"metadata": {"name": "gated"}, "spec": {
+        "nodeName": "cpu-0", "restartPolicy": "Never", "terminationGracePeriodSeconds": 5,
+        "volumes": [{"name": "events", "hostPath": {"path": str(tmp_path), "type": "DirectoryOrCreate"}}],
+        "initContainers": [{"name": "gate", "image": "python", "volumeMounts": events, "command": [
+            "python", "-c", "import os, time\nwhile not os.path.exists('/events/open'): time.sleep(0.1)"]}],
+        "containers": [{"name": "main", "image": "python", "command": ["python", "-c", "print('main-ran')"]}]}})
+    wait_for(lambda: ((container_status(get_pod(kube, namespace, "gated") or {}, "gate") or {})
+                      .get("state") or {}).get("running"), 90, message="the init container running")
+    with pytest.raises(KubeAPIError) as info:
+        kube.get(f"/api/v1/namespaces/{namespace}/pods/gated/log", container="main")
+    assert info.value.status == 400
+    assert 'container "main" in pod "gated" is waiting to start: PodInitializing' in str(info.value), info.value
+    gate.touch()
+    wait_for_pod_phase(kube, namespace, "gated", "Succeeded", timeout=90)
+    assert kube.get_text(f"/api/v1/namespaces/{namespace}/pods/gated/log?container=main") == "200 main-ran\n"
+
+
 def test_graceful_deletion_stops_main_before_sidecar_then_deletes(cluster, kube, namespace, tmp_path):
     create_pod(kube, namespace, sidecar_pod("svc", tmp_path, run_forever=True, restart_policy="Always"))
     tmp_path = cluster.node_path("cpu-0", tmp_path)  # the events hostPath, on the pod's node

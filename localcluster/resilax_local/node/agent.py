@@ -122,7 +122,8 @@ class NodeAgent(NodeHeartbeat):
                                for i in range(FAKE_POD_LANES)]
         serving = CertificateAuthority(run_dir / "pki").issue("kubelet", "resilax-local-kubelet", server=True,
                                                              hosts=("127.0.0.1",))
-        self.kubelet_api = KubeletAPI(run_dir, serving.cert, serving.key, self._container_running)
+        self.kubelet_api = KubeletAPI(run_dir, serving.cert, serving.key, self._container_running,
+                                      self._waiting_containers)
         self.registry = images.Registry()
         self.nodes: dict[str, AgentNode] = {}
         for spec in nodes:
@@ -233,6 +234,16 @@ class NodeAgent(NodeHeartbeat):
         with self.lock:
             workers = [w for w in self.workers.values() if w.namespace == namespace and w.name == pod]
         return any(container in w.processes() for w in workers)
+
+    def _waiting_containers(self, namespace: str, pod: str) -> dict[str, str] | None:
+        """Each container of pod `namespace/pod` with its waiting reason ("" once it ran), None when
+        this agent runs no such pod."""
+        with self.lock:
+            workers = [w for w in self.workers.values() if w.namespace == namespace and w.name == pod]
+        if not workers:
+            return None
+        return {c.name: "" if c.ever_started else (c.waiting_reason or "PodInitializing")  # as its status says
+                for c in workers[-1].containers}
 
     def update_node(self, name: str, change: Any) -> None:
         """Read-modify-write a Node (labels, taints) with optimistic concurrency."""

@@ -5,6 +5,10 @@ The API server reaches it through the node's InternalIP and `daemonEndpoints.kub
 (`--kubelet-preferred-address-types=InternalIP`); it does not verify a kubelet's serving certificate
 unless told to, and this server does not check the caller, as nothing but the API server can reach it
 usefully: it is a development cluster.
+
+A container with no log yet is answered as a kubelet answers it (`describe_missing_log`): 400 "is waiting
+to start" for a pod the agent runs whose container has not started, 404 for a pod or container it does
+not know; the API server passes a 400's text on to the client (`kubectl logs` prints it).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -36,7 +40,23 @@ def container_logs(pod_dir: Path, container: str, previous: bool = False) -> Pat
     return runs[-1] if runs else None
 
 
-def _handler(run_dir: Path, is_running: Callable[[str, str, str], bool]) -> type[BaseHTTPRequestHandler]:
+def describe_missing_log(pod: str, container: str, previous: bool,
+                         waiting: Mapping[str, str] | None) -> tuple[int, str]:
+    """The kubelet's answer (status, text) for a container of `pod` that has no log (of a previous run
+    with `previous`): `waiting` is each of the pod's containers with its waiting reason as this agent
+    runs the pod, None when it does not run that pod (kubelet server.go getContainerLogs,
+    kubelet_pods.go validateContainerLogStatus)."""
+    if waiting is None:
+        return 404, f'pod "{pod}" does not exist'
+    if container not in waiting:
+        return 404, f'container "{container}" not found in pod "{pod}"'
+    if previous:
+        return 400, f'previous terminated container "{container}" in pod "{pod}" not found'
+    return 400, f'container "{container}" in pod "{pod}" is waiting to start: {waiting[container] or "PodInitializing"}'
+
+
+def _handler(run_dir: Path, is_running: Callable[[str, str, str], bool],
+             waiting: Callable[[str, str], Mapping[str, str] | None]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -60,9 +80,10 @@ def _handler(run_dir: Path, is_running: Callable[[str, str, str], bool]) -> type
             _, namespace, pod, container = parts
             query = {k: v[-1] for k, v in parse_qs(url.query).items()}
             pod_dir = find_pod_dir(run_dir, namespace, pod)
-            path = container_logs(pod_dir, container, query.get("previous") == "true") if pod_dir else None
+            previous = query.get("previous") == "true"
+            path = container_logs(pod_dir, container, previous) if pod_dir else None
             if path is None:
-                self._error(404, f"no logs for container {container!r} of pod {namespace}/{pod}")
+                self._error(*describe_missing_log(pod, container, previous, waiting(namespace, pod)))
                 return
             data = path.read_bytes()
             if "tailLines" in query:
@@ -110,11 +131,12 @@ def _handler(run_dir: Path, is_running: Callable[[str, str, str], bool]) -> type
 class KubeletAPI:
     """One TLS server per node address, all on the same port."""
 
-    def __init__(self, run_dir: Path, cert: Path, key: Path, is_running: Callable[[str, str, str], bool]) -> None:
+    def __init__(self, run_dir: Path, cert: Path, key: Path, is_running: Callable[[str, str, str], bool],
+                 waiting: Callable[[str, str], Mapping[str, str] | None]) -> None:
         self.run_dir = run_dir
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.load_cert_chain(str(cert), str(key))
-        self.handler = _handler(run_dir, is_running)
+        self.handler = _handler(run_dir, is_running, waiting)
         self.port = 0
         self.servers: dict[str, ThreadingHTTPServer] = {}
 

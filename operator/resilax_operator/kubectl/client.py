@@ -33,7 +33,13 @@ SIDECAR_ANSWER_CAP: Final = 1 << 20
 
 
 class PluginError(Exception):
-    """An answer the user must see (the job is missing, the API refused): printed, exit 1."""
+    """An answer the user must see (the job is missing, the API refused): printed, exit 1. `status` and
+    `reason` are the API's answer where there was one (an HTTP status, the API's message)."""
+
+    def __init__(self, message: str, status: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
 
 
 def _api_message(data: bytes | str | None) -> str | None:
@@ -73,7 +79,7 @@ class JobAPI:
             return call(*args, **kwargs)
         except self._kubernetes.client.ApiException as e:
             message = _api_message(e.body) or e.reason
-            raise PluginError(f"{what}: {e.status} {message}") from e
+            raise PluginError(f"{what}: {e.status} {message}", e.status, str(message or "")) from e
 
     def request(self, what: str, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
                 headers: dict[str, str] | None = None, timeout: float = PROXY_TIMEOUT_SECONDS,
