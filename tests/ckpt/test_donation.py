@@ -256,6 +256,37 @@ def test_drain_lands_in_write_order_with_a_window_of_transfers(window, monkeypat
     assert started == (set() if window == 1 else set(range(10)))
 
 
+class FreedShard(FakeShard):
+    """A FakeShard that records, when its last reference goes, the thread that dropped it."""
+
+    def __init__(self, n: int, events: list[tuple[str, int]], freed: dict[int, str]) -> None:
+        super().__init__(n, events)
+        self.freed = freed
+
+    def __del__(self) -> None:
+        import threading
+        self.freed[self.n] = threading.current_thread().name
+
+
+def test_drain_frees_each_landed_shard_on_the_freeing_thread_before_it_returns():
+    """Dropping a landed copy's device buffer cost the drain thread 0.27 s of 0.85 s on a TPU v5e
+    (2.03 GiB, 154 leaves): the drain hands each landed shard to the freeing thread, which drops its
+    last reference, and the drain returns only once every shard is freed (so the next save's room
+    check sees the device memory free)."""
+    import threading
+
+    from resilax_ckpt.chunks.sources import Landing
+    events: list[tuple[str, int]] = []
+    freed: dict[int, str] = {}
+    landed = threading.Condition()
+    landings = [Landing(landed) for _ in range(12)]
+    shards = {(n, "d"): FreedShard(n, events, freed) for n in range(12)}
+    snap._drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards,
+                HostBudget(snap.DRAIN_HOST_BYTES))
+    assert freed == {n: "resilax-free" for n in range(12)}  # all of them, none on the drain's thread
+    assert [int(landing.get()[0]) for landing in landings] == list(range(12))
+
+
 SHARD_BYTES = [30, 10, 40, 10, 50, 90, 20, 60, 50, 30, 10, 10, 10, 40]
 """A save's shards for the back-pressure tests: one (90) larger than their bound (64)."""
 
