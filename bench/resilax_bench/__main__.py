@@ -107,9 +107,13 @@ def run_worker(
 
 
 def commit_facts() -> dict[str, Any]:
-    """The commit measured: ``git`` in the checkout, else RESILAX_COMMIT, else the first line of the
-    file RESILAX_COMMIT_FILE names (default ``<checkout>/.resilax-commit``), else "unknown"."""
+    """The commit measured: RESILAX_COMMIT when set, else ``git`` in the checkout, else the first line
+    of the file RESILAX_COMMIT_FILE names (default ``<checkout>/.resilax-commit``), else "unknown".
+    The variable comes first: the accelerator host's copy of the checkout carried a stale ``.git``
+    (2026-12-07: HEAD said b477a40, the files were 2f8191d's, `dirty` true)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.environ.get("RESILAX_COMMIT"):
+        return {"commit": os.environ["RESILAX_COMMIT"], "commit_source": "RESILAX_COMMIT"}
     try:
         head = subprocess.run(
             ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
@@ -124,8 +128,6 @@ def commit_facts() -> dict[str, Any]:
             return {"commit": head.stdout.strip(), "commit_source": "git", "dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
         pass
-    if os.environ.get("RESILAX_COMMIT"):
-        return {"commit": os.environ["RESILAX_COMMIT"], "commit_source": "RESILAX_COMMIT"}
     path = os.environ.get("RESILAX_COMMIT_FILE") or os.path.join(root, ".resilax-commit")
     try:
         with open(path) as f:
