@@ -10,6 +10,10 @@
   A test whose jobs got a `TrainerHung` event fails at teardown unless it is marked `expects_hang`: every
   end-to-end flow checks that a healthy job is never taken for hung.
 - `jobs` (function): helpers to create/read JAXJobs and read the workers' loss logs.
+- `shared_runs` (session): the records of end-to-end flows that several tests assert on, each its own
+  asserts (CI time: one job and one flow instead of one each); the first test that needs a flow runs
+  it under its own operator and namespace, the others read its record (test_op_e2e_inplace.py,
+  `shrink_and_grow_back`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -133,3 +138,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture
 def jobs(kube: KubeClient, cluster: LocalCluster, namespace: str) -> Jobs:
     return Jobs(kube, cluster, namespace)
+
+
+@pytest.fixture(scope="session")
+def shared_runs() -> dict[str, Any]:
+    return {}

@@ -325,3 +325,33 @@ def recovery_breakdown(jobs: Jobs, name: str, generation: int, fault_time: float
     print(f"\nrecovery of {name} into generation {generation}: " +
           ", ".join(f"{k} {v if v is not None else '?'} s" for k, v in out.items()))
     return out
+
+
+def steps_lost_observed(operator: OperatorProcess) -> tuple[int, float]:
+    """(recoveries observed, steps lost in all) of `resilax_operator_steps_lost`, over every kind."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    count, total = 0, 0.0
+    for family in text_string_to_metric_families(operator.metrics()):
+        for sample in family.samples:
+            if sample.name == "resilax_operator_steps_lost_count":
+                count += int(sample.value)
+            elif sample.name == "resilax_operator_steps_lost_sum":
+                total += sample.value
+    return count, total
+
+
+def goodput_metrics(operator: OperatorProcess, name: str) -> dict[str, float]:
+    """The operator's resilax_operator_goodput_* samples of job `name`: {"ratio": r, <bucket>: seconds}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(operator.metrics()):
+        for sample in family.samples:
+            if sample.labels.get("jaxjob") != name:
+                continue
+            if sample.name == "resilax_operator_goodput_ratio":
+                out["ratio"] = sample.value
+            elif sample.name == "resilax_operator_goodput_seconds":
+                out[sample.labels["bucket"]] = sample.value
+    return out

@@ -11,6 +11,7 @@ which trainers of two generations are alive at once."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -23,7 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from op_cluster import Jobs, OperatorProcess, committed_steps, event_time, job_manifest, unique_name
+from op_cluster import (
+    Jobs,
+    OperatorProcess,
+    committed_steps,
+    event_time,
+    goodput_metrics,
+    job_manifest,
+    recovery_breakdown,
+    steps_lost_observed,
+    unique_name,
+)
 from resilax_local.cluster import LocalCluster
 from resilax_local.node.profiles import build_tpu_slice
 from resilax_local.testing import wait_for
@@ -270,42 +281,163 @@ def test_operator_killed_mid_inplace_restart_resumes_from_status(
     assert sampler.samples >= 10 and not sampler.violations, sampler.violations[:3]
 
 
-def test_a_shrink_and_its_grow_back_keep_the_surviving_slices_pods(
-        operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path: Path) -> None:
-    """No spare: a hard loss in slice 1 shrinks the job to slice 0 in place; when the node returns, the
-    grow-back's final save stops slice 0's trainers, which are kept again: only slice 1's pods are new,
-    and generation 3 starts from the final save (no step lost)."""
-    name, storage = unique_name("inplace-grow"), tmp_path / "ckpt"
-    start(jobs, name, storage, elastic={"minCount": 1, "maxCount": 2, "growBack": True})
+@dataclasses.dataclass
+class ShrinkGrowRun:
+    """What the hard-loss shrink and grow-back flow saw, at the moment each thing is asserted on:
+    test_a_shrink_and_its_grow_back_keep_the_surviving_slices_pods (here) and
+    test_op_e2e_history.py::test_hard_node_loss_shrinks_then_grows_back_and_the_history_tells_it assert
+    on the same run, each its own asserts."""
+
+    name: str
+    storage: Path
+    supervised: list[str | None]
+    before: dict[str, tuple[str, str]]
+    count_at_start: int
+    committed_before: int
+    fault: float
+    shrunk: dict[str, Any]
+    gen1: dict[int, dict[str, Any]]
+    gen2: dict[int, dict[str, Any]]
+    loss_reasons: list[str]
+    observed: tuple[int, float]
+    goodput: dict[str, Any]
+    goodput_first_step: float
+    goodput_metrics: dict[str, float]
+    grown: dict[str, Any]
+    gen2_final: dict[int, dict[str, Any]]
+    gen3: dict[int, dict[str, Any]]
+    grow_reasons: list[str]
+    metrics: str
+    steps_lost_after: tuple[int, float]
+    final_saves: list[str]
+    checkpoint: dict[str, Any]
+    history: list[dict[str, Any]]
+    final_status: dict[str, Any]
+    after: dict[str, tuple[str, str]]
+    records: dict[int, dict[int, dict[str, Any]]]
+    inplace_reasons: list[str]
+    samples: int
+    violations: list[dict[str, Any]]
+
+
+def run_shrink_and_grow_back(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster,
+                             tmp_path: Path) -> ShrinkGrowRun:
+    """2 slices, elastic 1..2 with growBack, in place (the default Auto, with a 60 s stop timeout), no
+    spare: slice 1's host 1 is killed, the job shrinks to slice 0 in place (generation 2); the node
+    comes back and the grow-back's final save restarts slice 0's kept trainers with slice 1's new pods
+    (generation 3). A sampler records any moment with trainers of two generations alive."""
+    from test_op_e2e_faults import ELASTIC, record_result, start_training, wait_generation
+
+    name, storage = unique_name("shrink"), tmp_path / "ckpt"
+    start_training(jobs, name, storage, elastic=ELASTIC, final_save_timeout=20,
+                   recovery={"inPlace": "Auto", "inPlaceStopTimeoutSeconds": 60})
+    supervised = [p["metadata"]["annotations"].get("resilax.dev/supervised") for p in jobs.pods(name)]
     pod0 = f"{name}-g1-s0-h0"
     sampler = Sampler(jobs, name)
     sampler.start()
     before = pod_ids(jobs, name)
-    assert jobs.status(name)["shape"]["count"] == 2, jobs.status(name)  # both slices at the start
-    slice0 = {n: v for n, v in before.items() if "-g1-s0-" in n}
+    count_at_start = jobs.status(name)["shape"]["count"]
     victim = before[f"{name}-g1-s1-h1"][1]
+    fault = time.time()
+    committed_before = max(committed_steps(storage))
     try:
         cluster.kill_node(victim)
         shrunk = jobs.wait_status(name, lambda s: s.get("generation") == 2 and s.get("phase") == "Running"
                                   and not s.get("inPlace"), 600, "generation 2 Running in place on one slice")
-        assert shrunk["shape"]["count"] == 1 and shrunk["workerPods"] == sorted(slice0), shrunk
-        wait_for(lambda: losses(jobs, name).get(2), timeout=600, interval=1, message="a step of generation 2")
+        wait_generation(jobs, name, 2, count=1)  # and a step of generation 2
+        gen1, gen2 = jobs.losses(name, 1), jobs.losses(name, 2)
+        restored = min(gen2) - 1
+        breakdown = recovery_breakdown(jobs, name, 2, fault, ("NodeLost", "NodeNotReady", "PodLost", "WorkerFailed"))
+        record_result("hard_node_loss", breakdown, lost=max(gen1) - restored, restored=restored)
+        loss_reasons = jobs.event_reasons(name, "NodeLost")
+        observed = wait_for(lambda: steps_lost_observed(operator) if steps_lost_observed(operator)[0] >= 1 else None,
+                            timeout=120, interval=1, message="resilax_operator_steps_lost observed for the recovery")
+
+        def after_restore() -> dict[str, Any] | None:
+            g = jobs.status(name).get("goodput") or {}
+            current = (g.get("ledger") or {}).get("current") or {}
+            return g if current.get("generation") == 2 and current.get("firstStep") is not None else None
+
+        goodput = wait_for(after_restore, timeout=120, interval=1, message="status.goodput with generation 2's first step")
+        goodput_first_step = min(r["time"] for r in jobs.losses(name, 2).values())
+        metrics = wait_for(lambda: goodput_metrics(operator, name) or None, timeout=60, interval=1,
+                           message="resilax_operator_goodput_* of the job")
+
+        # The node comes back: growBack resizes up to 2 slices through a final save (0 steps lost).
         cluster.restore_node(victim)
-        status = finish(jobs, name, pod0, 3)
+        grown = finish(jobs, name, pod0, 3)
+        wait_generation(jobs, name, 3, count=2)
     finally:
         cluster.restore_node(victim)
         sampler.stop.set()
         sampler.join(timeout=10)
-    print_timeline(jobs, name, operator, time.time() - 120)
-    after = pod_ids(jobs, name)
+    print_timeline(jobs, name, operator, fault)
+    gen2_final, gen3 = jobs.losses(name, 2), jobs.losses(name, 3)
+    grow_reasons = jobs.event_reasons(name, "GrowBack")
+    metrics_text = operator.metrics()
+    steps_lost_after = wait_for(
+        lambda: steps_lost_observed(operator) if steps_lost_observed(operator)[0] >= 2 else None,
+        timeout=120, interval=1, message="resilax_operator_steps_lost observed for the grow-back")
+    final_saves = [e["message"] for e in jobs.events(name) if e["reason"] == "FinalSaveDone"]
+    checkpoint = jobs.status(name)["checkpoint"]
+
+    def told() -> list[dict[str, Any]] | None:
+        h = jobs.status(name).get("history") or []
+        return h if len(h) == 3 and "restoredStep" in h[2] and "firstStep" in h[2] else None
+
+    history = wait_for(told, timeout=120, interval=1, message="status.history with generation 3's restore")
+    return ShrinkGrowRun(
+        name=name, storage=storage, supervised=supervised, before=before, count_at_start=count_at_start,
+        committed_before=committed_before, fault=fault, shrunk=shrunk, gen1=gen1, gen2=gen2,
+        loss_reasons=loss_reasons, observed=observed, goodput=goodput, goodput_first_step=goodput_first_step,
+        goodput_metrics=metrics, grown=grown, gen2_final=gen2_final, gen3=gen3, grow_reasons=grow_reasons,
+        metrics=metrics_text, steps_lost_after=steps_lost_after, final_saves=final_saves, checkpoint=checkpoint,
+        history=history, final_status=jobs.status(name), after=pod_ids(jobs, name), records=losses(jobs, name),
+        inplace_reasons=jobs.event_reasons(name, "GrowBack", "FinalSaveDone", "RestartingInPlace"),
+        samples=sampler.samples, violations=sampler.violations)
+
+
+def shrink_and_grow_back(shared_runs: dict[str, Any], request: pytest.FixtureRequest) -> ShrinkGrowRun:
+    """The shrink and grow-back flow, run once a session (CI time: two tests assert on it): the first
+    test that needs it runs it under its own operator, namespace and tmp_path; a failed run fails the
+    other test too, naming the first."""
+    key = "shrink-and-grow-back"
+    if key not in shared_runs:
+        try:
+            shared_runs[key] = run_shrink_and_grow_back(request.getfixturevalue("operator"), request.getfixturevalue("jobs"),
+                                                        request.getfixturevalue("cluster"), request.getfixturevalue("tmp_path"))
+        except Exception as e:
+            shared_runs[key] = f"the shared shrink and grow-back run failed in {request.node.nodeid}: {e!r}"
+            raise
+    run = shared_runs[key]
+    if isinstance(run, str):
+        pytest.fail(run, pytrace=False)
+    return run
+
+
+@pytest.mark.cluster
+def test_a_shrink_and_its_grow_back_keep_the_surviving_slices_pods(shared_runs: dict[str, Any],
+                                                                   request: pytest.FixtureRequest) -> None:
+    """No spare: a hard loss in slice 1 shrinks the job to slice 0 in place; when the node returns, the
+    grow-back's final save stops slice 0's trainers, which are kept again: only slice 1's pods are new,
+    and generation 3 starts from the final save (no step lost). The flow is shared with the history
+    test (`shrink_and_grow_back`)."""
+    run = shrink_and_grow_back(shared_runs, request)
+    name, before, shrunk, status = run.name, run.before, run.shrunk, run.grown
+    assert run.supervised == ["1"] * 4, run.supervised
+    assert run.count_at_start == 2, run.count_at_start  # both slices at the start
+    slice0 = {n: v for n, v in before.items() if "-g1-s0-" in n}
+    assert shrunk["shape"]["count"] == 1 and shrunk["workerPods"] == sorted(slice0), shrunk
+    assert run.records.get(2), "a step of generation 2"
+    after = run.after
     assert {n: after.get(n) for n in slice0} == slice0  # the same pods on the same nodes, all along
     assert status["workerPods"] == [*sorted(slice0), f"{name}-g3-s1-h0", f"{name}-g3-s1-h1"], status
     assert status["inPlaceRestarts"] == 2 and status["restarts"] == 2, status
-    records = losses(jobs, name)
+    records = run.records
     assert min(records[3]) - 1 == max(records[2])  # the grow-back's final save: nothing trained twice
     assert all(r["devices"] == 8 for r in records[3].values())
-    assert sampler.samples >= 10 and not sampler.violations, sampler.violations[:3]
-    reasons = jobs.event_reasons(name, "GrowBack", "FinalSaveDone", "RestartingInPlace")
+    assert run.samples >= 10 and not run.violations, run.violations[:3]
+    reasons = run.inplace_reasons
     grow = reasons.index("GrowBack")
     assert "FinalSaveDone" in reasons[grow:] and "RestartingInPlace" in reasons[grow:], reasons
     assert "GenerationCreated" not in reasons[grow:], reasons
