@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -114,7 +115,10 @@ def _malloc_trim() -> Any:
 
 def release_free_memory() -> None:
     """Give the memory of a written snapshot back to the OS (glibc keeps freed small blocks in its
-    arenas: without this the next save's copy starts on top of the last one's high-water mark)."""
+    arenas: without this the next save's copy starts on top of the last one's high-water mark). A
+    young-generation collection first: jaxlib releases the host copies behind `np.asarray` of device
+    arrays only in its garbage-collection callback (saving/device_snapshot.RECLAIM_BYTES)."""
+    gc.collect(0)
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
