@@ -16,7 +16,7 @@ from resilax_ckpt.chunks.sources import HostBudget
 from resilax_ckpt.options import InvalidOptionsError
 from resilax_ckpt.saving import copy_choice as choice
 from resilax_ckpt.saving import device_snapshot as snap
-from resilax_ckpt.saving import host_layout
+from resilax_ckpt.saving import drain, host_layout
 
 STEPS = 6
 
@@ -77,13 +77,13 @@ def test_donating_loop_restores_every_saved_step_bit_exact(tmp_path, devices, de
     budgets: list[HostBudget] = []
     if as_accelerator:
         monkeypatch.setenv(snap.FORCE_ACCELERATOR_ENV, "1")
-        monkeypatch.setattr(snap, "DRAIN_WINDOW", 2)
+        monkeypatch.setattr(drain, "DRAIN_WINDOW", 2)
     if drain_bytes is not None:
         class Recorded(HostBudget):
             def __init__(self, limit):
                 super().__init__(limit)
                 budgets.append(self)
-        monkeypatch.setattr(snap, "DRAIN_HOST_BYTES", drain_bytes)
+        monkeypatch.setattr(drain, "DRAIN_HOST_BYTES", drain_bytes)
         monkeypatch.setattr(snap, "HostBudget", Recorded)
     expected = run_loop(str(tmp_path), devices, device_copy)
     if drain_bytes is not None:
@@ -215,7 +215,7 @@ def test_auto_on_an_accelerator_starts_with_a_runtime_copy_then_the_jitted_one(t
 
 
 class FakeShard:
-    """A device shard whose transfer to the host is recorded (`events`), as `_drain` uses one."""
+    """A device shard whose transfer to the host is recorded (`events`), as `drain.drain` uses one."""
 
     def __init__(self, n: int, events: list[tuple[str, int]], nbytes: int = 4) -> None:
         self.n = n
@@ -237,13 +237,13 @@ def test_drain_lands_in_write_order_with_a_window_of_transfers(window, monkeypat
     import threading
 
     from resilax_ckpt.chunks.sources import Landing
-    monkeypatch.setattr(snap, "DRAIN_WINDOW", window)
+    monkeypatch.setattr(drain, "DRAIN_WINDOW", window)
     events: list[tuple[str, int]] = []
     landed = threading.Condition()
     landings = [Landing(landed) for _ in range(10)]
     shards = {(n, "d"): FakeShard(n, events) for n in range(10)}
-    snap._drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards,
-                HostBudget(snap.DRAIN_HOST_BYTES))
+    drain.drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards,
+                HostBudget(drain.DRAIN_HOST_BYTES))
     assert [int(landing.get()[0]) for landing in landings] == list(range(10))
     assert [n for kind, n in events if kind == "land"] == list(range(10))
     started: set[int] = set()
@@ -281,8 +281,8 @@ def test_drain_frees_each_landed_shard_on_the_freeing_thread_before_it_returns()
     landed = threading.Condition()
     landings = [Landing(landed) for _ in range(12)]
     shards = {(n, "d"): FreedShard(n, events, freed) for n in range(12)}
-    snap._drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards,
-                HostBudget(snap.DRAIN_HOST_BYTES))
+    drain.drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards,
+                HostBudget(drain.DRAIN_HOST_BYTES))
     assert freed == {n: "resilax-free" for n in range(12)}  # all of them, none on the drain's thread
     assert [int(landing.get()[0]) for landing in landings] == list(range(12))
 
@@ -304,14 +304,14 @@ def test_the_freeing_thread_runs_a_young_collection_every_reclaim_bytes():
     events: list[tuple[str, int]] = []
     freed: dict[int, str] = {}
     landings = [Landing(threading.Condition()) for _ in range(12)]
-    shards = {(n, "d"): FreedShard(n, events, freed, nbytes=snap.RECLAIM_BYTES // 2) for n in range(12)}
-    budget = HostBudget(snap.DRAIN_HOST_BYTES)
+    shards = {(n, "d"): FreedShard(n, events, freed, nbytes=drain.RECLAIM_BYTES // 2) for n in range(12)}
+    budget = HostBudget(drain.DRAIN_HOST_BYTES)
     budget.close()  # no writer gives bytes back here: the bound is not what this test is about
     was_enabled = gc.isenabled()
     gc.disable()
     gc.callbacks.append(record)
     try:
-        snap._drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards, budget)
+        drain.drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards, budget)
     finally:
         gc.callbacks.remove(record)
         if was_enabled:
@@ -357,7 +357,7 @@ def test_drain_waits_for_the_writer_while_landed_bytes_exceed_its_bound(window, 
                 self._cond.notify_all()
             return fits
 
-    monkeypatch.setattr(snap, "DRAIN_WINDOW", window)
+    monkeypatch.setattr(drain, "DRAIN_WINDOW", window)
     limit, count = 64, len(SHARD_BYTES)
     budget = WatchedBudget(limit)
     cond = budget._cond  # the landings share it, so the writer wakes on a landing as on a wait
@@ -394,7 +394,7 @@ def test_drain_waits_for_the_writer_while_landed_bytes_exceed_its_bound(window, 
 
     writer = threading.Thread(target=slow_writer)
     writer.start()
-    snap._drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards, budget)
+    drain.drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards, budget)
     with cond:
         drained.append(True)
         cond.notify_all()
@@ -424,7 +424,7 @@ def test_a_closed_budget_never_holds_the_drain_back():
     events: list[tuple[str, int]] = []
     landings = [Landing(threading.Condition()) for _ in SHARD_BYTES]
     shards = {(n, "d"): FakeShard(n, events, size) for n, size in enumerate(SHARD_BYTES)}
-    snap._drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards, budget)
+    drain.drain([(landing, (n, "d")) for n, landing in enumerate(landings)], shards, budget)
     assert all(landing.landed for landing in landings)
     assert budget.held == sum(SHARD_BYTES)
 
@@ -457,13 +457,13 @@ def test_device_room_reads_memory_stats(stats, want):
 
 
 def test_drain_window_env_is_validated(monkeypatch):
-    monkeypatch.setenv(snap.DRAIN_WINDOW_ENV, "1")
-    assert snap.drain_window() == 1
-    monkeypatch.setenv(snap.DRAIN_WINDOW_ENV, "0")
+    monkeypatch.setenv(drain.DRAIN_WINDOW_ENV, "1")
+    assert drain.drain_window() == 1
+    monkeypatch.setenv(drain.DRAIN_WINDOW_ENV, "0")
     with pytest.raises(ValueError, match="RESILAX_CKPT_DRAIN_WINDOW: '0' is not a positive integer"):
-        snap.drain_window()
-    monkeypatch.delenv(snap.DRAIN_WINDOW_ENV)
-    assert snap.drain_window() == snap.DRAIN_WINDOW
+        drain.drain_window()
+    monkeypatch.delenv(drain.DRAIN_WINDOW_ENV)
+    assert drain.drain_window() == drain.DRAIN_WINDOW
 
 
 def test_a_runtime_copy_that_fails_falls_back_to_a_host_transfer(tmp_path, devices, monkeypatch):

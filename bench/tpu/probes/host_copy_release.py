@@ -18,7 +18,7 @@ modes, raw in bench/results/2026-12-07-tpu-v5e-probes/host-copy-release-*.json):
 GiB; gc16 0.191; gc_trim16 0.190; sleep16 1.955; trim16 1.954; delete 1.956; async_delete 1.956;
 gen0_every8 0.115; gen0_every32 0.394; a numpy-only loop of fresh 13 MiB arrays 0.013. So the copies
 are released by jaxlib's gc callback (`_xla_gc_callback` -> `_jax.collect_garbage()`), which a young
-collection runs: resilax_ckpt's drain runs one every RECLAIM_BYTES (saving/device_snapshot.py).
+collection runs: resilax_ckpt's drain runs one every RECLAIM_BYTES (saving/drain.py).
 """
 
 import ctypes

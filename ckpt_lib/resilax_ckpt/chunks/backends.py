@@ -117,7 +117,7 @@ def release_free_memory() -> None:
     """Give the memory of a written snapshot back to the OS (glibc keeps freed small blocks in its
     arenas: without this the next save's copy starts on top of the last one's high-water mark). A
     young-generation collection first: jaxlib releases the host copies behind `np.asarray` of device
-    arrays only in its garbage-collection callback (saving/device_snapshot.RECLAIM_BYTES)."""
+    arrays only in its garbage-collection callback (saving/drain.RECLAIM_BYTES)."""
     gc.collect(0)
     trim = _malloc_trim()
     if trim is not None:

@@ -12,7 +12,7 @@ import numpy as np
 
 class HostBudget:
     """Bounds the host bytes a save's drain has taken off the devices and its writer has not yet
-    written (device_snapshot.DRAIN_HOST_BYTES): the drain `take`s a shard's bytes before its
+    written (drain.DRAIN_HOST_BYTES): the drain `take`s a shard's bytes before its
     transfer starts, the writer gives them back (`Landing.release`) once the write finished with
     the data. Without it the drain lands shards far ahead of slow writes, and the host keeps every
     landed copy until written (peak host RSS). `take` always admits a shard when nothing is held (a

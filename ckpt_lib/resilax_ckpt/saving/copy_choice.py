@@ -54,7 +54,7 @@ class CopyReport:
     """Seconds from the start of the snapshot until every shard was on the host (None until then)."""
     drain_held_peak_bytes: int = 0
     """An on-device copy's drain: the most host bytes it held at once (shards in flight or landed and
-    not yet written; device_snapshot.DRAIN_HOST_BYTES bounds it, or one larger shard), once drained."""
+    not yet written; drain.DRAIN_HOST_BYTES bounds it, or one larger shard), once drained."""
 
     def as_dict(self, step: int, blocked_seconds: float) -> dict[str, Any]:
         """`CheckpointManager.save_report`: this report, the step and how long save() blocked the loop."""
