@@ -9,7 +9,10 @@ It runs three things side by side until SIGTERM:
 On SIGTERM it asks the trainer for a final save with `stop: true`, waits until that save is committed
 (and, with a local tier, uploaded and committed in the persistent tier) or RESILAX_SIDECAR_GRACE_SECONDS
 run out, then exits 0; in a pod whose health check failed (its `health.json`) and where no trainer
-announced itself, it asks nothing and exits at once (no trainer ever ran there). SIGINT exits at once.
+announced itself, it asks nothing and exits at once (no trainer ever ran there). The upload's wait also
+ends once it can never succeed: the operator said (`POST /v1/peers/lost`) that a process of the step's
+generation is lost (its node proven down) and that process's upload marker is not in the step's attempt
+(its commit needs every process's marker). SIGINT exits at once.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -69,6 +72,8 @@ class Sidecar:
         self.final_request: str | None = None
         self.last_stop_request: str | None = None
         """The newest request with `stop` this sidecar made."""
+        self.lost_peers: dict[int, frozenset[int]] = {}
+        """generation -> its processes the operator proved lost (`note_lost_peers`)."""
         self._direct_view = DirectView()
         self._uploader_stop = threading.Event()
         self._uploader_thread: threading.Thread | None = None
@@ -86,6 +91,20 @@ class Sidecar:
             log.error("cannot read RESILAX_SIDECAR_TOKEN_FILE=%s: %s", self.config.token_file, e)
             return None
         return token or None
+
+    # ---- peers the operator proved lost -----------------------------------------------------------
+
+    def note_lost_peers(self, generation: int, processes: Collection[int]) -> frozenset[int]:
+        """The operator proved these processes of `generation` lost (their nodes down or gone, as it
+        deletes this pod: `POST /v1/peers/lost`): a final save's upload that waits for their markers
+        ends at once (`_wait_persisted`). Kept for the sidecar's life; every process of `generation`
+        said lost so far."""
+        known = self.lost_peers.get(generation, frozenset()) | frozenset(processes)
+        if known != self.lost_peers.get(generation):
+            log.info("the operator says processes %s of generation %d are lost (their nodes are down): a final "
+                     "upload no longer waits for them", sorted(known), generation)
+        self.lost_peers[generation] = known
+        return known
 
     # ---- save requests -------------------------------------------------------------------------
 
@@ -404,10 +423,15 @@ class Sidecar:
             log.info("final save %s: step %s committed", request_id, step)
             return True
         self.uploader.wake()
-        left = max(0.0, deadline - time.monotonic())
-        if await asyncio.to_thread(self.uploader.wait_persisted, step, left):
+        lost = await self._wait_persisted(step, deadline)
+        if lost is None:
             log.info("final save %s: step %d committed and uploaded", request_id, step)
             return True
+        if lost:
+            log.warning("final save %s: step %d can never be committed: processes %s of its generation are lost, "
+                        "the operator says, and their uploads are not in it; not waiting for them (the step stays "
+                        "local only, the newest committed step is unaffected)", request_id, step, lost)
+            return False
         log.error(
             "final save %s: step %d committed locally but not persisted within the grace period (last error: %s)",
             request_id,
@@ -415,6 +439,27 @@ class Sidecar:
             self.uploader.state.last_error,
         )
         return False
+
+    async def _wait_persisted(self, step: int, deadline: float) -> list[int] | None:
+        """Wait until this host's save of `step` is persisted (None) or the grace runs out ([]); once
+        the operator said processes of the step's generation are lost (`note_lost_peers`), also until
+        the step is known never to be committed: the lost processes whose upload marker it lacks."""
+        uploader = self.uploader
+        assert uploader is not None
+        while True:
+            left = deadline - time.monotonic()
+            if await asyncio.to_thread(uploader.wait_persisted, step, max(0.0, min(left, _WATCH_SECONDS))):
+                return None
+            if self.lost_peers:
+                try:
+                    lost = await asyncio.to_thread(uploader.lost_uploads, step, dict(self.lost_peers))
+                except Exception as e:  # the local step gone, the store failing: not known, so keep waiting
+                    log.debug("step %d: cannot tell whether the lost peers uploaded it: %s", step, e)
+                    lost = []
+                if lost:
+                    return lost
+            if left <= 0:
+                return []
 
 
 async def serve(config: SidecarConfig, ready: asyncio.Event | None = None) -> int:

@@ -17,6 +17,7 @@
 | POST | /v1/trainer/stop | token | `{"generation", "reason", "stacks"}`: stop an older trainer (trainer_control.py) |
 | POST | /v1/trainer/start | token | `{"generation", "env"}`: start the generation's trainer once none lives |
 | GET | /v1/trainer/ready | - | 200 while the current incarnation runs, else 503 (the trainer's readinessProbe) |
+| POST | /v1/peers/lost | token | `{"generation", "processes"}`: the operator proved these processes lost (nodes down); a final upload stops waiting for their markers |
 Errors: `{"error": {"code": "<slug>", "message": "..."}}` with the HTTP status; never a traceback.
 """
 
@@ -453,6 +454,40 @@ async def post_trainer_start(request: web.Request) -> web.Response:
                              "trainer_process": await asyncio.to_thread(tc.read_incarnation, control_dir)})
 
 
+#: The most processes one `POST /v1/peers/lost` names.
+MAX_LOST_PROCESSES = 4096
+
+
+def parse_lost_peers(body: Mapping[str, Any]) -> tuple[int, list[int]]:
+    """`{"generation": G >= 1, "processes": [i >= 0, ...]}` (1 to MAX_LOST_PROCESSES of them) -> (G,
+    the processes sorted); ApiError 400 naming the field, the value and what is allowed."""
+    problems = []
+    unknown = sorted(set(body) - {"generation", "processes"})
+    if unknown:
+        problems.append(f"unknown fields {unknown}; allowed: generation, processes")
+    generation = body.get("generation")
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+        problems.append(f"generation: {generation!r} must be an integer >= 1 (the generation the processes ran in)")
+    processes = body.get("processes")
+    if not isinstance(processes, list) or not 1 <= len(processes) <= MAX_LOST_PROCESSES or not all(
+            isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in processes):
+        shown = repr(processes)
+        problems.append(f"processes: {shown[:80] + '...' if len(shown) > 80 else shown} must be a list of 1 to "
+                        f"{MAX_LOST_PROCESSES} process indices (integers >= 0)")
+    if problems:
+        raise ApiError(400, "bad_request", "; ".join(problems))
+    assert isinstance(generation, int) and isinstance(processes, list)
+    return generation, sorted(set(processes))
+
+
+async def post_peers_lost(request: web.Request) -> web.Response:
+    _require_token(request)
+    sidecar = request.app[SIDECAR_KEY]
+    generation, processes = parse_lost_peers(await _json_body(request))
+    known = sidecar.note_lost_peers(generation, processes)
+    return web.json_response({"generation": generation, "processes": sorted(known)})
+
+
 async def get_trainer_ready(request: web.Request) -> web.Response:
     control_dir = str(request.app[SIDECAR_KEY].config.control_dir)
     incarnation = await asyncio.to_thread(tc.read_incarnation, control_dir)
@@ -491,4 +526,5 @@ def build_app(sidecar: Sidecar) -> web.Application:
     app.router.add_post("/v1/trainer/stop", post_trainer_stop)
     app.router.add_post("/v1/trainer/start", post_trainer_start)
     app.router.add_get("/v1/trainer/ready", get_trainer_ready)
+    app.router.add_post("/v1/peers/lost", post_peers_lost)
     return app

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from resilax_ckpt import layout
@@ -20,6 +21,15 @@ from resilax_sidecar.store import BlobStore
 from resilax_sidecar.upload_scan import LocalStep, TierView, UploadMemory, named_attempt
 
 log = logging.getLogger(__name__)
+
+
+def decide_lost_processes(local: LocalStep, lost: Mapping[int, Collection[int]]) -> list[int]:
+    """The processes of `local`'s save that the operator said are lost (`lost`: generation -> processes,
+    `POST /v1/peers/lost`: their nodes are proven down), sorted: those of the save's own generation only
+    (another generation numbers its processes otherwise), within its process count, never this
+    process itself (pure)."""
+    said = lost.get(local.generation, ())
+    return sorted({p for p in said if 0 <= p < local.process_count and p != local.process})
 
 
 class StepCommitter:
@@ -160,6 +170,15 @@ class StepCommitter:
         known_committed[step] = local.epoch
         self.memory.committed_own = True
         return True
+
+    def lost_uploads(self, local: LocalStep, lost: Mapping[int, Collection[int]]) -> list[int]:
+        """The lost processes (`decide_lost_processes`) whose `_UPLOADED` marker this save's attempt
+        lacks (one stat each, no listing): while one is missing the step can never be committed, as
+        `try_commit` needs every process's marker and a lost process writes none. A lost process that
+        uploaded before it died is not counted: this process's upload may still complete the step."""
+        base = f"{local.step}/{local.attempt}"
+        return [p for p in decide_lost_processes(local, lost)
+                if self.store.stat(f"{base}/{layout.uploaded_name(p)}") is None]
 
     def _committed_here(self, step: int, attempt: str, objects: list[str] | None) -> None:
         """What this uploader knows of a step its save just committed: its objects (None: not all of

@@ -47,7 +47,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -291,6 +291,11 @@ class Uploader:
                 return True
         epoch = self.view.local_epoch(step)
         return any(s > step and self.memory.known_committed.get(s, (-1, -1)) >= epoch for s in committed)
+
+    def lost_uploads(self, step: int, lost: Mapping[int, Collection[int]]) -> list[int]:
+        """The processes of this host's save of `step` that the operator said are lost and whose upload
+        marker its attempt lacks (StepCommitter.lost_uploads): the step can then never be committed."""
+        return self.committer.lost_uploads(self.read_local_step(step), lost)
 
     def wait_persisted(self, step: int, timeout: float) -> bool:
         """Block until this host's save of `step` is persisted (`is_persisted`), or `timeout`."""

@@ -156,3 +156,89 @@ def test_a_passed_health_check_still_waits_for_a_trainer_that_does_not_announce_
     assert sidecar.wait(30) == 0
     assert "no answer from the trainer within 3 s" in sidecar.log()
     assert "no final save" not in sidecar.log()
+
+
+# ---- a peer the operator proved lost (issue 39: a lost slice's survivor held the next generation) -------
+
+
+def _two_process_env(sidecar_env, tmp_path, grace):
+    """Process 0 of 2, generation 3; its trainer announced itself and has exited (exit 76: a peer is gone)."""
+    env = {**_env(sidecar_env, tmp_path, grace=grace), "JAX_PROCESS_ID": "0", "JAX_NUM_PROCESSES": "2",
+           "RESILAX_GENERATION": "3"}
+    control = Path(env["RESILAX_CONTROL_DIR"])
+    control.mkdir()
+    (control / "trainer.lock").touch()
+    return env
+
+
+def test_a_final_upload_stops_waiting_for_a_process_the_operator_says_is_lost(tmp_path, sidecar_env, start_sidecar):
+    """Goodput run of 2026-12-07, seed 1: the other host of this slice died after both saved step 30
+    locally, before its upload. The commit needs its marker, which never comes; the sidecar used to wait
+    for it until SIGKILL (60 s here: `wait` gives it 30 and raises past them). Once the operator says
+    process 1 of generation 3 is lost, it stops waiting: the step stays uncommitted (its own upload is
+    there, nothing deleted), the local step untouched."""
+    from sidecar_harness import TOKEN
+
+    env = _two_process_env(sidecar_env, tmp_path, grace=60)
+    sidecar = start_sidecar(env)
+    write_local_step(tmp_path / "local", 30, step_files(3, 1000), generation=3, process_id=0)
+    sidecar.signal(signal.SIGTERM)
+    wait_until(lambda: "step 30: waiting for the uploads of processes [1]" in sidecar.log(), 20,
+               "the final upload waiting for process 1")
+    assert sidecar.proc.poll() is None, "exited before it was told anything"
+    told = sidecar.post("/v1/peers/lost", {"generation": 3, "processes": [1]}, token=TOKEN)
+    assert (told.status, told.body) == (200, {"generation": 3, "processes": [1]})
+    assert sidecar.wait(30) == 0
+    log = sidecar.log()
+    assert "step 30 can never be committed: processes [1] of its generation are lost" in log, log[-3000:]
+    assert "not persisted within the grace period" not in log
+    persistent = LocalFolderStore(tmp_path / "persistent")
+    assert persistent.stat("30/_COMMIT") is None
+    attempts = persistent.list_dir("30")
+    assert len(attempts) == 1 and persistent.stat(f"30/{attempts[0]}/_UPLOADED.0") is not None, attempts
+    assert (tmp_path / "local" / "30" / "_COMMIT.0").exists()
+
+
+def test_a_lost_process_that_uploaded_before_it_died_does_not_end_the_wait(tmp_path, sidecar_env, start_sidecar):
+    """Process 1 uploaded its part of step 30 before its node died: this sidecar's upload completes the
+    step, so being told that process 1 is lost (before SIGTERM, as the operator may) changes nothing."""
+    from resilax_sidecar.config import SidecarConfig
+    from resilax_sidecar.metrics import SidecarMetrics
+    from resilax_sidecar.uploader import Uploader
+    from sidecar_harness import TOKEN
+
+    env = _two_process_env(sidecar_env, tmp_path, grace=60)
+    sidecar = start_sidecar(env)
+    assert sidecar.post("/v1/peers/lost", {"generation": 3, "processes": [1]}, token=TOKEN).status == 200
+    files = step_files(3, 1000)
+    peer = SidecarConfig(control_dir=tmp_path / "peer-control", checkpoint_dir=str(tmp_path / "persistent"),
+                         local_dir=tmp_path / "peer-local", process_id=1, num_processes=2, generation=3)
+    write_local_step(tmp_path / "peer-local", 30, files, generation=3, process_id=1)
+    persistent = LocalFolderStore(tmp_path / "persistent")
+    Uploader(peer, persistent, SidecarMetrics()).run_once()  # process 1's part, then its node died
+    assert persistent.stat("30/_COMMIT") is None
+    write_local_step(tmp_path / "local", 30, files, generation=3, process_id=0)
+    sidecar.signal(signal.SIGTERM)
+    assert sidecar.wait(30) == 0
+    log = sidecar.log()
+    assert "step 30 committed and uploaded" in log and "can never be committed" not in log, log[-3000:]
+    assert persistent.stat("30/_COMMIT") is not None
+
+
+def test_lost_peers_need_the_token_and_a_body_naming_generation_and_processes(tmp_path, sidecar_env, start_sidecar):
+    from sidecar_harness import TOKEN
+
+    sidecar = start_sidecar(_two_process_env(sidecar_env, tmp_path, grace=60))
+    assert sidecar.post("/v1/peers/lost", {"generation": 3, "processes": [1]}).status == 401
+    assert sidecar.post("/v1/peers/lost", {"generation": 3, "processes": [1]}, token="wrong").status == 403
+    for body, said in [({"generation": 0, "processes": [1]}, "generation: 0 must be an integer >= 1"),
+                       ({"generation": 3, "processes": []}, "processes: [] must be a list of 1 to"),
+                       ({"generation": 3, "processes": [-1]}, "processes: [-1] must be a list"),
+                       ({"generation": 3, "processes": "1"}, "processes: '1' must be a list"),
+                       ({"generation": 3, "processes": [1], "why": "x"}, "unknown fields ['why']")]:
+        answer = sidecar.post("/v1/peers/lost", body, token=TOKEN)
+        assert answer.status == 400 and said in answer.body["error"]["message"], (body, answer.body)
+    assert sidecar.post("/v1/peers/lost", {"generation": 3, "processes": [2, 1]}, token=TOKEN).body == {
+        "generation": 3, "processes": [1, 2]}
+    assert sidecar.post("/v1/peers/lost", {"generation": 3, "processes": [1]}, token=TOKEN).body == {
+        "generation": 3, "processes": [1, 2]}  # what was said before stays

@@ -659,3 +659,23 @@ def test_a_link_or_a_fifo_in_a_local_step_is_never_followed_nor_waited_on(tmp_pa
     write_local_step(config.local_dir, 20, step_files(2, 64))
     uploader.run_once()  # and it carries on with the next good step
     assert uploader.state.committed_steps == [4, 20]
+
+
+def test_a_step_is_known_never_to_commit_while_a_lost_process_of_its_generation_has_not_uploaded(tmp_path):
+    """`lost_uploads` (the final save's early end, app.Sidecar._wait_persisted): only the lost processes
+    of the step's own generation count, never this process, never one that uploaded before it died."""
+    store = LocalFolderStore(tmp_path / "persistent")
+    configs = [make_config(tmp_path / f"h{p}", checkpoint_dir=store.url, process_id=p, num_processes=2, generation=3)
+               for p in range(2)]
+    for config in configs:
+        write_local_step(config.local_dir, 9, {f"a/{config.process_id}": b"x" * 50}, generation=3)
+    first = Uploader(configs[0], store, SidecarMetrics())
+    first.run_once()
+    assert store.stat("9/_COMMIT") is None
+    assert first.lost_uploads(9, {3: [1]}) == [1]
+    assert first.lost_uploads(9, {3: [1, 0, 7]}) == [1]  # itself and a process the save never had: not counted
+    assert first.lost_uploads(9, {2: [1], 4: [1]}) == []  # another generation numbers its processes otherwise
+    assert first.lost_uploads(9, {}) == []
+    Uploader(configs[1], store, SidecarMetrics()).run_once()  # process 1 uploaded after all: it commits
+    assert store.stat("9/_COMMIT") is not None
+    assert first.lost_uploads(9, {3: [1]}) == []
