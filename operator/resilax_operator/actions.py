@@ -65,6 +65,10 @@ class DeleteGeneration:
     generation: int
     reason: str
     pods: tuple[PodDeletion, ...] = ()
+    #: The processes of `generation` on a node proven down or gone (node_loss.pods_on_lost_nodes): the
+    #: sidecars of the pods deleted here with a grace are told (`POST /v1/peers/lost`), so a final upload
+    #: that waits for these processes' markers, which never come, ends at once instead of at SIGKILL.
+    lost: tuple[int, ...] = ()
 
     @property
     def force_pods(self) -> tuple[str, ...]:

@@ -172,7 +172,7 @@ def execute(kube: Kube, cache: WorldCache, world: World, actions: Sequence[Actio
             except NameConflictError as e:
                 raise NameTakenError(e, status_before, creating=False) from e
         elif isinstance(action, DeleteGeneration):
-            delete_generation(kube, cache, world, action, logger)
+            delete_generation(kube, cache, world, action, settings, logger)
         elif isinstance(action, PatchWorkerPods):
             patch_worker_pods(kube, cache, world, action, logger)
         elif isinstance(action, PublishFreshness):
@@ -241,13 +241,15 @@ def create_generation(kube: Kube, cache: WorldCache, world: World, action: Creat
 
 
 def delete_generation(kube: Kube, cache: WorldCache, world: World, action: DeleteGeneration,
-                      logger: Logger) -> None:
+                      settings: OperatorSettings, logger: Logger) -> None:
     """Each pod as its `PodDeletion` says (one whose `not_before` is still ahead stays), then the Service
     if the job owns it. A pod the API no longer has leaves the cache at once (the watch says so too;
-    should the cache ever hold a ghost, the next decision does not wait on it)."""
+    should the cache ever hold a ghost, the next decision does not wait on it). With `action.lost`, the
+    pods deleted now with a grace are then told which processes are lost (`tell_lost_peers`)."""
     ref = job_ref(world.job)
     uids = {p.name: p.uid for p in world.observed.pods}  # the job's own, as observed
     gone = []
+    graced = []
     for d in action.pods:
         if d.not_before is not None and world.observed.now < d.not_before:
             continue  # its trainer may still stop by itself; the decision looks again
@@ -260,10 +262,40 @@ def delete_generation(kube: Kube, cache: WorldCache, world: World, action: Delet
             cache.forget_pod(ref.namespace, d.name)
             continue
         gone.append(d.name + (" (force)" if d.force else ""))
+        if not d.force:
+            graced.append(d.name)
     if action.generation in world.observed.services:  # its own (observed.assemble_observed): never another's
         kube.delete_service(ref.namespace, build_generation_service_name(ref.name, action.generation))
     if gone:
         logger.info("generation %d (%s): deleting %s", action.generation, action.reason, ", ".join(gone))
+    if action.lost and graced:
+        tell_lost_peers(kube, world, action, graced, settings, logger)
+
+
+def tell_lost_peers(kube: Kube, world: World, action: DeleteGeneration, pods: Sequence[str],
+                    settings: OperatorSettings, logger: Logger) -> None:
+    """POST /v1/peers/lost `{"generation", "processes": action.lost}` to the sidecars of `pods` (just
+    deleted with a grace), with the job's token: a final upload that waits for a lost process's marker
+    stops waiting (docs/sidecar.md, SIGTERM). After the deletes, so a sidecar slow to answer never delays
+    them. Best effort: a pod not told waits out its grace, as before; nothing is raised."""
+    ref = job_ref(world.job)
+    ips = {str((p.get("metadata") or {}).get("name")): (p.get("status") or {}).get("podIP") for p in world.pods}
+    body = {"generation": action.generation, "processes": list(action.lost)}
+    calls = [SidecarCall(name, str(ips[name]), "POST", "/v1/peers/lost", body) for name in pods if ips.get(name)]
+    if not calls:
+        return
+    try:
+        token = kube.ensure_token_secret(ref)
+    except (NameConflictError, KubeError) as e:
+        logger.warning("generation %d: lost processes %s not told to %s: %s", action.generation, list(action.lost),
+                       ", ".join(c.pod for c in calls), e)
+        return
+    for name, answer in ask_sidecars(kube, calls, settings.sidecar_port, token=token).items():
+        if isinstance(answer, SidecarError):  # a sidecar on its way out may be gone already
+            logger.info("generation %d: %s not told that processes %s are lost: %s", action.generation, name,
+                        list(action.lost), answer)
+            continue
+        logger.info("generation %d: told %s that processes %s are lost", action.generation, name, list(action.lost))
 
 
 def request_final_save(kube: Kube, world: World, action: RequestFinalSave, settings: OperatorSettings,

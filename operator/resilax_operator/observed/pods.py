@@ -105,6 +105,8 @@ class ObservedPod:
     #: Its health-check init container's result once that terminated (spec.recovery.healthCheck); None
     #: before, or without one.
     health: HealthResult | None = None
+    #: Its process index in its generation (label resilax.dev/process); None without a readable one.
+    process: int | None = None
 
     @property
     def terminated(self) -> bool:
@@ -138,6 +140,7 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         host = int(labels[api.LABEL_HOST])
     except (KeyError, ValueError):
         return None
+    process = labels.get(api.LABEL_PROCESS)
     spec = raw.get("spec") or {}
     status = raw.get("status") or {}
     containers = [c.get("name") for c in spec.get("containers") or []]
@@ -193,7 +196,7 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         trainer_not_ready_since=not_ready_since,
         owner_uid=owner_uid(raw), starting=starting, scheduled_at=_time_or_none(scheduled.get("lastTransitionTime")),
         container_exits=container_exits, queue_stop=_queue_stop(stop), freshness=pick_freshness(meta),
-        health=health)
+        health=health, process=int(process) if isinstance(process, str) and process.isdigit() else None)
 
 
 def _not_ready_since(status: Mapping[str, Any], started_at: datetime | None) -> datetime | None:

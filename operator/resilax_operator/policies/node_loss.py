@@ -118,14 +118,26 @@ def check_not_ready(spec: JobSpec, observed: Observed, s: JobStatus, settings: O
     return None
 
 
-def pods_to_force(observed: Observed, pods: Iterable[ObservedPod], settings: OperatorSettings) -> tuple[str, ...]:
-    """Pods no kubelet will confirm: on a node that is gone, or down (unless the disruption guard holds:
-    then the node is likelier to come back), or Terminating far past their grace (`stuckTerminatingSeconds`)."""
+def pods_on_lost_nodes(observed: Observed, pods: Iterable[ObservedPod], settings: OperatorSettings) -> tuple[str, ...]:
+    """Pods on a node that is gone, or down (unless the disruption guard holds: then the node is likelier
+    to come back): their processes are lost, sidecars included (a pod merely stuck Terminating is not)."""
     out = []
     for p in pods:
         node = observed.node(p.node_name)
         if p.node_name and (node is None or (node.down_since(observed.now) is not None
                                              and guard_active(observed, settings) is None)):
+            out.append(p.name)
+    return tuple(sorted(out))
+
+
+def pods_to_force(observed: Observed, pods: Iterable[ObservedPod], settings: OperatorSettings) -> tuple[str, ...]:
+    """Pods no kubelet will confirm: on a lost node (`pods_on_lost_nodes`), or Terminating far past their
+    grace (`stuckTerminatingSeconds`)."""
+    pods = tuple(pods)
+    lost = set(pods_on_lost_nodes(observed, pods, settings))
+    out = []
+    for p in pods:
+        if p.name in lost:
             out.append(p.name)
         elif p.deletion_timestamp is not None:
             grace = p.deletion_grace_seconds or 0

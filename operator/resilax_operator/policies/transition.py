@@ -22,6 +22,11 @@ How each pod of a generation is deleted (`plan_delete`):
 | planned teardown, its trainer still running              | not before teardownSince + STOPPING_TRAINER_WAIT_SECONDS |
 | TrainerHung, supervised (its stacks are dumped first)    | that grace, not before teardownSince + HANG_STACKS_SECONDS |
 | otherwise                                                | the pod's own grace (SIGTERM: the workers save) |
+
+The processes on a down or gone node are named in `DeleteGeneration.lost`: the executor tells the
+sidecars of the pods it deletes with a grace (`POST /v1/peers/lost`), so a survivor's final upload that
+waits for a dead process's marker ends at once, not at SIGKILL (docs/architecture.md, "A lost peer's
+survivors go at once").
 """
 
 from __future__ import annotations
@@ -181,6 +186,7 @@ def plan_delete(observed: Observed, spec: JobSpec, generation: int, reason: str,
     """Delete `generation`: each pod as the table in this module's docstring says."""
     pods = observed.pods_of(generation)
     forced = set(node_loss.pods_to_force(observed, pods, settings))
+    on_lost = set(node_loss.pods_on_lost_nodes(observed, pods, settings))
     # a worker no one hears (WorkerUnreachable): the others' final save would be a collective with it
     peer_gone = any(p.exit_code == api.EXIT_CODE_PEER_LOST for p in pods) or (
         reason == st.POD_LOST and bool(unreachable_workers(observed)))
@@ -204,7 +210,8 @@ def plan_delete(observed: Observed, spec: JobSpec, generation: int, reason: str,
         elif reason == st.TRAINER_HUNG and p.supervised and teardown_since is not None:
             not_before = teardown_since + timedelta(seconds=HANG_STACKS_SECONDS)  # its stacks first
         out.append(PodDeletion(p.name, grace, not_before=not_before))
-    return DeleteGeneration(generation, reason, tuple(out))
+    lost = tuple(sorted({p.process for p in pods if p.name in on_lost and p.process is not None}))
+    return DeleteGeneration(generation, reason, tuple(out), lost=lost)
 
 
 def needs_delete(observed: Observed, action: DeleteGeneration) -> bool:

@@ -6,12 +6,15 @@ Job: 1 slice of 2x4 with `recovery.spareSlices: 1`. Generation 1 goes on tpu-sli
 placeholders hold tpu-slice-1 (the test's PriorityClass, value -10). A hard loss of one of generation 1's
 nodes: generation 2 takes the spare's pool at once, at the spec's shape (no generation ever ran shrunk),
 and trains on from the checkpoint. The new spare waits for capacity (one pool is short a node); when the
-node returns it is placed there and ready.
+node returns it is placed there and ready. With a local tier (as the goodput bench runs it): the lost
+slice's surviving pod, not kept, is told that process 1 is lost, and its sidecar's final upload ends
+by itself within its grace, never waiting for process 1's marker (issue 39, goodput seed 1).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,7 @@ def _flow(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path
     name = unique_name("spares")
     manifest = job_manifest(name, tmp_path / "ckpt", count=1, every_steps=4, recovery={"spareSlices": 1},
                             template=worker_template(steps=100000, step_seconds=0.2, devices=4))
+    manifest["spec"]["checkpoint"]["local"] = {}  # uploads from the local tier, as the goodput bench's job
     jobs.create(manifest)
     status = jobs.wait_status(name, lambda s: s.get("phase") == "Running" and (s.get("spares") or {}).get("ready") == 1,
                               600, "generation 1 Running with its spare ready")
@@ -79,6 +83,14 @@ def _flow(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path
     assert {_pool(n) for n in nodes} == {"tpu-slice-1"} and len(nodes) == 2, nodes
     wait_for(lambda: jobs.losses(name, 2), timeout=600, interval=1, message=f"{name}: a step of generation 2")
     assert min(jobs.losses(name, 2)) > 4  # it restored a checkpoint of generation 1, not from scratch
+    # The lost slice's other pod went with the survivors' grace, its sidecar told that process 1 is lost
+    # (told, or gone already): its final upload never waited for process 1's marker, which never comes,
+    # until SIGKILL (goodput seed 1 of 2026-12-07: 5 s, and generation 2 waited for the pod to go).
+    survivor = f"{name}-g1-s0-h0"
+    assert re.search(rf"(told {survivor}|{survivor} not told) that processes \[1\] are lost", operator.logs()), \
+        operator.logs()[-3000:]
+    said = cluster.logs(jobs.namespace, survivor, "resilax-sidecar")
+    assert "resilax sidecar exiting" in said and "not persisted within the grace period" not in said, said[-3000:]
 
     # The new spare waits: tpu-slice-0 is short a node, tpu-slice-1 has the workers.
     status = jobs.wait_status(name, lambda s: len(_spares(jobs, name)) == 2, 120, "the new placeholders")

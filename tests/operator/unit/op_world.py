@@ -204,7 +204,7 @@ class World:
                     supervised = m["metadata"]["annotations"].get(api.ANNOTATION_SUPERVISED) == "1"
                     self.pods[name] = ObservedPod(name, int(labels[api.LABEL_GENERATION]), int(labels[api.LABEL_SLICE]),
                                                   int(labels[api.LABEL_HOST]), gates=self.gates, uid=f"uid-{name}",
-                                                  supervised=supervised)
+                                                  supervised=supervised, process=int(labels[api.LABEL_PROCESS]))
                     self.pool_of[name] = labels[api.LABEL_NODE_POOL]
                     self.selector_of[name] = dict(m["spec"].get("nodeSelector") or {})
             if a.generation not in self.created:
@@ -229,7 +229,8 @@ class World:
                 if p is not None:
                     got = dict(labels)
                     self.pods[name] = replace(p, generation=int(got[api.LABEL_GENERATION]),
-                                              slice_index=int(got[api.LABEL_SLICE]), host=int(got[api.LABEL_HOST]))
+                                              slice_index=int(got[api.LABEL_SLICE]), host=int(got[api.LABEL_HOST]),
+                                              process=int(got[api.LABEL_PROCESS]))
         elif isinstance(a, PublishFreshness):
             self.published.append(a)
             self.freshness = _merged(self.freshness, a.job)

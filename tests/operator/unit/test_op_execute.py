@@ -5,13 +5,14 @@ the cluster tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from resilax_operator import api, execute
 from resilax_operator.actions import DeleteGeneration, PodDeletion
-from resilax_operator.k8s import KubeError
+from resilax_operator.k8s import KubeError, SidecarError
 from resilax_operator.observed.cache import WorldCache
 from resilax_operator.observed.observe import observe
 from test_op_cache import LOG, NS, SETTINGS, FakeAPI, _job, _node
@@ -69,6 +70,53 @@ def test_a_pod_is_not_deleted_before_its_time(seconds: int, deleted: bool) -> No
     assert pod_deletes == ([("DELETE", f"/api/v1/namespaces/{NS}/pods/{pod}")] if deleted else [])
     # no per-generation Service of the job's exists (the job-wide one serves every generation): none deleted
     assert not [p for m, p in fake.requests if m == "DELETE" and "/services/" in p]
+
+
+class TellingAPI(FakeAPI):
+    """Records the pod deletions and the sidecar calls in one order; a sidecar at `silent` errs."""
+
+    def __init__(self, silent: str = "") -> None:
+        super().__init__()
+        self.order: list[tuple[Any, ...]] = []
+        self.silent = silent
+
+    def request(self, method: str, path: str, body: Any = None, **kwargs: Any) -> dict[str, Any] | None:
+        if method == "DELETE" and "/pods/" in path:
+            self.order.append(("DELETE", path.rsplit("/", 1)[1], (body or {}).get("gracePeriodSeconds")))
+        return super().request(method, path, body, **kwargs)
+
+    def sidecar(self, method: str, ip: str, port: int, path: str, body: Mapping[str, Any] | None = None,
+                token: str | None = None) -> dict[str, Any]:
+        self.order.append((method, path, ip, dict(body or {}), token is not None))
+        if ip == self.silent:
+            raise SidecarError(f"{ip}: connection refused")
+        return dict(body or {})
+
+
+@pytest.mark.parametrize("silent", [False, True], ids=["told", "sidecar-gone"])
+def test_the_pods_deleted_with_a_grace_are_told_the_lost_processes_after_their_deletion(silent: bool) -> None:
+    """`DeleteGeneration.lost` (a node proven down): every pod is deleted first (a sidecar slow to answer
+    never delays a deletion), then the sidecars of the pods deleted with a grace, not the forced one's,
+    are told with the job's token; a sidecar that does not answer changes nothing."""
+    fake = _fake(TellingAPI)
+    assert isinstance(fake, TellingAPI)
+    for _ in range(6):
+        execute.reconcile_job(fake, fake.cache, NS, "llama", SETTINGS, LOG)  # type: ignore[arg-type]
+        fake.run_pods()
+    world = observe(fake, fake.cache, fake.cache.job(NS, "llama") or {}, SETTINGS, LOG)  # type: ignore[arg-type]
+    survivor, dead = world.observed.pods[0], world.observed.pods[1]
+    assert survivor.pod_ip and dead.process == 1
+    fake.silent = survivor.pod_ip if silent else ""
+    fake.order.clear()
+    action = DeleteGeneration(1, "NodeLoss", (PodDeletion(survivor.name, grace_seconds=5),
+                                              PodDeletion(dead.name, force=True)), lost=(1,))
+    execute.execute(fake, fake.cache, world, [action], SETTINGS, LOG)  # type: ignore[arg-type]
+    assert fake.order == [("DELETE", survivor.name, 5), ("DELETE", dead.name, 0),
+                          ("POST", "/v1/peers/lost", survivor.pod_ip, {"generation": 1, "processes": [1]}, True)]
+    fake.order.clear()
+    execute.execute(fake, fake.cache, world, [DeleteGeneration(1, "NodeLoss", (PodDeletion(survivor.name, 5),))],
+                    SETTINGS, LOG)  # type: ignore[arg-type]
+    assert fake.order == [("DELETE", survivor.name, 5)]  # nothing lost: nobody told
 
 
 class LockWatchingAPI(FakeAPI):

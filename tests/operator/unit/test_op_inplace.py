@@ -137,6 +137,21 @@ def test_a_shrink_keeps_the_whole_surviving_slices_renumbered() -> None:
 # ---- the flow ------------------------------------------------------------------------------------
 
 
+def test_a_lost_slices_surviving_pod_goes_with_the_lost_process_named() -> None:
+    """The other pod of the lost slice survived but is not kept (its slice is dropped): it goes with the
+    survivors' grace, and the deletion names the lost process (slice 0 host 1: process 1), which the
+    executor tells its sidecar, so its final upload stops waiting for process 1's marker (goodput run of
+    2026-12-07, seed 1: it waited out its whole grace, and the next generation with it)."""
+    w = _world(spare=0)
+    _lose_node(w, "llama-g1-s0-h1")
+    actions = tick(w)
+    assert w.status.in_place is not None
+    delete = next(a for a in actions if isinstance(a, DeleteGeneration) and a.generation == 1)
+    assert {d.name: (d.grace_seconds, d.force) for d in delete.pods} == {
+        "llama-g1-s0-h0": (node_loss.SURVIVOR_GRACE_SECONDS, False), "llama-g1-s0-h1": (None, True)}
+    assert delete.lost == (1,)
+
+
 def test_hard_loss_keeps_the_survivors_and_replaces_only_the_lost_pod() -> None:
     w = _world()
     before = _identity(w)

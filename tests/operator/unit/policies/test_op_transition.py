@@ -36,6 +36,23 @@ def test_pod_stuck_terminating_on_a_ready_node_is_forced() -> None:
     actions = w.step()
     delete = next(a for a in actions if isinstance(a, DeleteGeneration))
     assert len(delete.force_pods) == 16
+    assert delete.lost == ()  # forced, but on Ready nodes: their sidecars may live
+
+
+def test_the_processes_on_a_down_node_are_named_lost_unless_the_guard_holds() -> None:
+    """`DeleteGeneration.lost`: the processes whose node is down or gone (the executor tells the sidecars
+    of the pods it deletes with a grace); none while the disruption guard holds (the nodes are likelier
+    to come back)."""
+    w = running_world()
+    pods = w.gen_pods()
+    w.set_node(pods[5].node_name or "", ready="Unknown", ready_since=w.now)
+    w.now = TEARDOWN
+    delete = transition.plan_delete(w.observed(), validate_spec(w.spec), 1, st.NODE_LOSS, SETTINGS, TEARDOWN)
+    assert delete.force_pods == (pods[5].name,) and delete.lost == (pods[5].process,) and pods[5].process == 5
+    for p in pods[:12]:  # 12 of 16 nodes down: the guard holds
+        w.set_node(p.node_name or "", ready="Unknown", ready_since=T0)
+    delete = transition.plan_delete(w.observed(), validate_spec(w.spec), 1, st.NODE_LOSS, SETTINGS, TEARDOWN)
+    assert delete.force_pods == () and delete.lost == ()
 
 
 # ---------------------------------------------------------------- how each pod is deleted, as a table
