@@ -91,6 +91,8 @@ def _flow(operator: OperatorProcess, jobs: Jobs, cluster: LocalCluster, tmp_path
         operator.logs()[-3000:]
     said = cluster.logs(jobs.namespace, survivor, "resilax-sidecar")
     assert "resilax sidecar exiting" in said and "not persisted within the grace period" not in said, said[-3000:]
+    print("\n".join(f"  {survivor} sidecar: {line[:200]}" for line in said.splitlines()
+                    if any(w in line for w in ("SIGTERM", "final save", "are lost", "waiting for the uploads"))))
 
     # The new spare waits: tpu-slice-0 is short a node, tpu-slice-1 has the workers.
     status = jobs.wait_status(name, lambda s: len(_spares(jobs, name)) == 2, 120, "the new placeholders")
