@@ -119,7 +119,7 @@ TOKEN_KEY: Final = "token"
 TOKEN_RECHECK_SECONDS: Final = 600.0
 #: The sidecar's own header for its token, accepted beside `Authorization: Bearer`: the API server's pod
 #: proxy removes `Authorization` once it has authenticated the caller (`kubectl resilax save` uses it).
-#: The sidecar keeps the same name (resilax_sidecar.routes.TOKEN_HEADER; a test holds them equal).
+#: The sidecar keeps the same name (resilax_sidecar.api_base.TOKEN_HEADER; a test holds them equal).
 SIDECAR_TOKEN_HEADER: Final = "X-Resilax-Token"
 #: What a sidecar's save request id looks like (resilax_sidecar.control.valid_request_id; a test holds
 #: them equal): `kubectl resilax save` refuses any other id before it goes into a proxy path.

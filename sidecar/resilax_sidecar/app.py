@@ -10,9 +10,8 @@ On SIGTERM it asks the trainer for a final save with `stop: true`, waits until t
 (and, with a local tier, uploaded and committed in the persistent tier) or RESILAX_SIDECAR_GRACE_SECONDS
 run out, then exits 0; in a pod whose health check failed (its `health.json`) and where no trainer
 announced itself, it asks nothing and exits at once (no trainer ever ran there). The upload's wait also
-ends once it can never succeed: the operator said (`POST /v1/peers/lost`) that a process of the step's
-generation is lost (its node proven down) and that process's upload marker is not in the step's attempt
-(its commit needs every process's marker). SIGINT exits at once.
+ends once it can never succeed: a process of the step's generation that the operator said is lost
+(`POST /v1/peers/lost`) has no upload marker in it (shutdown.py). SIGINT exits at once.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from resilax_ckpt.control.health_verdict import read_verdict
 from resilax_ckpt.control.requests import read_restore_report
 from resilax_ckpt.control.trainer_metrics import read_trainer_figures
 
-from resilax_sidecar import control, node_sweep
+from resilax_sidecar import control, node_sweep, shutdown
 from resilax_sidecar.config import SidecarConfig, log_level_number
 from resilax_sidecar.direct_view import DirectView
 from resilax_sidecar.errors import ConfigError
@@ -44,7 +43,7 @@ from resilax_sidecar.metrics import CompileCacheLog, SidecarMetrics
 from resilax_sidecar.peers import Replicator
 from resilax_sidecar.routes import build_app
 from resilax_sidecar.store import BlobStore, open_store
-from resilax_sidecar.uploader import Uploader, list_local_steps
+from resilax_sidecar.uploader import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ class Sidecar:
     def note_lost_peers(self, generation: int, processes: Collection[int]) -> frozenset[int]:
         """The operator proved these processes of `generation` lost (their nodes down or gone, as it
         deletes this pod: `POST /v1/peers/lost`): a final save's upload that waits for their markers
-        ends at once (`_wait_persisted`). Kept for the sidecar's life; every process of `generation`
+        ends at once (`shutdown.wait_persisted`). Kept for the sidecar's life; every process of `generation`
         said lost so far."""
         known = self.lost_peers.get(generation, frozenset()) | frozenset(processes)
         if known != self.lost_peers.get(generation):
@@ -115,7 +114,7 @@ class Sidecar:
         self.pending[request_id] = (time.monotonic(), reason, stop)
         if stop:
             self.last_stop_request = request_id
-            self._make_urgent()
+            self.make_urgent()
         self.metrics.save_requests.labels(reason=reason).inc()
         log.info("save requested: id=%s reason=%s stop=%s", request_id, reason, stop)
         return request_id
@@ -266,7 +265,7 @@ class Sidecar:
 
     # ---- the persistent tier and the uploader thread ------------------------------------------------
 
-    def _make_urgent(self) -> None:
+    def make_urgent(self) -> None:
         """A final save is coming: newer local steps supersede an upload in flight."""
         self._urgent = True
         if self.uploader is not None:
@@ -357,109 +356,9 @@ class Sidecar:
         await asyncio.to_thread(write_last_words, path, build_last_words(state, outcome))
 
     async def final_save(self) -> bool:
-        """Ask for a save with stop, wait for its commit (and its upload) within the grace period.
-        True when the final step is durable in the tier that matters."""
-        self.stopping = True
-        cfg = self.config
-        # A pod whose health check failed never ran its trainer: nobody would answer, nothing can be lost.
-        nothing = control.plan_nothing_to_save(read_verdict(str(cfg.control_dir)),
-                                               control.trainer_alive(cfg.control_dir))
-        if nothing is not None:
-            log.info("SIGTERM: no final save: %s", nothing)
-            return True
-        self._make_urgent()
-        deadline = time.monotonic() + cfg.grace_seconds
-        # A stop request already made (e.g. the operator's final save before a resize) is the final
-        # save: the trainer stops after it and would never answer a second one.
-        request_id = self.last_stop_request
-        if request_id is not None:
-            earlier = control.read_result(cfg.control_dir, request_id)
-            if earlier is not None and not earlier.committed:
-                request_id = None  # it failed: ask again
-        if request_id is None:
-            request_id = await self.request_save("preemption", True)
-        self.final_request = request_id
-        log.info("SIGTERM: final save %s; waiting up to %.0f s", request_id, cfg.grace_seconds)
-        result = None
-        trainer_gone = False
-        while time.monotonic() < deadline:
-            result = control.read_result(cfg.control_dir, request_id)
-            if result is not None:
-                break
-            # A native sidecar gets SIGTERM after the trainer exited (it saved on its own SIGTERM):
-            # nobody will answer, what is left is to persist its newest local step.
-            if control.trainer_alive(cfg.control_dir) is False:
-                result = control.read_result(cfg.control_dir, request_id)  # it may have answered, then gone
-                trainer_gone = result is None
-                break
-            await asyncio.sleep(_WATCH_SECONDS)
-        if result is None:
-            control.withdraw_request(cfg.control_dir, request_id)
-        step: int | None
-        if trainer_gone:
-            local_steps = list_local_steps(cfg.local_dir, cfg.process_id) if cfg.local_dir else []
-            if self.uploader is not None:  # only what goes to the persistent tier at all
-                local_steps = [s for s in local_steps if self.uploader.persists(s)]
-            step = local_steps[-1] if local_steps else None
-            log.info("final save %s: the trainer has exited; persisting its newest local step %s", request_id, step)
-            if step is None:
-                return not cfg.uploads
-        elif result is None:
-            log.error("final save %s: no answer from the trainer within %.0f s", request_id, cfg.grace_seconds)
-            return False
-        elif not result.committed or result.step is None:
-            log.error("final save %s failed: %s", request_id, result.error)
-            return False
-        else:
-            step = result.step
-            if self.uploader is not None:
-                self.uploader.requested_steps.add(step)
-        if cfg.uploads and not await asyncio.to_thread(
-            self.storage_ready.wait, max(0.0, deadline - time.monotonic())
-        ):
-            log.error("final save %s: step %s is local only; %s", request_id, step, self.storage_error)
-            return False
-        if self.uploader is None:
-            log.info("final save %s: step %s committed", request_id, step)
-            return True
-        self.uploader.wake()
-        lost = await self._wait_persisted(step, deadline)
-        if lost is None:
-            log.info("final save %s: step %d committed and uploaded", request_id, step)
-            return True
-        if lost:
-            log.warning("final save %s: step %d can never be committed: processes %s of its generation are lost, "
-                        "the operator says, and their uploads are not in it; not waiting for them (the step stays "
-                        "local only, the newest committed step is unaffected)", request_id, step, lost)
-            return False
-        log.error(
-            "final save %s: step %d committed locally but not persisted within the grace period (last error: %s)",
-            request_id,
-            step,
-            self.uploader.state.last_error,
-        )
-        return False
-
-    async def _wait_persisted(self, step: int, deadline: float) -> list[int] | None:
-        """Wait until this host's save of `step` is persisted (None) or the grace runs out ([]); once
-        the operator said processes of the step's generation are lost (`note_lost_peers`), also until
-        the step is known never to be committed: the lost processes whose upload marker it lacks."""
-        uploader = self.uploader
-        assert uploader is not None
-        while True:
-            left = deadline - time.monotonic()
-            if await asyncio.to_thread(uploader.wait_persisted, step, max(0.0, min(left, _WATCH_SECONDS))):
-                return None
-            if self.lost_peers:
-                try:
-                    lost = await asyncio.to_thread(uploader.lost_uploads, step, dict(self.lost_peers))
-                except Exception as e:  # the local step gone, the store failing: not known, so keep waiting
-                    log.debug("step %d: cannot tell whether the lost peers uploaded it: %s", step, e)
-                    lost = []
-                if lost:
-                    return lost
-            if left <= 0:
-                return []
+        """Ask for a save with stop, wait for its commit (and its upload) within the grace period
+        (shutdown.final_save). True when the final step is durable in the tier that matters."""
+        return await shutdown.final_save(self)
 
 
 async def serve(config: SidecarConfig, ready: asyncio.Event | None = None) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from resilax_sidecar import control as sidecar_control
-from resilax_sidecar.routes import TOKEN_HEADER, presented_token
+from resilax_sidecar.api_base import TOKEN_HEADER, presented_token
 from sidecar_harness import TOKEN, SidecarProcess, build_sidecar_env, http, wait_until
 
 
