@@ -412,14 +412,20 @@ def restart_costs(restart_result: Mapping[str, Any]) -> dict[str, tuple[str, flo
     return out
 
 
+RESILAX_VARIANTS = ("resilax", "resilax-spare")
+"""The goodput bench's variants whose trainers start as Resilax's do (`goodput_variants.VARIANTS`; the
+restore prefetch): their restarts are projected with the `resilax` phase, the others with `baseline`."""
+SHRINKING_VARIANTS = ("resilax",)
+"""Those that shrink to the slices left after a loss; `resilax-spare` takes its spare at full size."""
+
+
 def project_testbed_run(testbed: Mapping[str, Any], costs: Mapping[str, tuple[str, float]]) -> list[dict[str, Any]]:
     """Each variant of a 20-minute goodput JSON projected with `costs` (`restart_costs`): the recorded
     goodput beside the projected plain and device-weighted goodput."""
     rows = []
     for v in testbed["variants"]:
-        elastic = v["variant"] == "resilax"
-        gens = build_projected_generations(v["marks"], v["faults"], elastic)
-        phase, restart = costs["resilax" if elastic else "baseline"]
+        gens = build_projected_generations(v["marks"], v["faults"], elastic=v["variant"] in SHRINKING_VARIANTS)
+        phase, restart = costs["resilax" if v["variant"] in RESILAX_VARIANTS else "baseline"]
         carried = {k: float(v["buckets_seconds"].get(k, 0.0)) for k in CARRIED_BUCKETS}
         wall = float(v["wall_seconds"])
         p = project_goodput(wall, gens, trainer_starts(len(gens), costs["first_start"][1], restart), carried)

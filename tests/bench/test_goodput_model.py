@@ -398,6 +398,24 @@ def test_the_projection_of_a_recorded_run_on_its_own_starts_gives_back_its_goodp
     assert project_testbed_run(testbed, slower)[0]["goodput"] < rows["resilax"]["goodput"]
 
 
+def test_the_spare_variant_is_projected_with_resilax_starts_at_full_size() -> None:
+    """resilax-spare restarts as Resilax does (the `resilax` phase, not the baseline's) and never
+    shrinks: it took the baseline's phase before (2026-12-07)."""
+    import json
+    from pathlib import Path
+
+    from resilax_bench.goodput_model import project_testbed_run
+
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    testbed = json.loads((results / "goodput-20min-2026-12-07-43397fa-seed1.json").read_text())
+    assert [v["variant"] for v in testbed["variants"]] == ["resilax-spare"]
+    costs = {"first_start": ("cold", 30.0), "resilax": ("prefetch", 12.0), "baseline": ("restore", 16.0)}
+    [row] = project_testbed_run(testbed, costs)
+    assert (row["restart_phase"], row["restart_s"]) == ("prefetch", 12.0)
+    assert row["device_weighted_goodput"] == row["goodput"]
+    assert row["testbed_model_goodput"] == pytest.approx(row["recorded_goodput"], abs=0.01)
+
+
 def test_the_restart_json_gives_the_phases_the_projection_uses() -> None:
     from resilax_bench.goodput_model import restart_costs
 
