@@ -98,10 +98,28 @@ class OperatorProcess:
             return str(r.read().decode())
 
 
+TRAINER_ENV = "RESILAX_E2E_TRAINER_ENV"
+"""`K=V,K=V` added to every e2e trainer's environment: a measurement switches one thing in the trainers
+(bench/e2e_ab, e.g. RESILAX_RESTORE_PREFETCH=0) and compares the recorded recovery figures."""
+
+
+def trainer_env_override(raw: str | None = None) -> dict[str, str]:
+    """TRAINER_ENV parsed; a malformed entry is an error naming it."""
+    raw = os.environ.get(TRAINER_ENV, "") if raw is None else raw
+    env: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{TRAINER_ENV}: {item!r} is not KEY=VALUE (entries are comma-separated)")
+        env[key] = value
+    return env
+
+
 def worker_template(*, steps: int, step_seconds: float, devices: int = 2, command: list[str] | None = None,
                     extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-           "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+           "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", "PYTHONUNBUFFERED": "1", **trainer_env_override(),
+           **(extra_env or {})}
     cmd = command or [sys.executable, str(EXAMPLE), "--steps", str(steps), "--step-seconds", str(step_seconds)]
     return {"spec": {"containers": [{"name": "trainer", "image": "resilax-worker:local", "command": cmd,
                                      "env": [{"name": k, "value": v} for k, v in env.items()]}]}}
