@@ -46,7 +46,13 @@ from .snapshot import (
     with_leases,
 )
 from .spare_jobs import parse_spare_jobs, suspended_for_gone
-from .trainer_process import TrainerProcess, parse_trainer_process, pods_to_poll, with_trainer_processes
+from .trainer_process import (
+    TrainerProcess,
+    parse_trainer_process,
+    pods_to_poll,
+    pods_to_poll_again,
+    with_trainer_processes,
+)
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -131,9 +137,9 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
                      words: Sequence[LastWords] = ()) -> Observed:
     """The sidecars' `/v1/state` of the pods `trainer_process.pods_to_poll` names (pod 0 always: newest
     checkpoint, restore report, trainer figures; the others for their trainer's incarnation), then of
-    every other worker of the generation when pod 0 looks stalled (`hang.worth_asking_every_host`: the
-    hang policy names the culprit from them) or the stragglers' sample is due
-    (`settings.straggler_sample_seconds`). The sidecars that are gone speak through their last `words`:
+    those the first answers put in view (`trainer_process.pods_to_poll_again`), or of every other worker
+    of the generation when pod 0 looks stalled (`hang.worth_asking_every_host`: the hang policy names the
+    culprit from them) or the stragglers' sample is due (`settings.straggler_sample_seconds`). The sidecars that are gone speak through their last `words`:
     the newest checkpoint they knew, and the furthest step the generation's trainers reached (kept as
     pod 0's figures: `newest_trainer_report`), so a generation's last step is exact however fast its
     pods ended."""
@@ -169,10 +175,13 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
         if report is not None:
             with _trainers_lock:
                 _trainers[ref.uid] = report
-    if status.generation > 0 and (worth_asking_every_host(hosts.get(pod0_name), now)
-                                  or _straggler_sample_due(ref.uid, now, settings)):
-        others = [SidecarCall(p.name, p.pod_ip, "GET", "/v1/state") for p in observed.pods_of(status.generation)
-                  if p.name not in polled and p.phase == "Running" and p.pod_ip is not None]
+    # a fault the answers brought into view (pod 0's trainer exited): every survivor heard this tick too
+    again = set(pods_to_poll_again(with_trainer_processes(observed, processes), polled))
+    every = status.generation > 0 and (worth_asking_every_host(hosts.get(pod0_name), now)
+                                       or _straggler_sample_due(ref.uid, now, settings))
+    others = [SidecarCall(p.name, p.pod_ip, "GET", "/v1/state") for p in observed.pods_of(status.generation)
+              if p.name not in polled and p.phase == "Running" and p.pod_ip is not None and (every or p.name in again)]
+    if others:
         for name, state in ask_sidecars(kube, others, settings.sidecar_port).items():
             if isinstance(state, SidecarError):
                 logger.debug("no sidecar state from %s: %s", name, state)

@@ -97,6 +97,9 @@ class ObservedPod:
     scheduled_at: datetime | None = None
     #: (container, exit code) of each container (init or not) whose current state is terminated.
     container_exits: tuple[tuple[str, int], ...] = ()
+    #: The kubelet says the trainer container itself has terminated (its supervisor with it): nothing in
+    #: the pod can start the next incarnation, so it is no survivor for an in-place restart.
+    trainer_container_ended: bool = False
     #: "<reason>: <message>" of a True `TerminationTarget` condition: a queue (Kueue) stopped the pod's
     #: group (preempted or evicted it) and deletes the pod; None otherwise.
     queue_stop: str | None = None
@@ -146,7 +149,7 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
     containers = [c.get("name") for c in spec.get("containers") or []]
     trainer = api.TRAINER_CONTAINER if api.TRAINER_CONTAINER in containers else (containers[0] if containers else None)
     exit_code = exit_reason = None
-    trainer_running = trainer_ready = False
+    trainer_running = trainer_ready = trainer_ended = False
     started_at = finished_at = None
     for cs in status.get("containerStatuses") or []:
         if cs.get("name") == trainer:
@@ -157,6 +160,7 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
                 started_at = st.parse_time((state.get("running") or state.get("terminated") or {}).get("startedAt"))
                 finished_at = st.parse_time((state.get("terminated") or {}).get("finishedAt"))
             terminated = state.get("terminated")
+            trainer_ended = bool(terminated)
             if terminated:
                 code = terminated.get("exitCode")
                 exit_code = None if code is None else int(code)
@@ -196,7 +200,7 @@ def parse_pod(raw: Mapping[str, Any]) -> ObservedPod | None:
         trainer_not_ready_since=not_ready_since,
         owner_uid=owner_uid(raw), starting=starting, scheduled_at=_time_or_none(scheduled.get("lastTransitionTime")),
         container_exits=container_exits, queue_stop=_queue_stop(stop), freshness=pick_freshness(meta),
-        health=health, process=int(process) if isinstance(process, str) and process.isdigit() else None)
+        health=health, trainer_container_ended=trainer_ended, process=int(process) if isinstance(process, str) and process.isdigit() else None)
 
 
 def _not_ready_since(status: Mapping[str, Any], started_at: datetime | None) -> datetime | None:

@@ -13,7 +13,7 @@ replaces it rather than wait for an answer that may never come.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final
@@ -96,15 +96,16 @@ def fault_in_view(observed: Observed) -> bool:
     done, when the stopped trainers' readiness may not have turned false yet), a supervised trainer not
     ready, a worker's node not Ready, a worker Failed or being deleted, a worker no node takes yet (the
     capacity wait's shrink keeps the bound ones; a worker held by a queue's gates does not count: a job
-    with a queue is never restarted in place)."""
+    with a queue is never restarted in place), a worker whose trainer exited (the kubelet's word, or its
+    sidecar's once asked: `pods_to_poll_again`)."""
     s = observed.status
     if s.in_place is not None or s.transition is not None:
         return True
     for p in observed.pods_of(s.generation):
         node = observed.node(p.node_name)
         if (p.supervised and p.phase == "Running" and not p.trainer_ready) or p.terminated \
-                or p.deletion_timestamp is not None or (node is not None and node.ready != "True") \
-                or (p.node_name is None and not p.gates):
+                or p.trainer_exited or p.deletion_timestamp is not None \
+                or (node is not None and node.ready != "True") or (p.node_name is None and not p.gates):
             return True
     return False
 
@@ -124,6 +125,16 @@ def pods_to_poll(observed: Observed) -> list[str]:
         if (names and p.name == names[0]) or every or (p.supervised and not p.trainer_ready):
             out.append(p.name)
     return sorted(out)
+
+
+def pods_to_poll_again(observed: Observed, polled: Collection[str]) -> list[str]:
+    """The second round of `/v1/state` reads: the pods `pods_to_poll` names once the first round's answers
+    are in `observed` (`with_trainer_processes`) that the first round did not ask. An answer can bring a
+    fault into view that nothing before it showed: pod 0's sidecar says its trainer exited while the
+    kubelet's readiness probe has not run since. Heard that same tick, every survivor can be kept; unheard,
+    the in-place restart counted only pod 0 a survivor and replaced the other pods."""
+    asked = set(polled)
+    return [name for name in pods_to_poll(observed) if name not in asked]
 
 
 def unreachable_workers(observed: Observed) -> list[tuple[ObservedPod, float]]:

@@ -108,9 +108,13 @@ def begin_transition(spec: JobSpec, observed: Observed, s: JobStatus, settings: 
 
 
 def _qualifies(observed: Observed, p: ObservedPod, lead: timedelta) -> bool:
-    """A survivor: supervised, Running and not going, on a Ready node with no notice, its sidecar heard."""
+    """A survivor: supervised, Running and not going, its trainer container not ended (the supervisor
+    in it restarts the trainer: a pod whose container ended, as a worker killed with 137, has no one to
+    stop or start, and kept it held the restart for inPlaceStopTimeoutSeconds), on a Ready node with no
+    notice, its sidecar heard."""
     node = observed.node(p.node_name)
-    return (p.supervised and p.phase == "Running" and p.deletion_timestamp is None and node is not None
+    return (p.supervised and p.phase == "Running" and p.deletion_timestamp is None and not p.trainer_container_ended
+            and node is not None
             and node.ready == "True" and node.down_since(observed.now) is None
             and node.notice(observed.now, lead) is None and p.name in observed.trainer_processes)
 

@@ -140,6 +140,14 @@ def test_worker_failure_restores_every_worker_from_its_local_tier(
     gen1 = jobs.losses(name, 1)
     assert max(gen1) - step <= EVERY + 1, (max(gen1), step)
     assert "WorkerFailed" in jobs.event_reasons(name, "WorkerFailed")
+    # One in-place restart, no stop timed out: the killed pod (its trainer container ended, its sidecar
+    # still up) is no survivor, replaced at once; the three others kept (2026-12-07: it was kept, and held
+    # the restart inPlaceStopTimeoutSeconds, 30 s, before InPlaceStopTimeout replaced it).
+    status = jobs.status(name)
+    assert status["inPlaceRestarts"] == 1 and status["restarts"] == 1, status
+    assert status["workerPods"] == [f"{name}-g1-s0-h0", f"{name}-g1-s0-h1", f"{name}-g2-s1-h0",
+                                    f"{name}-g1-s1-h1"], status
+    assert "InPlaceStopTimeout" not in jobs.event_reasons(name), jobs.event_reasons(name)
     wait_for(lambda: jobs.losses(name, 2), timeout=300, interval=1, message=f"{name}: a step of generation 2")
     recovery_breakdown(jobs, name, 2, fault, ("WorkerFailed",))
 

@@ -49,6 +49,7 @@ from resilax_operator.observed.trainer_process import (
     RUNNING,
     TrainerProcess,
     pods_to_poll,
+    pods_to_poll_again,
     with_trainer_processes,
 )
 from resilax_operator.pods.probes import ObservedProbe
@@ -159,10 +160,15 @@ class World:
         pod0 = self.status.pod_names(self.job.name)[0] if self.status.generation else ""
         if worth_asking_every_host(self.hosts.get(pod0), self.now.timestamp()):  # observed/observe.py's second round
             polled = [p.name for p in self.gen_pods() if p.phase == "Running" and p.pod_ip is not None]
-        asked = [n for n in polled if n not in self.unreachable and n in self.processes]
+        first = with_trainer_processes(observed, self._answers(polled))
+        polled = [*polled, *pods_to_poll_again(first, polled)]  # the answers put a fault in view: the rest
         observed = replace(observed, silent_sidecars=tuple(sorted(n for n in polled if n in self.unreachable)))
-        return with_trainer_processes(observed, {n: replace(self.processes[n], assigned=self.assigned.get(n))
-                                                 for n in asked})
+        return with_trainer_processes(observed, self._answers(polled))
+
+    def _answers(self, polled: list[str]) -> dict[str, TrainerProcess]:
+        """The trainer incarnation each asked sidecar that answers reports."""
+        return {n: replace(self.processes[n], assigned=self.assigned.get(n))
+                for n in polled if n not in self.unreachable and n in self.processes}
 
     def decide(self) -> list[Action]:
         observed = self.observed()
@@ -360,6 +366,8 @@ class World:
             node = self.nodes.get(p.node_name or "")
             if node is not None and node.down_since(self.now) is not None:
                 continue  # no kubelet, no supervisor that answers: frozen as it was
+            if p.trainer_container_ended:
+                continue  # no supervisor: its sidecar repeats the incarnation it last read (`end_container`)
             if t.state == RUNNING and self.stop_asked.get(name, 0) > t.generation and name not in self.hung:
                 t = replace(t, state=EXITED, exit_code=143, finished_at=self.now)
             if t.state == EXITED and self.assigned.get(name, 0) > t.generation:
@@ -367,7 +375,8 @@ class World:
             self.processes[name] = t
             # the readiness probe asks the sidecar (/v1/trainer/ready): a silent one fails it
             self.pods[name] = self.with_readiness(p, t.state == RUNNING and name not in self.unreachable)
-        live = {t.generation for t in self.processes.values() if t.state != EXITED}
+        live = {t.generation for n, t in self.processes.items()
+                if t.state != EXITED and not self.pods[n].trainer_container_ended}
         assert len(live) <= 1, f"trainers of generations {sorted(live)} alive at once"
 
     def queue_evict(self, detail: str = "WorkloadEvicted: Preempted to accommodate a workload", *,
@@ -385,6 +394,15 @@ class World:
         t = self.processes[name]
         self.processes[name] = replace(t, state=EXITED, exit_code=code, finished_at=self.now)
         self.pods[name] = self.with_readiness(self.pods[name], False)
+
+    def end_container(self, name: str, code: int = 137) -> None:
+        """The trainer container itself ends (its supervisor killed with the trainer, e.g. SIGKILL): the
+        kubelet says terminated with `code` and not ready; the sidecar, still running, repeats the last
+        incarnation it read (running) and no stop it is asked for reaches anyone."""
+        p = self.pods[name]
+        self.pods[name] = self.with_readiness(
+            replace(p, exit_code=code, exit_reason="Error", trainer_running=False, trainer_finished_at=self.now,
+                    trainer_container_ended=True), False)
 
     def with_readiness(self, p: ObservedPod, ready: bool) -> ObservedPod:
         """`p` with its trainer's readiness as the kubelet's probe would leave it (since when it is not ready:

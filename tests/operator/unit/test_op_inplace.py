@@ -545,3 +545,50 @@ def test_a_rollback_after_its_final_save(case: str, why: str | None) -> None:
             if e["name"] == "RESILAX_RESTORE_STEP"}
     assert len(created) == 4 and told == {"8"}
     assert len(unavailable) == bool(why) and all(why in m for m in unavailable), unavailable
+
+
+def test_a_worker_whose_trainer_container_ended_is_replaced_at_once_and_the_others_kept() -> None:
+    """A worker killed whole (SIGKILL to the trainer container's supervisor: the kubelet says terminated,
+    137): no supervisor is left in that pod to stop or start a trainer, and its sidecar, still running,
+    repeats the incarnation it last read. Kept, it held the in-place restart for inPlaceStopTimeoutSeconds
+    (test_op_e2e_node_local_tier's worker failure, 2026-12-07: 30 s, then InPlaceStopTimeout). It is no
+    survivor: deleted in the first tick, its slot's new pod on its node; the other three pods, in its slice
+    and in the other, are kept and restarted in place."""
+    w = _world()
+    before = _identity(w)
+    dead = "llama-g1-s0-h1"
+    w.end_container(dead, 137)
+    actions = tick(w)
+    deleted = [d.name for a in actions if isinstance(a, DeleteGeneration) for d in a.pods]
+    assert deleted == [dead]
+    assert w.status.in_place is not None and w.status.in_place.kind == st.WORKER_FAILURE
+    survivors = [n for n in before if n != dead]
+    assert [k.pod for k in w.status.in_place.kept] == survivors
+    for _ in range(12):
+        tick(w)
+        w.advance(2)  # past the failure's backoff, well short of the 30 s stop timeout
+    s = w.status
+    assert s.phase == api.PHASE_RUNNING and s.generation == 2 and s.in_place is None and s.in_place_restarts == 1
+    assert api.IN_PLACE_STOP_TIMEOUT.name not in w.reasons()
+    assert {n: _identity(w)[n] for n in survivors} == {n: before[n] for n in survivors}  # same UIDs, same nodes
+    assert list(s.worker_pods) == ["llama-g1-s0-h0", "llama-g2-s0-h1", *survivors[1:]]
+    assert w.pods["llama-g2-s0-h1"].node_name == before[dead][1]  # its node is healthy: the same node
+
+
+def test_pod_0s_trainer_exit_heard_before_its_readiness_turns_keeps_every_pod() -> None:
+    """Pod 0's sidecar, asked every reconcile, says its trainer exited before the kubelet's readiness probe
+    has run again: nothing put a fault in view before that answer, so the other sidecars were not asked,
+    and the in-place restart counted pod 0 the only survivor and replaced the three healthy pods. The
+    answer puts the fault in view and the others are asked in the same observation (pods_to_poll_again):
+    every pod is kept (pod 0's supervisor lives, and starts the next incarnation)."""
+    w = _world()
+    before = _identity(w)
+    pod0 = "llama-g1-s0-h0"
+    w.processes[pod0] = replace(w.processes[pod0], state="exited", exit_code=1, finished_at=w.now)
+    assert w.pods[pod0].trainer_ready  # the probe has not run since
+    actions = tick(w)
+    assert not [d for a in actions if isinstance(a, DeleteGeneration) for d in a.pods]  # every pod is kept
+    assert w.status.in_place is not None and [k.pod for k in w.status.in_place.kept] == list(before)
+    w.advance(11)  # backoffSeconds: 10
+    settle(w)
+    assert w.status.phase == api.PHASE_RUNNING and w.status.generation == 2 and _identity(w) == before

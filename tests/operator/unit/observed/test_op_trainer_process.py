@@ -20,6 +20,7 @@ from resilax_operator.observed.trainer_process import (
     TrainerProcess,
     parse_trainer_process,
     pods_to_poll,
+    pods_to_poll_again,
     unreachable_workers,
     with_trainer_processes,
 )
@@ -111,6 +112,29 @@ def test_a_planned_move_asks_every_pod_even_while_every_trainer_looks_ready() ->
     # seen the stopped trainers: asked only on the doorbell, a survivor would go unheard and be replaced
     w = _supervised_world()
     w.status = replace(w.status, transition=st.Transition(st.GROW_BACK, 1, T0, save_request_id="r-1"))
+    assert pods_to_poll(w.observed()) == sorted(w.pods)
+
+
+@pytest.mark.parametrize(("pod0", "again"), [
+    pytest.param(TrainerProcess(1, 1, RUNNING), False, id="pod-0-runs"),
+    pytest.param(TrainerProcess(1, 1, EXITED, exit_code=1), True, id="pod-0s-trainer-exited"),
+    pytest.param(TrainerProcess(1, 1, EXITED, signal=9), True, id="pod-0s-trainer-killed"),
+])
+def test_an_answer_that_brings_a_fault_into_view_asks_the_others_in_a_second_round(
+        pod0: TrainerProcess, again: bool) -> None:
+    # the readiness probe has not run since the exit: only pod 0 was asked; its answer says what happened
+    w = _supervised_world()
+    first = pods_to_poll(w.observed())
+    assert first == ["llama-g1-s0-h0"]
+    answered = with_trainer_processes(w.observed(), {"llama-g1-s0-h0": pod0})
+    assert pods_to_poll_again(answered, first) == (sorted(w.pods)[1:] if again else [])
+
+
+def test_a_trainer_container_the_kubelet_says_ended_puts_every_pod_in_view() -> None:
+    # the kubelet's exit code alone (its readiness not turned yet): every sidecar is asked at once
+    w = _supervised_world()
+    name = "llama-g1-s1-h1"
+    w.pods[name] = replace(w.pods[name], exit_code=137, trainer_running=False, trainer_container_ended=True)
     assert pods_to_poll(w.observed()) == sorted(w.pods)
 
 
