@@ -108,14 +108,13 @@ def begin_transition(spec: JobSpec, observed: Observed, s: JobStatus, settings: 
 
 
 def _qualifies(observed: Observed, p: ObservedPod, lead: timedelta) -> bool:
-    """A survivor: supervised, Running and not going, its trainer container not ended (the supervisor
-    in it restarts the trainer: a pod whose container ended, as a worker killed with 137, has no one to
-    stop or start, and kept it held the restart for inPlaceStopTimeoutSeconds), on a Ready node with no
+    """A survivor: supervised, Running and not going, its trainer container not ended (the supervisor in
+    it stops and starts the trainer: a pod whose container ended, as a worker killed with 137, has no one
+    to do either, and kept it held the restart for inPlaceStopTimeoutSeconds), on a Ready node with no
     notice, its sidecar heard."""
     node = observed.node(p.node_name)
     return (p.supervised and p.phase == "Running" and p.deletion_timestamp is None and not p.trainer_container_ended
-            and node is not None
-            and node.ready == "True" and node.down_since(observed.now) is None
+            and node is not None and node.ready == "True" and node.down_since(observed.now) is None
             and node.notice(observed.now, lead) is None and p.name in observed.trainer_processes)
 
 
@@ -245,13 +244,14 @@ def proceed(spec: JobSpec, observed: Observed, s: JobStatus, settings: OperatorS
             return _again(spec, observed, s, settings, out, verdict)
         if verdict is not None:
             return [*out, *verdict]
-    # Kept pods that are gone, or another pod under the same name: their slot gets a new pod.
+    # Kept pods that are gone, another pod under the same name, or one whose trainer container ended (no
+    # supervisor left to stop or start a trainer: `_qualifies`): their slot gets a new pod.
     kept: list[KeptPod] = []
     dropped: list[KeptPod] = []
     for k in ip.kept:
         p = by_name.get(k.pod)
         (kept if p is not None and p.deletion_timestamp is None and (not k.uid or p.uid == k.uid)
-         else dropped).append(k)
+         and not p.trainer_container_ended else dropped).append(k)
     if ip.phase == st.IN_PLACE_STOPPING:
         return _stopping(spec, observed, s, settings, out, base, kept, dropped)
     return _starting(spec, observed, s, settings, out, base, kept, dropped)

@@ -206,6 +206,26 @@ def test_the_deadline_drops_a_kept_pod_whose_trainer_never_stops() -> None:
     assert list(s.worker_pods) == ["llama-g1-s0-h0", "llama-g2-s0-h1", "llama-g1-s1-h0", "llama-g2-s1-h1"]
 
 
+def test_a_kept_pod_whose_trainer_container_ends_mid_restart_is_dropped_at_once() -> None:
+    """Its supervisor dies while its old trainer is being stopped: nothing left to prove the stop, so the
+    restart does not wait for the deadline; its slot gets a new pod."""
+    w = _world()
+    gone = "llama-g1-s0-h1"
+    w.hung.add(gone)  # keeps the restart in Stopping
+    _lose_node(w, "llama-g1-s1-h1")
+    tick(w)
+    assert w.status.in_place is not None and gone in [k.pod for k in w.status.in_place.kept]
+    w.end_container(gone, 137)
+    actions = tick(w)
+    assert [d.name for a in actions if isinstance(a, DeleteGeneration) for d in a.pods] == [gone]
+    w.advance(2)
+    settle(w)
+    s = w.status
+    assert s.phase == api.PHASE_RUNNING and s.generation == 2 and s.in_place is None and gone not in w.pods
+    assert api.IN_PLACE_STOP_TIMEOUT.name not in w.reasons()
+    assert list(s.worker_pods) == ["llama-g1-s0-h0", "llama-g2-s0-h1", "llama-g1-s1-h0", "llama-g2-s1-h1"]
+
+
 def test_a_node_down_mid_restart_starts_again_from_the_new_generation() -> None:
     w = _world(spare=2)
     w.hung.add("llama-g1-s0-h0")  # keeps the restart in Stopping
