@@ -139,10 +139,10 @@ def observe_sidecars(kube: Kube, observed: Observed, settings: OperatorSettings,
     checkpoint, restore report, trainer figures; the others for their trainer's incarnation), then of
     those the first answers put in view (`trainer_process.pods_to_poll_again`), or of every other worker
     of the generation when pod 0 looks stalled (`hang.worth_asking_every_host`: the hang policy names the
-    culprit from them) or the stragglers' sample is due (`settings.straggler_sample_seconds`). The sidecars that are gone speak through their last `words`:
-    the newest checkpoint they knew, and the furthest step the generation's trainers reached (kept as
-    pod 0's figures: `newest_trainer_report`), so a generation's last step is exact however fast its
-    pods ended."""
+    culprit from them) or the stragglers' sample is due (`settings.straggler_sample_seconds`). The
+    sidecars that are gone speak through their last `words`: the newest checkpoint they knew, and the
+    furthest step the generation's trainers reached (kept as pod 0's figures: `newest_trainer_report`),
+    so a generation's last step is exact however fast its pods ended."""
     ref, status = observed.job, observed.status
     checkpoint = restore = None
     processes: dict[str, TrainerProcess] = {}

@@ -67,7 +67,11 @@ def test_parse_pod_reads_the_supervised_annotation_the_trainers_readiness_and_th
     raw["status"]["containerStatuses"][0]["ready"] = True
     del raw["metadata"]["annotations"]
     p = parse_pod(raw)
-    assert p is not None and not p.supervised and p.trainer_ready
+    assert p is not None and not p.supervised and p.trainer_ready and not p.trainer_container_ended
+    # the trainer container itself ended (its supervisor killed with it): the kubelet's word
+    raw["status"]["containerStatuses"][0].update(ready=False, state={"terminated": {"exitCode": 137}})
+    p = parse_pod(raw)
+    assert p is not None and p.trainer_container_ended and p.exit_code == 137 and not p.trainer_running
 
 
 def _supervised_world() -> Any:
