@@ -10,8 +10,10 @@ import contextlib
 import faulthandler
 import os
 import signal
+import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Protocol
@@ -261,6 +263,44 @@ def count_compilation_cache() -> None:
     _counting_cache = True
 
 
+#: JAX's own `initialization_timeout` when none is given (jax.distributed.initialize).
+JAX_INIT_TIMEOUT_SECONDS = 300
+#: How often a process other than the coordinator tries the coordinator's port (`wait_for_coordinator`).
+COORDINATOR_POLL_SECONDS = 0.05
+
+
+def parse_coordinator_address(address: str) -> tuple[str, int] | None:
+    """`host:port` or `[v6 address]:port` to (host, port); None for anything else, which
+    `jax.distributed.initialize` then reports itself (pure)."""
+    host, sep, port = address.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host, int(port)
+
+
+def wait_for_coordinator(address: str, timeout_s: float, poll_s: float = COORDINATOR_POLL_SECONDS) -> float:
+    """Block until the coordinator's port accepts a TCP connection (closed at once), or `timeout_s`
+    passed; returns the seconds it waited. Why: a process whose `jax.distributed.initialize` finds the
+    coordination service not yet listening retries on gRPC's reconnect backoff (1 s, then x1.6 each
+    try, jittered), so it joins up to a whole backoff step after the service is up: 1.6-4 s on the
+    CPU test bed when process 0 came 1-10 s later, 10 s in a generation start under load
+    (docs/architecture.md, "Joining the coordinator"). Called on: each process but the coordinator."""
+    where = parse_coordinator_address(address)
+    began = time.monotonic()
+    if where is None:
+        return 0.0
+    while True:
+        left = timeout_s - (time.monotonic() - began)
+        if left <= 0:
+            return time.monotonic() - began
+        try:
+            socket.create_connection(where, timeout=min(1.0, left)).close()
+            return time.monotonic() - began
+        except OSError:  # refused (not listening yet), unresolvable (its DNS name not yet), unreachable
+            time.sleep(min(poll_s, max(0.0, timeout_s - (time.monotonic() - began))))
+
+
 def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> bool:
     """Call `jax.distributed.initialize` from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
     JAX_PROCESS_ID (set by the operator) when there are several processes, and arm the exit watchdog
@@ -272,6 +312,9 @@ def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> boo
     which `resilax run` asks for before it stops a hung trainer, and the persistent compilation cache's
     requests and hits are counted into trainer.json. It first starts the restore prefetch (prefetch.py:
     this process's checkpoint is read into host memory while JAX starts; RESILAX_RESTORE_PREFETCH=0: off).
+    A process other than the coordinator (JAX_PROCESS_ID not 0) first waits until the coordinator's port
+    accepts connections (`wait_for_coordinator`), within the same timeout, so that it joins as soon as
+    the coordination service is up rather than on gRPC's next reconnect try.
     Called on: all processes, before any other JAX call."""
     env = os.environ if env is None else env
     from resilax_ckpt.restoring import prefetch  # JAX-free; imported here, as the sidecar imports this module
@@ -293,11 +336,13 @@ def initialize_distributed_from_env(env: Mapping[str, str] | None = None) -> boo
         return False
     import jax
 
-    kwargs: dict[str, Any] = {"coordinator_address": address, "num_processes": int(count),
-                              "process_id": int(env.get("JAX_PROCESS_ID", "0"))}
+    process_id = int(env.get("JAX_PROCESS_ID", "0"))
+    kwargs: dict[str, Any] = {"coordinator_address": address, "num_processes": int(count), "process_id": process_id}
     timeout = env.get("RESILAX_INIT_TIMEOUT_SECONDS", "").strip()
-    if timeout:
-        kwargs["initialization_timeout"] = int(timeout)
+    limit = int(timeout) if timeout else JAX_INIT_TIMEOUT_SECONDS
+    waited = wait_for_coordinator(address, limit) if process_id != 0 else 0.0
+    if timeout or waited >= 1:
+        kwargs["initialization_timeout"] = max(1, int(limit - waited))
     jax.distributed.initialize(**kwargs)
     arm_exit_watchdog(grace)
     return True
