@@ -46,16 +46,46 @@ def param_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
     }
 
 
-def init_params(mesh: Mesh) -> dict[str, jax.Array]:
+def raw_params() -> dict[str, jax.Array]:
     k1, k2 = jax.random.split(jax.random.key(0))
-    raw = {
+    return {
         "w1": jax.random.normal(k1, (FEATURES, HIDDEN)) / np.sqrt(FEATURES),
         "b1": jnp.zeros((HIDDEN,)),
         "w2": jax.random.normal(k2, (HIDDEN, 1)) / np.sqrt(HIDDEN),
         "b2": jnp.zeros((1,)),
     }
+
+
+def init_params(mesh: Mesh) -> dict[str, jax.Array]:
     shardings = param_shardings(mesh)
-    return {name: jax.device_put(value, shardings[name]) for name, value in raw.items()}
+    return {name: jax.device_put(value, shardings[name]) for name, value in raw_params().items()}
+
+
+def init_state(mesh: Mesh, optimizer: optax.GradientTransformation) -> dict:
+    """A fresh job's state: the parameters and Adam's moments, which follow the params' shardings; its
+    step count is replicated over the mesh."""
+    params = init_params(mesh)
+    opt_state = jax.tree.map(lambda a: a if isinstance(a.sharding, NamedSharding)
+                             else jax.device_put(a, NamedSharding(mesh, P())), optimizer.init(params))
+    return {"params": params, "opt_state": opt_state, "meta": {"step": 0}}
+
+
+def abstract_state(mesh: Mesh, optimizer: optax.GradientTransformation) -> dict:
+    """`init_state`'s shapes, dtypes and shardings, computing nothing (jax.eval_shape): the restore's
+    target. A restore overwrites every value, so a restarting generation makes no state of its own
+    first (on the CPU test bed that was a dozen compiles before the restore could begin)."""
+    shardings, replicated = param_shardings(mesh), NamedSharding(mesh, P())
+    params = {name: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[name])
+              for name, s in jax.eval_shape(raw_params).items()}
+
+    def place(path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        name = getattr(path[-1], "key", None) if path else None  # Adam's mu and nu hold the params by name
+        like = params.get(name) if isinstance(name, str) else None
+        sharding = like.sharding if like is not None and like.shape == leaf.shape else replicated
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    opt_state = jax.tree_util.tree_map_with_path(place, jax.eval_shape(optimizer.init, params))
+    return {"params": params, "opt_state": opt_state, "meta": {"step": 0}}
 
 
 def batch(step: int, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
@@ -96,18 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     rc.initialize_distributed_from_env()  # 1. join this generation's processes (the restore prefetch starts here)
     mesh = make_mesh()
     optimizer = optax.adam(args.lr)
-    params = init_params(mesh)
-    # Adam's moments follow the params' shardings; its step count is replicated over the mesh.
-    opt_state = jax.tree.map(lambda a: a if isinstance(a.sharding, NamedSharding)
-                             else jax.device_put(a, NamedSharding(mesh, P())), optimizer.init(params))
-    state = {"params": params, "opt_state": opt_state, "meta": {"step": 0}}
+    target = abstract_state(mesh, optimizer)  # shapes and shardings only: a restore fills it
 
     generation = int(os.environ.get("RESILAX_GENERATION", "0"))
     with rc.CheckpointManager.from_env() as mgr:  # 2. policy, storage and generation from the env
-        restore_step = mgr.restore_step_from_env(target=state)  # the step all processes can read
-        if restore_step is not None:  # 3. restore onto this generation's mesh
+        restore_step = mgr.restore_step_from_env(target=target)  # the step all processes can read
+        if restore_step is None:
+            state = init_state(mesh, optimizer)  # a fresh job
+        else:  # 3. restore onto this generation's mesh
             began = time.time()
-            state = mgr.restore(restore_step, target=state)
+            state = mgr.restore(restore_step, target=target)
             report = mgr.restore_report or {}
             print(json.dumps({"restored": restore_step, "from": mgr.restored_from, "sources": report.get("sources"),
                               "generation": generation,
