@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from resilax_ckpt.control.health_verdict import HEALTH_FILE, build_verdict, write_verdict
+from resilax_ckpt.multihost import wait_for_coordinator
 
 EXIT_HEALTHY: Final = 0
 EXIT_USAGE: Final = 2
@@ -285,9 +286,10 @@ def measure(settings: HealthSettings, progress: _Progress) -> None:
     progress.part = "rendezvous"
     began = time.monotonic()
     if distributed:
-        try:
+        try:  # joins once the coordinator listens, not on gRPC's next reconnect try (multihost.wait_for_coordinator)
+            waited = wait_for_coordinator(settings.coordinator, settings.timeout_seconds) if settings.process_id else 0.0
             jax.distributed.initialize(settings.coordinator, settings.num_processes, settings.process_id,
-                                       initialization_timeout=max(1, int(settings.timeout_seconds)))
+                                       initialization_timeout=max(1, int(settings.timeout_seconds - waited)))
         except Exception as e:  # the check reports any failure
             progress.m = dataclasses.replace(progress.m, rendezvous_error=f"{type(e).__name__}: {e}")
             return

@@ -221,3 +221,49 @@ def test_the_tpu_script_runs_the_same_code_path_on_cpu(tmp_path: Path) -> None:
     fault = json.loads((tmp_path / "health-check" / "matmul-fault.json").read_text())
     assert (healthy["healthy"], healthy["platform"], healthy["devices"]) == (True, "cpu", 1)
     assert (fault["failed_part"], fault["host_fault"]) == ("matmul", True)
+
+
+def test_the_rendezvous_joins_only_once_the_coordinator_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Process 1's rendezvous calls jax.distributed.initialize only after process 0's port accepts
+    connections (multihost.wait_for_coordinator), never into gRPC's reconnect backoff; by order of
+    events (refused tries, the listener, initialize), not by time."""
+    import socket
+    import threading
+
+    seen: list[str] = []
+    connect = socket.create_connection
+
+    def counting(address: Any, *args: Any, **kwargs: Any) -> socket.socket:
+        try:
+            return connect(address, *args, **kwargs)
+        except OSError:
+            seen.append("refused")
+            raise
+
+    def initialize(*args: Any, **kwargs: Any) -> None:
+        seen.append("initialize")
+        raise RuntimeError("the test stops the check here")
+
+    monkeypatch.setattr(socket, "create_connection", counting)
+    monkeypatch.setattr(jax.distributed, "initialize", initialize)
+    port = free_port()
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    settings = hc.HealthSettings(expected_devices=2, num_processes=2, process_id=1, coordinator=f"127.0.0.1:{port}",
+                                 timeout_seconds=120)
+    progress = hc._Progress()
+    checking = threading.Thread(target=hc.measure, args=(settings, progress))
+    checking.start()
+    try:
+        for _ in range(600):
+            if seen:
+                break
+            threading.Event().wait(0.05)
+        seen.append("listening")
+        server.listen()
+        checking.join(timeout=60)
+    finally:
+        server.close()
+    assert seen[0] == "refused" and seen.index("listening") < seen.index("initialize"), seen
+    assert "the test stops the check here" in (progress.m.rendezvous_error or ""), progress.m
